@@ -1,0 +1,17 @@
+//! # flatpeak-bench
+//!
+//! The `flatpeak` command and the criterion benches of the flatpeak workspace:
+//!
+//! - `flatpeak machine [--json]`: this machine's ceilings, measured ([`machine`]).
+//! - `flatpeak report [--component NAME]... [--json PATH] [--markdown] [--device cpu|cuda:0]`:
+//!   each landed component's baseline-vs-bounded comparison, as the paper's table ([`report`]).
+//!
+//! ```
+//! use flatpeak_bench::machine::{measure, MachineOptions};
+//! let m = measure(MachineOptions::quick());
+//! assert!(m.copy_gbps > 0.0 && m.gemm_f32_gflops > 0.0);
+//! ```
+
+pub mod components;
+pub mod machine;
+pub mod report;

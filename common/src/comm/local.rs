@@ -1,0 +1,321 @@
+//! [`LocalGroup`]: P ranks as threads of one process, talking over channels.
+//!
+//! Every ordered pair of ranks (self included, so a ring of one works) has its own FIFO
+//! channel; messages carry the operation that sent them, so ranks that disagree on the program
+//! get [`Error::CollectiveMismatch`] instead of garbage. A rank that panics or drops its
+//! endpoint disconnects its channels: peers waiting on it get [`Error::PeerLost`] at once,
+//! naming the rank where the failure started, and a peer that is merely silent makes them
+//! return [`Error::Timeout`] after [`LocalGroupOptions::timeout`].
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::time::Duration;
+
+use super::{Communicator, ReduceOp};
+use crate::error::{Error, Result};
+
+/// Options of a [`LocalGroup`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LocalGroupOptions {
+    /// Longest wait for one message before [`Error::Timeout`].
+    pub timeout: Duration,
+}
+
+impl Default for LocalGroupOptions {
+    fn default() -> Self {
+        Self { timeout: Duration::from_secs(120) }
+    }
+}
+
+impl LocalGroupOptions {
+    /// These options with another timeout.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        Self { timeout }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Op {
+    PointToPoint,
+    AllToAllV,
+    AllReduceSum,
+    AllReduceMax,
+    Barrier,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::PointToPoint => "send/recv",
+            Op::AllToAllV => "all_to_all_v",
+            Op::AllReduceSum => "all_reduce(sum)",
+            Op::AllReduceMax => "all_reduce(max)",
+            Op::Barrier => "barrier",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Message {
+    op: Op,
+    payload: Vec<u8>,
+}
+
+const NO_CAUSE: usize = usize::MAX;
+
+/// Namespace for building groups of thread ranks.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalGroup;
+
+impl LocalGroup {
+    /// Endpoints of a new group of `world_size` ranks, endpoint `r` for rank `r`. Hand each to
+    /// its own thread (or use [`LocalGroup::run`]).
+    pub fn endpoints(world_size: usize, options: LocalGroupOptions) -> Vec<LocalComm> {
+        let mut senders: Vec<Vec<Option<Sender<Message>>>> =
+            (0..world_size).map(|_| vec![None; world_size]).collect();
+        let mut receivers: Vec<Vec<Option<Receiver<Message>>>> =
+            (0..world_size).map(|_| (0..world_size).map(|_| None).collect()).collect();
+        for src in 0..world_size {
+            for dst in 0..world_size {
+                let (tx, rx) = channel();
+                senders[src][dst] = Some(tx);
+                receivers[dst][src] = Some(rx);
+            }
+        }
+        let lost_because: Arc<[AtomicUsize]> = (0..world_size).map(|_| AtomicUsize::new(NO_CAUSE)).collect();
+        senders
+            .into_iter()
+            .zip(receivers)
+            .enumerate()
+            .map(|(rank, (tx, rx))| LocalComm {
+                rank,
+                world_size,
+                to: tx.into_iter().flatten().collect(),
+                from: rx.into_iter().flatten().collect(),
+                timeout: options.timeout,
+                lost_because: Arc::clone(&lost_because),
+            })
+            .collect()
+    }
+
+    /// Runs `f` on `world_size` ranks, one scoped thread each, and returns each rank's result in
+    /// rank order. A rank that panics yields [`Error::RankPanicked`]; its peers see
+    /// [`Error::PeerLost`] from their next operation that involves it.
+    pub fn run<R, F>(world_size: usize, options: LocalGroupOptions, f: F) -> Vec<Result<R>>
+    where
+        R: Send,
+        F: Fn(&LocalComm) -> Result<R> + Sync,
+    {
+        let comms = LocalGroup::endpoints(world_size, options);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    let f = &f;
+                    scope.spawn(move || {
+                        let rank = comm.rank;
+                        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&comm)));
+                        drop(comm); // disconnect now, so waiting peers learn at once
+                        outcome.unwrap_or_else(|payload| {
+                            Err(Error::RankPanicked { rank, message: panic_message(&*payload) })
+                        })
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| {
+                    h.join()
+                        .unwrap_or_else(|p| Err(Error::RankPanicked { rank, message: panic_message(&*p) }))
+                })
+                .collect()
+        })
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+/// One rank's endpoint of a [`LocalGroup`].
+#[derive(Debug)]
+pub struct LocalComm {
+    rank: usize,
+    world_size: usize,
+    /// `to[d]`: channel to rank d.
+    to: Vec<Sender<Message>>,
+    /// `from[s]`: channel from rank s.
+    from: Vec<Receiver<Message>>,
+    timeout: Duration,
+    /// `lost_because[r]`: the rank whose loss made rank r give up, so a cascade of failures is
+    /// reported by its root cause.
+    lost_because: Arc<[AtomicUsize]>,
+}
+
+impl LocalComm {
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        if peer < self.world_size {
+            Ok(())
+        } else {
+            Err(Error::RankOutOfRange { rank: peer, world_size: self.world_size })
+        }
+    }
+
+    fn lost(&self, peer: usize) -> Error {
+        let cause = self.lost_because[peer].load(Ordering::Relaxed);
+        let root = if cause == NO_CAUSE { peer } else { cause };
+        let _ = self.lost_because[self.rank].compare_exchange(
+            NO_CAUSE,
+            root,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+        Error::PeerLost { rank: root }
+    }
+
+    fn post(&self, peer: usize, op: Op, payload: Vec<u8>) -> Result<()> {
+        self.to[peer].send(Message { op, payload }).map_err(|_| self.lost(peer))
+    }
+
+    fn take(&self, peer: usize, op: Op) -> Result<Vec<u8>> {
+        let msg = match self.from[peer].recv_timeout(self.timeout) {
+            Ok(msg) => msg,
+            Err(RecvTimeoutError::Disconnected) => return Err(self.lost(peer)),
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(Error::Timeout { rank: self.rank, peer, waited: self.timeout });
+            }
+        };
+        if msg.op != op {
+            return Err(Error::CollectiveMismatch {
+                rank: self.rank,
+                peer,
+                expected: op.name(),
+                found: msg.op.name(),
+            });
+        }
+        Ok(msg.payload)
+    }
+
+    fn take_exact(&self, peer: usize, op: Op, out: &mut [u8], what: &'static str) -> Result<()> {
+        let payload = self.take(peer, op)?;
+        if payload.len() != out.len() {
+            return Err(Error::ShapeMismatch { what, expected: out.len(), found: payload.len() });
+        }
+        out.copy_from_slice(&payload);
+        Ok(())
+    }
+}
+
+fn check_counts(what: &'static str, counts: &[usize], world: usize, len: usize) -> Result<()> {
+    if counts.len() != world {
+        return Err(Error::ShapeMismatch { what, expected: world, found: counts.len() });
+    }
+    let total =
+        counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).ok_or(Error::SizeOverflow { what })?;
+    if total != len {
+        return Err(Error::ShapeMismatch { what, expected: total, found: len });
+    }
+    Ok(())
+}
+
+fn offsets(counts: &[usize]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    counts.iter().scan(0usize, |start, &n| {
+        let range = (*start, *start + n);
+        *start += n;
+        Some(range)
+    })
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn send_bytes(&self, peer: usize, data: &[u8]) -> Result<()> {
+        self.check_peer(peer)?;
+        self.post(peer, Op::PointToPoint, data.to_vec())
+    }
+
+    fn recv_bytes(&self, peer: usize, out: &mut [u8]) -> Result<()> {
+        self.check_peer(peer)?;
+        self.take_exact(peer, Op::PointToPoint, out, "received message bytes")
+    }
+
+    fn all_to_all_v_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        check_counts("all_to_all_v send counts", send_counts, self.world_size, send.len())?;
+        check_counts("all_to_all_v recv counts", recv_counts, self.world_size, recv.len())?;
+        for (dst, (lo, hi)) in offsets(send_counts).enumerate() {
+            self.post(dst, Op::AllToAllV, send[lo..hi].to_vec())?;
+        }
+        for (src, (lo, hi)) in offsets(recv_counts).enumerate() {
+            self.take_exact(src, Op::AllToAllV, &mut recv[lo..hi], "all_to_all_v bytes from a peer")?;
+        }
+        Ok(())
+    }
+
+    fn all_reduce_f32(&self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
+        let tag = match op {
+            ReduceOp::Sum => Op::AllReduceSum,
+            ReduceOp::Max => Op::AllReduceMax,
+        };
+        let mine: &[u8] = bytemuck::cast_slice(buf);
+        for dst in (0..self.world_size).filter(|&d| d != self.rank) {
+            self.post(dst, tag, mine.to_vec())?;
+        }
+        // Fold in rank order 0..P on every rank, so every rank holds the same bits.
+        let own = buf.to_vec();
+        let mut incoming = vec![0f32; buf.len()];
+        for src in 0..self.world_size {
+            let part: &[f32] = if src == self.rank {
+                &own
+            } else {
+                self.take_exact(
+                    src,
+                    tag,
+                    bytemuck::cast_slice_mut(&mut incoming),
+                    "all_reduce bytes from a peer",
+                )?;
+                &incoming
+            };
+            if src == 0 {
+                buf.copy_from_slice(part);
+                continue;
+            }
+            match op {
+                ReduceOp::Sum => buf.iter_mut().zip(part).for_each(|(a, b)| *a += b),
+                ReduceOp::Max => buf
+                    .iter_mut()
+                    .zip(part)
+                    .for_each(|(a, b)| *a = if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(*b) }),
+            }
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        for dst in (0..self.world_size).filter(|&d| d != self.rank) {
+            self.post(dst, Op::Barrier, Vec::new())?;
+        }
+        for src in (0..self.world_size).filter(|&s| s != self.rank) {
+            self.take(src, Op::Barrier)?;
+        }
+        Ok(())
+    }
+}

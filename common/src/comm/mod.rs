@@ -1,0 +1,100 @@
+//! Multi-rank communication: the [`Communicator`] trait the ring and dispatch schedules are
+//! written against, and [`LocalGroup`], P ranks as threads of one process.
+//!
+//! Semantics follow MPI/NCCL: every rank issues the same collectives in the same order; point to
+//! point messages between one pair arrive in the order sent. Sends are buffered (they return
+//! once the data is handed off), so a ring step is `send` to the next rank then `recv` from the
+//! previous one, on every rank, without deadlock. No call hangs: a peer that panicked or dropped
+//! its endpoint is [`Error::PeerLost`](crate::Error::PeerLost), a silent one
+//! [`Error::Timeout`](crate::Error::Timeout).
+
+mod local;
+
+pub use local::{LocalComm, LocalGroup, LocalGroupOptions};
+
+use bytemuck::Pod;
+
+use crate::error::Result;
+
+/// Element-wise reduction of [`Communicator::all_reduce_f32`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Sum, accumulated in rank order 0, 1, …, P−1 on every rank (bitwise identical results).
+    Sum,
+    /// Maximum (NaN propagates).
+    Max,
+}
+
+/// One rank's endpoint of a group of `world_size` ranks.
+///
+/// The byte-level methods are the object-safe core an implementation provides; typed helpers
+/// live in [`CommunicatorExt`], implemented for every communicator.
+pub trait Communicator: Send {
+    /// This rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+    /// Sends `data` to `peer` (buffered: returns once handed off).
+    fn send_bytes(&self, peer: usize, data: &[u8]) -> Result<()>;
+    /// Receives exactly `out.len()` bytes from `peer`; a message of another size is
+    /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch).
+    fn recv_bytes(&self, peer: usize, out: &mut [u8]) -> Result<()>;
+    /// All-to-all with variable counts: `send` is the concatenation of the slices for ranks
+    /// 0..P (`send_counts[d]` bytes for rank d); `recv` receives `recv_counts[s]` bytes from each
+    /// rank s, in rank order. Counts must agree pairwise across ranks.
+    fn all_to_all_v_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()>;
+    /// In-place all-reduce of `buf` (same length on every rank).
+    fn all_reduce_f32(&self, buf: &mut [f32], op: ReduceOp) -> Result<()>;
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self) -> Result<()>;
+}
+
+/// Typed conveniences over [`Communicator`]'s byte methods, for any `T: Pod`.
+pub trait CommunicatorExt: Communicator {
+    /// The next rank on the ring, `(rank + 1) mod P`.
+    fn next_rank(&self) -> usize {
+        (self.rank() + 1) % self.world_size()
+    }
+    /// The previous rank on the ring, `(rank + P − 1) mod P`.
+    fn prev_rank(&self) -> usize {
+        (self.rank() + self.world_size() - 1) % self.world_size()
+    }
+    /// Sends a typed slice to `peer`.
+    fn send<T: Pod>(&self, peer: usize, data: &[T]) -> Result<()> {
+        self.send_bytes(peer, bytemuck::cast_slice(data))
+    }
+    /// Receives a typed slice of exactly `out.len()` elements from `peer`.
+    fn recv<T: Pod>(&self, peer: usize, out: &mut [T]) -> Result<()> {
+        self.recv_bytes(peer, bytemuck::cast_slice_mut(out))
+    }
+    /// One ring step: send `data` to the next rank, receive `out` from the previous one.
+    fn ring_shift<T: Pod>(&self, data: &[T], out: &mut [T]) -> Result<()> {
+        self.send(self.next_rank(), data)?;
+        self.recv(self.prev_rank(), out)
+    }
+    /// Typed all-to-all-v; counts are in elements of `T`.
+    fn all_to_all_v<T: Pod>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let size = std::mem::size_of::<T>();
+        let to_bytes = |c: &[usize]| c.iter().map(|&n| n * size).collect::<Vec<_>>();
+        self.all_to_all_v_bytes(
+            bytemuck::cast_slice(send),
+            &to_bytes(send_counts),
+            bytemuck::cast_slice_mut(recv),
+            &to_bytes(recv_counts),
+        )
+    }
+}
+
+impl<C: Communicator + ?Sized> CommunicatorExt for C {}

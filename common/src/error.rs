@@ -1,0 +1,117 @@
+//! The one error type of `flatpeak-common`. Every variant carries the offending values.
+
+use std::time::Duration;
+
+/// Result alias used throughout `flatpeak-common`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the shared foundation.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A carve asked for more than the reservation made at launch has left. Workspaces never grow.
+    #[error("workspace exhausted: requested {requested} B with {used} B of {capacity} B already carved")]
+    WorkspaceExhausted {
+        /// Bytes the failing carve needed (element bytes plus alignment padding).
+        requested: usize,
+        /// Bytes already carved when the request came.
+        used: usize,
+        /// Total bytes reserved at launch.
+        capacity: usize,
+    },
+    /// A size computation overflowed `usize`.
+    #[error("size overflow while computing {what}")]
+    SizeOverflow {
+        /// Which size was being computed.
+        what: &'static str,
+    },
+    /// Two shapes or lengths that must agree do not.
+    #[error("shape mismatch in {what}: expected {expected}, found {found}")]
+    ShapeMismatch {
+        /// Which quantity disagreed.
+        what: &'static str,
+        /// The value the operation needed.
+        expected: usize,
+        /// The value it was given.
+        found: usize,
+    },
+    /// CUDA was requested but cannot be used here; `reason` says why.
+    #[error("CUDA unavailable: {reason}")]
+    CudaUnavailable {
+        /// Why CUDA cannot be used (feature off, library missing, no device, ...).
+        reason: String,
+    },
+    /// A device specification string could not be parsed.
+    #[error("invalid device {spec:?}: expected `cpu` or `cuda:N`")]
+    InvalidDevice {
+        /// The string that was given.
+        spec: String,
+    },
+    /// NVRTC rejected a kernel source; `log` is the compiler's own log.
+    #[error("NVRTC failed to compile kernel `{kernel}` for {arch}:\n{log}")]
+    KernelCompile {
+        /// Name of the kernel source (file stem).
+        kernel: String,
+        /// Target architecture, e.g. `sm_90`.
+        arch: String,
+        /// The NVRTC program log.
+        log: String,
+    },
+    /// A CUDA driver, NVRTC or library call failed.
+    #[error("CUDA call `{op}` failed: {message}")]
+    Cuda {
+        /// The operation that failed.
+        op: &'static str,
+        /// The error as reported by the library.
+        message: String,
+    },
+    /// A rank of a communicator group died or dropped its endpoint while another waited on it.
+    #[error("peer rank {rank} was lost (panicked or dropped its communicator)")]
+    PeerLost {
+        /// The rank that is gone.
+        rank: usize,
+    },
+    /// A peer stayed silent past the group's timeout.
+    #[error("rank {rank} timed out after {waited:?} waiting for rank {peer}")]
+    Timeout {
+        /// The waiting rank.
+        rank: usize,
+        /// The silent peer.
+        peer: usize,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// Two ranks called different collectives (or sizes) in the same slot of their programs.
+    #[error("rank {rank} expected `{expected}` from rank {peer} but received `{found}`")]
+    CollectiveMismatch {
+        /// The receiving rank.
+        rank: usize,
+        /// The sending rank.
+        peer: usize,
+        /// The operation the receiver was in.
+        expected: &'static str,
+        /// The operation the sender was in.
+        found: &'static str,
+    },
+    /// A rank index outside `0..world_size`.
+    #[error("rank {rank} out of range for a group of {world_size}")]
+    RankOutOfRange {
+        /// The offending rank.
+        rank: usize,
+        /// The group size.
+        world_size: usize,
+    },
+    /// A rank's closure panicked inside a `LocalGroup` run.
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked {
+        /// The rank that panicked.
+        rank: usize,
+        /// The panic payload, when it was a string.
+        message: String,
+    },
+    /// `PeakMeter` was used in a binary that did not install `CountingAllocator`.
+    #[error(
+        "PeakMeter needs `#[global_allocator] static A: CountingAllocator = CountingAllocator;` in this binary"
+    )]
+    MeterNotInstalled,
+}

@@ -1,0 +1,95 @@
+//! Test helpers (feature `testing`): the tolerance table, a proptest config that honours
+//! `PROPTEST_CASES`, and seeded inputs (re-exported [`SplitMix64`]). Tests never run on zeros.
+
+use crate::dtype::DType;
+pub use crate::rng::SplitMix64;
+
+/// A norm-wise relative tolerance and why it is what it is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tolerance {
+    /// Bound on [`relative_error`](crate::relative_error).
+    pub rel: f64,
+    /// The reasoning behind the number.
+    pub reason: &'static str,
+}
+
+/// The per-dtype tolerance table (DESIGN.md, principle 3).
+pub const TOLERANCES: &[(DType, Tolerance)] = &[
+    (
+        DType::F32,
+        Tolerance {
+            rel: 1e-5,
+            reason: "f32 inputs, f32 accumulation in blocks against an f64 oracle: a blocked sum of \
+                     n terms errs by about u·log2(n)·cond, far below 1e-5 for the well-conditioned \
+                     inputs tests draw",
+        },
+    ),
+    (
+        DType::Bf16,
+        Tolerance {
+            rel: 1.6e-2,
+            reason: "bf16 storage (u = 2^-8) of inputs and outputs with f32 accumulation: outputs \
+                     carry one bf16 rounding (≤ u ≈ 3.9e-3 each, ~u/√3 norm-wise) on top of the \
+                     inputs' roundings; 4u leaves room for both, as Cut Cross-Entropy's rule \
+                     (error ≤ naive same-dtype error + tol) allows",
+        },
+    ),
+    (
+        DType::F16,
+        Tolerance { rel: 2e-3, reason: "f16 storage (u = 2^-11) with f32 accumulation: 4u, as for bf16" },
+    ),
+];
+
+/// Tolerance for one weight gradient summed over ≥ 64k tokens in one f32 accumulator, whose
+/// error grows like u·√N (DESIGN.md, principle 3).
+pub const LARGE_SUM_F32: Tolerance = Tolerance {
+    rel: 1e-4,
+    reason: "f32 gradient summed over ≥ 64k tokens: one accumulator errs by about u·√N ≈ 1.5e-5, \
+             with room for cancellation",
+};
+
+/// The tolerance for outputs computed from `dtype` inputs.
+pub fn tolerance(dtype: DType) -> Tolerance {
+    TOLERANCES.iter().find(|(d, _)| *d == dtype).map(|(_, t)| *t).unwrap_or(TOLERANCES[0].1)
+}
+
+/// Checks `relative_error(got, want) ≤ tol.rel`, with a message naming the numbers and reason.
+pub fn check_close(what: &str, got: &[f32], want: &[f64], tol: Tolerance) -> Result<(), String> {
+    let err = crate::numerics::relative_error(got, want);
+    if err <= tol.rel {
+        Ok(())
+    } else {
+        Err(format!("{what}: relative error {err:.3e} > {:.1e} ({})", tol.rel, tol.reason))
+    }
+}
+
+/// A proptest config with `default_cases` cases unless `PROPTEST_CASES` is set (which
+/// `ProptestConfig::with_cases` would ignore), and shrinking capped so failures report quickly.
+pub fn proptest_config(default_cases: u32) -> proptest::test_runner::Config {
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default_cases);
+    proptest::test_runner::Config { cases, max_shrink_iters: 256, ..proptest::test_runner::Config::default() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dtype_has_a_reasoned_tolerance() {
+        for dtype in [DType::F32, DType::Bf16, DType::F16] {
+            let t = tolerance(dtype);
+            assert!(t.rel > dtype.unit_roundoff() && !t.reason.is_empty(), "{dtype}");
+        }
+        assert!(
+            check_close("x", &[1.0], &[1.0 + 1e-3], tolerance(DType::F32)).unwrap_err().contains("1.0e-5")
+        );
+        assert!(check_close("x", &[1.0], &[1.0 + 1e-3], tolerance(DType::Bf16)).is_ok());
+    }
+
+    #[test]
+    fn proptest_config_honours_the_environment() {
+        // The variable is read at call time; CI does not set it for this crate's unit tests.
+        let expected = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(7);
+        assert_eq!(proptest_config(7).cases, expected);
+    }
+}

@@ -1,0 +1,161 @@
+//! [`Workspace`]: one host reservation made at launch, carved into typed, aligned buffers.
+//!
+//! The schedules of flatpeak size their working set in a plan, reserve it once, and carve every
+//! buffer they use out of that reservation. A carve past capacity is
+//! [`Error::WorkspaceExhausted`](crate::Error::WorkspaceExhausted): the workspace never grows,
+//! so the bytes a plan reports are the bytes the schedule can touch.
+//!
+//! ```
+//! use flatpeak_common::Workspace;
+//! let mut ws = Workspace::new(1 << 20);
+//! let (a, b) = (ws.take::<f32>(1000)?, ws.take_zeroed::<u64>(10)?);
+//! a.fill(1.0);
+//! assert_eq!(b.iter().sum::<u64>(), 0);
+//! assert!(ws.take::<u8>(2 << 20).is_err()); // never grows
+//! ws.reset(); // every carve returned; the high-water mark stays
+//! assert_eq!(ws.high_water(), 4032 + 80);
+//! # Ok::<(), flatpeak_common::Error>(())
+//! ```
+
+use std::cell::RefCell;
+use std::ptr::NonNull;
+
+use bytemuck::Pod;
+
+use crate::arena::{Arena, REGION_ALIGN};
+use crate::error::Result;
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct CacheLine([u8; REGION_ALIGN]);
+
+/// A fixed host reservation carved by a bump allocator.
+///
+/// Carving takes `&self` and hands out disjoint `&mut` slices (like an arena allocator);
+/// [`Workspace::reset`] takes `&mut self`, so it can only run once every slice is gone.
+pub struct Workspace {
+    /// Start of the reservation, from `Box::into_raw`; owned, freed in `Drop`.
+    lines: NonNull<[CacheLine]>,
+    arena: RefCell<Arena>,
+}
+
+// SAFETY: `Workspace` uniquely owns its reservation (like a `Box<[u8]>`), and the slices it hands
+// out borrow it, so moving it to another thread moves sole access with it.
+unsafe impl Send for Workspace {}
+
+impl std::fmt::Debug for Workspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workspace").field("arena", &*self.arena.borrow()).finish()
+    }
+}
+
+impl Workspace {
+    /// Reserves `capacity` bytes (zero-filled, rounded up to whole cache lines) now, once.
+    pub fn new(capacity: usize) -> Self {
+        let n_lines = capacity.div_ceil(REGION_ALIGN);
+        let boxed: Box<[CacheLine]> = vec![CacheLine([0; REGION_ALIGN]); n_lines].into_boxed_slice();
+        let lines = NonNull::from(Box::leak(boxed));
+        Self { lines, arena: RefCell::new(Arena::new(capacity)) }
+    }
+
+    /// Carves `len` elements of `T`. Their contents are whatever the last user of those bytes
+    /// left (always a valid `T`, since `T: Pod` and the reservation starts zeroed).
+    #[allow(clippy::mut_from_ref)] // disjoint carves of an owned reservation, as in bump arenas
+    pub fn take<T: Pod>(&self, len: usize) -> Result<&mut [T]> {
+        let region = self.arena.borrow_mut().carve::<T>(len)?;
+        let base = self.lines.as_ptr() as *mut u8;
+        // SAFETY: the arena returned `[offset, offset + bytes)` inside the reservation (it checks
+        // `end <= capacity <= n_lines·64`), disjoint from every region carved since the last
+        // `reset`, which needs `&mut self` and so cannot run while this borrow of `self` lives.
+        // The offset is 64-aligned and `align_of::<T>() <= 64`; every byte was initialised (zero
+        // or a previous `Pod` value) and any bit pattern is a valid `T: Pod`.
+        unsafe {
+            let ptr = base.add(region.offset()) as *mut T;
+            Ok(std::slice::from_raw_parts_mut(ptr, region.len()))
+        }
+    }
+
+    /// Carves `len` elements of `T`, set to zero.
+    #[allow(clippy::mut_from_ref)] // see `take`
+    pub fn take_zeroed<T: Pod>(&self, len: usize) -> Result<&mut [T]> {
+        let slice = self.take::<T>(len)?;
+        slice.fill(T::zeroed());
+        Ok(slice)
+    }
+
+    /// Returns every carve to the workspace. The high-water mark is kept.
+    pub fn reset(&mut self) {
+        self.arena.get_mut().reset();
+    }
+
+    /// Bytes reserved at launch.
+    pub fn capacity(&self) -> usize {
+        self.arena.borrow().capacity()
+    }
+    /// Bytes carved since the last reset, alignment padding included.
+    pub fn used(&self) -> usize {
+        self.arena.borrow().used()
+    }
+    /// The most bytes ever carved at once: what the schedule really needed of its plan.
+    pub fn high_water(&self) -> usize {
+        self.arena.borrow().high_water()
+    }
+}
+
+impl Drop for Workspace {
+    fn drop(&mut self) {
+        // SAFETY: `lines` came from `Box::leak` in `new` and is freed only here, once; no
+        // carved slice can outlive `&self`, so none is alive now.
+        drop(unsafe { Box::from_raw(self.lines.as_ptr()) });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+
+    #[test]
+    fn carves_are_disjoint_and_aligned() {
+        let ws = Workspace::new(4096);
+        let a = ws.take::<f32>(17).unwrap();
+        let b = ws.take::<u16>(9).unwrap();
+        a.fill(3.0);
+        b.fill(7);
+        assert!(a.iter().all(|&x| x == 3.0));
+        assert_eq!(a.as_ptr() as usize % 64, 0);
+        assert_eq!(b.as_ptr() as usize % 64, 0);
+        assert_eq!(b.as_ptr() as usize - a.as_ptr() as usize, 128);
+        assert_eq!(ws.used(), 128 + 18);
+    }
+
+    #[test]
+    fn exhaustion_carries_the_numbers() {
+        let ws = Workspace::new(256);
+        ws.take::<u8>(200).unwrap();
+        match ws.take::<f32>(10) {
+            Err(Error::WorkspaceExhausted { requested, used, capacity }) => {
+                assert_eq!((requested, used, capacity), (56 + 40, 200, 256));
+            }
+            other => panic!("expected exhaustion, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn reset_reuses_memory_and_keeps_high_water() {
+        let mut ws = Workspace::new(1 << 16);
+        let first = ws.take_zeroed::<u32>(1000).unwrap().as_ptr() as usize;
+        ws.reset();
+        let again = ws.take::<u32>(10).unwrap();
+        assert_eq!(again.as_ptr() as usize, first);
+        assert_eq!(ws.high_water(), 4000);
+        assert_eq!(ws.capacity(), 1 << 16);
+    }
+
+    #[test]
+    fn zero_capacity_allows_only_empty_carves() {
+        let ws = Workspace::new(0);
+        assert!(ws.take::<f64>(0).unwrap().is_empty());
+        assert!(ws.take::<f64>(1).is_err());
+    }
+}

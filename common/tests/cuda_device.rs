@@ -1,0 +1,69 @@
+//! Device tests of the foundation's CUDA side (feature `cuda`). They need a GPU, so they are
+//! ignored by default; `scripts/gpu-check.sh` runs them with `--include-ignored`.
+#![cfg(feature = "cuda")]
+
+use flatpeak_common::cuda::{
+    DeviceWorkspace, KernelCache, cast_f32_to_bf16, checksum_f32, context, fill_f32,
+};
+use flatpeak_common::{Error, SplitMix64};
+
+fn setup() -> (KernelCache, std::sync::Arc<flatpeak_common::cuda::cudarc::driver::CudaStream>) {
+    let ctx = context(0).expect("a CUDA device");
+    let stream = ctx.default_stream();
+    (KernelCache::new(ctx).expect("kernel cache"), stream)
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fill_and_checksum_match_the_cpu() {
+    let (cache, stream) = setup();
+    for n in [1usize, 255, 256, 257, 1 << 20, (1 << 20) + 3] {
+        let mut ws = DeviceWorkspace::new(&stream, 4 * n).unwrap();
+        let region = ws.carve::<f32>(n).unwrap();
+        fill_f32(&cache, &stream, &mut ws.view_mut(region).unwrap(), 0.25).unwrap();
+        let sum = checksum_f32(&cache, &stream, &ws.view(region).unwrap()).unwrap();
+        assert_eq!(sum, 0.25 * n as f64, "n={n}");
+        let host = stream.clone_dtoh(&ws.view(region).unwrap()).unwrap();
+        assert!(host.iter().all(|&x| x == 0.25));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn checksum_of_random_data_is_reproducible_and_close_to_f64() {
+    let (cache, stream) = setup();
+    let x = SplitMix64::new(3).uniform_f32(3_000_001, -1.0, 1.0);
+    let dev = stream.clone_htod(&x).unwrap();
+    let a = checksum_f32(&cache, &stream, &dev.slice(..)).unwrap();
+    let b = checksum_f32(&cache, &stream, &dev.slice(..)).unwrap();
+    let want: f64 = x.iter().map(|&v| v as f64).sum();
+    assert_eq!(a.to_bits(), b.to_bits());
+    assert!((a - want).abs() < 1e-9 * x.len() as f64, "{a} vs {want}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bf16_cast_is_bitwise_equal_to_half() {
+    let (cache, stream) = setup();
+    let mut x = SplitMix64::new(9).normal_f32(10_007, 0.0, 100.0);
+    x.extend([f32::NAN, f32::INFINITY, -0.0, 1.0e-40, 3.389_531_4e38]);
+    let dev = stream.clone_htod(&x).unwrap();
+    let mut out = stream.alloc_zeros::<half::bf16>(x.len()).unwrap();
+    cast_f32_to_bf16(&cache, &stream, &dev.slice(..), &mut out.slice_mut(..)).unwrap();
+    let got = stream.clone_dtoh(&out).unwrap();
+    for (g, &v) in got.iter().zip(&x) {
+        let want = half::bf16::from_f32(v);
+        assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "{v}: {g} vs {want}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_workspace_never_grows() {
+    let (_cache, stream) = setup();
+    let mut ws = DeviceWorkspace::new(&stream, 1000).unwrap();
+    ws.carve::<f32>(200).unwrap();
+    assert!(matches!(ws.carve::<f32>(100), Err(Error::WorkspaceExhausted { capacity: 1000, .. })));
+    ws.reset();
+    assert_eq!(ws.high_water(), 800);
+}
