@@ -18,7 +18,7 @@ use cudarc::nvrtc::Ptx;
 use crate::arena::{Arena, Region};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernels::{COMMON, KernelSource};
+use crate::kernels::{COMMON, KernelSource, grid_stride_blocks};
 use crate::nvrtc::{Arch, Target, compile};
 
 fn driver_error(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
@@ -152,7 +152,7 @@ impl DeviceWorkspace {
 const THREADS: u32 = 256;
 
 fn grid_for(n: usize, max_blocks: u32) -> LaunchConfig {
-    let blocks = n.div_ceil(THREADS as usize).clamp(1, max_blocks as usize) as u32;
+    let blocks = grid_stride_blocks(n, THREADS, max_blocks);
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 

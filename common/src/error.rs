@@ -109,6 +109,24 @@ pub enum Error {
         /// The panic payload, when it was a string.
         message: String,
     },
+    /// An emulated kernel did something a GPU would not allow (feature `cuda-emu`).
+    #[error("emulated kernel `{kernel}` faulted: {message}")]
+    EmuFault {
+        /// The kernel entry point.
+        kernel: String,
+        /// What the emulator saw, with the block, thread and source location.
+        message: String,
+    },
+    /// An emulated kernel gave different outputs under two thread schedules: it races.
+    #[error(
+        "emulated kernel `{kernel}` races: forward and reverse thread schedules differ first at output byte {first_difference}"
+    )]
+    EmuRace {
+        /// The kernel entry point.
+        kernel: String,
+        /// First differing byte of the outputs.
+        first_difference: usize,
+    },
     /// `PeakMeter` was used in a binary that did not install `CountingAllocator`.
     #[error(
         "PeakMeter needs `#[global_allocator] static A: CountingAllocator = CountingAllocator;` in this binary"

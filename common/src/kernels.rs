@@ -24,9 +24,22 @@ pub const COMMON: KernelSource = KernelSource {
 /// Every kernel source of this crate.
 pub const KERNELS: &[KernelSource] = &[COMMON];
 
+/// Grid of a 1-D grid-stride kernel over `n` elements: `threads` per block, enough blocks to
+/// give every element a thread, clamped to `1..=max_blocks` (the loop covers the rest).
+pub fn grid_stride_blocks(n: usize, threads: u32, max_blocks: u32) -> u32 {
+    n.div_ceil(threads as usize).clamp(1, max_blocks as usize) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grid_stride_shapes() {
+        assert_eq!(grid_stride_blocks(0, 256, 8), 1);
+        assert_eq!(grid_stride_blocks(257, 256, 8), 2);
+        assert_eq!(grid_stride_blocks(1 << 30, 256, 8), 8);
+    }
 
     #[test]
     fn entry_points_are_defined_in_the_source() {

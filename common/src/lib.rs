@@ -48,6 +48,9 @@ pub mod workspace;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
+#[cfg(feature = "cuda-emu")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
+pub mod emu;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod nvrtc;

@@ -4,6 +4,51 @@
 use crate::dtype::DType;
 pub use crate::rng::SplitMix64;
 
+/// Where a test body runs its kernels: the same body for all three (see [`test_backends!`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The CPU reference / fast path.
+    Cpu,
+    /// The `.cu` kernels compiled as host C++ and run by the SIMT emulator (feature `cuda-emu`);
+    /// any GEMM between kernels is the CPU GEMM (cuBLAS has no emulation).
+    CudaEmu,
+    /// The kernels on a CUDA device (feature `cuda`; ignored without a device).
+    Cuda,
+}
+
+/// Expands one test body `fn(Backend)` into a module of tests, one per backend: `cpu` always,
+/// `cuda_emu` under the calling crate's `cuda-emu` feature, `cuda` under its `cuda` feature
+/// (`#[ignore = "needs a CUDA device"]`). Write `test_backends!(name, body, cpu_gemm)` when the
+/// body runs GEMMs, so the emulated test is named `cuda_emu_with_cpu_gemm` and says so.
+#[macro_export]
+macro_rules! test_backends {
+    ($name:ident, $body:ident) => {
+        $crate::test_backends!(@emit $name, $body, cuda_emu);
+    };
+    ($name:ident, $body:ident, cpu_gemm) => {
+        $crate::test_backends!(@emit $name, $body, cuda_emu_with_cpu_gemm);
+    };
+    (@emit $name:ident, $body:ident, $emu:ident) => {
+        mod $name {
+            #[test]
+            fn cpu() {
+                super::$body($crate::testing::Backend::Cpu)
+            }
+            #[cfg(feature = "cuda-emu")]
+            #[test]
+            fn $emu() {
+                super::$body($crate::testing::Backend::CudaEmu)
+            }
+            #[cfg(feature = "cuda")]
+            #[test]
+            #[ignore = "needs a CUDA device"]
+            fn cuda() {
+                super::$body($crate::testing::Backend::Cuda)
+            }
+        }
+    };
+}
+
 /// A norm-wise relative tolerance and why it is what it is.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tolerance {

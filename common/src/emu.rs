@@ -1,0 +1,181 @@
+//! The SIMT emulation backend (feature `cuda-emu`): the crate's `.cu` kernels, compiled unmodified
+//! as host C++ against `emu/simt_emu.hpp`, launched on the CPU with one fiber per CUDA thread,
+//! real `__syncthreads` and warp rendezvous, checked shared-memory bounds, and every launch run
+//! under two thread schedules (forward and reverse) whose outputs must agree bitwise.
+//!
+//! What this proves: indexing, bounds, barrier placement, warp masks, reduction order and the
+//! math of the kernels. What only a GPU can: timing, tensor cores, the cudarc host code, cuBLAS,
+//! NCCL, and global-memory bounds (an out-of-bounds global access here may crash, not report).
+//!
+//! Like `cuda.rs`, this is a file with kernel-launch `unsafe`: the emulated kernels take raw
+//! pointers exactly as on the device.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use bytemuck::Pod;
+
+use crate::error::{Error, Result};
+use crate::kernels::grid_stride_blocks;
+
+#[repr(C)]
+struct RawConfig {
+    grid: [u32; 3],
+    block: [u32; 3],
+    dynamic_shared_bytes: usize,
+    schedule: u32,
+    fiber_stack_bytes: usize,
+}
+const _: () = assert!(std::mem::size_of::<RawConfig>() == 48, "matches flatpeak_emu_config");
+
+unsafe extern "C" {
+    fn flatpeak_emu_launch(
+        cfg: *const RawConfig,
+        thunk: unsafe extern "C" fn(*mut c_void),
+        ctx: *mut c_void,
+        message: *mut c_char,
+        message_capacity: usize,
+    ) -> c_int;
+}
+
+/// The order in which the emulator resumes runnable threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    /// Lowest linear thread id first.
+    Forward,
+    /// Highest linear thread id first.
+    Reverse,
+}
+
+/// Shape of an emulated launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmuLaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: (u32, u32, u32),
+    /// Threads per block in x, y, z.
+    pub block: (u32, u32, u32),
+    /// Bytes of `extern __shared__` memory per block.
+    pub dynamic_shared_bytes: usize,
+}
+
+impl EmuLaunchConfig {
+    /// A 1-D launch of `blocks × threads`.
+    pub fn linear(blocks: u32, threads: u32) -> Self {
+        Self { grid: (blocks, 1, 1), block: (threads, 1, 1), dynamic_shared_bytes: 0 }
+    }
+}
+
+unsafe extern "C" fn trampoline(ctx: *mut c_void) {
+    // SAFETY: `ctx` is the `&&dyn Fn()` that `launch` passed, alive for the whole launch.
+    let kernel = unsafe { &*(ctx as *const &dyn Fn()) };
+    kernel();
+}
+
+/// Runs `kernel` (a call of one emulated entry point) as every thread of the grid.
+///
+/// # Safety
+/// `kernel` must call an entry point of an emulated kernel with arguments valid for the whole
+/// grid exactly as on a device: every pointer valid for every access the kernel makes for this
+/// shape, and no two launches writing the same memory concurrently. `kernel` must not panic (a
+/// panic cannot unwind through the emulator's C frames and aborts).
+pub unsafe fn launch(name: &str, cfg: &EmuLaunchConfig, schedule: Schedule, kernel: &dyn Fn()) -> Result<()> {
+    let raw = RawConfig {
+        grid: [cfg.grid.0, cfg.grid.1, cfg.grid.2],
+        block: [cfg.block.0, cfg.block.1, cfg.block.2],
+        dynamic_shared_bytes: cfg.dynamic_shared_bytes,
+        schedule: match schedule {
+            Schedule::Forward => 0,
+            Schedule::Reverse => 1,
+        },
+        fiber_stack_bytes: 0,
+    };
+    let mut message = vec![0 as c_char; 2048];
+    let ctx: *const &dyn Fn() = &kernel;
+    // SAFETY: `raw` matches the C struct layout (size asserted); `ctx` outlives the call, which
+    // returns only after every fiber finished or was abandoned; `message` has the stated capacity.
+    let code = unsafe {
+        flatpeak_emu_launch(&raw, trampoline, ctx as *mut c_void, message.as_mut_ptr(), message.len())
+    };
+    if code == 0 {
+        return Ok(());
+    }
+    let bytes: Vec<u8> = message.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    Err(Error::EmuFault { kernel: name.into(), message: String::from_utf8_lossy(&bytes).into_owned() })
+}
+
+/// Runs a launch under both schedules from the same `initial` outputs and returns the outputs,
+/// or [`Error::EmuRace`] when the two differ anywhere (compared bitwise).
+pub fn race_checked<T: Pod>(
+    name: &str,
+    initial: &[T],
+    mut run: impl FnMut(Schedule, &mut [T]) -> Result<()>,
+) -> Result<Vec<T>> {
+    let mut forward = initial.to_vec();
+    run(Schedule::Forward, &mut forward)?;
+    let mut reverse = initial.to_vec();
+    run(Schedule::Reverse, &mut reverse)?;
+    let (a, b): (&[u8], &[u8]) = (bytemuck::cast_slice(&forward), bytemuck::cast_slice(&reverse));
+    match a.iter().zip(b).position(|(x, y)| x != y) {
+        None => Ok(forward),
+        Some(first_difference) => Err(Error::EmuRace { kernel: name.into(), first_difference }),
+    }
+}
+
+mod ffi {
+    unsafe extern "C" {
+        pub fn fill_f32(out: *mut f32, value: f32, n: u64);
+        pub fn checksum_f32(x: *const f32, n: u64, partial: *mut f64);
+        pub fn cast_f32_to_bf16(x: *const f32, out: *mut half::bf16, n: u64);
+    }
+}
+
+/// Threads per block and the block cap of the emulated launches: small grids, since the
+/// emulator runs every thread as a fiber (the grid-stride loops cover any length).
+const THREADS: u32 = 256;
+const MAX_BLOCKS: u32 = 4;
+
+fn grid(n: usize) -> EmuLaunchConfig {
+    EmuLaunchConfig::linear(grid_stride_blocks(n, THREADS, MAX_BLOCKS), THREADS)
+}
+
+/// Emulated `fill_f32`: `out[i] = value`.
+pub fn fill_f32(out: &mut [f32], value: f32) -> Result<()> {
+    let n = out.len();
+    let filled = race_checked("fill_f32", out, |schedule, buf| {
+        let ptr = buf.as_mut_ptr();
+        // SAFETY: `fill_f32` writes `out[0..n)` only and `buf` holds `n` elements for the launch.
+        unsafe { launch("fill_f32", &grid(n), schedule, &|| ffi::fill_f32(ptr, value, n as u64)) }
+    })?;
+    out.copy_from_slice(&filled);
+    Ok(())
+}
+
+/// Emulated `checksum_f32`: per-block f64 partial sums, added on the host in block order.
+pub fn checksum_f32(x: &[f32]) -> Result<f64> {
+    let cfg = grid(x.len());
+    let partial = vec![0f64; cfg.grid.0 as usize];
+    let partial = race_checked("checksum_f32", &partial, |schedule, out| {
+        let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
+        // SAFETY: the kernel reads `x[0..n)` and writes `partial[blockIdx.x]` for each of the
+        // `out.len() = gridDim.x` blocks; 256 threads is a multiple of 32 as it requires.
+        unsafe { launch("checksum_f32", &cfg, schedule, &|| ffi::checksum_f32(xp, x.len() as u64, op)) }
+    })?;
+    Ok(partial.iter().sum())
+}
+
+/// Emulated `cast_f32_to_bf16`: `out[i] = bf16(x[i])`, round to nearest even.
+pub fn cast_f32_to_bf16(x: &[f32], out: &mut [half::bf16]) -> Result<()> {
+    if x.len() != out.len() {
+        return Err(Error::ShapeMismatch { what: "cast output length", expected: x.len(), found: out.len() });
+    }
+    let cast = race_checked("cast_f32_to_bf16", out, |schedule, buf| {
+        let (xp, op) = (x.as_ptr(), buf.as_mut_ptr());
+        // SAFETY: both buffers hold `n` elements and the kernel touches indices below `n` only.
+        unsafe {
+            launch("cast_f32_to_bf16", &grid(x.len()), schedule, &|| {
+                ffi::cast_f32_to_bf16(xp, op, x.len() as u64)
+            })
+        }
+    })?;
+    out.copy_from_slice(&cast);
+    Ok(())
+}
