@@ -2,6 +2,8 @@
 //! [`Component`] here; names in [`COMPONENTS`](crate::report::COMPONENTS) without one are
 //! reported as not available.
 
+pub mod stream_adamw;
+
 use flatpeak_common::Device;
 
 use crate::machine::MachineInfo;
@@ -44,9 +46,9 @@ pub trait Component: Sync {
     fn run(&self, index: usize, device: Device, machine: &MachineInfo) -> Result<Row, ReportError>;
 }
 
-/// Every landed component. None yet: the primitives' issues add theirs here.
+/// Every landed component, in the paper's order.
 pub fn landed() -> Vec<Box<dyn Component>> {
-    Vec::new()
+    vec![Box::new(stream_adamw::StreamAdamWComponent)]
 }
 
 /// What [`select`] chose.

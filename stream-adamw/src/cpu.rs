@@ -1,0 +1,269 @@
+//! The CPU AdamW: an f64 reference of torch's update, and the fast kernel (runtime-dispatched
+//! SIMD via `multiversion`, rayon over fixed chunks). Every operation is an IEEE-rounded f32 op
+//! in torch's order with no FMA contraction, so the result is bitwise the same on AVX-512, AVX2
+//! or scalar code and for any thread count. Also the gradient statistics pass (global ‖g‖₂² and
+//! the non-finite check), reduced in a fixed order.
+
+use multiversion::multiversion;
+use rayon::prelude::*;
+
+use crate::config::StepScalars;
+use crate::element::{GradElement, ParamElement};
+
+/// Elements per parallel task (a multiple of the 64-element alignment of buckets).
+pub const CHUNK: usize = 1 << 15;
+/// Elements per inner tile (widened gradients and narrowed parameters live in stack buffers).
+const TILE: usize = 1024;
+
+/// One shard of optimizer state: fp32 master θ, first and second moments, and AMSGrad's max.
+#[derive(Debug)]
+pub struct StateMut<'a> {
+    /// Master parameters θ.
+    pub param: &'a mut [f32],
+    /// First moment m.
+    pub exp_avg: &'a mut [f32],
+    /// Second moment v.
+    pub exp_avg_sq: &'a mut [f32],
+    /// max over steps of v (AMSGrad only; empty otherwise).
+    pub max_exp_avg_sq: &'a mut [f32],
+}
+
+/// Where the updated parameters are also written (the H2D staging copy), if anywhere.
+#[derive(Debug)]
+pub enum ParamSink<'a, P> {
+    /// Only the master copy is updated.
+    None,
+    /// Also write θ, converted to `P`, here.
+    Copy(&'a mut [P]),
+}
+
+#[inline(always)]
+fn lerp(start: f32, end: f32, weight: f32) -> f32 {
+    // torch's lerp: the two-sided form keeps the result exact at weight 0 and 1.
+    let diff = end - start;
+    if weight < 0.5 { start + weight * diff } else { end - diff * (1.0 - weight) }
+}
+
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+fn update_tile(state: &mut StateMut<'_>, grad: &[f32], s: &StepScalars) {
+    let scale = s.grad_scale * s.sign; // the sign flip is exact, so one multiply does both
+    let n = grad.len();
+    let (p, m, v) = (&mut state.param[..n], &mut state.exp_avg[..n], &mut state.exp_avg_sq[..n]);
+    if state.max_exp_avg_sq.is_empty() {
+        for i in 0..n {
+            let g = grad[i] * scale;
+            let theta = p[i] * s.decay;
+            m[i] = lerp(m[i], g, s.lerp_weight);
+            v[i] = v[i] * s.beta2 + s.one_minus_beta2 * g * g;
+            let denom = v[i].sqrt() / s.bias_correction2_sqrt + s.eps;
+            p[i] = theta + -s.step_size * (m[i] / denom);
+        }
+    } else {
+        let vmax = &mut state.max_exp_avg_sq[..n];
+        for i in 0..n {
+            let g = grad[i] * scale;
+            let theta = p[i] * s.decay;
+            m[i] = lerp(m[i], g, s.lerp_weight);
+            v[i] = v[i] * s.beta2 + s.one_minus_beta2 * g * g;
+            vmax[i] = vmax[i].max(v[i]);
+            let denom = vmax[i].sqrt() / s.bias_correction2_sqrt + s.eps;
+            p[i] = theta + -s.step_size * (m[i] / denom);
+        }
+    }
+}
+
+fn update_chunk<G: GradElement, P: ParamElement>(
+    state: StateMut<'_>,
+    grad: &[G],
+    mut sink: ParamSink<'_, P>,
+    s: &StepScalars,
+) {
+    let mut wide = [0f32; TILE];
+    let mut start = 0;
+    while start < grad.len() {
+        let end = (start + TILE).min(grad.len());
+        let g = G::widen(&grad[start..end], &mut wide);
+        let ams =
+            if state.max_exp_avg_sq.is_empty() { &mut [][..] } else { &mut state.max_exp_avg_sq[start..end] };
+        let mut tile = StateMut {
+            param: &mut state.param[start..end],
+            exp_avg: &mut state.exp_avg[start..end],
+            exp_avg_sq: &mut state.exp_avg_sq[start..end],
+            max_exp_avg_sq: ams,
+        };
+        update_tile(&mut tile, g, s);
+        if let ParamSink::Copy(out) = &mut sink {
+            P::narrow(tile.param, &mut out[start..end]);
+        }
+        start = end;
+    }
+}
+
+/// One AdamW step over a shard, in parallel on the current rayon pool. Lengths must agree
+/// (checked by the callers, which own the buffers); `max_exp_avg_sq` is empty unless AMSGrad.
+pub fn adamw_update<G: GradElement, P: ParamElement>(
+    state: StateMut<'_>,
+    grad: &[G],
+    sink: ParamSink<'_, P>,
+    scalars: &StepScalars,
+) {
+    let StateMut { param, exp_avg, exp_avg_sq, max_exp_avg_sq } = state;
+    let ams = !max_exp_avg_sq.is_empty();
+    let mut jobs = Vec::with_capacity(grad.len().div_ceil(CHUNK));
+    let (mut p, mut m, mut v, mut vm, mut g) = (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad);
+    let mut out = match sink {
+        ParamSink::Copy(o) => Some(o),
+        ParamSink::None => None,
+    };
+    while !g.is_empty() {
+        let n = CHUNK.min(g.len());
+        let (p0, p1) = std::mem::take(&mut p).split_at_mut(n);
+        let (m0, m1) = std::mem::take(&mut m).split_at_mut(n);
+        let (v0, v1) = std::mem::take(&mut v).split_at_mut(n);
+        let (vm0, vm1) =
+            if ams { std::mem::take(&mut vm).split_at_mut(n) } else { (&mut [][..], &mut [][..]) };
+        let (g0, g1) = g.split_at(n);
+        let sink = match out.take() {
+            Some(o) => {
+                let (o0, o1) = o.split_at_mut(n);
+                out = Some(o1);
+                ParamSink::Copy(o0)
+            }
+            None => ParamSink::None,
+        };
+        jobs.push((StateMut { param: p0, exp_avg: m0, exp_avg_sq: v0, max_exp_avg_sq: vm0 }, g0, sink));
+        (p, m, v, vm, g) = (p1, m1, v1, vm1, g1);
+    }
+    jobs.into_par_iter().for_each(|(st, g, sink)| update_chunk(st, g, sink, scalars));
+}
+
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
+fn sum_sq_tile(x: &[f32]) -> f64 {
+    // Eight independent f64 lanes, combined in a fixed order: vectorisable and deterministic.
+    let mut lanes = [0f64; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            let v = v as f64;
+            *l += v * v;
+        }
+    }
+    for (l, &v) in lanes.iter_mut().zip(chunks.remainder()) {
+        *l += (v as f64) * (v as f64);
+    }
+    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
+}
+
+/// Σ g² over all gradients, in f64, reduced over fixed chunks in index order (thread-count
+/// independent). A NaN or infinity anywhere makes the result non-finite: that is the
+/// non-finite check.
+pub fn grad_sq_sum<G: GradElement>(grad: &[G]) -> f64 {
+    let partials: Vec<f64> = grad
+        .par_chunks(CHUNK)
+        .map(|chunk| {
+            let mut wide = [0f32; TILE];
+            chunk.chunks(TILE).map(|t| sum_sq_tile(G::widen(t, &mut wide))).sum::<f64>()
+        })
+        .collect();
+    partials.iter().sum()
+}
+
+/// The f64 reference of one torch AdamW step on f64 copies of the state (the test oracle).
+/// `grad_scale` multiplies each gradient (clip coefficient / loss scale), in f64.
+pub mod reference {
+    use crate::config::{AdamWConfig, Objective, Variant};
+
+    /// f64 optimizer state.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct State {
+        /// θ.
+        pub param: Vec<f64>,
+        /// m.
+        pub exp_avg: Vec<f64>,
+        /// v.
+        pub exp_avg_sq: Vec<f64>,
+        /// max v (AMSGrad).
+        pub max_exp_avg_sq: Vec<f64>,
+        /// Steps taken.
+        pub step: u64,
+    }
+
+    impl State {
+        /// Fresh state (m = v = 0) from parameters.
+        pub fn new(param: &[f32]) -> Self {
+            let n = param.len();
+            Self {
+                param: param.iter().map(|&x| x as f64).collect(),
+                exp_avg: vec![0.0; n],
+                exp_avg_sq: vec![0.0; n],
+                max_exp_avg_sq: vec![0.0; n],
+                step: 0,
+            }
+        }
+    }
+
+    /// One step of `torch.optim.AdamW` in f64.
+    pub fn step(state: &mut State, grad: &[f64], config: &AdamWConfig, grad_scale: f64) {
+        state.step += 1;
+        let t = state.step as i32;
+        let bc1 = 1.0 - config.beta1.powi(t);
+        let bc2_sqrt = (1.0 - config.beta2.powi(t)).sqrt();
+        let sign = if config.objective == Objective::Maximize { -1.0 } else { 1.0 };
+        for (i, &raw) in grad.iter().enumerate() {
+            let g = sign * raw * grad_scale;
+            state.param[i] *= 1.0 - config.lr * config.weight_decay;
+            state.exp_avg[i] += (1.0 - config.beta1) * (g - state.exp_avg[i]);
+            state.exp_avg_sq[i] = config.beta2 * state.exp_avg_sq[i] + (1.0 - config.beta2) * g * g;
+            let v = match config.variant {
+                Variant::Adam => state.exp_avg_sq[i],
+                Variant::AmsGrad => {
+                    state.max_exp_avg_sq[i] = state.max_exp_avg_sq[i].max(state.exp_avg_sq[i]);
+                    state.max_exp_avg_sq[i]
+                }
+            };
+            let denom = v.sqrt() / bc2_sqrt + config.eps;
+            state.param[i] -= config.lr / bc1 * state.exp_avg[i] / denom;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AdamWConfig;
+
+    #[test]
+    fn grad_norm_is_order_fixed_and_flags_non_finite() {
+        let mut rng = flatpeak_common::SplitMix64::new(5);
+        let g = rng.uniform_f32(3 * CHUNK + 17, -1.0, 1.0);
+        let want: f64 = g.iter().map(|&x| (x as f64) * (x as f64)).sum();
+        let got = grad_sq_sum(&g);
+        assert!((got - want).abs() < 1e-9 * want);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        assert_eq!(pool.install(|| grad_sq_sum(&g)).to_bits(), got.to_bits());
+        let mut bad = g.clone();
+        bad[CHUNK + 3] = f32::NAN;
+        assert!(!grad_sq_sum(&bad).is_finite());
+        bad[CHUNK + 3] = f32::INFINITY;
+        assert!(!grad_sq_sum(&bad).is_finite());
+        assert_eq!(grad_sq_sum::<f32>(&[]), 0.0);
+    }
+
+    #[test]
+    fn one_step_matches_the_reference() {
+        let n = 2 * CHUNK + 5;
+        let mut rng = flatpeak_common::SplitMix64::new(8);
+        let param = rng.normal_f32(n, 0.0, 1.0);
+        let grad = rng.normal_f32(n, 0.0, 0.1);
+        let cfg = AdamWConfig::default();
+        let (mut p, mut m, mut v) = (param.clone(), vec![0f32; n], vec![0f32; n]);
+        let mut out = vec![half::bf16::ZERO; n];
+        let s = StepScalars::new(&cfg, 1, 1.0);
+        let st = StateMut { param: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v, max_exp_avg_sq: &mut [] };
+        adamw_update(st, &grad, ParamSink::Copy(&mut out), &s);
+        let mut r = reference::State::new(&param);
+        reference::step(&mut r, &grad.iter().map(|&x| x as f64).collect::<Vec<_>>(), &cfg, 1.0);
+        assert!(flatpeak_common::relative_error(&p, &r.param) < 1e-7);
+        assert!(out.iter().zip(&p).all(|(o, x)| *o == half::bf16::from_f32(*x)));
+    }
+}

@@ -1,0 +1,215 @@
+//! The CUDA path (feature `cuda`): device gradients come down and updated parameters go up
+//! through pinned staging slots on two copy streams (PCIe is full duplex), while the calling
+//! thread runs the CPU AdamW of the bucket in between. The statistics pass runs on the device.
+//!
+//! Pinned memory: gradient slots are ordinary page-locked memory (the CPU reads them);
+//! parameter slots are write-combined (the CPU only writes them, sequentially). Both are
+//! allocated once, at [`CudaOffload::new`], at the plan's exact size.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flatpeak_common::cuda::cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PinnedHostSlice, PushKernelArg, result, sys,
+};
+use flatpeak_common::cuda::{KernelCache, context};
+use flatpeak_common::kernels::grid_stride_blocks;
+
+use crate::config::StepScalars;
+use crate::cpu::{ParamSink, adamw_update};
+use crate::element::{GradElement, ParamElement};
+use crate::error::{Error, Result};
+use crate::kernels::{STATS_THREADS, STREAM_ADAMW, grad_sq_entry};
+use crate::plan::{Plan, Schedule};
+use crate::schedule::StageTimes;
+use crate::state::OptimizerState;
+
+fn cuda(op: &'static str) -> impl Fn(result::DriverError) -> Error {
+    move |e| Error::Common(flatpeak_common::Error::Cuda { op, message: format!("{e:?}") })
+}
+
+/// Gradients and parameters in device memory.
+#[derive(Debug)]
+pub struct CudaDevice<G: DeviceRepr, P: DeviceRepr> {
+    /// Gradients produced by backward.
+    pub grads: CudaSlice<G>,
+    /// Parameters the next forward reads.
+    pub params: CudaSlice<P>,
+}
+
+/// Streams, events and pinned staging of one optimizer on one device.
+#[derive(Debug)]
+pub struct CudaOffload<G: DeviceRepr, P: DeviceRepr> {
+    cache: KernelCache,
+    compute: Arc<CudaStream>,
+    d2h: Arc<CudaStream>,
+    h2d: Arc<CudaStream>,
+    grad_slots: Vec<PinnedHostSlice<G>>,
+    param_slots: Vec<PinnedHostSlice<P>>,
+    d2h_done: Vec<CudaEvent>,
+    h2d_done: Vec<CudaEvent>,
+}
+
+impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
+    /// Streams, events and the plan's pinned staging on CUDA device `ordinal`. A pinned
+    /// allocation the OS refuses is [`Error::PinnedAlloc`], naming the memlock limit.
+    pub fn new(plan: &Plan, ordinal: usize) -> Result<Self> {
+        let ctx: Arc<CudaContext> = context(ordinal)?;
+        let (slots, elems) = (plan.staged_slots(), plan.slot_elems().max(1));
+        let pinned_error = |bytes: usize| {
+            move |e: result::DriverError| Error::PinnedAlloc { bytes, reason: format!("{e:?}") }
+        };
+        let mut grad_slots = Vec::with_capacity(slots);
+        let mut param_slots = Vec::with_capacity(slots);
+        for _ in 0..slots {
+            // SAFETY: the slots are plain `Pod` storage; every element is written (by a D2H copy
+            // or by the Adam kernel) before it is read.
+            let g = unsafe { ctx.alloc_pinned_with_flags::<G>(elems, 0) }
+                .map_err(pinned_error(elems * std::mem::size_of::<G>()))?;
+            // SAFETY: as above; write-combined suits memory the CPU only writes.
+            let p = unsafe { ctx.alloc_pinned_with_flags::<P>(elems, sys::CU_MEMHOSTALLOC_WRITECOMBINED) }
+                .map_err(pinned_error(elems * std::mem::size_of::<P>()))?;
+            grad_slots.push(g);
+            param_slots.push(p);
+        }
+        let event = || ctx.new_event(None).map_err(cuda("cuEventCreate"));
+        let d2h_done = (0..slots).map(|_| event()).collect::<Result<Vec<_>>>()?;
+        let h2d_done = (0..slots).map(|_| event()).collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            compute: ctx.default_stream(),
+            d2h: ctx.new_stream().map_err(cuda("cuStreamCreate"))?,
+            h2d: ctx.new_stream().map_err(cuda("cuStreamCreate"))?,
+            cache: KernelCache::new(ctx)?,
+            grad_slots,
+            param_slots,
+            d2h_done,
+            h2d_done,
+        })
+    }
+
+    /// The context, to allocate device buffers in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.cache.context()
+    }
+
+    /// The stream the statistics kernel runs on (the context's default stream).
+    pub fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.compute
+    }
+
+    /// Σ g² over the device gradients: per-block f64 partials on the device, summed on the host
+    /// in block order.
+    pub fn grad_sq_sum(&self, grads: &CudaSlice<G>) -> Result<f64> {
+        let n = grads.len();
+        let blocks = grid_stride_blocks(n, STATS_THREADS, 1024);
+        let f = self.cache.function(&STREAM_ADAMW, grad_sq_entry(G::DTYPE))?;
+        let mut partial = self.compute.alloc_zeros::<f64>(blocks as usize).map_err(cuda("cuMemAlloc"))?;
+        let n64 = n as u64;
+        let mut builder = self.compute.launch_builder(&f);
+        builder.arg(grads).arg(&n64).arg(&mut partial);
+        let cfg =
+            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (STATS_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: `grad_sq_partial_<dtype>(const G*, u64, double*)` matches the arguments (the
+        // entry is chosen by `G::DTYPE`); it reads `grads[0..n)` and writes `partial[blockIdx.x]`
+        // for `gridDim.x = partial.len()` blocks of 256 threads (a multiple of 32, as required).
+        unsafe { builder.launch(cfg) }.map_err(cuda("cuLaunchKernel(grad_sq_partial)"))?;
+        let partial = self.compute.clone_dtoh(&partial).map_err(cuda("cuMemcpyDtoH"))?;
+        Ok(partial.iter().sum())
+    }
+
+    /// D2H of `grads[range]` into grad slot `slot` on the D2H stream; records `d2h_done[slot]`.
+    fn start_d2h(&mut self, grads: &CudaSlice<G>, range: std::ops::Range<usize>, slot: usize) -> Result<()> {
+        let view = grads.slice(range.clone());
+        let (src, _record) = view.device_ptr(&self.d2h);
+        let dst = self.grad_slots[slot].as_mut_slice().map_err(cuda("cuEventSynchronize"))?;
+        // SAFETY: `dst[..len]` is pinned memory owned by `self`, which outlives the copy (every
+        // step waits for its copies before returning); nothing reads the slot before
+        // `d2h_done[slot]` fires; `src` points at `len` live elements of `grads`.
+        unsafe { result::memcpy_dtoh_async(&mut dst[..range.len()], src, self.d2h.cu_stream()) }
+            .map_err(cuda("cuMemcpyDtoHAsync"))?;
+        self.d2h_done[slot].record(&self.d2h).map_err(cuda("cuEventRecord"))
+    }
+
+    /// H2D of param slot `slot` into `params[range]` on the H2D stream; records `h2d_done[slot]`.
+    fn start_h2d(
+        &mut self,
+        params: &mut CudaSlice<P>,
+        range: std::ops::Range<usize>,
+        slot: usize,
+    ) -> Result<()> {
+        let len = range.len();
+        let mut view = params.slice_mut(range);
+        let (dst, _record) = view.device_ptr_mut(&self.h2d);
+        let src = self.param_slots[slot].as_slice().map_err(cuda("cuEventSynchronize"))?;
+        // SAFETY: `src[..len]` is pinned memory owned by `self` and not written again before
+        // `h2d_done[slot]` fires (the Adam stage waits on it); `dst` holds `len` elements.
+        unsafe { result::memcpy_htod_async(dst, &src[..len], self.h2d.cu_stream()) }
+            .map_err(cuda("cuMemcpyHtoDAsync"))?;
+        self.h2d_done[slot].record(&self.h2d).map_err(cuda("cuEventRecord"))
+    }
+
+    /// The Adam stage of bucket `range` from slot `slot`, after its gradients landed and the
+    /// slot's previous parameters went up.
+    fn adam(
+        &mut self,
+        state: &mut OptimizerState,
+        range: std::ops::Range<usize>,
+        slot: usize,
+        scalars: &StepScalars,
+    ) -> Result<Duration> {
+        self.d2h_done[slot].synchronize().map_err(cuda("cuEventSynchronize"))?;
+        self.h2d_done[slot].synchronize().map_err(cuda("cuEventSynchronize"))?;
+        let len = range.len();
+        let grads = self.grad_slots[slot].as_slice().map_err(cuda("cuEventSynchronize"))?;
+        let grads: &[G] = &grads[..len];
+        // The two slot vectors are distinct fields: borrow them apart.
+        let params = &mut self.param_slots[slot];
+        let params = params.as_mut_slice().map_err(cuda("cuEventSynchronize"))?;
+        let start = Instant::now();
+        adamw_update(state.view(range), grads, ParamSink::Copy(&mut params[..len]), scalars);
+        Ok(start.elapsed())
+    }
+
+    /// Runs the plan's schedule. Serial: every copy and update in sequence. Pipelined: at
+    /// iteration k, D2H(k) is issued, then Adam(k−1) runs on this thread and H2D(k−1) is issued,
+    /// so D2H(k) ‖ Adam(k−1) ‖ H2D(k−2).
+    pub(crate) fn run(
+        &mut self,
+        plan: &Plan,
+        state: &mut OptimizerState,
+        device: &mut CudaDevice<G, P>,
+        scalars: &StepScalars,
+        times: &mut StageTimes,
+    ) -> Result<()> {
+        let (buckets, slots) = (plan.n_buckets(), plan.staged_slots());
+        match plan.schedule() {
+            Schedule::Serial => {
+                let n = plan.n_params();
+                let start = Instant::now();
+                self.start_d2h(&device.grads, 0..n, 0)?;
+                self.d2h_done[0].synchronize().map_err(cuda("cuEventSynchronize"))?;
+                times.d2h += start.elapsed();
+                times.adam += self.adam(state, 0..n, 0, scalars)?;
+                let start = Instant::now();
+                self.start_h2d(&mut device.params, 0..n, 0)?;
+                self.h2d_done[0].synchronize().map_err(cuda("cuEventSynchronize"))?;
+                times.h2d += start.elapsed();
+            }
+            Schedule::Pipelined => {
+                for k in 0..=buckets {
+                    if k < buckets {
+                        self.start_d2h(&device.grads, plan.bucket(k), k % slots)?;
+                    }
+                    if k >= 1 {
+                        let j = k - 1;
+                        times.adam += self.adam(state, plan.bucket(j), j % slots, scalars)?;
+                        self.start_h2d(&mut device.params, plan.bucket(j), j % slots)?;
+                    }
+                }
+                self.h2d.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,26 @@
+//! This crate's CUDA sources, for the run-time kernel cache, the NVRTC compile check and the
+//! SIMT emulator.
+
+use flatpeak_common::kernels::KernelSource;
+
+/// `kernels/stream_adamw.cu`: the gradient statistics pass (Σ g² per block, f64).
+pub const STREAM_ADAMW: KernelSource = KernelSource {
+    name: "stream_adamw",
+    source: include_str!("../kernels/stream_adamw.cu"),
+    entry_points: &["grad_sq_partial_f32", "grad_sq_partial_bf16", "grad_sq_partial_f16"],
+};
+
+/// Every kernel source of this crate.
+pub const KERNELS: &[KernelSource] = &[STREAM_ADAMW];
+
+/// Threads per block of the statistics kernel.
+pub const STATS_THREADS: u32 = 256;
+
+/// The statistics kernel's entry point for a gradient dtype.
+pub fn grad_sq_entry(dtype: flatpeak_common::DType) -> &'static str {
+    match dtype {
+        flatpeak_common::DType::F32 => "grad_sq_partial_f32",
+        flatpeak_common::DType::Bf16 => "grad_sq_partial_bf16",
+        flatpeak_common::DType::F16 => "grad_sq_partial_f16",
+    }
+}

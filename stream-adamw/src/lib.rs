@@ -1,0 +1,59 @@
+//! # stream-adamw — OffloadStreamAdamW
+//!
+//! Optimizer offload keeps the fp32 master parameters and Adam moments (12 B/param) in host
+//! memory. The usual schedule (ZeRO-Offload, FSDP2 `CPUOffloadPolicy`) is serial: every gradient
+//! down, a CPU Adam over everything, every parameter up. This crate runs the same update as a
+//! bucket pipeline, D2H of bucket k ‖ CPU AdamW of bucket k−1 ‖ H2D of bucket k−2, from R
+//! staging slots per direction, so the step tends to `(a + c + h) / max(a, c, h)` times faster
+//! (a, c, h: per-bucket D2H, Adam, H2D times) and the pinned staging is `R·N_b·(b_g + b_p)`
+//! bytes instead of `N·(b_g + b_p)`.
+//!
+//! The update is `torch.optim.AdamW` exactly (decoupled decay, bias corrections in f64,
+//! `denom = √v/√(1−β2^t) + ε`, AMSGrad on raw v, maximize), with `clip_grad_norm_` semantics for
+//! global-norm clipping (the norm is computed first and applied on load) and a GradScaler-style
+//! non-finite check that skips the whole step. Serial and pipelined steps are bitwise equal, and
+//! so are runs on any thread count.
+//!
+//! ```
+//! use stream_adamw::{AdamWConfig, HostDevice, Link, PipelineOptions, StepOptions, StreamAdamW};
+//! use half::bf16;
+//!
+//! let n = 10_000;
+//! let master: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
+//! let options = PipelineOptions::default().bucket_elems(1024); // 10 buckets, 3 slots each way
+//! let mut opt = StreamAdamW::<f32, bf16>::new(master, AdamWConfig::with_lr(1e-2), options)?;
+//! // The CPU fallback's device: gradients and bf16 parameters behind a simulated link.
+//! let grads: Vec<f32> = (0..n).map(|i| (i as f32).cos() * 1e-2).collect();
+//! let mut device = HostDevice::new(grads, vec![bf16::ZERO; n], Link::Memcpy);
+//! let report = opt.step_host(&mut device, StepOptions::default())?;
+//! assert_eq!(report.step, 1);
+//! assert_eq!(device.params[7], bf16::from_f32(opt.state().param()[7]));
+//! assert_eq!(opt.plan().staging_bytes(), 3 * 1024 * (4 + 2));
+//! # Ok::<(), stream_adamw::Error>(())
+//! ```
+
+pub mod config;
+pub mod cpu;
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub mod cuda;
+pub mod element;
+#[cfg(feature = "cuda-emu")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
+pub mod emu;
+pub mod error;
+pub mod host;
+pub mod kernels;
+pub mod optimizer;
+pub mod plan;
+pub mod schedule;
+pub mod state;
+
+pub use config::{AdamWConfig, GradClip, Objective, StepScalars, Variant};
+pub use element::{GradElement, ParamElement};
+pub use error::{Error, Result};
+pub use host::{HostDevice, Link};
+pub use optimizer::{StepOptions, StepOutcome, StepReport, StreamAdamW};
+pub use plan::{PipelineOptions, Plan, Schedule, ideal_speedup, pipelined_time};
+pub use schedule::StageTimes;
+pub use state::{OptimizerState, StateDict};

@@ -1,0 +1,219 @@
+//! Pure sizing of the offloaded step: bucket partition, staging bytes per schedule, and the
+//! pipeline's time model. No device, no allocation beyond the plan itself.
+//!
+//! Memory: the serial schedule (ZeRO-Offload, FSDP2 `CPUOffloadPolicy`) stages every gradient
+//! and every updated parameter at once, `N·(b_g + b_p)` bytes of pinned host memory. The
+//! pipeline stages R slots per direction, `R·N_b·(b_g + b_p)`, independent of N.
+//!
+//! Time: with per-bucket D2H, Adam and H2D times a, c, h over B buckets,
+//! `T_serial = B·(a + c + h)` and `T_pipe ≈ (a + c + h) + (B − 1)·max(a, c, h)`, so the speedup
+//! tends to `(a + c + h) / max(a, c, h) ≤ 3`.
+
+use std::ops::Range;
+
+use flatpeak_common::DType;
+
+use crate::error::{Error, Result};
+
+/// Buckets start on multiples of this many elements (one cache line of f32, and the alignment
+/// a device copy wants).
+pub const BUCKET_ALIGN: usize = 64;
+
+/// The order of copies and updates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Schedule {
+    /// All D2H, then Adam over everything, then all H2D: the serial offload baseline.
+    Serial,
+    /// D2H of bucket k ‖ Adam of bucket k−1 ‖ H2D of bucket k−2, from R staging slots.
+    #[default]
+    Pipelined,
+}
+
+/// Options of the offloaded step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PipelineOptions {
+    /// Serial or pipelined.
+    pub schedule: Schedule,
+    /// Elements per bucket (a multiple of [`BUCKET_ALIGN`]).
+    pub bucket_elems: usize,
+    /// Staging slots per direction, R ≥ 1 (2 already overlaps all three stages; 3 lets the copy
+    /// engines run a bucket ahead).
+    pub slots: usize,
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        Self { schedule: Schedule::Pipelined, bucket_elems: 1 << 22, slots: 3 }
+    }
+}
+
+impl PipelineOptions {
+    /// Default options with this schedule.
+    pub fn with_schedule(schedule: Schedule) -> Self {
+        Self { schedule, ..Self::default() }
+    }
+    /// These options with this schedule.
+    pub fn schedule(self, schedule: Schedule) -> Self {
+        Self { schedule, ..self }
+    }
+    /// These options with buckets of `bucket_elems` elements.
+    pub fn bucket_elems(self, bucket_elems: usize) -> Self {
+        Self { bucket_elems, ..self }
+    }
+    /// These options with `slots` staging slots per direction.
+    pub fn slots(self, slots: usize) -> Self {
+        Self { slots, ..self }
+    }
+}
+
+/// The partition of N parameters into buckets and the bytes each schedule stages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    n_params: usize,
+    bucket_elems: usize,
+    slots: usize,
+    schedule: Schedule,
+    grad_dtype: DType,
+    param_dtype: DType,
+}
+
+impl Plan {
+    /// Validates the options for `n_params` parameters with the given link dtypes.
+    pub fn new(
+        n_params: usize,
+        options: PipelineOptions,
+        grad_dtype: DType,
+        param_dtype: DType,
+    ) -> Result<Self> {
+        if options.bucket_elems == 0 || !options.bucket_elems.is_multiple_of(BUCKET_ALIGN) {
+            return Err(Error::InvalidPipeline {
+                name: "bucket_elems",
+                value: options.bucket_elems,
+                expected: "a positive multiple of 64",
+            });
+        }
+        if options.slots == 0 {
+            return Err(Error::InvalidPipeline { name: "slots", value: 0, expected: "at least 1" });
+        }
+        Ok(Self {
+            n_params,
+            bucket_elems: options.bucket_elems,
+            slots: options.slots,
+            schedule: options.schedule,
+            grad_dtype,
+            param_dtype,
+        })
+    }
+
+    /// Parameters covered.
+    pub fn n_params(&self) -> usize {
+        self.n_params
+    }
+    /// The schedule.
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+    }
+    /// Staging slots per direction.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+    /// Number of buckets B = ⌈N / N_b⌉.
+    pub fn n_buckets(&self) -> usize {
+        self.n_params.div_ceil(self.bucket_elems)
+    }
+    /// Element range of bucket `k` (the last one may be short).
+    pub fn bucket(&self, k: usize) -> Range<usize> {
+        let start = (k * self.bucket_elems).min(self.n_params);
+        start..(start + self.bucket_elems).min(self.n_params)
+    }
+    /// Elements of one staging slot: a whole bucket (pipelined) or everything (serial).
+    pub fn slot_elems(&self) -> usize {
+        match self.schedule {
+            Schedule::Pipelined => self.bucket_elems.min(self.n_params),
+            Schedule::Serial => self.n_params,
+        }
+    }
+    /// Staging slots allocated per direction: R (pipelined) or 1 (serial).
+    pub fn staged_slots(&self) -> usize {
+        match self.schedule {
+            Schedule::Pipelined => self.slots.min(self.n_buckets().max(1)),
+            Schedule::Serial => 1,
+        }
+    }
+    /// Pinned host staging bytes, both directions: `slots·slot_elems·(b_g + b_p)`.
+    pub fn staging_bytes(&self) -> usize {
+        self.staged_slots()
+            * self.slot_elems()
+            * (self.grad_dtype.size_in_bytes() + self.param_dtype.size_in_bytes())
+    }
+    /// Bytes each step moves over the link: gradients down, parameters up.
+    pub fn link_bytes(&self) -> (usize, usize) {
+        (self.n_params * self.grad_dtype.size_in_bytes(), self.n_params * self.param_dtype.size_in_bytes())
+    }
+}
+
+/// The pipeline's limit speedup over serial, `(a + c + h) / max(a, c, h)`, for per-bucket stage
+/// times a (D2H), c (Adam), h (H2D).
+pub fn ideal_speedup(a: f64, c: f64, h: f64) -> f64 {
+    (a + c + h) / a.max(c).max(h)
+}
+
+/// Modelled pipelined time over B buckets: `(a + c + h) + (B − 1)·max(a, c, h)`.
+pub fn pipelined_time(buckets: usize, a: f64, c: f64, h: f64) -> f64 {
+    if buckets == 0 { 0.0 } else { (a + c + h) + (buckets - 1) as f64 * a.max(c).max(h) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_cover_every_parameter_once() {
+        for n in [0usize, 1, 63, 64, 65, 1000, 4096] {
+            let plan =
+                Plan::new(n, PipelineOptions::default().bucket_elems(128), DType::F32, DType::Bf16).unwrap();
+            let mut next = 0;
+            for k in 0..plan.n_buckets() {
+                let r = plan.bucket(k);
+                assert_eq!(r.start, next);
+                assert!(r.start.is_multiple_of(BUCKET_ALIGN) && !r.is_empty());
+                next = r.end;
+            }
+            assert_eq!(next, n);
+        }
+    }
+
+    #[test]
+    fn staging_is_flat_in_parameters_when_pipelined() {
+        let opts = PipelineOptions::default().bucket_elems(1 << 20);
+        let small = Plan::new(1 << 24, opts, DType::F32, DType::Bf16).unwrap();
+        let large = Plan::new(1 << 30, opts, DType::F32, DType::Bf16).unwrap();
+        assert_eq!(small.staging_bytes(), 3 * (1 << 20) * 6);
+        assert_eq!(small.staging_bytes(), large.staging_bytes());
+        let serial = Plan::new(
+            1 << 30,
+            PipelineOptions { schedule: Schedule::Serial, ..opts },
+            DType::F32,
+            DType::Bf16,
+        )
+        .unwrap();
+        assert_eq!(serial.staging_bytes(), (1 << 30) * 6);
+    }
+
+    #[test]
+    fn bad_options_are_typed_errors() {
+        let e =
+            Plan::new(10, PipelineOptions::default().bucket_elems(100), DType::F32, DType::F32).unwrap_err();
+        assert!(matches!(e, Error::InvalidPipeline { name: "bucket_elems", value: 100, .. }));
+        let e = Plan::new(10, PipelineOptions::default().slots(0), DType::F32, DType::F32).unwrap_err();
+        assert!(matches!(e, Error::InvalidPipeline { name: "slots", .. }));
+    }
+
+    #[test]
+    fn time_model() {
+        assert_eq!(ideal_speedup(1.0, 2.0, 1.0), 2.0);
+        assert_eq!(ideal_speedup(1.0, 1.0, 1.0), 3.0);
+        assert_eq!(pipelined_time(4, 1.0, 2.0, 1.0), 4.0 + 3.0 * 2.0);
+    }
+}

@@ -1,0 +1,140 @@
+//! Optimizer state: fp32 master parameters, moments and step count, with a state-dict
+//! export/import that round-trips exactly.
+
+use crate::config::Variant;
+use crate::cpu::StateMut;
+use crate::error::{Error, Result};
+
+/// The optimizer's state over all N parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptimizerState {
+    pub(crate) param: Vec<f32>,
+    pub(crate) exp_avg: Vec<f32>,
+    pub(crate) exp_avg_sq: Vec<f32>,
+    /// Empty unless AMSGrad.
+    pub(crate) max_exp_avg_sq: Vec<f32>,
+    pub(crate) step: u64,
+}
+
+/// A plain copy of the state, like torch's `optimizer.state_dict()` for one flat group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateDict {
+    /// Steps applied so far (skipped steps do not count).
+    pub step: u64,
+    /// fp32 master parameters θ.
+    pub param: Vec<f32>,
+    /// First moment m.
+    pub exp_avg: Vec<f32>,
+    /// Second moment v.
+    pub exp_avg_sq: Vec<f32>,
+    /// AMSGrad's running max of v; `None` for plain Adam.
+    pub max_exp_avg_sq: Option<Vec<f32>>,
+}
+
+impl flatpeak_common::HeapSize for OptimizerState {
+    fn heap_bytes(&self) -> usize {
+        self.param.heap_bytes()
+            + self.exp_avg.heap_bytes()
+            + self.exp_avg_sq.heap_bytes()
+            + self.max_exp_avg_sq.heap_bytes()
+    }
+}
+
+impl OptimizerState {
+    /// Fresh state: θ from `param`, m = v = 0, step 0.
+    pub fn new(param: Vec<f32>, variant: Variant) -> Self {
+        let n = param.len();
+        let max_len = if variant == Variant::AmsGrad { n } else { 0 };
+        Self {
+            param,
+            exp_avg: vec![0.0; n],
+            exp_avg_sq: vec![0.0; n],
+            max_exp_avg_sq: vec![0.0; max_len],
+            step: 0,
+        }
+    }
+
+    /// Number of parameters.
+    pub fn len(&self) -> usize {
+        self.param.len()
+    }
+    /// True when there is no parameter.
+    pub fn is_empty(&self) -> bool {
+        self.param.is_empty()
+    }
+    /// Steps applied so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+    /// The fp32 master parameters.
+    pub fn param(&self) -> &[f32] {
+        &self.param
+    }
+
+    /// Mutable views of the elements in `range`.
+    pub(crate) fn view(&mut self, range: std::ops::Range<usize>) -> StateMut<'_> {
+        let ams = if self.max_exp_avg_sq.is_empty() {
+            &mut [][..]
+        } else {
+            &mut self.max_exp_avg_sq[range.clone()]
+        };
+        StateMut {
+            param: &mut self.param[range.clone()],
+            exp_avg: &mut self.exp_avg[range.clone()],
+            exp_avg_sq: &mut self.exp_avg_sq[range],
+            max_exp_avg_sq: ams,
+        }
+    }
+
+    /// A copy of the state.
+    pub fn export(&self) -> StateDict {
+        StateDict {
+            step: self.step,
+            param: self.param.clone(),
+            exp_avg: self.exp_avg.clone(),
+            exp_avg_sq: self.exp_avg_sq.clone(),
+            max_exp_avg_sq: (!self.max_exp_avg_sq.is_empty()).then(|| self.max_exp_avg_sq.clone()),
+        }
+    }
+
+    /// Replaces the state with `dict`, after checking it fits: same length everywhere, and a
+    /// max-v buffer exactly when the variant is AMSGrad. On error nothing changes.
+    pub fn import(&mut self, dict: StateDict, variant: Variant) -> Result<()> {
+        let n = self.param.len();
+        for (what, len) in [
+            ("param", dict.param.len()),
+            ("exp_avg", dict.exp_avg.len()),
+            ("exp_avg_sq", dict.exp_avg_sq.len()),
+        ] {
+            if len != n {
+                return Err(Error::LengthMismatch { what, expected: n, found: len });
+            }
+        }
+        let max = match (variant, dict.max_exp_avg_sq) {
+            (Variant::AmsGrad, Some(v)) if v.len() == n => v,
+            (Variant::AmsGrad, Some(v)) => {
+                return Err(Error::LengthMismatch { what: "max_exp_avg_sq", expected: n, found: v.len() });
+            }
+            (Variant::AmsGrad, None) if n == 0 => Vec::new(),
+            (Variant::AmsGrad, None) => {
+                return Err(Error::StateMismatch {
+                    reason: "AMSGrad needs max_exp_avg_sq, the state has none".into(),
+                });
+            }
+            (Variant::Adam, None) => Vec::new(),
+            (Variant::Adam, Some(_)) => {
+                return Err(Error::StateMismatch {
+                    reason: "the state has max_exp_avg_sq but the optimizer is plain Adam".into(),
+                });
+            }
+        };
+        *self = Self {
+            param: dict.param,
+            exp_avg: dict.exp_avg,
+            exp_avg_sq: dict.exp_avg_sq,
+            max_exp_avg_sq: max,
+            step: dict.step,
+        };
+        Ok(())
+    }
+}

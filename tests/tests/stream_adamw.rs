@@ -1,0 +1,356 @@
+//! stream-adamw against an f64 reference of torch's AdamW, and the promises of the schedule:
+//! pipelined == serial bitwise, thread count does not change a bit, non-finite gradients touch
+//! nothing, state round-trips, and bad input is a typed error.
+
+use flatpeak_common::relative_error;
+use flatpeak_common::testing::{SplitMix64, proptest_config};
+use half::bf16;
+use proptest::prelude::*;
+use stream_adamw::cpu::reference;
+use stream_adamw::{
+    AdamWConfig, Error, GradClip, GradElement, HostDevice, Link, Objective, PipelineOptions, Schedule,
+    StepOptions, StepOutcome, StreamAdamW, Variant,
+};
+
+/// Default hyperparameters with `edit` applied (the config is `#[non_exhaustive]`).
+fn cfg(edit: impl FnOnce(&mut AdamWConfig)) -> AdamWConfig {
+    let mut config = AdamWConfig::default();
+    edit(&mut config);
+    config
+}
+
+fn grads_f32(n: usize, seed: u64, std: f32) -> Vec<f32> {
+    SplitMix64::new(seed).normal_f32(n, 0.0, std)
+}
+
+/// Runs `steps` steps and returns (optimizer, device) after them.
+fn run<G: GradElement + Copy>(
+    master: &[f32],
+    grads: &[Vec<G>],
+    config: AdamWConfig,
+    options: PipelineOptions,
+    step: StepOptions,
+) -> (StreamAdamW<G, bf16>, Vec<bf16>) {
+    let n = master.len();
+    let mut opt = StreamAdamW::<G, bf16>::new(master.to_vec(), config, options).unwrap();
+    let mut device = HostDevice::new(grads[0].clone(), vec![bf16::ZERO; n], Link::Memcpy);
+    for g in grads {
+        device.grads.copy_from_slice(g);
+        let report = opt.step_host(&mut device, step).unwrap();
+        assert_eq!(report.outcome, StepOutcome::Applied);
+    }
+    (opt, device.params)
+}
+
+fn config_strategy() -> impl Strategy<Value = AdamWConfig> {
+    (
+        1e-5f64..1e-1,
+        prop_oneof![Just(0.0), 0.5f64..0.99],
+        0.9f64..0.9999,
+        1e-10f64..1e-6,
+        prop_oneof![Just(0.0), 0.0f64..0.1],
+        prop_oneof![Just(Variant::Adam), Just(Variant::AmsGrad)],
+        prop_oneof![Just(Objective::Minimize), Just(Objective::Maximize)],
+        prop_oneof![
+            Just(GradClip::None),
+            (0.05f64..5.0).prop_map(|max_norm| GradClip::GlobalNorm { max_norm })
+        ],
+    )
+        .prop_map(|(lr, beta1, beta2, eps, weight_decay, variant, objective, clip)| {
+            let mut c = AdamWConfig::with_lr(lr);
+            (c.beta1, c.beta2, c.eps, c.weight_decay, c.variant, c.objective, c.clip) =
+                (beta1, beta2, eps, weight_decay, variant, objective, clip);
+            c
+        })
+}
+
+fn size_strategy() -> impl Strategy<Value = usize> {
+    prop_oneof![Just(0usize), Just(1), Just(15), Just(17), Just(65_539), 2usize..3000]
+}
+
+/// Checks the f32 state after the steps against the f64 reference fed the same (widened)
+/// gradients.
+fn check_against_reference(
+    master: &[f32],
+    grads: &[Vec<f32>],
+    config: AdamWConfig,
+    step: StepOptions,
+    opt_state: &stream_adamw::StateDict,
+) -> Result<(), TestCaseError> {
+    let mut r = reference::State::new(master);
+    for g in grads {
+        let g64: Vec<f64> = g.iter().map(|&x| x as f64).collect();
+        let norm = g64.iter().map(|x| x * x).sum::<f64>().sqrt() * step.grad_scale;
+        let coef = stream_adamw::config::clip_coefficient(config.clip, norm);
+        reference::step(&mut r, &g64, &config, coef * step.grad_scale);
+    }
+    prop_assert_eq!(opt_state.step, grads.len() as u64);
+    for (what, got, want) in [
+        ("param", &opt_state.param, &r.param),
+        ("exp_avg", &opt_state.exp_avg, &r.exp_avg),
+        ("exp_avg_sq", &opt_state.exp_avg_sq, &r.exp_avg_sq),
+    ] {
+        let err = relative_error(got, want);
+        prop_assert!(err <= 1e-6, "{} relative error {:e}", what, err);
+    }
+    if config.variant == Variant::AmsGrad && !master.is_empty() {
+        let got = opt_state.max_exp_avg_sq.as_ref().expect("AMSGrad state");
+        let err = relative_error(got, &r.max_exp_avg_sq);
+        prop_assert!(err <= 1e-6, "max_exp_avg_sq relative error {:e}", err);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(proptest_config(24))]
+
+    #[test]
+    fn matches_torch_adamw_in_f64_over_ten_steps_f32_grads(
+        n in size_strategy(), config in config_strategy(), seed in any::<u64>(),
+        bucket in prop_oneof![Just(64usize), Just(128), Just(1024)], loss_scale in prop_oneof![Just(1.0f64), Just(1024.0)],
+    ) {
+        let master = SplitMix64::new(seed).normal_f32(n, 0.0, 1.0);
+        let grads: Vec<Vec<f32>> = (0..10).map(|s| grads_f32(n, seed ^ (s + 1), 0.1 * loss_scale as f32)).collect();
+        let step = StepOptions::unscale(loss_scale);
+        let (opt, params) = run(&master, &grads, config, PipelineOptions::default().bucket_elems(bucket), step);
+        check_against_reference(&master, &grads, config, step, &opt.export_state())?;
+        prop_assert!(params.iter().zip(opt.state().param()).all(|(p, x)| *p == bf16::from_f32(*x)));
+    }
+
+    #[test]
+    fn matches_torch_adamw_in_f64_over_ten_steps_bf16_grads(
+        n in size_strategy(), config in config_strategy(), seed in any::<u64>(),
+    ) {
+        let master = SplitMix64::new(seed).normal_f32(n, 0.0, 1.0);
+        let grads: Vec<Vec<bf16>> = (0..10)
+            .map(|s| grads_f32(n, seed ^ (s + 1), 0.1).iter().map(|&x| bf16::from_f32(x)).collect())
+            .collect();
+        let (opt, _) = run(&master, &grads, config, PipelineOptions::default().bucket_elems(256), StepOptions::default());
+        // The reference sees the same gradients: widening bf16 → f32 is exact.
+        let widened: Vec<Vec<f32>> = grads.iter().map(|g| g.iter().map(|x| x.to_f32()).collect()).collect();
+        check_against_reference(&master, &widened, config, StepOptions::default(), &opt.export_state())?;
+    }
+
+    #[test]
+    fn pipelined_equals_serial_bitwise(
+        n in size_strategy(), config in config_strategy(), seed in any::<u64>(),
+        bucket in prop_oneof![Just(64usize), Just(192), Just(4096)], slots in 1usize..6,
+    ) {
+        let master = SplitMix64::new(seed).normal_f32(n, 0.0, 1.0);
+        let grads: Vec<Vec<f32>> = (0..3).map(|s| grads_f32(n, seed ^ (s + 7), 0.1)).collect();
+        let pipe = PipelineOptions::default().bucket_elems(bucket).slots(slots);
+        let serial = pipe.schedule(Schedule::Serial);
+        let (a, pa) = run(&master, &grads, config, pipe, StepOptions::default());
+        let (b, pb) = run(&master, &grads, config, serial, StepOptions::default());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let (sa, sb) = (a.export_state(), b.export_state());
+        prop_assert_eq!(bits(&sa.param), bits(&sb.param));
+        prop_assert_eq!(bits(&sa.exp_avg), bits(&sb.exp_avg));
+        prop_assert_eq!(bits(&sa.exp_avg_sq), bits(&sb.exp_avg_sq));
+        prop_assert_eq!(pa, pb);
+    }
+}
+
+#[test]
+fn thread_count_does_not_change_a_bit() {
+    let n = 300_001;
+    let master = SplitMix64::new(1).normal_f32(n, 0.0, 1.0);
+    let grads: Vec<Vec<f32>> = (0..3).map(|s| grads_f32(n, 10 + s, 0.1)).collect();
+    let config = cfg(|c| {
+        c.variant = Variant::AmsGrad;
+        c.clip = GradClip::GlobalNorm { max_norm: 1.0 };
+    });
+    let on = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            run(
+                &master,
+                &grads,
+                config,
+                PipelineOptions::default().bucket_elems(1 << 16),
+                StepOptions::default(),
+            )
+        })
+    };
+    let (one, p1) = on(1);
+    for threads in [2, 7] {
+        let (other, p) = on(threads);
+        assert_eq!(one.export_state(), other.export_state(), "{threads} threads");
+        assert_eq!(p1, p);
+    }
+}
+
+#[test]
+fn non_finite_gradients_skip_the_step_and_touch_nothing() {
+    let n = 5000;
+    let master = SplitMix64::new(2).normal_f32(n, 0.0, 1.0);
+    for schedule in [Schedule::Serial, Schedule::Pipelined] {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let options = PipelineOptions::default().bucket_elems(512).schedule(schedule);
+            let mut opt =
+                StreamAdamW::<f32, bf16>::new(master.clone(), AdamWConfig::default(), options).unwrap();
+            let mut device = HostDevice::new(grads_f32(n, 3, 0.1), vec![bf16::ONE; n], Link::Memcpy);
+            opt.step_host(&mut device, StepOptions::default()).unwrap();
+            let (before, params_before) = (opt.export_state(), device.params.clone());
+            device.grads = grads_f32(n, 4, 0.1);
+            device.grads[4321] = bad;
+            let report = opt.step_host(&mut device, StepOptions::default()).unwrap();
+            assert_eq!(report.outcome, StepOutcome::SkippedNonFinite);
+            assert_eq!(report.step, 1);
+            assert!(!report.grad_norm.is_finite());
+            assert_eq!(opt.export_state(), before, "{schedule:?} {bad}");
+            assert_eq!(device.params, params_before);
+        }
+    }
+}
+
+#[test]
+fn state_round_trips_exactly() {
+    let n = 2048;
+    let master = SplitMix64::new(5).normal_f32(n, 0.0, 1.0);
+    let grads: Vec<Vec<f32>> = (0..6).map(|s| grads_f32(n, 20 + s, 0.1)).collect();
+    let config = cfg(|c| c.variant = Variant::AmsGrad);
+    let options = PipelineOptions::default().bucket_elems(256);
+    let (whole, _) = run(&master, &grads, config, options, StepOptions::default());
+    let (first, _) = run(&master, &grads[..3], config, options, StepOptions::default());
+    let mut resumed = StreamAdamW::<f32, bf16>::new(vec![0.0; n], config, options).unwrap();
+    resumed.import_state(first.export_state()).unwrap();
+    let mut device = HostDevice::new(vec![0.0; n], vec![bf16::ZERO; n], Link::Memcpy);
+    for g in &grads[3..] {
+        device.grads.copy_from_slice(g);
+        resumed.step_host(&mut device, StepOptions::default()).unwrap();
+    }
+    assert_eq!(resumed.export_state(), whole.export_state());
+}
+
+#[test]
+fn bad_input_is_a_typed_error_never_a_panic() {
+    let bad_configs = [
+        (cfg(|c| c.beta1 = 1.0), "beta1"),
+        (cfg(|c| c.beta2 = -0.5), "beta2"),
+        (cfg(|c| c.eps = 0.0), "eps"),
+        (cfg(|c| c.eps = -1e-8), "eps"),
+        (cfg(|c| c.lr = f64::NAN), "lr"),
+        (cfg(|c| c.beta1 = f64::NAN), "beta1"),
+        (cfg(|c| c.weight_decay = f64::INFINITY), "weight_decay"),
+    ];
+    for (config, name) in bad_configs {
+        match StreamAdamW::<f32, bf16>::new(vec![0.0; 4], config, PipelineOptions::default()) {
+            Err(Error::InvalidHyperparameter { name: n, .. }) => assert_eq!(n, name),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+    let mut opt =
+        StreamAdamW::<f32, bf16>::new(vec![0.0; 4], AdamWConfig::default(), PipelineOptions::default())
+            .unwrap();
+    let mut short = HostDevice::new(vec![0.0f32; 3], vec![bf16::ZERO; 4], Link::Memcpy);
+    assert_eq!(
+        opt.step_host(&mut short, StepOptions::default()).unwrap_err(),
+        Error::LengthMismatch { what: "device grads", expected: 4, found: 3 }
+    );
+    let mut ok = HostDevice::new(vec![0.1f32; 4], vec![bf16::ZERO; 4], Link::Memcpy);
+    assert!(matches!(
+        opt.step_host(&mut ok, StepOptions::with_grad_scale(0.0)),
+        Err(Error::InvalidHyperparameter { name: "grad_scale", .. })
+    ));
+    assert_eq!(opt.state().step(), 0);
+    let mut dict = opt.export_state();
+    dict.exp_avg.pop();
+    assert!(matches!(opt.import_state(dict), Err(Error::LengthMismatch { what: "exp_avg", .. })));
+    let mut dict = opt.export_state();
+    dict.max_exp_avg_sq = Some(vec![0.0; 4]);
+    assert!(matches!(opt.import_state(dict), Err(Error::StateMismatch { .. })));
+    assert!(matches!(
+        StreamAdamW::<f32, bf16>::new(
+            vec![0.0; 4],
+            AdamWConfig::default(),
+            PipelineOptions::default().bucket_elems(100)
+        ),
+        Err(Error::InvalidPipeline { name: "bucket_elems", value: 100, .. })
+    ));
+}
+
+/// The statistics pass (Σ g², the non-finite check) on every backend: the CPU path, the
+/// `stream_adamw.cu` kernel under the SIMT emulator, and on a device.
+fn statistics_pass_matches_f64(backend: flatpeak_common::testing::Backend) {
+    fn sum_sq<G: stream_adamw::GradElement>(backend: flatpeak_common::testing::Backend, g: &[G]) -> f64 {
+        use flatpeak_common::testing::Backend;
+        match backend {
+            Backend::Cpu => stream_adamw::cpu::grad_sq_sum(g),
+            #[cfg(feature = "cuda-emu")]
+            Backend::CudaEmu => stream_adamw::emu::grad_sq_sum(g).expect("emulated launch"),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => cuda_sum_sq(g),
+            #[allow(unreachable_patterns)]
+            other => panic!("{other:?} is not built into this test binary"),
+        }
+    }
+    for n in [0usize, 1, 31, 255, 256, 257, 1025, 5000] {
+        let g = grads_f32(n, n as u64 + 1, 0.5);
+        let want: f64 = g.iter().map(|&x| (x as f64) * (x as f64)).sum();
+        let got = sum_sq(backend, &g);
+        assert!((got - want).abs() <= 1e-12 * want.max(1.0), "f32 n={n}: {got} vs {want}");
+        let h: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
+        let want: f64 = h.iter().map(|x| (x.to_f32() as f64).powi(2)).sum();
+        let got = sum_sq(backend, &h);
+        assert!((got - want).abs() <= 1e-12 * want.max(1.0), "bf16 n={n}: {got} vs {want}");
+        if n > 0 {
+            let mut bad = g.clone();
+            bad[n / 2] = f32::NAN;
+            assert!(!sum_sq(backend, &bad).is_finite(), "NaN n={n}");
+            bad[n / 2] = f32::NEG_INFINITY;
+            assert!(!sum_sq(backend, &bad).is_finite(), "inf n={n}");
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_sum_sq<G: stream_adamw::GradElement>(g: &[G]) -> f64 {
+    let plan =
+        stream_adamw::Plan::new(g.len(), PipelineOptions::default(), G::DTYPE, flatpeak_common::DType::Bf16)
+            .expect("plan");
+    let offload = stream_adamw::cuda::CudaOffload::<G, bf16>::new(&plan, 0).expect("a CUDA device");
+    let dev = offload.compute_stream().clone_htod(g).expect("upload");
+    offload.grad_sq_sum(&dev).expect("statistics kernel")
+}
+
+flatpeak_common::test_backends!(statistics_pass, statistics_pass_matches_f64);
+
+/// On a GPU: the pipelined CUDA step equals the CPU fallback's step bitwise, and so does the
+/// serial CUDA step; non-finite gradients skip it. Ignored without a device.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_step_equals_the_cpu_step_bitwise() {
+    use stream_adamw::cuda::CudaDevice;
+    let n = 1_000_003;
+    let master = SplitMix64::new(31).normal_f32(n, 0.0, 1.0);
+    let grads: Vec<Vec<f32>> = (0..3).map(|s| grads_f32(n, 40 + s, 0.1)).collect();
+    let config = cfg(|c| c.clip = GradClip::GlobalNorm { max_norm: 1.0 });
+    let options = PipelineOptions::default().bucket_elems(1 << 16);
+    let (cpu, cpu_params) = run(&master, &grads, config, options, StepOptions::default());
+    for schedule in [Schedule::Pipelined, Schedule::Serial] {
+        let (mut opt, mut offload) =
+            StreamAdamW::<f32, bf16>::for_cuda(master.clone(), config, options.schedule(schedule), 0)
+                .expect("device");
+        let stream = offload.context().default_stream();
+        let mut device = CudaDevice {
+            grads: stream.clone_htod(&grads[0]).expect("upload"),
+            params: stream.alloc_zeros::<bf16>(n).expect("alloc"),
+        };
+        for g in &grads {
+            stream.memcpy_htod(g, &mut device.grads).expect("upload");
+            let report = opt.step_cuda(&mut offload, &mut device, StepOptions::default()).expect("step");
+            assert_eq!(report.outcome, StepOutcome::Applied);
+        }
+        assert_eq!(opt.export_state(), cpu.export_state(), "{schedule:?}");
+        assert_eq!(stream.clone_dtoh(&device.params).expect("download"), cpu_params, "{schedule:?}");
+        let mut bad = grads[0].clone();
+        bad[n - 1] = f32::NAN;
+        stream.memcpy_htod(&bad, &mut device.grads).expect("upload");
+        let before = opt.export_state();
+        let report = opt.step_cuda(&mut offload, &mut device, StepOptions::default()).expect("step");
+        assert_eq!(report.outcome, StepOutcome::SkippedNonFinite);
+        assert_eq!(opt.export_state(), before);
+    }
+}
