@@ -18,7 +18,7 @@ cxx="${CXX:-g++}"
 common=(-std=c++17 -O2 -g -Wall -Wextra -Werror "$@")
 kernel=(-x c++ -include "$here/simt_emu.hpp" -I "$here/include" -fsanitize=bounds -Wno-unknown-pragmas)
 
-"$cxx" "${common[@]}" "${kernel[@]}" -c "$here/../kernels/common.cu" -o "$out/common.o"
+"$cxx" "${common[@]}" "${kernel[@]}" -I "$here/../kernels/include" -c "$here/../kernels/common.cu" -o "$out/common.o"
 "$cxx" "${common[@]}" "${kernel[@]}" -c "$here/selftest_kernels.cu" -o "$out/selftest_kernels.o"
 "$cxx" "${common[@]}" -c "$here/selftest_dynamic_shared.cpp" -o "$out/selftest_dynamic_shared.o"
 "$cxx" "${common[@]}" -c "$here/simt_emu.cpp" -o "$out/simt_emu.o"

@@ -42,6 +42,7 @@ fn build_emulated_kernels(crate_dir: &std::path::Path, emu_dir: &std::path::Path
     println!("cargo:rerun-if-changed={}", header.display());
     println!("cargo:rerun-if-changed={}", emu_dir.join("simt_emu.cpp").display());
     println!("cargo:rerun-if-changed={}", emu_dir.join("build_support.rs").display());
+    println!("cargo:rerun-if-changed={}", emu_dir.join("../kernels/include").display());
 
     let kernel_dir = crate_dir.join("kernels");
     println!("cargo:rerun-if-changed={}", kernel_dir.display());
@@ -89,6 +90,7 @@ fn build_emulated_kernels(crate_dir: &std::path::Path, emu_dir: &std::path::Path
         .flag("-include")
         .flag(header.to_str().expect("UTF-8 path"))
         .include(emu_dir.join("include"))
+        .include(emu_dir.join("../kernels/include"))
         .flag("-fsanitize=bounds")
         .flag("-ffp-contract=off")
         .flag("-fno-strict-aliasing")

@@ -3,6 +3,22 @@
 //! run-time [`KernelCache`](crate::cuda::KernelCache) both read from there, so a kernel that
 //! ships is a kernel that is checked. The sources are plain strings: listing them needs no CUDA.
 
+/// A device header shared by several kernels (`common/kernels/include/flatpeak/*.cuh`), handed
+/// to NVRTC by name, and found on the include path of the emulated build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelHeader {
+    /// The name kernels `#include`, e.g. `flatpeak/block_reduce.cuh`.
+    pub include_name: &'static str,
+    /// Its source.
+    pub source: &'static str,
+}
+
+/// `flatpeak/block_reduce.cuh`: fixed-order block reductions.
+pub const BLOCK_REDUCE: KernelHeader = KernelHeader {
+    include_name: "flatpeak/block_reduce.cuh",
+    source: include_str!("../kernels/include/flatpeak/block_reduce.cuh"),
+};
+
 /// One `.cu` file, embedded at build time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KernelSource {
@@ -12,6 +28,8 @@ pub struct KernelSource {
     pub source: &'static str,
     /// The `extern "C"` entry points it defines, for loading and for the compile check.
     pub entry_points: &'static [&'static str],
+    /// The shared headers it includes.
+    pub headers: &'static [KernelHeader],
 }
 
 /// Kernels of `flatpeak-common` (`kernels/common.cu`).
@@ -19,6 +37,7 @@ pub const COMMON: KernelSource = KernelSource {
     name: "common",
     source: include_str!("../kernels/common.cu"),
     entry_points: &["fill_f32", "checksum_f32", "cast_f32_to_bf16"],
+    headers: &[BLOCK_REDUCE],
 };
 
 /// Every kernel source of this crate.
@@ -44,6 +63,9 @@ mod tests {
     #[test]
     fn entry_points_are_defined_in_the_source() {
         for k in KERNELS {
+            for h in k.headers {
+                assert!(k.source.contains(&format!("#include \"{}\"", h.include_name)), "{}", k.name);
+            }
             for entry in k.entry_points {
                 let decl = format!("__global__ void {entry}(");
                 assert!(k.source.contains(&decl), "{} lacks {decl}", k.name);

@@ -99,11 +99,37 @@ pub fn compile(kernel: &KernelSource, arch: Arch, target: Target) -> Result<Comp
         log: "source contains a NUL byte".into(),
     })?;
     let name = CString::new(format!("{}.cu", kernel.name)).unwrap_or_default();
-    let prog =
-        result::create_program(&source, Some(&name)).map_err(|e| nvrtc_error("nvrtcCreateProgram", e))?;
+    let c_string = |text: &str| {
+        CString::new(text).map_err(|_| Error::KernelCompile {
+            kernel: kernel.name.into(),
+            arch: arch.to_string(),
+            log: format!("header text or name {text:.40?} contains a NUL byte"),
+        })
+    };
+    let header_sources = kernel.headers.iter().map(|h| c_string(h.source)).collect::<Result<Vec<_>>>()?;
+    let header_names = kernel.headers.iter().map(|h| c_string(h.include_name)).collect::<Result<Vec<_>>>()?;
+    let source_ptrs: Vec<*const std::ffi::c_char> = header_sources.iter().map(|c| c.as_ptr()).collect();
+    let name_ptrs: Vec<*const std::ffi::c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
+    let mut prog = std::mem::MaybeUninit::<sys::nvrtcProgram>::uninit();
+    // SAFETY: every pointer is a NUL-terminated string owned by a CString that outlives the
+    // program (NVRTC may keep them until nvrtcDestroyProgram below); the two header arrays have
+    // `headers.len()` entries each; `prog` is a valid out-pointer, initialised on success.
+    let prog = unsafe {
+        sys::nvrtcCreateProgram(
+            prog.as_mut_ptr(),
+            source.as_ptr(),
+            name.as_ptr(),
+            source_ptrs.len() as std::ffi::c_int,
+            source_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
+        )
+        .result()
+        .map_err(|e| nvrtc_error("nvrtcCreateProgram", e))?;
+        prog.assume_init()
+    };
     let outcome = (|| {
-        // SAFETY: `prog` was just created by `create_program` and is destroyed only below, after
-        // this closure; `source` and `name` outlive it.
+        // SAFETY: `prog` was just created by `nvrtcCreateProgram` and is destroyed only below, after
+        // this closure; `source`, `name` and the headers outlive it.
         let compiled = unsafe { result::compile_program(prog, &options) };
         // SAFETY: as above; the log exists after any compile attempt.
         let log = unsafe { result::get_program_log(prog) };
@@ -134,7 +160,7 @@ pub fn compile(kernel: &KernelSource, arch: Arch, target: Target) -> Result<Comp
         };
         Ok(Compiled { image, log })
     })();
-    // SAFETY: `prog` came from `create_program` and is destroyed exactly once, here.
+    // SAFETY: `prog` came from `nvrtcCreateProgram` and is destroyed exactly once, here.
     unsafe { result::destroy_program(prog) }.map_err(|e| nvrtc_error("nvrtcDestroyProgram", e))?;
     outcome
 }

@@ -1,11 +1,13 @@
 // stream-adamw device kernels: the gradient statistics pass that runs before the offloaded step.
 // partial[b] = Σ g[i]² (in f64) over the elements block b visits, reduced in a fixed order (each
-// thread's grid-stride elements in sequence, then warp shuffles, then across warps), so the
+// thread's grid-stride elements in sequence, then flatpeak_block_sum), so the
 // result is bitwise reproducible for a launch shape. A NaN or infinity anywhere makes the total
 // non-finite: that is the non-finite check, at no extra cost. Requires blockDim.x to be a
 // multiple of 32, at most 1024.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include "flatpeak/block_reduce.cuh"
 
 __device__ __forceinline__ float widen(float x) { return x; }
 __device__ __forceinline__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -13,27 +15,14 @@ __device__ __forceinline__ float widen(__half x) { return __half2float(x); }
 
 template <typename G>
 __device__ void grad_sq_partial(const G* __restrict__ g, unsigned long long n, double* __restrict__ partial) {
-    __shared__ double warp_sums[32];
     double acc = 0.0;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const double x = (double)widen(g[i]);
         acc += x * x;
     }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        acc += __shfl_down_sync(0xffffffffu, acc, offset);
-    }
-    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    if (lane == 0) warp_sums[warp] = acc;
-    __syncthreads();
-    if (warp == 0) {
-        const unsigned n_warps = blockDim.x >> 5;
-        acc = lane < n_warps ? warp_sums[lane] : 0.0;
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            acc += __shfl_down_sync(0xffffffffu, acc, offset);
-        }
-        if (lane == 0) partial[blockIdx.x] = acc;
-    }
+    acc = flatpeak_block_sum(acc);
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
 extern "C" __global__ void grad_sq_partial_f32(const float* __restrict__ g, unsigned long long n,

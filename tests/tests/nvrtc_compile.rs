@@ -140,6 +140,7 @@ fn a_broken_kernel_is_an_error_carrying_the_nvrtc_log() {
         name: "broken",
         source: "extern \"C\" __global__ void k(float* x) { x[threadIdx.x] = undefined_name; }",
         entry_points: &["k"],
+        headers: &[],
     };
     match compile(&broken, Arch::SM90, Target::Ptx) {
         Err(Error::KernelCompile { kernel, arch, log }) => {
