@@ -173,7 +173,9 @@ pub fn grad_sq_sum<G: GradElement>(grad: &[G]) -> f64 {
 pub mod reference {
     use crate::config::{AdamWConfig, Objective, Variant};
 
-    /// f64 optimizer state.
+    /// f64 optimizer state, with the magnitudes each recurrence sums (for error normalisation:
+    /// a forward error of a few ulps *of the magnitudes* is all any f32 implementation can
+    /// promise when a sum cancels, e.g. m of gradients that change sign).
     #[derive(Debug, Clone, PartialEq)]
     pub struct State {
         /// θ.
@@ -186,6 +188,10 @@ pub mod reference {
         pub max_exp_avg_sq: Vec<f64>,
         /// Steps taken.
         pub step: u64,
+        /// Σ of the magnitudes θ's recurrence adds: |θ₀|·Π decay + Σ |update| (≥ |θ|).
+        pub param_scale: Vec<f64>,
+        /// m's recurrence on |g| (≥ |m|).
+        pub exp_avg_scale: Vec<f64>,
     }
 
     impl State {
@@ -198,6 +204,8 @@ pub mod reference {
                 exp_avg_sq: vec![0.0; n],
                 max_exp_avg_sq: vec![0.0; n],
                 step: 0,
+                param_scale: param.iter().map(|&x| (x as f64).abs()).collect(),
+                exp_avg_scale: vec![0.0; n],
             }
         }
     }
@@ -211,8 +219,11 @@ pub mod reference {
         let sign = if config.objective == Objective::Maximize { -1.0 } else { 1.0 };
         for (i, &raw) in grad.iter().enumerate() {
             let g = sign * raw * grad_scale;
-            state.param[i] *= 1.0 - config.lr * config.weight_decay;
+            let decay = 1.0 - config.lr * config.weight_decay;
+            state.param[i] *= decay;
+            state.param_scale[i] *= decay.abs();
             state.exp_avg[i] += (1.0 - config.beta1) * (g - state.exp_avg[i]);
+            state.exp_avg_scale[i] = config.beta1 * state.exp_avg_scale[i] + (1.0 - config.beta1) * g.abs();
             state.exp_avg_sq[i] = config.beta2 * state.exp_avg_sq[i] + (1.0 - config.beta2) * g * g;
             let v = match config.variant {
                 Variant::Adam => state.exp_avg_sq[i],
@@ -222,7 +233,9 @@ pub mod reference {
                 }
             };
             let denom = v.sqrt() / bc2_sqrt + config.eps;
-            state.param[i] -= config.lr / bc1 * state.exp_avg[i] / denom;
+            let update = config.lr / bc1 * state.exp_avg[i] / denom;
+            state.param[i] -= update;
+            state.param_scale[i] += update.abs();
         }
     }
 }
