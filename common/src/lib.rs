@@ -11,6 +11,7 @@
 //! | [`Device`], [`cuda_available`] | `cpu` / `cuda:N`, probed without cudarc's missing-library panic |
 //! | [`Communicator`], [`LocalGroup`] | send/recv, all-to-all-v, all-reduce, barrier; P ranks as threads, failures as errors |
 //! | [`gemm`] | the CPU GEMM (AVX-512 via the `gemm` crate) behind checked strided views |
+//! | [`Link`] | the CPU fallback's copy engine: memcpy, optionally paced to a link bandwidth |
 //! | [`kernels`], `cuda` (feature) | embedded `.cu` sources, NVRTC compile, per-context kernel cache, device workspace |
 //! | `testing` (feature) | tolerance table, `PROPTEST_CASES`-aware config, seeded inputs |
 //!
@@ -40,6 +41,7 @@ pub mod dtype;
 pub mod error;
 pub mod gemm;
 pub mod kernels;
+pub mod link;
 pub mod numerics;
 pub mod peak;
 pub mod rng;
@@ -63,6 +65,7 @@ pub use comm::{Communicator, CommunicatorExt, LocalComm, LocalGroup, LocalGroupO
 pub use device::{Device, cuda_available, cuda_device_count, nvrtc_available};
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use link::Link;
 pub use numerics::relative_error;
 pub use peak::{CountingAllocator, HeapSize, Measured, PeakMeter};
 pub use rng::SplitMix64;

@@ -2,41 +2,9 @@
 //! link, and copy engines that are threads. It runs the very schedule the CUDA path runs, so the
 //! pipeline is tested end to end without a GPU.
 
-use std::time::{Duration, Instant};
-
-use bytemuck::Pod;
+pub use flatpeak_common::Link;
 
 use crate::element::{GradElement, ParamElement};
-
-/// A simulated host↔device link, one direction at a time.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub enum Link {
-    /// Copies run at host memcpy speed.
-    #[default]
-    Memcpy,
-    /// Each copy takes at least `bytes / (gbps·10⁹)` seconds (it copies, then waits out the
-    /// rest), like a DMA engine on a link of that bandwidth per direction.
-    Simulated {
-        /// Bandwidth per direction in GB/s (10⁹ B/s): PCIe Gen4 x16 ≈ 25, Gen5 x16 ≈ 50.
-        gbps: f64,
-    },
-}
-
-impl Link {
-    /// Copies `src` into `dst` (same length) as this link would; returns the time it took.
-    pub fn copy<T: Pod>(&self, src: &[T], dst: &mut [T]) -> Duration {
-        let start = Instant::now();
-        dst.copy_from_slice(src);
-        if let Link::Simulated { gbps } = *self {
-            let target = Duration::from_secs_f64(std::mem::size_of_val(src) as f64 / (gbps * 1e9));
-            let elapsed = start.elapsed();
-            if elapsed < target {
-                std::thread::sleep(target - elapsed);
-            }
-        }
-        start.elapsed()
-    }
-}
 
 /// Gradients and parameters "on the device", for the CPU fallback.
 #[derive(Debug, Clone)]

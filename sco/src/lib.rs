@@ -1,0 +1,41 @@
+//! # sco — selective checkpoint offload
+//!
+//! With activation checkpointing each layer's input (its boundary, `s = S·H·b` bytes) lives from
+//! forward to backward, so a stack of L layers holds `L·s` on the device and the peak grows with
+//! depth × sequence. SCO keeps exactly those tensors in a host arena of `L·s` bytes (allocated
+//! once) and a fixed device ring of `k_keep + max(m, d + 1)` slots (3 by default): the newest
+//! boundary stays resident, forward copies run on their own D2H engine, and backward prefetches
+//! boundary i−d on an H2D engine while layer i recomputes. Device memory for boundaries:
+//! `3·s` whatever L. The schedule changes only where tensors live, so gradients are bitwise
+//! those of plain checkpointing (and of no checkpointing, for layers whose recompute is
+//! deterministic).
+//!
+//! ```
+//! use sco::layers::ResidualMlp;
+//! use sco::{Checkpointing, CheckpointedStack, Link, OffloadOptions};
+//!
+//! let (tokens, hidden) = (16, 8);
+//! let layers: Vec<_> = (0..12).map(|l| ResidualMlp::new(tokens, hidden, 16, l)).collect();
+//! let mut stack = CheckpointedStack::new(layers, Checkpointing::Offload, OffloadOptions::default(), Link::Memcpy)?;
+//! let input: Vec<f32> = (0..tokens * hidden).map(|i| (i as f32 * 0.1).sin()).collect();
+//! let out = stack.step(&input, |y| y.iter().map(|v| 2.0 * v).collect())?;
+//! // 12 boundaries of 512 B, never more than 3 on the "device" (fewer when copies keep up).
+//! assert!(out.boundary_high_water_bytes <= 3 * tokens * hidden * 4);
+//! assert_eq!(out.param_grads.len(), 12);
+//! # Ok::<(), sco::Error>(())
+//! ```
+
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub mod cuda;
+pub mod error;
+pub mod layers;
+pub mod offloader;
+pub mod plan;
+pub mod stack;
+
+pub use error::{Error, Result};
+pub use flatpeak_common::Link;
+pub use offloader::{CheckpointOffloader, SlotReader, SlotWriter};
+pub use plan::{OffloadOptions, Plan, hide_ratio};
+pub use stack::{CheckpointedStack, Checkpointing, Layer, StepOutput};

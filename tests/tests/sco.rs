@@ -1,0 +1,189 @@
+//! sco: gradients bitwise equal with SCO, plain checkpointing and no checkpointing; the device
+//! boundary high-water equals the plan's bound for every depth; copies stay correct under
+//! stress; the pool is reused across steps; misuse is a typed error.
+
+use flatpeak_common::SplitMix64;
+use sco::layers::{AddOne, ResidualMlp};
+use sco::{CheckpointOffloader, CheckpointedStack, Checkpointing, Error, Layer, Link, OffloadOptions, Plan};
+
+const TOKENS: usize = 8;
+const HIDDEN: usize = 6;
+const INNER: usize = 10;
+
+fn mlp_stack(layers: usize, mode: Checkpointing) -> CheckpointedStack<ResidualMlp> {
+    let layers: Vec<_> =
+        (0..layers).map(|l| ResidualMlp::new(TOKENS, HIDDEN, INNER, 100 + l as u64)).collect();
+    CheckpointedStack::new(layers, mode, OffloadOptions::default(), Link::Memcpy).expect("valid stack")
+}
+
+fn loss_grad(y: &[f32]) -> Vec<f32> {
+    // d/dy of 0.5·Σ w_j y_j² with fixed weights: a non-uniform upstream gradient.
+    y.iter().enumerate().map(|(j, &v)| v * (1.0 + (j % 5) as f32 * 0.25)).collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn gradients_are_bitwise_equal_across_schedules() {
+    let input = SplitMix64::new(7).normal_f32(TOKENS * HIDDEN, 0.0, 1.0);
+    for layers in [1usize, 2, 3, 8, 33] {
+        let runs: Vec<_> = [Checkpointing::Off, Checkpointing::OnDevice, Checkpointing::Offload]
+            .into_iter()
+            .map(|mode| mlp_stack(layers, mode).step(&input, loss_grad).expect("step"))
+            .collect();
+        for other in &runs[1..] {
+            assert_eq!(bits(&other.output), bits(&runs[0].output), "L={layers}");
+            assert_eq!(bits(&other.grad_input), bits(&runs[0].grad_input), "L={layers}");
+            for (a, b) in other.param_grads.iter().zip(&runs[0].param_grads) {
+                assert_eq!(bits(a), bits(b), "L={layers}");
+            }
+        }
+        assert!(
+            runs[0].param_grads.iter().all(|g| g.iter().any(|&x| x != 0.0)),
+            "gradients are not all zero"
+        );
+    }
+}
+
+#[test]
+fn device_boundary_memory_is_the_plans_bound_for_every_depth() {
+    let input = SplitMix64::new(8).normal_f32(TOKENS * HIDDEN, 0.0, 1.0);
+    let s = TOKENS * HIDDEN * 4;
+    // Copies slower than compute (a 10 kB/s link: ~20 ms per 192 B boundary) make the ring
+    // fill up deterministically; with fast copies a step may need fewer slots than the plan.
+    let slow = Link::Simulated { gbps: 1e-5 };
+    for layers in [1usize, 2, 3, 8, 33] {
+        let stack_layers: Vec<_> =
+            (0..layers).map(|l| ResidualMlp::new(TOKENS, HIDDEN, INNER, 100 + l as u64)).collect();
+        let mut sco =
+            CheckpointedStack::new(stack_layers, Checkpointing::Offload, OffloadOptions::default(), slow)
+                .expect("valid stack");
+        let plan = sco.plan().expect("plan");
+        let out = sco.step(&input, loss_grad).expect("step");
+        assert_eq!(plan.device_bytes(), 3 * s);
+        // A stack this deep holds min(slots, L) boundaries at its peak, never more.
+        assert_eq!(out.boundary_high_water_bytes, plan.peak_slots() * s, "L={layers}");
+        assert!(out.boundary_high_water_bytes <= plan.device_bytes());
+        let plain = mlp_stack(layers, Checkpointing::OnDevice).step(&input, loss_grad).expect("step");
+        assert_eq!(plain.boundary_high_water_bytes, plan.plain_device_bytes(), "L={layers}");
+    }
+}
+
+#[test]
+fn copies_stay_correct_under_stress_and_the_pool_is_reused() {
+    // Large boundaries, trivial compute: the copy engines are the bottleneck and every slot is
+    // reused thousands of times. AddOne's backward counts any boundary that is not the one its
+    // forward saw.
+    let width = 1 << 15;
+    let layers = 6;
+    let input: Vec<f32> = (0..width).map(|j| j as f32).collect();
+    let stack_layers: Vec<_> = (0..layers).map(|l| AddOne::new(width, l)).collect();
+    let mut stack =
+        CheckpointedStack::new(stack_layers, Checkpointing::Offload, OffloadOptions::default(), Link::Memcpy)
+            .expect("valid stack");
+    for iteration in 0..1000 {
+        let out = stack.step(&input, |y| vec![1.0; y.len()]).expect("step");
+        let wrong: f32 = out.param_grads.iter().map(|g| g[0]).sum();
+        assert_eq!(wrong, 0.0, "iteration {iteration}: {wrong} elements of boundaries were wrong");
+        assert_eq!(out.output[7], 7.0 + layers as f32);
+        assert!(out.boundary_high_water_bytes <= 3 * width * 4, "iteration {iteration}");
+    }
+}
+
+#[test]
+fn deeper_prefetch_and_more_resident_boundaries_keep_their_bound() {
+    let input = SplitMix64::new(9).normal_f32(TOKENS * HIDDEN, 0.0, 1.0);
+    let reference = mlp_stack(16, Checkpointing::OnDevice).step(&input, loss_grad).expect("step");
+    for (keep_resident, in_flight, prefetch_distance) in [(1, 1, 0), (2, 2, 1), (1, 2, 3), (3, 1, 2)] {
+        let options = OffloadOptions::default()
+            .keep_resident(keep_resident)
+            .in_flight(in_flight)
+            .prefetch_distance(prefetch_distance);
+        let layers: Vec<_> =
+            (0..16).map(|l| ResidualMlp::new(TOKENS, HIDDEN, INNER, 100 + l as u64)).collect();
+        let mut stack =
+            CheckpointedStack::new(layers, Checkpointing::Offload, options, Link::Memcpy).expect("stack");
+        let out = stack.step(&input, loss_grad).expect("step");
+        let plan = stack.plan().expect("plan");
+        assert!(out.boundary_high_water_bytes <= plan.device_bytes(), "{options:?}");
+        assert_eq!(bits(&out.grad_input), bits(&reference.grad_input), "{options:?}");
+    }
+}
+
+#[test]
+fn misuse_is_a_typed_error() {
+    let plan = Plan::new(4, 10, 4, OffloadOptions::default()).expect("plan");
+    let off = CheckpointOffloader::<f32>::new(plan, Link::Memcpy);
+    assert_eq!(off.fetch(1).err(), Some(Error::NotOffloaded { layer: 1 }));
+    assert_eq!(off.prefetch(2).err(), Some(Error::NotOffloaded { layer: 2 }));
+    assert_eq!(off.release(0).err(), Some(Error::NotOffloaded { layer: 0 }));
+    assert_eq!(off.offload_copy(4, &[0.0; 10]).err(), Some(Error::LayerOutOfRange { layer: 4, layers: 4 }));
+    assert_eq!(
+        off.offload_copy(1, &[0.0; 9]).err(),
+        Some(Error::WrongSize { layer: 1, expected: 10, found: 9 })
+    );
+    off.offload_copy(1, &[1.0; 10]).expect("first offload");
+    assert_eq!(off.offload_copy(1, &[2.0; 10]).err(), Some(Error::AlreadyOffloaded { layer: 1 }));
+    assert_eq!(&*off.fetch(1).expect("fetch"), &[1.0; 10][..], "the failed double offload changed nothing");
+    // Holding more slots than the ring has, with nothing in flight to free one: an error, not a hang.
+    let held: Vec<_> = (0..2).map(|_| off.writer().expect("a free slot")).collect();
+    assert!(matches!(off.writer().err(), Some(Error::RingFull { slots: 3, .. })));
+    drop(held);
+    assert!(off.writer().is_ok(), "dropped writers return their slots");
+
+    let widths = vec![ResidualMlp::new(2, 3, 4, 1), ResidualMlp::new(2, 4, 4, 2)];
+    assert!(matches!(
+        CheckpointedStack::new(widths, Checkpointing::Offload, OffloadOptions::default(), Link::Memcpy),
+        Err(Error::WrongSize { layer: 1, expected: 6, found: 8 })
+    ));
+    let mut stack = mlp_stack(3, Checkpointing::Offload);
+    assert!(matches!(stack.step(&[0.0; 5], loss_grad), Err(Error::WrongSize { expected: 48, found: 5, .. })));
+    assert!(matches!(stack.step(&[0.0; 48], |_| vec![0.0; 3]), Err(Error::WrongSize { found: 3, .. })));
+    assert!(matches!(
+        CheckpointedStack::<ResidualMlp>::new(
+            Vec::new(),
+            Checkpointing::Offload,
+            OffloadOptions::default(),
+            Link::Memcpy
+        ),
+        Err(Error::InvalidOption { name: "layers", .. })
+    ));
+    let _ = stack.layers().len();
+    let _: &dyn Layer = &stack.layers()[0];
+}
+
+/// On a GPU: boundaries offloaded through the CUDA ring and fetched back in backward order are
+/// the ones written, the ring never holds more than its slots, and misuse is typed. Ignored
+/// without a device.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_offloader_round_trips_every_boundary() {
+    use sco::cuda::CudaCheckpointOffloader;
+    let (layers, width) = (24, 1 << 20);
+    let plan = Plan::new(layers, width, 4, OffloadOptions::default()).expect("plan");
+    let mut off = CudaCheckpointOffloader::<f32>::new(plan, 0).expect("a CUDA device");
+    let stream = off.compute_stream().clone();
+    let data: Vec<Vec<f32>> =
+        (0..layers).map(|l| SplitMix64::new(l as u64).normal_f32(width, 0.0, 1.0)).collect();
+    for step in 0..3 {
+        for (l, d) in data.iter().enumerate() {
+            stream.memcpy_htod(d, &mut off.slot_for(l).expect("slot")).expect("write boundary");
+            off.offload(l).expect("offload");
+        }
+        assert_eq!(off.offload(3).err(), Some(Error::AlreadyOffloaded { layer: 3 }));
+        for l in (0..layers).rev() {
+            if l >= 1 {
+                off.prefetch(l - 1).expect("prefetch");
+            }
+            let view = off.fetch(l).expect("fetch");
+            let back = stream.clone_dtoh(&view).expect("read boundary");
+            assert_eq!(back, data[l], "step {step} layer {l}");
+            off.release(l).expect("release");
+        }
+        off.finish_step().expect("finish");
+        assert!(off.high_water_bytes() <= plan.device_bytes());
+    }
+}
