@@ -2,6 +2,7 @@
 //! [`Component`] here; names in [`COMPONENTS`](crate::report::COMPONENTS) without one are
 //! reported as not available.
 
+pub mod ring_dtp;
 pub mod sco;
 pub mod stream_adamw;
 
@@ -49,7 +50,11 @@ pub trait Component: Sync {
 
 /// Every landed component, in the paper's order.
 pub fn landed() -> Vec<Box<dyn Component>> {
-    vec![Box::new(sco::ScoComponent), Box::new(stream_adamw::StreamAdamWComponent)]
+    vec![
+        Box::new(ring_dtp::RingDtpComponent),
+        Box::new(sco::ScoComponent),
+        Box::new(stream_adamw::StreamAdamWComponent),
+    ]
 }
 
 /// What [`select`] chose.

@@ -1,0 +1,247 @@
+//! `ring-dtp` measurements: the blocked vocabulary projection + cross-entropy against
+//! materializing fp32 logits and their fp32 gradient (same GEMM library), forward + backward,
+//! and a plan-only row with the per-rank bytes of naive, Megatron vocab-parallel, Cut
+//! Cross-Entropy and Ring-DTP at the paper's scale.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use flatpeak_common::gemm::{MatMut, MatRef, MatmulOptions, matmul};
+use flatpeak_common::{DType, Device, PeakMeter, SplitMix64, relative_error};
+use half::bf16;
+use rayon::prelude::*;
+use ring_dtp::cpu::{self, reference};
+use ring_dtp::{GradOutput, Gradients, Inputs, LinearCrossEntropy, Loss, Matrix, PaperPeaks, Plan};
+
+use super::{Component, ReportError};
+use crate::machine::{MachineInfo, median};
+use crate::report::{Comparison, Row};
+
+/// Working-set budget given to the plan (the schedule must fit it).
+pub const BUDGET: usize = 256 << 20;
+
+/// One measured workload: N tokens, D, V, one rank.
+#[derive(Debug, Clone, Copy)]
+pub struct Workload {
+    /// Tokens N.
+    pub n: usize,
+    /// Hidden size D.
+    pub d: usize,
+    /// Vocabulary V.
+    pub v: usize,
+    /// Input dtype.
+    pub dtype: DType,
+}
+
+impl Workload {
+    /// The report's workload string.
+    pub fn describe(&self) -> String {
+        format!("N={} D={} V={} P=1 {} fwd+bwd", self.n, self.d, self.v, self.dtype)
+    }
+}
+
+/// The measured workloads, then the plan-only paper row.
+pub const WORKLOADS: [Workload; 2] = [
+    Workload { n: 8192, d: 1024, v: 32768, dtype: DType::F32 },
+    Workload { n: 8192, d: 1024, v: 32768, dtype: DType::Bf16 },
+];
+
+/// The paper's shape for the plan-only row.
+pub const PAPER: (usize, usize, usize, usize) = (32_768, 5_120, 152_064, 8);
+
+fn gemm(dst: MatMut<'_, f32>, a: MatRef<'_, f32>, b: MatRef<'_, f32>) {
+    matmul(dst, a, b, MatmulOptions::default()).expect("baseline shapes agree");
+}
+
+/// The baseline: fp32 logits N×V and their fp32 gradient N×V, mean cross-entropy, then
+/// dX = G·W and dW = Gᵀ·X (the same GEMM library as the blocked path).
+pub fn materialized(
+    x: &[f32],
+    w: &[f32],
+    targets: &[i64],
+    (n, d, v): (usize, usize, usize),
+) -> (f64, Gradients) {
+    let mut logits = vec![0f32; n * v];
+    gemm(
+        MatMut::row_major(&mut logits, n, v).expect("shape"),
+        MatRef::row_major(x, n, d).expect("shape"),
+        MatRef::row_major(w, v, d).expect("shape").t(),
+    );
+    let valid = targets.iter().filter(|&&t| t >= 0).count().max(1) as f64;
+    let mut grad = vec![0f32; n * v];
+    let losses: Vec<f64> = grad
+        .par_chunks_mut(v)
+        .zip(logits.par_chunks(v))
+        .zip(targets.par_iter())
+        .map(|((g, z), &t)| {
+            let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let s: f64 = z.iter().map(|&zj| ((zj - m).exp()) as f64).sum();
+            let lse = m as f64 + s.ln();
+            if t < 0 {
+                return 0.0;
+            }
+            let c = (1.0 / valid) as f32;
+            for (gj, &zj) in g.iter_mut().zip(z) {
+                *gj = c * ((zj as f64 - lse).exp() as f32);
+            }
+            g[t as usize] -= c;
+            lse - z[t as usize] as f64
+        })
+        .collect();
+    drop(logits);
+    let mut dx = vec![0f32; n * d];
+    let mut dw = vec![0f32; v * d];
+    let g = MatRef::row_major(&grad, n, v).expect("shape");
+    gemm(MatMut::row_major(&mut dx, n, d).expect("shape"), g, MatRef::row_major(w, v, d).expect("shape"));
+    gemm(MatMut::row_major(&mut dw, v, d).expect("shape"), g.t(), MatRef::row_major(x, n, d).expect("shape"));
+    (losses.iter().sum::<f64>() / valid, Gradients { dx, dw, dbias: None })
+}
+
+/// The `flatpeak report` component.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RingDtpComponent;
+
+impl RingDtpComponent {
+    fn paper_row(&self) -> Row {
+        let (n, d, v, p) = PAPER;
+        let peaks = PaperPeaks::at(n, d, v, p);
+        let metrics = BTreeMap::from([
+            ("naive_bytes".to_string(), peaks.naive),
+            ("megatron_vocab_parallel_bytes".to_string(), peaks.megatron),
+            ("cut_cross_entropy_bytes".to_string(), peaks.cut_cross_entropy),
+            ("ring_dtp_bytes".to_string(), peaks.ring_dtp),
+            ("megatron_reduction".to_string(), 1.0 - peaks.megatron / peaks.naive),
+            ("cut_cross_entropy_reduction".to_string(), 1.0 - peaks.cut_cross_entropy / peaks.naive),
+        ]);
+        let comparison = Comparison {
+            peak_bytes_baseline: peaks.naive as u64,
+            peak_bytes: peaks.ring_dtp as u64,
+            ms_baseline: 0.0,
+            ms: 0.0,
+            max_rel_err: 0.0,
+            exact: true,
+        };
+        let mut row = Row::new(
+            self.name(),
+            &format!("N={n} D={d} V={v} P={p} bf16 (plan only, per rank)"),
+            "materialized logits (8 B/logit)",
+            comparison,
+            metrics,
+        );
+        row.speedup = 0.0; // no timing: a formula row
+        row
+    }
+}
+
+impl Component for RingDtpComponent {
+    fn name(&self) -> &'static str {
+        "ring-dtp"
+    }
+
+    fn workloads(&self) -> Vec<String> {
+        let mut w: Vec<String> = WORKLOADS.iter().map(Workload::describe).collect();
+        let (n, d, v, p) = PAPER;
+        w.push(format!("N={n} D={d} V={v} P={p} bf16 (plan only, per rank)"));
+        w
+    }
+
+    fn run(&self, index: usize, device: Device, machine: &MachineInfo) -> Result<Row, ReportError> {
+        let Some(&w) = WORKLOADS.get(index) else {
+            return Ok(self.paper_row());
+        };
+        let fail = |message: String| ReportError::Workload {
+            component: self.name().into(),
+            workload: w.describe(),
+            message,
+        };
+        if device != Device::Cpu {
+            return Err(fail("the CUDA path of ring-dtp is not built yet".into()));
+        }
+        let (n, d, v) = (w.n, w.d, w.v);
+        let mut rng = SplitMix64::new(11);
+        let x = rng.normal_f32(n * d, 0.0, 1.0);
+        let wt = rng.normal_f32(v * d, 0.0, 1.0 / (d as f32).sqrt());
+        let targets: Vec<i64> = (0..n).map(|_| rng.below(v as u64) as i64).collect();
+        let (xb, wb): (Vec<bf16>, Vec<bf16>) = match w.dtype {
+            DType::Bf16 => (
+                x.iter().map(|&a| bf16::from_f32(a)).collect(),
+                wt.iter().map(|&a| bf16::from_f32(a)).collect(),
+            ),
+            _ => (Vec::new(), Vec::new()),
+        };
+        // The baseline and the oracle see the same values the blocked path reads.
+        let (x, wt) = match w.dtype {
+            DType::Bf16 => (xb.iter().map(|a| a.to_f32()).collect(), wb.iter().map(|a| a.to_f32()).collect()),
+            _ => (x, wt),
+        };
+        let inputs = match w.dtype {
+            DType::Bf16 => Inputs::new(Matrix::Bf16(&xb), Matrix::Bf16(&wb), &targets, n, d, v),
+            _ => Inputs::new(Matrix::F32(&x), Matrix::F32(&wt), &targets, n, d, v),
+        };
+        let config = LinearCrossEntropy::default();
+        let plan = Plan::new(&config, n, d, v, w.dtype, BUDGET).map_err(|e| fail(e.to_string()))?;
+
+        let (mut t_base, mut t_ours) = (Vec::new(), Vec::new());
+        let (mut peak_base, mut peak_ours) = (0usize, 0usize);
+        let mut results = None;
+        for _ in 0..3 {
+            let start = Instant::now();
+            let base = PeakMeter::measure(|| {
+                // bf16 inputs: the baseline upcasts once (its inputs are f32 copies).
+                materialized(&x, &wt, &targets, (n, d, v)).1
+            })
+            .map_err(|e| fail(e.to_string()))?;
+            t_base.push(start.elapsed().as_secs_f64() * 1e3);
+            peak_base = peak_base.max(base.peak_bytes);
+            let start = Instant::now();
+            let ours = PeakMeter::measure(|| {
+                cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0))
+            })
+            .map_err(|e| fail(e.to_string()))?;
+            t_ours.push(start.elapsed().as_secs_f64() * 1e3);
+            peak_ours = peak_ours.max(ours.peak_bytes);
+            results = Some((base.value, ours.value.map_err(|e| fail(e.to_string()))?));
+        }
+        let Some((base, (fwd, grads))) = results else { return Err(fail("no round ran".into())) };
+        let (ms_base, ms_ours) = (median(&mut t_base), median(&mut t_ours));
+
+        // Exactness: 64 tokens against the f64 oracle (their lse and dX rows), and dW against
+        // the materialized f32 baseline.
+        let sub = 64;
+        let sub_inputs =
+            Inputs::new(Matrix::F32(&x[..sub * d]), Matrix::F32(&wt), &targets[..sub], sub, d, v);
+        let oracle = reference::run(&sub_inputs, &config, GradOutput::Scalar(1.0), None);
+        let scale = sub as f64 / n as f64; // mean over n vs over the subset
+        let want_dx: Vec<f64> = oracle.dx.iter().map(|g| g * scale).collect();
+        let err_lse = relative_error(&fwd.lse[..sub], &oracle.lse);
+        let err_dx = relative_error(&grads.dx[..sub * d], &want_dx);
+        let err_dw = relative_error(&grads.dw, &base.dw.iter().map(|&g| g as f64).collect::<Vec<_>>());
+        let max_rel_err = err_lse.max(err_dx).max(err_dw);
+        let Loss::Scalar(_) = fwd.loss else { return Err(fail("mean loss expected".into())) };
+
+        let flops = plan.gemms_fused() as f64 * 2.0 * (n * v * d) as f64;
+        let metrics = BTreeMap::from([
+            ("gemm_efficiency".to_string(), flops / (ms_ours / 1e3) / 1e9 / machine.gemm_f32_gflops),
+            (
+                "gemm_efficiency_baseline".to_string(),
+                3.0 * 2.0 * (n * v * d) as f64 / (ms_base / 1e3) / 1e9 / machine.gemm_f32_gflops,
+            ),
+            ("gemms".to_string(), plan.gemms_fused() as f64),
+            ("token_block".to_string(), plan.token_block() as f64),
+            ("vocab_block".to_string(), plan.vocab_block() as f64),
+            ("workspace_bytes".to_string(), plan.workspace_bytes() as f64),
+            ("rel_err_lse_vs_f64".to_string(), err_lse),
+            ("rel_err_dx_vs_f64".to_string(), err_dx),
+            ("rel_err_dw_vs_baseline".to_string(), err_dw),
+        ]);
+        let comparison = Comparison {
+            peak_bytes_baseline: peak_base as u64,
+            peak_bytes: peak_ours as u64,
+            ms_baseline: ms_base,
+            ms: ms_ours,
+            max_rel_err,
+            exact: max_rel_err <= 1e-5,
+        };
+        Ok(Row::new(self.name(), &w.describe(), "materialized logits", comparison, metrics))
+    }
+}

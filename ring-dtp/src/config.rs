@@ -1,0 +1,111 @@
+//! What the loss computes: `LinearCrossEntropy`, with the features users of Cut Cross-Entropy
+//! and Liger expect, each off by default.
+//!
+//! For a valid token i (target y ≠ ignore_index) with logits `z = softcap(x_i·Wᵀ + b)`:
+//! `lse = log Σ_j e^{z_j}`,
+//! `ℓ_i = ω_i·(lse − (1−α)·z_y − (α/V)·Σ_j z_j + λ·lse²)` (α label smoothing, λ z-loss,
+//! ω per-token weight, 1 by default); ignored tokens contribute 0. Mean divides Σℓ by the sum of
+//! the valid tokens' weights (0 when there is none: an all-ignored batch has loss 0, no NaN).
+
+use crate::error::{Error, Result};
+
+/// How per-token losses are combined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reduction {
+    /// Σℓ_i / Σ_valid ω_i.
+    #[default]
+    Mean,
+    /// Σℓ_i.
+    Sum,
+    /// Per-token ℓ_i, with a per-token `grad_output` in backward.
+    None,
+}
+
+/// Logit soft-capping (Gemma 2): `z = cap·tanh(u/cap)`.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Softcap {
+    /// Logits as projected.
+    #[default]
+    Off,
+    /// `z = cap·tanh(u/cap)`, cap > 0.
+    Tanh {
+        /// The cap.
+        cap: f32,
+    },
+}
+
+/// The loss's options. Defaults: ignore_index −100, mean, no smoothing, no z-loss, no softcap,
+/// no shift.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct LinearCrossEntropy {
+    /// Targets equal to this are skipped (loss 0, gradient 0).
+    pub ignore_index: i64,
+    /// Mean, sum or none.
+    pub reduction: Reduction,
+    /// Label smoothing α ∈ [0, 1).
+    pub label_smoothing: f32,
+    /// z-loss coefficient λ ≥ 0 (adds λ·lse² per token).
+    pub z_loss: f32,
+    /// Logit soft-capping.
+    pub softcap: Softcap,
+    /// Row i predicts `targets[i + shift]` (the last `shift` rows predict nothing), without
+    /// copying X: a causal LM's shift.
+    pub shift: usize,
+}
+
+impl Default for LinearCrossEntropy {
+    fn default() -> Self {
+        Self {
+            ignore_index: -100,
+            reduction: Reduction::Mean,
+            label_smoothing: 0.0,
+            z_loss: 0.0,
+            softcap: Softcap::Off,
+            shift: 0,
+        }
+    }
+}
+
+impl LinearCrossEntropy {
+    /// Defaults with this reduction.
+    pub fn with_reduction(reduction: Reduction) -> Self {
+        Self { reduction, ..Self::default() }
+    }
+
+    /// Checks every option's domain (NaN is never valid).
+    pub fn validate(&self) -> Result<()> {
+        let bad =
+            |name, value: f32, expected| Err(Error::InvalidOption { name, value: value as f64, expected });
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            return bad("label_smoothing", self.label_smoothing, "a value in [0, 1)");
+        }
+        if !(self.z_loss >= 0.0 && self.z_loss.is_finite()) {
+            return bad("z_loss", self.z_loss, "a finite value ≥ 0");
+        }
+        if let Softcap::Tanh { cap } = self.softcap
+            && !(cap > 0.0 && cap.is_finite())
+        {
+            return bad("softcap", cap, "a finite value > 0");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation() {
+        assert!(LinearCrossEntropy::default().validate().is_ok());
+        let mut c = LinearCrossEntropy { label_smoothing: 1.0, ..Default::default() };
+        assert!(matches!(c.validate(), Err(Error::InvalidOption { name: "label_smoothing", .. })));
+        c.label_smoothing = 0.1;
+        c.z_loss = f32::NAN;
+        assert!(matches!(c.validate(), Err(Error::InvalidOption { name: "z_loss", .. })));
+        c.z_loss = 0.0;
+        c.softcap = Softcap::Tanh { cap: 0.0 };
+        assert!(matches!(c.validate(), Err(Error::InvalidOption { name: "softcap", .. })));
+    }
+}

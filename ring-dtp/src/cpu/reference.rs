@@ -1,0 +1,111 @@
+//! The oracle: materialized logits in f64, the loss and its gradient straight from the
+//! definitions in `config.rs`. O(N·V) memory; for tests and error measurement only.
+
+use crate::config::{LinearCrossEntropy, Reduction, Softcap};
+use crate::inputs::{GradOutput, Inputs, Matrix};
+
+/// f64 results of the reference.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reference {
+    /// Per-token losses ℓ_i (0 when ignored).
+    pub per_token: Vec<f64>,
+    /// Reduced loss (for mean/sum; the sum for none).
+    pub loss: f64,
+    /// Per-token lse (every row, ignored ones too).
+    pub lse: Vec<f64>,
+    /// dX, N×D.
+    pub dx: Vec<f64>,
+    /// dW, V×D.
+    pub dw: Vec<f64>,
+    /// dbias, V.
+    pub dbias: Vec<f64>,
+}
+
+fn to_f64(m: &Matrix<'_>) -> Vec<f64> {
+    match m {
+        Matrix::F32(v) => v.iter().map(|&x| x as f64).collect(),
+        Matrix::Bf16(v) => v.iter().map(|x| x.to_f64()).collect(),
+    }
+}
+
+/// Forward and backward in f64. `grad` is the upstream gradient (its kind must fit the
+/// reduction); `dlse` an optional gradient of the lse output.
+pub fn run(
+    inputs: &Inputs<'_>,
+    config: &LinearCrossEntropy,
+    grad: GradOutput<'_>,
+    dlse: Option<&[f32]>,
+) -> Reference {
+    let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+    let (x, w) = (to_f64(&inputs.x), to_f64(&inputs.w));
+    let alpha = config.label_smoothing as f64;
+    let lambda = config.z_loss as f64;
+    let valid_weight = inputs.valid_weight(config);
+    let mut r = Reference {
+        per_token: vec![0.0; n],
+        loss: 0.0,
+        lse: vec![0.0; n],
+        dx: vec![0.0; n * d],
+        dw: vec![0.0; v * d],
+        dbias: vec![0.0; v],
+    };
+    let mut z = vec![0.0f64; v];
+    let mut u = vec![0.0f64; v];
+    for i in 0..n {
+        let target = inputs.target(config, i);
+        let extra = dlse.map_or(0.0, |g| g[i] as f64);
+        for j in 0..v {
+            u[j] = (0..d).map(|k| x[i * d + k] * w[j * d + k]).sum::<f64>()
+                + inputs.bias.map_or(0.0, |b| b[j] as f64);
+            z[j] = match config.softcap {
+                Softcap::Off => u[j],
+                Softcap::Tanh { cap } => cap as f64 * (u[j] / cap as f64).tanh(),
+            };
+        }
+        let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + z.iter().map(|&zj| (zj - m).exp()).sum::<f64>().ln();
+        let omega = inputs.weight(i) as f64;
+        let coef = match (target, config.reduction, grad) {
+            (None, _, _) => 0.0,
+            (Some(_), Reduction::Mean, GradOutput::Scalar(g)) if valid_weight > 0.0 => {
+                g as f64 * omega / valid_weight
+            }
+            (Some(_), Reduction::Sum, GradOutput::Scalar(g)) => g as f64 * omega,
+            (Some(_), Reduction::None, GradOutput::PerToken(g)) => g[i] as f64 * omega,
+            _ => 0.0,
+        };
+        r.lse[i] = lse;
+        if let Some(y) = target {
+            let zsum: f64 = z.iter().sum();
+            r.per_token[i] =
+                omega * (lse - (1.0 - alpha) * z[y] - alpha / v as f64 * zsum + lambda * lse * lse);
+        }
+        for j in 0..v {
+            let p = (z[j] - lse).exp();
+            let onehot = if Some(j) == target { 1.0 } else { 0.0 };
+            let mut g =
+                coef * (p - (1.0 - alpha) * onehot - alpha / v as f64 + 2.0 * lambda * lse * p) + extra * p;
+            if let Softcap::Tanh { cap } = config.softcap {
+                let t = z[j] / cap as f64;
+                g *= 1.0 - t * t;
+            }
+            r.dbias[j] += g;
+            for k in 0..d {
+                r.dx[i * d + k] += g * w[j * d + k];
+                r.dw[j * d + k] += g * x[i * d + k];
+            }
+        }
+    }
+    let total: f64 = r.per_token.iter().sum();
+    r.loss = match config.reduction {
+        Reduction::Mean => {
+            if valid_weight > 0.0 {
+                total / valid_weight
+            } else {
+                0.0
+            }
+        }
+        Reduction::Sum | Reduction::None => total,
+    };
+    r
+}

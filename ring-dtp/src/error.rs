@@ -1,0 +1,67 @@
+//! The one error type of `ring-dtp`; every variant carries the offending values.
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Bad input, a budget too small for any schedule, or a failure below.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A target outside `0..V` that is not `ignore_index`.
+    #[error("target {target} of token {token} is outside 0..{vocab} and is not ignore_index")]
+    TargetOutOfRange {
+        /// The token (row of X).
+        token: usize,
+        /// Its target.
+        target: i64,
+        /// The vocabulary size V.
+        vocab: usize,
+    },
+    /// A buffer of the wrong length.
+    #[error("shape mismatch for {what}: expected {expected} elements, found {found}")]
+    ShapeMismatch {
+        /// Which buffer.
+        what: &'static str,
+        /// Elements the shapes call for.
+        expected: usize,
+        /// Elements given.
+        found: usize,
+    },
+    /// X and W of different element types.
+    #[error("dtype mismatch: x is {x}, w is {w}")]
+    DtypeMismatch {
+        /// X's dtype.
+        x: flatpeak_common::DType,
+        /// W's dtype.
+        w: flatpeak_common::DType,
+    },
+    /// An option outside its domain.
+    #[error("invalid option {name} = {value}: expected {expected}")]
+    InvalidOption {
+        /// Which option.
+        name: &'static str,
+        /// The value given.
+        value: f64,
+        /// Its domain, in words.
+        expected: &'static str,
+    },
+    /// The byte budget cannot hold even the smallest schedule.
+    #[error("budget of {budget} B is below the smallest schedule's {needed} B ({what})")]
+    BudgetTooSmall {
+        /// The budget given.
+        budget: usize,
+        /// What the smallest schedule needs.
+        needed: usize,
+        /// Which schedule that is.
+        what: &'static str,
+    },
+    /// `grad_output` of the wrong kind for the reduction.
+    #[error("grad_output must be {expected} for this reduction")]
+    GradOutputKind {
+        /// What the reduction needs.
+        expected: &'static str,
+    },
+    /// An error from the shared foundation (workspace, communicator, CUDA).
+    #[error(transparent)]
+    Common(#[from] flatpeak_common::Error),
+}

@@ -1,0 +1,184 @@
+//! The tensors one call reads and the results it returns.
+
+use flatpeak_common::DType;
+use half::bf16;
+
+use crate::config::LinearCrossEntropy;
+use crate::error::{Error, Result};
+
+/// A row-major matrix in f32 or bf16 (accumulation is f32 either way).
+#[derive(Debug, Clone, Copy)]
+pub enum Matrix<'a> {
+    /// f32 elements.
+    F32(&'a [f32]),
+    /// bf16 elements, upcast exactly per block.
+    Bf16(&'a [bf16]),
+}
+
+impl Matrix<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Matrix::F32(m) => m.len(),
+            Matrix::Bf16(m) => m.len(),
+        }
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Matrix::F32(_) => DType::F32,
+            Matrix::Bf16(_) => DType::Bf16,
+        }
+    }
+    /// Rows `rows` (of width `cols`) as f32 into `out`.
+    pub fn rows_f32(&self, rows: std::ops::Range<usize>, cols: usize, out: &mut [f32]) {
+        let (a, b) = (rows.start * cols, rows.end * cols);
+        match self {
+            Matrix::F32(m) => out[..b - a].copy_from_slice(&m[a..b]),
+            Matrix::Bf16(m) => out[..b - a].iter_mut().zip(&m[a..b]).for_each(|(o, x)| *o = x.to_f32()),
+        }
+    }
+}
+
+/// One call's inputs: X (N×D), W (V×D), optional bias (V), targets (N), optional per-token
+/// weights (N).
+#[derive(Debug, Clone, Copy)]
+pub struct Inputs<'a> {
+    /// Hidden states, N×D row-major.
+    pub x: Matrix<'a>,
+    /// Projection, V×D row-major.
+    pub w: Matrix<'a>,
+    /// Bias, V.
+    pub bias: Option<&'a [f32]>,
+    /// Target ids, N (see `LinearCrossEntropy::shift`).
+    pub targets: &'a [i64],
+    /// Per-token weights ω, N.
+    pub weights: Option<&'a [f32]>,
+    /// Tokens N.
+    pub n: usize,
+    /// Hidden size D.
+    pub d: usize,
+    /// Vocabulary V.
+    pub v: usize,
+}
+
+impl<'a> Inputs<'a> {
+    /// Inputs without bias or weights.
+    pub fn new(x: Matrix<'a>, w: Matrix<'a>, targets: &'a [i64], n: usize, d: usize, v: usize) -> Self {
+        Self { x, w, bias: None, targets, weights: None, n, d, v }
+    }
+    /// These inputs with a bias.
+    pub fn with_bias(self, bias: &'a [f32]) -> Self {
+        Self { bias: Some(bias), ..self }
+    }
+    /// These inputs with per-token weights.
+    pub fn with_weights(self, weights: &'a [f32]) -> Self {
+        Self { weights: Some(weights), ..self }
+    }
+
+    /// Checks shapes, dtypes and targets against `config`.
+    pub fn validate(&self, config: &LinearCrossEntropy) -> Result<()> {
+        let check = |what, expected: usize, found: usize| {
+            if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, found }) }
+        };
+        check("x (n·d)", self.n * self.d, self.x.len())?;
+        check("w (v·d)", self.v * self.d, self.w.len())?;
+        check("targets (n)", self.n, self.targets.len())?;
+        if let Some(b) = self.bias {
+            check("bias (v)", self.v, b.len())?;
+        }
+        if let Some(w) = self.weights {
+            check("weights (n)", self.n, w.len())?;
+        }
+        if self.x.dtype() != self.w.dtype() {
+            return Err(Error::DtypeMismatch { x: self.x.dtype(), w: self.w.dtype() });
+        }
+        for (token, &target) in self.targets.iter().enumerate() {
+            if target != config.ignore_index && !(0..self.v as i64).contains(&target) {
+                return Err(Error::TargetOutOfRange { token, target, vocab: self.v });
+            }
+        }
+        Ok(())
+    }
+
+    /// The target row `i` predicts, or `None` when it is ignored (ignore_index, or past the end
+    /// after the shift).
+    pub fn target(&self, config: &LinearCrossEntropy, i: usize) -> Option<usize> {
+        let t = *self.targets.get(i + config.shift)?;
+        (t != config.ignore_index).then_some(t as usize)
+    }
+
+    /// ω_i (1 without weights).
+    pub fn weight(&self, i: usize) -> f32 {
+        self.weights.map_or(1.0, |w| w[i])
+    }
+
+    /// Σ of the valid rows' weights: the mean's denominator.
+    pub fn valid_weight(&self, config: &LinearCrossEntropy) -> f64 {
+        (0..self.n).filter(|&i| self.target(config, i).is_some()).map(|i| self.weight(i) as f64).sum()
+    }
+}
+
+/// The loss: one number, or one per token.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Loss {
+    /// Mean or sum.
+    Scalar(f64),
+    /// Per-token losses (0 for ignored tokens).
+    PerToken(Vec<f32>),
+}
+
+impl flatpeak_common::HeapSize for Loss {
+    fn heap_bytes(&self) -> usize {
+        match self {
+            Loss::Scalar(_) => 0,
+            Loss::PerToken(v) => v.heap_bytes(),
+        }
+    }
+}
+
+/// What forward returns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Forward {
+    /// The loss.
+    pub loss: Loss,
+    /// Per-row log-sum-exp, every row (ignored rows too): saved for backward, and differentiable
+    /// through `backward`'s `dlse`.
+    pub lse: Vec<f32>,
+}
+
+impl flatpeak_common::HeapSize for Forward {
+    fn heap_bytes(&self) -> usize {
+        self.loss.heap_bytes() + self.lse.heap_bytes()
+    }
+}
+
+/// The upstream gradient of the loss.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GradOutput<'a> {
+    /// d(loss) for mean and sum.
+    Scalar(f32),
+    /// d(ℓ_i) per token, for reduction none.
+    PerToken(&'a [f32]),
+}
+
+/// What backward returns: fp32 gradients.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gradients {
+    /// dX, N×D.
+    pub dx: Vec<f32>,
+    /// dW, V×D.
+    pub dw: Vec<f32>,
+    /// d(bias), V (when there is a bias).
+    pub dbias: Option<Vec<f32>>,
+}
+
+impl flatpeak_common::HeapSize for Gradients {
+    fn heap_bytes(&self) -> usize {
+        self.dx.heap_bytes() + self.dw.heap_bytes() + self.dbias.heap_bytes()
+    }
+}

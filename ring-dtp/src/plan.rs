@@ -1,0 +1,235 @@
+//! Pure sizing: token and vocabulary block sizes from a byte budget, the schedule (keep a token
+//! block's full-vocabulary logits, 3 GEMMs fused; or vocabulary blocks, 4 GEMMs), and the
+//! working set, fixed before anything runs. Also the per-rank peak formulas of the paper's
+//! comparison (naive, Megatron vocab-parallel, Cut Cross-Entropy, Ring-DTP).
+//!
+//! Working set (f32): logits block `Vb·C`, an X block `C·D`, a W block `Vb·D` when W is bf16
+//! (upcast); nothing grows with N but the per-token statistics (`PER_TOKEN_BYTES`·N, besides
+//! the lse output), plus the CPU GEMM's own packing buffers.
+
+use flatpeak_common::DType;
+use flatpeak_common::arena::REGION_ALIGN;
+
+use crate::config::LinearCrossEntropy;
+use crate::error::{Error, Result};
+
+/// Bytes of per-token state besides the outputs: the fold's running max (f32), sum-exp (f64),
+/// target logit (f32) and Σz (f64, for label smoothing), and the gradient scale c_i (f32).
+pub const PER_TOKEN_BYTES: usize = 28;
+
+/// Bound on the CPU GEMM's packing buffers per thread.
+pub const CPU_GEMM_SCRATCH_PER_THREAD: usize = 1 << 20;
+
+/// Token block sizes tried, largest first: wider blocks mean fewer passes over W and dW.
+const TOKEN_BLOCKS: [usize; 7] = [1024, 512, 256, 128, 64, 32, 16];
+/// Fewest tokens per block for which the full-vocabulary schedule is preferred outright.
+const MIN_FULL_VOCAB_TOKENS: usize = 256;
+/// Smallest vocabulary block of the blocked schedule.
+const MIN_VOCAB_BLOCK: usize = 64;
+
+/// How logits are formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    /// A token block's logits over the whole vocabulary fit: forward + backward fused in one
+    /// pass costs 3 GEMMs (logits, dX, dW).
+    FullVocab,
+    /// Vocabulary blocks: a forward fold pass, then a backward pass recomputing logits (4 GEMMs).
+    VocabBlocked,
+}
+
+/// Block sizes and working set of one call shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    n: usize,
+    d: usize,
+    v: usize,
+    dtype: DType,
+    token_block: usize,
+    vocab_block: usize,
+    schedule: Schedule,
+}
+
+fn block_bytes(c: usize, vb: usize, d: usize, dtype: DType) -> usize {
+    let w_upcast = if dtype == DType::F32 { 0 } else { vb * d };
+    // logits, X block and W block (bf16 only), each region aligned.
+    4 * (vb * c + c * d + w_upcast) + 3 * REGION_ALIGN
+}
+
+impl Plan {
+    /// Chooses blocks for N tokens, hidden size D, vocabulary V and input dtype within
+    /// `budget_bytes` of working set; [`Error::BudgetTooSmall`] when not even 16 tokens × 64
+    /// vocabulary rows fit.
+    pub fn new(
+        config: &LinearCrossEntropy,
+        n: usize,
+        d: usize,
+        v: usize,
+        dtype: DType,
+        budget_bytes: usize,
+    ) -> Result<Self> {
+        config.validate()?;
+        let plan = |token_block: usize, vocab_block: usize, schedule| Self {
+            n,
+            d,
+            v,
+            dtype,
+            token_block,
+            vocab_block,
+            schedule,
+        };
+        let cap = |c: usize| c.min(n.max(1));
+        // First the full-vocabulary schedule with wide token blocks (one GEMM fewer, and a bf16
+        // W upcast once per call); then the widest token blocks over the largest vocabulary
+        // blocks that fit (each token block reads all of W once, so few blocks matter most).
+        let v1 = v.max(1);
+        let wide = MIN_FULL_VOCAB_TOKENS.min(n.max(1));
+        for c in TOKEN_BLOCKS.map(cap).into_iter().filter(|&c| c >= wide) {
+            if block_bytes(c, v1, d, dtype) <= budget_bytes {
+                return Ok(plan(c, v1, Schedule::FullVocab));
+            }
+        }
+        for c in TOKEN_BLOCKS.map(cap) {
+            let mut vb = v1;
+            loop {
+                if block_bytes(c, vb, d, dtype) <= budget_bytes {
+                    let schedule = if vb == v1 { Schedule::FullVocab } else { Schedule::VocabBlocked };
+                    return Ok(plan(c, vb, schedule));
+                }
+                let next = if vb == v1 { v1.next_power_of_two() / 2 } else { vb / 2 };
+                if next < MIN_VOCAB_BLOCK.min(v1) || next == 0 || next >= vb {
+                    break;
+                }
+                vb = next;
+            }
+        }
+        let needed = block_bytes(cap(16), MIN_VOCAB_BLOCK.min(v1), d, dtype);
+        Err(Error::BudgetTooSmall { budget: budget_bytes, needed, what: "16 tokens x 64 vocabulary rows" })
+    }
+
+    /// Tokens N.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    /// Hidden size D.
+    pub fn d(&self) -> usize {
+        self.d
+    }
+    /// Vocabulary V.
+    pub fn v(&self) -> usize {
+        self.v
+    }
+    /// Input dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Tokens per block, C.
+    pub fn token_block(&self) -> usize {
+        self.token_block
+    }
+    /// Vocabulary rows per block, Vb (= V for the full-vocabulary schedule).
+    pub fn vocab_block(&self) -> usize {
+        self.vocab_block
+    }
+    /// The schedule.
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+    }
+    /// Bytes reserved at launch for blocks; independent of N.
+    pub fn workspace_bytes(&self) -> usize {
+        block_bytes(self.token_block, self.vocab_block, self.d, self.dtype)
+    }
+    /// The CPU GEMM's own buffers, independent of N: packed operand panels (≈ 0.5 MiB per
+    /// thread measured here, bounded by `CPU_GEMM_SCRATCH_PER_THREAD`) and the whole-operand
+    /// copy it makes of a transposed left operand (the dW GEMM's Gᵀ, done in vocabulary
+    /// sub-blocks of `DW_SUB_BLOCK` rows: `4·C·DW_SUB_BLOCK` bytes).
+    pub fn cpu_gemm_scratch_bytes(&self) -> usize {
+        let transposed_copy = 4 * self.token_block * crate::cpu::DW_SUB_BLOCK.min(self.vocab_block);
+        CPU_GEMM_SCRATCH_PER_THREAD * rayon::current_num_threads() + transposed_copy
+    }
+    /// The per-token statistics besides the workspace: `PER_TOKEN_BYTES·N`.
+    pub fn per_token_bytes(&self) -> usize {
+        PER_TOKEN_BYTES * self.n
+    }
+    /// GEMMs per forward + backward: 3 fused on the full-vocabulary schedule, else 4.
+    pub fn gemms_fused(&self) -> usize {
+        match self.schedule {
+            Schedule::FullVocab => 3,
+            Schedule::VocabBlocked => 4,
+        }
+    }
+}
+
+/// Per-rank peak bytes of the vocabulary projection + loss, forward and backward, by formula
+/// (DESIGN.md § ring-dtp, research/vocab.md), for N tokens over P ranks (n = N/P tokens and
+/// v = ⌈V/P⌉ vocabulary rows per rank) and hidden size D with bf16 inputs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PaperPeaks {
+    /// A data-parallel rank materializing its n tokens' fp32 logits and their gradient: 8·n·V.
+    pub naive: f64,
+    /// Megatron vocab-parallel CE (TP + SP): 6·N·V/P + 2·N·D.
+    pub megatron: f64,
+    /// Cut Cross-Entropy on a rank's n tokens with bf16 dC and dE: 4n + 4V + 2·V·D + 2·n·D.
+    pub cut_cross_entropy: f64,
+    /// Ring-DTP, weight ring, one buffer each: 2·v·D (bf16 W) + 4·v·D (fp32 dW) + 4·n·D + 12·n.
+    pub ring_dtp: f64,
+}
+
+impl PaperPeaks {
+    /// The formulas at N tokens, D, V, P ranks.
+    pub fn at(n_total: usize, d: usize, v: usize, p: usize) -> Self {
+        let (nt, d, v, p) = (n_total as f64, d as f64, v as f64, p.max(1) as f64);
+        let n = nt / p;
+        let vs = (v / p).ceil();
+        Self {
+            naive: 8.0 * n * v,
+            megatron: 6.0 * nt * v / p + 2.0 * nt * d,
+            cut_cross_entropy: 4.0 * n + 4.0 * v + 2.0 * v * d + 2.0 * n * d,
+            ring_dtp: 2.0 * vs * d + 4.0 * vs * d + 4.0 * n * d + 12.0 * n,
+        }
+    }
+
+    /// `1 − ring_dtp / naive`.
+    pub fn ring_reduction(&self) -> f64 {
+        1.0 - self.ring_dtp / self.naive
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_picks_the_schedule() {
+        let cfg = LinearCrossEntropy::default();
+        let big = Plan::new(&cfg, 8192, 1024, 32768, DType::F32, 1 << 30).unwrap();
+        assert_eq!(
+            (big.schedule(), big.token_block(), big.vocab_block()),
+            (Schedule::FullVocab, 1024, 32768)
+        );
+        let small = Plan::new(&cfg, 8192, 1024, 32768, DType::F32, 8 << 20).unwrap();
+        assert_eq!(small.schedule(), Schedule::VocabBlocked);
+        assert!(small.workspace_bytes() <= 8 << 20);
+        let err = Plan::new(&cfg, 8192, 1024, 32768, DType::F32, 1000).unwrap_err();
+        assert!(matches!(err, Error::BudgetTooSmall { budget: 1000, .. }));
+    }
+
+    #[test]
+    fn workspace_does_not_grow_with_tokens() {
+        let cfg = LinearCrossEntropy::default();
+        let a = Plan::new(&cfg, 1 << 10, 512, 4096, DType::Bf16, 64 << 20).unwrap();
+        let b = Plan::new(&cfg, 1 << 20, 512, 4096, DType::Bf16, 64 << 20).unwrap();
+        assert_eq!(a.workspace_bytes(), b.workspace_bytes());
+        assert_eq!(b.per_token_bytes() - a.per_token_bytes(), PER_TOKEN_BYTES * ((1 << 20) - (1 << 10)));
+    }
+
+    #[test]
+    fn the_papers_86_6_percent() {
+        // N = 32,768, V = 152,064 (Qwen2.5), D = 5,120: 1 − 0.75·D/N − D/(2V) = 86.6%, any P.
+        for p in [1, 8] {
+            let peaks = PaperPeaks::at(32_768, 5_120, 152_064, p);
+            let want = 1.0 - 0.75 * 5120.0 / 32768.0 - 5120.0 / (2.0 * 152_064.0);
+            assert!((peaks.ring_reduction() - want).abs() < 2e-4, "P={p}: {}", peaks.ring_reduction());
+        }
+        assert!((PaperPeaks::at(32_768, 5_120, 152_064, 8).ring_reduction() - 0.866).abs() < 5e-4);
+    }
+}

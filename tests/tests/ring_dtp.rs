@@ -1,0 +1,264 @@
+//! ring-dtp against the f64 reference with materialized logits: ragged shapes, ignored rows and
+//! an all-ignored batch, every feature on and off, per-token backward for reduction none, f32
+//! and bf16 inputs, both schedules (budget-driven); bitwise reproducibility; typed errors.
+
+use flatpeak_common::testing::{SplitMix64, proptest_config};
+use flatpeak_common::{DType, relative_error};
+use half::bf16;
+use proptest::prelude::*;
+use ring_dtp::cpu::{self, reference};
+use ring_dtp::{
+    Error, GradOutput, Inputs, LinearCrossEntropy, Loss, Matrix, Plan, Reduction, Schedule, Softcap,
+};
+
+const TOL: f64 = 1e-5;
+
+#[derive(Debug, Clone)]
+struct Case {
+    n: usize,
+    d: usize,
+    v: usize,
+    x: Vec<f32>,
+    w: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    weights: Option<Vec<f32>>,
+    targets: Vec<i64>,
+    grad_tokens: Vec<f32>,
+    dlse: Option<Vec<f32>>,
+}
+
+fn make_case(n: usize, d: usize, v: usize, seed: u64, ignored: f64, extras: (bool, bool, bool)) -> Case {
+    let mut rng = SplitMix64::new(seed);
+    let x = rng.normal_f32(n * d, 0.0, 1.0);
+    // W ~ N(0, 1/D) with some rows copied from X so a few logits are peaked (CCE's recipe).
+    let mut w = rng.normal_f32(v * d, 0.0, 1.0 / (d as f32).sqrt());
+    for j in (0..v).step_by(7) {
+        let i = (j * 13) % n;
+        w[j * d..(j + 1) * d].copy_from_slice(&x[i * d..(i + 1) * d]);
+    }
+    let targets =
+        (0..n).map(|_| if rng.next_f64() < ignored { -100 } else { rng.below(v as u64) as i64 }).collect();
+    Case {
+        n,
+        d,
+        v,
+        x,
+        w,
+        bias: extras.0.then(|| rng.normal_f32(v, 0.0, 0.5)),
+        weights: extras.1.then(|| rng.uniform_f32(n, 0.25, 2.0)),
+        targets,
+        grad_tokens: rng.uniform_f32(n, -1.0, 1.0),
+        dlse: extras.2.then(|| rng.normal_f32(n, 0.0, 0.1)),
+    }
+}
+
+fn inputs<'a>(c: &'a Case, x: Matrix<'a>, w: Matrix<'a>) -> Inputs<'a> {
+    let mut i = Inputs::new(x, w, &c.targets, c.n, c.d, c.v);
+    if let Some(b) = &c.bias {
+        i = i.with_bias(b);
+    }
+    if let Some(wt) = &c.weights {
+        i = i.with_weights(wt);
+    }
+    i
+}
+
+fn grad_of<'a>(config: &LinearCrossEntropy, c: &'a Case) -> GradOutput<'a> {
+    match config.reduction {
+        Reduction::None => GradOutput::PerToken(&c.grad_tokens),
+        _ => GradOutput::Scalar(0.7),
+    }
+}
+
+fn check(what: &str, got: &[f32], want: &[f64]) -> Result<(), TestCaseError> {
+    let err = relative_error(got, want);
+    prop_assert!(err <= TOL, "{} relative error {:e}", what, err);
+    Ok(())
+}
+
+fn check_loss(
+    config: &LinearCrossEntropy,
+    got: &Loss,
+    r: &reference::Reference,
+) -> Result<(), TestCaseError> {
+    match (config.reduction, got) {
+        (Reduction::None, Loss::PerToken(l)) => check("per-token loss", l, &r.per_token),
+        (_, Loss::Scalar(l)) => {
+            let err = (l - r.loss).abs() / r.loss.abs().max(1e-30);
+            prop_assert!(err <= TOL || (l - r.loss).abs() < 1e-12, "loss {} vs {}", l, r.loss);
+            Ok(())
+        }
+        _ => Err(TestCaseError::fail("loss kind does not match the reduction")),
+    }
+}
+
+/// Runs the case through forward + backward (separately, with dlse) and fused, on f32 or bf16
+/// inputs, against the reference fed the same (exactly upcast) values.
+fn run_case(
+    c: &Case,
+    config: &LinearCrossEntropy,
+    dtype: DType,
+    budget: usize,
+) -> Result<Schedule, TestCaseError> {
+    let (xb, wb): (Vec<bf16>, Vec<bf16>) =
+        (c.x.iter().map(|&v| bf16::from_f32(v)).collect(), c.w.iter().map(|&v| bf16::from_f32(v)).collect());
+    let (x, w) = match dtype {
+        DType::Bf16 => (Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
+        _ => (Matrix::F32(&c.x), Matrix::F32(&c.w)),
+    };
+    let inp = inputs(c, x, w);
+    let plan = Plan::new(config, c.n, c.d, c.v, dtype, budget).expect("budget holds the smallest schedule");
+    let grad = grad_of(config, c);
+    let r = reference::run(&inp, config, grad, c.dlse.as_deref());
+    let fwd = cpu::forward(config, &plan, &inp).expect("forward");
+    check_loss(config, &fwd.loss, &r)?;
+    check("lse", &fwd.lse, &r.lse)?;
+    let g = cpu::backward(config, &plan, &inp, &fwd, grad, c.dlse.as_deref()).expect("backward");
+    check("dx", &g.dx, &r.dx)?;
+    check("dw", &g.dw, &r.dw)?;
+    if let Some(db) = &g.dbias {
+        check("dbias", db, &r.dbias)?;
+    }
+    // Fused (no dlse): against the reference without it.
+    let r0 = reference::run(&inp, config, grad, None);
+    let (f2, g2) = cpu::forward_backward(config, &plan, &inp, grad).expect("fused");
+    check_loss(config, &f2.loss, &r0)?;
+    check("fused dx", &g2.dx, &r0.dx)?;
+    check("fused dw", &g2.dw, &r0.dw)?;
+    Ok(plan.schedule())
+}
+
+fn config_strategy() -> impl Strategy<Value = LinearCrossEntropy> {
+    (
+        prop_oneof![Just(Reduction::Mean), Just(Reduction::Sum), Just(Reduction::None)],
+        prop_oneof![Just(0.0f32), Just(0.1)],
+        prop_oneof![Just(0.0f32), Just(1e-4)],
+        prop_oneof![Just(Softcap::Off), Just(Softcap::Tanh { cap: 20.0 }), Just(Softcap::Tanh { cap: 30.0 })],
+        prop_oneof![Just(0usize), Just(2)],
+    )
+        .prop_map(|(reduction, label_smoothing, z_loss, softcap, shift)| {
+            let mut c = LinearCrossEntropy::with_reduction(reduction);
+            (c.label_smoothing, c.z_loss, c.softcap, c.shift) = (label_smoothing, z_loss, softcap, shift);
+            c
+        })
+}
+
+proptest! {
+    #![proptest_config(proptest_config(32))]
+
+    #[test]
+    fn matches_the_f64_reference(
+        n in 1usize..90, d in 1usize..40, v in 1usize..260, seed in any::<u64>(),
+        config in config_strategy(), extras in (any::<bool>(), any::<bool>(), any::<bool>()),
+        bf16_inputs in any::<bool>(), budget in prop_oneof![Just(1usize << 14), Just(1 << 16), Just(1 << 24)],
+    ) {
+        let c = make_case(n, d, v, seed, 0.2, extras);
+        let dtype = if bf16_inputs { DType::Bf16 } else { DType::F32 };
+        // The smallest budgets force vocabulary blocks; raise one below the minimum to it.
+        let budget = match Plan::new(&config, n, d, v, dtype, budget) {
+            Err(Error::BudgetTooSmall { needed, .. }) => needed,
+            _ => budget,
+        };
+        run_case(&c, &config, dtype, budget)?;
+    }
+}
+
+#[test]
+fn ragged_prime_shapes_and_both_schedules() {
+    // 252 × 507 × 123 as in Cut Cross-Entropy's tests, and N, V prime.
+    for (n, v, d, seed) in [(252usize, 507usize, 123usize, 1u64), (251, 509, 67, 2)] {
+        let c = make_case(n, d, v, seed, 0.2, (true, true, true));
+        let mut all = LinearCrossEntropy::with_reduction(Reduction::None);
+        (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
+        let mut seen = Vec::new();
+        for budget in [1usize << 30, 300 << 10] {
+            for dtype in [DType::F32, DType::Bf16] {
+                seen.push(run_case(&c, &all, dtype, budget).expect("matches the reference"));
+            }
+        }
+        assert!(seen.contains(&Schedule::FullVocab) && seen.contains(&Schedule::VocabBlocked), "{seen:?}");
+    }
+}
+
+#[test]
+fn an_all_ignored_batch_has_zero_loss_and_gradients() {
+    let mut c = make_case(40, 16, 100, 3, 1.0, (true, false, false));
+    c.targets.iter_mut().for_each(|t| *t = -100);
+    for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+        let config = LinearCrossEntropy::with_reduction(reduction);
+        let inp = inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w));
+        let plan = Plan::new(&config, 40, 16, 100, DType::F32, 1 << 20).expect("plan");
+        let (fwd, g) = cpu::forward_backward(&config, &plan, &inp, grad_of(&config, &c)).expect("runs");
+        match fwd.loss {
+            Loss::Scalar(l) => assert_eq!(l, 0.0),
+            Loss::PerToken(l) => assert!(l.iter().all(|&x| x == 0.0)),
+        }
+        assert!(g.dx.iter().chain(&g.dw).chain(g.dbias.iter().flatten()).all(|&x| x == 0.0));
+        assert!(fwd.lse.iter().all(|x| x.is_finite()));
+    }
+}
+
+#[test]
+fn bitwise_reproducible_run_to_run() {
+    let c = make_case(300, 64, 1000, 4, 0.2, (true, true, false));
+    let config = LinearCrossEntropy::default();
+    let inp = inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w));
+    for budget in [1usize << 30, 256 << 10] {
+        let plan = Plan::new(&config, 300, 64, 1000, DType::F32, budget).expect("plan");
+        let a = cpu::forward_backward(&config, &plan, &inp, GradOutput::Scalar(1.0)).expect("run");
+        let b = cpu::forward_backward(&config, &plan, &inp, GradOutput::Scalar(1.0)).expect("run");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a.1.dx), bits(&b.1.dx));
+        assert_eq!(bits(&a.1.dw), bits(&b.1.dw));
+        assert_eq!(a.0, b.0);
+    }
+}
+
+#[test]
+fn bad_input_is_a_typed_error() {
+    let c = make_case(10, 4, 20, 5, 0.0, (false, false, false));
+    let config = LinearCrossEntropy::default();
+    let plan = Plan::new(&config, 10, 4, 20, DType::F32, 1 << 20).expect("plan");
+    let mut targets = c.targets.clone();
+    targets[3] = 20;
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 10, 4, 20);
+    assert_eq!(
+        cpu::forward(&config, &plan, &inp).unwrap_err(),
+        Error::TargetOutOfRange { token: 3, target: 20, vocab: 20 }
+    );
+    targets[3] = -7;
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 10, 4, 20);
+    assert_eq!(
+        cpu::forward(&config, &plan, &inp).unwrap_err(),
+        Error::TargetOutOfRange { token: 3, target: -7, vocab: 20 }
+    );
+    let short = Inputs::new(Matrix::F32(&c.x[..39]), Matrix::F32(&c.w), &c.targets, 10, 4, 20);
+    assert!(matches!(
+        cpu::forward(&config, &plan, &short),
+        Err(Error::ShapeMismatch { what: "x (n·d)", expected: 40, found: 39 })
+    ));
+    let wb: Vec<bf16> = c.w.iter().map(|&x| bf16::from_f32(x)).collect();
+    let mixed = Inputs::new(Matrix::F32(&c.x), Matrix::Bf16(&wb), &c.targets, 10, 4, 20);
+    assert!(matches!(cpu::forward(&config, &plan, &mixed), Err(Error::DtypeMismatch { .. })));
+    let ok = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, 10, 4, 20);
+    let other = Plan::new(&config, 11, 4, 20, DType::F32, 1 << 20).expect("plan");
+    assert!(matches!(cpu::forward(&config, &other, &ok), Err(Error::ShapeMismatch { what: "n", .. })));
+    let none = LinearCrossEntropy::with_reduction(Reduction::None);
+    let fwd = cpu::forward(&none, &plan, &ok).expect("forward");
+    assert!(matches!(
+        cpu::backward(&none, &plan, &ok, &fwd, GradOutput::Scalar(1.0), None),
+        Err(Error::GradOutputKind { .. })
+    ));
+    assert!(matches!(
+        cpu::backward(&none, &plan, &ok, &fwd, GradOutput::PerToken(&[1.0; 3]), None),
+        Err(Error::ShapeMismatch { what: "grad_output (n)", .. })
+    ));
+    assert!(matches!(
+        cpu::backward(&config, &plan, &ok, &fwd, GradOutput::PerToken(&[1.0; 10]), None),
+        Err(Error::GradOutputKind { .. })
+    ));
+    assert!(matches!(
+        Plan::new(&config, 10, 4, 20, DType::F32, 100),
+        Err(Error::BudgetTooSmall { budget: 100, .. })
+    ));
+}
