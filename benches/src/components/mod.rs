@@ -38,6 +38,38 @@ pub enum ReportError {
     },
 }
 
+impl ReportError {
+    /// A failure of `component` on `workload`.
+    pub fn workload(component: &str, workload: &str, message: impl std::fmt::Display) -> Self {
+        ReportError::Workload {
+            component: component.into(),
+            workload: workload.into(),
+            message: message.to_string(),
+        }
+    }
+}
+
+/// The workload `index` of `workloads`, on a device this component measures in the report.
+/// The CUDA paths are measured by `scripts/gpu-check.sh`, so `cuda:N` is an error here.
+pub fn cpu_workload<'w, W>(
+    component: &str,
+    workloads: &'w [W],
+    index: usize,
+    device: Device,
+    describe: impl Fn(&W) -> String,
+) -> Result<&'w W, ReportError> {
+    let w = workloads
+        .get(index)
+        .ok_or_else(|| ReportError::workload(component, &format!("#{index}"), "no such workload"))?;
+    if device != Device::Cpu {
+        let why = format!(
+            "the report measures the CPU fallback; the CUDA path of {component} is measured by scripts/gpu-check.sh"
+        );
+        return Err(ReportError::workload(component, &describe(w), why));
+    }
+    Ok(w)
+}
+
 /// One primitive's measured comparison.
 pub trait Component: Sync {
     /// Crate name, one of [`COMPONENTS`].

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::{GradOutput, Gradients, Inputs, LinearCrossEntropy, Loss, Matrix, PaperPeaks, Plan};
 
-use super::{Component, ReportError};
+use super::{Component, ReportError, cpu_workload};
 use crate::machine::{MachineInfo, median};
 use crate::report::{Comparison, Row};
 
@@ -146,17 +146,11 @@ impl Component for RingDtpComponent {
     }
 
     fn run(&self, index: usize, device: Device, machine: &MachineInfo) -> Result<Row, ReportError> {
-        let Some(&w) = WORKLOADS.get(index) else {
+        if index == WORKLOADS.len() {
             return Ok(self.paper_row());
-        };
-        let fail = |message: String| ReportError::Workload {
-            component: self.name().into(),
-            workload: w.describe(),
-            message,
-        };
-        if device != Device::Cpu {
-            return Err(fail("the CUDA path of ring-dtp is not built yet".into()));
         }
+        let w = *cpu_workload(self.name(), &WORKLOADS, index, device, Workload::describe)?;
+        let fail = |message: String| ReportError::workload(self.name(), &w.describe(), message);
         let (n, d, v) = (w.n, w.d, w.v);
         let mut rng = SplitMix64::new(11);
         let x = rng.normal_f32(n * d, 0.0, 1.0);

@@ -9,7 +9,7 @@ use flatpeak_common::{Device, Link, SplitMix64, relative_error};
 use sco::layers::ResidualMlp;
 use sco::{CheckpointedStack, Checkpointing, OffloadOptions, StepOutput, hide_ratio};
 
-use super::{Component, ReportError};
+use super::{Component, ReportError, cpu_workload};
 use crate::machine::{MachineInfo, median};
 use crate::report::{Comparison, Row};
 
@@ -77,15 +77,8 @@ impl Component for ScoComponent {
     }
 
     fn run(&self, index: usize, device: Device, _machine: &MachineInfo) -> Result<Row, ReportError> {
-        let w = WORKLOADS[index];
-        let fail = |message: String| ReportError::Workload {
-            component: self.name().into(),
-            workload: w.describe(),
-            message,
-        };
-        if device != Device::Cpu {
-            return Err(fail("the CUDA path of sco is measured by scripts/gpu-check.sh".into()));
-        }
+        let w = *cpu_workload(self.name(), &WORKLOADS, index, device, Workload::describe)?;
+        let fail = |message: String| ReportError::workload(self.name(), &w.describe(), message);
         let mut plain = w.stack(Checkpointing::OnDevice).map_err(|e| fail(e.to_string()))?;
         let mut offload = w.stack(Checkpointing::Offload).map_err(|e| fail(e.to_string()))?;
         let plan = offload.plan().map_err(|e| fail(e.to_string()))?;

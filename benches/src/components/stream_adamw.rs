@@ -13,7 +13,7 @@ use stream_adamw::{
     StreamAdamW,
 };
 
-use super::{Component, ReportError};
+use super::{Component, ReportError, cpu_workload};
 use crate::machine::{CopyProbe, MachineInfo, interleaved_ratio, median};
 use crate::report::{Comparison, Row};
 
@@ -241,15 +241,8 @@ impl Component for StreamAdamWComponent {
     }
 
     fn run(&self, index: usize, device: Device, _machine: &MachineInfo) -> Result<Row, ReportError> {
-        let w = WORKLOADS[index];
-        let fail = |message: String| ReportError::Workload {
-            component: self.name().into(),
-            workload: w.describe(),
-            message,
-        };
-        if device != Device::Cpu {
-            return Err(fail("the CUDA path of stream-adamw is measured by scripts/gpu-check.sh".into()));
-        }
+        let w = *cpu_workload(self.name(), &WORKLOADS, index, device, Workload::describe)?;
+        let fail = |message: String| ReportError::workload(self.name(), &w.describe(), message);
         let m = measure_pipeline(&w, 5).map_err(|e| fail(e.to_string()))?;
 
         // Kernel throughput against the copy ceiling, interleaved round by round.
