@@ -3,6 +3,7 @@
 use flatpeak_common::SplitMix64;
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, matmul};
 
+use crate::error::Result;
 use crate::stack::Layer;
 
 /// A residual MLP block on S tokens of width H: `y = x + relu(x·W1)·W2`, W1: H×I, W2: I×H.
@@ -17,13 +18,28 @@ pub struct ResidualMlp {
 }
 
 /// `dst (m×n) ← a·b` or `+=`, with a: m×k and b: k×n given as row-major views (or transposes).
-fn mm(dst: &mut [f32], (m, n): (usize, usize), a: MatRef<'_, f32>, b: MatRef<'_, f32>, acc: Accumulate) {
-    let dst = MatMut::row_major(dst, m, n).expect("layer buffers match their shapes");
-    matmul(dst, a, b, MatmulOptions::with_accumulate(acc)).expect("layer shapes agree");
+fn mm(
+    dst: &mut [f32],
+    (m, n): (usize, usize),
+    a: MatRef<'_, f32>,
+    b: MatRef<'_, f32>,
+    acc: Accumulate,
+) -> Result<()> {
+    matmul(MatMut::row_major(dst, m, n)?, a, b, MatmulOptions::with_accumulate(acc))?;
+    Ok(())
 }
 
-fn view(data: &[f32], rows: usize, cols: usize) -> MatRef<'_, f32> {
-    MatRef::row_major(data, rows, cols).expect("layer buffers match their shapes")
+fn view(data: &[f32], rows: usize, cols: usize) -> Result<MatRef<'_, f32>> {
+    Ok(MatRef::row_major(data, rows, cols)?)
+}
+
+/// Checks a caller's buffer against the length the layer's shape calls for.
+fn check(what: &'static str, expected: usize, found: usize) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(flatpeak_common::Error::ShapeMismatch { what, expected, found }.into())
+    }
 }
 
 impl ResidualMlp {
@@ -40,18 +56,20 @@ impl ResidualMlp {
         4.0 * (self.tokens * self.hidden * self.inner) as f64
     }
 
-    fn pre_activation(&self, x: &[f32]) -> Vec<f32> {
+    fn pre_activation(&self, x: &[f32]) -> Result<Vec<f32>> {
         let (s, h, i) = (self.tokens, self.hidden, self.inner);
+        check("layer input x", s * h, x.len())?;
         let mut pre = vec![0f32; s * i];
-        mm(&mut pre, (s, i), view(x, s, h), view(&self.w1, h, i), Accumulate::Replace);
-        pre
+        mm(&mut pre, (s, i), view(x, s, h)?, view(&self.w1, h, i)?, Accumulate::Replace)?;
+        Ok(pre)
     }
 
-    fn finish_forward(&self, x: &[f32], pre: &[f32], y: &mut [f32]) {
+    fn finish_forward(&self, x: &[f32], pre: &[f32], y: &mut [f32]) -> Result<()> {
         let (s, h, i) = (self.tokens, self.hidden, self.inner);
+        check("layer output y", s * h, y.len())?;
         let act: Vec<f32> = pre.iter().map(|&v| v.max(0.0)).collect();
         y.copy_from_slice(x);
-        mm(y, (s, h), view(&act, s, i), view(&self.w2, i, h), Accumulate::Add);
+        mm(y, (s, h), view(&act, s, i)?, view(&self.w2, i, h)?, Accumulate::Add)
     }
 }
 
@@ -64,38 +82,52 @@ impl Layer for ResidualMlp {
         2 * self.hidden * self.inner
     }
 
-    fn forward(&self, x: &[f32], y: &mut [f32]) {
-        let pre = self.pre_activation(x);
-        self.finish_forward(x, &pre, y);
+    fn forward(&self, x: &[f32], y: &mut [f32]) -> Result<()> {
+        let pre = self.pre_activation(x)?;
+        self.finish_forward(x, &pre, y)
     }
 
-    fn forward_saving(&self, x: &[f32], y: &mut [f32]) -> Vec<f32> {
-        let pre = self.pre_activation(x);
-        self.finish_forward(x, &pre, y);
-        pre
+    fn forward_saving(&self, x: &[f32], y: &mut [f32]) -> Result<Vec<f32>> {
+        let pre = self.pre_activation(x)?;
+        self.finish_forward(x, &pre, y)?;
+        Ok(pre)
     }
 
-    fn backward(&self, x: &[f32], saved: Option<&[f32]>, dy: &[f32], dx: &mut [f32], dparams: &mut [f32]) {
+    fn backward(
+        &self,
+        x: &[f32],
+        saved: Option<&[f32]>,
+        dy: &[f32],
+        dx: &mut [f32],
+        dparams: &mut [f32],
+    ) -> Result<()> {
         let (s, h, i) = (self.tokens, self.hidden, self.inner);
+        for (what, found) in [("layer dy", dy.len()), ("layer dx", dx.len())] {
+            check(what, s * h, found)?;
+        }
+        check("layer dparams", self.param_count(), dparams.len())?;
         let recomputed;
         let pre = match saved {
-            Some(p) => p,
+            Some(p) => {
+                check("saved internals", s * i, p.len())?;
+                p
+            }
             None => {
-                recomputed = self.pre_activation(x);
+                recomputed = self.pre_activation(x)?;
                 &recomputed
             }
         };
         let act: Vec<f32> = pre.iter().map(|&v| v.max(0.0)).collect();
         // d(act) = dy·W2ᵀ, then through the ReLU.
         let mut dpre = vec![0f32; s * i];
-        mm(&mut dpre, (s, i), view(dy, s, h), view(&self.w2, i, h).t(), Accumulate::Replace);
+        mm(&mut dpre, (s, i), view(dy, s, h)?, view(&self.w2, i, h)?.t(), Accumulate::Replace)?;
         dpre.iter_mut().zip(pre).for_each(|(d, &p)| *d = if p > 0.0 { *d } else { 0.0 });
         // dx = dy + dpre·W1ᵀ (the residual passes dy through).
         dx.copy_from_slice(dy);
-        mm(dx, (s, h), view(&dpre, s, i), view(&self.w1, h, i).t(), Accumulate::Add);
+        mm(dx, (s, h), view(&dpre, s, i)?, view(&self.w1, h, i)?.t(), Accumulate::Add)?;
         let (dw1, dw2) = dparams.split_at_mut(h * i);
-        mm(dw1, (h, i), view(x, s, h).t(), view(&dpre, s, i), Accumulate::Replace);
-        mm(dw2, (i, h), view(&act, s, i).t(), view(dy, s, h), Accumulate::Replace);
+        mm(dw1, (h, i), view(x, s, h)?.t(), view(&dpre, s, i)?, Accumulate::Replace)?;
+        mm(dw2, (i, h), view(&act, s, i)?.t(), view(dy, s, h)?, Accumulate::Replace)
     }
 }
 
@@ -122,17 +154,32 @@ impl Layer for AddOne {
     fn param_count(&self) -> usize {
         1
     }
-    fn forward(&self, x: &[f32], y: &mut [f32]) {
+    fn forward(&self, x: &[f32], y: &mut [f32]) -> Result<()> {
+        check("layer input x", self.width, x.len())?;
+        check("layer output y", self.width, y.len())?;
         y.iter_mut().zip(x).for_each(|(y, &x)| *y = x + 1.0);
+        Ok(())
     }
-    fn forward_saving(&self, x: &[f32], y: &mut [f32]) -> Vec<f32> {
-        self.forward(x, y);
-        Vec::new()
+    fn forward_saving(&self, x: &[f32], y: &mut [f32]) -> Result<Vec<f32>> {
+        self.forward(x, y)?;
+        Ok(Vec::new())
     }
-    fn backward(&self, x: &[f32], _saved: Option<&[f32]>, dy: &[f32], dx: &mut [f32], dparams: &mut [f32]) {
+    fn backward(
+        &self,
+        x: &[f32],
+        _saved: Option<&[f32]>,
+        dy: &[f32],
+        dx: &mut [f32],
+        dparams: &mut [f32],
+    ) -> Result<()> {
+        for (what, found) in [("layer input x", x.len()), ("layer dy", dy.len()), ("layer dx", dx.len())] {
+            check(what, self.width, found)?;
+        }
+        check("layer dparams", 1, dparams.len())?;
         // The stack's input is j (as f32) at element j, so x[j] must be j + index.
         let wrong = x.iter().enumerate().filter(|&(j, &v)| v != (j + self.index) as f32).count();
         dparams[0] = wrong as f32;
         dx.copy_from_slice(dy);
+        Ok(())
     }
 }

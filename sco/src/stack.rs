@@ -16,13 +16,20 @@ pub trait Layer: Send + Sync {
     /// Elements of this layer's parameter gradient.
     fn param_count(&self) -> usize;
     /// `y = f(x)`.
-    fn forward(&self, x: &[f32], y: &mut [f32]);
+    fn forward(&self, x: &[f32], y: &mut [f32]) -> Result<()>;
     /// `y = f(x)`, also returning the internals backward needs (no checkpointing).
-    fn forward_saving(&self, x: &[f32], y: &mut [f32]) -> Vec<f32>;
+    fn forward_saving(&self, x: &[f32], y: &mut [f32]) -> Result<Vec<f32>>;
     /// Given the layer input `x` and `dy`, writes `dx` and the parameter gradient. With
     /// `saved = None` it recomputes its internals from `x` (checkpointing); it must then produce
     /// bitwise the same result as with the internals `forward_saving` returned.
-    fn backward(&self, x: &[f32], saved: Option<&[f32]>, dy: &[f32], dx: &mut [f32], dparams: &mut [f32]);
+    fn backward(
+        &self,
+        x: &[f32],
+        saved: Option<&[f32]>,
+        dy: &[f32],
+        dx: &mut [f32],
+        dparams: &mut [f32],
+    ) -> Result<()>;
 }
 
 /// Where the boundaries live between forward and backward.
@@ -116,9 +123,9 @@ impl<L: Layer> CheckpointedStack<L> {
             let (done, rest) = boundaries.split_at_mut(i + 1);
             let y = rest.first_mut().map_or(&mut x, |next| next);
             if save {
-                saved.push(layer.forward_saving(&done[i], y));
+                saved.push(layer.forward_saving(&done[i], y)?);
             } else {
-                layer.forward(&done[i], y);
+                layer.forward(&done[i], y)?;
             }
         }
         let output = x;
@@ -129,7 +136,7 @@ impl<L: Layer> CheckpointedStack<L> {
             let mut dx = vec![0f32; w];
             let mut dp = vec![0f32; self.layers[i].param_count()];
             let internals = saved.get(i).map(Vec::as_slice);
-            self.layers[i].backward(&boundaries[i], internals, &dy, &mut dx, &mut dp);
+            self.layers[i].backward(&boundaries[i], internals, &dy, &mut dx, &mut dp)?;
             param_grads[i] = dp;
             dy = dx;
         }
@@ -157,11 +164,11 @@ impl<L: Layer> CheckpointedStack<L> {
             let x = off.fetch(i)?;
             if i + 1 < n {
                 let mut y = off.writer()?;
-                self.layers[i].forward(&x, &mut y);
+                self.layers[i].forward(&x, &mut y)?;
                 drop(x);
                 off.offload(i + 1, y)?;
             } else {
-                self.layers[i].forward(&x, &mut output);
+                self.layers[i].forward(&x, &mut output)?;
             }
         }
         let mut dy = loss_grad(&output);
@@ -174,7 +181,7 @@ impl<L: Layer> CheckpointedStack<L> {
             let x = off.fetch(i)?;
             let mut dx = vec![0f32; w];
             let mut dp = vec![0f32; self.layers[i].param_count()];
-            self.layers[i].backward(&x, None, &dy, &mut dx, &mut dp);
+            self.layers[i].backward(&x, None, &dy, &mut dx, &mut dp)?;
             drop(x);
             off.release(i)?;
             param_grads[i] = dp;

@@ -150,8 +150,20 @@ fn misuse_is_a_typed_error() {
         ),
         Err(Error::InvalidOption { name: "layers", .. })
     ));
-    let _ = stack.layers().len();
-    let _: &dyn Layer = &stack.layers()[0];
+    // A layer handed a buffer of the wrong size says so instead of panicking.
+    let layer: &dyn Layer = &stack.layers()[0];
+    assert_eq!(
+        layer.forward(&[0.0; 5], &mut [0.0; 48]).unwrap_err(),
+        Error::Common(flatpeak_common::Error::ShapeMismatch {
+            what: "layer input x",
+            expected: 48,
+            found: 5
+        })
+    );
+    assert!(matches!(
+        layer.backward(&[0.0; 48], None, &[0.0; 48], &mut [0.0; 48], &mut [0.0; 3]),
+        Err(Error::Common(_))
+    ));
 }
 
 /// On a GPU: boundaries offloaded through the CUDA ring and fetched back in backward order are

@@ -104,7 +104,7 @@ impl Component for ScoComponent {
         let layer = ResidualMlp::new(w.tokens, w.hidden, w.inner, 99);
         let mut y = vec![0f32; w.tokens * w.hidden];
         let start = Instant::now();
-        sco::Layer::forward(&layer, &input, &mut y);
+        sco::Layer::forward(&layer, &input, &mut y).map_err(|e| fail(e.to_string()))?;
         let forward_s = start.elapsed().as_secs_f64();
         let start = Instant::now();
         Link::Memcpy.copy(&input, &mut y);

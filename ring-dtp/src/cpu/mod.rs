@@ -187,16 +187,21 @@ fn fold(
     });
 }
 
-/// What the gradient pass needs per token: `G = (a·p − b)·f − [j = y]·t·f`, with
-/// p = e^(z − lse), f the softcap derivative (1 without softcap).
+/// What the gradient pass needs per token: `G = (c·p − b + z·p)·f` off the target and
+/// `G = ((c·p − t) + z·p)·f` at it, with p = e^(z − lse), f the softcap derivative (1 without
+/// softcap) and `t = c·((1 − α) + α/V)` the whole smoothed target mass. The cross-entropy part
+/// `c·p − t` is formed first, so it cancels exactly where it should (p → 1 with a one-word
+/// vocabulary, a certain prediction) before the z-loss and dlse part is added.
 #[derive(Debug, Clone, Copy, Default)]
 struct ColumnGrad {
     lse: f32,
-    /// Multiplier of p: c·(1 + 2λ·lse) + dlse.
-    a: f32,
-    /// Smoothing constant: c·α/V.
+    /// The row's gradient scale c.
+    c: f32,
+    /// Multiplier of p from the z-loss and the lse gradient: 2λ·lse·c + dlse.
+    z: f32,
+    /// Smoothing constant off the target: c·α/V.
     b: f32,
-    /// One-hot weight at the target: c·(1 − α).
+    /// Target mass at the target: c·((1 − α) + α/V).
     t: f32,
     /// 1/S when the row holds e^(z − max) (then p = e/S), else 0.
     inv_sum: f32,
@@ -218,9 +223,10 @@ fn column_grads(
         let extra = dlse.map_or(0.0, |g| g[t0 + k]);
         ColumnGrad {
             lse: l,
-            a: c * (1.0 + 2.0 * lambda * l) + extra,
+            c,
+            z: 2.0 * lambda * l * c + extra,
             b: c * alpha / v as f32,
-            t: c * (1.0 - alpha),
+            t: c * ((1.0 - alpha as f64) + alpha as f64 / v as f64) as f32,
             inv_sum: 0.0,
         }
     }));
@@ -238,19 +244,25 @@ fn gradient(
     let softcap = config.softcap;
     logits[..vb * c].par_chunks_mut(vb).zip(cols.par_iter()).enumerate().for_each(|(k, (row, col))| {
         let target = inputs.target(config, t0 + k).filter(|y| (v0..v0 + vb).contains(y)).map(|y| y - v0);
-        let f_target = target.map(|j| softcap_derivative(softcap, row[j]));
+        let prob = |z: f32| if holds_exp { z * col.inv_sum } else { (z - col.lse).exp() };
+        // The target entry, with its one-hot term subtracted first (see ColumnGrad).
+        let at_target = target.map(|j| {
+            let (z, p) = (row[j], prob(row[j]));
+            (j, ((col.c * p - col.t) + col.z * p) * softcap_derivative(softcap, z))
+        });
         if holds_exp {
-            for z in row.iter_mut() {
-                *z = col.a * (*z * col.inv_sum) - col.b;
+            for e in row.iter_mut() {
+                let p = *e * col.inv_sum;
+                *e = col.c * p - col.b + col.z * p;
             }
         } else {
             for z in row.iter_mut() {
                 let p = (*z - col.lse).exp();
-                *z = (col.a * p - col.b) * softcap_derivative(softcap, *z);
+                *z = (col.c * p - col.b + col.z * p) * softcap_derivative(softcap, *z);
             }
         }
-        if let (Some(j), Some(f)) = (target, f_target) {
-            row[j] -= col.t * f;
+        if let Some((j, g)) = at_target {
+            row[j] = g;
         }
     });
 }

@@ -19,6 +19,19 @@ pub struct Reference {
     pub dw: Vec<f64>,
     /// dbias, V.
     pub dbias: Vec<f64>,
+    /// Magnitudes the loss sums (ω·(|lse| + (1−α)|z_y| + (α/V)·Σ|z| + λ·lse²) per token, then
+    /// reduced like the loss): the scale of an f32 implementation's forward error, which the
+    /// loss itself is not when it cancels (a certain prediction has loss ≈ 0, lse ≈ z_y).
+    pub loss_scale: f64,
+    /// Per-token loss magnitudes (see `loss_scale`).
+    pub per_token_scale: Vec<f64>,
+    /// Σ_j |G_ij|·|w_j| with |G| the sum of the magnitudes of G's terms: the scale of dX's
+    /// rounding error (G itself cancels to ≈ 0 for certain predictions, its terms do not).
+    pub dx_scale: Vec<f64>,
+    /// Σ_i |G_ij|·|x_i| (see `dx_scale`).
+    pub dw_scale: Vec<f64>,
+    /// Σ_i |G_ij| (see `dx_scale`).
+    pub dbias_scale: Vec<f64>,
 }
 
 fn to_f64(m: &Matrix<'_>) -> Vec<f64> {
@@ -48,6 +61,11 @@ pub fn run(
         dx: vec![0.0; n * d],
         dw: vec![0.0; v * d],
         dbias: vec![0.0; v],
+        loss_scale: 0.0,
+        per_token_scale: vec![0.0; n],
+        dx_scale: vec![0.0; n * d],
+        dw_scale: vec![0.0; v * d],
+        dbias_scale: vec![0.0; v],
     };
     let mut z = vec![0.0f64; v];
     let mut u = vec![0.0f64; v];
@@ -79,33 +97,42 @@ pub fn run(
             let zsum: f64 = z.iter().sum();
             r.per_token[i] =
                 omega * (lse - (1.0 - alpha) * z[y] - alpha / v as f64 * zsum + lambda * lse * lse);
+            let zabs: f64 = z.iter().map(|x| x.abs()).sum();
+            r.per_token_scale[i] = omega.abs()
+                * (lse.abs() + (1.0 - alpha) * z[y].abs() + alpha / v as f64 * zabs + lambda * lse * lse);
         }
         for j in 0..v {
             let p = (z[j] - lse).exp();
             let onehot = if Some(j) == target { 1.0 } else { 0.0 };
             let mut g =
                 coef * (p - (1.0 - alpha) * onehot - alpha / v as f64 + 2.0 * lambda * lse * p) + extra * p;
+            let mut mag = coef.abs()
+                * (p + (1.0 - alpha) * onehot + alpha / v as f64 + 2.0 * lambda * lse.abs() * p)
+                + extra.abs() * p;
             if let Softcap::Tanh { cap } = config.softcap {
                 let t = z[j] / cap as f64;
                 g *= 1.0 - t * t;
+                mag *= (1.0 - t * t).abs();
             }
             r.dbias[j] += g;
+            r.dbias_scale[j] += mag;
             for k in 0..d {
                 r.dx[i * d + k] += g * w[j * d + k];
                 r.dw[j * d + k] += g * x[i * d + k];
+                r.dx_scale[i * d + k] += mag * w[j * d + k].abs();
+                r.dw_scale[j * d + k] += mag * x[i * d + k].abs();
             }
         }
     }
-    let total: f64 = r.per_token.iter().sum();
-    r.loss = match config.reduction {
-        Reduction::Mean => {
-            if valid_weight > 0.0 {
-                total / valid_weight
-            } else {
-                0.0
-            }
+    let reduce = |per_token: &[f64]| {
+        let total: f64 = per_token.iter().sum();
+        match config.reduction {
+            Reduction::Mean if valid_weight > 0.0 => total / valid_weight,
+            Reduction::Mean => 0.0,
+            Reduction::Sum | Reduction::None => total,
         }
-        Reduction::Sum | Reduction::None => total,
     };
+    r.loss = reduce(&r.per_token);
+    r.loss_scale = reduce(&r.per_token_scale);
     r
 }
