@@ -36,8 +36,10 @@ pub mod cpu;
 pub mod error;
 pub mod inputs;
 pub mod plan;
+pub mod ring;
 
 pub use config::{LinearCrossEntropy, Reduction, Softcap};
 pub use error::{Error, Result};
 pub use inputs::{Forward, GradOutput, Gradients, Inputs, Loss, Matrix};
-pub use plan::{PaperPeaks, Plan, Schedule};
+pub use plan::{PaperPeaks, Plan, RingChoice, RingKind, RingOptions, RingPlan, Schedule};
+pub use ring::RankInputs;

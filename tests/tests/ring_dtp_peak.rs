@@ -1,10 +1,14 @@
 //! ring-dtp memory bound, measured with the counting allocator: one forward + backward holds at
 //! most the plan's workspace, `PER_TOKEN_BYTES` per token and the CPU GEMM's packing buffers
-//! (outputs excluded), and that does not grow with N beyond the per-token term. A plain `main`, so nothing else allocates.
+//! (outputs excluded), and that does not grow with N beyond the per-token term; the same for the
+//! ring over P = 4 LocalGroup ranks against P × the ring plan's per-rank bound. A plain `main`,
+//! so nothing else allocates.
 
+use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions};
 use flatpeak_common::{CountingAllocator, DType, PeakMeter, SplitMix64};
-use ring_dtp::plan::PER_TOKEN_BYTES;
-use ring_dtp::{GradOutput, Inputs, LinearCrossEntropy, Matrix, Plan, cpu};
+use ring_dtp::plan::{CPU_GEMM_SCRATCH_PER_THREAD, PER_TOKEN_BYTES};
+use ring_dtp::ring::{self, RankInputs};
+use ring_dtp::{GradOutput, Inputs, LinearCrossEntropy, Matrix, Plan, RingKind, RingOptions, RingPlan, cpu};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -38,8 +42,70 @@ fn measure(n: usize, d: usize, v: usize, budget: usize, dtype: DType) -> (usize,
     (m.peak_bytes, plan)
 }
 
-fn main() {
+/// One ring forward + backward over P LocalGroup ranks: the process-wide peak (every rank, the
+/// group's channels and threads), outputs excluded.
+fn measure_ring(n: usize, d: usize, v: usize, p: usize, options: RingOptions) -> (usize, RingPlan) {
+    let mut rng = SplitMix64::new(n as u64 + 1);
+    let x = rng.normal_f32(n * d, 0.0, 1.0);
+    let w = rng.normal_f32(v * d, 0.0, 0.1);
+    let targets: Vec<i64> =
+        (0..n).map(|i| if i % 5 == 0 { -100 } else { rng.below(v as u64) as i64 }).collect();
+    let config = LinearCrossEntropy::default();
+    let plan = RingPlan::new(&config, (n, d, v), p, DType::F32, options).expect("plan");
+    let step = || {
+        LocalGroup::run(p, LocalGroupOptions::default(), |comm| {
+            let r = comm.rank();
+            let (t, s) = (plan.tokens(r), plan.shard(r));
+            let inputs = RankInputs::new(
+                Matrix::F32(&x[t.start * d..t.end * d]),
+                Matrix::F32(&w[s.start * d..s.end * d]),
+                &targets[t],
+            );
+            Ok(ring::forward_backward(comm, &config, &plan, &inputs, GradOutput::Scalar(1.0)))
+        })
+    };
+    step();
+    let m = PeakMeter::measure(step).expect("counting allocator installed");
+    for r in &m.value {
+        assert!(matches!(r, Ok(Ok(_))), "rank failed: {r:?}");
+    }
+    (m.peak_bytes, plan)
+}
+
+fn ring_bounds() -> usize {
+    let (p, d, v) = (4, 256, 8192);
     let mut passed = 0;
+    for kind in [RingKind::Weight, RingKind::Activation] {
+        let options = RingOptions::with_budget(4 << 20).ring(kind);
+        let mut peaks = Vec::new();
+        for n in [1024usize, 8192] {
+            let (peak, plan) = measure_ring(n, d, v, p, options);
+            // Per rank: the plan's bound, its tokens' statistics and gradient scales, the CPU
+            // GEMM's rank-thread buffers; once: the rayon pool's buffers, the group's channels.
+            let per_rank = plan.bound_bytes() + plan.per_token_bytes() + plan.cpu_gemm_scratch_bytes();
+            let bound = p * (per_rank + SLACK) + rayon::current_num_threads() * CPU_GEMM_SCRATCH_PER_THREAD;
+            assert!(plan.bound_bytes() <= 4 << 20);
+            assert!(peak <= bound, "N={n} P={p} {kind:?}: peak {peak} > bound {bound}");
+            println!(
+                "test ring_dtp_ring_peak_N{n}_P{p}_{kind:?} ... ok (peak {peak} B ≤ {p} × (plan bound {} + {} per-token + GEMM {}) + pool)",
+                plan.bound_bytes(),
+                plan.per_token_bytes(),
+                plan.cpu_gemm_scratch_bytes()
+            );
+            peaks.push(peak);
+            passed += 1;
+        }
+        let growth = peaks[1].saturating_sub(peaks[0]);
+        assert!(
+            growth <= PER_TOKEN_BYTES * (8192 - 1024) + p * SLACK,
+            "{kind:?}: peak grew by {growth} B from N=1024 to 8192"
+        );
+    }
+    passed
+}
+
+fn main() {
+    let mut passed = ring_bounds();
     for (budget, dtype) in [(64usize << 20, DType::F32), (2 << 20, DType::F32), (4 << 20, DType::Bf16)] {
         let mut peaks = Vec::new();
         for n in [1024usize, 8192] {

@@ -1,6 +1,6 @@
 //! `ring-dtp` measurements: the blocked vocabulary projection + cross-entropy against
 //! materializing fp32 logits and their fp32 gradient (same GEMM library), forward + backward,
-//! and a plan-only row with the per-rank bytes of naive, Megatron vocab-parallel, Cut
+//! the ring at P = 4 (`ring_dtp_ring.rs`), and a plan-only row with the per-rank bytes of naive, Megatron vocab-parallel, Cut
 //! Cross-Entropy and Ring-DTP at the paper's scale.
 
 use std::collections::BTreeMap;
@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::{GradOutput, Gradients, Inputs, LinearCrossEntropy, Loss, Matrix, PaperPeaks, Plan};
 
+use super::ring_dtp_ring::{RING_WORKLOADS, RingWorkload, ring_row};
 use super::{Component, ReportError, cpu_workload};
 use crate::machine::{MachineInfo, median};
 use crate::report::{Comparison, Row};
@@ -140,14 +141,19 @@ impl Component for RingDtpComponent {
 
     fn workloads(&self) -> Vec<String> {
         let mut w: Vec<String> = WORKLOADS.iter().map(Workload::describe).collect();
+        w.extend(RING_WORKLOADS.iter().map(RingWorkload::describe));
         let (n, d, v, p) = PAPER;
         w.push(format!("N={n} D={d} V={v} P={p} bf16 (plan only, per rank)"));
         w
     }
 
     fn run(&self, index: usize, device: Device, machine: &MachineInfo) -> Result<Row, ReportError> {
-        if index == WORKLOADS.len() {
+        if index == WORKLOADS.len() + RING_WORKLOADS.len() {
             return Ok(self.paper_row());
+        }
+        if let Some(i) = index.checked_sub(WORKLOADS.len()) {
+            let ring = *cpu_workload(self.name(), &RING_WORKLOADS, i, device, RingWorkload::describe)?;
+            return ring_row(self.name(), ring, machine);
         }
         let w = *cpu_workload(self.name(), &WORKLOADS, index, device, Workload::describe)?;
         let fail = |message: String| ReportError::workload(self.name(), &w.describe(), message);

@@ -7,6 +7,10 @@
 //! (upcast); nothing grows with N but the per-token statistics (`PER_TOKEN_BYTES`·N, besides
 //! the lse output), plus the CPU GEMM's own packing buffers.
 
+mod ring;
+
+pub use ring::{RingChoice, RingKind, RingOptions, RingPlan};
+
 use flatpeak_common::DType;
 use flatpeak_common::arena::REGION_ALIGN;
 

@@ -1,0 +1,356 @@
+//! Sizing of the ring schedules over P ranks (pure): which ring, the token block C and the
+//! vocabulary block Vb, and every buffer a rank reserves at launch.
+//!
+//! Layout: rank r owns tokens `r·⌈N/P⌉ .. min((r+1)·⌈N/P⌉, N)` and vocabulary rows
+//! `r·⌈V/P⌉ .. min((r+1)·⌈V/P⌉, V)` (the last ranks' ranges are shorter or empty: padding is
+//! masked by construction, never computed).
+//!
+//! - **Weight ring**: W shards circulate in sub-blocks of Vb rows; each rank folds every
+//!   sub-block into its own tokens' statistics (token blocks of C rows). Backward circulates them
+//!   again with an fp32 dW accumulator travelling beside each sub-block, one extra hop home. Per
+//!   rank: logits `4·C·Vb`, an X block `4·C·D`, two sub-block buffers (current + incoming) of
+//!   `e·Vb·D` (W, element size e) `+ 4·Vb·D` (dW) `+ 8·Vb` (bias, dbias), a `4·Vb·D` upcast for
+//!   bf16, and one step's messages in flight.
+//! - **Activation ring**: token blocks of C rows circulate (X, targets, weights, the running
+//!   statistics in forward; lse, scale, dlse and an fp32 dX accumulator in backward); W and dW stay
+//!   home; one extra hop returns the statistics or dX. Per rank: logits `4·C·Vb`, two packets of
+//!   `e·C·D + 4·C·D + 44·C`, X and W upcasts for bf16, and one step's messages in flight.
+//!
+//! Neither has an N·V term, nor an N term besides the per-token statistics of the rank's own
+//! tokens. The ring is chosen by bytes moved: tokens circulate when a rank has fewer tokens than
+//! vocabulary rows (n < v), shards otherwise.
+
+use std::ops::Range;
+
+use flatpeak_common::DType;
+use flatpeak_common::arena::REGION_ALIGN;
+
+use crate::config::LinearCrossEntropy;
+use crate::error::{Error, Result};
+use crate::plan::PER_TOKEN_BYTES;
+
+/// Which operand circulates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RingKind {
+    /// W shards circulate (with a travelling dW accumulator in backward); dX stays home.
+    Weight,
+    /// Token blocks circulate (with a travelling dX accumulator in backward); W and dW stay home.
+    Activation,
+}
+
+/// The ring to run: chosen from the shapes, or forced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RingChoice {
+    /// Activation ring when a rank has fewer tokens than vocabulary rows, else weight ring.
+    #[default]
+    Auto,
+    /// This ring.
+    Force(RingKind),
+}
+
+/// Options of [`RingPlan::new`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RingOptions {
+    /// The ring.
+    pub ring: RingChoice,
+    /// Per-rank working-set budget in bytes (blocks, ring buffers, messages in flight).
+    pub budget_bytes: usize,
+}
+
+impl Default for RingOptions {
+    /// Auto ring, 64 MiB per rank.
+    fn default() -> Self {
+        Self { ring: RingChoice::Auto, budget_bytes: 64 << 20 }
+    }
+}
+
+impl RingOptions {
+    /// Auto ring within `budget_bytes` per rank.
+    pub fn with_budget(budget_bytes: usize) -> Self {
+        Self { budget_bytes, ..Self::default() }
+    }
+    /// These options with the ring forced.
+    pub fn ring(self, kind: RingKind) -> Self {
+        Self { ring: RingChoice::Force(kind), ..self }
+    }
+}
+
+/// Token blocks tried, largest first (wider blocks: fewer passes, better GEMM shapes).
+const TOKEN_BLOCKS: [usize; 6] = [512, 256, 128, 64, 32, 16];
+/// Smallest vocabulary block.
+const MIN_VOCAB_BLOCK: usize = 64;
+
+/// The ring schedule of one call shape on P ranks; identical on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingPlan {
+    world: usize,
+    n: usize,
+    d: usize,
+    v: usize,
+    dtype: DType,
+    kind: RingKind,
+    token_block: usize,
+    vocab_block: usize,
+}
+
+fn aligned(bytes: usize) -> usize {
+    bytes.div_ceil(REGION_ALIGN) * REGION_ALIGN
+}
+
+impl RingPlan {
+    /// Plans N tokens, hidden size D and vocabulary V over `world` ranks with `dtype` inputs;
+    /// [`Error::BudgetTooSmall`] when not even 16 tokens × 64 vocabulary rows fit the budget.
+    pub fn new(
+        config: &LinearCrossEntropy,
+        (n, d, v): (usize, usize, usize),
+        world: usize,
+        dtype: DType,
+        options: RingOptions,
+    ) -> Result<Self> {
+        config.validate()?;
+        if world == 0 {
+            return Err(Error::InvalidOption { name: "world", value: 0.0, expected: "at least one rank" });
+        }
+        if dtype == DType::F16 {
+            return Err(Error::InvalidOption { name: "dtype", value: 16.0, expected: "f32 or bf16 inputs" });
+        }
+        let (rows, shard) = (n.div_ceil(world).max(1), v.div_ceil(world).max(1));
+        let kind = match options.ring {
+            RingChoice::Force(kind) => kind,
+            RingChoice::Auto if rows < shard => RingKind::Activation,
+            RingChoice::Auto => RingKind::Weight,
+        };
+        let plan = |token_block, vocab_block| Self { world, n, d, v, dtype, kind, token_block, vocab_block };
+        let vocab_blocks = || {
+            std::iter::successors(Some(shard), |&vb| {
+                let next = if vb == shard { shard.next_power_of_two() / 2 } else { vb / 2 };
+                (next >= MIN_VOCAB_BLOCK.min(shard) && next > 0 && next < vb).then_some(next)
+            })
+        };
+        // First blocks wide enough for efficient GEMMs, then anything that fits.
+        let (min_c, min_vb) = (128.min(rows), 512.min(shard));
+        for (c_floor, vb_floor) in [(min_c, min_vb), (0, 0)] {
+            let candidates: Vec<(usize, usize)> = match kind {
+                // The travelling sub-block dominates the weight ring: its size first.
+                RingKind::Weight => vocab_blocks()
+                    .flat_map(|vb| TOKEN_BLOCKS.map(|c| c.min(rows)).into_iter().map(move |c| (c, vb)))
+                    .collect(),
+                // The travelling packet dominates the activation ring: the token block first.
+                RingKind::Activation => TOKEN_BLOCKS
+                    .map(|c| c.min(rows))
+                    .into_iter()
+                    .flat_map(|c| vocab_blocks().map(move |vb| (c, vb)))
+                    .collect(),
+            };
+            for (c, vb) in candidates {
+                let p = plan(c, vb);
+                if c >= c_floor && vb >= vb_floor && p.bound_bytes() <= options.budget_bytes {
+                    return Ok(p);
+                }
+            }
+        }
+        let needed = plan(16.min(rows), MIN_VOCAB_BLOCK.min(shard)).bound_bytes();
+        Err(Error::BudgetTooSmall {
+            budget: options.budget_bytes,
+            needed,
+            what: "a ring step of 16 tokens x 64 vocabulary rows",
+        })
+    }
+
+    /// Ranks P.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+    /// Tokens N over all ranks.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    /// Hidden size D.
+    pub fn d(&self) -> usize {
+        self.d
+    }
+    /// Vocabulary V.
+    pub fn v(&self) -> usize {
+        self.v
+    }
+    /// Input dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// The ring.
+    pub fn kind(&self) -> RingKind {
+        self.kind
+    }
+    /// Tokens per block, C.
+    pub fn token_block(&self) -> usize {
+        self.token_block
+    }
+    /// Vocabulary rows per block, Vb (the travelling sub-block of the weight ring).
+    pub fn vocab_block(&self) -> usize {
+        self.vocab_block
+    }
+    /// Tokens per rank before clipping, ⌈N/P⌉.
+    pub fn rows_per_rank(&self) -> usize {
+        self.n.div_ceil(self.world)
+    }
+    /// Vocabulary rows per shard before clipping, ⌈V/P⌉.
+    pub fn shard_rows(&self) -> usize {
+        self.v.div_ceil(self.world)
+    }
+    /// The tokens rank `rank` owns (empty past the end).
+    pub fn tokens(&self, rank: usize) -> Range<usize> {
+        let r = self.rows_per_rank();
+        (rank * r).min(self.n)..((rank + 1) * r).min(self.n)
+    }
+    /// The vocabulary rows rank `rank` owns (empty past the end).
+    pub fn shard(&self, rank: usize) -> Range<usize> {
+        let s = self.shard_rows();
+        (rank * s).min(self.v)..((rank + 1) * s).min(self.v)
+    }
+    /// Ring passes per call direction: token blocks (activation ring) or vocabulary sub-blocks
+    /// (weight ring) of the largest range, the same on every rank.
+    pub fn blocks(&self) -> usize {
+        match self.kind {
+            RingKind::Weight => self.shard_rows().div_ceil(self.vocab_block.max(1)),
+            RingKind::Activation => self.rows_per_rank().div_ceil(self.token_block.max(1)),
+        }
+    }
+
+    /// The regions of one ring buffer, in carve order: a W sub-block in its input dtype, its
+    /// dW accumulator, bias and dbias (weight ring); or a packet's X rows in their input dtype, its
+    /// dX accumulator, targets, max, target logit, sum-exp, Σz, lse, scale and dlse (activation
+    /// ring).
+    pub(crate) fn buffer_regions(&self) -> Vec<usize> {
+        let (c, vb, d, e) = (self.token_block, self.vocab_block, self.d, self.dtype.size_in_bytes());
+        match self.kind {
+            RingKind::Weight => vec![e * vb * d, 4 * vb * d, 4 * vb, 4 * vb],
+            RingKind::Activation => {
+                vec![e * c * d, 4 * c * d, 4 * c, 4 * c, 4 * c, 8 * c, 8 * c, 4 * c, 4 * c, 4 * c]
+            }
+        }
+    }
+
+    /// The regions besides the ring buffers, in carve order: the logits block, then the
+    /// token-block targets and X copy with the W upcast (weight ring), or the X and W upcasts
+    /// (activation ring). Upcasts are empty for f32 inputs.
+    pub(crate) fn block_regions(&self) -> Vec<usize> {
+        let (c, vb, d) = (self.token_block, self.vocab_block, self.d);
+        let upcast = |rows: usize| if self.dtype == DType::F32 { 0 } else { 4 * rows * d };
+        match self.kind {
+            RingKind::Weight => vec![4 * c * vb, 4 * c, 4 * c * d, upcast(vb)],
+            RingKind::Activation => vec![4 * c * vb, upcast(c), upcast(vb)],
+        }
+    }
+
+    /// Bytes a rank reserves at launch: the block regions and two ring buffers (current +
+    /// incoming), each region aligned.
+    pub fn workspace_bytes(&self) -> usize {
+        let buffer: usize = self.buffer_regions().into_iter().map(aligned).sum();
+        self.block_regions().into_iter().map(aligned).sum::<usize>() + 2 * buffer
+    }
+
+    /// Bytes a rank sends per ring step, at most: a W sub-block with its bias and, in backward,
+    /// the dW accumulator; or a packet's X rows and targets with the statistics (forward) or
+    /// the row data and dX accumulator (backward).
+    pub fn message_bytes(&self) -> usize {
+        let (c, vb, d, e) = (self.token_block, self.vocab_block, self.d, self.dtype.size_in_bytes());
+        match self.kind {
+            RingKind::Weight => e * vb * d + 4 * vb * d + 8 * vb,
+            RingKind::Activation => e * c * d + 4 * c + (4 * c * d + 12 * c).max(24 * c),
+        }
+    }
+
+    /// Bytes of messages in flight per rank: the CPU fallback's transport buffers each send
+    /// until the receiver takes it, and the ring keeps ranks in step (a barrier per step), so at
+    /// most one step's messages, plus `TRANSPORT_OVERHEAD` for the channel's own nodes (a
+    /// rendezvous transport such as NCCL holds none).
+    pub fn in_flight_bytes(&self) -> usize {
+        if self.world == 1 { 0 } else { self.message_bytes() + TRANSPORT_OVERHEAD }
+    }
+
+    /// Per-row scratch besides the workspace: the gradient pass's per-row constants.
+    pub fn row_scratch_bytes(&self) -> usize {
+        ROW_SCRATCH_BYTES * self.token_block
+    }
+
+    /// The plan's per-rank bound on the working set besides per-token statistics and the CPU
+    /// GEMM's own packing buffers: `workspace_bytes + in_flight_bytes + row_scratch_bytes`.
+    /// Independent of N.
+    pub fn bound_bytes(&self) -> usize {
+        self.workspace_bytes() + self.in_flight_bytes() + self.row_scratch_bytes()
+    }
+
+    /// Per-token statistics of a rank's own tokens besides the outputs: `PER_TOKEN_BYTES·⌈N/P⌉`.
+    pub fn per_token_bytes(&self) -> usize {
+        PER_TOKEN_BYTES * self.rows_per_rank()
+    }
+
+    /// The CPU GEMM's own buffers per rank, independent of N: the rank thread's packing buffers
+    /// and the transposed-operand copy of the dW GEMM (see [`Plan::cpu_gemm_scratch_bytes`];
+    /// the rayon pool's own buffers, shared by the ranks, come on top once per process).
+    ///
+    /// [`Plan::cpu_gemm_scratch_bytes`]: crate::Plan::cpu_gemm_scratch_bytes
+    pub fn cpu_gemm_scratch_bytes(&self) -> usize {
+        crate::plan::CPU_GEMM_SCRATCH_PER_THREAD
+            + 4 * self.token_block * crate::cpu::DW_SUB_BLOCK.min(self.vocab_block)
+    }
+
+    /// GEMM FLOPs of forward + backward on one rank holding ⌈N/P⌉ tokens against ⌈V/P⌉ rows per
+    /// shard: 4 GEMMs of `2·n·V·D` (logits in forward, logits again, dX and dW in backward).
+    pub fn gemm_flops_per_rank(&self) -> f64 {
+        4.0 * 2.0 * self.rows_per_rank() as f64 * self.v as f64 * self.d as f64
+    }
+}
+
+/// Bytes the CPU fallback's channel allocates per ring step besides the payloads (list nodes,
+/// barrier tokens); measured well below this.
+pub const TRANSPORT_OVERHEAD: usize = 16 << 10;
+
+/// Bytes of per-row gradient constants (the gradient pass's `ColumnGrad`).
+const ROW_SCRATCH_BYTES: usize = 24;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_covers_everything_once() {
+        let cfg = LinearCrossEntropy::default();
+        for (n, v, p) in [(10, 7, 3), (8192, 32768, 4), (5, 3, 7), (1, 1, 1)] {
+            let plan = RingPlan::new(&cfg, (n, 16, v), p, DType::F32, RingOptions::default()).unwrap();
+            let tokens: usize = (0..p).map(|r| plan.tokens(r).len()).sum();
+            let rows: usize = (0..p).map(|r| plan.shard(r).len()).sum();
+            assert_eq!((tokens, rows), (n, v));
+            for r in 1..p {
+                assert_eq!(plan.tokens(r - 1).end, plan.tokens(r).start);
+                assert_eq!(plan.shard(r - 1).end, plan.shard(r).start);
+            }
+        }
+    }
+
+    #[test]
+    fn auto_ring_and_budget() {
+        let cfg = LinearCrossEntropy::default();
+        let opts = RingOptions::with_budget(48 << 20);
+        let a = RingPlan::new(&cfg, (8192, 1024, 32768), 4, DType::F32, opts).unwrap();
+        assert_eq!(a.kind(), RingKind::Activation);
+        assert!(a.bound_bytes() <= 48 << 20);
+        let w = RingPlan::new(&cfg, (8192, 1024, 32768), 4, DType::F32, opts.ring(RingKind::Weight)).unwrap();
+        assert_eq!(w.kind(), RingKind::Weight);
+        assert!(w.bound_bytes() <= 48 << 20 && w.vocab_block() >= 512);
+        let b = RingPlan::new(&cfg, (1 << 20, 1024, 32768), 4, DType::F32, opts).unwrap();
+        assert_eq!(b.kind(), RingKind::Weight);
+        let err = RingPlan::new(&cfg, (8192, 1024, 32768), 4, DType::F32, RingOptions::with_budget(1 << 10));
+        assert!(matches!(err, Err(Error::BudgetTooSmall { budget: 1024, .. })));
+    }
+
+    #[test]
+    fn bound_does_not_grow_with_tokens() {
+        let cfg = LinearCrossEntropy::default();
+        let opts = RingOptions::with_budget(32 << 20).ring(RingKind::Weight);
+        let a = RingPlan::new(&cfg, (1 << 12, 512, 50_000), 4, DType::Bf16, opts).unwrap();
+        let b = RingPlan::new(&cfg, (1 << 20, 512, 50_000), 4, DType::Bf16, opts).unwrap();
+        assert_eq!(a.bound_bytes(), b.bound_bytes());
+    }
+}

@@ -1,0 +1,263 @@
+//! Ring-DTP over P ranks through a [`Communicator`]: each rank owns ⌈N/P⌉ tokens and a
+//! vocabulary shard of ⌈V/P⌉ rows of W (see [`RingPlan`] for the layout), and the loss and
+//! gradients are those of the whole N×V problem, exactly: every logit is formed once per pass,
+//! by the rank that holds its token and (for that step) its vocabulary rows.
+//!
+//! - [`RingKind::Weight`]: W sub-blocks circulate; every rank folds each into its own tokens'
+//!   statistics. Backward circulates them again with an fp32 dW accumulator beside each, which
+//!   takes one extra hop home; dX never leaves its rank.
+//! - [`RingKind::Activation`]: token blocks circulate with their running statistics; W and dW
+//!   never leave their rank; one extra hop brings each block's statistics (forward) or dX
+//!   accumulator (backward) home.
+//!
+//! Both take 4 GEMMs per forward + backward (the loss over the whole vocabulary is known only
+//! after a full turn of the ring, so backward recomputes the logits). The immutable part of a
+//! step's message (W, or X and the targets) is sent before the step's GEMMs, so it travels while
+//! they run; the accumulators follow when the step is done. Accumulation orders are fixed by the
+//! ring, so results are bitwise reproducible run to run. The mean's denominator and the scalar
+//! loss are summed over ranks in f64, in rank order, identically on every rank.
+//!
+//! ```
+//! use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, SplitMix64};
+//! use ring_dtp::ring::{self, RankInputs};
+//! use ring_dtp::{GradOutput, LinearCrossEntropy, Loss, Matrix, RingOptions, RingPlan};
+//!
+//! let (n, d, v, p) = (96, 16, 500, 3);
+//! let mut rng = SplitMix64::new(2);
+//! let (x, w) = (rng.normal_f32(n * d, 0.0, 1.0), rng.normal_f32(v * d, 0.0, 0.2));
+//! let targets: Vec<i64> = (0..n as i64).map(|i| i * 13 % v as i64).collect();
+//! let config = LinearCrossEntropy::default();
+//! let plan = RingPlan::new(&config, (n, d, v), p, DType::F32, RingOptions::with_budget(1 << 20))?;
+//! // Three ranks as threads; each sees only its tokens and its vocabulary shard.
+//! let results = LocalGroup::run(p, LocalGroupOptions::default(), |comm| {
+//!     let (t, s) = (plan.tokens(comm.rank()), plan.shard(comm.rank()));
+//!     let inputs = RankInputs::new(
+//!         Matrix::F32(&x[t.start * d..t.end * d]),
+//!         Matrix::F32(&w[s.start * d..s.end * d]),
+//!         &targets[t],
+//!     );
+//!     Ok(ring::forward_backward(comm, &config, &plan, &inputs, GradOutput::Scalar(1.0)))
+//! });
+//! for r in results {
+//!     let (fwd, grads) = r??;
+//!     assert!(matches!(fwd.loss, Loss::Scalar(l) if l > 0.0));
+//!     assert_eq!(grads.dx.len(), 32 * d); // this rank's tokens
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod activation;
+mod weight;
+
+use flatpeak_common::DType;
+use flatpeak_common::comm::{Communicator, CommunicatorExt};
+
+use crate::config::LinearCrossEntropy;
+use crate::cpu::{self, Stats};
+use crate::error::{Error, Result};
+use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
+use crate::plan::{RingKind, RingPlan};
+
+/// One rank's share of a call: its tokens' rows of X, targets and weights, and its vocabulary
+/// shard of W and the bias (rows [`RingPlan::shard`]). Targets are global vocabulary ids, and
+/// `LinearCrossEntropy::shift` applies within the rank's rows (to shift across ranks without a
+/// copy, pass each rank the target slice starting one row later).
+#[derive(Debug, Clone, Copy)]
+pub struct RankInputs<'a> {
+    /// Hidden states of the rank's tokens, n_r×D.
+    pub x: Matrix<'a>,
+    /// The rank's W shard, v_r×D.
+    pub w_shard: Matrix<'a>,
+    /// The rank's bias shard, v_r.
+    pub bias_shard: Option<&'a [f32]>,
+    /// Target ids of the rank's tokens, n_r.
+    pub targets: &'a [i64],
+    /// Per-token weights of the rank's tokens, n_r.
+    pub weights: Option<&'a [f32]>,
+}
+
+impl<'a> RankInputs<'a> {
+    /// Inputs without bias or weights.
+    pub fn new(x: Matrix<'a>, w_shard: Matrix<'a>, targets: &'a [i64]) -> Self {
+        Self { x, w_shard, bias_shard: None, targets, weights: None }
+    }
+    /// These inputs with a bias shard.
+    pub fn with_bias(self, bias_shard: &'a [f32]) -> Self {
+        Self { bias_shard: Some(bias_shard), ..self }
+    }
+    /// These inputs with per-token weights.
+    pub fn with_weights(self, weights: &'a [f32]) -> Self {
+        Self { weights: Some(weights), ..self }
+    }
+}
+
+/// The validated view one rank works on: its own tokens as an [`Inputs`] whose `w`/`bias` are
+/// the shard and whose `v` is the whole vocabulary (targets are global).
+struct Rank<'a> {
+    rank: usize,
+    local: Inputs<'a>,
+}
+
+fn check(what: &'static str, expected: usize, found: usize) -> Result<()> {
+    if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, found }) }
+}
+
+fn validate<'a, C: Communicator + ?Sized>(
+    comm: &C,
+    config: &LinearCrossEntropy,
+    plan: &RingPlan,
+    inputs: &RankInputs<'a>,
+) -> Result<Rank<'a>> {
+    check("world size", plan.world(), comm.world_size())?;
+    let rank = comm.rank();
+    let (n, v, d) = (plan.tokens(rank).len(), plan.shard(rank).len(), plan.d());
+    check("x (n_r·d)", n * d, inputs.x.len())?;
+    check("w shard (v_r·d)", v * d, inputs.w_shard.len())?;
+    check("targets (n_r)", n, inputs.targets.len())?;
+    if let Some(b) = inputs.bias_shard {
+        check("bias shard (v_r)", v, b.len())?;
+    }
+    if let Some(w) = inputs.weights {
+        check("weights (n_r)", n, w.len())?;
+    }
+    for dtype in [inputs.x.dtype(), inputs.w_shard.dtype()] {
+        if dtype != plan.dtype() {
+            return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w_shard.dtype() });
+        }
+    }
+    for (token, &target) in inputs.targets.iter().enumerate() {
+        if target != config.ignore_index && !(0..plan.v() as i64).contains(&target) {
+            return Err(Error::TargetOutOfRange { token, target, vocab: plan.v() });
+        }
+    }
+    let local = Inputs {
+        x: inputs.x,
+        w: inputs.w_shard,
+        bias: inputs.bias_shard,
+        targets: inputs.targets,
+        weights: inputs.weights,
+        n,
+        d,
+        v: plan.v(),
+    };
+    Ok(Rank { rank, local })
+}
+
+/// Sums `values` over ranks in f64, in rank order, identically on every rank.
+fn all_sum_f64<C: Communicator + ?Sized, const K: usize>(comm: &C, values: [f64; K]) -> Result<[f64; K]> {
+    let p = comm.world_size();
+    let send: Vec<f64> = (0..p).flat_map(|_| values).collect();
+    let mut recv = vec![0f64; p * K];
+    let counts = vec![K; p];
+    comm.all_to_all_v(&send, &counts, &mut recv, &counts)?;
+    let mut out = [0f64; K];
+    for chunk in recv.chunks_exact(K) {
+        for (o, x) in out.iter_mut().zip(chunk) {
+            *o += x;
+        }
+    }
+    Ok(out)
+}
+
+/// What a ring pass computes on a rank's own tokens.
+enum Pass<'a> {
+    /// Fold every logit into the statistics.
+    Fold(&'a mut Stats),
+    /// Form the logit gradient from the saved lse and project it.
+    Grad { coef: &'a [f32], lse: &'a [f32], dlse: Option<&'a [f32]>, grads: &'a mut Gradients },
+}
+
+fn run_pass<C: Communicator + ?Sized>(
+    comm: &C,
+    config: &LinearCrossEntropy,
+    plan: &RingPlan,
+    rank: &Rank<'_>,
+    pass: Pass<'_>,
+) -> Result<()> {
+    match plan.kind() {
+        RingKind::Weight => weight::run(comm, config, plan, rank, pass),
+        RingKind::Activation => activation::run(comm, config, plan, rank, pass),
+    }
+}
+
+/// The loss (over all ranks' tokens: the same scalar on every rank, or this rank's per-token
+/// losses) and this rank's tokens' lse.
+pub fn forward<C: Communicator + ?Sized>(
+    comm: &C,
+    config: &LinearCrossEntropy,
+    plan: &RingPlan,
+    inputs: &RankInputs<'_>,
+) -> Result<Forward> {
+    let rank = validate(comm, config, plan, inputs)?;
+    let mut stats = Stats::new(rank.local.n);
+    run_pass(comm, config, plan, &rank, Pass::Fold(&mut stats))?;
+    let (per_token, lse) = cpu::per_token_losses(config, &rank.local, plan.v(), &stats);
+    let local_total: f64 = per_token.iter().map(|&x| x as f64).sum();
+    let [total, denom] = all_sum_f64(comm, [local_total, rank.local.valid_weight(config)])?;
+    Ok(Forward { loss: cpu::reduce_loss(config, per_token, total, denom), lse })
+}
+
+/// This rank's dX (its tokens), dW and dbias (its shard), from forward's lse; `dlse` is an
+/// optional upstream gradient of the lse output.
+pub fn backward<C: Communicator + ?Sized>(
+    comm: &C,
+    config: &LinearCrossEntropy,
+    plan: &RingPlan,
+    inputs: &RankInputs<'_>,
+    forward: &Forward,
+    grad: GradOutput<'_>,
+    dlse: Option<&[f32]>,
+) -> Result<Gradients> {
+    let rank = validate(comm, config, plan, inputs)?;
+    let n = rank.local.n;
+    check("lse (n_r)", n, forward.lse.len())?;
+    if let Some(g) = dlse {
+        check("dlse (n_r)", n, g.len())?;
+    }
+    let [denom] = all_sum_f64(comm, [rank.local.valid_weight(config)])?;
+    let coef = cpu::coefficients(config, &rank.local, grad, denom)?;
+    let v_r = plan.shard(rank.rank).len();
+    let mut grads = Gradients {
+        dx: vec![0.0; n * plan.d()],
+        dw: vec![0.0; v_r * plan.d()],
+        dbias: inputs.bias_shard.map(|_| vec![0.0; v_r]),
+    };
+    let pass = Pass::Grad { coef: &coef, lse: &forward.lse, dlse, grads: &mut grads };
+    run_pass(comm, config, plan, &rank, pass)?;
+    Ok(grads)
+}
+
+/// `forward`, then `backward` with `grad` (4 GEMMs).
+pub fn forward_backward<C: Communicator + ?Sized>(
+    comm: &C,
+    config: &LinearCrossEntropy,
+    plan: &RingPlan,
+    inputs: &RankInputs<'_>,
+    grad: GradOutput<'_>,
+) -> Result<(Forward, Gradients)> {
+    let fwd = forward(comm, config, plan, inputs)?;
+    let grads = backward(comm, config, plan, inputs, &fwd, grad, None)?;
+    Ok((fwd, grads))
+}
+
+/// Element bytes of W/X rows on the wire.
+fn elem_bytes(dtype: DType) -> usize {
+    dtype.size_in_bytes()
+}
+
+/// Rows `rows` of `m` (width `d`) as raw bytes.
+fn raw_rows<'a>(m: &Matrix<'a>, rows: std::ops::Range<usize>, d: usize) -> &'a [u8] {
+    match *m {
+        Matrix::F32(s) => bytemuck::cast_slice(&s[rows.start * d..rows.end * d]),
+        Matrix::Bf16(s) => bytemuck::cast_slice(&s[rows.start * d..rows.end * d]),
+    }
+}
+
+/// Raw bytes of `dtype` rows viewed as a [`Matrix`].
+fn as_matrix(raw: &[u8], dtype: DType) -> Matrix<'_> {
+    // `RingPlan::new` admits f32 and bf16 only.
+    match dtype {
+        DType::F32 => Matrix::F32(bytemuck::cast_slice(raw)),
+        DType::Bf16 | DType::F16 => Matrix::Bf16(bytemuck::cast_slice(raw)),
+    }
+}

@@ -1,0 +1,272 @@
+//! Ring-DTP over P ranks (LocalGroup threads) against the f64 reference of the whole problem:
+//! P ∈ {1, 2, 3, 4, 7}, both rings, f32 and bf16, ragged and prime shapes (ranks with no tokens
+//! or no vocabulary rows included), every feature on; bitwise reproducibility; typed errors.
+
+use flatpeak_common::comm::{LocalComm, LocalGroup, LocalGroupOptions};
+use flatpeak_common::testing::SplitMix64;
+use flatpeak_common::{DType, relative_error};
+use half::bf16;
+use ring_dtp::cpu::reference;
+use ring_dtp::ring::{self, RankInputs};
+use ring_dtp::{
+    Error, Forward, GradOutput, Gradients, Inputs, LinearCrossEntropy, Loss, Matrix, Reduction, RingKind,
+    RingOptions, RingPlan, Softcap,
+};
+
+/// f32 bound, on errors normalised by the magnitudes each quantity sums (see tests/ring_dtp.rs).
+const TOL: f64 = 1e-5;
+
+struct Case {
+    n: usize,
+    d: usize,
+    v: usize,
+    x: Vec<f32>,
+    w: Vec<f32>,
+    xb: Vec<bf16>,
+    wb: Vec<bf16>,
+    bias: Vec<f32>,
+    weights: Vec<f32>,
+    targets: Vec<i64>,
+    grad_tokens: Vec<f32>,
+    dlse: Vec<f32>,
+}
+
+fn make_case(n: usize, d: usize, v: usize, seed: u64) -> Case {
+    let mut rng = SplitMix64::new(seed);
+    let x = rng.normal_f32(n * d, 0.0, 1.0);
+    let mut w = rng.normal_f32(v * d, 0.0, 1.0 / (d as f32).sqrt());
+    for j in (0..v).step_by(5) {
+        let i = (j * 11) % n;
+        w[j * d..(j + 1) * d].copy_from_slice(&x[i * d..(i + 1) * d]);
+    }
+    let targets =
+        (0..n).map(|_| if rng.next_f64() < 0.2 { -100 } else { rng.below(v as u64) as i64 }).collect();
+    Case {
+        n,
+        d,
+        v,
+        xb: x.iter().map(|&a| bf16::from_f32(a)).collect(),
+        wb: w.iter().map(|&a| bf16::from_f32(a)).collect(),
+        x,
+        w,
+        bias: rng.normal_f32(v, 0.0, 0.5),
+        weights: rng.uniform_f32(n, 0.25, 2.0),
+        targets,
+        grad_tokens: rng.uniform_f32(n, -1.0, 1.0),
+        dlse: rng.normal_f32(n, 0.0, 0.1),
+    }
+}
+
+impl Case {
+    fn matrices(&self, dtype: DType) -> (Matrix<'_>, Matrix<'_>) {
+        match dtype {
+            DType::Bf16 => (Matrix::Bf16(&self.xb), Matrix::Bf16(&self.wb)),
+            _ => (Matrix::F32(&self.x), Matrix::F32(&self.w)),
+        }
+    }
+}
+
+fn slice<'a>(m: Matrix<'a>, rows: std::ops::Range<usize>, d: usize) -> Matrix<'a> {
+    match m {
+        Matrix::F32(s) => Matrix::F32(&s[rows.start * d..rows.end * d]),
+        Matrix::Bf16(s) => Matrix::Bf16(&s[rows.start * d..rows.end * d]),
+    }
+}
+
+/// Runs `f` on P LocalGroup ranks; each rank's result, in rank order.
+fn on_ranks<R: Send>(
+    p: usize,
+    f: impl Fn(&LocalComm) -> ring_dtp::Result<R> + Sync,
+) -> Vec<ring_dtp::Result<R>> {
+    LocalGroup::run(p, LocalGroupOptions::default(), |comm| Ok(f(comm)))
+        .into_iter()
+        .map(|r| r.map_err(Error::Common).and_then(|x| x))
+        .collect()
+}
+
+fn grad_of<'a>(config: &LinearCrossEntropy, g: &'a [f32]) -> GradOutput<'a> {
+    match config.reduction {
+        Reduction::None => GradOutput::PerToken(g),
+        _ => GradOutput::Scalar(0.7),
+    }
+}
+
+/// Every rank's forward and backward (with dlse), in rank order.
+fn run_ring(
+    c: &Case,
+    config: &LinearCrossEntropy,
+    dtype: DType,
+    p: usize,
+    options: RingOptions,
+) -> (RingPlan, Vec<(Forward, Gradients)>) {
+    let plan = RingPlan::new(config, (c.n, c.d, c.v), p, dtype, options).expect("plan");
+    let (x, w) = c.matrices(dtype);
+    let results = on_ranks(p, |comm: &LocalComm| {
+        use flatpeak_common::comm::Communicator;
+        let r = comm.rank();
+        let (t, s) = (plan.tokens(r), plan.shard(r));
+        let inputs =
+            RankInputs::new(slice(x, t.clone(), c.d), slice(w, s.clone(), c.d), &c.targets[t.clone()])
+                .with_bias(&c.bias[s])
+                .with_weights(&c.weights[t.clone()]);
+        let fwd = ring::forward(comm, config, &plan, &inputs)?;
+        let grad = grad_of(config, &c.grad_tokens[t.clone()]);
+        let g = ring::backward(comm, config, &plan, &inputs, &fwd, grad, Some(&c.dlse[t]))?;
+        Ok((fwd, g))
+    });
+    (plan, results.into_iter().map(|r| r.expect("rank succeeds")).collect())
+}
+
+fn scaled_error(got: &[f32], want: &[f64], scale: &[f64]) -> f64 {
+    let diff: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = scale.iter().map(|s| s * s).sum::<f64>().sqrt();
+    if diff == 0.0 { 0.0 } else { diff / norm }
+}
+
+fn check_against_reference(
+    c: &Case,
+    config: &LinearCrossEntropy,
+    dtype: DType,
+    p: usize,
+    options: RingOptions,
+) {
+    let (x, w) = c.matrices(dtype);
+    let full = Inputs::new(x, w, &c.targets, c.n, c.d, c.v).with_bias(&c.bias).with_weights(&c.weights);
+    let r = reference::run(&full, config, grad_of(config, &c.grad_tokens), Some(&c.dlse));
+    let (plan, ranks) = run_ring(c, config, dtype, p, options);
+    let what = format!("P={p} {:?} {dtype} C={} Vb={}", plan.kind(), plan.token_block(), plan.vocab_block());
+    // Reassemble the per-rank pieces in rank order.
+    let (mut lse, mut dx, mut dw, mut db, mut per_token) = (vec![], vec![], vec![], vec![], vec![]);
+    for (fwd, g) in &ranks {
+        lse.extend_from_slice(&fwd.lse);
+        dx.extend_from_slice(&g.dx);
+        dw.extend_from_slice(&g.dw);
+        db.extend_from_slice(g.dbias.as_ref().expect("bias given"));
+        match &fwd.loss {
+            Loss::PerToken(l) => per_token.extend_from_slice(l),
+            Loss::Scalar(l) => {
+                let err = (l - r.loss).abs() / r.loss_scale.max(1e-30);
+                assert!(err <= TOL, "{what}: loss {l} vs {} (scale {})", r.loss, r.loss_scale);
+                assert_eq!(fwd.loss, ranks[0].0.loss, "{what}: every rank holds the same loss");
+            }
+        }
+    }
+    if config.reduction == Reduction::None {
+        let e = scaled_error(&per_token, &r.per_token, &r.per_token_scale);
+        assert!(e <= TOL, "{what}: per-token loss error {e:e}");
+    }
+    let e = relative_error(&lse, &r.lse);
+    assert!(e <= TOL, "{what}: lse error {e:e}");
+    for (name, got, want, scale) in [
+        ("dx", &dx, &r.dx, &r.dx_scale),
+        ("dw", &dw, &r.dw, &r.dw_scale),
+        ("dbias", &db, &r.dbias, &r.dbias_scale),
+    ] {
+        let e = scaled_error(got, want, scale);
+        assert!(e <= TOL, "{what}: {name} error {e:e}");
+    }
+}
+
+fn all_features(reduction: Reduction) -> LinearCrossEntropy {
+    let mut config = LinearCrossEntropy::with_reduction(reduction);
+    (config.label_smoothing, config.z_loss, config.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
+    config
+}
+
+#[test]
+fn every_world_size_and_ring_matches_the_reference() {
+    // N and V prime, so no P divides them; at P = 7 the last rank owns 1 token of 61.
+    let c = make_case(61, 24, 131, 7);
+    for p in [1, 2, 3, 4, 7] {
+        for kind in [RingKind::Weight, RingKind::Activation] {
+            // A small budget forces several blocks per shard and per rank.
+            let options = RingOptions::with_budget(64 << 10).ring(kind);
+            check_against_reference(&c, &all_features(Reduction::None), DType::F32, p, options);
+            check_against_reference(&c, &LinearCrossEntropy::default(), DType::F32, p, options);
+        }
+    }
+}
+
+#[test]
+fn bf16_sum_and_tiny_vocabularies() {
+    // V < P: some ranks own no vocabulary rows; N < P: some own no tokens.
+    for (n, v, p) in [(45, 37, 4), (5, 3, 7), (3, 50, 4)] {
+        let c = make_case(n, 16, v, n as u64);
+        for kind in [RingKind::Weight, RingKind::Activation] {
+            let options = RingOptions::with_budget(48 << 10).ring(kind);
+            check_against_reference(&c, &all_features(Reduction::Sum), DType::Bf16, p, options);
+            check_against_reference(&c, &all_features(Reduction::Mean), DType::F32, p, options);
+        }
+    }
+}
+
+#[test]
+fn auto_ring_follows_the_shapes() {
+    let config = LinearCrossEntropy::default();
+    let a = RingPlan::new(&config, (64, 8, 4096), 4, DType::F32, RingOptions::default()).unwrap();
+    let b = RingPlan::new(&config, (4096, 8, 64), 4, DType::F32, RingOptions::default()).unwrap();
+    assert_eq!((a.kind(), b.kind()), (RingKind::Activation, RingKind::Weight));
+}
+
+#[test]
+fn bitwise_reproducible_run_to_run() {
+    let c = make_case(97, 32, 211, 9);
+    for kind in [RingKind::Weight, RingKind::Activation] {
+        let options = RingOptions::with_budget(96 << 10).ring(kind);
+        let config = all_features(Reduction::Mean);
+        let (_, a) = run_ring(&c, &config, DType::F32, 3, options);
+        let (_, b) = run_ring(&c, &config, DType::F32, 3, options);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for ((fa, ga), (fb, gb)) in a.iter().zip(&b) {
+            assert_eq!(fa, fb);
+            assert_eq!(bits(&ga.dx), bits(&gb.dx));
+            assert_eq!(bits(&ga.dw), bits(&gb.dw));
+        }
+    }
+}
+
+#[test]
+fn bad_input_is_a_typed_error_on_every_rank() {
+    let c = make_case(20, 8, 30, 11);
+    let config = LinearCrossEntropy::default();
+    let plan = RingPlan::new(&config, (20, 8, 30), 2, DType::F32, RingOptions::default()).unwrap();
+    let mut targets = c.targets.clone();
+    targets[3] = 30;
+    let results = on_ranks(2, |comm: &LocalComm| {
+        use flatpeak_common::comm::Communicator;
+        let r = comm.rank();
+        let (t, s) = (plan.tokens(r), plan.shard(r));
+        let inputs = RankInputs::new(
+            Matrix::F32(&c.x[t.start * 8..t.end * 8]),
+            Matrix::F32(&c.w[s.start * 8..s.end * 8]),
+            &targets[t],
+        );
+        ring::forward(comm, &config, &plan, &inputs)
+    });
+    assert_eq!(
+        results[0].as_ref().unwrap_err(),
+        &Error::TargetOutOfRange { token: 3, target: 30, vocab: 30 }
+    );
+    // Rank 1's inputs are fine: it learns that its peer is gone instead of hanging.
+    assert!(results[1].is_err());
+    // A plan for another world size, and shards of the wrong shape.
+    let results = on_ranks(3, |comm: &LocalComm| {
+        let inputs = RankInputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..120]), &c.targets[..10]);
+        ring::forward(comm, &config, &plan, &inputs)
+    });
+    for r in results {
+        assert!(matches!(r, Err(Error::ShapeMismatch { what: "world size", expected: 2, found: 3 })));
+    }
+    let results = on_ranks(2, |comm: &LocalComm| {
+        let inputs = RankInputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..119]), &c.targets[..10]);
+        ring::forward(comm, &config, &plan, &inputs)
+    });
+    for r in results {
+        assert!(matches!(
+            r,
+            Err(Error::ShapeMismatch { what: "w shard (v_r·d)", expected: 120, found: 119 })
+        ));
+    }
+    let f16 = RingPlan::new(&config, (20, 8, 30), 2, DType::F16, RingOptions::default());
+    assert!(matches!(f16, Err(Error::InvalidOption { name: "dtype", .. })));
+}
