@@ -1,0 +1,295 @@
+//! What a layer is ([`Shape`]) and how it is scheduled ([`LlepConfig`]).
+//!
+//! The MoE layer: per rank, N tokens `x` (N×H), top-k expert ids and routing weights (N×k);
+//! E SwiGLU experts `FFN_e(x) = (silu(x·W_gate,e) ⊙ (x·W_up,e))·W_down,e` with W_gate, W_up
+//! H×I and W_down I×H; expert e lives on rank `e / (E/P)`. The output of token i is
+//! `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`; a duplicate id in one token's top-k is two routes (the
+//! same as one route with the summed weight).
+
+use flatpeak_common::DType;
+
+use crate::error::{Error, Result};
+
+/// The sizes of one MoE layer over P ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// P: ranks of the expert-parallel group.
+    pub ranks: usize,
+    /// N: tokens per rank.
+    pub tokens: usize,
+    /// H: hidden size.
+    pub hidden: usize,
+    /// I: expert intermediate size.
+    pub intermediate: usize,
+    /// E: experts, E/P native to each rank.
+    pub experts: usize,
+    /// k: routes per token.
+    pub top_k: usize,
+    /// Storage type of tokens and weights (sizes buffers; the CPU executor takes f32).
+    pub dtype: DType,
+}
+
+impl Shape {
+    /// Checks the domains: P ≥ 1, E ≥ 1 divisible by P, k ≥ 1, H ≥ 1, I ≥ 1.
+    pub fn validate(&self) -> Result<()> {
+        let positive = |name, value: usize| {
+            if value >= 1 {
+                Ok(())
+            } else {
+                Err(Error::InvalidConfig { name, value: value as f64, expected: "at least 1" })
+            }
+        };
+        positive("ranks", self.ranks)?;
+        positive("experts", self.experts)?;
+        positive("top_k", self.top_k)?;
+        positive("hidden", self.hidden)?;
+        positive("intermediate", self.intermediate)?;
+        if !self.experts.is_multiple_of(self.ranks) {
+            return Err(Error::ExpertsNotDivisible { experts: self.experts, ranks: self.ranks });
+        }
+        Ok(())
+    }
+
+    /// M = E/P, the experts native to each rank.
+    pub fn local_experts(&self) -> usize {
+        self.experts / self.ranks.max(1)
+    }
+
+    /// The rank expert `e` is native to.
+    pub fn native_rank(&self, expert: usize) -> usize {
+        expert / self.local_experts().max(1)
+    }
+
+    /// Bytes per element of the storage type.
+    pub fn elem_bytes(&self) -> usize {
+        self.dtype.size_in_bytes()
+    }
+
+    /// Elements of one expert's weights, `3·H·I` (gate, up, down).
+    pub fn expert_elems(&self) -> usize {
+        3 * self.hidden * self.intermediate
+    }
+}
+
+/// Which schedule a plan describes; the two baselines are plans too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Scheme {
+    /// Every route goes to its expert's native rank, in one all-to-all sized to what arrives
+    /// (a hot rank receives up to P·k·N rows).
+    StandardEp,
+    /// Least-loaded assignment (LLEP), one all-to-all sized to what arrives (≈ α·k·N rows).
+    Llep,
+    /// Least-loaded assignment, then K rounds in which any source sends at most q rows to any
+    /// destination: every buffer is sized at launch, whatever the routing.
+    #[default]
+    PipelinedLlep,
+}
+
+/// What the forward pass keeps for backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// The layer runs under activation checkpointing: forward keeps nothing but its input, and
+    /// backward recomputes each round (re-dispatch, expert forward) and runs that round's
+    /// backward at once, so nothing outlives its round.
+    #[default]
+    Checkpointed,
+    /// Forward keeps every round's received rows and expert pre-activations for backward
+    /// (no recompute). Its bound grows with K·P·q, reported by the plan; the CPU executor does
+    /// not run this mode yet.
+    SaveActivations,
+}
+
+/// How the pair cap q is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairCap {
+    /// q rows per (source, destination) per round.
+    Rows(usize),
+    /// The largest q whose dispatch buffers (all pipeline copies, for the configured mode) fit
+    /// in this many bytes.
+    DispatchBudget {
+        /// Bytes for the dispatch buffers of one rank.
+        bytes: usize,
+    },
+}
+
+impl Default for PairCap {
+    fn default() -> Self {
+        PairCap::DispatchBudget { bytes: 256 << 20 }
+    }
+}
+
+/// How a spilled expert's routes are divided among the sources that hold them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpillSplit {
+    /// Every source contributes to every piece of the expert in proportion to its count
+    /// (a Sainte-Laguë interleave of the sources), so `S[s][d] ≈ L_d/P`.
+    #[default]
+    Proportional,
+    /// LLEP's own split: pieces are ranges of the source-major route list, so a helper
+    /// receives a contiguous block, usually from one or two sources.
+    Position,
+}
+
+/// Which rows of a (source, destination) list go to which round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Chunking {
+    /// Row r goes to round r mod K.
+    #[default]
+    Strided,
+    /// Rows are cut into K consecutive runs of ⌈R/K⌉.
+    Contiguous,
+}
+
+/// The schedule's options. Defaults: the paper's α = 1.0, m = 1024, λ = 1.3; PipelinedLLEP
+/// with a 256 MiB dispatch budget, 4 foreign-expert slots per rank, proportional spill split,
+/// strided rounds, checkpointed training, double buffering.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct LlepConfig {
+    /// Which schedule.
+    pub scheme: Scheme,
+    /// α: a rank's capacity is `⌊α·⌊Σl/P⌋⌋` routes (= α·k·N).
+    pub alpha: f64,
+    /// m: a spill chunk is at least this many routes unless it finishes its expert.
+    pub min_chunk: usize,
+    /// λ: below this per-rank imbalance (max / mean native load) plain EP runs.
+    pub imbalance_threshold: f64,
+    /// The pair cap q (PipelinedLLEP only).
+    pub pair_cap: PairCap,
+    /// F_max: foreign-expert weight slots per rank, reserved at launch (PipelinedLLEP only;
+    /// LLEP takes as many as its assignment needs).
+    pub foreign_slots: usize,
+    /// How spilled routes are divided among sources.
+    pub spill_split: SpillSplit,
+    /// How rows are dealt to rounds.
+    pub chunking: Chunking,
+    /// What forward keeps for backward.
+    pub mode: Mode,
+    /// D: copies of the dispatch buffers, so round j+1's dispatch can overlap round j's GEMMs.
+    pub pipeline_depth: usize,
+}
+
+impl Default for LlepConfig {
+    fn default() -> Self {
+        Self {
+            scheme: Scheme::PipelinedLlep,
+            alpha: 1.0,
+            min_chunk: 1024,
+            imbalance_threshold: 1.3,
+            pair_cap: PairCap::default(),
+            foreign_slots: 4,
+            spill_split: SpillSplit::Proportional,
+            chunking: Chunking::Strided,
+            mode: Mode::Checkpointed,
+            pipeline_depth: 2,
+        }
+    }
+}
+
+impl LlepConfig {
+    /// Defaults with this scheme.
+    pub fn with_scheme(scheme: Scheme) -> Self {
+        Self { scheme, ..Self::default() }
+    }
+    /// This config with another scheme.
+    pub fn scheme(self, scheme: Scheme) -> Self {
+        Self { scheme, ..self }
+    }
+    /// This config with capacity factor α.
+    pub fn alpha(self, alpha: f64) -> Self {
+        Self { alpha, ..self }
+    }
+    /// This config with minimum spill chunk m.
+    pub fn min_chunk(self, min_chunk: usize) -> Self {
+        Self { min_chunk, ..self }
+    }
+    /// This config with imbalance threshold λ.
+    pub fn imbalance_threshold(self, imbalance_threshold: f64) -> Self {
+        Self { imbalance_threshold, ..self }
+    }
+    /// This config with another pair cap.
+    pub fn pair_cap(self, pair_cap: PairCap) -> Self {
+        Self { pair_cap, ..self }
+    }
+    /// This config with F_max foreign-expert slots.
+    pub fn foreign_slots(self, foreign_slots: usize) -> Self {
+        Self { foreign_slots, ..self }
+    }
+    /// This config with another spill split.
+    pub fn spill_split(self, spill_split: SpillSplit) -> Self {
+        Self { spill_split, ..self }
+    }
+    /// This config with another chunking.
+    pub fn chunking(self, chunking: Chunking) -> Self {
+        Self { chunking, ..self }
+    }
+    /// This config in another mode.
+    pub fn mode(self, mode: Mode) -> Self {
+        Self { mode, ..self }
+    }
+    /// This config with D copies of the dispatch buffers.
+    pub fn pipeline_depth(self, pipeline_depth: usize) -> Self {
+        Self { pipeline_depth, ..self }
+    }
+
+    /// Checks every option's domain (NaN is never valid).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |name, value: f64, expected| Err(Error::InvalidConfig { name, value, expected });
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return bad("alpha", self.alpha, "a finite value > 0");
+        }
+        if self.imbalance_threshold.is_nan() || self.imbalance_threshold < 0.0 {
+            return bad("imbalance_threshold", self.imbalance_threshold, "a value ≥ 0");
+        }
+        if self.min_chunk == 0 {
+            return bad("min_chunk", 0.0, "at least 1");
+        }
+        if self.pipeline_depth == 0 {
+            return bad("pipeline_depth", 0.0, "at least 1");
+        }
+        if self.pair_cap == PairCap::Rows(0) {
+            return bad("pair_cap", 0.0, "at least 1 row");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_papers() {
+        let c = LlepConfig::default();
+        assert_eq!((c.alpha, c.min_chunk, c.imbalance_threshold), (1.0, 1024, 1.3));
+        assert_eq!((c.scheme, c.mode), (Scheme::PipelinedLlep, Mode::Checkpointed));
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn validation_names_the_option() {
+        let bad = [
+            LlepConfig::default().alpha(f64::NAN),
+            LlepConfig::default().alpha(0.0),
+            LlepConfig::default().min_chunk(0),
+            LlepConfig::default().pipeline_depth(0),
+            LlepConfig::default().pair_cap(PairCap::Rows(0)),
+            LlepConfig::default().imbalance_threshold(f64::NAN),
+        ];
+        for c in bad {
+            assert!(matches!(c.validate(), Err(Error::InvalidConfig { .. })), "{c:?}");
+        }
+        let shape = Shape {
+            ranks: 3,
+            tokens: 4,
+            hidden: 2,
+            intermediate: 2,
+            experts: 8,
+            top_k: 2,
+            dtype: DType::F32,
+        };
+        assert_eq!(shape.validate(), Err(Error::ExpertsNotDivisible { experts: 8, ranks: 3 }));
+        assert!(Shape { ranks: 4, ..shape }.validate().is_ok());
+        assert!(matches!(Shape { top_k: 0, ..shape }.validate(), Err(Error::InvalidConfig { .. })));
+    }
+}

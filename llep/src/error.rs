@@ -1,0 +1,106 @@
+//! The one error type of `llep`; every variant carries the offending values.
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Bad routing, bad shapes or options, a budget too small for any schedule, or a failure of
+/// the communicator below.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A top-k expert id at or past the number of experts.
+    #[error("expert id {expert} of token {token}, slot {slot} is outside 0..{experts}")]
+    ExpertOutOfRange {
+        /// The token (row of x).
+        token: usize,
+        /// The top-k slot.
+        slot: usize,
+        /// The id given.
+        expert: i64,
+        /// The number of experts E.
+        experts: usize,
+    },
+    /// A negative top-k expert id.
+    #[error("expert id {expert} of token {token}, slot {slot} is negative")]
+    NegativeExpert {
+        /// The token (row of x).
+        token: usize,
+        /// The top-k slot.
+        slot: usize,
+        /// The id given.
+        expert: i64,
+    },
+    /// A routing weight that is NaN or infinite.
+    #[error("routing weight {value} of token {token}, slot {slot} is not finite")]
+    NonFiniteWeight {
+        /// The token (row of x).
+        token: usize,
+        /// The top-k slot.
+        slot: usize,
+        /// The weight given.
+        value: f32,
+    },
+    /// A buffer or count matrix of the wrong length or shape.
+    #[error("shape mismatch for {what}: expected {expected}, found {found}")]
+    ShapeMismatch {
+        /// Which buffer or dimension.
+        what: &'static str,
+        /// What the shapes call for.
+        expected: usize,
+        /// What was given.
+        found: usize,
+    },
+    /// The experts cannot be split evenly over the ranks (expert e lives on rank e / (E/P)).
+    #[error("{experts} experts cannot be split evenly over {ranks} ranks")]
+    ExpertsNotDivisible {
+        /// E.
+        experts: usize,
+        /// P.
+        ranks: usize,
+    },
+    /// An option or shape outside its domain.
+    #[error("invalid configuration: {name} = {value}, expected {expected}")]
+    InvalidConfig {
+        /// Which option.
+        name: &'static str,
+        /// The value given (as f64 for display).
+        value: f64,
+        /// Its domain, in words.
+        expected: &'static str,
+    },
+    /// The dispatch byte budget cannot hold one row per rank pair.
+    #[error("dispatch budget of {budget} B is below the {needed} B one row per rank pair needs")]
+    BudgetTooSmall {
+        /// The budget given.
+        budget: usize,
+        /// Bytes for a pair cap of one row.
+        needed: usize,
+    },
+    /// A workload profile string that does not parse.
+    #[error("invalid profile {spec:?}: {reason}")]
+    InvalidProfile {
+        /// The string given.
+        spec: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The executor was handed a plan made for other routing, or for another group.
+    #[error("plan does not match this call: {what} (plan {planned}, call {found})")]
+    PlanMismatch {
+        /// What disagrees.
+        what: &'static str,
+        /// The plan's value.
+        planned: usize,
+        /// The call's value.
+        found: usize,
+    },
+    /// The CPU executor computes in f32 only.
+    #[error("the CPU executor takes f32 tensors; the shape says {dtype}")]
+    UnsupportedDtype {
+        /// The dtype of the shape.
+        dtype: flatpeak_common::DType,
+    },
+    /// An error from the shared foundation (workspace, communicator, GEMM).
+    #[error(transparent)]
+    Comm(#[from] flatpeak_common::Error),
+}

@@ -1,0 +1,83 @@
+//! # llep — PipelinedLLEP: expert parallelism whose dispatch buffers are fixed at launch
+//!
+//! A Mixture-of-Experts layer over P ranks routes each of a rank's N tokens to k of E experts
+//! (E/P native to each rank): `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`, SwiGLU experts
+//! `FFN_e(x) = (silu(x·W_gate) ⊙ (x·W_up))·W_down`. Standard expert parallelism sends every
+//! route to its expert's rank, so a hot rank receives up to P·k·N rows; LLEP's least-loaded
+//! assignment ([`Assignment`]) spills hot experts' routes (and their weights) to the least
+//! loaded ranks, capping a rank's load near α·k·N, but still sizes every buffer to what
+//! arrives. PipelinedLLEP keeps LLEP's assignment and dispatches in K rounds in which a source
+//! sends at most q rows to a destination, so every receive buffer is exactly P·q rows whatever
+//! the routing: **imbalance costs rounds, never memory**.
+//!
+//! Memory bound per rank (all sizes in [`Buffers`], fixed by the config and shape before any
+//! routing is known): D pipeline copies of send, receive and output buffers of P·q rows × H
+//! (backward adds dY rows), expert GEMM buffers of G = P·q rows × (H, I), F_max foreign expert
+//! slots of 3·H·I, and 8·N·k bytes of route tables. Nothing scales with the skew; the baselines
+//! ([`Scheme::Llep`], [`Scheme::StandardEp`]) are plans too, sized to their routing.
+//!
+//! Training runs the layer checkpointed ([`Mode::Checkpointed`]): forward keeps nothing,
+//! backward recomputes each round and runs its backward at once, returning dX, the routing
+//! weights' gradient (for the router) and the native experts' weight gradients (foreign
+//! gradients travel home once per layer). Exact: forward and backward match a dense f64
+//! reference ([`cpu::reference`]) to f32 rounding.
+//!
+//! ```
+//! use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, SplitMix64, Workspace};
+//! use llep::{cpu, Buffers, ExpertWeights, LlepConfig, PairCap, Pass, Profile, RankInputs, Routing, Shape};
+//!
+//! let shape = Shape { ranks: 4, tokens: 64, hidden: 32, intermediate: 16, experts: 8, top_k: 2, dtype: DType::F32 };
+//! let config = LlepConfig::default().min_chunk(8).pair_cap(PairCap::Rows(8));
+//! // Reserved at launch, before any routing is known.
+//! let bytes = Buffers::at_launch(&config, &shape, Pass::Backward)?.workspace_bytes();
+//! // Every token's two slots go to expert 0 (all on rank 0): LLEP spills it to all ranks.
+//! let ids = Profile::Hot { ratio: 1.0, experts: 1 }.ids(&Shape { ranks: 1, ..shape })?;
+//! let results = LocalGroup::run(4, LocalGroupOptions::default(), |comm| {
+//!     let mut rng = SplitMix64::new(comm.rank() as u64);
+//!     let x = rng.normal_f32(64 * 32, 0.0, 1.0);
+//!     let weights = llep::routing_weights(64, 2, 7);
+//!     let (gate, up, down) = (rng.normal_f32(2 * 32 * 16, 0.0, 0.2), rng.normal_f32(2 * 32 * 16, 0.0, 0.2), rng.normal_f32(2 * 16 * 32, 0.0, 0.2));
+//!     let inputs = RankInputs {
+//!         x: &x,
+//!         routing: Routing { ids: &ids, weights: &weights },
+//!         experts: ExpertWeights { gate: &gate, up: &up, down: &down },
+//!     };
+//!     let run = || -> llep::Result<_> {
+//!         let mut ws = Workspace::new(bytes);
+//!         let plan = cpu::plan(comm, &config, &shape, &inputs.routing)?;
+//!         let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
+//!         let grads = cpu::backward(comm, &plan, &inputs, &y, &mut ws)?; // dY = y
+//!         Ok((plan.rounds(), plan.assignment().transfers().len(), grads.dx.len(), ws.high_water()))
+//!     };
+//!     Ok(run())
+//! });
+//! for r in results {
+//!     let (rounds, transfers, dx_len, used) = r??;
+//!     assert!(rounds >= 1 && transfers == 3 && dx_len == 64 * 32 && used == bytes);
+//! }
+//! # Ok::<(), llep::Error>(())
+//! ```
+//!
+//! Modules: [`config`] (shape and options), [`assign`] (least-loaded assignment, pure),
+//! [`plan`] (rounds and buffer sizes, pure), [`cpu`] (executor over a `Communicator`, and the
+//! f64 reference), [`workload`] (the LLEP harness's routing profiles), [`model`] (the DESIGN
+//! peak model and the paper's plan-only row).
+
+pub mod assign;
+pub mod config;
+pub mod cpu;
+pub mod error;
+pub mod layer;
+pub mod model;
+pub mod plan;
+pub mod workload;
+
+pub use assign::{Assignment, Piece, RouteCounts, RouteMapper, Transfer, local_counts};
+pub use config::{Chunking, LlepConfig, Mode, PairCap, Scheme, Shape, SpillSplit};
+pub use error::{Error, Result};
+pub use layer::{ExpertWeights, Gradients, RankInputs, Routing};
+pub use model::{
+    ChunkStats, ModelRow, PAPER_SHAPE, PeakModel, PeakTerms, chunk_stats, crate_pair_cap, model_row,
+};
+pub use plan::{Buffers, Pass, Plan, pair_cap, pair_rows, round_rows};
+pub use workload::{Profile, routing_weights};

@@ -1,0 +1,128 @@
+//! Shared builders for the llep integration tests: a seeded MoE problem over P ranks, run on a
+//! `LocalGroup`, and the dense f64 reference over the concatenated tokens.
+#![allow(dead_code)]
+
+use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, SplitMix64, Workspace};
+use llep::cpu::reference::{self, ReferenceGrads};
+use llep::{
+    Buffers, ExpertWeights, Gradients, LlepConfig, Pass, Plan, Profile, RankInputs, Routing, Scheme, Shape,
+    cpu,
+};
+
+/// A seeded problem: per-rank tokens, ids, weights and dY; all E experts' weights.
+pub struct Problem {
+    pub shape: Shape,
+    pub x: Vec<Vec<f32>>,
+    pub ids: Vec<Vec<i64>>,
+    pub weights: Vec<Vec<f32>>,
+    pub dy: Vec<Vec<f32>>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
+}
+
+/// How a problem's ids are drawn.
+#[derive(Debug, Clone, Copy)]
+pub enum Ids {
+    /// The harness profile on every rank.
+    Profile(Profile),
+    /// Uniform random ids per slot (duplicates within a token happen).
+    Random,
+}
+
+impl Problem {
+    pub fn new(shape: Shape, ids: Ids, seed: u64) -> Self {
+        let (p, n, h, i, e, k) =
+            (shape.ranks, shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k);
+        let mut rng = SplitMix64::new(seed);
+        let x = (0..p).map(|_| rng.normal_f32(n * h, 0.0, 1.0)).collect();
+        let dy = (0..p).map(|_| rng.normal_f32(n * h, 0.0, 1.0)).collect();
+        let ids = (0..p)
+            .map(|_| match ids {
+                Ids::Profile(profile) => profile.ids(&Shape { ranks: 1, ..shape }).unwrap(),
+                Ids::Random => (0..n * k).map(|_| rng.below(e as u64) as i64).collect(),
+            })
+            .collect();
+        let weights = (0..p).map(|s| llep::routing_weights(n, k, seed ^ ((s as u64 + 1) * 0x9E37))).collect();
+        let scale_in = 1.0 / (h as f32).sqrt();
+        let scale_mid = 1.0 / (i as f32).sqrt();
+        let gate = rng.normal_f32(e * h * i, 0.0, scale_in);
+        let up = rng.normal_f32(e * h * i, 0.0, scale_in);
+        let down = rng.normal_f32(e * i * h, 0.0, scale_mid);
+        Self { shape, x, ids, weights, dy, gate, up, down }
+    }
+
+    /// Rank s's inputs (its native experts' slices).
+    pub fn inputs(&self, s: usize) -> RankInputs<'_> {
+        let len = self.shape.local_experts() * self.shape.hidden * self.shape.intermediate;
+        RankInputs {
+            x: &self.x[s],
+            routing: Routing { ids: &self.ids[s], weights: &self.weights[s] },
+            experts: ExpertWeights {
+                gate: &self.gate[s * len..(s + 1) * len],
+                up: &self.up[s * len..(s + 1) * len],
+                down: &self.down[s * len..(s + 1) * len],
+            },
+        }
+    }
+
+    /// The single-process shape of the reference.
+    pub fn global_shape(&self) -> Shape {
+        Shape { ranks: 1, tokens: self.shape.ranks * self.shape.tokens, ..self.shape }
+    }
+
+    pub fn reference(&self) -> (Vec<f64>, ReferenceGrads) {
+        let (x, ids, w, dy) = (self.x.concat(), self.ids.concat(), self.weights.concat(), self.dy.concat());
+        let inputs = RankInputs {
+            x: &x,
+            routing: Routing { ids: &ids, weights: &w },
+            experts: ExpertWeights { gate: &self.gate, up: &self.up, down: &self.down },
+        };
+        let shape = self.global_shape();
+        (reference::forward(&shape, &inputs).unwrap(), reference::backward(&shape, &inputs, &dy).unwrap())
+    }
+}
+
+/// One rank's results of a forward + backward.
+pub struct RankRun {
+    pub plan: Plan,
+    pub y: Vec<f32>,
+    pub grads: Gradients,
+    pub workspace_bytes: usize,
+    pub high_water: usize,
+}
+
+/// Plans on every rank, reserves the plan's backward workspace, runs forward and backward.
+pub fn run(problem: &Problem, config: &LlepConfig) -> Vec<llep::Result<RankRun>> {
+    LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
+        Ok((|| {
+            let me = comm.rank();
+            let inputs = problem.inputs(me);
+            let plan = cpu::plan(comm, config, &problem.shape, &inputs.routing)?;
+            let bufs = plan.buffers(me, Pass::Backward);
+            let mut ws = Workspace::new(bufs.workspace_bytes());
+            let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
+            let grads = cpu::backward(comm, &plan, &inputs, &problem.dy[me], &mut ws)?;
+            Ok(RankRun {
+                workspace_bytes: bufs.workspace_bytes(),
+                high_water: ws.high_water(),
+                plan,
+                y,
+                grads,
+            })
+        })())
+    })
+    .into_iter()
+    .map(|r| r.map_err(llep::Error::from).and_then(|inner| inner))
+    .collect()
+}
+
+/// Launch-time buffers of PipelinedLLEP (what a rank reserves before any routing is known).
+pub fn launch_bytes(config: &LlepConfig, shape: &Shape) -> usize {
+    Buffers::at_launch(config, shape, Pass::Backward).unwrap().workspace_bytes()
+}
+
+/// A config that spills, caps and pipelines at test sizes.
+pub fn small_config(scheme: Scheme) -> LlepConfig {
+    LlepConfig::with_scheme(scheme).min_chunk(4).pair_cap(llep::PairCap::Rows(3)).foreign_slots(2)
+}

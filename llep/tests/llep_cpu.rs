@@ -1,0 +1,214 @@
+//! The CPU executor against the dense f64 reference, over P ∈ {1, 2, 4, 8}, top-k 1..8, the
+//! harness profiles (balanced, 50%:4, 100% on one expert), random ids with duplicates, and all
+//! three schemes; and bad input → typed errors.
+
+mod common;
+
+use common::{Ids, Problem, run, small_config};
+use flatpeak_common::{DType, relative_error};
+use llep::{Profile, Scheme, Shape};
+
+const TOL: f64 = 1e-5;
+
+fn shape(p: usize, k: usize) -> Shape {
+    Shape { ranks: p, tokens: 13, hidden: 16, intermediate: 8, experts: 16, top_k: k, dtype: DType::F32 }
+}
+
+fn check(problem: &Problem, scheme: Scheme, what: &str) {
+    let (y_ref, g_ref) = problem.reference();
+    let runs: Vec<_> = run(problem, &small_config(scheme)).into_iter().map(|r| r.unwrap()).collect();
+    let y: Vec<f32> = runs.iter().flat_map(|r| r.y.iter().copied()).collect();
+    let cat = |f: fn(&common::RankRun) -> &Vec<f32>| {
+        runs.iter().flat_map(|r| f(r).iter().copied()).collect::<Vec<f32>>()
+    };
+    let errors = [
+        ("y", relative_error(&y, &y_ref)),
+        ("dx", relative_error(&cat(|r| &r.grads.dx), &g_ref.dx)),
+        ("d_weights", relative_error(&cat(|r| &r.grads.d_weights), &g_ref.d_weights)),
+        ("d_gate", relative_error(&cat(|r| &r.grads.d_gate), &g_ref.d_gate)),
+        ("d_up", relative_error(&cat(|r| &r.grads.d_up), &g_ref.d_up)),
+        ("d_down", relative_error(&cat(|r| &r.grads.d_down), &g_ref.d_down)),
+    ];
+    for (name, err) in errors {
+        assert!(err <= TOL, "{what} {scheme:?}: {name} relative error {err:.3e}");
+    }
+    // Every rank planned the same thing.
+    assert!(runs.iter().all(|r| r.plan == runs[0].plan), "{what}: plans differ across ranks");
+    for r in &runs {
+        assert_eq!(r.high_water, r.workspace_bytes, "{what}: carved bytes differ from the plan's");
+    }
+}
+
+#[test]
+fn matches_reference_across_ranks_topk_and_profiles() {
+    let profiles = [
+        Ids::Profile(Profile::Balanced),
+        Ids::Profile(Profile::Hot { ratio: 0.5, experts: 4 }),
+        Ids::Profile(Profile::Hot { ratio: 1.0, experts: 1 }),
+        Ids::Random,
+    ];
+    for p in [1, 2, 4, 8] {
+        for k in 1..=8 {
+            for (n, ids) in profiles.iter().enumerate() {
+                let problem = Problem::new(shape(p, k), *ids, (p * 100 + k * 10 + n) as u64);
+                check(&problem, Scheme::PipelinedLlep, &format!("P={p} k={k} {ids:?}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn baselines_match_reference() {
+    for scheme in [Scheme::StandardEp, Scheme::Llep] {
+        for p in [1, 4] {
+            for ids in [Ids::Profile(Profile::Hot { ratio: 1.0, experts: 1 }), Ids::Random] {
+                let problem = Problem::new(shape(p, 3), ids, 7 + p as u64);
+                check(&problem, scheme, &format!("P={p} {ids:?}"));
+            }
+        }
+    }
+}
+
+/// An edit of rank 1's ids, weights, x and dY.
+type Edit = dyn Fn(&mut Vec<i64>, &mut Vec<f32>, &mut Vec<f32>, &mut Vec<f32>) + Sync;
+
+/// Runs plan + forward + backward on every rank, letting `edit` corrupt rank 1's ids, weights,
+/// x or dY first; returns each rank's outcome.
+fn run_edited(problem: &Problem, edit: &Edit) -> Vec<llep::Result<()>> {
+    use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, Workspace};
+    LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
+        let me = comm.rank();
+        let base = problem.inputs(me);
+        let (mut ids, mut w, mut x, mut dy) = (
+            base.routing.ids.to_vec(),
+            base.routing.weights.to_vec(),
+            base.x.to_vec(),
+            problem.dy[me].clone(),
+        );
+        if me == 1 {
+            edit(&mut ids, &mut w, &mut x, &mut dy);
+        }
+        let inputs = llep::RankInputs { x: &x, routing: llep::Routing { ids: &ids, weights: &w }, ..base };
+        Ok((|| {
+            let config = small_config(Scheme::PipelinedLlep);
+            let plan = llep::cpu::plan(comm, &config, &problem.shape, &inputs.routing)?;
+            let mut ws = Workspace::new(plan.buffers(me, llep::Pass::Backward).workspace_bytes());
+            llep::cpu::forward(comm, &plan, &inputs, &mut ws)?;
+            llep::cpu::backward(comm, &plan, &inputs, &dy, &mut ws)?;
+            Ok(())
+        })())
+    })
+    .into_iter()
+    .map(|r| r.map_err(llep::Error::from).and_then(|inner| inner))
+    .collect()
+}
+
+#[test]
+fn bad_input_is_a_typed_error_on_its_rank_and_fails_the_group() {
+    use flatpeak_common::Error as Common;
+    use llep::Error;
+    let problem = Problem::new(shape(4, 2), Ids::Random, 5);
+    let cases: Vec<(&str, Box<Edit>, Error)> = vec![
+        (
+            "id ≥ E",
+            Box::new(|ids, _, _, _| ids[5] = 16),
+            Error::ExpertOutOfRange { token: 2, slot: 1, expert: 16, experts: 16 },
+        ),
+        (
+            "negative id",
+            Box::new(|ids, _, _, _| ids[0] = -3),
+            Error::NegativeExpert { token: 0, slot: 0, expert: -3 },
+        ),
+        (
+            "NaN weight",
+            Box::new(|_, w, _, _| w[3] = f32::NAN),
+            Error::NonFiniteWeight { token: 1, slot: 1, value: f32::NAN },
+        ),
+        (
+            "short ids",
+            Box::new(|ids, _, _, _| {
+                ids.pop();
+            }),
+            Error::ShapeMismatch { what: "top-k ids (N·k)", expected: 26, found: 25 },
+        ),
+        (
+            "short x",
+            Box::new(|_, _, x, _| {
+                x.pop();
+            }),
+            Error::ShapeMismatch { what: "x (N·H)", expected: 208, found: 207 },
+        ),
+        (
+            "short dY",
+            Box::new(|_, _, _, dy| {
+                dy.pop();
+            }),
+            Error::ShapeMismatch { what: "dY (N·H)", expected: 208, found: 207 },
+        ),
+    ];
+    for (what, edit, want) in cases {
+        let out = run_edited(&problem, &*edit);
+        match (&out[1], &want) {
+            (
+                Err(Error::NonFiniteWeight { token, slot, value }),
+                Error::NonFiniteWeight { token: t, slot: s, .. },
+            ) => {
+                assert!(token == t && slot == s && value.is_nan(), "{what}: {:?}", out[1]);
+            }
+            (got, want) => assert_eq!(got.as_ref().unwrap_err(), want, "{what}"),
+        }
+        for r in [0, 2, 3] {
+            assert!(
+                matches!(out[r], Err(Error::Comm(Common::PeerLost { rank: 1 }))),
+                "{what}: rank {r}: {:?}",
+                out[r]
+            );
+        }
+    }
+}
+
+#[test]
+fn misuse_is_a_typed_error() {
+    use flatpeak_common::{LocalGroup, LocalGroupOptions, Workspace};
+    use llep::{Error, LlepConfig, Pass, Plan};
+    let problem = Problem::new(shape(2, 2), Ids::Random, 9);
+    let other = Problem::new(shape(2, 2), Ids::Profile(Profile::Hot { ratio: 1.0, experts: 1 }), 9);
+    let config = small_config(Scheme::PipelinedLlep);
+    let views: Vec<&[i64]> = other.ids.iter().map(Vec::as_slice).collect();
+    let stale = Plan::from_top_k(&config, &problem.shape, &views).unwrap();
+    let out = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
+        use flatpeak_common::Communicator;
+        let me = comm.rank();
+        let inputs = problem.inputs(me);
+        let mut ws = Workspace::new(stale.buffers(me, Pass::Backward).workspace_bytes());
+        let stale_run = llep::cpu::forward(comm, &stale, &inputs, &mut ws).map(|_| ());
+        let plan = llep::cpu::plan(comm, &config, &problem.shape, &inputs.routing).unwrap();
+        let mut tiny = Workspace::new(1024);
+        let tiny_run = llep::cpu::forward(comm, &plan, &inputs, &mut tiny).map(|_| ());
+        Ok((stale_run, tiny_run))
+    });
+    for r in out {
+        let (stale_run, tiny_run) = r.unwrap();
+        assert!(matches!(stale_run, Err(Error::PlanMismatch { .. })), "{stale_run:?}");
+        assert!(
+            matches!(tiny_run, Err(Error::Comm(flatpeak_common::Error::WorkspaceExhausted { .. }))),
+            "{tiny_run:?}"
+        );
+    }
+    // A plan for another group size, an uneven expert split, a dtype the CPU does not run.
+    let one = LocalGroup::run(1, LocalGroupOptions::default(), |comm| {
+        let inputs = problem.inputs(0);
+        Ok(llep::cpu::plan(comm, &config, &problem.shape, &inputs.routing).map(|_| ()))
+    });
+    assert!(matches!(one[0], Ok(Err(Error::PlanMismatch { what: "ranks", planned: 2, found: 1 }))));
+    let uneven = Shape { ranks: 3, ..problem.shape };
+    assert!(matches!(uneven.validate(), Err(Error::ExpertsNotDivisible { experts: 16, ranks: 3 })));
+    let bf16 = Shape { dtype: DType::Bf16, ..problem.shape };
+    let plan = Plan::from_top_k(&LlepConfig::default(), &bf16, &views).unwrap();
+    let run = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
+        use flatpeak_common::Communicator;
+        let mut ws = Workspace::new(1 << 20);
+        Ok(llep::cpu::forward(comm, &plan, &problem.inputs(comm.rank()), &mut ws).map(|_| ()))
+    });
+    assert!(run.iter().all(|r| matches!(r, Ok(Err(Error::UnsupportedDtype { dtype: DType::Bf16 })))));
+}

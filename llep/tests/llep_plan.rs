@@ -1,0 +1,198 @@
+//! Planner invariants over random and skewed routing: every route assigned exactly once, every
+//! round's receive within P·q, foreign experts within F_max, spill chunks of at least m unless
+//! they finish their expert, the same plan on every rank, and PipelinedLLEP's buffers identical
+//! whatever the routing.
+
+use flatpeak_common::testing::proptest_config;
+use flatpeak_common::{DType, LocalGroup, LocalGroupOptions, SplitMix64};
+use llep::{Buffers, Chunking, LlepConfig, PairCap, Pass, Plan, Profile, Scheme, Shape, SpillSplit, cpu};
+use proptest::prelude::*;
+
+/// Ids with a fraction `hot` of routes on the first `h` experts, the rest uniform.
+fn skewed_ids(shape: &Shape, hot: f64, h: usize, seed: u64) -> Vec<Vec<i64>> {
+    let mut rng = SplitMix64::new(seed);
+    let e = shape.experts as u64;
+    (0..shape.ranks)
+        .map(|_| {
+            (0..shape.tokens * shape.top_k)
+                .map(|_| if rng.next_f64() < hot { rng.below(h.min(shape.experts) as u64) } else { rng.below(e) } as i64)
+                .collect()
+        })
+        .collect()
+}
+
+fn check_invariants(config: &LlepConfig, shape: &Shape, ids: &[Vec<i64>]) -> Result<Plan, TestCaseError> {
+    let views: Vec<&[i64]> = ids.iter().map(Vec::as_slice).collect();
+    let plan = Plan::from_top_k(config, shape, &views).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let a = plan.assignment();
+    let (p, m) = (shape.ranks, shape.local_experts());
+    // Every route exactly once: pieces cover each expert's load, shares cover each source's count,
+    // and mapping every source's routes succeeds with nothing left over.
+    for e in 0..shape.experts {
+        let pieces = a.pieces(e);
+        prop_assert_eq!(pieces.iter().map(|x| x.routes).sum::<usize>(), a.counts().load(e));
+        for s in 0..p {
+            prop_assert_eq!((0..pieces.len()).map(|q| a.share(e, s, q)).sum::<usize>(), a.counts().get(s, e));
+        }
+        // Spill chunks: at least m unless they are the expert's last piece.
+        for (q, piece) in pieces.iter().enumerate() {
+            if piece.rank != e / m && q + 1 < pieces.len() {
+                prop_assert!(piece.routes >= config.min_chunk, "expert {e} piece {q}: {piece:?}");
+            }
+        }
+    }
+    prop_assert_eq!((0..p).map(|d| a.rank_load(d)).sum::<usize>(), a.counts().total());
+    for (s, rank_ids) in ids.iter().enumerate() {
+        let mut mapper = a.mapper(s);
+        let mut per_dest = vec![0usize; p];
+        for &id in rank_ids {
+            per_dest[mapper.next(id as usize).map_err(|e| TestCaseError::fail(e.to_string()))?] += 1;
+        }
+        for (d, &routes) in per_dest.iter().enumerate() {
+            prop_assert_eq!(routes, a.pair_routes(s, d));
+        }
+        for e in 0..shape.experts {
+            prop_assert!(mapper.next(e).is_err(), "source {s} expert {e}: an extra route was mapped");
+        }
+    }
+    // Foreign experts within F_max (PipelinedLLEP), and each transfer lands in its slot.
+    if config.scheme == Scheme::PipelinedLlep {
+        prop_assert!(a.max_foreign() <= config.foreign_slots);
+    }
+    for t in a.transfers() {
+        prop_assert_eq!(a.local_slot(t.helper, t.expert), Some(m + t.slot));
+    }
+    // Rounds: every pair ≤ q, every receive ≤ P·q, and the rounds deal each pair's rows once.
+    let q = plan.pair_cap();
+    for j in 0..plan.rounds() {
+        let round = plan.round_matrix(j);
+        prop_assert!(round.iter().all(|&r| r <= q));
+        for d in 0..p {
+            prop_assert!((0..p).map(|s| round[s * p + d]).sum::<usize>() <= p * q);
+        }
+    }
+    for s in 0..p {
+        for d in 0..p {
+            let mut seen = vec![false; plan.pair_rows(s, d)];
+            for j in 0..plan.rounds() {
+                for r in plan.round_row_indices(s, d, j) {
+                    prop_assert!(!seen[r]);
+                    seen[r] = true;
+                }
+            }
+            prop_assert!(seen.iter().all(|&x| x));
+        }
+    }
+    prop_assert!(plan.max_rows_per_round() <= p * q);
+    // PipelinedLLEP's buffers are the launch-time ones, whatever the routing.
+    if config.scheme == Scheme::PipelinedLlep {
+        for pass in [Pass::Forward, Pass::Backward] {
+            let launch = Buffers::at_launch(config, shape, pass).unwrap();
+            for d in 0..p {
+                prop_assert_eq!(plan.buffers(d, pass), launch);
+            }
+        }
+    }
+    Ok(plan)
+}
+
+fn config_strategy() -> impl Strategy<Value = LlepConfig> {
+    (
+        prop_oneof![Just(Scheme::PipelinedLlep), Just(Scheme::Llep), Just(Scheme::StandardEp)],
+        1usize..24,
+        0usize..4,
+        1usize..12,
+        prop_oneof![Just(0.5), Just(1.0), Just(1.5)],
+        prop_oneof![Just(0.0), Just(1.3)],
+        prop_oneof![Just(SpillSplit::Proportional), Just(SpillSplit::Position)],
+        prop_oneof![Just(Chunking::Strided), Just(Chunking::Contiguous)],
+    )
+        .prop_map(|(scheme, m, f, q, alpha, lambda, split, chunking)| {
+            LlepConfig::with_scheme(scheme)
+                .min_chunk(m)
+                .foreign_slots(f)
+                .pair_cap(PairCap::Rows(q))
+                .alpha(alpha)
+                .imbalance_threshold(lambda)
+                .spill_split(split)
+                .chunking(chunking)
+        })
+}
+
+fn shape_strategy() -> impl Strategy<Value = Shape> {
+    (prop_oneof![Just(1usize), Just(2), Just(3), Just(4), Just(8)], 1usize..5, 1usize..9, 0usize..48)
+        .prop_map(|(p, m, k, n)| Shape {
+            ranks: p,
+            tokens: n,
+            hidden: 8,
+            intermediate: 4,
+            experts: p * m,
+            top_k: k,
+            dtype: DType::F32,
+        })
+}
+
+proptest! {
+    #![proptest_config(proptest_config(256))]
+
+    #[test]
+    fn planner_invariants(
+        config in config_strategy(),
+        shape in shape_strategy(),
+        hot in prop_oneof![Just(0.0), Just(0.5), Just(0.95), Just(1.0)],
+        h in 1usize..4,
+        seed in any::<u64>(),
+    ) {
+        let ids = skewed_ids(&shape, hot, h, seed);
+        check_invariants(&config, &shape, &ids)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(proptest_config(24))]
+
+    /// Each rank plans from its own ids and the all-gathered counts: all plans are equal, and
+    /// equal to the plan made from every rank's ids at once.
+    #[test]
+    fn same_plan_from_every_rank(config in config_strategy(), shape in shape_strategy(), seed in any::<u64>()) {
+        let ids = skewed_ids(&shape, 0.6, 2, seed);
+        let weights: Vec<Vec<f32>> = (0..shape.ranks).map(|_| vec![0.5; shape.tokens * shape.top_k]).collect();
+        let views: Vec<&[i64]> = ids.iter().map(Vec::as_slice).collect();
+        let whole = Plan::from_top_k(&config, &shape, &views).unwrap();
+        let plans = LocalGroup::run(shape.ranks, LocalGroupOptions::default(), |comm| {
+            use flatpeak_common::Communicator;
+            let r = comm.rank();
+            Ok(cpu::plan(comm, &config, &shape, &llep::Routing { ids: &ids[r], weights: &weights[r] }))
+        });
+        for plan in plans {
+            prop_assert_eq!(&plan.unwrap().unwrap(), &whole);
+        }
+    }
+}
+
+/// The bench shape: balanced, 50%:4, 95%:1 and 100%:1 all fit the same launch-time buffers;
+/// skew costs rounds, not bytes.
+#[test]
+fn skew_costs_rounds_not_bytes() {
+    let shape = Shape {
+        ranks: 8,
+        tokens: 4096,
+        hidden: 512,
+        intermediate: 256,
+        experts: 64,
+        top_k: 8,
+        dtype: DType::F32,
+    };
+    let config = LlepConfig::default().pair_cap(PairCap::Rows(256));
+    let mut rounds = Vec::new();
+    for profile in ["balanced", "50:4", "95:1", "100:1"] {
+        let profile: Profile = profile.parse().unwrap();
+        let ids: Vec<Vec<i64>> = (0..8).map(|_| profile.ids(&Shape { ranks: 1, ..shape }).unwrap()).collect();
+        let plan = check_invariants(&config, &shape, &ids).unwrap();
+        rounds.push((profile.to_string(), plan.rounds(), plan.assignment().max_foreign()));
+    }
+    println!("(profile, K, foreign experts): {rounds:?}");
+    let launch = Buffers::at_launch(&config, &shape, Pass::Backward).unwrap();
+    assert_eq!(launch.recv_rows(), 8 * 256);
+    assert!(rounds.iter().all(|&(_, k, f)| k >= 1 && f <= config.foreign_slots), "{rounds:?}");
+}
