@@ -63,5 +63,54 @@ fn rings(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, single_device, rings);
+/// On a GPU host: forward + backward at N = 8192, D = 1024, V = 32768 (f32) through the device
+/// schedule: vocabulary blocks within an 8 MiB budget against 1024-token blocks over the whole
+/// vocabulary (a 128 MiB logits block), same kernels and cuBLAS: what blocking costs on a GPU.
+#[cfg(feature = "cuda")]
+fn cuda_blocked_vs_one_block(c: &mut Criterion) {
+    use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
+    if !flatpeak_common::cuda_available() {
+        eprintln!("cuda_blocked_vs_one_block: skipped, no CUDA device");
+        return;
+    }
+    let (n, d, v) = (8192usize, 1024usize, 32768usize);
+    let mut rng = SplitMix64::new(5);
+    let x = rng.normal_f32(n * d, 0.0, 1.0);
+    let w = rng.normal_f32(v * d, 0.0, 1.0 / (d as f32).sqrt());
+    let targets: Vec<i64> = (0..n).map(|_| rng.below(v as u64) as i64).collect();
+    let config = LinearCrossEntropy::default();
+    let mut group = c.benchmark_group("cuda/ring_dtp_N8192_D1024_V32768_f32");
+    group.sample_size(10);
+    for (name, budget) in [("blocked_8MiB", 8usize << 20), ("full_vocab_128MiB", 160 << 20)] {
+        let plan = Plan::new(&config, n, d, v, DType::F32, budget).expect("plan");
+        let mut lce = CudaLinearCrossEntropy::new(config, plan, 0).expect("device");
+        let s = lce.stream().clone();
+        let (xd, wd, td) =
+            (s.clone_htod(&x).expect("x"), s.clone_htod(&w).expect("w"), s.clone_htod(&targets).expect("t"));
+        let inputs = DeviceInputs {
+            x: DeviceMatrix::F32(&xd),
+            w: DeviceMatrix::F32(&wd),
+            bias: None,
+            targets: &td,
+            weights: None,
+            n,
+            d,
+            v,
+        };
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let f = lce.forward(&inputs).expect("forward");
+                let g = lce.backward(&inputs, &f, GradOutput::Scalar(1.0), None).expect("backward");
+                s.synchronize().expect("sync");
+                g
+            })
+        });
+    }
+    group.finish();
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_blocked_vs_one_block(_: &mut Criterion) {}
+
+criterion_group!(benches, single_device, rings, cuda_blocked_vs_one_block);
 criterion_main!(benches);

@@ -33,8 +33,15 @@
 
 pub mod config;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub mod cuda;
+#[cfg(feature = "cuda-emu")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
+pub mod emu;
 pub mod error;
 pub mod inputs;
+pub mod kernels;
 pub mod plan;
 pub mod ring;
 

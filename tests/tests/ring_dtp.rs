@@ -2,7 +2,7 @@
 //! an all-ignored batch, every feature on and off, per-token backward for reduction none, f32
 //! and bf16 inputs, both schedules (budget-driven); bitwise reproducibility; typed errors.
 
-use flatpeak_common::testing::{SplitMix64, proptest_config};
+use flatpeak_common::testing::{Backend, SplitMix64, proptest_config};
 use flatpeak_common::{DType, relative_error};
 use half::bf16;
 use proptest::prelude::*;
@@ -283,3 +283,126 @@ fn bad_input_is_a_typed_error() {
         Err(Error::BudgetTooSmall { budget: 100, .. })
     ));
 }
+
+/// Forward then backward on `backend`: the CPU fast path, or the device schedule (raw-logits
+/// GEMM, then the fold / gradient / bias-gradient kernels) emulated or on a GPU.
+fn run_on(
+    backend: Backend,
+    config: &LinearCrossEntropy,
+    plan: &Plan,
+    inp: &Inputs<'_>,
+    grad: GradOutput<'_>,
+    dlse: Option<&[f32]>,
+) -> Result<(ring_dtp::Forward, ring_dtp::Gradients), Error> {
+    match backend {
+        Backend::Cpu => {
+            let f = cpu::forward(config, plan, inp)?;
+            let g = cpu::backward(config, plan, inp, &f, grad, dlse)?;
+            Ok((f, g))
+        }
+        #[cfg(feature = "cuda-emu")]
+        Backend::CudaEmu => {
+            let f = ring_dtp::emu::forward(config, plan, inp)?;
+            let g = ring_dtp::emu::backward(config, plan, inp, &f, grad, dlse)?;
+            Ok((f, g))
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => cuda_run(config, plan, inp, grad, dlse),
+        #[allow(unreachable_patterns)]
+        other => panic!("{other:?} is not built in"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_run(
+    config: &LinearCrossEntropy,
+    plan: &Plan,
+    inp: &Inputs<'_>,
+    grad: GradOutput<'_>,
+    dlse: Option<&[f32]>,
+) -> Result<(ring_dtp::Forward, ring_dtp::Gradients), Error> {
+    use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
+    let mut lce = CudaLinearCrossEntropy::new(*config, *plan, 0)?;
+    let s = lce.stream().clone();
+    let up = |e| Error::Common(flatpeak_common::Error::Cuda { op: "upload", message: format!("{e:?}") });
+    let (xf, wf, xb, wb);
+    let (x, w) = match (inp.x, inp.w) {
+        (Matrix::F32(x), Matrix::F32(w)) => {
+            (xf, wf) = (s.clone_htod(x).map_err(up)?, s.clone_htod(w).map_err(up)?);
+            (DeviceMatrix::F32(&xf), DeviceMatrix::F32(&wf))
+        }
+        (Matrix::Bf16(x), Matrix::Bf16(w)) => {
+            (xb, wb) = (s.clone_htod(x).map_err(up)?, s.clone_htod(w).map_err(up)?);
+            (DeviceMatrix::Bf16(&xb), DeviceMatrix::Bf16(&wb))
+        }
+        _ => return Err(Error::DtypeMismatch { x: inp.x.dtype(), w: inp.w.dtype() }),
+    };
+    let targets = s.clone_htod(inp.targets).map_err(up)?;
+    let bias = inp.bias.map(|b| s.clone_htod(b)).transpose().map_err(up)?;
+    let weights = inp.weights.map(|b| s.clone_htod(b)).transpose().map_err(up)?;
+    let dev = DeviceInputs {
+        x,
+        w,
+        bias: bias.as_ref(),
+        targets: &targets,
+        weights: weights.as_ref(),
+        n: inp.n,
+        d: inp.d,
+        v: inp.v,
+    };
+    let f = lce.forward(&dev)?;
+    let g = lce.backward(&dev, &f, grad, dlse)?;
+    let down = |d: &flatpeak_common::cuda::cudarc::driver::CudaSlice<f32>| s.clone_dtoh(d).map_err(up);
+    let grads = ring_dtp::Gradients {
+        dx: down(&g.dx)?,
+        dw: down(&g.dw)?,
+        dbias: g.dbias.as_ref().map(down).transpose()?,
+    };
+    Ok((f, grads))
+}
+
+/// The device schedule's kernels against the f64 reference on ragged shapes, every feature on
+/// and off, f32 and bf16, several blocks per dimension; and a bad target as a typed error.
+fn device_schedule_matches_the_reference(backend: Backend) {
+    for (n, v, d, seed) in [(45usize, 131usize, 24usize, 21u64), (33, 67, 16, 22)] {
+        let c = make_case(n, d, v, seed, 0.2, (true, true, true));
+        let mut all = LinearCrossEntropy::with_reduction(Reduction::None);
+        (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
+        for config in [all, LinearCrossEntropy::default()] {
+            for dtype in [DType::F32, DType::Bf16] {
+                let (xb, wb): (Vec<bf16>, Vec<bf16>) = (
+                    c.x.iter().map(|&a| bf16::from_f32(a)).collect(),
+                    c.w.iter().map(|&a| bf16::from_f32(a)).collect(),
+                );
+                let (x, w) = match dtype {
+                    DType::Bf16 => (Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
+                    _ => (Matrix::F32(&c.x), Matrix::F32(&c.w)),
+                };
+                let inp = inputs(&c, x, w);
+                // Room for 16 tokens × 64 vocabulary rows: several blocks both ways.
+                let upcast = if dtype == DType::Bf16 { 64 * d } else { 0 };
+                let budget = 4 * (16 * 64 + 16 * d + upcast) + 3 * 64;
+                let plan = Plan::new(&config, n, d, v, dtype, budget).expect("plan");
+                assert!(plan.vocab_block() < v, "several vocabulary blocks");
+                let grad = grad_of(&config, &c);
+                let r = reference::run(&inp, &config, grad, c.dlse.as_deref());
+                let (f, g) = run_on(backend, &config, &plan, &inp, grad, c.dlse.as_deref()).expect("runs");
+                check_loss(&config, &f.loss, &r).unwrap();
+                check("lse", &f.lse, &r.lse).unwrap();
+                check_scaled("dx", &g.dx, &r.dx, &r.dx_scale).unwrap();
+                check_scaled("dw", &g.dw, &r.dw, &r.dw_scale).unwrap();
+                check_scaled("dbias", g.dbias.as_ref().unwrap(), &r.dbias, &r.dbias_scale).unwrap();
+            }
+        }
+    }
+    let c = make_case(10, 4, 20, 5, 0.0, (false, false, false));
+    let mut targets = c.targets.clone();
+    targets[6] = 20;
+    let config = LinearCrossEntropy::default();
+    let plan = Plan::new(&config, 10, 4, 20, DType::F32, 1 << 20).expect("plan");
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 10, 4, 20);
+    let err = run_on(backend, &config, &plan, &inp, GradOutput::Scalar(1.0), None).unwrap_err();
+    assert_eq!(err, Error::TargetOutOfRange { token: 6, target: 20, vocab: 20 });
+}
+
+flatpeak_common::test_backends!(device_schedule, device_schedule_matches_the_reference, cpu_gemm);

@@ -12,6 +12,8 @@ mod block;
 pub mod reference;
 
 pub use block::DW_SUB_BLOCK;
+#[cfg(feature = "cuda-emu")]
+pub(crate) use block::gemm;
 pub(crate) use block::{
     BlockGrads, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold,
     form_logits, gradient, resolve_targets,

@@ -1,0 +1,156 @@
+// ring-dtp device kernels: everything between the cuBLAS GEMMs of one (token block, vocabulary
+// block) step. The logits block is token-major, C rows of Vb columns (row k = token t0 + k,
+// column j = vocabulary row v0 + j), exactly as the GEMM wrote it: u = x·wᵀ, not yet biased or
+// capped. One thread block per token row; blockDim.x a multiple of 32, at most 1024. Reductions
+// are in a fixed order (thread-strided partials, then warp shuffles, then warps in order), so
+// results are bitwise reproducible for a launch shape.
+#include <cuda_bf16.h>
+
+#include "flatpeak/block_reduce.cuh"
+
+#define LCE_NO_TARGET 0xffffffffu
+#define LCE_NEG_INF __int_as_float((int)0xff800000u)
+
+// z = softcap(u + bias_j); softcap <= 0 means off.
+__device__ __forceinline__ float lce_logit(float u, const float* __restrict__ bias, unsigned j, float softcap) {
+    float z = bias ? u + bias[j] : u;
+    return softcap > 0.0f ? softcap * tanhf(z / softcap) : z;
+}
+
+// dz/du of the softcap at the capped logit z: 1 − (z/cap)².
+__device__ __forceinline__ float lce_softcap_derivative(float z, float softcap) {
+    if (softcap <= 0.0f) return 1.0f;
+    const float t = z / softcap;
+    return 1.0f - t * t;
+}
+
+// Max over the block; the result is returned to every thread.
+__device__ __forceinline__ float lce_block_max(float x) {
+    __shared__ float warp_max[32];
+    __shared__ float result;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        x = fmaxf(x, __shfl_down_sync(0xffffffffu, x, offset));
+    }
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_max[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        const unsigned n_warps = blockDim.x >> 5;
+        x = lane < n_warps ? warp_max[lane] : LCE_NEG_INF;
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            x = fmaxf(x, __shfl_down_sync(0xffffffffu, x, offset));
+        }
+        if (lane == 0) result = x;
+    }
+    __syncthreads();
+    const float out = result;
+    __syncthreads();
+    return out;
+}
+
+// The target of row i: targets[i + shift] when i + shift < n_targets and it is not
+// ignore_index, else none. Every target in 0..n_targets is checked: one outside 0..V that is not
+// ignore_index lowers *first_bad to its index (atomicMin: the smallest bad index, whatever the
+// schedule). resolved[i] for i < n rows. Grid-stride over max(n, n_targets).
+extern "C" __global__ void lce_resolve_targets(const long long* __restrict__ targets,
+                                               unsigned long long n_targets, unsigned long long n,
+                                               unsigned long long shift, long long ignore_index,
+                                               unsigned long long vocab, unsigned* __restrict__ resolved,
+                                               unsigned long long* __restrict__ first_bad) {
+    const unsigned long long total = n > n_targets ? n : n_targets;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < total;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        if (i < n_targets) {
+            const long long t = targets[i];
+            if (t != ignore_index && (t < 0 || (unsigned long long)t >= vocab)) atomicMin(first_bad, i);
+        }
+        if (i < n) {
+            unsigned r = LCE_NO_TARGET;
+            if (i + shift < n_targets) {
+                const long long t = targets[i + shift];
+                if (t != ignore_index && t >= 0 && (unsigned long long)t < vocab) r = (unsigned)t;
+            }
+            resolved[i] = r;
+        }
+    }
+}
+
+// Folds a raw logits block into the rows' running statistics (block b = row k, grid = C):
+// z = softcap(u + bias); M' = max(M, max_j z); S' = S·e^(M − M') + Σ_j e^(z_j − M') (f64);
+// the target logit when the row's target lies in v0..v0+vb; Σ_j z_j (f64) when `smoothing`.
+extern "C" __global__ void lce_fold(const float* __restrict__ logits, unsigned vb, unsigned v0,
+                                    const float* __restrict__ bias, float softcap,
+                                    const unsigned* __restrict__ targets, float* __restrict__ row_max,
+                                    double* __restrict__ row_sum, float* __restrict__ target_logit,
+                                    double* __restrict__ logit_sum, int smoothing) {
+    const unsigned k = blockIdx.x;
+    const float* row = logits + (unsigned long long)k * vb;
+    float m = LCE_NEG_INF;
+    double zs = 0.0;
+    for (unsigned j = threadIdx.x; j < vb; j += blockDim.x) {
+        const float z = lce_logit(row[j], bias, j, softcap);
+        m = fmaxf(m, z);
+        zs += (double)z;
+    }
+    const float m_old = row_max[k];
+    const float m_new = fmaxf(m_old, lce_block_max(m));
+    double s = 0.0;
+    for (unsigned j = threadIdx.x; j < vb; j += blockDim.x) {
+        s += (double)expf(lce_logit(row[j], bias, j, softcap) - m_new);
+    }
+    s = flatpeak_block_sum(s);
+    if (smoothing) zs = flatpeak_block_sum(zs);
+    if (threadIdx.x == 0) {
+        const unsigned y = targets[k];
+        if (y != LCE_NO_TARGET && y >= v0 && y - v0 < vb) target_logit[k] = lce_logit(row[y - v0], bias, y - v0, softcap);
+        double run = row_sum[k];
+        if (run > 0.0) run *= exp((double)(m_old - m_new));
+        row_sum[k] = run + s;
+        row_max[k] = m_new;
+        if (smoothing) logit_sum[k] += zs;
+    }
+}
+
+// Turns a raw logits block into the logit gradient in place (block b = row k, grid = C):
+// with p = e^(z − lse), c the row's scale, zm = 2λ·lse·c + dlse, b = c·α/V, t = c·((1−α) + α/V):
+// G = (c·p − b + zm·p)·f(z) off the target and ((c·p − t) + zm·p)·f(z) at it, f the softcap
+// derivative. `dlse` may be null.
+extern "C" __global__ void lce_gradient(float* __restrict__ logits, unsigned vb, unsigned v0,
+                                        const float* __restrict__ bias, float softcap,
+                                        const unsigned* __restrict__ targets, const float* __restrict__ coef,
+                                        const float* __restrict__ lse, const float* __restrict__ dlse,
+                                        float alpha, float lambda, unsigned long long vocab) {
+    const unsigned k = blockIdx.x;
+    float* row = logits + (unsigned long long)k * vb;
+    const float c = coef[k], l = lse[k];
+    const float zm = 2.0f * lambda * l * c + (dlse ? dlse[k] : 0.0f);
+    const float b = c * alpha / (float)vocab;
+    const float t = c * (float)((1.0 - (double)alpha) + (double)alpha / (double)vocab);
+    const unsigned y = targets[k];
+    const unsigned at = (y != LCE_NO_TARGET && y >= v0 && y - v0 < vb) ? y - v0 : LCE_NO_TARGET;
+    for (unsigned j = threadIdx.x; j < vb; j += blockDim.x) {
+        const float z = lce_logit(row[j], bias, j, softcap);
+        const float p = expf(z - l);
+        const float g = j == at ? (c * p - t) + zm * p : c * p - b + zm * p;
+        row[j] = g * lce_softcap_derivative(z, softcap);
+    }
+}
+
+// dbias[j] += Σ_k G[k][j] over the block's C rows, in row order (one thread per column).
+extern "C" __global__ void lce_bias_grad(const float* __restrict__ g, unsigned rows, unsigned vb,
+                                         float* __restrict__ dbias) {
+    for (unsigned j = blockIdx.x * blockDim.x + threadIdx.x; j < vb; j += gridDim.x * blockDim.x) {
+        float acc = dbias[j];
+        for (unsigned k = 0; k < rows; ++k) acc += g[(unsigned long long)k * vb + j];
+        dbias[j] = acc;
+    }
+}
+
+// out[i] = float(x[i]) (exact).
+extern "C" __global__ void lce_widen_bf16(const __nv_bfloat16* __restrict__ x, float* __restrict__ out,
+                                          unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        out[i] = __bfloat162float(x[i]);
+    }
+}

@@ -1,0 +1,427 @@
+//! Emulated device path (feature `cuda-emu`): the device schedule of [`crate::cuda`] — resolve
+//! targets, then per (token block, vocabulary block) a raw logits GEMM followed by the fold or
+//! the gradient kernel, the dX/dW GEMMs and the bias-gradient kernel — with the `.cu` kernels
+//! compiled as host C++ and run by the SIMT emulator under two thread schedules (a race is an
+//! error), and the CPU GEMM in place of cuBLAS.
+
+use flatpeak_common::emu::{EmuLaunchConfig, Schedule, launch};
+use flatpeak_common::gemm::{Accumulate, MatMut, MatRef};
+use flatpeak_common::kernels::grid_stride_blocks;
+
+use crate::config::LinearCrossEntropy;
+use crate::cpu::{self, Stats, gemm};
+use crate::error::{Error, Result};
+use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
+use crate::kernels::{LINEAR_THREADS, NO_TARGET, softcap_arg};
+use crate::plan::Plan;
+
+mod ffi {
+    unsafe extern "C" {
+        pub fn lce_resolve_targets(
+            targets: *const i64,
+            n_targets: u64,
+            n: u64,
+            shift: u64,
+            ignore_index: i64,
+            vocab: u64,
+            resolved: *mut u32,
+            first_bad: *mut u64,
+        );
+        pub fn lce_fold(
+            logits: *const f32,
+            vb: u32,
+            v0: u32,
+            bias: *const f32,
+            softcap: f32,
+            targets: *const u32,
+            row_max: *mut f32,
+            row_sum: *mut f64,
+            target_logit: *mut f32,
+            logit_sum: *mut f64,
+            smoothing: i32,
+        );
+        pub fn lce_gradient(
+            logits: *mut f32,
+            vb: u32,
+            v0: u32,
+            bias: *const f32,
+            softcap: f32,
+            targets: *const u32,
+            coef: *const f32,
+            lse: *const f32,
+            dlse: *const f32,
+            alpha: f32,
+            lambda: f32,
+            vocab: u64,
+        );
+        pub fn lce_bias_grad(g: *const f32, rows: u32, vb: u32, dbias: *mut f32);
+        pub fn lce_widen_bf16(x: *const half::bf16, out: *mut f32, n: u64);
+    }
+}
+
+/// Threads per block of an emulated per-row launch (every CUDA thread is a fiber here; the
+/// kernels take any multiple of 32).
+const EMU_ROW_THREADS: u32 = 64;
+/// Blocks of an emulated grid-stride launch.
+const EMU_MAX_BLOCKS: u32 = 4;
+
+/// Runs `launch_one` under both schedules on copies of `state`; the state, or
+/// [`flatpeak_common::Error::EmuRace`] when the two differ anywhere (compared bitwise).
+fn race_checked<S: Clone>(
+    name: &str,
+    state: &mut S,
+    bytes: impl Fn(&S) -> Vec<u8>,
+    mut launch_one: impl FnMut(Schedule, &mut S) -> Result<()>,
+) -> Result<()> {
+    let mut reverse = state.clone();
+    launch_one(Schedule::Forward, state)?;
+    launch_one(Schedule::Reverse, &mut reverse)?;
+    let (a, b) = (bytes(state), bytes(&reverse));
+    match a.iter().zip(&b).position(|(x, y)| x != y) {
+        None => Ok(()),
+        Some(first_difference) => {
+            Err(flatpeak_common::Error::EmuRace { kernel: name.into(), first_difference }.into())
+        }
+    }
+}
+
+fn bytes_of<T: bytemuck::Pod>(parts: &[&[T]]) -> Vec<u8> {
+    parts.iter().flat_map(|p| bytemuck::cast_slice::<T, u8>(p).iter().copied()).collect()
+}
+
+/// Resolves every row's target (with shift and ignore_index) and checks every target against
+/// 0..V: [`Error::TargetOutOfRange`] names the first bad one.
+pub fn resolve_targets(config: &LinearCrossEntropy, inputs: &Inputs<'_>) -> Result<Vec<u32>> {
+    let (n, nt) = (inputs.n, inputs.targets.len());
+    let cfg = EmuLaunchConfig::linear(
+        grid_stride_blocks(n.max(nt), LINEAR_THREADS, EMU_MAX_BLOCKS),
+        LINEAR_THREADS,
+    );
+    let mut state = (vec![NO_TARGET; n], [u64::MAX]);
+    race_checked(
+        "lce_resolve_targets",
+        &mut state,
+        |(r, b)| [bytes_of(&[r]), bytes_of(&[b])].concat(),
+        |schedule, (resolved, first_bad)| {
+            let (resolved, first_bad) = (resolved.as_mut_ptr(), first_bad.as_mut_ptr());
+            let call = || {
+                // SAFETY: `targets` has `nt` entries, `resolved` `n`, `first_bad` one; the kernel
+                // touches nothing else (grid-stride over max(n, nt)).
+                unsafe {
+                    ffi::lce_resolve_targets(
+                        inputs.targets.as_ptr(),
+                        nt as u64,
+                        n as u64,
+                        config.shift as u64,
+                        config.ignore_index,
+                        inputs.v as u64,
+                        resolved,
+                        first_bad,
+                    )
+                }
+            };
+            // SAFETY: see `call`; LINEAR_THREADS is a multiple of 32.
+            unsafe { launch("lce_resolve_targets", &cfg, schedule, &call) }.map_err(Error::from)
+        },
+    )?;
+    let (resolved, [first_bad]) = state;
+    if first_bad != u64::MAX {
+        let token = first_bad as usize;
+        return Err(Error::TargetOutOfRange { token, target: inputs.targets[token], vocab: inputs.v });
+    }
+    Ok(resolved)
+}
+
+/// `out[..rows·d] = m[rows]` as f32: the bf16 upcast kernel, or a copy of f32 rows.
+fn widen_rows(m: &Matrix<'_>, rows: std::ops::Range<usize>, d: usize, out: &mut [f32]) -> Result<()> {
+    let len = rows.len() * d;
+    let src = match m {
+        Matrix::F32(s) => {
+            out[..len].copy_from_slice(&s[rows.start * d..rows.end * d]);
+            return Ok(());
+        }
+        Matrix::Bf16(s) => &s[rows.start * d..rows.end * d],
+    };
+    let cfg =
+        EmuLaunchConfig::linear(grid_stride_blocks(len, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    let mut state = vec![0f32; len];
+    race_checked(
+        "lce_widen_bf16",
+        &mut state,
+        |s| bytes_of(&[s]),
+        |schedule, dst| {
+            let dst = dst.as_mut_ptr();
+            // SAFETY: `src` and `dst` both hold `len` elements.
+            let call = || unsafe { ffi::lce_widen_bf16(src.as_ptr(), dst, len as u64) };
+            // SAFETY: see `call`.
+            unsafe { launch("lce_widen_bf16", &cfg, schedule, &call) }.map_err(Error::from)
+        },
+    )?;
+    out[..len].copy_from_slice(&state);
+    Ok(())
+}
+
+/// Raw `logits (c×vb) = X_blk·W_blkᵀ` (the epilogue is in the kernels).
+fn raw_logits(x: &[f32], w: &[f32], (c, vb, d): (usize, usize, usize), out: &mut [f32]) -> Result<()> {
+    gemm(
+        MatMut::row_major(&mut out[..c * vb], c, vb)?,
+        MatRef::row_major(&x[..c * d], c, d)?,
+        MatRef::row_major(&w[..vb * d], vb, d)?.t(),
+        Accumulate::Replace,
+    )
+}
+
+/// One block's view for the per-row kernels.
+struct Block<'a> {
+    logits: &'a mut [f32],
+    targets: &'a [u32],
+    bias: Option<&'a [f32]>,
+    v0: usize,
+    vb: usize,
+}
+
+fn fold_block(config: &LinearCrossEntropy, b: Block<'_>, stats: &mut Stats, t0: usize) -> Result<()> {
+    let c = b.targets.len();
+    let cfg = EmuLaunchConfig::linear(c as u32, EMU_ROW_THREADS);
+    let mut state = (
+        stats.max[t0..t0 + c].to_vec(),
+        stats.sum[t0..t0 + c].to_vec(),
+        stats.target_logit[t0..t0 + c].to_vec(),
+        stats.logit_sum[t0..t0 + c].to_vec(),
+    );
+    let softcap = softcap_arg(config.softcap);
+    let bias = b.bias.map_or(std::ptr::null(), |s| s.as_ptr());
+    let logits = &*b.logits;
+    race_checked(
+        "lce_fold",
+        &mut state,
+        |(m, s, t, z)| [bytes_of(&[m, t]), bytes_of(&[s, z])].concat(),
+        |schedule, (m, s, t, z)| {
+            let (m, s, t, z) = (m.as_mut_ptr(), s.as_mut_ptr(), t.as_mut_ptr(), z.as_mut_ptr());
+            let call = || {
+                // SAFETY: `logits` holds c×vb floats, `bias` vb (or is null), `targets` and the
+                // four statistics c rows: block k touches row k only.
+                unsafe {
+                    ffi::lce_fold(
+                        logits.as_ptr(),
+                        b.vb as u32,
+                        b.v0 as u32,
+                        bias,
+                        softcap,
+                        b.targets.as_ptr(),
+                        m,
+                        s,
+                        t,
+                        z,
+                        (config.label_smoothing != 0.0) as i32,
+                    )
+                }
+            };
+            // SAFETY: see `call`; one block per row of EMU_ROW_THREADS (a multiple of 32).
+            unsafe { launch("lce_fold", &cfg, schedule, &call) }.map_err(Error::from)
+        },
+    )?;
+    stats.max[t0..t0 + c].copy_from_slice(&state.0);
+    stats.sum[t0..t0 + c].copy_from_slice(&state.1);
+    stats.target_logit[t0..t0 + c].copy_from_slice(&state.2);
+    stats.logit_sum[t0..t0 + c].copy_from_slice(&state.3);
+    Ok(())
+}
+
+/// Per-row inputs of the gradient kernel.
+struct RowGrad<'a> {
+    coef: &'a [f32],
+    lse: &'a [f32],
+    dlse: Option<&'a [f32]>,
+    vocab: usize,
+}
+
+fn gradient_block(config: &LinearCrossEntropy, b: Block<'_>, rows: RowGrad<'_>) -> Result<()> {
+    let c = b.targets.len();
+    let cfg = EmuLaunchConfig::linear(c as u32, EMU_ROW_THREADS);
+    let mut state = b.logits[..c * b.vb].to_vec();
+    let softcap = softcap_arg(config.softcap);
+    let bias = b.bias.map_or(std::ptr::null(), |s| s.as_ptr());
+    let dlse = rows.dlse.map_or(std::ptr::null(), |s| s.as_ptr());
+    race_checked(
+        "lce_gradient",
+        &mut state,
+        |s| bytes_of(&[s]),
+        |schedule, g| {
+            let g = g.as_mut_ptr();
+            let call = || {
+                // SAFETY: `g` holds c×vb floats, `bias` vb (or null), `targets`, `coef`, `lse` and
+                // `dlse` (or null) c rows: block k touches row k only.
+                unsafe {
+                    ffi::lce_gradient(
+                        g,
+                        b.vb as u32,
+                        b.v0 as u32,
+                        bias,
+                        softcap,
+                        b.targets.as_ptr(),
+                        rows.coef.as_ptr(),
+                        rows.lse.as_ptr(),
+                        dlse,
+                        config.label_smoothing,
+                        config.z_loss,
+                        rows.vocab as u64,
+                    )
+                }
+            };
+            // SAFETY: see `call`.
+            unsafe { launch("lce_gradient", &cfg, schedule, &call) }.map_err(Error::from)
+        },
+    )?;
+    b.logits[..c * b.vb].copy_from_slice(&state);
+    Ok(())
+}
+
+fn bias_grad(g: &[f32], (c, vb): (usize, usize), dbias: &mut [f32]) -> Result<()> {
+    let cfg = EmuLaunchConfig::linear(grid_stride_blocks(vb, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    let mut state = dbias[..vb].to_vec();
+    race_checked(
+        "lce_bias_grad",
+        &mut state,
+        |s| bytes_of(&[s]),
+        |schedule, db| {
+            let db = db.as_mut_ptr();
+            // SAFETY: `g` holds c×vb floats, `db` vb; thread j touches column j only.
+            let call = || unsafe { ffi::lce_bias_grad(g.as_ptr(), c as u32, vb as u32, db) };
+            // SAFETY: see `call`.
+            unsafe { launch("lce_bias_grad", &cfg, schedule, &call) }.map_err(Error::from)
+        },
+    )?;
+    dbias[..vb].copy_from_slice(&state);
+    Ok(())
+}
+
+/// Block buffers of the device schedule, sized by the plan.
+struct Buffers {
+    logits: Vec<f32>,
+    x: Vec<f32>,
+    w: Vec<f32>,
+}
+
+impl Buffers {
+    fn new(plan: &Plan) -> Self {
+        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
+        Self { logits: vec![0.0; c * vb], x: vec![0.0; c * d], w: vec![0.0; vb * d] }
+    }
+}
+
+fn check(config: &LinearCrossEntropy, plan: &Plan, inputs: &Inputs<'_>) -> Result<Vec<u32>> {
+    config.validate()?;
+    // Shapes and dtypes on the host; targets by the kernel (as on the device).
+    for (what, expected, found) in [
+        ("x (n·d)", inputs.n * inputs.d, inputs.x.len()),
+        ("w (v·d)", inputs.v * inputs.d, inputs.w.len()),
+        ("targets (n)", inputs.n, inputs.targets.len()),
+        ("n", plan.n(), inputs.n),
+        ("d", plan.d(), inputs.d),
+        ("v", plan.v(), inputs.v),
+    ] {
+        if expected != found {
+            return Err(Error::ShapeMismatch { what, expected, found });
+        }
+    }
+    if inputs.x.dtype() != inputs.w.dtype() || inputs.x.dtype() != plan.dtype() {
+        return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w.dtype() });
+    }
+    if let Some(b) = inputs.bias.filter(|b| b.len() != inputs.v) {
+        return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, found: b.len() });
+    }
+    if let Some(w) = inputs.weights.filter(|w| w.len() != inputs.n) {
+        return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, found: w.len() });
+    }
+    resolve_targets(config, inputs)
+}
+
+/// The loss and per-row lse by the device schedule (fold kernel per block).
+pub fn forward(config: &LinearCrossEntropy, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
+    let targets = check(config, plan, inputs)?;
+    let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+    let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
+    let mut buf = Buffers::new(plan);
+    let mut stats = Stats::new(n);
+    for t0 in (0..n).step_by(cb.max(1)) {
+        let c = cb.min(n - t0);
+        widen_rows(&inputs.x, t0..t0 + c, d, &mut buf.x)?;
+        for v0 in (0..v).step_by(vbmax.max(1)) {
+            let vb = vbmax.min(v - v0);
+            widen_rows(&inputs.w, v0..v0 + vb, d, &mut buf.w)?;
+            raw_logits(&buf.x, &buf.w, (c, vb, d), &mut buf.logits)?;
+            let bias = inputs.bias.map(|b| &b[v0..v0 + vb]);
+            let block = Block { logits: &mut buf.logits, targets: &targets[t0..t0 + c], bias, v0, vb };
+            fold_block(config, block, &mut stats, t0)?;
+        }
+    }
+    let (per_token, lse) = cpu::per_token_losses(config, inputs, v, &stats);
+    let total: f64 = per_token.iter().map(|&x| x as f64).sum();
+    Ok(Forward { loss: cpu::reduce_loss(config, per_token, total, inputs.valid_weight(config)), lse })
+}
+
+/// dX, dW (and dbias) by the device schedule: recompute each block's raw logits, the gradient
+/// kernel, then `dX += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel.
+pub fn backward(
+    config: &LinearCrossEntropy,
+    plan: &Plan,
+    inputs: &Inputs<'_>,
+    forward: &Forward,
+    grad: GradOutput<'_>,
+    dlse: Option<&[f32]>,
+) -> Result<Gradients> {
+    let targets = check(config, plan, inputs)?;
+    let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+    if forward.lse.len() != n {
+        return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, found: forward.lse.len() });
+    }
+    if let Some(g) = dlse.filter(|g| g.len() != n) {
+        return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, found: g.len() });
+    }
+    let coef = cpu::coefficients(config, inputs, grad, inputs.valid_weight(config))?;
+    let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
+    let mut buf = Buffers::new(plan);
+    let mut grads =
+        Gradients { dx: vec![0.0; n * d], dw: vec![0.0; v * d], dbias: inputs.bias.map(|_| vec![0.0; v]) };
+    for t0 in (0..n).step_by(cb.max(1)) {
+        let c = cb.min(n - t0);
+        widen_rows(&inputs.x, t0..t0 + c, d, &mut buf.x)?;
+        for v0 in (0..v).step_by(vbmax.max(1)) {
+            let vb = vbmax.min(v - v0);
+            widen_rows(&inputs.w, v0..v0 + vb, d, &mut buf.w)?;
+            raw_logits(&buf.x, &buf.w, (c, vb, d), &mut buf.logits)?;
+            let bias = inputs.bias.map(|b| &b[v0..v0 + vb]);
+            let rows = RowGrad {
+                coef: &coef[t0..t0 + c],
+                lse: &forward.lse[t0..t0 + c],
+                dlse: dlse.map(|g| &g[t0..t0 + c]),
+                vocab: v,
+            };
+            let block = Block { logits: &mut buf.logits, targets: &targets[t0..t0 + c], bias, v0, vb };
+            gradient_block(config, block, rows)?;
+            let g = MatRef::row_major(&buf.logits[..c * vb], c, vb)?;
+            let w_blk = MatRef::row_major(&buf.w[..vb * d], vb, d)?;
+            gemm(MatMut::row_major(&mut grads.dx[t0 * d..(t0 + c) * d], c, d)?, g, w_blk, Accumulate::Add)?;
+            let x_blk = MatRef::row_major(&buf.x[..c * d], c, d)?;
+            let dw = MatMut::row_major(&mut grads.dw[v0 * d..(v0 + vb) * d], vb, d)?;
+            gemm(dw, g.t(), x_blk, Accumulate::Add)?;
+            if let Some(db) = grads.dbias.as_mut() {
+                bias_grad(&buf.logits, (c, vb), &mut db[v0..v0 + vb])?;
+            }
+        }
+    }
+    Ok(grads)
+}
+
+/// `forward`, then `backward` with `grad` (4 GEMMs, as on the device).
+pub fn forward_backward(
+    config: &LinearCrossEntropy,
+    plan: &Plan,
+    inputs: &Inputs<'_>,
+    grad: GradOutput<'_>,
+) -> Result<(Forward, Gradients)> {
+    let fwd = forward(config, plan, inputs)?;
+    let grads = backward(config, plan, inputs, &fwd, grad, None)?;
+    Ok((fwd, grads))
+}

@@ -1,0 +1,33 @@
+//! This crate's CUDA sources, for the run-time kernel cache, the NVRTC compile check and the
+//! SIMT emulator.
+
+use flatpeak_common::kernels::{BLOCK_REDUCE, KernelSource};
+
+/// `kernels/ring_dtp.cu`: target resolution, the fold, the gradient formation, the bias
+/// gradient and the bf16 upcast (everything between one step's GEMMs).
+pub const RING_DTP: KernelSource = KernelSource {
+    name: "ring_dtp",
+    source: include_str!("../kernels/ring_dtp.cu"),
+    entry_points: &["lce_resolve_targets", "lce_fold", "lce_gradient", "lce_bias_grad", "lce_widen_bf16"],
+    headers: &[BLOCK_REDUCE],
+};
+
+/// Every kernel source of this crate.
+pub const KERNELS: &[KernelSource] = &[RING_DTP];
+
+/// Threads per block of the per-row kernels (one block per token row).
+pub const ROW_THREADS: u32 = 256;
+
+/// Threads per block of the grid-stride kernels.
+pub const LINEAR_THREADS: u32 = 256;
+
+/// A resolved target meaning "this row predicts nothing" (`LCE_NO_TARGET` in the source).
+pub const NO_TARGET: u32 = u32::MAX;
+
+/// The softcap argument of the kernels: the cap, or 0 for off.
+pub fn softcap_arg(softcap: crate::Softcap) -> f32 {
+    match softcap {
+        crate::Softcap::Off => 0.0,
+        crate::Softcap::Tanh { cap } => cap,
+    }
+}
