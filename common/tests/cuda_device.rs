@@ -67,3 +67,44 @@ fn device_workspace_never_grows() {
     ws.reset();
     assert_eq!(ws.high_water(), 800);
 }
+
+/// Without NCCL the probe says so and every constructor is a typed error (never a panic); with
+/// it, a one-rank communicator per local GPU exchanges a ring step with itself and all-reduces.
+#[test]
+fn nccl_is_probed_without_panicking() {
+    use flatpeak_common::nccl::{NcclId, nccl_available};
+    if !nccl_available() {
+        assert!(matches!(NcclId::new(), Err(Error::CudaUnavailable { .. })));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device and NCCL"]
+fn nccl_ring_step_and_all_reduce_on_every_local_gpu() {
+    use flatpeak_common::ReduceOp;
+    use flatpeak_common::cuda::cudarc::driver::CudaContext;
+    use flatpeak_common::nccl::{DeviceCommunicator, NcclComm};
+    if !flatpeak_common::nccl::nccl_available() {
+        eprintln!("skipped: libnccl is not installed on this machine");
+        return;
+    }
+    let p = flatpeak_common::cuda_device_count().expect("a CUDA device");
+    let streams = (0..p).map(|i| CudaContext::new(i).expect("context").default_stream()).collect();
+    let comms = NcclComm::for_devices(streams).expect("NCCL");
+    std::thread::scope(|scope| {
+        for comm in comms {
+            scope.spawn(move || {
+                let (r, s) = (comm.rank(), comm.stream().clone());
+                let send = s.clone_htod(&[r as f32; 5]).unwrap();
+                let mut recv = s.alloc_zeros::<f32>(5).unwrap();
+                let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+                comm.exchange(&[send.slice(..)], next, &mut [recv.slice_mut(..)], prev).unwrap();
+                assert_eq!(s.clone_dtoh(&recv).unwrap(), vec![prev as f32; 5]);
+                let mut sum = s.clone_htod(&[1.0f64, r as f64]).unwrap();
+                comm.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+                let want = [p as f64, (p * (p - 1) / 2) as f64];
+                assert_eq!(s.clone_dtoh(&sum).unwrap(), want);
+            });
+        }
+    });
+}

@@ -130,14 +130,25 @@ fn check_against_reference(
     p: usize,
     options: RingOptions,
 ) {
+    let (plan, ranks) = run_ring(c, config, dtype, p, options);
+    compare(c, config, dtype, &plan, &ranks);
+}
+
+/// The ranks' pieces, reassembled in rank order, against the f64 reference of the whole problem.
+fn compare(
+    c: &Case,
+    config: &LinearCrossEntropy,
+    dtype: DType,
+    plan: &RingPlan,
+    ranks: &[(Forward, Gradients)],
+) {
+    let p = plan.world();
     let (x, w) = c.matrices(dtype);
     let full = Inputs::new(x, w, &c.targets, c.n, c.d, c.v).with_bias(&c.bias).with_weights(&c.weights);
     let r = reference::run(&full, config, grad_of(config, &c.grad_tokens), Some(&c.dlse));
-    let (plan, ranks) = run_ring(c, config, dtype, p, options);
     let what = format!("P={p} {:?} {dtype} C={} Vb={}", plan.kind(), plan.token_block(), plan.vocab_block());
-    // Reassemble the per-rank pieces in rank order.
     let (mut lse, mut dx, mut dw, mut db, mut per_token) = (vec![], vec![], vec![], vec![], vec![]);
-    for (fwd, g) in &ranks {
+    for (fwd, g) in ranks {
         lse.extend_from_slice(&fwd.lse);
         dx.extend_from_slice(&g.dx);
         dw.extend_from_slice(&g.dw);
@@ -269,4 +280,85 @@ fn bad_input_is_a_typed_error_on_every_rank() {
     }
     let f16 = RingPlan::new(&config, (20, 8, 30), 2, DType::F16, RingOptions::default());
     assert!(matches!(f16, Err(Error::InvalidOption { name: "dtype", .. })));
+}
+
+/// The device rings over every local GPU through NCCL (one rank per device; NCCL does not put
+/// two ranks on one GPU, so a one-GPU machine runs P = 1), both rings, f32 and bf16.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device and NCCL"]
+fn device_rings_match_the_reference() {
+    use flatpeak_common::cuda::cudarc::driver::CudaContext;
+    use flatpeak_common::nccl::NcclComm;
+    use ring_dtp::cuda::ring::{CudaRing, DeviceRankInputs};
+    use ring_dtp::cuda::{DeviceGradients, DeviceMatrix};
+    if !flatpeak_common::nccl::nccl_available() {
+        eprintln!("skipped: libnccl is not installed on this machine");
+        return;
+    }
+    let p = flatpeak_common::cuda_device_count().expect("a CUDA device");
+    let c = make_case(61, 24, 131, 7);
+    for kind in [RingKind::Weight, RingKind::Activation] {
+        for dtype in [DType::F32, DType::Bf16] {
+            let config = all_features(Reduction::None);
+            let options = RingOptions::with_budget(64 << 10).ring(kind);
+            let plan = RingPlan::new(&config, (c.n, c.d, c.v), p, dtype, options).expect("plan");
+            let streams = (0..p).map(|i| CudaContext::new(i).expect("context").default_stream()).collect();
+            let comms = NcclComm::for_devices(streams).expect("NCCL");
+            let ranks: Vec<(Forward, Gradients)> = std::thread::scope(|scope| {
+                let handles: Vec<_> = comms
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, comm)| {
+                        let (c, plan, config) = (&c, &plan, &config);
+                        scope.spawn(move || {
+                            let s = flatpeak_common::nccl::DeviceCommunicator::stream(&comm).clone();
+                            let (t, sh) = (plan.tokens(r), plan.shard(r));
+                            let d = c.d;
+                            let (xf, wf) = (
+                                s.clone_htod(&c.x[t.start * d..t.end * d]).unwrap(),
+                                s.clone_htod(&c.w[sh.start * d..sh.end * d]).unwrap(),
+                            );
+                            let (xb, wb) = (
+                                s.clone_htod(&c.xb[t.start * d..t.end * d]).unwrap(),
+                                s.clone_htod(&c.wb[sh.start * d..sh.end * d]).unwrap(),
+                            );
+                            let (x, w) = match dtype {
+                                DType::Bf16 => (DeviceMatrix::Bf16(&xb), DeviceMatrix::Bf16(&wb)),
+                                _ => (DeviceMatrix::F32(&xf), DeviceMatrix::F32(&wf)),
+                            };
+                            let targets = s.clone_htod(&c.targets[t.clone()]).unwrap();
+                            let bias = s.clone_htod(&c.bias[sh]).unwrap();
+                            let weights = s.clone_htod(&c.weights[t.clone()]).unwrap();
+                            let inputs = DeviceRankInputs {
+                                x,
+                                w_shard: w,
+                                bias_shard: Some(&bias),
+                                targets: &targets,
+                                weights: Some(&weights),
+                            };
+                            let mut ring = CudaRing::new(*config, *plan, comm).expect("ring");
+                            let fwd = ring.forward(&inputs).expect("forward");
+                            let grad = grad_of(config, &c.grad_tokens[t.clone()]);
+                            let g: DeviceGradients =
+                                ring.backward(&inputs, &fwd, grad, Some(&c.dlse[t])).expect("backward");
+                            let down = |v: &flatpeak_common::cuda::cudarc::driver::CudaSlice<f32>,
+                                        len: usize| {
+                                s.clone_dtoh(&v.slice(..len)).unwrap()
+                            };
+                            let (n_r, v_r) = (plan.tokens(r).len(), plan.shard(r).len());
+                            let grads = Gradients {
+                                dx: down(&g.dx, n_r * d),
+                                dw: down(&g.dw, v_r * d),
+                                dbias: g.dbias.as_ref().map(|b| down(b, v_r)),
+                            };
+                            (fwd, grads)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+            });
+            compare(&c, &config, dtype, &plan, &ranks);
+        }
+    }
 }

@@ -208,6 +208,22 @@ impl RingPlan {
         let s = self.shard_rows();
         (rank * s).min(self.v)..((rank + 1) * s).min(self.v)
     }
+    /// Global vocabulary rows of sub-block `j` of rank `s`'s shard (the weight ring's travelling
+    /// unit; empty past the shard's end).
+    pub fn vocab_sub_block(&self, s: usize, j: usize) -> Range<usize> {
+        let shard = self.shard(s);
+        let start = (shard.start + j * self.vocab_block).min(shard.end);
+        start..(start + self.vocab_block).min(shard.end)
+    }
+
+    /// Rows of token block `b` of rank `o`, relative to that rank's first token (the activation
+    /// ring's travelling unit; empty past the rank's last token).
+    pub fn token_sub_block(&self, o: usize, b: usize) -> Range<usize> {
+        let n = self.tokens(o).len();
+        let start = (b * self.token_block).min(n);
+        start..(start + self.token_block).min(n)
+    }
+
     /// Ring passes per call direction: token blocks (activation ring) or vocabulary sub-blocks
     /// (weight ring) of the largest range, the same on every rank.
     pub fn blocks(&self) -> usize {

@@ -9,7 +9,6 @@
 //! fixed by the ring.
 
 use std::mem::swap;
-use std::ops::Range;
 
 use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::{DType, Workspace};
@@ -65,13 +64,6 @@ impl<'w> Packet<'w> {
     }
 }
 
-/// Rows of block `b` of rank `o`'s tokens, relative to that rank's first token.
-fn block_rows(plan: &RingPlan, o: usize, b: usize) -> Range<usize> {
-    let n = plan.tokens(o).len();
-    let start = (b * plan.token_block()).min(n);
-    start..(start + plan.token_block()).min(n)
-}
-
 pub(super) fn run<C: Communicator + ?Sized>(
     comm: &C,
     config: &LinearCrossEntropy,
@@ -95,10 +87,10 @@ pub(super) fn run<C: Communicator + ?Sized>(
     for b in 0..plan.blocks() {
         for k in 0..p {
             let o = (r + p - k) % p;
-            let c = block_rows(plan, o, b).len();
+            let c = plan.token_sub_block(o, b).len();
             if k == 0 {
                 // The own block enters the ring from the inputs.
-                let rows = block_rows(plan, r, b);
+                let rows = plan.token_sub_block(r, b);
                 cur.x[..e * c * d].copy_from_slice(raw_rows(&inputs.x, rows.clone(), d));
                 resolve_targets(config, inputs, rows.start, &mut cur.targets[..c]);
                 match &pass {
@@ -178,7 +170,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 send_result(comm, next, &cur, c, d, backward)?;
             }
             if k + 1 < p {
-                let c_in = block_rows(plan, (o + p - 1) % p, b).len();
+                let c_in = plan.token_sub_block((o + p - 1) % p, b).len();
                 comm.recv(prev, &mut inc.x[..e * c_in * d])?;
                 comm.recv(prev, &mut inc.targets[..c_in])?;
                 if backward {
@@ -198,7 +190,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 continue;
             }
             // Step P − 1: this rank's own block b comes home, complete.
-            let home = block_rows(plan, r, b);
+            let home = plan.token_sub_block(r, b);
             let h = home.len();
             match &mut pass {
                 Pass::Fold(stats) => {

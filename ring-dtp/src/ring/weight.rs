@@ -7,7 +7,6 @@
 //! contributions in the fixed order s, s + 1, …, s + P − 1.
 
 use std::mem::swap;
-use std::ops::Range;
 
 use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::{DType, Workspace};
@@ -41,14 +40,6 @@ impl<'w> Slot<'w> {
     }
 }
 
-/// Global rows of sub-block `j` of shard `s` (empty past the shard's end).
-fn sub_rows(plan: &RingPlan, s: usize, j: usize) -> Range<usize> {
-    let shard = plan.shard(s);
-    let vb = plan.vocab_block();
-    let start = (shard.start + j * vb).min(shard.end);
-    start..(start + vb).min(shard.end)
-}
-
 pub(super) fn run<C: Communicator + ?Sized>(
     comm: &C,
     config: &LinearCrossEntropy,
@@ -72,7 +63,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
     for j in 0..plan.blocks() {
         for k in 0..p {
             let s = (r + p - k) % p;
-            let rows = sub_rows(plan, s, j);
+            let rows = plan.vocab_sub_block(s, j);
             let vb = rows.len();
             if k == 0 {
                 // The own sub-block enters the ring from the inputs.
@@ -118,7 +109,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
             let Pass::Grad { grads, .. } = &mut pass else {
                 // Forward: W only.
                 if k + 1 < p {
-                    let vb_in = sub_rows(plan, (s + p - 1) % p, j).len();
+                    let vb_in = plan.vocab_sub_block((s + p - 1) % p, j).len();
                     comm.recv(prev, &mut inc.w[..e * vb_in * d])?;
                     if has_bias {
                         comm.recv(prev, &mut inc.bias[..vb_in])?;
@@ -136,7 +127,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 }
             }
             if k + 1 < p {
-                let vb_in = sub_rows(plan, (s + p - 1) % p, j).len();
+                let vb_in = plan.vocab_sub_block((s + p - 1) % p, j).len();
                 comm.recv(prev, &mut inc.w[..e * vb_in * d])?;
                 if has_bias {
                     comm.recv(prev, &mut inc.bias[..vb_in])?;
@@ -150,7 +141,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 continue;
             }
             // Step P − 1: this rank's own sub-block j comes home, complete, into the outputs.
-            let home = sub_rows(plan, r, j);
+            let home = plan.vocab_sub_block(r, j);
             let local = home.start - own.start..home.end - own.start;
             let dw_out = &mut grads.dw[local.start * d..local.end * d];
             if p > 1 {

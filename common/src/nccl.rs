@@ -1,0 +1,170 @@
+//! NCCL through cudarc (feature `cuda`): [`NcclComm`], the multi-GPU transport of the ring and
+//! dispatch schedules, behind [`DeviceCommunicator`], the device-buffer counterpart of the host
+//! [`Communicator`](crate::Communicator). Point-to-point messages are NCCL send/recv issued on the
+//! communicator's stream; a ring step is one grouped send + receive, so every rank's send to its
+//! next neighbour and receive from its previous one proceed together (NCCL's rendezvous holds no
+//! message in flight beyond the two buffers the caller owns).
+//!
+//! NCCL is loaded at run time: [`nccl_available`] probes for the library without panicking, and
+//! every constructor returns [`Error::CudaUnavailable`] naming what is missing.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
+use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclReduceOp, group_end, group_start};
+
+use crate::comm::ReduceOp;
+use crate::error::{Error, Result};
+
+fn nccl_error(op: &'static str) -> impl Fn(cudarc::nccl::result::NcclError) -> Error {
+    move |e| Error::Cuda { op, message: format!("{:?}", e.0) }
+}
+
+/// Whether the NCCL library can be loaded (a dlopen probe over the names cudarc would try).
+pub fn nccl_available() -> bool {
+    cudarc::get_lib_name_candidates("nccl").iter().any(|name| {
+        // SAFETY: loading libnccl runs its initializers, which have no preconditions; the handle
+        // is dropped at once and no symbol is called.
+        unsafe { libloading::Library::new(name) }.is_ok()
+    })
+}
+
+fn ensure_nccl() -> Result<()> {
+    if nccl_available() {
+        Ok(())
+    } else {
+        Err(Error::CudaUnavailable {
+            reason: "the NCCL library (libnccl.so) is not installed or not on the loader path".into(),
+        })
+    }
+}
+
+/// A communicator whose messages are device buffers on one CUDA stream.
+pub trait DeviceCommunicator: Send {
+    /// This rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// The stream operations are ordered on.
+    fn stream(&self) -> &Arc<CudaStream>;
+    /// One ring step: sends `send` to rank `to` and receives `recv` (its exact length) from rank
+    /// `from`, as one grouped operation. Several pairs may be given (the parts of one message),
+    /// sent and received in order.
+    fn exchange<T: NcclType + DeviceRepr>(
+        &self,
+        send: &[CudaView<'_, T>],
+        to: usize,
+        recv: &mut [CudaViewMut<'_, T>],
+        from: usize,
+    ) -> Result<()>;
+    /// In-place all-reduce of `buf` over the ranks.
+    fn all_reduce<T: NcclType + DeviceRepr>(&self, buf: &mut CudaSlice<T>, op: ReduceOp) -> Result<()>;
+}
+
+/// The 128-byte identifier rank 0 creates and every rank passes to [`NcclComm::from_rank`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NcclId(pub [u8; 128]);
+
+impl NcclId {
+    /// A fresh identifier (on rank 0; send its bytes to the other ranks out of band).
+    pub fn new() -> Result<Self> {
+        ensure_nccl()?;
+        let id = Id::new().map_err(nccl_error("ncclGetUniqueId"))?;
+        Ok(Self(id.internal().map(|c| c as u8)))
+    }
+}
+
+/// One rank of an NCCL communicator.
+pub struct NcclComm {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread provided no two calls on it run
+// concurrently (NCCL user guide, "Thread safety"); `NcclComm` is `Send` but not `Sync`, so it is
+// owned by one thread at a time and its `&self` methods never race. The stream handle it holds
+// is an `Arc<CudaStream>`, itself `Send`.
+unsafe impl Send for NcclComm {}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm")
+            .field("rank", &self.comm.rank())
+            .field("world", &self.comm.world_size())
+            .finish()
+    }
+}
+
+impl NcclComm {
+    /// One communicator per stream's device, all in this process (one thread may drive them all,
+    /// or one thread each).
+    pub fn for_devices(streams: Vec<Arc<CudaStream>>) -> Result<Vec<Self>> {
+        ensure_nccl()?;
+        let comms = Comm::from_devices(streams.clone()).map_err(nccl_error("ncclCommInitAll"))?;
+        Ok(comms.into_iter().zip(streams).map(|(comm, stream)| Self { comm, stream }).collect())
+    }
+
+    /// Rank `rank` of `world` (one process or thread per rank), joined through `id`.
+    pub fn from_rank(stream: Arc<CudaStream>, rank: usize, world: usize, id: NcclId) -> Result<Self> {
+        ensure_nccl()?;
+        if rank >= world {
+            return Err(Error::RankOutOfRange { rank, world_size: world });
+        }
+        let id = Id::uninit(id.0.map(|b| b as core::ffi::c_char));
+        let comm =
+            Comm::from_rank(stream.clone(), rank, world, id).map_err(nccl_error("ncclCommInitRank"))?;
+        Ok(Self { comm, stream })
+    }
+}
+
+fn peer(rank: usize, world: usize) -> Result<i32> {
+    if rank < world { Ok(rank as i32) } else { Err(Error::RankOutOfRange { rank, world_size: world }) }
+}
+
+impl DeviceCommunicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn exchange<T: NcclType + DeviceRepr>(
+        &self,
+        send: &[CudaView<'_, T>],
+        to: usize,
+        recv: &mut [CudaViewMut<'_, T>],
+        from: usize,
+    ) -> Result<()> {
+        let world = self.world_size();
+        let (to, from) = (peer(to, world)?, peer(from, world)?);
+        group_start().map_err(nccl_error("ncclGroupStart"))?;
+        let mut issue = || -> Result<()> {
+            for s in send {
+                self.comm.send(s, to).map_err(nccl_error("ncclSend"))?;
+            }
+            for r in recv.iter_mut() {
+                self.comm.recv(r, from).map_err(nccl_error("ncclRecv"))?;
+            }
+            Ok(())
+        };
+        let issued = issue();
+        // The group is closed whatever happened inside it.
+        group_end().map_err(nccl_error("ncclGroupEnd"))?;
+        issued
+    }
+
+    fn all_reduce<T: NcclType + DeviceRepr>(&self, buf: &mut CudaSlice<T>, op: ReduceOp) -> Result<()> {
+        let op = match op {
+            ReduceOp::Sum => NcclReduceOp::Sum,
+            ReduceOp::Max => NcclReduceOp::Max,
+        };
+        self.comm.all_reduce_in_place(buf, &op).map_err(nccl_error("ncclAllReduce"))?;
+        Ok(())
+    }
+}

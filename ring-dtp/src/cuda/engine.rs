@@ -1,0 +1,349 @@
+//! The device block operations every CUDA schedule is made of — target resolution, the logits
+//! SGEMM, the fold and gradient kernels, the dX/dW SGEMMs, the bias gradient and the bf16
+//! widening — as safe methods that check their operands' lengths. This is the only file of the
+//! crate that launches kernels or calls cuBLAS.
+
+use std::sync::Arc;
+
+use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
+use flatpeak_common::cuda::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use flatpeak_common::cuda::cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use flatpeak_common::cuda::{KernelCache, fill_f32};
+use flatpeak_common::kernels::grid_stride_blocks;
+use half::bf16;
+
+use crate::config::LinearCrossEntropy;
+use crate::error::{Error, Result};
+use crate::kernels::{LINEAR_THREADS, RING_DTP, ROW_THREADS, softcap_arg};
+
+pub(crate) fn cuda<E: std::fmt::Debug>(op: &'static str) -> impl Fn(E) -> Error {
+    move |e| Error::Common(flatpeak_common::Error::Cuda { op, message: format!("{e:?}") })
+}
+
+fn linear(n: usize, max_blocks: u32) -> LaunchConfig {
+    let blocks = grid_stride_blocks(n, LINEAR_THREADS, max_blocks);
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (LINEAR_THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn need(what: &'static str, expected: usize, found: usize) -> Result<()> {
+    if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, found }) }
+}
+
+/// Per-row statistics of a token block on the device (fold state).
+#[derive(Debug)]
+pub(crate) struct StatsViews<'a> {
+    pub max: CudaViewMut<'a, f32>,
+    pub sum: CudaViewMut<'a, f64>,
+    pub target_logit: CudaViewMut<'a, f32>,
+    pub logit_sum: CudaViewMut<'a, f64>,
+}
+
+/// Per-row inputs of the gradient kernel.
+#[derive(Debug)]
+pub(crate) struct RowViews<'a> {
+    pub coef: CudaView<'a, f32>,
+    pub lse: CudaView<'a, f32>,
+    pub dlse: Option<CudaView<'a, f32>>,
+}
+
+/// A logits block and what the per-row kernels read besides it.
+#[derive(Debug)]
+pub(crate) struct LogitsBlock<'a, 'b> {
+    /// `rows × vb` raw logits (row-major), rewritten in place by the gradient kernel.
+    pub logits: &'b mut CudaSlice<f32>,
+    pub rows: usize,
+    pub vb: usize,
+    /// Global vocabulary index of the block's first column.
+    pub v0: usize,
+    pub bias: Option<CudaView<'a, f32>>,
+    pub targets: CudaView<'a, u32>,
+}
+
+/// Kernels, stream and cuBLAS handle of one device.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    pub cache: KernelCache,
+    pub stream: Arc<CudaStream>,
+    blas: CudaBlas,
+}
+
+impl Engine {
+    pub fn new(cache: KernelCache, stream: Arc<CudaStream>) -> Result<Self> {
+        let blas = CudaBlas::new(stream.clone()).map_err(cuda("cublasCreate"))?;
+        Ok(Self { cache, stream, blas })
+    }
+
+    pub fn zeros<
+        T: flatpeak_common::cuda::cudarc::driver::DeviceRepr
+            + flatpeak_common::cuda::cudarc::driver::ValidAsZeroBits,
+    >(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros::<T>(len.max(1)).map_err(cuda("cuMemAlloc"))
+    }
+
+    pub fn upload<T: flatpeak_common::cuda::cudarc::driver::DeviceRepr + Copy + Default>(
+        &self,
+        host: &[T],
+    ) -> Result<CudaSlice<T>> {
+        if host.is_empty() {
+            return self.stream.clone_htod(&[T::default()]).map_err(cuda("cuMemcpyHtoD"));
+        }
+        self.stream.clone_htod(host).map_err(cuda("cuMemcpyHtoD"))
+    }
+
+    pub fn download<T: flatpeak_common::cuda::cudarc::driver::DeviceRepr + Default + Copy>(
+        &self,
+        dev: &CudaView<'_, T>,
+    ) -> Result<Vec<T>> {
+        self.stream.clone_dtoh(dev).map_err(cuda("cuMemcpyDtoH"))
+    }
+
+    /// `out = -inf` (the fold's initial maximum).
+    pub fn fill_neg_inf(&self, out: &mut CudaViewMut<'_, f32>) -> Result<()> {
+        Ok(fill_f32(&self.cache, &self.stream, out, f32::NEG_INFINITY)?)
+    }
+
+    /// Resolves the targets of `n` rows (shift, ignore_index) into `resolved` and checks every
+    /// target; the index of the first one outside 0..V that is not ignore_index, if any.
+    pub fn resolve(
+        &self,
+        config: &LinearCrossEntropy,
+        targets: &CudaView<'_, i64>,
+        (n, vocab): (usize, usize),
+        resolved: &mut CudaViewMut<'_, u32>,
+    ) -> Result<Option<usize>> {
+        need("resolved targets (n)", n, resolved.len())?;
+        let nt = targets.len();
+        let mut first_bad = self.stream.clone_htod(&[u64::MAX]).map_err(cuda("cuMemcpyHtoD"))?;
+        let f = self.cache.function(&RING_DTP, "lce_resolve_targets")?;
+        let (nt64, n64, shift, ignore, v64) =
+            (nt as u64, n as u64, config.shift as u64, config.ignore_index, vocab as u64);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(targets)
+            .arg(&nt64)
+            .arg(&n64)
+            .arg(&shift)
+            .arg(&ignore)
+            .arg(&v64)
+            .arg(resolved)
+            .arg(&mut first_bad);
+        if n.max(nt) > 0 {
+            // SAFETY: `lce_resolve_targets(const i64*, u64, u64, u64, i64, u64, u32*, u64*)`
+            // matches the arguments in order; it reads `targets[0..nt)`, writes `resolved[0..n)`
+            // (checked above) and `first_bad[0]`, grid-stride over max(n, nt).
+            unsafe { b.launch(linear(n.max(nt), 1024)) }
+                .map_err(cuda("cuLaunchKernel(lce_resolve_targets)"))?;
+        }
+        let bad = self.stream.clone_dtoh(&first_bad).map_err(cuda("cuMemcpyDtoH"))?[0];
+        Ok((bad != u64::MAX).then_some(bad as usize))
+    }
+
+    /// `out[..x.len()] = f32(x)` (exact).
+    pub fn widen(&self, x: &CudaView<'_, bf16>, out: &mut CudaSlice<f32>) -> Result<()> {
+        let len = x.len();
+        need("widened block", len, out.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        let f = self.cache.function(&RING_DTP, "lce_widen_bf16")?;
+        let len64 = len as u64;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(x).arg(&mut *out).arg(&len64);
+        // SAFETY: `lce_widen_bf16(const bf16*, float*, u64)` matches; it reads `x[0..len)` and
+        // writes `out[0..len)`, which holds at least `len` (checked above).
+        unsafe { l.launch(linear(len, 4096)) }.map_err(cuda("cuLaunchKernel(lce_widen_bf16)"))?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn sgemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
+        &self,
+        (ta, tb): (cublasOperation_t, cublasOperation_t),
+        (m, n, k): (usize, usize, usize),
+        (a, lda): (&A, usize),
+        (b, ldb): (&B, usize),
+        (c, ldc): (&mut C, usize),
+        beta: f32,
+    ) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let cfg = GemmConfig {
+            transa: ta,
+            transb: tb,
+            m: m as i32,
+            n: n as i32,
+            k: k as i32,
+            alpha: 1.0f32,
+            lda: lda as i32,
+            ldb: ldb as i32,
+            beta,
+            ldc: ldc as i32,
+        };
+        // SAFETY: every public caller checks that a, b and c hold the column-major extents of
+        // `cfg` (lda·cols etc., stated at each call); all three are ordered on `self.stream`.
+        unsafe { self.blas.gemm(cfg, a, b, c) }.map_err(cuda("cublasSgemm"))
+    }
+
+    /// Raw `logits (c×vb, row-major) = X_blk·W_blkᵀ`: column-major `(vb×c) = Wᵀ·X` with W and X
+    /// read as column-major `d×vb` and `d×c`.
+    pub fn logits(
+        &self,
+        w: &CudaView<'_, f32>,
+        x: &CudaView<'_, f32>,
+        (c, vb, d): (usize, usize, usize),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        need("w block (vb·d)", vb * d, w.len())?;
+        need("x block (c·d)", c * d, x.len())?;
+        need("logits block (c·vb)", c * vb, out.len())?;
+        let (t, n) = (cublasOperation_t::CUBLAS_OP_T, cublasOperation_t::CUBLAS_OP_N);
+        self.sgemm((t, n), (vb, c, d), (w, d), (x, d), (out, vb), 0.0)
+    }
+
+    /// `dX_rows (c×d) += G (c×vb)·W_blk (vb×d)`: column-major `dXᵀ (d×c) += Wᵀ (d×vb)·Gᵀ (vb×c)`.
+    pub fn dx(
+        &self,
+        w: &CudaView<'_, f32>,
+        g: &CudaSlice<f32>,
+        (c, vb, d): (usize, usize, usize),
+        dx: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        need("w block (vb·d)", vb * d, w.len())?;
+        need("gradient block (c·vb)", c * vb, g.len())?;
+        need("dx rows (c·d)", c * d, dx.len())?;
+        let n = cublasOperation_t::CUBLAS_OP_N;
+        self.sgemm((n, n), (d, c, vb), (w, d), (g, vb), (dx, d), 1.0)
+    }
+
+    /// `dW_blk (vb×d) += Gᵀ (vb×c)·X_blk (c×d)`: column-major `dWᵀ (d×vb) += Xᵀ (d×c)·G (c×vb)`.
+    pub fn dw(
+        &self,
+        x: &CudaView<'_, f32>,
+        g: &CudaSlice<f32>,
+        (c, vb, d): (usize, usize, usize),
+        dw: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        need("x block (c·d)", c * d, x.len())?;
+        need("gradient block (c·vb)", c * vb, g.len())?;
+        need("dw rows (vb·d)", vb * d, dw.len())?;
+        let (n, t) = (cublasOperation_t::CUBLAS_OP_N, cublasOperation_t::CUBLAS_OP_T);
+        self.sgemm((n, t), (d, vb, c), (x, d), (g, vb), (dw, d), 1.0)
+    }
+
+    fn check_block(b: &LogitsBlock<'_, '_>) -> Result<()> {
+        need("logits block (c·vb)", b.rows * b.vb, b.logits.len())?;
+        need("targets (c)", b.rows, b.targets.len())?;
+        if let Some(bias) = &b.bias {
+            need("bias block (vb)", b.vb, bias.len())?;
+        }
+        Ok(())
+    }
+
+    /// Folds a raw logits block into the rows' statistics (`lce_fold`, one block per row).
+    pub fn fold(
+        &self,
+        config: &LinearCrossEntropy,
+        b: LogitsBlock<'_, '_>,
+        mut s: StatsViews<'_>,
+    ) -> Result<()> {
+        Self::check_block(&b)?;
+        for (what, len) in [("max", s.max.len()), ("target logit", s.target_logit.len())] {
+            need(what, b.rows, len)?;
+        }
+        need("sum", b.rows, s.sum.len())?;
+        need("logit sum", b.rows, s.logit_sum.len())?;
+        if b.rows == 0 || b.vb == 0 {
+            return Ok(());
+        }
+        let f = self.cache.function(&RING_DTP, "lce_fold")?;
+        let (vb, v0, softcap) = (b.vb as u32, b.v0 as u32, softcap_arg(config.softcap));
+        let smoothing = (config.label_smoothing != 0.0) as i32;
+        let null = 0u64;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&*b.logits).arg(&vb).arg(&v0);
+        match &b.bias {
+            Some(bias) => l.arg(bias),
+            None => l.arg(&null),
+        };
+        l.arg(&softcap).arg(&b.targets).arg(&mut s.max).arg(&mut s.sum).arg(&mut s.target_logit);
+        l.arg(&mut s.logit_sum).arg(&smoothing);
+        // SAFETY: `lce_fold(const float*, u32, u32, const float*, float, const u32*, float*,
+        // double*, float*, double*, int)` matches the arguments in order (a null bias is a zero
+        // pointer); block k reads logits row k, bias[0..vb), targets[k] and updates row k of the
+        // statistics — all lengths checked above; 256 threads per block, a multiple of 32.
+        unsafe { l.launch(per_row(b.rows)) }.map_err(cuda("cuLaunchKernel(lce_fold)"))?;
+        Ok(())
+    }
+
+    /// Turns a raw logits block into its gradient in place (`lce_gradient`, one block per row).
+    pub fn gradient(
+        &self,
+        config: &LinearCrossEntropy,
+        vocab: usize,
+        b: LogitsBlock<'_, '_>,
+        rows: RowViews<'_>,
+    ) -> Result<()> {
+        Self::check_block(&b)?;
+        need("coef (c)", b.rows, rows.coef.len())?;
+        need("lse (c)", b.rows, rows.lse.len())?;
+        if let Some(g) = &rows.dlse {
+            need("dlse (c)", b.rows, g.len())?;
+        }
+        if b.rows == 0 || b.vb == 0 {
+            return Ok(());
+        }
+        let f = self.cache.function(&RING_DTP, "lce_gradient")?;
+        let (vb, v0, softcap) = (b.vb as u32, b.v0 as u32, softcap_arg(config.softcap));
+        let (alpha, lambda, v64) = (config.label_smoothing, config.z_loss, vocab as u64);
+        let null = 0u64;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&mut *b.logits).arg(&vb).arg(&v0);
+        match &b.bias {
+            Some(bias) => l.arg(bias),
+            None => l.arg(&null),
+        };
+        l.arg(&softcap).arg(&b.targets).arg(&rows.coef).arg(&rows.lse);
+        match &rows.dlse {
+            Some(g) => l.arg(g),
+            None => l.arg(&null),
+        };
+        l.arg(&alpha).arg(&lambda).arg(&v64);
+        // SAFETY: `lce_gradient(float*, u32, u32, const float*, float, const u32*, const float*,
+        // const float*, const float*, float, float, u64)` matches the arguments (null bias and
+        // dlse are zero pointers); block k rewrites logits row k and reads row k of targets,
+        // coef, lse and dlse — lengths checked above; 256 threads per block.
+        unsafe { l.launch(per_row(b.rows)) }.map_err(cuda("cuLaunchKernel(lce_gradient)"))?;
+        Ok(())
+    }
+
+    /// `dbias[0..vb) += Σ_k G[k][·]` over the block's rows, in row order.
+    pub fn bias_grad(
+        &self,
+        g: &CudaSlice<f32>,
+        (c, vb): (usize, usize),
+        dbias: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        need("gradient block (c·vb)", c * vb, g.len())?;
+        need("dbias block (vb)", vb, dbias.len())?;
+        if vb == 0 {
+            return Ok(());
+        }
+        let f = self.cache.function(&RING_DTP, "lce_bias_grad")?;
+        let (c32, vb32) = (c as u32, vb as u32);
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(g).arg(&c32).arg(&vb32).arg(dbias);
+        // SAFETY: `lce_bias_grad(const float*, u32, u32, float*)` matches; it reads G (c×vb) and
+        // updates dbias[0..vb) (grid-stride over columns) — lengths checked above.
+        unsafe { l.launch(linear(vb, 1024)) }.map_err(cuda("cuLaunchKernel(lce_bias_grad)"))?;
+        Ok(())
+    }
+}

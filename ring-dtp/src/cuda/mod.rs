@@ -1,0 +1,332 @@
+//! The CUDA path (feature `cuda`). Per (token block, vocabulary block): one cuBLAS SGEMM forms
+//! the raw logits block in a buffer reserved at launch, then `lce_fold` (forward) or
+//! `lce_gradient` (backward) applies bias and softcap and folds or differentiates in place, and
+//! two SGEMMs project G into dX and dW (`lce_bias_grad` into dbias). bf16 inputs are widened per
+//! block by `lce_widen_bf16` (exact), so every GEMM is f32 with f32 accumulation (cuBLAS's default
+//! math mode: no TF32). Forward + backward is 4 GEMMs per block pair.
+//!
+//! [`CudaLinearCrossEntropy`] runs the blocked schedule on one device; [`ring`] runs the weight
+//! and activation rings over P devices through NCCL. Device memory besides inputs and outputs:
+//! the logits block `4·C·Vb`, the widened X and W blocks (bf16 only: `4·C·D + 4·Vb·D`), and
+//! per-token state (`PER_TOKEN_BYTES` per token plus the resolved targets); cuBLAS's own
+//! workspace comes on top. Launches and cuBLAS calls live in `engine.rs` only.
+
+mod engine;
+pub mod ring;
+
+use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView};
+use flatpeak_common::cuda::{KernelCache, context};
+use half::bf16;
+
+use crate::config::LinearCrossEntropy;
+use crate::cpu::{self, Stats};
+use crate::error::{Error, Result};
+use crate::inputs::{Forward, GradOutput, Inputs, Matrix};
+use crate::plan::Plan;
+use engine::{Engine, LogitsBlock, RowViews, StatsViews};
+
+/// A device matrix, row-major, f32 or bf16.
+#[derive(Debug, Clone, Copy)]
+pub enum DeviceMatrix<'a> {
+    /// f32 elements.
+    F32(&'a CudaSlice<f32>),
+    /// bf16 elements, widened per block.
+    Bf16(&'a CudaSlice<bf16>),
+}
+
+impl DeviceMatrix<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceMatrix::F32(m) => m.len(),
+            DeviceMatrix::Bf16(m) => m.len(),
+        }
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Element type.
+    pub fn dtype(&self) -> flatpeak_common::DType {
+        match self {
+            DeviceMatrix::F32(_) => flatpeak_common::DType::F32,
+            DeviceMatrix::Bf16(_) => flatpeak_common::DType::Bf16,
+        }
+    }
+}
+
+/// Rows `rows` (width `d`) of `m` as f32: a view of an f32 matrix, or widened into `buf`.
+pub(crate) fn rows_f32<'r, 'm: 'r, 'b: 'r>(
+    e: &Engine,
+    m: &DeviceMatrix<'m>,
+    rows: std::ops::Range<usize>,
+    d: usize,
+    buf: &'b mut CudaSlice<f32>,
+) -> Result<CudaView<'r, f32>> {
+    let (a, b) = (rows.start * d, rows.end * d);
+    match *m {
+        DeviceMatrix::F32(s) => Ok(s.slice(a..b)),
+        DeviceMatrix::Bf16(s) => {
+            e.widen(&s.slice(a..b), buf)?;
+            Ok(buf.slice(0..b - a))
+        }
+    }
+}
+
+/// One call's device inputs: X (N×D), W (V×D), optional bias (V), targets (N, i64) and
+/// optional per-token weights (N).
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceInputs<'a> {
+    /// Hidden states.
+    pub x: DeviceMatrix<'a>,
+    /// Projection.
+    pub w: DeviceMatrix<'a>,
+    /// Bias.
+    pub bias: Option<&'a CudaSlice<f32>>,
+    /// Target ids (see `LinearCrossEntropy::shift`).
+    pub targets: &'a CudaSlice<i64>,
+    /// Per-token weights.
+    pub weights: Option<&'a CudaSlice<f32>>,
+    /// Tokens N.
+    pub n: usize,
+    /// Hidden size D.
+    pub d: usize,
+    /// Vocabulary V.
+    pub v: usize,
+}
+
+/// Device gradients, f32.
+#[derive(Debug)]
+pub struct DeviceGradients {
+    /// dX, N×D.
+    pub dx: CudaSlice<f32>,
+    /// dW, V×D.
+    pub dw: CudaSlice<f32>,
+    /// dbias, V.
+    pub dbias: Option<CudaSlice<f32>>,
+}
+
+/// Host copies of the per-token inputs the loss and the gradient scales need (targets and
+/// weights: O(N), like the statistics).
+pub(crate) struct HostRows {
+    pub targets: Vec<i64>,
+    pub weights: Option<Vec<f32>>,
+}
+
+impl HostRows {
+    /// Resolves `targets` on the device into `resolved` (rows `n`, vocabulary `v`), checking
+    /// every target, and copies targets and weights down.
+    pub fn resolve(
+        e: &Engine,
+        config: &LinearCrossEntropy,
+        (targets, weights): (&CudaSlice<i64>, Option<&CudaSlice<f32>>),
+        (n, v): (usize, usize),
+        resolved: &mut CudaSlice<u32>,
+    ) -> Result<Self> {
+        let bad = e.resolve(config, &targets.slice(..), (n, v), &mut resolved.slice_mut(..))?;
+        let targets = e.download(&targets.slice(..))?;
+        if let Some(token) = bad {
+            return Err(Error::TargetOutOfRange { token, target: targets[token], vocab: v });
+        }
+        let weights = weights.map(|w| e.download(&w.slice(..))).transpose()?;
+        Ok(Self { targets, weights })
+    }
+
+    /// A host view of the per-token inputs (X and W are not read by the loss and scale formulas).
+    pub fn inputs(&self, (n, d, v): (usize, usize, usize)) -> Inputs<'_> {
+        let mut i = Inputs::new(Matrix::F32(&[]), Matrix::F32(&[]), &self.targets, n, d, v);
+        if let Some(w) = &self.weights {
+            i = i.with_weights(w);
+        }
+        i
+    }
+}
+
+/// Device statistics of N rows.
+pub(crate) struct DeviceStats {
+    pub max: CudaSlice<f32>,
+    pub sum: CudaSlice<f64>,
+    pub target_logit: CudaSlice<f32>,
+    pub logit_sum: CudaSlice<f64>,
+}
+
+impl DeviceStats {
+    pub fn new(e: &Engine, n: usize) -> Result<Self> {
+        let mut max = e.zeros::<f32>(n)?;
+        e.fill_neg_inf(&mut max.slice_mut(..))?;
+        Ok(Self { max, sum: e.zeros(n)?, target_logit: e.zeros(n)?, logit_sum: e.zeros(n)? })
+    }
+    pub fn rows(&mut self, t0: usize, c: usize) -> StatsViews<'_> {
+        StatsViews {
+            max: self.max.slice_mut(t0..t0 + c),
+            sum: self.sum.slice_mut(t0..t0 + c),
+            target_logit: self.target_logit.slice_mut(t0..t0 + c),
+            logit_sum: self.logit_sum.slice_mut(t0..t0 + c),
+        }
+    }
+    pub fn download(&self, e: &Engine, n: usize) -> Result<Stats> {
+        Ok(Stats {
+            max: e.download(&self.max.slice(0..n))?,
+            sum: e.download(&self.sum.slice(0..n))?,
+            target_logit: e.download(&self.target_logit.slice(0..n))?,
+            logit_sum: e.download(&self.logit_sum.slice(0..n))?,
+        })
+    }
+}
+
+/// Linear cross-entropy on one CUDA device with the plan's block buffers reserved at launch.
+#[derive(Debug)]
+pub struct CudaLinearCrossEntropy {
+    config: LinearCrossEntropy,
+    plan: Plan,
+    engine: Engine,
+    logits: CudaSlice<f32>,
+    x_wide: CudaSlice<f32>,
+    w_wide: CudaSlice<f32>,
+}
+
+impl CudaLinearCrossEntropy {
+    /// Reserves the plan's block buffers on CUDA device `ordinal` and creates the cuBLAS handle.
+    pub fn new(config: LinearCrossEntropy, plan: Plan, ordinal: usize) -> Result<Self> {
+        config.validate()?;
+        let ctx = context(ordinal)?;
+        let engine = Engine::new(KernelCache::new(ctx.clone())?, ctx.default_stream())?;
+        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
+        let wide = plan.dtype() != flatpeak_common::DType::F32;
+        Ok(Self {
+            logits: engine.zeros(c * vb)?,
+            x_wide: engine.zeros(if wide { c * d } else { 0 })?,
+            w_wide: engine.zeros(if wide { vb * d } else { 0 })?,
+            engine,
+            config,
+            plan,
+        })
+    }
+
+    /// The stream every launch and copy of this object runs on.
+    pub fn stream(&self) -> &std::sync::Arc<flatpeak_common::cuda::cudarc::driver::CudaStream> {
+        &self.engine.stream
+    }
+
+    fn check(&self, inputs: &DeviceInputs<'_>) -> Result<()> {
+        let p = &self.plan;
+        for (what, expected, found) in [
+            ("n", p.n(), inputs.n),
+            ("d", p.d(), inputs.d),
+            ("v", p.v(), inputs.v),
+            ("x (n·d)", inputs.n * inputs.d, inputs.x.len()),
+            ("w (v·d)", inputs.v * inputs.d, inputs.w.len()),
+            ("targets (n)", inputs.n, inputs.targets.len()),
+        ] {
+            if expected != found {
+                return Err(Error::ShapeMismatch { what, expected, found });
+            }
+        }
+        if inputs.x.dtype() != inputs.w.dtype() || inputs.x.dtype() != p.dtype() {
+            return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w.dtype() });
+        }
+        if let Some(b) = inputs.bias.filter(|b| b.len() != inputs.v) {
+            return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, found: b.len() });
+        }
+        if let Some(w) = inputs.weights.filter(|w| w.len() != inputs.n) {
+            return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, found: w.len() });
+        }
+        Ok(())
+    }
+
+    /// The loss and per-row lse (on the host): per block, the logits SGEMM and `lce_fold`.
+    pub fn forward(&mut self, inputs: &DeviceInputs<'_>) -> Result<Forward> {
+        self.check(inputs)?;
+        let Self { config, plan, engine: e, logits, x_wide, w_wide } = self;
+        let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+        let mut resolved = e.zeros::<u32>(n)?;
+        let host = HostRows::resolve(e, config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;
+        let mut stats = DeviceStats::new(e, n)?;
+        let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
+        for t0 in (0..n).step_by(cb.max(1)) {
+            let c = cb.min(n - t0);
+            let x = rows_f32(e, &inputs.x, t0..t0 + c, d, x_wide)?;
+            for v0 in (0..v).step_by(vbmax.max(1)) {
+                let vb = vbmax.min(v - v0);
+                let w = rows_f32(e, &inputs.w, v0..v0 + vb, d, w_wide)?;
+                e.logits(&w, &x, (c, vb, d), logits)?;
+                let block = LogitsBlock {
+                    logits,
+                    rows: c,
+                    vb,
+                    v0,
+                    bias: inputs.bias.map(|b| b.slice(v0..v0 + vb)),
+                    targets: resolved.slice(t0..t0 + c),
+                };
+                e.fold(config, block, stats.rows(t0, c))?;
+            }
+        }
+        let stats = stats.download(e, n)?;
+        let shadow = host.inputs((n, d, v));
+        let (per_token, lse) = cpu::per_token_losses(config, &shadow, v, &stats);
+        let total: f64 = per_token.iter().map(|&x| x as f64).sum();
+        let loss = cpu::reduce_loss(config, per_token, total, shadow.valid_weight(config));
+        Ok(Forward { loss, lse })
+    }
+
+    /// dX, dW (and dbias) on the device from forward's lse: per block, the logits SGEMM again,
+    /// `lce_gradient`, `dX += G·W_blk`, `dW_blk += Gᵀ·X_blk` and `lce_bias_grad`.
+    pub fn backward(
+        &mut self,
+        inputs: &DeviceInputs<'_>,
+        forward: &Forward,
+        grad: GradOutput<'_>,
+        dlse: Option<&[f32]>,
+    ) -> Result<DeviceGradients> {
+        self.check(inputs)?;
+        let Self { config, plan, engine: e, logits, x_wide, w_wide } = self;
+        let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+        if forward.lse.len() != n {
+            return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, found: forward.lse.len() });
+        }
+        if let Some(g) = dlse.filter(|g| g.len() != n) {
+            return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, found: g.len() });
+        }
+        let mut resolved = e.zeros::<u32>(n)?;
+        let host = HostRows::resolve(e, config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;
+        let shadow = host.inputs((n, d, v));
+        let coef = cpu::coefficients(config, &shadow, grad, shadow.valid_weight(config))?;
+        let (coef, lse) = (e.upload(&coef)?, e.upload(&forward.lse)?);
+        let dlse = dlse.map(|g| e.upload(g)).transpose()?;
+        let mut grads = DeviceGradients {
+            dx: e.zeros(n * d)?,
+            dw: e.zeros(v * d)?,
+            dbias: inputs.bias.map(|_| e.zeros(v)).transpose()?,
+        };
+        let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
+        for t0 in (0..n).step_by(cb.max(1)) {
+            let c = cb.min(n - t0);
+            let x = rows_f32(e, &inputs.x, t0..t0 + c, d, x_wide)?;
+            for v0 in (0..v).step_by(vbmax.max(1)) {
+                let vb = vbmax.min(v - v0);
+                let w = rows_f32(e, &inputs.w, v0..v0 + vb, d, w_wide)?;
+                e.logits(&w, &x, (c, vb, d), logits)?;
+                let block = LogitsBlock {
+                    logits,
+                    rows: c,
+                    vb,
+                    v0,
+                    bias: inputs.bias.map(|b| b.slice(v0..v0 + vb)),
+                    targets: resolved.slice(t0..t0 + c),
+                };
+                let rows = RowViews {
+                    coef: coef.slice(t0..t0 + c),
+                    lse: lse.slice(t0..t0 + c),
+                    dlse: dlse.as_ref().map(|g| g.slice(t0..t0 + c)),
+                };
+                e.gradient(config, v, block, rows)?;
+                e.dx(&w, logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
+                e.dw(&x, logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
+                if let Some(db) = grads.dbias.as_mut() {
+                    e.bias_grad(logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
+                }
+            }
+        }
+        Ok(grads)
+    }
+}

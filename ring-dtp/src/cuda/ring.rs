@@ -1,0 +1,621 @@
+//! Ring-DTP over P CUDA devices through a [`DeviceCommunicator`] (NCCL): the schedules of
+//! [`crate::ring`] with device buffers. Each ring step computes on the buffers in hand, then
+//! exchanges them with one grouped NCCL send (to the next rank) + receive (from the previous
+//! one) into the second buffer; the accumulators make the extra hop home straight into the
+//! outputs. Every buffer is reserved at [`CudaRing::new`] at the ring plan's size, so the device
+//! working set is fixed at launch: two ring buffers, the logits block and the widening buffers,
+//! plus per-token state of the rank's own tokens.
+//!
+//! The exchange is issued on the compute stream after the step's GEMMs (no overlap yet: a
+//! second stream with events would hide it; the buffers are already double).
+
+use flatpeak_common::cuda::KernelCache;
+use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use flatpeak_common::nccl::DeviceCommunicator;
+use flatpeak_common::{DType, ReduceOp};
+use half::bf16;
+
+use super::engine::{Engine, LogitsBlock, RowViews, StatsViews, cuda};
+use super::{DeviceGradients, DeviceMatrix, DeviceStats, HostRows, rows_f32};
+use crate::config::LinearCrossEntropy;
+use crate::cpu;
+use crate::error::{Error, Result};
+use crate::inputs::{Forward, GradOutput};
+use crate::plan::{RingKind, RingPlan};
+
+/// One rank's device share of a call (see [`crate::ring::RankInputs`]): its tokens' rows of X,
+/// targets and weights, and its vocabulary shard of W and the bias.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceRankInputs<'a> {
+    /// Hidden states of the rank's tokens, n_r×D.
+    pub x: DeviceMatrix<'a>,
+    /// The rank's W shard, v_r×D.
+    pub w_shard: DeviceMatrix<'a>,
+    /// The rank's bias shard, v_r.
+    pub bias_shard: Option<&'a CudaSlice<f32>>,
+    /// Target ids of the rank's tokens (global), n_r.
+    pub targets: &'a CudaSlice<i64>,
+    /// Per-token weights of the rank's tokens, n_r.
+    pub weights: Option<&'a CudaSlice<f32>>,
+}
+
+/// Rows in their input dtype.
+#[derive(Debug)]
+enum Raw {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<bf16>),
+}
+
+impl Raw {
+    fn new(e: &Engine, dtype: DType, len: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => Raw::F32(e.zeros(len)?),
+            _ => Raw::Bf16(e.zeros(len)?),
+        })
+    }
+    /// `self[..len] = m[range]`.
+    fn load(&mut self, e: &Engine, m: &DeviceMatrix<'_>, range: std::ops::Range<usize>) -> Result<()> {
+        let len = range.len();
+        match (self, m) {
+            (Raw::F32(dst), DeviceMatrix::F32(src)) => e
+                .stream
+                .memcpy_dtod(&src.slice(range), &mut dst.slice_mut(..len))
+                .map_err(cuda("cuMemcpyDtoD")),
+            (Raw::Bf16(dst), DeviceMatrix::Bf16(src)) => e
+                .stream
+                .memcpy_dtod(&src.slice(range), &mut dst.slice_mut(..len))
+                .map_err(cuda("cuMemcpyDtoD")),
+            _ => Err(Error::DtypeMismatch { x: m.dtype(), w: m.dtype() }),
+        }
+    }
+    /// The first `len` elements as f32: a view, or widened into `buf`.
+    fn f32<'r, 's: 'r, 'b: 'r>(
+        &'s self,
+        e: &Engine,
+        len: usize,
+        buf: &'b mut CudaSlice<f32>,
+    ) -> Result<CudaView<'r, f32>> {
+        match self {
+            Raw::F32(s) => Ok(s.slice(..len)),
+            Raw::Bf16(s) => {
+                e.widen(&s.slice(..len), buf)?;
+                Ok(buf.slice(..len))
+            }
+        }
+    }
+}
+
+/// Sends `send[..n_send]` to `to` and receives `recv[..n_recv]` from `from`, one NCCL group.
+fn exchange_raw<C: DeviceCommunicator>(
+    comm: &C,
+    (send, n_send): (&Raw, usize),
+    (recv, n_recv): (&mut Raw, usize),
+) -> Result<()> {
+    let (to, from) =
+        ((comm.rank() + 1) % comm.world_size(), (comm.rank() + comm.world_size() - 1) % comm.world_size());
+    match (send, recv) {
+        (Raw::F32(s), Raw::F32(r)) => {
+            comm.exchange(&[s.slice(..n_send)], to, &mut [r.slice_mut(..n_recv)], from)?
+        }
+        (Raw::Bf16(s), Raw::Bf16(r)) => {
+            comm.exchange(&[s.slice(..n_send)], to, &mut [r.slice_mut(..n_recv)], from)?
+        }
+        _ => return Err(Error::InvalidOption { name: "ring buffers", value: 0.0, expected: "one dtype" }),
+    }
+    Ok(())
+}
+
+fn ring_peers<C: DeviceCommunicator>(comm: &C) -> (usize, usize) {
+    let p = comm.world_size();
+    ((comm.rank() + 1) % p, (comm.rank() + p - 1) % p)
+}
+
+/// A weight-ring buffer: a W sub-block, its bias, and the travelling dW and dbias.
+#[derive(Debug)]
+struct WeightSlot {
+    w: Raw,
+    bias: CudaSlice<f32>,
+    dw: CudaSlice<f32>,
+    dbias: CudaSlice<f32>,
+}
+
+/// An activation-ring packet: X rows, targets, the fold state, the backward row data and dX.
+#[derive(Debug)]
+struct Packet {
+    x: Raw,
+    targets: CudaSlice<u32>,
+    max: CudaSlice<f32>,
+    target_logit: CudaSlice<f32>,
+    sum: CudaSlice<f64>,
+    logit_sum: CudaSlice<f64>,
+    coef: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+    dlse: CudaSlice<f32>,
+    dx: CudaSlice<f32>,
+}
+
+#[derive(Debug)]
+enum Buffers {
+    Weight(Box<[WeightSlot; 2]>),
+    Activation(Box<[Packet; 2]>),
+}
+
+/// Ring-DTP on this rank's device, with the ring plan's buffers reserved at launch.
+#[derive(Debug)]
+pub struct CudaRing<C: DeviceCommunicator> {
+    config: LinearCrossEntropy,
+    plan: RingPlan,
+    comm: C,
+    engine: Engine,
+    logits: CudaSlice<f32>,
+    x_wide: CudaSlice<f32>,
+    w_wide: CudaSlice<f32>,
+    buffers: Buffers,
+}
+
+/// What one ring pass computes.
+enum Pass<'a> {
+    Fold(&'a mut DeviceStats),
+    Grad {
+        coef: &'a CudaSlice<f32>,
+        lse: &'a CudaSlice<f32>,
+        dlse: Option<&'a CudaSlice<f32>>,
+        grads: &'a mut DeviceGradients,
+    },
+}
+
+impl<C: DeviceCommunicator> CudaRing<C> {
+    /// Reserves the plan's buffers on the device of `comm`'s stream.
+    pub fn new(config: LinearCrossEntropy, plan: RingPlan, comm: C) -> Result<Self> {
+        config.validate()?;
+        if plan.world() != comm.world_size() {
+            return Err(Error::ShapeMismatch {
+                what: "world size",
+                expected: plan.world(),
+                found: comm.world_size(),
+            });
+        }
+        let stream = comm.stream().clone();
+        let engine = Engine::new(KernelCache::new(stream.context().clone())?, stream)?;
+        let (c, vb, d, dt) = (plan.token_block(), plan.vocab_block(), plan.d(), plan.dtype());
+        let wide = dt != DType::F32;
+        let e = &engine;
+        let buffers = match plan.kind() {
+            RingKind::Weight => {
+                let slot = || -> Result<WeightSlot> {
+                    Ok(WeightSlot {
+                        w: Raw::new(e, dt, vb * d)?,
+                        bias: e.zeros(vb)?,
+                        dw: e.zeros(vb * d)?,
+                        dbias: e.zeros(vb)?,
+                    })
+                };
+                Buffers::Weight(Box::new([slot()?, slot()?]))
+            }
+            RingKind::Activation => {
+                let packet = || -> Result<Packet> {
+                    Ok(Packet {
+                        x: Raw::new(e, dt, c * d)?,
+                        targets: e.zeros(c)?,
+                        max: e.zeros(c)?,
+                        target_logit: e.zeros(c)?,
+                        sum: e.zeros(c)?,
+                        logit_sum: e.zeros(c)?,
+                        coef: e.zeros(c)?,
+                        lse: e.zeros(c)?,
+                        dlse: e.zeros(c)?,
+                        dx: e.zeros(c * d)?,
+                    })
+                };
+                Buffers::Activation(Box::new([packet()?, packet()?]))
+            }
+        };
+        Ok(Self {
+            logits: e.zeros(c * vb)?,
+            x_wide: e.zeros(if wide { c * d } else { 0 })?,
+            w_wide: e.zeros(if wide { vb * d } else { 0 })?,
+            engine,
+            config,
+            plan,
+            comm,
+            buffers,
+        })
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &C {
+        &self.comm
+    }
+
+    fn check(&self, inputs: &DeviceRankInputs<'_>) -> Result<(usize, usize)> {
+        let rank = self.comm.rank();
+        let (n, v, d) = (self.plan.tokens(rank).len(), self.plan.shard(rank).len(), self.plan.d());
+        for (what, expected, found) in [
+            ("x (n_r·d)", n * d, inputs.x.len()),
+            ("w shard (v_r·d)", v * d, inputs.w_shard.len()),
+            ("targets (n_r)", n, inputs.targets.len()),
+        ] {
+            if expected != found {
+                return Err(Error::ShapeMismatch { what, expected, found });
+            }
+        }
+        if let Some(b) = inputs.bias_shard.filter(|b| b.len() != v) {
+            return Err(Error::ShapeMismatch { what: "bias shard (v_r)", expected: v, found: b.len() });
+        }
+        if let Some(w) = inputs.weights.filter(|w| w.len() != n) {
+            return Err(Error::ShapeMismatch { what: "weights (n_r)", expected: n, found: w.len() });
+        }
+        if inputs.x.dtype() != self.plan.dtype() || inputs.w_shard.dtype() != self.plan.dtype() {
+            return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w_shard.dtype() });
+        }
+        Ok((n, v))
+    }
+
+    /// Σ over ranks of `values` (f64, on the devices), identical on every rank.
+    fn all_sum<const K: usize>(&self, values: [f64; K]) -> Result<[f64; K]> {
+        let mut buf = self.engine.upload(&values)?;
+        self.comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+        let host = self.engine.download(&buf.slice(..K))?;
+        let mut out = [0f64; K];
+        out.copy_from_slice(&host);
+        Ok(out)
+    }
+
+    /// The loss over all ranks' tokens (or this rank's per-token losses) and this rank's lse.
+    pub fn forward(&mut self, inputs: &DeviceRankInputs<'_>) -> Result<Forward> {
+        let (n, _) = self.check(inputs)?;
+        let (d, v) = (self.plan.d(), self.plan.v());
+        let mut resolved = self.engine.zeros::<u32>(n)?;
+        let host = HostRows::resolve(
+            &self.engine,
+            &self.config,
+            (inputs.targets, inputs.weights),
+            (n, v),
+            &mut resolved,
+        )?;
+        let mut stats = DeviceStats::new(&self.engine, n)?;
+        self.run(inputs, &resolved, Pass::Fold(&mut stats))?;
+        let stats = stats.download(&self.engine, n)?;
+        let shadow = host.inputs((n, d, v));
+        let (per_token, lse) = cpu::per_token_losses(&self.config, &shadow, v, &stats);
+        let local: f64 = per_token.iter().map(|&x| x as f64).sum();
+        let [total, denom] = self.all_sum([local, shadow.valid_weight(&self.config)])?;
+        Ok(Forward { loss: cpu::reduce_loss(&self.config, per_token, total, denom), lse })
+    }
+
+    /// This rank's dX (its tokens), dW and dbias (its shard) from forward's lse.
+    pub fn backward(
+        &mut self,
+        inputs: &DeviceRankInputs<'_>,
+        forward: &Forward,
+        grad: GradOutput<'_>,
+        dlse: Option<&[f32]>,
+    ) -> Result<DeviceGradients> {
+        let (n, v_r) = self.check(inputs)?;
+        let (d, v) = (self.plan.d(), self.plan.v());
+        if forward.lse.len() != n {
+            return Err(Error::ShapeMismatch { what: "lse (n_r)", expected: n, found: forward.lse.len() });
+        }
+        if let Some(g) = dlse.filter(|g| g.len() != n) {
+            return Err(Error::ShapeMismatch { what: "dlse (n_r)", expected: n, found: g.len() });
+        }
+        let e = &self.engine;
+        let mut resolved = e.zeros::<u32>(n)?;
+        let host =
+            HostRows::resolve(e, &self.config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;
+        let shadow = host.inputs((n, d, v));
+        let [denom] = self.all_sum([shadow.valid_weight(&self.config)])?;
+        let e = &self.engine;
+        let coef = e.upload(&cpu::coefficients(&self.config, &shadow, grad, denom)?)?;
+        let lse = e.upload(&forward.lse)?;
+        let dlse = dlse.map(|g| e.upload(g)).transpose()?;
+        let mut grads = DeviceGradients {
+            dx: e.zeros(n * d)?,
+            dw: e.zeros(v_r * d)?,
+            dbias: inputs.bias_shard.map(|_| e.zeros(v_r)).transpose()?,
+        };
+        let pass = Pass::Grad { coef: &coef, lse: &lse, dlse: dlse.as_ref(), grads: &mut grads };
+        self.run(inputs, &resolved, pass)?;
+        Ok(grads)
+    }
+
+    fn run(
+        &mut self,
+        inputs: &DeviceRankInputs<'_>,
+        resolved: &CudaSlice<u32>,
+        pass: Pass<'_>,
+    ) -> Result<()> {
+        match self.plan.kind() {
+            RingKind::Weight => self.weight_ring(inputs, resolved, pass),
+            RingKind::Activation => self.activation_ring(inputs, resolved, pass),
+        }
+    }
+}
+
+fn dtod<T: flatpeak_common::cuda::cudarc::driver::DeviceRepr>(
+    e: &Engine,
+    src: &CudaView<'_, T>,
+    dst: &mut CudaViewMut<'_, T>,
+) -> Result<()> {
+    e.stream.memcpy_dtod(src, dst).map_err(cuda("cuMemcpyDtoD"))
+}
+
+fn zero<
+    T: flatpeak_common::cuda::cudarc::driver::DeviceRepr
+        + flatpeak_common::cuda::cudarc::driver::ValidAsZeroBits,
+>(
+    e: &Engine,
+    dst: &mut CudaViewMut<'_, T>,
+) -> Result<()> {
+    e.stream.memset_zeros(dst).map_err(cuda("cuMemsetD8"))
+}
+
+impl<C: DeviceCommunicator> CudaRing<C> {
+    /// The weight ring: sub-block j of shard s = (r − k) mod P at step k; the dW accumulator
+    /// travels with it and makes the hop home after step P − 1.
+    fn weight_ring(
+        &mut self,
+        inputs: &DeviceRankInputs<'_>,
+        resolved: &CudaSlice<u32>,
+        mut pass: Pass<'_>,
+    ) -> Result<()> {
+        let Self { config, plan, comm, engine: e, logits, x_wide, w_wide, buffers } = self;
+        let Buffers::Weight(slots) = buffers else {
+            return Err(Error::InvalidOption {
+                name: "ring buffers",
+                value: 0.0,
+                expected: "weight-ring slots",
+            });
+        };
+        let [a, b] = &mut **slots;
+        let (mut cur, mut inc) = (a, b);
+        let (p, r, d) = (plan.world(), comm.rank(), plan.d());
+        let (next, prev) = ring_peers(comm);
+        let (own, n, cb) = (plan.shard(r), plan.tokens(r).len(), plan.token_block());
+        let has_bias = inputs.bias_shard.is_some();
+        let backward = matches!(pass, Pass::Grad { .. });
+        for j in 0..plan.blocks() {
+            for k in 0..p {
+                let s = (r + p - k) % p;
+                let rows = plan.vocab_sub_block(s, j);
+                let vb = rows.len();
+                if k == 0 {
+                    let local = rows.start - own.start..rows.end - own.start;
+                    cur.w.load(e, &inputs.w_shard, local.start * d..local.end * d)?;
+                    if let Some(bias) = inputs.bias_shard {
+                        dtod(e, &bias.slice(local), &mut cur.bias.slice_mut(..vb))?;
+                    }
+                    if backward {
+                        zero(e, &mut cur.dw.slice_mut(..vb * d))?;
+                        zero(e, &mut cur.dbias.slice_mut(..vb))?;
+                    }
+                }
+                let w = cur.w.f32(e, vb * d, w_wide)?;
+                for t0 in (0..n).step_by(cb.max(1)) {
+                    let c = cb.min(n - t0);
+                    let x = rows_f32(e, &inputs.x, t0..t0 + c, d, x_wide)?;
+                    e.logits(&w, &x, (c, vb, d), logits)?;
+                    let block = LogitsBlock {
+                        logits,
+                        rows: c,
+                        vb,
+                        v0: rows.start,
+                        bias: has_bias.then(|| cur.bias.slice(..vb)),
+                        targets: resolved.slice(t0..t0 + c),
+                    };
+                    match &mut pass {
+                        Pass::Fold(stats) => e.fold(config, block, stats.rows(t0, c))?,
+                        Pass::Grad { coef, lse, dlse, grads } => {
+                            let rv = RowViews {
+                                coef: coef.slice(t0..t0 + c),
+                                lse: lse.slice(t0..t0 + c),
+                                dlse: dlse.map(|g| g.slice(t0..t0 + c)),
+                            };
+                            e.gradient(config, plan.v(), block, rv)?;
+                            e.dx(&w, logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
+                            e.dw(&x, logits, (c, vb, d), &mut cur.dw.slice_mut(..vb * d))?;
+                            if has_bias {
+                                e.bias_grad(logits, (c, vb), &mut cur.dbias.slice_mut(..vb))?;
+                            }
+                        }
+                    }
+                }
+                if k + 1 < p {
+                    let vb_in = plan.vocab_sub_block((s + p - 1) % p, j).len();
+                    exchange_raw(comm, (&cur.w, vb * d), (&mut inc.w, vb_in * d))?;
+                    let (mut send, mut recv) = (Vec::new(), Vec::new());
+                    if has_bias {
+                        send.push(cur.bias.slice(..vb));
+                        recv.push(inc.bias.slice_mut(..vb_in));
+                    }
+                    if backward {
+                        send.push(cur.dw.slice(..vb * d));
+                        recv.push(inc.dw.slice_mut(..vb_in * d));
+                        if has_bias {
+                            send.push(cur.dbias.slice(..vb));
+                            recv.push(inc.dbias.slice_mut(..vb_in));
+                        }
+                    }
+                    if !send.is_empty() {
+                        comm.exchange(&send, next, &mut recv, prev)?;
+                    }
+                    drop((send, recv));
+                    std::mem::swap(&mut cur, &mut inc);
+                    continue;
+                }
+                // Step P − 1: this rank's own sub-block j comes home, complete, into the outputs.
+                let Pass::Grad { grads, .. } = &mut pass else { continue };
+                let home = plan.vocab_sub_block(r, j);
+                let local = home.start - own.start..home.end - own.start;
+                let mut dw_out = grads.dw.slice_mut(local.start * d..local.end * d);
+                let mut db_out = grads.dbias.as_mut().map(|db| db.slice_mut(local.clone()));
+                if p > 1 {
+                    let (mut send, mut recv) = (vec![cur.dw.slice(..vb * d)], vec![dw_out]);
+                    if let Some(db) = db_out {
+                        send.push(cur.dbias.slice(..vb));
+                        recv.push(db);
+                    }
+                    comm.exchange(&send, next, &mut recv, prev)?;
+                } else {
+                    dtod(e, &cur.dw.slice(..vb * d), &mut dw_out)?;
+                    if let Some(db) = db_out.as_mut() {
+                        dtod(e, &cur.dbias.slice(..vb), db)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The activation ring: token block b of rank o = (r − k) mod P at step k, against the whole
+    /// local shard in vocabulary blocks; its statistics or dX accumulator hop home after P − 1.
+    fn activation_ring(
+        &mut self,
+        inputs: &DeviceRankInputs<'_>,
+        resolved: &CudaSlice<u32>,
+        mut pass: Pass<'_>,
+    ) -> Result<()> {
+        let Self { config, plan, comm, engine: e, logits, x_wide, w_wide, buffers } = self;
+        let Buffers::Activation(slots) = buffers else {
+            return Err(Error::InvalidOption {
+                name: "ring buffers",
+                value: 0.0,
+                expected: "activation-ring packets",
+            });
+        };
+        let [a, b] = &mut **slots;
+        let (mut cur, mut inc) = (a, b);
+        let (p, r, d) = (plan.world(), comm.rank(), plan.d());
+        let (next, prev) = ring_peers(comm);
+        let (shard, vbmax) = (plan.shard(r), plan.vocab_block());
+        for blk in 0..plan.blocks() {
+            for k in 0..p {
+                let o = (r + p - k) % p;
+                let c = plan.token_sub_block(o, blk).len();
+                if k == 0 {
+                    let rows = plan.token_sub_block(r, blk);
+                    cur.x.load(e, &inputs.x, rows.start * d..rows.end * d)?;
+                    dtod(e, &resolved.slice(rows.clone()), &mut cur.targets.slice_mut(..c))?;
+                    match &pass {
+                        Pass::Fold(_) => {
+                            e.fill_neg_inf(&mut cur.max.slice_mut(..c))?;
+                            zero(e, &mut cur.target_logit.slice_mut(..c))?;
+                            zero(e, &mut cur.sum.slice_mut(..c))?;
+                            zero(e, &mut cur.logit_sum.slice_mut(..c))?;
+                        }
+                        Pass::Grad { coef, lse, dlse, .. } => {
+                            dtod(e, &coef.slice(rows.clone()), &mut cur.coef.slice_mut(..c))?;
+                            dtod(e, &lse.slice(rows.clone()), &mut cur.lse.slice_mut(..c))?;
+                            match dlse {
+                                Some(g) => dtod(e, &g.slice(rows), &mut cur.dlse.slice_mut(..c))?,
+                                None => zero(e, &mut cur.dlse.slice_mut(..c))?,
+                            }
+                            zero(e, &mut cur.dx.slice_mut(..c * d))?;
+                        }
+                    }
+                }
+                let x = cur.x.f32(e, c * d, x_wide)?;
+                for v0 in (0..shard.len()).step_by(vbmax.max(1)) {
+                    let vb = vbmax.min(shard.len() - v0);
+                    let w = rows_f32(e, &inputs.w_shard, v0..v0 + vb, d, w_wide)?;
+                    e.logits(&w, &x, (c, vb, d), logits)?;
+                    let block = LogitsBlock {
+                        logits,
+                        rows: c,
+                        vb,
+                        v0: shard.start + v0,
+                        bias: inputs.bias_shard.map(|b| b.slice(v0..v0 + vb)),
+                        targets: cur.targets.slice(..c),
+                    };
+                    match &mut pass {
+                        Pass::Fold(_) => {
+                            let st = StatsViews {
+                                max: cur.max.slice_mut(..c),
+                                sum: cur.sum.slice_mut(..c),
+                                target_logit: cur.target_logit.slice_mut(..c),
+                                logit_sum: cur.logit_sum.slice_mut(..c),
+                            };
+                            e.fold(config, block, st)?;
+                        }
+                        Pass::Grad { grads, .. } => {
+                            let rv = RowViews {
+                                coef: cur.coef.slice(..c),
+                                lse: cur.lse.slice(..c),
+                                dlse: Some(cur.dlse.slice(..c)),
+                            };
+                            e.gradient(config, plan.v(), block, rv)?;
+                            e.dx(&w, logits, (c, vb, d), &mut cur.dx.slice_mut(..c * d))?;
+                            e.dw(&x, logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
+                            if let Some(db) = grads.dbias.as_mut() {
+                                e.bias_grad(logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
+                            }
+                        }
+                    }
+                }
+                let backward = matches!(pass, Pass::Grad { .. });
+                if k + 1 < p {
+                    let c_in = plan.token_sub_block((o + p - 1) % p, blk).len();
+                    exchange_raw(comm, (&cur.x, c * d), (&mut inc.x, c_in * d))?;
+                    comm.exchange(
+                        &[cur.targets.slice(..c)],
+                        next,
+                        &mut [inc.targets.slice_mut(..c_in)],
+                        prev,
+                    )?;
+                    if backward {
+                        let send = [
+                            cur.coef.slice(..c),
+                            cur.lse.slice(..c),
+                            cur.dlse.slice(..c),
+                            cur.dx.slice(..c * d),
+                        ];
+                        let mut recv = [
+                            inc.coef.slice_mut(..c_in),
+                            inc.lse.slice_mut(..c_in),
+                            inc.dlse.slice_mut(..c_in),
+                            inc.dx.slice_mut(..c_in * d),
+                        ];
+                        comm.exchange(&send, next, &mut recv, prev)?;
+                    } else {
+                        let send = [cur.max.slice(..c), cur.target_logit.slice(..c)];
+                        let mut recv = [inc.max.slice_mut(..c_in), inc.target_logit.slice_mut(..c_in)];
+                        comm.exchange(&send, next, &mut recv, prev)?;
+                        let send = [cur.sum.slice(..c), cur.logit_sum.slice(..c)];
+                        let mut recv = [inc.sum.slice_mut(..c_in), inc.logit_sum.slice_mut(..c_in)];
+                        comm.exchange(&send, next, &mut recv, prev)?;
+                    }
+                    std::mem::swap(&mut cur, &mut inc);
+                    continue;
+                }
+                // Step P − 1: this rank's own block comes home, complete.
+                let home = plan.token_sub_block(r, blk);
+                match &mut pass {
+                    Pass::Fold(stats) => {
+                        let st = stats.rows(home.start, home.len());
+                        if p > 1 {
+                            let send = [cur.max.slice(..c), cur.target_logit.slice(..c)];
+                            comm.exchange(&send, next, &mut [st.max, st.target_logit], prev)?;
+                            let send = [cur.sum.slice(..c), cur.logit_sum.slice(..c)];
+                            comm.exchange(&send, next, &mut [st.sum, st.logit_sum], prev)?;
+                        } else {
+                            let StatsViews { mut max, mut sum, mut target_logit, mut logit_sum } = st;
+                            dtod(e, &cur.max.slice(..c), &mut max)?;
+                            dtod(e, &cur.sum.slice(..c), &mut sum)?;
+                            dtod(e, &cur.target_logit.slice(..c), &mut target_logit)?;
+                            dtod(e, &cur.logit_sum.slice(..c), &mut logit_sum)?;
+                        }
+                    }
+                    Pass::Grad { grads, .. } => {
+                        let mut dx_out = grads.dx.slice_mut(home.start * d..home.end * d);
+                        if p > 1 {
+                            comm.exchange(&[cur.dx.slice(..c * d)], next, &mut [dx_out], prev)?;
+                        } else {
+                            dtod(e, &cur.dx.slice(..c * d), &mut dx_out)?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
