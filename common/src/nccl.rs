@@ -57,6 +57,17 @@ pub trait DeviceCommunicator: Send {
         recv: &mut [CudaViewMut<'_, T>],
         from: usize,
     ) -> Result<()>;
+    /// All-to-all with variable counts, as [`Communicator::all_to_all_v_bytes`](crate::Communicator)
+    /// but in elements of device buffers: `send` is the concatenation of the parts for ranks
+    /// 0..P (`send_counts[d]` elements for rank d), `recv` receives `recv_counts[s]` elements from
+    /// each rank s in rank order. One NCCL group of send/recv pairs.
+    fn all_to_all_v<T: NcclType + DeviceRepr>(
+        &self,
+        send: &CudaView<'_, T>,
+        send_counts: &[usize],
+        recv: &mut CudaViewMut<'_, T>,
+        recv_counts: &[usize],
+    ) -> Result<()>;
     /// In-place all-reduce of `buf` over the ranks.
     fn all_reduce<T: NcclType + DeviceRepr>(&self, buf: &mut CudaSlice<T>, op: ReduceOp) -> Result<()>;
 }
@@ -155,6 +166,51 @@ impl DeviceCommunicator for NcclComm {
         };
         let issued = issue();
         // The group is closed whatever happened inside it.
+        group_end().map_err(nccl_error("ncclGroupEnd"))?;
+        issued
+    }
+
+    fn all_to_all_v<T: NcclType + DeviceRepr>(
+        &self,
+        send: &CudaView<'_, T>,
+        send_counts: &[usize],
+        recv: &mut CudaViewMut<'_, T>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let world = self.world_size();
+        for (what, counts, len) in [("send", send_counts, send.len()), ("recv", recv_counts, recv.len())] {
+            if counts.len() != world {
+                return Err(Error::ShapeMismatch {
+                    what: "all_to_all_v counts (ranks)",
+                    expected: world,
+                    found: counts.len(),
+                });
+            }
+            let total: usize = counts.iter().sum();
+            if total > len {
+                let what =
+                    if what == "send" { "all_to_all_v send elements" } else { "all_to_all_v recv elements" };
+                return Err(Error::ShapeMismatch { what, expected: total, found: len });
+            }
+        }
+        group_start().map_err(nccl_error("ncclGroupStart"))?;
+        let mut issue = || -> Result<()> {
+            let (mut s0, mut r0) = (0usize, 0usize);
+            for peer in 0..world {
+                let (sc, rc) = (send_counts[peer], recv_counts[peer]);
+                if sc > 0 {
+                    self.comm.send(&send.slice(s0..s0 + sc), peer as i32).map_err(nccl_error("ncclSend"))?;
+                }
+                if rc > 0 {
+                    self.comm
+                        .recv(&mut recv.slice_mut(r0..r0 + rc), peer as i32)
+                        .map_err(nccl_error("ncclRecv"))?;
+                }
+                (s0, r0) = (s0 + sc, r0 + rc);
+            }
+            Ok(())
+        };
+        let issued = issue();
         group_end().map_err(nccl_error("ncclGroupEnd"))?;
         issued
     }

@@ -104,6 +104,18 @@ fn nccl_ring_step_and_all_reduce_on_every_local_gpu() {
                 comm.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
                 let want = [p as f64, (p * (p - 1) / 2) as f64];
                 assert_eq!(s.clone_dtoh(&sum).unwrap(), want);
+                // Rank r sends d + 1 copies of 10·r + d to rank d.
+                let (send, counts): (Vec<u32>, Vec<usize>) = (
+                    (0..p).flat_map(|d| std::iter::repeat_n((10 * r + d) as u32, d + 1)).collect(),
+                    (0..p).map(|d| d + 1).collect(),
+                );
+                let send = s.clone_htod(&send).unwrap();
+                let mut recv = s.alloc_zeros::<u32>(p * (r + 1)).unwrap();
+                comm.all_to_all_v(&send.slice(..), &counts, &mut recv.slice_mut(..), &vec![r + 1; p])
+                    .unwrap();
+                let want: Vec<u32> =
+                    (0..p).flat_map(|src| std::iter::repeat_n((10 * src + r) as u32, r + 1)).collect();
+                assert_eq!(s.clone_dtoh(&recv).unwrap(), want);
             });
         }
     });
