@@ -7,6 +7,7 @@
 //! same as one route with the summed weight).
 
 use flatpeak_common::DType;
+use flatpeak_common::gemm::Threads;
 
 use crate::error::{Error, Result};
 
@@ -93,9 +94,13 @@ pub enum Mode {
     /// backward at once, so nothing outlives its round.
     #[default]
     Checkpointed,
-    /// Forward keeps every round's received rows and expert pre-activations for backward
-    /// (no recompute). Its bound grows with K·P·q, reported by the plan; the CPU executor does
-    /// not run this mode yet.
+    /// Forward keeps every round's received rows, their routes and each route's SwiGLU
+    /// pre-activations (x·W_gate, x·W_up) for backward, which then dispatches only dY and runs
+    /// no recompute. What is kept grows with the routing: rank d holds `Σ_s R[s][d]` rows and
+    /// `L_d` routes' pre-activations ([`Plan::saved_bytes`](crate::Plan::saved_bytes)), at most
+    /// `K·P·q` rows ([`Buffers::saved_activation_bytes`](crate::Buffers::saved_activation_bytes)).
+    /// Run it with [`cpu::forward_saving`](crate::cpu::forward_saving) and
+    /// [`cpu::backward_saved`](crate::cpu::backward_saved).
     SaveActivations,
 }
 
@@ -142,7 +147,7 @@ pub enum Chunking {
 
 /// The schedule's options. Defaults: the paper's α = 1.0, m = 1024, λ = 1.3; PipelinedLLEP
 /// with a 256 MiB dispatch budget, 4 foreign-expert slots per rank, proportional spill split,
-/// strided rounds, checkpointed training, double buffering.
+/// strided rounds, checkpointed training, double buffering, GEMMs on the whole rayon pool.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct LlepConfig {
@@ -167,6 +172,10 @@ pub struct LlepConfig {
     pub mode: Mode,
     /// D: copies of the dispatch buffers, so round j+1's dispatch can overlap round j's GEMMs.
     pub pipeline_depth: usize,
+    /// Threads of each expert GEMM. [`Threads::Single`] keeps a rank's compute on its own
+    /// thread (P ranks as threads already fill the cores, and the rank's thread CPU time is
+    /// then its compute); results are bitwise identical for every choice.
+    pub gemm_threads: Threads,
 }
 
 impl Default for LlepConfig {
@@ -182,6 +191,7 @@ impl Default for LlepConfig {
             chunking: Chunking::Strided,
             mode: Mode::Checkpointed,
             pipeline_depth: 2,
+            gemm_threads: Threads::All,
         }
     }
 }
@@ -230,6 +240,11 @@ impl LlepConfig {
     /// This config with D copies of the dispatch buffers.
     pub fn pipeline_depth(self, pipeline_depth: usize) -> Self {
         Self { pipeline_depth, ..self }
+    }
+
+    /// This config with expert GEMMs on these threads.
+    pub fn gemm_threads(self, gemm_threads: Threads) -> Self {
+        Self { gemm_threads, ..self }
     }
 
     /// Checks every option's domain (NaN is never valid).

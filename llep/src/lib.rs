@@ -19,8 +19,11 @@
 //! Training runs the layer checkpointed ([`Mode::Checkpointed`]): forward keeps nothing,
 //! backward recomputes each round and runs its backward at once, returning dX, the routing
 //! weights' gradient (for the router) and the native experts' weight gradients (foreign
-//! gradients travel home once per layer). Exact: forward and backward match a dense f64
-//! reference ([`cpu::reference`]) to f32 rounding.
+//! gradients travel home once per layer). [`Mode::SaveActivations`] instead keeps every round's
+//! received rows and SwiGLU pre-activations from [`cpu::forward_saving`] for
+//! [`cpu::backward_saved`] (no recompute; its larger, routing-dependent store is
+//! [`Plan::saved_bytes`]). Exact: forward and backward match a dense f64 reference
+//! ([`cpu::reference`]) to f32 rounding.
 //!
 //! ```
 //! use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, SplitMix64, Workspace};
@@ -66,7 +69,11 @@
 pub mod assign;
 pub mod config;
 pub mod cpu;
+#[cfg(feature = "cuda-emu")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
+pub mod emu;
 pub mod error;
+pub mod kernels;
 pub mod layer;
 pub mod model;
 pub mod plan;

@@ -258,6 +258,36 @@ impl Plan {
         }
     }
 
+    /// Rows rank d receives over all rounds, `Σ_s R[s][d]`.
+    pub fn recv_rows_total(&self, rank: usize) -> usize {
+        (0..self.shape.ranks).map(|s| self.pair_rows(s, rank)).sum()
+    }
+
+    /// Rank d's saved-activation store of [`Mode::SaveActivations`], in carve order (bytes):
+    /// the received x rows of every round (`Σ_s R[s][d]` × H), their route metadata (× k
+    /// entries), each computed route's gate and up pre-activations (`L_d` × I, twice), and K + 1
+    /// route offsets. Empty when the config is checkpointed.
+    pub fn saved_regions(&self, rank: usize) -> Vec<usize> {
+        if self.config.mode == Mode::Checkpointed {
+            return Vec::new();
+        }
+        let s = &self.shape;
+        let (h, i, k, b) = (s.hidden, s.intermediate, s.top_k, s.elem_bytes());
+        let rows = self.recv_rows_total(rank);
+        let routes = self.assignment.rank_load(rank);
+        let meta = std::mem::size_of::<RouteMeta>();
+        vec![rows * h * b, rows * k * meta, routes * i * b, routes * i * b, 4 * (self.rounds + 1)]
+    }
+
+    /// Bytes rank d keeps from forward to backward in [`Mode::SaveActivations`] (0 when
+    /// checkpointed): the exact size of [`Plan::saved_regions`], alignment included. At most
+    /// [`Buffers::saved_activation_bytes`] of the rank's buffers for this plan's K: unlike the
+    /// dispatch buffers, it grows with the routing.
+    pub fn saved_bytes(&self, rank: usize) -> usize {
+        let regions = self.saved_regions(rank);
+        if regions.is_empty() { 0 } else { Arena::bytes_for(&regions).unwrap_or(usize::MAX) }
+    }
+
     /// The largest workspace any rank needs for `pass`.
     pub fn max_workspace_bytes(&self, pass: Pass) -> usize {
         (0..self.shape.ranks).map(|d| self.buffers(d, pass).workspace_bytes()).max().unwrap_or(0)
@@ -442,14 +472,21 @@ impl Buffers {
     pub fn route_table_bytes(&self) -> usize {
         8 * self.shape.tokens * self.shape.top_k
     }
-    /// What [`Mode::SaveActivations`] would keep from forward to backward: every round's
-    /// received rows and per-route SwiGLU pre-activations, `K·recv_rows·(H + 2·k·I)` elements.
+    /// The bound of what [`Mode::SaveActivations`] keeps from forward to backward for K
+    /// rounds: every round's receive buffer of rows with their metadata and per-route SwiGLU
+    /// pre-activations, `K·recv_rows·(H·b + 8·k + 2·k·I·b)` plus K + 1 route offsets and
+    /// alignment; [`Plan::saved_bytes`] is the exact figure of one routing. 0 when checkpointed.
     pub fn saved_activation_bytes(&self, mode: Mode, rounds: usize) -> usize {
         match mode {
             Mode::Checkpointed => 0,
             Mode::SaveActivations => {
                 let s = &self.shape;
-                rounds * self.recv_rows * (s.hidden + 2 * s.top_k * s.intermediate) * s.elem_bytes()
+                let (h, i, k, b) = (s.hidden, s.intermediate, s.top_k, s.elem_bytes());
+                let rows = rounds * self.recv_rows;
+                let meta = std::mem::size_of::<RouteMeta>();
+                let regions =
+                    [rows * h * b, rows * k * meta, rows * k * i * b, rows * k * i * b, 4 * (rounds + 1)];
+                Arena::bytes_for(&regions).unwrap_or(usize::MAX)
             }
         }
     }

@@ -1,12 +1,12 @@
 //! The CPU executor against the dense f64 reference, over P ∈ {1, 2, 4, 8}, top-k 1..8, the
 //! harness profiles (balanced, 50%:4, 100% on one expert), random ids with duplicates, and all
-//! three schemes; and bad input → typed errors.
+//! three schemes, checkpointed and saving activations; and bad input → typed errors.
 
 mod common;
 
-use common::{Ids, Problem, run, small_config};
+use common::{Ids, Problem, RankRun, run, run_saved, small_config};
 use flatpeak_common::{DType, relative_error};
-use llep::{Profile, Scheme, Shape};
+use llep::{Mode, Pass, Profile, Scheme, Shape};
 
 const TOL: f64 = 1e-5;
 
@@ -15,8 +15,12 @@ fn shape(p: usize, k: usize) -> Shape {
 }
 
 fn check(problem: &Problem, scheme: Scheme, what: &str) {
-    let (y_ref, g_ref) = problem.reference();
     let runs: Vec<_> = run(problem, &small_config(scheme)).into_iter().map(|r| r.unwrap()).collect();
+    check_runs(problem, &runs, scheme, what);
+}
+
+fn check_runs(problem: &Problem, runs: &[RankRun], scheme: Scheme, what: &str) {
+    let (y_ref, g_ref) = problem.reference();
     let y: Vec<f32> = runs.iter().flat_map(|r| r.y.iter().copied()).collect();
     let cat = |f: fn(&common::RankRun) -> &Vec<f32>| {
         runs.iter().flat_map(|r| f(r).iter().copied()).collect::<Vec<f32>>()
@@ -34,7 +38,7 @@ fn check(problem: &Problem, scheme: Scheme, what: &str) {
     }
     // Every rank planned the same thing.
     assert!(runs.iter().all(|r| r.plan == runs[0].plan), "{what}: plans differ across ranks");
-    for r in &runs {
+    for r in runs {
         assert_eq!(r.high_water, r.workspace_bytes, "{what}: carved bytes differ from the plan's");
     }
 }
@@ -54,6 +58,71 @@ fn matches_reference_across_ranks_topk_and_profiles() {
                 check(&problem, Scheme::PipelinedLlep, &format!("P={p} k={k} {ids:?}"));
             }
         }
+    }
+}
+
+#[test]
+fn saved_activations_match_reference_and_stay_in_their_bound() {
+    let profiles = [
+        Ids::Profile(Profile::Balanced),
+        Ids::Profile(Profile::Hot { ratio: 0.5, experts: 4 }),
+        Ids::Profile(Profile::Hot { ratio: 1.0, experts: 1 }),
+        Ids::Random,
+    ];
+    let cases =
+        [(Scheme::PipelinedLlep, vec![1, 2, 4, 8]), (Scheme::Llep, vec![4]), (Scheme::StandardEp, vec![4])];
+    for (scheme, ranks) in cases {
+        for p in ranks {
+            for k in [1, 3, 8] {
+                for (n, ids) in profiles.iter().enumerate() {
+                    let what = format!("saved P={p} k={k} {ids:?}");
+                    let problem = Problem::new(shape(p, k), *ids, (p * 100 + k * 10 + n) as u64);
+                    let config = small_config(scheme);
+                    let saved: Vec<_> =
+                        run_saved(&problem, &config).into_iter().map(|r| r.unwrap()).collect();
+                    check_runs(&problem, &saved, scheme, &what);
+                    // Forward is the same call whatever it keeps: bitwise the same y.
+                    let plain: Vec<_> = run(&problem, &config).into_iter().map(|r| r.unwrap()).collect();
+                    for (me, (a, b)) in saved.iter().zip(&plain).enumerate() {
+                        assert_eq!(a.y, b.y, "{what}: rank {me} y differs from the checkpointed run");
+                        let plan = &a.plan;
+                        let bound = plan
+                            .buffers(me, Pass::Backward)
+                            .saved_activation_bytes(Mode::SaveActivations, plan.rounds());
+                        assert!(plan.saved_bytes(me) <= bound, "{what}: {} > {bound}", plan.saved_bytes(me));
+                        assert_eq!(b.plan.saved_bytes(me), 0, "{what}: checkpointed keeps nothing");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn saved_activations_misuse_is_a_typed_error() {
+    use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, Workspace};
+    use llep::Error;
+    let problem = Problem::new(shape(2, 2), Ids::Random, 11);
+    let out = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
+        let me = comm.rank();
+        let inputs = problem.inputs(me);
+        let checkpointed = small_config(Scheme::PipelinedLlep);
+        let saving = checkpointed.mode(Mode::SaveActivations);
+        let plain = llep::cpu::plan(comm, &checkpointed, &problem.shape, &inputs.routing).unwrap();
+        let plan = llep::cpu::plan(comm, &saving, &problem.shape, &inputs.routing).unwrap();
+        let mut ws = Workspace::new(plan.buffers(me, Pass::Backward).workspace_bytes());
+        let store_for_checkpointed = llep::cpu::SavedActivations::new(&plain, me).map(|_| ());
+        let mut saved = llep::cpu::SavedActivations::new(&plan, me).unwrap();
+        let unfilled =
+            llep::cpu::backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut saved, &mut ws).map(|_| ());
+        let recompute = llep::cpu::backward(comm, &plan, &inputs, &problem.dy[me], &mut ws).map(|_| ());
+        Ok((store_for_checkpointed, unfilled, recompute))
+    });
+    for r in out {
+        let (store, unfilled, recompute) = r.unwrap();
+        assert!(matches!(store, Err(Error::InvalidConfig { name: "mode", .. })), "{store:?}");
+        assert!(matches!(unfilled, Err(Error::PlanMismatch { .. })), "{unfilled:?}");
+        assert!(matches!(recompute, Err(Error::InvalidConfig { name: "mode", .. })), "{recompute:?}");
     }
 }
 

@@ -2,6 +2,7 @@
 //! [`Component`] here; names in [`COMPONENTS`](crate::report::COMPONENTS) without one are
 //! reported as not available.
 
+pub mod llep;
 pub mod ring_dtp;
 pub mod ring_dtp_ring;
 pub mod sco;
@@ -84,6 +85,7 @@ pub trait Component: Sync {
 /// Every landed component, in the paper's order.
 pub fn landed() -> Vec<Box<dyn Component>> {
     vec![
+        Box::new(llep::LlepComponent),
         Box::new(ring_dtp::RingDtpComponent),
         Box::new(sco::ScoComponent),
         Box::new(stream_adamw::StreamAdamWComponent),

@@ -12,15 +12,19 @@
 //! at once (dX rows and d(weights) go back; weight gradients accumulate locally), and return
 //! foreign experts' gradients to their owners once at the end. Every buffer is carved from one
 //! [`Workspace`] in the order of [`Buffers::regions`]; rounds cycle through D buffer copies
-//! (the rounds run in order here: [`Communicator`] calls are synchronous).
+//! (the rounds run in order here: [`Communicator`] calls are synchronous). In
+//! [`Mode::SaveActivations`], [`forward_saving`] keeps the received rows and pre-activations and
+//! [`backward_saved`] dispatches dY only and skips the recompute (module `saved`).
 //!
 //! Reproducible: fixed round, destination, expert and row orders, and the CPU GEMM is bitwise
 //! identical for any thread count.
 
 mod expert;
 pub mod reference;
+mod saved;
 
 use bytemuck::Pod;
+use flatpeak_common::gemm::Threads;
 use flatpeak_common::{Communicator, CommunicatorExt, DType, Workspace};
 
 use crate::assign::{Assignment, RouteCounts, local_counts};
@@ -28,7 +32,8 @@ use crate::config::{LlepConfig, Mode, Shape};
 use crate::error::{Error, Result};
 use crate::layer::{Gradients, RankInputs, Routing, check_len};
 use crate::plan::{Buffers, GroupEntry, Pass, Plan, RouteMeta, pair_rows};
-use expert::{BackwardRound, ExpertGrad, ExpertRef, Scratch};
+use expert::{BackwardRound, ExpertRef, Scratch, expert_grad, zero_gradients, zeros};
+pub use saved::{SavedActivations, backward_saved, forward_saving};
 
 /// Every rank's copy of every rank's `mine` (equal lengths), in rank order.
 pub fn all_gather<C: Communicator + ?Sized, T: Pod>(comm: &C, mine: &[T]) -> Result<Vec<T>> {
@@ -71,49 +76,78 @@ pub fn forward<C: Communicator + ?Sized>(
     inputs: &RankInputs<'_>,
     ws: &mut Workspace,
 ) -> Result<Vec<f32>> {
+    run_forward(comm, plan, inputs, ws, None)
+}
+
+/// The forward round loop; with `save`, received rows and routes land in the saved store and
+/// every route's pre-activations are kept there (round j's routes from `route_start[j]`).
+fn run_forward<C: Communicator + ?Sized>(
+    comm: &C,
+    plan: &Plan,
+    inputs: &RankInputs<'_>,
+    ws: &mut Workspace,
+    mut save: Option<&mut saved::Store<'_>>,
+) -> Result<Vec<f32>> {
     let ctx = Ctx::new(comm, plan, inputs)?;
     ws.reset();
     let bufs = plan.buffers(ctx.me, Pass::Forward);
-    let mut c = Carved::carve(ws, &bufs)?;
+    let mut c = Carved::carve(ws, &bufs, plan.config().gemm_threads)?;
     ctx.build_tables(&mut c)?;
     ctx.fetch_foreign(c.foreign)?;
-    let mut y = vec![0f32; ctx.s.tokens * ctx.s.hidden];
-    let (h, k) = (ctx.s.hidden, ctx.s.top_k);
+    let mut y = zeros(ctx.s.tokens * ctx.s.hidden);
+    let (h, i, k) = (ctx.s.hidden, ctx.s.intermediate, ctx.s.top_k);
+    let (mut row_base, mut route_base) = (0usize, 0usize);
     for j in 0..plan.rounds() {
         let set = &mut c.sets[j % bufs.depth()];
         let (send_counts, recv_counts) = ctx.round_counts(j);
         let sent = ctx.pack(&c.tables, j, inputs.x, set.send_x, Some(set.send_meta))?;
         let got: usize = recv_counts.iter().sum();
-        comm.all_to_all_v(
-            &set.send_x[..sent * h],
-            &scale(&send_counts, h),
-            &mut set.recv_x[..got * h],
-            &scale(&recv_counts, h),
-        )?;
+        let (recv_x, recv_meta, mut pre) = match save.as_deref_mut() {
+            Some(st) => {
+                let (x, meta, pre) = st.round(row_base, got, route_base)?;
+                (x, meta, Some(pre))
+            }
+            None => (&mut set.recv_x[..got * h], &mut set.recv_meta[..got * k], None),
+        };
+        comm.all_to_all_v(&set.send_x[..sent * h], &scale(&send_counts, h), recv_x, &scale(&recv_counts, h))?;
         comm.all_to_all_v(
             &set.send_meta[..sent * k],
             &scale(&send_counts, k),
-            &mut set.recv_meta[..got * k],
+            recv_meta,
             &scale(&recv_counts, k),
         )?;
-        let filled = group(&set.recv_meta[..got * k], k, bufs.local_slots(), c.groups, c.offsets)?;
+        let filled = group(recv_meta, k, bufs.local_slots(), c.groups, c.offsets)?;
+        if let Some((gate, _)) = &pre
+            && gate.len() < filled * i
+        {
+            return Err(Error::PlanMismatch {
+                what: "routes computed on this rank (saved pre-activations)",
+                planned: route_base + gate.len() / i.max(1),
+                found: route_base + filled,
+            });
+        }
         set.out[..got * h].fill(0.0);
+        let mut round = expert::ForwardRound { recv: recv_x, meta: recv_meta, out: set.out };
+        let mut cursor = 0usize;
         for slot in 0..bufs.local_slots() {
             let entries = &c.groups[c.offsets[slot] as usize..c.offsets[slot + 1] as usize];
             for chunk in entries.chunks(bufs.expert_rows().max(1)) {
                 let w = ctx.expert(c.foreign, slot);
-                expert::forward(
-                    w,
-                    (h, ctx.s.intermediate),
-                    chunk,
-                    set.recv_x,
-                    set.recv_meta,
-                    set.out,
-                    &mut c.scratch,
-                )?;
+                let span = cursor * i..(cursor + chunk.len()) * i;
+                let keep = pre.as_mut().map(|(gate, up)| expert::SavedPre {
+                    gate: &mut gate[span.clone()],
+                    up: &mut up[span.clone()],
+                });
+                expert::forward(w, (h, i), chunk, &mut round, keep, &mut c.scratch)?;
+                cursor += chunk.len();
             }
         }
-        debug_assert_eq!(filled, c.offsets[bufs.local_slots()] as usize);
+        debug_assert_eq!(filled, cursor);
+        row_base += got;
+        route_base += filled;
+        if let Some(st) = save.as_deref_mut() {
+            st.route_start[j + 1] = route_base as u32;
+        }
         comm.all_to_all_v(
             &set.out[..got * h],
             &scale(&recv_counts, h),
@@ -141,25 +175,17 @@ pub fn backward<C: Communicator + ?Sized>(
         return Err(Error::InvalidConfig {
             name: "mode",
             value: 1.0,
-            expected: "Mode::Checkpointed (the CPU executor recomputes; it saves no activations)",
+            expected: "Mode::Checkpointed (SaveActivations runs through forward_saving and backward_saved)",
         });
     }
     ws.reset();
     let bufs = plan.buffers(ctx.me, Pass::Backward);
-    let mut c = Carved::carve(ws, &bufs)?;
+    let mut c = Carved::carve(ws, &bufs, plan.config().gemm_threads)?;
     ctx.build_tables(&mut c)?;
     ctx.fetch_foreign(c.foreign)?;
     c.foreign_grad.fill(0.0);
-    let (n, h, i, k) = (ctx.s.tokens, ctx.s.hidden, ctx.s.intermediate, ctx.s.top_k);
-    let hi = h * i;
-    let native = ctx.s.local_experts() * hi;
-    let mut g = Gradients {
-        dx: vec![0.0; n * h],
-        d_weights: vec![0.0; n * k],
-        d_gate: vec![0.0; native],
-        d_up: vec![0.0; native],
-        d_down: vec![0.0; native],
-    };
+    let (h, i, k) = (ctx.s.hidden, ctx.s.intermediate, ctx.s.top_k);
+    let mut g = zero_gradients(&ctx.s);
     for j in (0..plan.rounds()).rev() {
         let set = &mut c.sets[j % bufs.depth()];
         let (send_counts, recv_counts) = ctx.round_counts(j);
@@ -185,19 +211,7 @@ pub fn backward<C: Communicator + ?Sized>(
             let entries = &c.groups[c.offsets[slot] as usize..c.offsets[slot + 1] as usize];
             for chunk in entries.chunks(bufs.expert_rows().max(1)) {
                 let w = ctx.expert(c.foreign, slot);
-                let grad = if slot < ctx.s.local_experts() {
-                    let r = slot * hi..(slot + 1) * hi;
-                    ExpertGrad {
-                        gate: &mut g.d_gate[r.clone()],
-                        up: &mut g.d_up[r.clone()],
-                        down: &mut g.d_down[r],
-                    }
-                } else {
-                    let f = &mut c.foreign_grad[(slot - ctx.s.local_experts()) * 3 * hi..][..3 * hi];
-                    let (gate, rest) = f.split_at_mut(hi);
-                    let (up, down) = rest.split_at_mut(hi);
-                    ExpertGrad { gate, up, down }
-                };
+                let grad = expert_grad(&ctx.s, slot, &mut g, c.foreign_grad);
                 expert::backward(w, grad, (h, i), chunk, &mut round, &mut c.scratch)?;
             }
         }
@@ -292,7 +306,7 @@ struct RoundSet<'w> {
 }
 
 impl<'w> Carved<'w> {
-    fn carve(ws: &'w Workspace, b: &Buffers) -> Result<Self> {
+    fn carve(ws: &'w Workspace, b: &Buffers, threads: Threads) -> Result<Self> {
         let s = b.shape();
         let (n, h, i, k) = (s.tokens, s.hidden, s.intermediate, s.top_k);
         let bwd = b.pass() == Pass::Backward;
@@ -326,7 +340,7 @@ impl<'w> Carved<'w> {
         let offsets = ws.take(b.local_slots() + 1)?;
         let (x, y, gate, up) = (ws.take(g * h)?, ws.take(g * h)?, ws.take(g * i)?, ws.take(g * i)?);
         let (dy, hbuf) = (maybe(g * h)?, maybe(g * i)?);
-        let scratch = Scratch { x, y, gate, up, dy, h: hbuf };
+        let scratch = Scratch { threads, x, y, gate, up, dy, h: hbuf };
         Ok(Self { tables, foreign, foreign_grad, grad_return, sets, groups, offsets, scratch })
     }
 }

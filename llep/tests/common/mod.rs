@@ -117,6 +117,35 @@ pub fn run(problem: &Problem, config: &LlepConfig) -> Vec<llep::Result<RankRun>>
     .collect()
 }
 
+/// As [`run`], in [`llep::Mode::SaveActivations`]: forward keeps its activations in a store
+/// reserved at the plan's [`Plan::saved_bytes`], backward runs from them. `high_water` is the
+/// store's high-water plus the workspace's.
+pub fn run_saved(problem: &Problem, config: &LlepConfig) -> Vec<llep::Result<RankRun>> {
+    let config = config.mode(llep::Mode::SaveActivations);
+    LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
+        Ok((|| {
+            let me = comm.rank();
+            let inputs = problem.inputs(me);
+            let plan = cpu::plan(comm, &config, &problem.shape, &inputs.routing)?;
+            let bufs = plan.buffers(me, Pass::Backward);
+            let mut ws = Workspace::new(bufs.workspace_bytes());
+            let mut saved = cpu::SavedActivations::new(&plan, me)?;
+            let y = cpu::forward_saving(comm, &plan, &inputs, &mut ws, &mut saved)?;
+            let grads = cpu::backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut saved, &mut ws)?;
+            Ok(RankRun {
+                workspace_bytes: bufs.workspace_bytes() + plan.saved_bytes(me),
+                high_water: ws.high_water() + saved.bytes(),
+                plan,
+                y,
+                grads,
+            })
+        })())
+    })
+    .into_iter()
+    .map(|r| r.map_err(llep::Error::from).and_then(|inner| inner))
+    .collect()
+}
+
 /// Launch-time buffers of PipelinedLLEP (what a rank reserves before any routing is known).
 pub fn launch_bytes(config: &LlepConfig, shape: &Shape) -> usize {
     Buffers::at_launch(config, shape, Pass::Backward).unwrap().workspace_bytes()

@@ -1,0 +1,64 @@
+//! llep benches: one checkpointed training step (plan, forward, recompute + backward) and one
+//! forward of PipelinedLLEP, LLEP and standard EP on P = 4 LocalGroup ranks at a reduced shape
+//! (N = 512 tokens per rank, H = 128, I = 64, E = 16, k = 4, f32), balanced and 95%:1 routing.
+//! `cargo bench -p flatpeak-bench --bench llep`; the paper-style comparison at P = 8,
+//! N = 4096, H = 512, I = 256, E = 64, k = 8 is `flatpeak report --component llep`.
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use flatpeak_bench::components::llep::Data;
+use flatpeak_common::gemm::Threads;
+use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, Workspace};
+use llep::{LlepConfig, PairCap, Pass, Profile, Scheme, Shape, cpu};
+
+const SHAPE: Shape =
+    Shape { ranks: 4, tokens: 512, hidden: 128, intermediate: 64, experts: 16, top_k: 4, dtype: DType::F32 };
+
+fn configs() -> [(&'static str, LlepConfig); 3] {
+    let single = |c: LlepConfig| c.gemm_threads(Threads::Single).min_chunk(64);
+    [
+        ("pipelined_llep", single(LlepConfig::default().pair_cap(PairCap::Rows(64)))),
+        ("llep", single(LlepConfig::with_scheme(Scheme::Llep))),
+        ("standard_ep", single(LlepConfig::with_scheme(Scheme::StandardEp))),
+    ]
+}
+
+/// One step on every rank; workspaces reserved inside (PipelinedLLEP: its launch size).
+fn step(data: &Data, ids: &[i64], config: &LlepConfig, train: bool) {
+    let out = LocalGroup::run(SHAPE.ranks, LocalGroupOptions::default(), |comm| {
+        let me = comm.rank();
+        let inputs = data.inputs(&SHAPE, me, ids);
+        let run = || -> llep::Result<usize> {
+            let plan = cpu::plan(comm, config, &SHAPE, &inputs.routing)?;
+            let pass = if train { Pass::Backward } else { Pass::Forward };
+            let mut ws = Workspace::new(plan.buffers(me, pass).workspace_bytes());
+            let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
+            if train {
+                let g = cpu::backward(comm, &plan, &inputs, data.dy(me), &mut ws)?;
+                return Ok(y.len() + g.dx.len());
+            }
+            Ok(y.len())
+        };
+        Ok(run())
+    });
+    for r in out {
+        r.expect("group ran").expect("step ran");
+    }
+}
+
+fn steps(c: &mut Criterion) {
+    let data = Data::new(&SHAPE);
+    for spec in ["balanced", "95%:1"] {
+        let ids = spec.parse::<Profile>().expect("profile").ids(&Shape { ranks: 1, ..SHAPE }).expect("ids");
+        let mut group =
+            c.benchmark_group(format!("llep_P4_N512_H128_I64_E16_k4_f32_{}", spec.replace(['%', ':'], "_")));
+        group.sample_size(10);
+        for (name, config) in configs() {
+            group.bench_function(format!("{name}_train"), |b| b.iter(|| step(&data, &ids, &config, true)));
+            group.bench_function(format!("{name}_fwd"), |b| b.iter(|| step(&data, &ids, &config, false)));
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, steps);
+criterion_main!(benches);

@@ -1,0 +1,542 @@
+//! `llep` measurements: PipelinedLLEP against LLEP (and standard EP) on P = 8 `LocalGroup`
+//! ranks, N = 4096 tokens per rank, H = 512, I = 256, E = 64, k = 8, f32, for the LLEP
+//! harness's profiles `balanced`, `50%:4` and `95%:1`: a checkpointed training step (plan,
+//! forward, then recompute + backward) and a forward-only step (LLEP's own measurement); plus a
+//! plan-only row at the paper's shape (P = 8, N = 65,536, k = 8, E = 128, H = 7168, I = 2048,
+//! bf16) from the DESIGN peak model.
+//!
+//! Every scheme runs the same executor (`llep::cpu`) on the same inputs, each rank's expert
+//! GEMMs single-threaded on its own thread ([`Threads::Single`]). After one untimed warm-up
+//! step, PipelinedLLEP and LLEP run interleaved for [`ROUNDS`] rounds (alternating which goes
+//! first) and medians are reported; standard EP (metrics only) runs once per row, in the middle
+//! round, to keep the component within its time budget.
+//!
+//! **What is timed.** `ms` is the group's wall time of one step: each rank waits at a barrier,
+//! then plans (all-gathers counts, assigns, all-gathers row counts) and runs the step; the time
+//! is from the earliest rank's start to the latest rank's end. The P ranks share this machine's
+//! cores, so wall time measures total work, not balance. `makespan_ms` is what a P-device run
+//! would wait for: the largest, over ranks, of the rank thread's CPU time during its step
+//! (`CLOCK_THREAD_CPUTIME_ID`; time blocked waiting for peers is not CPU time). It includes the
+//! rank's GEMMs, packing, scatter and its side of the message copies.
+//!
+//! **What `peak_bytes` counts (per rank, max over ranks).** The ranks share one process
+//! allocator, so the counting allocator sees the group, not a rank. A rank's transient working
+//! set is taken as (1) the rank's [`Workspace`] reservation, from which the executor carves
+//! every buffer it uses — send, receive, output and metadata buffers of every pipeline copy,
+//! the expert GEMM scratch, the foreign-expert slots and their gradients, the route tables — and
+//! which it cannot exceed (a carve past it is an error, never growth; the tests check the
+//! carves fill it exactly). PipelinedLLEP reserves [`Buffers::at_launch`] for the pass, the
+//! baselines what their plan sizes to this routing ([`Plan::buffers`]). Plus (2) the rank's share, 1/P, of
+//! everything else the group allocates during the step beyond its outputs (y, dX, d(weights),
+//! dW), measured by the counting allocator around the whole group step with the workspaces
+//! reserved beforehand: the plan's vectors, per-round count vectors, the `LocalGroup`
+//! transport's copies of messages in flight (a real all-to-all writes straight into the receive
+//! buffer that (1) already counts) and the GEMM library's per-thread packing slabs. For
+//! PipelinedLLEP the ranks are symmetric, so the 1/P share is exact up to timing; for the
+//! baselines the hot rank's share may be larger, which would only raise the baseline. The
+//! whole-group figures are reported too (`group_peak_bytes*`).
+//!
+//! **Exactness.** y, dX and d(weights) of 16 tokens of rank 0 (hot under the skewed profiles)
+//! and 16 of rank P−1 against the dense f64 reference; y (and in training the native experts'
+//! dW_gate, dW_up, dW_down of every rank) against LLEP's over all tokens. `exact` iff every
+//! relative error is ≤ 1e-5.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
+
+use flatpeak_common::gemm::Threads;
+use flatpeak_common::{
+    Communicator, DType, Device, HeapSize, LocalGroup, LocalGroupOptions, PeakMeter, SplitMix64, Workspace,
+    relative_error,
+};
+use llep::cpu::{self, reference};
+use llep::{
+    Buffers, ExpertWeights, Gradients, LlepConfig, PAPER_SHAPE, PairCap, Pass, PeakModel, Plan, Profile,
+    RankInputs, Routing, Scheme, Shape, SpillSplit, crate_pair_cap, model_row,
+};
+
+use super::{Component, ReportError, cpu_workload};
+use crate::machine::{MachineInfo, median};
+use crate::report::{Comparison, Row};
+
+/// The measured shape: P = 8 ranks, N = 4096 tokens per rank, H = 512, I = 256, E = 64, k = 8.
+pub const SHAPE: Shape = Shape {
+    ranks: 8,
+    tokens: 4096,
+    hidden: 512,
+    intermediate: 256,
+    experts: 64,
+    top_k: 8,
+    dtype: DType::F32,
+};
+
+/// The pair cap q of the measured rows: 512 rows per (source, destination) per round, so every
+/// receive buffer holds P·q = 4096 rows (K = 2 rounds balanced, 4 on 50%:4, 2 on 95%:1).
+pub const PAIR_CAP: usize = 512;
+
+/// F_max: foreign-expert slots per rank (LLEP's assignment needs at most 3 here).
+pub const FOREIGN_SLOTS: usize = 4;
+
+/// The LLEP harness profiles measured.
+pub const PROFILES: [&str; 3] = ["balanced", "50%:4", "95%:1"];
+
+/// Interleaved rounds per row (PipelinedLLEP and LLEP each round, standard EP once, in the
+/// middle round, since it only feeds metrics); medians are reported.
+pub const ROUNDS: usize = 3;
+
+/// Tokens taken from each end (rank 0's first, rank P−1's last) for the f64 reference.
+const SUBSET: usize = 16;
+
+/// What one measured row runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Checkpointed training step: plan, forward, then recompute + backward.
+    TrainingStep,
+    /// Plan and forward only (what LLEP's harness measures).
+    ForwardOnly,
+}
+
+/// One row of the component.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    /// A measured profile and phase at [`SHAPE`].
+    Measured {
+        /// Index into [`PROFILES`].
+        profile: usize,
+        /// What runs.
+        phase: Phase,
+    },
+    /// The plan-only row at the paper's shape (balanced, K = 10).
+    PaperPlan,
+}
+
+impl Workload {
+    /// Every row, in report order.
+    pub fn all() -> Vec<Workload> {
+        let measured = (0..PROFILES.len()).flat_map(|profile| {
+            [Phase::TrainingStep, Phase::ForwardOnly].map(|phase| Workload::Measured { profile, phase })
+        });
+        measured.chain([Workload::PaperPlan]).collect()
+    }
+
+    /// The report's workload string.
+    pub fn describe(&self) -> String {
+        match *self {
+            Workload::Measured { profile, phase } => {
+                let s = SHAPE;
+                let what = match phase {
+                    Phase::TrainingStep => "fwd+bwd (checkpointed)",
+                    Phase::ForwardOnly => "fwd",
+                };
+                format!(
+                    "P={} N={}/rank H={} I={} E={} k={} {} {} {what}",
+                    s.ranks,
+                    s.tokens,
+                    s.hidden,
+                    s.intermediate,
+                    s.experts,
+                    s.top_k,
+                    s.dtype,
+                    PROFILES[profile]
+                )
+            }
+            Workload::PaperPlan => {
+                let s = PAPER_SHAPE;
+                format!(
+                    "P={} N={}/rank H={} I={} E={} k={} {} balanced K=10 (plan only, per rank)",
+                    s.ranks, s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.dtype
+                )
+            }
+        }
+    }
+}
+
+/// The three configurations compared; every GEMM on its rank's thread.
+pub fn configs() -> [(Scheme, LlepConfig); 3] {
+    let single = |c: LlepConfig| c.gemm_threads(Threads::Single);
+    [
+        (
+            Scheme::PipelinedLlep,
+            single(LlepConfig::default().pair_cap(PairCap::Rows(PAIR_CAP)).foreign_slots(FOREIGN_SLOTS)),
+        ),
+        (Scheme::Llep, single(LlepConfig::with_scheme(Scheme::Llep).spill_split(SpillSplit::Position))),
+        (Scheme::StandardEp, single(LlepConfig::with_scheme(Scheme::StandardEp))),
+    ]
+}
+
+/// Seeded inputs of every rank: tokens, dY, routing weights and all E experts' weights.
+#[derive(Debug)]
+pub struct Data {
+    x: Vec<Vec<f32>>,
+    dy: Vec<Vec<f32>>,
+    weights: Vec<Vec<f32>>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+}
+
+impl Data {
+    /// The inputs at `shape` (seeded, routing-independent).
+    pub fn new(shape: &Shape) -> Self {
+        let (p, n, h, i, e, k) =
+            (shape.ranks, shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k);
+        let mut rng = SplitMix64::new(0x11E9);
+        let x = (0..p).map(|_| rng.normal_f32(n * h, 0.0, 1.0)).collect();
+        let dy = (0..p).map(|_| rng.normal_f32(n * h, 0.0, 1.0)).collect();
+        let weights = (0..p).map(|s| llep::routing_weights(n, k, 77 + s as u64)).collect();
+        let gate = rng.normal_f32(e * h * i, 0.0, 1.0 / (h as f32).sqrt());
+        let up = rng.normal_f32(e * h * i, 0.0, 1.0 / (h as f32).sqrt());
+        let down = rng.normal_f32(e * i * h, 0.0, 1.0 / (i as f32).sqrt());
+        Self { x, dy, weights, gate, up, down }
+    }
+
+    /// Rank s's inputs with these ids.
+    pub fn inputs<'a>(&'a self, shape: &Shape, s: usize, ids: &'a [i64]) -> RankInputs<'a> {
+        let len = shape.local_experts() * shape.hidden * shape.intermediate;
+        RankInputs {
+            x: &self.x[s],
+            routing: Routing { ids, weights: &self.weights[s] },
+            experts: ExpertWeights {
+                gate: &self.gate[s * len..(s + 1) * len],
+                up: &self.up[s * len..(s + 1) * len],
+                down: &self.down[s * len..(s + 1) * len],
+            },
+        }
+    }
+
+    /// rank s's dY.
+    pub fn dy(&self, s: usize) -> &[f32] {
+        &self.dy[s]
+    }
+}
+
+fn data() -> &'static Data {
+    static DATA: OnceLock<Data> = OnceLock::new();
+    DATA.get_or_init(|| Data::new(&SHAPE))
+}
+
+/// CPU time of the calling thread, in ms (`CLOCK_THREAD_CPUTIME_ID`).
+pub fn thread_cpu_ms() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call, and
+    // CLOCK_THREAD_CPUTIME_ID is a clock every Linux kernel provides.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    ts.tv_sec as f64 * 1e3 + ts.tv_nsec as f64 / 1e6
+}
+
+/// One rank's outcome of one step.
+#[derive(Debug)]
+pub struct RankOut {
+    /// The layer's output.
+    pub y: Vec<f32>,
+    /// The gradients (training step only).
+    pub grads: Option<Gradients>,
+    /// Wall clock at the step's start (after the barrier) and end.
+    pub span: (Instant, Instant),
+    /// The rank thread's CPU time during the step, ms.
+    pub cpu_ms: f64,
+    /// The rank's plan.
+    pub plan: Plan,
+}
+
+impl HeapSize for RankOut {
+    /// The step's outputs only (the plan is the step's own transient state).
+    fn heap_bytes(&self) -> usize {
+        self.y.heap_bytes() + self.grads.as_ref().map_or(0, HeapSize::heap_bytes)
+    }
+}
+
+/// One step of one scheme on the group: per-rank outputs, wall ms, makespan ms, and the
+/// group's transient bytes beyond the workspaces and outputs.
+struct Step {
+    outs: Vec<RankOut>,
+    wall_ms: f64,
+    makespan_ms: f64,
+    cpu_ms_total: f64,
+    extra_bytes: usize,
+}
+
+fn run_step(
+    config: &LlepConfig,
+    ids: &[i64],
+    phase: Phase,
+    workspaces: &[Mutex<Workspace>],
+) -> Result<Step, String> {
+    let d = data();
+    let measured = PeakMeter::measure(|| {
+        LocalGroup::run(SHAPE.ranks, LocalGroupOptions::default(), |comm| {
+            let me = comm.rank();
+            let inputs = d.inputs(&SHAPE, me, ids);
+            let mut ws = workspaces[me].lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            comm.barrier()?;
+            let (t0, c0) = (Instant::now(), thread_cpu_ms());
+            let mut step = || -> llep::Result<RankOut> {
+                let plan = cpu::plan(comm, config, &SHAPE, &inputs.routing)?;
+                let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
+                let grads = match phase {
+                    Phase::TrainingStep => Some(cpu::backward(comm, &plan, &inputs, d.dy(me), &mut ws)?),
+                    Phase::ForwardOnly => None,
+                };
+                Ok(RankOut { y, grads, span: (t0, Instant::now()), cpu_ms: thread_cpu_ms() - c0, plan })
+            };
+            Ok(step())
+        })
+    })
+    .map_err(|e| e.to_string())?;
+    let mut outs = Vec::with_capacity(SHAPE.ranks);
+    for r in measured.value {
+        outs.push(r.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?);
+    }
+    let start = outs.iter().map(|o| o.span.0).min().ok_or("no rank ran")?;
+    let end = outs.iter().map(|o| o.span.1).max().ok_or("no rank ran")?;
+    Ok(Step {
+        wall_ms: (end - start).as_secs_f64() * 1e3,
+        makespan_ms: outs.iter().map(|o| o.cpu_ms).fold(0.0, f64::max),
+        cpu_ms_total: outs.iter().map(|o| o.cpu_ms).sum(),
+        extra_bytes: measured.peak_bytes,
+        outs,
+    })
+}
+
+/// Each rank's workspace for `config` on this routing, pages touched: PipelinedLLEP's launch
+/// size, the baselines' plan for this routing.
+fn workspaces(config: &LlepConfig, ids: &[i64], pass: Pass) -> Result<Vec<Mutex<Workspace>>, String> {
+    let views: Vec<&[i64]> = (0..SHAPE.ranks).map(|_| ids).collect();
+    let bytes: Vec<usize> = match config.scheme {
+        Scheme::PipelinedLlep => {
+            let b = Buffers::at_launch(config, &SHAPE, pass).map_err(|e| e.to_string())?.workspace_bytes();
+            vec![b; SHAPE.ranks]
+        }
+        _ => {
+            let plan = Plan::from_top_k(config, &SHAPE, &views).map_err(|e| e.to_string())?;
+            (0..SHAPE.ranks).map(|d| plan.buffers(d, pass).workspace_bytes()).collect()
+        }
+    };
+    let mut out = Vec::with_capacity(bytes.len());
+    for b in bytes {
+        let mut ws = Workspace::new(b);
+        ws.take::<u8>(b).map_err(|e| e.to_string())?.fill(0);
+        ws.reset();
+        out.push(Mutex::new(ws));
+    }
+    Ok(out)
+}
+
+/// Medians and peaks of one scheme over the rounds, and its last outputs.
+struct Summary {
+    ms: f64,
+    makespan_ms: f64,
+    cpu_ms_total: f64,
+    rank_peak: usize,
+    group_peak: usize,
+    last: Vec<RankOut>,
+}
+
+fn summarize(steps: Vec<Step>, workspaces: &[Mutex<Workspace>]) -> Result<Summary, String> {
+    let high: Vec<usize> =
+        workspaces.iter().map(|w| w.lock().map(|w| w.capacity()).unwrap_or(usize::MAX)).collect();
+    let extra = steps.iter().map(|s| s.extra_bytes).max().unwrap_or(0);
+    let mut wall: Vec<f64> = steps.iter().map(|s| s.wall_ms).collect();
+    let mut span: Vec<f64> = steps.iter().map(|s| s.makespan_ms).collect();
+    let mut total: Vec<f64> = steps.iter().map(|s| s.cpu_ms_total).collect();
+    let last = steps.into_iter().last().ok_or("no round ran")?.outs;
+    Ok(Summary {
+        ms: median(&mut wall),
+        makespan_ms: median(&mut span),
+        cpu_ms_total: median(&mut total),
+        rank_peak: high.iter().copied().max().unwrap_or(0) + extra.div_ceil(SHAPE.ranks),
+        group_peak: high.iter().sum::<usize>() + extra,
+        last,
+    })
+}
+
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&a| a as f64).collect()
+}
+
+/// Relative errors of PipelinedLLEP's outputs: against the f64 reference on the token subset,
+/// against LLEP's over everything. Named, for the metrics.
+fn errors(
+    ids: &[i64],
+    ours: &[RankOut],
+    llep: &[RankOut],
+    phase: Phase,
+) -> Result<Vec<(&'static str, f64)>, String> {
+    let d = data();
+    let (p, n, h, k) = (SHAPE.ranks, SHAPE.tokens, SHAPE.hidden, SHAPE.top_k);
+    let picks: Vec<(usize, usize)> =
+        (0..SUBSET).map(|t| (0, t)).chain((n - SUBSET..n).map(|t| (p - 1, t))).collect();
+    let gather =
+        |f: &dyn Fn(usize, usize) -> Vec<f32>| picks.iter().flat_map(|&(r, t)| f(r, t)).collect::<Vec<f32>>();
+    let x = gather(&|r, t| d.x[r][t * h..(t + 1) * h].to_vec());
+    let dy = gather(&|r, t| d.dy[r][t * h..(t + 1) * h].to_vec());
+    let w = gather(&|r, t| d.weights[r][t * k..(t + 1) * k].to_vec());
+    let sub_ids: Vec<i64> = picks.iter().flat_map(|&(_, t)| ids[t * k..(t + 1) * k].to_vec()).collect();
+    let shape = Shape { ranks: 1, tokens: picks.len(), ..SHAPE };
+    let inputs = RankInputs {
+        x: &x,
+        routing: Routing { ids: &sub_ids, weights: &w },
+        experts: ExpertWeights { gate: &d.gate, up: &d.up, down: &d.down },
+    };
+    let y_ref = reference::forward(&shape, &inputs).map_err(|e| e.to_string())?;
+    let y_sub = gather(&|r, t| ours[r].y[t * h..(t + 1) * h].to_vec());
+    let cat =
+        |outs: &[RankOut], f: &dyn Fn(&RankOut) -> Vec<f32>| outs.iter().flat_map(f).collect::<Vec<f32>>();
+    let mut out = vec![
+        ("rel_err_y_vs_f64", relative_error(&y_sub, &y_ref)),
+        (
+            "rel_err_y_vs_llep",
+            relative_error(&cat(ours, &|o| o.y.clone()), &f64s(&cat(llep, &|o| o.y.clone()))),
+        ),
+    ];
+    if phase == Phase::TrainingStep {
+        let g_ref = reference::backward(&shape, &inputs, &dy).map_err(|e| e.to_string())?;
+        let grads = |o: &RankOut| o.grads.clone().ok_or("training step without gradients".to_string());
+        let (mine, theirs): (Vec<Gradients>, Vec<Gradients>) = (
+            ours.iter().map(grads).collect::<Result<_, _>>()?,
+            llep.iter().map(grads).collect::<Result<_, _>>()?,
+        );
+        let dx_sub = gather(&|r, t| mine[r].dx[t * h..(t + 1) * h].to_vec());
+        let dw_sub = gather(&|r, t| mine[r].d_weights[t * k..(t + 1) * k].to_vec());
+        let weights = |g: &[Gradients]| -> Vec<f32> {
+            g.iter().flat_map(|g| g.d_gate.iter().chain(&g.d_up).chain(&g.d_down).copied()).collect()
+        };
+        out.push(("rel_err_dx_vs_f64", relative_error(&dx_sub, &g_ref.dx)));
+        out.push(("rel_err_d_routing_weights_vs_f64", relative_error(&dw_sub, &g_ref.d_weights)));
+        out.push(("rel_err_expert_grads_vs_llep", relative_error(&weights(&mine), &f64s(&weights(&theirs)))));
+    }
+    Ok(out)
+}
+
+/// The `flatpeak report` component.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LlepComponent;
+
+impl LlepComponent {
+    fn measured_row(&self, profile: usize, phase: Phase) -> Result<Row, String> {
+        let spec: Profile = PROFILES[profile].parse().map_err(|e: llep::Error| e.to_string())?;
+        let ids = spec.ids(&Shape { ranks: 1, ..SHAPE }).map_err(|e| e.to_string())?;
+        let pass = match phase {
+            Phase::TrainingStep => Pass::Backward,
+            Phase::ForwardOnly => Pass::Forward,
+        };
+        let configs = configs();
+        let mut summaries = Vec::with_capacity(configs.len());
+        let mut steps: Vec<Vec<Step>> = configs.iter().map(|_| Vec::new()).collect();
+        let spaces: Vec<Vec<Mutex<Workspace>>> =
+            configs.iter().map(|(_, c)| workspaces(c, &ids, pass)).collect::<Result<_, _>>()?;
+        // One untimed step first: the allocator's mmap threshold adapts after the first large
+        // free, so whichever scheme ran first would otherwise pay extra page faults.
+        run_step(&configs[0].1, &ids, phase, &spaces[0])?;
+        for round in 0..ROUNDS {
+            // PipelinedLLEP and LLEP swap order every round; standard EP (metrics only) runs
+            // once, in the middle round.
+            let order: [usize; 3] = if round % 2 == 0 { [0, 1, 2] } else { [1, 0, 2] };
+            for c in order {
+                if configs[c].0 != Scheme::StandardEp || round == ROUNDS / 2 {
+                    let step = run_step(&configs[c].1, &ids, phase, &spaces[c]);
+                    steps[c].push(step.map_err(|e| format!("{:?}: {e}", configs[c].0))?);
+                }
+            }
+        }
+        for (runs, ws) in steps.into_iter().zip(&spaces) {
+            summaries.push(summarize(runs, ws)?);
+        }
+        drop(spaces);
+        let [ours, llep, ep] =
+            <[Summary; 3]>::try_from(summaries).map_err(|_| "three schemes".to_string())?;
+        let errs = errors(&ids, &ours.last, &llep.last, phase)?;
+        let max_rel_err = errs.iter().map(|e| e.1).fold(0.0, f64::max);
+        let plan = &ours.last[0].plan;
+        let mut metrics: BTreeMap<String, f64> = errs.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        metrics.extend([
+            ("peak_bytes_ep".to_string(), ep.rank_peak as f64),
+            ("ms_ep".to_string(), ep.ms),
+            ("makespan_ms".to_string(), ours.makespan_ms),
+            ("makespan_ms_llep".to_string(), llep.makespan_ms),
+            ("makespan_ms_ep".to_string(), ep.makespan_ms),
+            ("cpu_ms_all_ranks".to_string(), ours.cpu_ms_total),
+            ("cpu_ms_all_ranks_llep".to_string(), llep.cpu_ms_total),
+            ("cpu_ms_all_ranks_ep".to_string(), ep.cpu_ms_total),
+            ("makespan_speedup_vs_llep".to_string(), llep.makespan_ms / ours.makespan_ms),
+            ("makespan_speedup_vs_ep".to_string(), ep.makespan_ms / ours.makespan_ms),
+            ("rounds".to_string(), plan.rounds() as f64),
+            ("pair_cap".to_string(), plan.pair_cap() as f64),
+            ("max_rows_per_round".to_string(), plan.max_rows_per_round() as f64),
+            ("foreign_experts".to_string(), plan.assignment().max_foreign() as f64),
+            ("foreign_experts_llep".to_string(), llep.last[0].plan.assignment().max_foreign() as f64),
+            ("workspace_bytes_per_rank".to_string(), plan.buffers(0, pass).workspace_bytes() as f64),
+            ("group_peak_bytes".to_string(), ours.group_peak as f64),
+            ("group_peak_bytes_llep".to_string(), llep.group_peak as f64),
+            ("group_peak_bytes_ep".to_string(), ep.group_peak as f64),
+        ]);
+        let comparison = Comparison {
+            peak_bytes_baseline: llep.rank_peak as u64,
+            peak_bytes: ours.rank_peak as u64,
+            ms_baseline: llep.ms,
+            ms: ours.ms,
+            max_rel_err,
+            exact: max_rel_err <= 1e-5,
+        };
+        let w = Workload::Measured { profile, phase };
+        Ok(Row::new(self.name(), &w.describe(), "LLEP", comparison, metrics))
+    }
+
+    fn paper_row(&self) -> Result<Row, String> {
+        let config = LlepConfig::default();
+        let q = crate_pair_cap(&PAPER_SHAPE, Profile::Balanced, 10, &config).map_err(|e| e.to_string())?;
+        let row = model_row(&PAPER_SHAPE, Profile::Balanced, 10, q, &config, &PeakModel::paper_fit())
+            .map_err(|e| e.to_string())?;
+        const GIB: f64 = (1u64 << 30) as f64;
+        let metrics = BTreeMap::from([
+            ("peak_bytes_ep".to_string(), row.ep_gib * GIB),
+            ("peak_bytes_llep".to_string(), row.llep_gib * GIB),
+            ("peak_bytes_paper_pipelined".to_string(), row.paper_pipelined_gib * GIB),
+            ("peak_bytes_crate_formula".to_string(), row.crate_formula_gib * GIB),
+            ("paper_reduction".to_string(), row.paper_reduction()),
+            ("rounds".to_string(), row.crate_rounds as f64),
+            ("pair_cap".to_string(), row.pair_cap as f64),
+            ("foreign_experts_llep".to_string(), row.llep_foreign_experts as f64),
+            ("send_ratio_strided".to_string(), row.strided.worst_send_ratio),
+            ("send_ratio_contiguous".to_string(), row.contiguous.worst_send_ratio),
+            ("max_chunk_recv_strided".to_string(), row.strided.max_chunk_recv as f64),
+            ("max_chunk_recv_contiguous".to_string(), row.contiguous.max_chunk_recv as f64),
+        ]);
+        let comparison = Comparison {
+            peak_bytes_baseline: (row.llep_gib * GIB) as u64,
+            peak_bytes: (row.crate_buffers_gib * GIB) as u64,
+            ms_baseline: 0.0,
+            ms: 0.0,
+            max_rel_err: 0.0,
+            exact: true,
+        };
+        let mut out =
+            Row::new(self.name(), &Workload::PaperPlan.describe(), "LLEP (peak model)", comparison, metrics);
+        out.speedup = 0.0; // no timing: a model row
+        Ok(out)
+    }
+}
+
+impl Component for LlepComponent {
+    fn name(&self) -> &'static str {
+        "llep"
+    }
+
+    fn workloads(&self) -> Vec<String> {
+        Workload::all().iter().map(Workload::describe).collect()
+    }
+
+    fn run(&self, index: usize, device: Device, _machine: &MachineInfo) -> Result<Row, ReportError> {
+        let all = Workload::all();
+        let w = *cpu_workload(self.name(), &all, index, device, Workload::describe)?;
+        let outcome = match w {
+            Workload::Measured { profile, phase } => self.measured_row(profile, phase),
+            Workload::PaperPlan => self.paper_row(),
+        };
+        outcome.map_err(|message| ReportError::workload(self.name(), &w.describe(), message))
+    }
+}

@@ -1,0 +1,28 @@
+//! This crate's CUDA sources, for the run-time kernel cache, the NVRTC compile check and the
+//! SIMT emulator.
+
+use flatpeak_common::kernels::{BLOCK_REDUCE, KernelSource};
+
+/// `kernels/llep.cu`: row gather (pack, expand, δ = w·dY), ordered scatter-add (combine, return),
+/// SwiGLU forward and backward, and per-row dot products (routing-weight gradients).
+pub const LLEP: KernelSource = KernelSource {
+    name: "llep",
+    source: include_str!("../kernels/llep.cu"),
+    entry_points: &[
+        "llep_gather_rows",
+        "llep_scatter_add_rows",
+        "llep_swiglu",
+        "llep_swiglu_backward",
+        "llep_row_dot",
+    ],
+    headers: &[BLOCK_REDUCE],
+};
+
+/// Every kernel source of this crate.
+pub const KERNELS: &[KernelSource] = &[LLEP];
+
+/// Threads per block of the grid-stride kernels.
+pub const LINEAR_THREADS: u32 = 256;
+
+/// Threads per block of `llep_row_dot` (one block per row).
+pub const ROW_THREADS: u32 = 128;
