@@ -106,7 +106,9 @@ fn ring_bounds() -> usize {
 
 fn main() {
     let mut passed = ring_bounds();
-    for (budget, dtype) in [(64usize << 20, DType::F32), (2 << 20, DType::F32), (4 << 20, DType::Bf16)] {
+    for (budget, dtype) in
+        [(64usize << 20, DType::F32), (2 << 20, DType::F32), (4 << 20, DType::Bf16), (64 << 20, DType::Bf16)]
+    {
         let mut peaks = Vec::new();
         for n in [1024usize, 8192] {
             let (peak, plan) = measure(n, 256, 8192, budget, dtype);

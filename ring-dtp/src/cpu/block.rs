@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use crate::config::{LinearCrossEntropy, Softcap};
 use crate::error::Result;
-use crate::inputs::Inputs;
+use crate::inputs::{Inputs, Matrix};
 
 /// Vocabulary rows per dW GEMM (see [`accumulate_grads`]).
 pub const DW_SUB_BLOCK: usize = 2048;
@@ -76,7 +76,13 @@ pub(crate) fn form_logits(
         MatRef::row_major(&vocab.w[..vb * d], vb, d)?.t(),
         Accumulate::Replace,
     )?;
-    let (bias, softcap) = (vocab.bias, config.softcap);
+    epilogue(config, vocab.bias, logits, vb);
+    Ok(())
+}
+
+/// `z = softcap(u + bias)` in place over a `c×vb` logits block.
+pub(crate) fn epilogue(config: &LinearCrossEntropy, bias: Option<&[f32]>, logits: &mut [f32], vb: usize) {
+    let softcap = config.softcap;
     if (bias.is_some() || softcap != Softcap::Off) && vb > 0 {
         logits.par_chunks_mut(vb).for_each(|row| {
             for (j, z) in row.iter_mut().enumerate() {
@@ -88,6 +94,29 @@ pub(crate) fn form_logits(
             }
         });
     }
+}
+
+/// [`form_logits`] for a bf16 W: the `vb` rows from `v0` are widened `DW_SUB_BLOCK` rows at a
+/// time into `w_buf` (so the working set holds a sub-block of W in f32, never the block), each
+/// sub-block's logits columns formed by one GEMM.
+pub(crate) fn form_logits_widening(
+    config: &LinearCrossEntropy,
+    d: usize,
+    tokens: TokenBlock<'_>,
+    (w, v0, vb, bias): (&Matrix<'_>, usize, usize, Option<&[f32]>),
+    w_buf: &mut [f32],
+    logits: &mut [f32],
+) -> Result<()> {
+    let c = tokens.rows();
+    let logits = &mut logits[..vb * c];
+    let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
+    for j0 in (0..vb).step_by(DW_SUB_BLOCK) {
+        let j1 = (j0 + DW_SUB_BLOCK).min(vb);
+        w.rows_f32(v0 + j0..v0 + j1, d, w_buf);
+        let w_sub = MatRef::row_major(&w_buf[..(j1 - j0) * d], j1 - j0, d)?;
+        gemm(MatMut::strided(&mut logits[j0..], c, j1 - j0, vb, 1)?, x, w_sub.t(), Accumulate::Replace)?;
+    }
+    epilogue(config, bias, logits, vb);
     Ok(())
 }
 
@@ -307,19 +336,59 @@ pub(crate) fn accumulate_grads(
     )?;
     // dW in vocabulary sub-blocks: the CPU GEMM copies a transposed left operand whole, so
     // this bounds that copy to C·DW_SUB_BLOCK floats instead of a second logits block.
-    let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
     for j0 in (0..vb).step_by(DW_SUB_BLOCK) {
         let j1 = (j0 + DW_SUB_BLOCK).min(vb);
-        let g_sub = MatRef::strided(&g_all[j0..], c, j1 - j0, vb, 1)?;
-        gemm(MatMut::row_major(&mut dw_blk[j0 * d..j1 * d], j1 - j0, d)?, g_sub.t(), x, Accumulate::Add)?;
+        dw_sub(d, g_all, tokens, (j0, j1, vb), &mut dw_blk[j0 * d..j1 * d])?;
     }
     if let Some(db) = dbias_blk {
-        // Column sums of G in row order (a GEMM with a ones vector would allocate it per call).
-        for row in g_all.chunks_exact(vb) {
-            for (b, &gj) in db[..vb].iter_mut().zip(row) {
-                *b += gj;
-            }
-        }
+        bias_sums(g_all, vb, db);
     }
     Ok(())
+}
+
+/// [`accumulate_grads`] for a bf16 W: per `DW_SUB_BLOCK` rows, widen W's rows into `w_buf`,
+/// then `dX += G[:, sub]·W_sub` and `dW_sub += G[:, sub]ᵀ·X_blk`.
+pub(crate) fn accumulate_grads_widening(
+    d: usize,
+    g: &[f32],
+    tokens: TokenBlock<'_>,
+    (w, v0, vb): (&Matrix<'_>, usize, usize),
+    w_buf: &mut [f32],
+    out: BlockGrads<'_>,
+) -> Result<()> {
+    let c = tokens.rows();
+    if c == 0 || vb == 0 {
+        return Ok(());
+    }
+    let BlockGrads { dx_rows, dw_blk, dbias_blk } = out;
+    let g_all = &g[..vb * c];
+    for j0 in (0..vb).step_by(DW_SUB_BLOCK) {
+        let j1 = (j0 + DW_SUB_BLOCK).min(vb);
+        w.rows_f32(v0 + j0..v0 + j1, d, w_buf);
+        let g_sub = MatRef::strided(&g_all[j0..], c, j1 - j0, vb, 1)?;
+        let w_sub = MatRef::row_major(&w_buf[..(j1 - j0) * d], j1 - j0, d)?;
+        gemm(MatMut::row_major(&mut dx_rows[..c * d], c, d)?, g_sub, w_sub, Accumulate::Add)?;
+        dw_sub(d, g_all, tokens, (j0, j1, vb), &mut dw_blk[j0 * d..j1 * d])?;
+    }
+    if let Some(db) = dbias_blk {
+        bias_sums(g_all, vb, db);
+    }
+    Ok(())
+}
+
+/// `dW_sub += G[:, j0..j1]ᵀ·X_blk`.
+fn dw_sub(d: usize, g_all: &[f32], tokens: TokenBlock<'_>, (j0, j1, vb): (usize, usize, usize), dw: &mut [f32]) -> Result<()> {
+    let c = tokens.rows();
+    let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
+    let g_sub = MatRef::strided(&g_all[j0..], c, j1 - j0, vb, 1)?;
+    gemm(MatMut::row_major(dw, j1 - j0, d)?, g_sub.t(), x, Accumulate::Add)
+}
+
+/// Column sums of G in row order: `dbias += Gᵀ·1`.
+fn bias_sums(g_all: &[f32], vb: usize, db: &mut [f32]) {
+    for row in g_all.chunks_exact(vb) {
+        for (b, &gj) in db[..vb].iter_mut().zip(row) {
+            *b += gj;
+        }
+    }
 }

@@ -15,8 +15,8 @@ pub use block::DW_SUB_BLOCK;
 #[cfg(feature = "cuda-emu")]
 pub(crate) use block::gemm;
 pub(crate) use block::{
-    BlockGrads, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold,
-    form_logits, gradient, resolve_targets,
+    BlockGrads, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads, accumulate_grads_widening,
+    column_grads, fold, form_logits, form_logits_widening, gradient, resolve_targets,
 };
 
 use flatpeak_common::Workspace;
@@ -85,7 +85,7 @@ struct Scratch<'w> {
 impl<'w> Scratch<'w> {
     fn carve(ws: &'w Workspace, plan: &Plan) -> Result<Self> {
         let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
-        let w_upcast = if plan.dtype() == flatpeak_common::DType::F32 { 0 } else { vb * d };
+        let w_upcast = if plan.dtype() == flatpeak_common::DType::F32 { 0 } else { vb.min(DW_SUB_BLOCK) * d };
         Ok(Self { logits: ws.take(vb * c)?, xblk: ws.take(c * d)?, wblk: ws.take(w_upcast)? })
     }
 }
@@ -138,7 +138,6 @@ fn run(
         dbias: inputs.bias.map(|_| vec![0.0; v]),
     });
     let mut cols = Vec::with_capacity(cb);
-    let mut w_upcast_done = false;
     let mut lse_block = vec![0f32; cb];
     let mut targets = vec![NO_TARGET; cb];
     for t0 in (0..n).step_by(cb.max(1)) {
@@ -148,19 +147,16 @@ fn run(
         let tokens = TokenBlock { x: &xblk[..c * d], targets: &targets[..c] };
         for v0 in (0..v).step_by(vbmax.max(1)) {
             let vb = vbmax.min(v - v0);
-            // A bf16 W is upcast per vocabulary block, or once per call when one block is all of W.
-            let w_blk: &[f32] = match (&inputs.w, vb == v) {
-                (Matrix::Bf16(_), true) => {
-                    if !w_upcast_done {
-                        inputs.w.rows_f32(0..v, d, wblk);
-                        w_upcast_done = true;
-                    }
-                    &wblk[..v * d]
-                }
-                _ => w_rows(&inputs.w, v0, v0 + vb, d, wblk),
+            let bias = inputs.bias.map(|b| &b[v0..v0 + vb]);
+            // An f32 W is read in place; a bf16 W is widened a sub-block at a time.
+            let w_f32 = match inputs.w {
+                Matrix::F32(m) => Some(&m[v0 * d..(v0 + vb) * d]),
+                Matrix::Bf16(_) => None,
             };
-            let vocab = VocabBlock { w: w_blk, bias: inputs.bias.map(|b| &b[v0..v0 + vb]), vb };
-            form_logits(config, d, tokens, vocab, logits)?;
+            match w_f32 {
+                Some(w) => form_logits(config, d, tokens, VocabBlock { w, bias, vb }, logits)?,
+                None => form_logits_widening(config, d, tokens, (&inputs.w, v0, vb, bias), wblk, logits)?,
+            }
             if let Some(st) = stats.as_mut() {
                 fold(config, tokens, (v0, vb), logits, keep_exp, st.rows_mut(t0, c));
             }
@@ -189,7 +185,10 @@ fn run(
                 dw_blk: &mut g.dw[v0 * d..(v0 + vb) * d],
                 dbias_blk: g.dbias.as_mut().map(|b| &mut b[v0..v0 + vb]),
             };
-            accumulate_grads(d, logits, tokens, vocab, out)?;
+            match w_f32 {
+                Some(w) => accumulate_grads(d, logits, tokens, VocabBlock { w, bias, vb }, out)?,
+                None => accumulate_grads_widening(d, logits, tokens, (&inputs.w, v0, vb), wblk, out)?,
+            }
         }
     }
     Ok((stats, grads))

@@ -3,8 +3,8 @@
 //! working set, fixed before anything runs. Also the per-rank peak formulas of the paper's
 //! comparison (naive, Megatron vocab-parallel, Cut Cross-Entropy, Ring-DTP).
 //!
-//! Working set (f32): logits block `Vb·C`, an X block `C·D`, a W block `Vb·D` when W is bf16
-//! (upcast); nothing grows with N but the per-token statistics (`PER_TOKEN_BYTES`·N, besides
+//! Working set (f32): logits block `Vb·C`, an X block `C·D`, a W sub-block
+//! `min(Vb, DW_SUB_BLOCK)·D` when W is bf16 (widened per sub-block); nothing grows with N but the per-token statistics (`PER_TOKEN_BYTES`·N, besides
 //! the lse output), plus the CPU GEMM's own packing buffers.
 
 mod ring;
@@ -54,8 +54,9 @@ pub struct Plan {
 }
 
 fn block_bytes(c: usize, vb: usize, d: usize, dtype: DType) -> usize {
-    let w_upcast = if dtype == DType::F32 { 0 } else { vb * d };
-    // logits, X block and W block (bf16 only), each region aligned.
+    // bf16 W is widened a sub-block of `DW_SUB_BLOCK` rows at a time.
+    let w_upcast = if dtype == DType::F32 { 0 } else { vb.min(crate::cpu::DW_SUB_BLOCK) * d };
+    // logits, X block and W sub-block (bf16 only), each region aligned.
     4 * (vb * c + c * d + w_upcast) + 3 * REGION_ALIGN
 }
 
