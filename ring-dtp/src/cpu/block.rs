@@ -377,7 +377,13 @@ pub(crate) fn accumulate_grads_widening(
 }
 
 /// `dW_sub += G[:, j0..j1]ᵀ·X_blk`.
-fn dw_sub(d: usize, g_all: &[f32], tokens: TokenBlock<'_>, (j0, j1, vb): (usize, usize, usize), dw: &mut [f32]) -> Result<()> {
+fn dw_sub(
+    d: usize,
+    g_all: &[f32],
+    tokens: TokenBlock<'_>,
+    (j0, j1, vb): (usize, usize, usize),
+    dw: &mut [f32],
+) -> Result<()> {
     let c = tokens.rows();
     let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
     let g_sub = MatRef::strided(&g_all[j0..], c, j1 - j0, vb, 1)?;

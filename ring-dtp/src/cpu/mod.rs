@@ -15,8 +15,9 @@ pub use block::DW_SUB_BLOCK;
 #[cfg(feature = "cuda-emu")]
 pub(crate) use block::gemm;
 pub(crate) use block::{
-    BlockGrads, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads, accumulate_grads_widening,
-    column_grads, fold, form_logits, form_logits_widening, gradient, resolve_targets,
+    BlockGrads, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads,
+    accumulate_grads_widening, column_grads, fold, form_logits, form_logits_widening, gradient,
+    resolve_targets,
 };
 
 use flatpeak_common::Workspace;
