@@ -95,9 +95,12 @@ fn ring_bounds() -> usize {
             peaks.push(peak);
             passed += 1;
         }
+        // Which threads pack GEMM operands (each caches its own buffers) depends on how the
+        // ranks' GEMMs meet on the shared pool, so that part may differ between two runs by up
+        // to a rank's packing buffers each; everything else is per-token state.
         let growth = peaks[1].saturating_sub(peaks[0]);
         assert!(
-            growth <= PER_TOKEN_BYTES * (8192 - 1024) + p * SLACK,
+            growth <= PER_TOKEN_BYTES * (8192 - 1024) + p * (SLACK + CPU_GEMM_SCRATCH_PER_THREAD),
             "{kind:?}: peak grew by {growth} B from N=1024 to 8192"
         );
     }
