@@ -187,7 +187,7 @@ proptest! {
 #[test]
 fn ragged_prime_shapes_and_both_schedules() {
     // 252 × 507 × 123 as in Cut Cross-Entropy's tests, and N, V prime.
-    // The last shape has V > DW_SUB_BLOCK: a bf16 W is widened in several sub-blocks.
+    // The last shape has V > WIDEN_ROWS: a bf16 W is widened in several sub-blocks.
     for (n, v, d, seed) in [(252usize, 507usize, 123usize, 1u64), (251, 509, 67, 2), (40, 4501, 16, 3)] {
         let c = make_case(n, d, v, seed, 0.2, (true, true, true));
         let mut all = LinearCrossEntropy::with_reduction(Reduction::None);

@@ -115,8 +115,11 @@ fn main() {
         let mut peaks = Vec::new();
         for n in [1024usize, 8192] {
             let (peak, plan) = measure(n, 256, 8192, budget, dtype);
-            let bound =
-                plan.workspace_bytes() + plan.per_token_bytes() + plan.cpu_gemm_scratch_bytes() + SLACK;
+            let bound = plan.workspace_bytes()
+                + plan.per_token_bytes()
+                + plan.row_scratch_bytes()
+                + plan.cpu_gemm_scratch_bytes()
+                + SLACK;
             assert!(peak <= bound, "N={n} {dtype} {:?}: peak {peak} > bound {bound}", plan.schedule());
             assert!(plan.workspace_bytes() <= budget);
             println!(

@@ -1,8 +1,16 @@
 //! The block kernels every schedule is made of, single device and ring alike: form a logits
-//! block (`C×Vb`, token-major) with one GEMM, fold it into per-token statistics, turn it into the
-//! logit gradient G in place, and project G into dX and dW. Blocks are described by explicit
-//! slices (a token block's rows and resolved targets; a vocabulary block's rows, bias and global
-//! offset), so the same code runs whether W is local, a travelling ring shard or a sub-block.
+//! block with one GEMM, fold it into per-token statistics, turn it into the logit gradient G in
+//! place, and project G into dX and dW. Blocks are described by explicit slices (a token block's
+//! rows and resolved targets; a vocabulary block's rows, bias and global offset), so the same
+//! code runs whether W is local, a travelling ring shard or a sub-block.
+//!
+//! A logits block is stored **vocabulary-major**, `Vb×C` (row j: vocabulary row v0 + j; column
+//! k: token k of the block). Then every GEMM reads its operands in layouts the CPU GEMM takes
+//! without a transposed copy (`L = W_blk·X_blkᵀ`, `dX += Lᵀ·W_blk`, `dW += L·X_blk`), and the
+//! fold and the gradient run along rows of C tokens, so they vectorize across tokens with
+//! per-token constants in arrays. Work is split over fixed row ranges that depend only on the
+//! block's shape, and partial results are combined in task order: bitwise identical for any
+//! thread count.
 
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, matmul};
 use rayon::prelude::*;
@@ -11,8 +19,21 @@ use crate::config::{LinearCrossEntropy, Softcap};
 use crate::error::Result;
 use crate::inputs::{Inputs, Matrix};
 
-/// Vocabulary rows per dW GEMM (see [`accumulate_grads`]).
-pub const DW_SUB_BLOCK: usize = 2048;
+use super::exp::exp;
+
+/// Rows of a bf16 W widened to f32 at a time (see [`form_logits_widening`]).
+pub const WIDEN_ROWS: usize = 2048;
+
+/// Row ranges the fold splits a block into (its partial maxima and sums are combined in order).
+const FOLD_TASKS: usize = 16;
+
+/// Vocabulary rows per task of the gradient pass.
+const GRADIENT_ROWS: usize = 32;
+
+/// Scratch bytes per token of a block besides the workspace: the gradient constants
+/// ([`ColumnGrads`], 6 f32), the target entries of the gradient pass (16 B), and the fold's
+/// partials (a max in f32 and a sum in f64 per task, and the new max).
+pub const ROW_SCRATCH_BYTES: usize = 6 * 4 + 16 + FOLD_TASKS * 12 + 4;
 
 /// A resolved target meaning "this row predicts nothing" (ignored, or shifted past the end).
 pub(crate) const NO_TARGET: u32 = u32::MAX;
@@ -60,7 +81,7 @@ pub(crate) struct VocabBlock<'a> {
     pub vb: usize,
 }
 
-/// `logits (c×vb) = X_blk·W_blkᵀ`, then bias and softcap, in place.
+/// `logits (vb×c) = W_blk·X_blkᵀ`, then bias and softcap, in place.
 pub(crate) fn form_logits(
     config: &LinearCrossEntropy,
     d: usize,
@@ -71,34 +92,38 @@ pub(crate) fn form_logits(
     let (c, vb) = (tokens.rows(), vocab.vb);
     let logits = &mut logits[..vb * c];
     gemm(
-        MatMut::row_major(logits, c, vb)?,
-        MatRef::row_major(&tokens.x[..c * d], c, d)?,
-        MatRef::row_major(&vocab.w[..vb * d], vb, d)?.t(),
+        MatMut::row_major(logits, vb, c)?,
+        MatRef::row_major(&vocab.w[..vb * d], vb, d)?,
+        MatRef::row_major(&tokens.x[..c * d], c, d)?.t(),
         Accumulate::Replace,
     )?;
-    epilogue(config, vocab.bias, logits, vb);
+    epilogue(config, vocab.bias, logits, (vb, c));
     Ok(())
 }
 
-/// `z = softcap(u + bias)` in place over a `c×vb` logits block.
-pub(crate) fn epilogue(config: &LinearCrossEntropy, bias: Option<&[f32]>, logits: &mut [f32], vb: usize) {
+/// `z = softcap(u + bias)` in place over a `vb×c` logits block.
+pub(crate) fn epilogue(
+    config: &LinearCrossEntropy,
+    bias: Option<&[f32]>,
+    logits: &mut [f32],
+    (vb, c): (usize, usize),
+) {
     let softcap = config.softcap;
-    if (bias.is_some() || softcap != Softcap::Off) && vb > 0 {
-        logits.par_chunks_mut(vb).for_each(|row| {
-            for (j, z) in row.iter_mut().enumerate() {
-                let u = *z + bias.map_or(0.0, |b| b[j]);
-                *z = match softcap {
-                    Softcap::Off => u,
-                    Softcap::Tanh { cap } => cap * (u / cap).tanh(),
-                };
-            }
-        });
+    if (bias.is_none() && softcap == Softcap::Off) || vb == 0 || c == 0 {
+        return;
     }
+    logits[..vb * c].par_chunks_mut(c).enumerate().for_each(|(j, row)| {
+        let b = bias.map_or(0.0, |b| b[j]);
+        match softcap {
+            Softcap::Off => row.iter_mut().for_each(|z| *z += b),
+            Softcap::Tanh { cap } => row.iter_mut().for_each(|z| *z = cap * ((*z + b) / cap).tanh()),
+        }
+    });
 }
 
-/// [`form_logits`] for a bf16 W: the `vb` rows from `v0` are widened `DW_SUB_BLOCK` rows at a
+/// [`form_logits`] for a bf16 W: the `vb` rows from `v0` are widened `WIDEN_ROWS` rows at a
 /// time into `w_buf` (so the working set holds a sub-block of W in f32, never the block), each
-/// sub-block's logits columns formed by one GEMM.
+/// sub-block's logits rows formed by one GEMM.
 pub(crate) fn form_logits_widening(
     config: &LinearCrossEntropy,
     d: usize,
@@ -109,14 +134,14 @@ pub(crate) fn form_logits_widening(
 ) -> Result<()> {
     let c = tokens.rows();
     let logits = &mut logits[..vb * c];
-    let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
-    for j0 in (0..vb).step_by(DW_SUB_BLOCK) {
-        let j1 = (j0 + DW_SUB_BLOCK).min(vb);
+    let x_t = MatRef::row_major(&tokens.x[..c * d], c, d)?.t();
+    for j0 in (0..vb).step_by(WIDEN_ROWS) {
+        let j1 = (j0 + WIDEN_ROWS).min(vb);
         w.rows_f32(v0 + j0..v0 + j1, d, w_buf);
         let w_sub = MatRef::row_major(&w_buf[..(j1 - j0) * d], j1 - j0, d)?;
-        gemm(MatMut::strided(&mut logits[j0..], c, j1 - j0, vb, 1)?, x, w_sub.t(), Accumulate::Replace)?;
+        gemm(MatMut::row_major(&mut logits[j0 * c..j1 * c], j1 - j0, c)?, w_sub, x_t, Accumulate::Replace)?;
     }
-    epilogue(config, bias, logits, vb);
+    epilogue(config, bias, logits, (vb, c));
     Ok(())
 }
 
@@ -162,9 +187,10 @@ pub(crate) struct StatsMut<'a> {
     pub logit_sum: &'a mut [f64],
 }
 
-/// Folds a logits block into the statistics, one parallel task per token row:
-/// M' = max(M, row max), S' = S·e^(M−M') + Σ e^(z−M'), Σz for smoothing, the target logit.
-/// With `keep_exp`, the row is left holding e^(z − M').
+/// Folds a `vb×c` logits block into the statistics of its c tokens:
+/// M' = max(M, block max), S' = S·e^(M−M') + Σ e^(z−M'), Σz for smoothing, the target logit.
+/// Two passes over fixed row ranges (maxima, then sums of exponentials), each range's partials
+/// combined in range order. With `keep_exp`, the block is left holding e^(z − M').
 pub(crate) fn fold(
     config: &LinearCrossEntropy,
     tokens: TokenBlock<'_>,
@@ -177,121 +203,173 @@ pub(crate) fn fold(
     if vb == 0 || c == 0 {
         return;
     }
-    let smoothing = config.label_smoothing != 0.0;
-    let rows = logits[..vb * c].par_chunks_mut(vb);
-    let per_token = stats
-        .max
-        .par_iter_mut()
-        .zip(stats.sum.par_iter_mut())
-        .zip(stats.target_logit.par_iter_mut())
-        .zip(stats.logit_sum.par_iter_mut());
-    rows.zip(per_token).enumerate().for_each(|(k, (row, (((m_run, s_run), zt), zsum)))| {
+    let logits = &mut logits[..vb * c];
+    for k in 0..c {
         if let Some(j) = tokens.local_target(k, v0, vb) {
-            *zt = row[j];
+            stats.target_logit[k] = logits[j * c + k];
         }
-        if smoothing {
-            *zsum += row.iter().map(|&z| z as f64).sum::<f64>();
-        }
-        let m_new = row.iter().fold(*m_run, |m, &z| m.max(z));
-        let mut block = 0f64;
-        if keep_exp {
-            for z in row.iter_mut() {
-                *z = (*z - m_new).exp();
-                block += *z as f64;
+    }
+    let range = vb.div_ceil(FOLD_TASKS) * c;
+    let tasks = logits.len().div_ceil(range);
+    let mut sums = vec![0f64; tasks * c];
+    if config.label_smoothing != 0.0 {
+        sums.par_chunks_mut(c).zip(logits.par_chunks(range)).for_each(|(s, rows)| {
+            for row in rows.chunks_exact(c) {
+                s.iter_mut().zip(row).for_each(|(s, &z)| *s += z as f64);
             }
-        } else {
-            block = row.iter().map(|&z| (z - m_new).exp() as f64).sum();
+        });
+        add_partials(&sums, stats.logit_sum);
+    }
+    let mut m_new = stats.max.to_vec();
+    let mut maxima = vec![f32::NEG_INFINITY; tasks * c];
+    maxima.par_chunks_mut(c).zip(logits.par_chunks(range)).for_each(|(m, rows)| {
+        for row in rows.chunks_exact(c) {
+            m.iter_mut().zip(row).for_each(|(m, &z)| *m = m.max(z));
         }
-        if *s_run > 0.0 {
-            *s_run *= ((*m_run - m_new) as f64).exp();
-        }
-        *s_run += block;
-        *m_run = m_new;
     });
+    for part in maxima.chunks_exact(c) {
+        m_new.iter_mut().zip(part).for_each(|(m, &p)| *m = m.max(p));
+    }
+    drop(maxima);
+    sums.fill(0.0);
+    let m = &m_new[..c];
+    sums.par_chunks_mut(c).zip(logits.par_chunks_mut(range)).for_each(|(s, rows)| {
+        let s = &mut s[..c];
+        for row in rows.chunks_exact_mut(c) {
+            let lanes = row.iter_mut().zip(m).zip(s.iter_mut());
+            if keep_exp {
+                lanes.for_each(|((z, &m), s)| {
+                    *z = exp(*z - m);
+                    *s += *z as f64;
+                });
+            } else {
+                lanes.for_each(|((z, &m), s)| *s += exp(*z - m) as f64);
+            }
+        }
+    });
+    for ((s_run, m_run), &m) in stats.sum.iter_mut().zip(stats.max.iter_mut()).zip(m) {
+        if *s_run > 0.0 {
+            *s_run *= ((*m_run - m) as f64).exp();
+        }
+        *m_run = m;
+    }
+    add_partials(&sums, stats.sum);
 }
 
-/// What the gradient pass needs per token: `G = (c·p − b + z·p)·f` off the target and
-/// `G = ((c·p − t) + z·p)·f` at it, with p = e^(z − lse), f the softcap derivative (1 without
-/// softcap) and `t = c·((1 − α) + α/V)` the whole smoothed target mass. The cross-entropy part
-/// `c·p − t` is formed first, so it cancels exactly where it should (p → 1 with a one-word
-/// vocabulary, a certain prediction) before the z-loss and dlse part is added.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct ColumnGrad {
-    lse: f32,
+/// `acc[k] += Σ_t partials[t·c + k]`, in task order.
+fn add_partials(partials: &[f64], acc: &mut [f64]) {
+    let c = acc.len();
+    for part in partials.chunks_exact(c) {
+        acc.iter_mut().zip(part).for_each(|(a, &p)| *a += p);
+    }
+}
+
+/// What the gradient pass needs per token, as arrays over a block's tokens:
+/// `G = (c·p − b + z·p)·f` off the target and `G = ((c·p − t) + z·p)·f` at it, with
+/// p = e^(z − lse), f the softcap derivative (1 without softcap) and `t = c·((1 − α) + α/V)` the
+/// whole smoothed target mass. The cross-entropy part `c·p − t` is formed first, so it cancels
+/// exactly where it should (p → 1 with a one-word vocabulary, a certain prediction) before the
+/// z-loss and dlse part is added.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ColumnGrads {
+    lse: Vec<f32>,
     /// The row's gradient scale c.
-    c: f32,
+    c: Vec<f32>,
     /// Multiplier of p from the z-loss and the lse gradient: 2λ·lse·c + dlse.
-    z: f32,
+    z: Vec<f32>,
     /// Smoothing constant off the target: c·α/V.
-    b: f32,
+    b: Vec<f32>,
     /// Target mass at the target: c·((1 − α) + α/V).
-    t: f32,
-    /// 1/S when the row holds e^(z − max) (then p = e/S), else 0.
-    pub inv_sum: f32,
+    t: Vec<f32>,
+    /// 1/S when the block holds e^(z − max) (then p = e/S), else 0.
+    pub inv_sum: Vec<f32>,
 }
 
-/// One [`ColumnGrad`] per row from its gradient scale `coef`, its `lse` and the optional upstream
-/// gradient of the lse, for a vocabulary of `v` rows in all.
+impl ColumnGrads {
+    /// Room for a block of `c` tokens.
+    pub fn with_capacity(c: usize) -> Self {
+        let v = || Vec::with_capacity(c);
+        Self { lse: v(), c: v(), z: v(), b: v(), t: v(), inv_sum: v() }
+    }
+}
+
+/// The [`ColumnGrads`] of a block from each token's gradient scale `coef`, its `lse` and the
+/// optional upstream gradient of the lse, for a vocabulary of `v` rows in all.
 pub(crate) fn column_grads(
     config: &LinearCrossEntropy,
     v: usize,
     coef: &[f32],
     lse: &[f32],
     dlse: Option<&[f32]>,
-    out: &mut Vec<ColumnGrad>,
+    out: &mut ColumnGrads,
 ) {
-    out.clear();
     let (alpha, lambda) = (config.label_smoothing, config.z_loss);
-    out.extend((0..coef.len()).map(|k| {
-        let (c, l) = (coef[k], lse[k]);
-        let extra = dlse.map_or(0.0, |g| g[k]);
-        ColumnGrad {
-            lse: l,
-            c,
-            z: 2.0 * lambda * l * c + extra,
-            b: c * alpha / v as f32,
-            t: c * ((1.0 - alpha as f64) + alpha as f64 / v as f64) as f32,
-            inv_sum: 0.0,
-        }
-    }));
+    let n = coef.len();
+    out.lse.clear();
+    out.lse.extend_from_slice(&lse[..n]);
+    out.c.clear();
+    out.c.extend_from_slice(coef);
+    out.z.clear();
+    out.z.extend((0..n).map(|k| 2.0 * lambda * lse[k] * coef[k] + dlse.map_or(0.0, |g| g[k])));
+    out.b.clear();
+    out.b.extend(coef.iter().map(|&c| c * alpha / v as f32));
+    let mass = ((1.0 - alpha as f64) + alpha as f64 / v as f64) as f32;
+    out.t.clear();
+    out.t.extend(coef.iter().map(|&c| c * mass));
+    out.inv_sum.clear();
+    out.inv_sum.resize(n, 0.0);
 }
 
-/// Turns a logits block into its gradient G in place, one parallel task per token row.
+/// Turns a `vb×c` logits block into its gradient G in place, over fixed ranges of rows.
 pub(crate) fn gradient(
     config: &LinearCrossEntropy,
     tokens: TokenBlock<'_>,
     (v0, vb): (usize, usize),
     logits: &mut [f32],
-    cols: &[ColumnGrad],
+    cols: &ColumnGrads,
     holds_exp: bool,
 ) {
     let c = tokens.rows();
     if vb == 0 || c == 0 {
         return;
     }
+    let logits = &mut logits[..vb * c];
     let softcap = config.softcap;
-    logits[..vb * c].par_chunks_mut(vb).zip(cols.par_iter()).enumerate().for_each(|(k, (row, col))| {
-        let prob = |z: f32| if holds_exp { z * col.inv_sum } else { (z - col.lse).exp() };
-        // The target entry, with its one-hot term subtracted first (see ColumnGrad).
-        let at_target = tokens.local_target(k, v0, vb).map(|j| {
-            let (z, p) = (row[j], prob(row[j]));
-            (j, ((col.c * p - col.t) + col.z * p) * softcap_derivative(softcap, z))
-        });
-        if holds_exp {
-            for e in row.iter_mut() {
-                let p = *e * col.inv_sum;
-                *e = col.c * p - col.b + col.z * p;
+    let (lse, cc, zc, b, inv_sum) =
+        (&cols.lse[..c], &cols.c[..c], &cols.z[..c], &cols.b[..c], &cols.inv_sum[..c]);
+    // The target entries, with the one-hot term subtracted first (see ColumnGrads), before the
+    // dense pass overwrites their logits.
+    let at_target: Vec<(usize, f32)> = (0..c)
+        .filter_map(|k| {
+            let j = tokens.local_target(k, v0, vb)?;
+            let z = logits[j * c + k];
+            let p = if holds_exp { z * inv_sum[k] } else { exp(z - lse[k]) };
+            Some((j * c + k, ((cc[k] * p - cols.t[k]) + zc[k] * p) * softcap_derivative(softcap, z)))
+        })
+        .collect();
+    logits.par_chunks_mut(GRADIENT_ROWS * c).for_each(|rows| {
+        for row in rows.chunks_exact_mut(c) {
+            let row = &mut row[..c];
+            let lanes = row.iter_mut().zip(cc).zip(b).zip(zc);
+            match (holds_exp, softcap) {
+                (true, _) => lanes.zip(inv_sum).for_each(|((((g, &c), &b), &z), &inv)| {
+                    let p = *g * inv;
+                    *g = c * p - b + z * p;
+                }),
+                (false, Softcap::Off) => lanes.zip(lse).for_each(|((((g, &c), &b), &z), &lse)| {
+                    let p = exp(*g - lse);
+                    *g = c * p - b + z * p;
+                }),
+                (false, Softcap::Tanh { cap }) => lanes.zip(lse).for_each(|((((g, &c), &b), &z), &lse)| {
+                    let (p, t) = (exp(*g - lse), *g / cap);
+                    *g = (c * p - b + z * p) * (1.0 - t * t);
+                }),
             }
-        } else {
-            for z in row.iter_mut() {
-                let p = (*z - col.lse).exp();
-                *z = (col.c * p - col.b + col.z * p) * softcap_derivative(softcap, *z);
-            }
-        }
-        if let Some((j, g)) = at_target {
-            row[j] = g;
         }
     });
+    for (at, g) in at_target {
+        logits[at] = g;
+    }
 }
 
 #[inline(always)]
@@ -305,15 +383,32 @@ fn softcap_derivative(softcap: Softcap, z: f32) -> f32 {
     }
 }
 
-/// The gradient slices one block accumulates into.
+/// The gradient slices one block accumulates into, and whether each of dX and dW already
+/// holds a contribution ([`Accumulate::Add`]) or this block is its first
+/// ([`Accumulate::Replace`]: written without being read, so a freshly allocated output is not
+/// faulted in twice).
 #[derive(Debug)]
 pub(crate) struct BlockGrads<'a> {
     pub dx_rows: &'a mut [f32],
+    pub dx_mode: Accumulate,
     pub dw_blk: &'a mut [f32],
+    pub dw_mode: Accumulate,
     pub dbias_blk: Option<&'a mut [f32]>,
 }
 
-/// `dX[rows] += G·W_blk`, `dW[blk] += Gᵀ·X_blk` and `dbias[blk] += Gᵀ·1`.
+impl<'a> BlockGrads<'a> {
+    /// Slices that already hold contributions (or zeros): accumulate into both.
+    pub fn accumulating(
+        dx_rows: &'a mut [f32],
+        dw_blk: &'a mut [f32],
+        dbias_blk: Option<&'a mut [f32]>,
+    ) -> Self {
+        Self { dx_rows, dx_mode: Accumulate::Add, dw_blk, dw_mode: Accumulate::Add, dbias_blk }
+    }
+}
+
+/// `dX[rows] += Gᵀ·W_blk`, `dW[blk] += G·X_blk` and `dbias[blk] += G·1` for a `vb×c` gradient
+/// block G.
 pub(crate) fn accumulate_grads(
     d: usize,
     g: &[f32],
@@ -325,29 +420,21 @@ pub(crate) fn accumulate_grads(
     if c == 0 || vb == 0 {
         return Ok(());
     }
-    let BlockGrads { dx_rows, dw_blk, dbias_blk } = out;
-    let g_all = &g[..vb * c];
-    let g = MatRef::row_major(g_all, c, vb)?;
-    gemm(
-        MatMut::row_major(&mut dx_rows[..c * d], c, d)?,
-        g,
-        MatRef::row_major(&vocab.w[..vb * d], vb, d)?,
-        Accumulate::Add,
-    )?;
-    // dW in vocabulary sub-blocks: the CPU GEMM copies a transposed left operand whole, so
-    // this bounds that copy to C·DW_SUB_BLOCK floats instead of a second logits block.
-    for j0 in (0..vb).step_by(DW_SUB_BLOCK) {
-        let j1 = (j0 + DW_SUB_BLOCK).min(vb);
-        dw_sub(d, g_all, tokens, (j0, j1, vb), &mut dw_blk[j0 * d..j1 * d])?;
-    }
+    let BlockGrads { dx_rows, dx_mode, dw_blk, dw_mode, dbias_blk } = out;
+    let g = &g[..vb * c];
+    let g_mat = MatRef::row_major(g, vb, c)?;
+    let w = MatRef::row_major(&vocab.w[..vb * d], vb, d)?;
+    gemm(MatMut::row_major(&mut dx_rows[..c * d], c, d)?, g_mat.t(), w, dx_mode)?;
+    let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
+    gemm(MatMut::row_major(&mut dw_blk[..vb * d], vb, d)?, g_mat, x, dw_mode)?;
     if let Some(db) = dbias_blk {
-        bias_sums(g_all, vb, db);
+        row_sums(g, c, &mut db[..vb]);
     }
     Ok(())
 }
 
-/// [`accumulate_grads`] for a bf16 W: per `DW_SUB_BLOCK` rows, widen W's rows into `w_buf`,
-/// then `dX += G[:, sub]·W_sub` and `dW_sub += G[:, sub]ᵀ·X_blk`.
+/// [`accumulate_grads`] for a bf16 W: per `WIDEN_ROWS` rows, widen W's rows into `w_buf`, then
+/// `dX += G_subᵀ·W_sub` and `dW_sub += G_sub·X_blk`.
 pub(crate) fn accumulate_grads_widening(
     d: usize,
     g: &[f32],
@@ -360,41 +447,25 @@ pub(crate) fn accumulate_grads_widening(
     if c == 0 || vb == 0 {
         return Ok(());
     }
-    let BlockGrads { dx_rows, dw_blk, dbias_blk } = out;
-    let g_all = &g[..vb * c];
-    for j0 in (0..vb).step_by(DW_SUB_BLOCK) {
-        let j1 = (j0 + DW_SUB_BLOCK).min(vb);
+    let BlockGrads { dx_rows, dx_mode, dw_blk, dw_mode, dbias_blk } = out;
+    let g = &g[..vb * c];
+    let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
+    for j0 in (0..vb).step_by(WIDEN_ROWS) {
+        let j1 = (j0 + WIDEN_ROWS).min(vb);
         w.rows_f32(v0 + j0..v0 + j1, d, w_buf);
-        let g_sub = MatRef::strided(&g_all[j0..], c, j1 - j0, vb, 1)?;
+        let g_sub = MatRef::row_major(&g[j0 * c..j1 * c], j1 - j0, c)?;
         let w_sub = MatRef::row_major(&w_buf[..(j1 - j0) * d], j1 - j0, d)?;
-        gemm(MatMut::row_major(&mut dx_rows[..c * d], c, d)?, g_sub, w_sub, Accumulate::Add)?;
-        dw_sub(d, g_all, tokens, (j0, j1, vb), &mut dw_blk[j0 * d..j1 * d])?;
+        let dx_mode = if j0 == 0 { dx_mode } else { Accumulate::Add };
+        gemm(MatMut::row_major(&mut dx_rows[..c * d], c, d)?, g_sub.t(), w_sub, dx_mode)?;
+        gemm(MatMut::row_major(&mut dw_blk[j0 * d..j1 * d], j1 - j0, d)?, g_sub, x, dw_mode)?;
     }
     if let Some(db) = dbias_blk {
-        bias_sums(g_all, vb, db);
+        row_sums(g, c, &mut db[..vb]);
     }
     Ok(())
 }
 
-/// `dW_sub += G[:, j0..j1]ᵀ·X_blk`.
-fn dw_sub(
-    d: usize,
-    g_all: &[f32],
-    tokens: TokenBlock<'_>,
-    (j0, j1, vb): (usize, usize, usize),
-    dw: &mut [f32],
-) -> Result<()> {
-    let c = tokens.rows();
-    let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
-    let g_sub = MatRef::strided(&g_all[j0..], c, j1 - j0, vb, 1)?;
-    gemm(MatMut::row_major(dw, j1 - j0, d)?, g_sub.t(), x, Accumulate::Add)
-}
-
-/// Column sums of G in row order: `dbias += Gᵀ·1`.
-fn bias_sums(g_all: &[f32], vb: usize, db: &mut [f32]) {
-    for row in g_all.chunks_exact(vb) {
-        for (b, &gj) in db[..vb].iter_mut().zip(row) {
-            *b += gj;
-        }
-    }
+/// `dbias[j] += Σ_k G[j, k]`, each row summed in token order.
+fn row_sums(g: &[f32], c: usize, db: &mut [f32]) {
+    db.par_iter_mut().zip(g.par_chunks(c)).for_each(|(b, row)| *b += row.iter().sum::<f32>());
 }

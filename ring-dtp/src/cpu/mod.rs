@@ -1,26 +1,29 @@
 //! The CPU fast path: token blocks of C rows, vocabulary blocks of Vb rows; each block's logits
-//! (token-major, C×Vb, so every token's reductions read contiguous memory) are one GEMM into a
-//! workspace buffer reserved at launch, folded into per-token (max, sum-exp, target logit, Σz)
-//! statistics, and, in backward, turned in place into the logit gradient G, from which
-//! `dX_blk += G·W_blk` and `dW_blk += Gᵀ·X_blk`. On the fused full-vocabulary path without a
-//! softcap the fold leaves e^(z − max) in place, so the gradient needs no second exponential.
-//! Fixed block order and fixed-order reductions: bitwise reproducible run to run.
+//! (vocabulary-major, Vb×C: the GEMMs need no transposed copies and the fold vectorizes across
+//! tokens) are one GEMM into a workspace buffer reserved at launch, folded into per-token
+//! (max, sum-exp, target logit, Σz) statistics, and, in backward, turned in place into the
+//! logit gradient G, from which `dX_blk += Gᵀ·W_blk` and `dW_blk += G·X_blk`. On the fused
+//! full-vocabulary path without a softcap the fold leaves e^(z − max) in place, so the gradient
+//! needs no second exponential. Fixed block order and fixed-order reductions: bitwise
+//! reproducible run to run, for any thread count.
 //!
 //! The block kernels live in `block.rs` and are shared with the ring schedules (`crate::ring`).
 
 mod block;
+mod exp;
 pub mod reference;
 
-pub use block::DW_SUB_BLOCK;
 #[cfg(feature = "cuda-emu")]
 pub(crate) use block::gemm;
 pub(crate) use block::{
-    BlockGrads, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads,
+    BlockGrads, ColumnGrads, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads,
     accumulate_grads_widening, column_grads, fold, form_logits, form_logits_widening, gradient,
     resolve_targets,
 };
+pub use block::{ROW_SCRATCH_BYTES, WIDEN_ROWS};
 
 use flatpeak_common::Workspace;
+use flatpeak_common::gemm::Accumulate;
 
 use crate::config::{LinearCrossEntropy, Reduction, Softcap};
 use crate::error::{Error, Result};
@@ -86,7 +89,7 @@ struct Scratch<'w> {
 impl<'w> Scratch<'w> {
     fn carve(ws: &'w Workspace, plan: &Plan) -> Result<Self> {
         let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
-        let w_upcast = if plan.dtype() == flatpeak_common::DType::F32 { 0 } else { vb.min(DW_SUB_BLOCK) * d };
+        let w_upcast = if plan.dtype() == flatpeak_common::DType::F32 { 0 } else { vb.min(WIDEN_ROWS) * d };
         Ok(Self { logits: ws.take(vb * c)?, xblk: ws.take(c * d)?, wblk: ws.take(w_upcast)? })
     }
 }
@@ -138,7 +141,7 @@ fn run(
         dw: vec![0.0; v * d],
         dbias: inputs.bias.map(|_| vec![0.0; v]),
     });
-    let mut cols = Vec::with_capacity(cb);
+    let mut cols = ColumnGrads::with_capacity(cb);
     let mut lse_block = vec![0f32; cb];
     let mut targets = vec![NO_TARGET; cb];
     for t0 in (0..n).step_by(cb.max(1)) {
@@ -175,15 +178,19 @@ fn run(
             column_grads(config, v, &coef[t0..t0 + c], lse, dlse, &mut cols);
             if keep_exp {
                 let st = stats.as_ref().ok_or_else(|| missing("fold stats"))?;
-                for (k, col) in cols.iter_mut().enumerate() {
-                    col.inv_sum = (1.0 / st.sum[t0 + k]) as f32;
+                for (k, inv) in cols.inv_sum.iter_mut().enumerate() {
+                    *inv = (1.0 / st.sum[t0 + k]) as f32;
                 }
             }
             let Some(g) = grads.as_mut() else { continue };
             gradient(config, tokens, (v0, vb), logits, &cols, keep_exp);
+            // The first block to touch a slice of dX or dW writes it without reading it.
+            let first = |is_first: bool| if is_first { Accumulate::Replace } else { Accumulate::Add };
             let out = BlockGrads {
                 dx_rows: &mut g.dx[t0 * d..(t0 + c) * d],
+                dx_mode: first(v0 == 0),
                 dw_blk: &mut g.dw[v0 * d..(v0 + vb) * d],
+                dw_mode: first(t0 == 0),
                 dbias_blk: g.dbias.as_mut().map(|b| &mut b[v0..v0 + vb]),
             };
             match w_f32 {

@@ -4,8 +4,10 @@
 //! comparison (naive, Megatron vocab-parallel, Cut Cross-Entropy, Ring-DTP).
 //!
 //! Working set (f32): logits block `Vb·C`, an X block `C·D`, a W sub-block
-//! `min(Vb, DW_SUB_BLOCK)·D` when W is bf16 (widened per sub-block); nothing grows with N but the per-token statistics (`PER_TOKEN_BYTES`·N, besides
-//! the lse output), plus the CPU GEMM's own packing buffers.
+//! `min(Vb, WIDEN_ROWS)·D` when W is bf16 (widened per sub-block), and `ROW_SCRATCH_BYTES` per
+//! token of a block (gradient constants and the fold's partials); nothing grows with N but the
+//! per-token statistics (`PER_TOKEN_BYTES`·N, besides the lse output), plus the CPU GEMM's own
+//! packing buffers.
 
 mod ring;
 
@@ -21,8 +23,9 @@ use crate::error::{Error, Result};
 /// target logit (f32) and Σz (f64, for label smoothing), and the gradient scale c_i (f32).
 pub const PER_TOKEN_BYTES: usize = 28;
 
-/// Bound on the CPU GEMM's packing buffers per thread.
-pub const CPU_GEMM_SCRATCH_PER_THREAD: usize = 1 << 20;
+/// Bound on the CPU GEMM's packing buffers per thread (measured: 1.0 MiB per thread, a little
+/// more when the left operand is a transposed view).
+pub const CPU_GEMM_SCRATCH_PER_THREAD: usize = 5 << 18;
 
 /// Token block sizes tried, largest first: wider blocks mean fewer passes over W and dW.
 const TOKEN_BLOCKS: [usize; 7] = [1024, 512, 256, 128, 64, 32, 16];
@@ -54,8 +57,8 @@ pub struct Plan {
 }
 
 fn block_bytes(c: usize, vb: usize, d: usize, dtype: DType) -> usize {
-    // bf16 W is widened a sub-block of `DW_SUB_BLOCK` rows at a time.
-    let w_upcast = if dtype == DType::F32 { 0 } else { vb.min(crate::cpu::DW_SUB_BLOCK) * d };
+    // bf16 W is widened a sub-block of `WIDEN_ROWS` rows at a time.
+    let w_upcast = if dtype == DType::F32 { 0 } else { vb.min(crate::cpu::WIDEN_ROWS) * d };
     // logits, X block and W sub-block (bf16 only), each region aligned.
     4 * (vb * c + c * d + w_upcast) + 3 * REGION_ALIGN
 }
@@ -143,13 +146,16 @@ impl Plan {
     pub fn workspace_bytes(&self) -> usize {
         block_bytes(self.token_block, self.vocab_block, self.d, self.dtype)
     }
-    /// The CPU GEMM's own buffers, independent of N: packed operand panels (≈ 0.5 MiB per
-    /// thread measured here, bounded by `CPU_GEMM_SCRATCH_PER_THREAD`) and the whole-operand
-    /// copy it makes of a transposed left operand (the dW GEMM's Gᵀ, done in vocabulary
-    /// sub-blocks of `DW_SUB_BLOCK` rows: `4·C·DW_SUB_BLOCK` bytes).
+    /// The CPU GEMM's own buffers, independent of N: its packed operand panels, bounded by
+    /// `CPU_GEMM_SCRATCH_PER_THREAD` per thread. (The vocabulary-major logits block keeps every
+    /// GEMM off the path where the CPU GEMM copies a whole transposed operand.)
     pub fn cpu_gemm_scratch_bytes(&self) -> usize {
-        let transposed_copy = 4 * self.token_block * crate::cpu::DW_SUB_BLOCK.min(self.vocab_block);
-        CPU_GEMM_SCRATCH_PER_THREAD * rayon::current_num_threads() + transposed_copy
+        CPU_GEMM_SCRATCH_PER_THREAD * rayon::current_num_threads()
+    }
+    /// Scratch besides the workspace that scales with the token block (not with N):
+    /// `ROW_SCRATCH_BYTES·C`.
+    pub fn row_scratch_bytes(&self) -> usize {
+        crate::cpu::ROW_SCRATCH_BYTES * self.token_block
     }
     /// The per-token statistics besides the workspace: `PER_TOKEN_BYTES·N`.
     pub fn per_token_bytes(&self) -> usize {

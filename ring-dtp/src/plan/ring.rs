@@ -285,9 +285,10 @@ impl RingPlan {
         if self.world == 1 { 0 } else { self.message_bytes() + TRANSPORT_OVERHEAD }
     }
 
-    /// Per-row scratch besides the workspace: the gradient pass's per-row constants.
+    /// Per-row scratch besides the workspace: the gradient pass's per-token constants and the
+    /// fold's partials (`ROW_SCRATCH_BYTES` per token of a block).
     pub fn row_scratch_bytes(&self) -> usize {
-        ROW_SCRATCH_BYTES * self.token_block
+        crate::cpu::ROW_SCRATCH_BYTES * self.token_block
     }
 
     /// The plan's per-rank bound on the working set besides per-token statistics and the CPU
@@ -303,13 +304,12 @@ impl RingPlan {
     }
 
     /// The CPU GEMM's own buffers per rank, independent of N: the rank thread's packing buffers
-    /// and the transposed-operand copy of the dW GEMM (see [`Plan::cpu_gemm_scratch_bytes`];
-    /// the rayon pool's own buffers, shared by the ranks, come on top once per process).
+    /// (see [`Plan::cpu_gemm_scratch_bytes`]; the rayon pool's own buffers, shared by the ranks,
+    /// come on top once per process).
     ///
     /// [`Plan::cpu_gemm_scratch_bytes`]: crate::Plan::cpu_gemm_scratch_bytes
     pub fn cpu_gemm_scratch_bytes(&self) -> usize {
         crate::plan::CPU_GEMM_SCRATCH_PER_THREAD
-            + 4 * self.token_block * crate::cpu::DW_SUB_BLOCK.min(self.vocab_block)
     }
 
     /// GEMM FLOPs of forward + backward on one rank holding ⌈N/P⌉ tokens against ⌈V/P⌉ rows per
@@ -322,9 +322,6 @@ impl RingPlan {
 /// Bytes the CPU fallback's channel allocates per ring step besides the payloads (list nodes,
 /// barrier tokens); measured well below this.
 pub const TRANSPORT_OVERHEAD: usize = 16 << 10;
-
-/// Bytes of per-row gradient constants (the gradient pass's `ColumnGrad`).
-const ROW_SCRATCH_BYTES: usize = 24;
 
 #[cfg(test)]
 mod tests {

@@ -83,7 +83,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
     let x_up = ws.take::<f32>(if bf16 { cb * d } else { 0 })?;
     let w_up = ws.take::<f32>(if bf16 { vbmax * d } else { 0 })?;
     let (mut cur, mut inc) = (Packet::carve(&ws, plan)?, Packet::carve(&ws, plan)?);
-    let mut cols = Vec::with_capacity(cb);
+    let mut cols = crate::cpu::ColumnGrads::with_capacity(cb);
     for b in 0..plan.blocks() {
         for k in 0..p {
             let o = (r + p - k) % p;
@@ -156,11 +156,11 @@ pub(super) fn run<C: Communicator + ?Sized>(
                     }
                     Pass::Grad { grads, .. } => {
                         gradient(config, tokens, (shard.start + v0, vb), logits, &cols, false);
-                        let out = BlockGrads {
-                            dx_rows: &mut cur.dx[..c * d],
-                            dw_blk: &mut grads.dw[v0 * d..(v0 + vb) * d],
-                            dbias_blk: grads.dbias.as_mut().map(|db| &mut db[v0..v0 + vb]),
-                        };
+                        let out = BlockGrads::accumulating(
+                            &mut cur.dx[..c * d],
+                            &mut grads.dw[v0 * d..(v0 + vb) * d],
+                            grads.dbias.as_mut().map(|db| &mut db[v0..v0 + vb]),
+                        );
                         accumulate_grads(d, logits, tokens, vocab, out)?;
                     }
                 }

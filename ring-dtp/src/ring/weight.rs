@@ -59,7 +59,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
     let xblk = ws.take::<f32>(cb * d)?;
     let w_up = ws.take::<f32>(if plan.dtype() == DType::F32 { 0 } else { plan.vocab_block() * d })?;
     let (mut cur, mut inc) = (Slot::carve(&ws, plan)?, Slot::carve(&ws, plan)?);
-    let mut cols = Vec::with_capacity(cb);
+    let mut cols = crate::cpu::ColumnGrads::with_capacity(cb);
     for j in 0..plan.blocks() {
         for k in 0..p {
             let s = (r + p - k) % p;
@@ -97,11 +97,11 @@ pub(super) fn run<C: Communicator + ?Sized>(
                         let dlse = dlse.map(|g| &g[t0..t0 + c]);
                         column_grads(config, plan.v(), &coef[t0..t0 + c], &lse[t0..t0 + c], dlse, &mut cols);
                         gradient(config, tokens, (rows.start, vb), logits, &cols, false);
-                        let out = BlockGrads {
-                            dx_rows: &mut grads.dx[t0 * d..(t0 + c) * d],
-                            dw_blk: &mut cur.dw[..vb * d],
-                            dbias_blk: has_bias.then_some(&mut cur.dbias[..vb]),
-                        };
+                        let out = BlockGrads::accumulating(
+                            &mut grads.dx[t0 * d..(t0 + c) * d],
+                            &mut cur.dw[..vb * d],
+                            has_bias.then_some(&mut cur.dbias[..vb]),
+                        );
                         accumulate_grads(d, logits, tokens, vocab, out)?;
                     }
                 }
