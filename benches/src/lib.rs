@@ -5,6 +5,9 @@
 //! - `flatpeak machine [--json]`: this machine's ceilings, measured ([`machine`]).
 //! - `flatpeak report [--component NAME]... [--json PATH] [--markdown] [--device cpu|cuda:0]`:
 //!   each landed component's baseline-vs-bounded comparison, as the paper's table ([`report`]).
+//! - `flatpeak plan --model <preset|file.json> --context N --gpus G --gpu-mem BYTES [--json]`:
+//!   the per-GPU memory model of a tuned FSDP2 baseline and of the flattened schedules
+//!   ([`memory_model`]).
 //!
 //! ```
 //! use flatpeak_bench::machine::{measure, MachineOptions};
@@ -14,4 +17,5 @@
 
 pub mod components;
 pub mod machine;
+pub mod memory_model;
 pub mod report;

@@ -1,4 +1,5 @@
-//! `flatpeak`: measured ceilings and the measured paper table. See the crate docs.
+//! `flatpeak`: measured ceilings, the measured paper table and the memory model. See the crate
+//! docs.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -6,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use flatpeak_bench::components::{ReportError, select};
 use flatpeak_bench::machine::{MachineOptions, measure};
+use flatpeak_bench::memory_model::{ModelSpec, plan, render_text as render_plan};
 use flatpeak_bench::report::{Report, SCHEMA_VERSION, machine_line, render_markdown, render_text};
 use flatpeak_common::{CountingAllocator, Device};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -44,6 +46,79 @@ enum Command {
         #[arg(long, default_value = "cpu", value_parser = parse_device)]
         device: Device,
     },
+    /// Per-GPU memory of a long-context MoE training step: a tuned FSDP2 baseline against the
+    /// flattened schedules, every peak, which is largest, and the longest context that fits.
+    Plan {
+        /// A preset (gpt-oss-120b, Qwen3-235B-A22B, DeepSeek-V3) or a JSON model file.
+        #[arg(long)]
+        model: String,
+        /// Tokens of the sequence; a suffix K or M multiplies by 2^10 or 2^20.
+        #[arg(long, value_parser = parse_count)]
+        context: u64,
+        /// GPUs the sequence and the experts are spread over.
+        #[arg(long)]
+        gpus: u64,
+        /// Memory per GPU in bytes; a suffix KiB, MiB, GiB, TiB (powers of 2) or KB, MB, GB, TB
+        /// (powers of 10) is accepted.
+        #[arg(long, value_parser = parse_bytes)]
+        gpu_mem: u64,
+        /// Print `{"model":…,"context":…,"baseline":{"peaks":{…},"fits":…,"max_context":…},"flattened":{…}}`.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `digits[suffix]` with the suffix's multiplier, from `units` (matched case-sensitively first,
+/// then ignoring case).
+fn parse_scaled(spec: &str, units: &[(&str, u64)]) -> Result<u64, String> {
+    let spec = spec.trim();
+    let split = spec.find(|c: char| !c.is_ascii_digit()).unwrap_or(spec.len());
+    let (digits, suffix) = spec.split_at(split);
+    let value: u64 =
+        digits.parse().map_err(|_| format!("`{spec}`: expected an integer with an optional unit"))?;
+    let scale = if suffix.is_empty() {
+        1
+    } else {
+        units
+            .iter()
+            .find(|(u, _)| *u == suffix)
+            .or_else(|| units.iter().find(|(u, _)| u.eq_ignore_ascii_case(suffix)))
+            .map(|&(_, m)| m)
+            .ok_or_else(|| {
+                let known: Vec<&str> = units.iter().map(|(u, _)| *u).collect();
+                format!("`{spec}`: unknown unit `{suffix}` (known: {})", known.join(", "))
+            })?
+    };
+    value.checked_mul(scale).ok_or_else(|| format!("`{spec}` overflows 64 bits"))
+}
+
+fn parse_count(spec: &str) -> Result<u64, String> {
+    parse_scaled(spec, &[("K", 1 << 10), ("M", 1 << 20)])
+}
+
+fn parse_bytes(spec: &str) -> Result<u64, String> {
+    let units = [
+        ("KiB", 1u64 << 10),
+        ("MiB", 1 << 20),
+        ("GiB", 1 << 30),
+        ("TiB", 1 << 40),
+        ("KB", 1_000),
+        ("MB", 1_000_000),
+        ("GB", 1_000_000_000),
+        ("TB", 1_000_000_000_000),
+    ];
+    parse_scaled(spec, &units)
+}
+
+fn memory_plan(model: &str, context: u64, gpus: u64, gpu_mem: u64, json: bool) -> Result<(), String> {
+    let spec = ModelSpec::load(model).map_err(|e| e.to_string())?;
+    let out = plan(&spec, context, gpus, gpu_mem).map_err(|e| e.to_string())?;
+    if json {
+        println!("{}", serde_json::to_string(&out).map_err(|e| e.to_string())?);
+    } else {
+        print!("{}", render_plan(&out));
+    }
+    Ok(())
 }
 
 fn parse_device(spec: &str) -> Result<Device, String> {
@@ -104,6 +179,9 @@ fn main() -> ExitCode {
             }
         }
         Command::Report { components, json, markdown, device } => report(&components, json, markdown, device),
+        Command::Plan { model, context, gpus, gpu_mem, json } => {
+            memory_plan(&model, context, gpus, gpu_mem, json)
+        }
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,106 @@
+use super::*;
+
+const GIB: u64 = 1 << 30;
+
+#[test]
+fn presets_match_the_published_parameter_counts() {
+    for (name, billions) in [("gpt-oss-120b", 116.8), ("Qwen3-235B-A22B", 235.1), ("DeepSeek-V3", 671.0)] {
+        let spec = preset(name).expect("preset");
+        spec.validate().expect("valid");
+        let got = spec.params() as f64 / 1e9;
+        assert!((got / billions - 1.0).abs() < 0.02, "{name}: {got:.1} B against {billions} B");
+    }
+    assert!(preset("qwen3-235b-a22b").is_some(), "names are case-insensitive");
+}
+
+#[test]
+fn every_term_grows_with_the_context_and_the_flattened_peaks_stay_below() {
+    let spec = preset("Qwen3-235B-A22B").expect("preset");
+    for schedules in [Schedules::Baseline, Schedules::Flattened] {
+        let mut last: Option<Estimate> = None;
+        for context in [8 << 10, 64 << 10, 512 << 10, 4 << 20] {
+            let e = estimate(&spec, context, 64, schedules).expect("estimate");
+            if let Some(prev) = &last {
+                for (key, &bytes) in &e.peaks {
+                    assert!(bytes >= prev.peaks[key], "{schedules:?} {key} shrank at context {context}");
+                }
+            }
+            last = Some(e);
+        }
+    }
+    let base = estimate(&spec, 1 << 20, 64, Schedules::Baseline).expect("baseline");
+    let flat = estimate(&spec, 1 << 20, 64, Schedules::Flattened).expect("flattened");
+    for key in DEVICE_PEAKS {
+        assert!(flat.peaks[key] <= base.peaks[key], "{key}: {} > {}", flat.peaks[key], base.peaks[key]);
+    }
+    for key in ["weights", "gradients", "activations"] {
+        assert_eq!(flat.peaks[key], base.peaks[key], "{key} is the same under both");
+    }
+    // The baseline's vocabulary peak is the materialized 8 B per logit.
+    assert_eq!(base.peaks["vocab"], 8 * (1u64 << 20) / 64 * spec.vocab);
+}
+
+#[test]
+fn max_context_is_the_boundary_of_what_fits() {
+    let spec = preset("gpt-oss-120b").expect("preset");
+    let (gpus, mem) = (32, 141 * GIB);
+    for schedules in [Schedules::Baseline, Schedules::Flattened] {
+        let best = max_context(&spec, gpus, mem, schedules).expect("search");
+        assert!(best > 0 && best.is_multiple_of(gpus), "{schedules:?}: {best}");
+        assert!(estimate(&spec, best, gpus, schedules).expect("at max").total <= mem);
+        assert!(estimate(&spec, best + gpus, gpus, schedules).expect("past max").total > mem);
+    }
+    let base = max_context(&spec, gpus, mem, Schedules::Baseline).expect("baseline");
+    let flat = max_context(&spec, gpus, mem, Schedules::Flattened).expect("flattened");
+    assert!(flat > base, "flattened {flat} ≤ baseline {base}");
+    assert_eq!(max_context(&spec, gpus, GIB, Schedules::Flattened).expect("tiny GPU"), 0);
+}
+
+#[test]
+fn plan_output_has_the_documented_json_shape() {
+    let spec = preset("DeepSeek-V3").expect("preset");
+    let out = plan(&spec, 1 << 20, 64, 141 * GIB).expect("plan");
+    let json: serde_json::Value = serde_json::to_value(&out).expect("json");
+    for column in ["baseline", "flattened"] {
+        let c = &json[column];
+        assert!(c["peaks"].is_object() && c["fits"].is_boolean() && c["max_context"].is_u64(), "{c}");
+        for key in DEVICE_PEAKS {
+            assert!(c["peaks"][key].is_u64(), "{column}.peaks.{key}");
+        }
+    }
+    assert!(json["flattened"]["host"]["checkpoint_arena"].is_u64());
+    assert_eq!(json["model"], "DeepSeek-V3");
+    assert_eq!(json["context"], 1 << 20);
+    assert!(render_text(&out).contains("max context"));
+}
+
+#[test]
+fn bad_specs_and_setups_are_typed_errors() {
+    let spec = preset("gpt-oss-120b").expect("preset");
+    let bad = ModelSpec { top_k: 200, ..spec.clone() };
+    assert!(matches!(bad.validate(), Err(PlanError::InvalidSpec { field: "top_k", value: 200, .. })));
+    let bad = ModelSpec { hidden: 0, ..spec.clone() };
+    assert!(matches!(bad.validate(), Err(PlanError::InvalidSpec { field: "hidden", .. })));
+    assert!(matches!(
+        estimate(&spec, 1024, 3, Schedules::Baseline),
+        Err(PlanError::InvalidSetup { what: "gpus", value: 3, .. })
+    ));
+    assert!(matches!(plan(&spec, 0, 8, GIB), Err(PlanError::InvalidSetup { what: "context", .. })));
+    assert!(matches!(ModelSpec::load("/nonexistent/model.json"), Err(PlanError::UnknownModel { .. })));
+}
+
+#[test]
+fn a_json_spec_round_trips_and_rejects_unknown_fields() {
+    let dir = std::env::temp_dir().join(format!("flatpeak-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let spec = preset("Qwen3-235B-A22B").expect("preset");
+    let path = dir.join("model.json");
+    std::fs::write(&path, serde_json::to_string(&spec).expect("json")).expect("write");
+    assert_eq!(ModelSpec::load(path.to_str().expect("utf-8")).expect("load"), spec);
+    let mut value = serde_json::to_value(&spec).expect("json");
+    value["hiden"] = serde_json::json!(4096);
+    std::fs::write(&path, value.to_string()).expect("write");
+    let err = ModelSpec::load(path.to_str().expect("utf-8")).expect_err("unknown field");
+    assert!(err.to_string().contains("hiden"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
