@@ -8,6 +8,8 @@
 //! - `flatpeak plan --model <preset|file.json> --context N --gpus G --gpu-mem BYTES [--json]`:
 //!   the per-GPU memory model of a tuned FSDP2 baseline and of the flattened schedules
 //!   ([`memory_model`]).
+//! - `flatpeak run <component> --inputs in.safetensors [--config cfg.json] --outputs out.safetensors`:
+//!   one primitive on tensors from any framework ([`run`]).
 //!
 //! ```
 //! use flatpeak_bench::machine::{measure, MachineOptions};
@@ -19,3 +21,4 @@ pub mod components;
 pub mod machine;
 pub mod memory_model;
 pub mod report;
+pub mod run;

@@ -66,6 +66,22 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run one primitive (forward and backward, or one optimizer step) on tensors from a
+    /// safetensors file and write its outputs and gradients to another (tensor names and
+    /// config fields: README § flatpeak run).
+    Run {
+        /// llep, ring-dtp, sco or stream-adamw.
+        component: String,
+        /// The input tensors.
+        #[arg(long, value_name = "PATH")]
+        inputs: PathBuf,
+        /// The component's JSON config (defaults when absent).
+        #[arg(long, value_name = "PATH")]
+        config: Option<PathBuf>,
+        /// Where to write the outputs.
+        #[arg(long, value_name = "PATH")]
+        outputs: PathBuf,
+    },
 }
 
 /// `digits[suffix]` with the suffix's multiplier, from `units` (matched case-sensitively first,
@@ -181,6 +197,11 @@ fn main() -> ExitCode {
         Command::Report { components, json, markdown, device } => report(&components, json, markdown, device),
         Command::Plan { model, context, gpus, gpu_mem, json } => {
             memory_plan(&model, context, gpus, gpu_mem, json)
+        }
+        Command::Run { component, inputs, config, outputs } => {
+            flatpeak_bench::run::run(&component, &inputs, config.as_deref(), &outputs)
+                .map(|names| println!("wrote {} to {}", names.join(", "), outputs.display()))
+                .map_err(|e| e.to_string())
         }
     };
     match outcome {

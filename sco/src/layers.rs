@@ -51,6 +51,20 @@ impl ResidualMlp {
         Self { tokens, hidden, inner, w1, w2 }
     }
 
+    /// A block with the given weights, W1 (H×I) and W2 (I×H) row-major; a length that is not
+    /// H·I is [`flatpeak_common::Error::ShapeMismatch`].
+    pub fn from_weights(
+        tokens: usize,
+        hidden: usize,
+        inner: usize,
+        w1: Vec<f32>,
+        w2: Vec<f32>,
+    ) -> Result<Self> {
+        check("W1 (H·I)", hidden * inner, w1.len())?;
+        check("W2 (I·H)", inner * hidden, w2.len())?;
+        Ok(Self { tokens, hidden, inner, w1, w2 })
+    }
+
     /// Forward FLOPs of one call: two GEMMs of 2·S·H·I.
     pub fn forward_flops(&self) -> f64 {
         4.0 * (self.tokens * self.hidden * self.inner) as f64

@@ -1,0 +1,148 @@
+//! `flatpeak run llep`: one MoE layer over P ranks (threads of this process), forward and, when
+//! `dy` is given, the checkpointed backward.
+//!
+//! Inputs, stacked over ranks: `x` [P, N, H] F32, `ids` [P, N, k] I64 (expert ids),
+//! `weights` [P, N, k] F32 (routing weights), the experts `gate` and `up` [E, H, I] and `down`
+//! [E, I, H] F32 (rank r owns experts r·E/P … (r+1)·E/P − 1), and optionally `dy` [P, N, H].
+//! Outputs: `y` [P, N, H]; with `dy` also `dx` [P, N, H], `d_weights` [P, N, k] and the expert
+//! gradients `d_gate`, `d_up` [E, H, I] and `d_down` [E, I, H], all F32.
+
+use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, Workspace};
+use llep::{ExpertWeights, LlepConfig, PairCap, Pass, RankInputs, Routing, Scheme, Shape, cpu};
+use serde::Deserialize;
+
+use super::{Dim, Outputs, RunError, TensorFile};
+
+/// `"pipelined"` (PipelinedLLEP), `"llep"` or `"standard_ep"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SchemeName {
+    /// PipelinedLLEP.
+    #[default]
+    Pipelined,
+    /// LLEP, one dispatch.
+    Llep,
+    /// Standard expert parallelism.
+    StandardEp,
+}
+
+/// The config file of `flatpeak run llep` (the paper's settings by default).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LlepRunConfig {
+    /// The dispatch scheme.
+    pub scheme: SchemeName,
+    /// α: capacity factor of the least-loaded assignment.
+    pub alpha: f64,
+    /// m: smallest spilled chunk.
+    pub min_chunk: usize,
+    /// λ: imbalance below which plain EP runs.
+    pub imbalance_threshold: f64,
+    /// q rows per (source, destination) per round; `null`: from `dispatch_budget_bytes`.
+    pub pair_cap_rows: Option<usize>,
+    /// Bytes for one rank's dispatch buffers when `pair_cap_rows` is null.
+    pub dispatch_budget_bytes: usize,
+    /// F_max foreign expert slots per rank.
+    pub foreign_slots: usize,
+}
+
+impl Default for LlepRunConfig {
+    fn default() -> Self {
+        Self {
+            scheme: SchemeName::Pipelined,
+            alpha: 1.0,
+            min_chunk: 1024,
+            imbalance_threshold: 1.3,
+            pair_cap_rows: None,
+            dispatch_budget_bytes: 256 << 20,
+            foreign_slots: 4,
+        }
+    }
+}
+
+impl LlepRunConfig {
+    fn to_config(&self) -> LlepConfig {
+        let scheme = match self.scheme {
+            SchemeName::Pipelined => Scheme::PipelinedLlep,
+            SchemeName::Llep => Scheme::Llep,
+            SchemeName::StandardEp => Scheme::StandardEp,
+        };
+        let cap = self
+            .pair_cap_rows
+            .map_or(PairCap::DispatchBudget { bytes: self.dispatch_budget_bytes }, PairCap::Rows);
+        LlepConfig::with_scheme(scheme)
+            .alpha(self.alpha)
+            .min_chunk(self.min_chunk)
+            .imbalance_threshold(self.imbalance_threshold)
+            .pair_cap(cap)
+            .foreign_slots(self.foreign_slots)
+    }
+}
+
+/// One rank's results: y, and the gradients when `dy` was given.
+type RankResult = (Vec<f32>, Option<llep::Gradients>);
+
+/// Runs the layer on the tensors of `t`.
+pub fn run(t: &TensorFile, cfg: &LlepRunConfig) -> Result<Outputs, RunError> {
+    let xs = t.shape("x", "F32", &[Dim::Any, Dim::Any, Dim::Any])?;
+    let (p, n, h) = (xs[0], xs[1], xs[2]);
+    let (x, _) = t.f32("x", &[Dim::Is(p), Dim::Is(n), Dim::Is(h)])?;
+    let (ids, is) = t.i64("ids", &[Dim::Is(p), Dim::Is(n), Dim::Any])?;
+    let k = is[2];
+    let (weights, _) = t.f32("weights", &[Dim::Is(p), Dim::Is(n), Dim::Is(k)])?;
+    let (gate, gs) = t.f32("gate", &[Dim::Any, Dim::Is(h), Dim::Any])?;
+    let (e, i) = (gs[0], gs[2]);
+    let (up, _) = t.f32("up", &[Dim::Is(e), Dim::Is(h), Dim::Is(i)])?;
+    let (down, _) = t.f32("down", &[Dim::Is(e), Dim::Is(i), Dim::Is(h)])?;
+    let dy = t.optional_f32("dy", &[Dim::Is(p), Dim::Is(n), Dim::Is(h)])?;
+    let shape =
+        Shape { ranks: p, tokens: n, hidden: h, intermediate: i, experts: e, top_k: k, dtype: DType::F32 };
+    shape.validate()?;
+    let config = cfg.to_config();
+    let m = shape.local_experts();
+    let expert_len = m * h * i;
+
+    let results = LocalGroup::run(p, LocalGroupOptions::default(), |comm| {
+        let r = comm.rank();
+        let rows = r * n * h..(r + 1) * n * h;
+        let routes = r * n * k..(r + 1) * n * k;
+        let experts = r * expert_len..(r + 1) * expert_len;
+        let inputs = RankInputs {
+            x: &x[rows.clone()],
+            routing: Routing { ids: &ids[routes.clone()], weights: &weights[routes] },
+            experts: ExpertWeights {
+                gate: &gate[experts.clone()],
+                up: &up[experts.clone()],
+                down: &down[experts],
+            },
+        };
+        let layer = || -> llep::Result<RankResult> {
+            let plan = cpu::plan(comm, &config, &shape, &inputs.routing)?;
+            let mut ws = Workspace::new(plan.max_workspace_bytes(Pass::Backward));
+            let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
+            let grads = match &dy {
+                Some(dy) => Some(cpu::backward(comm, &plan, &inputs, &dy[rows], &mut ws)?),
+                None => None,
+            };
+            Ok((y, grads))
+        };
+        Ok(layer())
+    });
+    let mut per_rank = Vec::with_capacity(p);
+    for r in results {
+        per_rank.push(r??);
+    }
+    let mut out = Outputs::default();
+    let concat = |f: &dyn Fn(&RankResult) -> Option<&[f32]>| -> Vec<f32> {
+        per_rank.iter().filter_map(f).flat_map(|s| s.iter().copied()).collect()
+    };
+    out.f32("y", &[p, n, h], &concat(&|r| Some(&r.0)));
+    if dy.is_some() {
+        out.f32("dx", &[p, n, h], &concat(&|r| r.1.as_ref().map(|g| g.dx.as_slice())));
+        out.f32("d_weights", &[p, n, k], &concat(&|r| r.1.as_ref().map(|g| g.d_weights.as_slice())));
+        out.f32("d_gate", &[e, h, i], &concat(&|r| r.1.as_ref().map(|g| g.d_gate.as_slice())));
+        out.f32("d_up", &[e, h, i], &concat(&|r| r.1.as_ref().map(|g| g.d_up.as_slice())));
+        out.f32("d_down", &[e, i, h], &concat(&|r| r.1.as_ref().map(|g| g.d_down.as_slice())));
+    }
+    Ok(out)
+}
