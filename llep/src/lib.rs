@@ -64,11 +64,20 @@
 //! Modules: [`config`] (shape and options), [`assign`] (least-loaded assignment, pure),
 //! [`plan`] (rounds and buffer sizes, pure), [`cpu`] (executor over a `Communicator`, and the
 //! f64 reference), [`workload`] (the LLEP harness's routing profiles), [`model`] (the DESIGN
-//! peak model and the paper's plan-only row).
+//! peak model and the paper's plan-only row). With feature `cuda` or `cuda-emu`, `device` runs
+//! the same round schedule on device buffers over a small set of device operations, implemented
+//! by `cuda::CudaOps` (cudarc, NVRTC kernels, cuBLAS, NCCL) and by `device::emu_ops::EmuOps`
+//! (the kernels under the SIMT emulator), which tests it against [`cpu`] without a GPU.
 
 pub mod assign;
 pub mod config;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub mod cuda;
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "cuda", feature = "cuda-emu"))))]
+pub mod device;
 #[cfg(feature = "cuda-emu")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
 pub mod emu;

@@ -224,20 +224,25 @@ pub fn backward<C: Communicator + ?Sized>(
     Ok(g)
 }
 
-fn scale(counts: &[usize], width: usize) -> Vec<usize> {
+pub(crate) fn scale(counts: &[usize], width: usize) -> Vec<usize> {
     counts.iter().map(|&c| c * width).collect()
 }
 
 fn check_world<C: Communicator + ?Sized>(comm: &C, shape: &Shape) -> Result<()> {
-    if comm.world_size() != shape.ranks {
-        return Err(Error::PlanMismatch { what: "ranks", planned: shape.ranks, found: comm.world_size() });
+    check_world_size(comm.world_size(), shape)
+}
+
+/// The group size against the shape's ranks.
+pub(crate) fn check_world_size(world: usize, shape: &Shape) -> Result<()> {
+    if world != shape.ranks {
+        return Err(Error::PlanMismatch { what: "ranks", planned: shape.ranks, found: world });
     }
     Ok(())
 }
 
 /// Counting sort of a round's received routes (k metadata entries per row) by local expert
 /// slot, stable; `offsets[s]..offsets[s + 1]` is slot s's group. Returns the route count.
-fn group(
+pub(crate) fn group(
     meta: &[RouteMeta],
     k: usize,
     slots: usize,
@@ -285,12 +290,12 @@ struct Carved<'w> {
     scratch: Scratch<'w>,
 }
 
-struct Tables<'w> {
+pub(crate) struct Tables<'w> {
     /// Compute rank of route (i, j) at `i·k + j`.
-    dest: &'w mut [u32],
+    pub(crate) dest: &'w mut [u32],
     /// Per destination d, its row list's tokens at `row_start[d]..row_start[d+1]`.
-    row_tokens: &'w mut [u32],
-    row_start: &'w mut [u32],
+    pub(crate) row_tokens: &'w mut [u32],
+    pub(crate) row_start: &'w mut [u32],
 }
 
 struct RoundSet<'w> {
@@ -345,6 +350,84 @@ impl<'w> Carved<'w> {
     }
 }
 
+/// Checks the plan's shape for a call on a group of `world` ranks (f32, the group size,
+/// N·k < 2³²) and returns it.
+pub(crate) fn check_call_shape(plan: &Plan, world: usize) -> Result<Shape> {
+    let s = *plan.shape();
+    if s.dtype != DType::F32 {
+        return Err(Error::UnsupportedDtype { dtype: s.dtype });
+    }
+    check_world_size(world, &s)?;
+    if s.tokens.checked_mul(s.top_k).is_none_or(|v| v > u32::MAX as usize) {
+        return Err(Error::InvalidConfig {
+            name: "tokens·top_k",
+            value: (s.tokens * s.top_k) as f64,
+            expected: "< 2^32",
+        });
+    }
+    Ok(s)
+}
+
+/// Checks that rank `me`'s routes per expert are the ones the plan was made from.
+pub(crate) fn check_planned_counts(plan: &Plan, me: usize, ids: &[i64]) -> Result<()> {
+    let s = plan.shape();
+    let planned = plan.assignment().counts().row(me);
+    let found = local_counts(s, ids)?;
+    if let Some(e) = (0..s.experts).find(|&e| planned[e] != found[e]) {
+        return Err(Error::PlanMismatch {
+            what: "routes of this rank to an expert",
+            planned: planned[e],
+            found: found[e],
+        });
+    }
+    Ok(())
+}
+
+/// Route → compute rank, and the per-destination row lists (tokens ascending), of rank `me`.
+pub(crate) fn build_tables(plan: &Plan, me: usize, ids: &[i64], t: &mut Tables<'_>) -> Result<()> {
+    let s = plan.shape();
+    let (k, p) = (s.top_k, s.ranks);
+    let mut mapper = plan.assignment().mapper(me);
+    for (r, &id) in ids.iter().enumerate() {
+        t.dest[r] = mapper.next(id as usize)? as u32;
+    }
+    // Row counts per destination: a token counts once per distinct destination.
+    t.row_start.fill(0);
+    for token in t.dest.chunks_exact(k) {
+        for (j, &d) in token.iter().enumerate() {
+            if !token[..j].contains(&d) {
+                t.row_start[d as usize + 1] += 1;
+            }
+        }
+    }
+    for d in 0..p {
+        let planned = plan.pair_rows(me, d);
+        let found = t.row_start[d + 1] as usize;
+        if planned != found {
+            return Err(Error::PlanMismatch { what: "rows of this rank to a destination", planned, found });
+        }
+        t.row_start[d + 1] += t.row_start[d];
+    }
+    let mut fill: Vec<u32> = t.row_start[..p].to_vec();
+    for (i, token) in t.dest.chunks_exact(k).enumerate() {
+        for (j, &d) in token.iter().enumerate() {
+            if !token[..j].contains(&d) {
+                t.row_tokens[fill[d as usize] as usize] = i as u32;
+                fill[d as usize] += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Rows rank `me` sends each destination, and receives from each source, in round j.
+pub(crate) fn round_counts(plan: &Plan, me: usize, j: usize) -> (Vec<usize>, Vec<usize>) {
+    let p = plan.shape().ranks;
+    let send = (0..p).map(|d| plan.round_pair_rows(me, d, j)).collect();
+    let recv = (0..p).map(|s| plan.round_pair_rows(s, me, j)).collect();
+    (send, recv)
+}
+
 /// One call's fixed context: the group, the plan, this rank's inputs.
 struct Ctx<'a, C: ?Sized> {
     comm: &'a C,
@@ -356,79 +439,21 @@ struct Ctx<'a, C: ?Sized> {
 
 impl<'a, C: Communicator + ?Sized> Ctx<'a, C> {
     fn new(comm: &'a C, plan: &'a Plan, inputs: &'a RankInputs<'a>) -> Result<Self> {
-        let s = *plan.shape();
-        if s.dtype != DType::F32 {
-            return Err(Error::UnsupportedDtype { dtype: s.dtype });
-        }
-        check_world(comm, &s)?;
-        if s.tokens.checked_mul(s.top_k).is_none_or(|v| v > u32::MAX as usize) {
-            return Err(Error::InvalidConfig {
-                name: "tokens·top_k",
-                value: (s.tokens * s.top_k) as f64,
-                expected: "< 2^32",
-            });
-        }
+        let s = check_call_shape(plan, comm.world_size())?;
         inputs.validate(&s)?;
         let me = comm.rank();
-        let planned = plan.assignment().counts().row(me);
-        let found = local_counts(&s, inputs.routing.ids)?;
-        if let Some(e) = (0..s.experts).find(|&e| planned[e] != found[e]) {
-            return Err(Error::PlanMismatch {
-                what: "routes of this rank to an expert",
-                planned: planned[e],
-                found: found[e],
-            });
-        }
+        check_planned_counts(plan, me, inputs.routing.ids)?;
         Ok(Self { comm, plan, inputs, s, me })
     }
 
     /// Route → compute rank, and the per-destination row lists (tokens ascending).
     fn build_tables(&self, c: &mut Carved<'_>) -> Result<()> {
-        let (k, p) = (self.s.top_k, self.s.ranks);
-        let t = &mut c.tables;
-        let mut mapper = self.plan.assignment().mapper(self.me);
-        for (r, &id) in self.inputs.routing.ids.iter().enumerate() {
-            t.dest[r] = mapper.next(id as usize)? as u32;
-        }
-        // Row counts per destination: a token counts once per distinct destination.
-        t.row_start.fill(0);
-        for token in t.dest.chunks_exact(k) {
-            for (j, &d) in token.iter().enumerate() {
-                if !token[..j].contains(&d) {
-                    t.row_start[d as usize + 1] += 1;
-                }
-            }
-        }
-        for d in 0..p {
-            let planned = self.plan.pair_rows(self.me, d);
-            let found = t.row_start[d + 1] as usize;
-            if planned != found {
-                return Err(Error::PlanMismatch {
-                    what: "rows of this rank to a destination",
-                    planned,
-                    found,
-                });
-            }
-            t.row_start[d + 1] += t.row_start[d];
-        }
-        let mut fill: Vec<u32> = t.row_start[..p].to_vec();
-        for (i, token) in t.dest.chunks_exact(k).enumerate() {
-            for (j, &d) in token.iter().enumerate() {
-                if !token[..j].contains(&d) {
-                    t.row_tokens[fill[d as usize] as usize] = i as u32;
-                    fill[d as usize] += 1;
-                }
-            }
-        }
-        Ok(())
+        build_tables(self.plan, self.me, self.inputs.routing.ids, &mut c.tables)
     }
 
     /// Rows this rank sends each destination, and receives from each source, in round j.
     fn round_counts(&self, j: usize) -> (Vec<usize>, Vec<usize>) {
-        let p = self.s.ranks;
-        let send = (0..p).map(|d| self.plan.round_pair_rows(self.me, d, j)).collect();
-        let recv = (0..p).map(|s| self.plan.round_pair_rows(s, self.me, j)).collect();
-        (send, recv)
+        round_counts(self.plan, self.me, j)
     }
 
     /// Gathers round j's rows of `src` (N×H) into `dst`, destination-major; with `meta`, also

@@ -1,0 +1,248 @@
+//! The device executor (features `cuda` or `cuda-emu`): the CPU executor's round schedule
+//! written once over [`DeviceOps`], the primitive operations a device offers — buffers,
+//! the five kernels of `kernels/llep.cu`, a strided SGEMM and all-to-all.
+//!
+//! The host plans ([`crate::cpu::plan`] or [`crate::Plan::from_top_k`]) and keeps the routing
+//! (N×k ids and weights) and the route tables (8·N·k bytes) as the CPU executor does; per round
+//! it builds the round's index lists (tokens in send order, and per expert group the received
+//! rows, their routing weights and metadata entries) and writes them into index buffers fixed
+//! at launch. Everything N×H, every dispatch buffer and every expert buffer lives on the device:
+//! per round the send rows are gathered straight from the un-expanded N×H input
+//! (`llep_gather_rows`), all-to-all'd into the fixed receive buffer, grouped by local expert, and
+//! each group of ≤ G routes runs `gate = X·W_gate`, `up = X·W_up`, `h = silu(gate) ⊙ up`
+//! (`llep_swiglu`), `y = h·W_down`; `out[row_t] += w_t·y_t` (`llep_scatter_add_rows`); the rows go
+//! back and are scatter-added into the fp32 N×H output in send order. Backward runs the rounds
+//! in reverse, recomputing each group and running its backward at once (`dw_t = ⟨dY_t, y_t⟩` by
+//! `llep_row_dot`, `llep_swiglu_backward`, six more GEMMs); foreign experts' gradients return to
+//! their owners once at the end. The received route metadata (8 bytes per route) is read back
+//! to the host each round to form the groups: the one host round trip per round.
+//!
+//! Device memory per rank, fixed at launch whatever the routing: [`Buffers`](crate::Buffers)'
+//! regions for the pass (D copies of the send, receive and output rows with their metadata —
+//! backward adds dY rows and d(weights) — the expert scratch of G rows, F_max foreign slots and
+//! their gradients), one more G×I buffer (h, so SwiGLU never writes in place), G routing
+//! weights, and u32 index buffers of `send_rows + G + 1` entries (backward adds
+//! `G + 2·send_rows·k` entries, G dot products and `send_rows·k` f32 for the d(weights)
+//! return). The host holds
+//! the route tables (8·N·k bytes) and one round's lists. Inputs, the N×H output and the returned
+//! gradients are the caller's. The results match [`crate::cpu::forward`] and
+//! [`crate::cpu::backward`] (same orders of every sum; the GEMM is the only difference on a GPU).
+//!
+//! Implementations: `emu_ops::EmuOps` (feature `cuda-emu`: host vectors, the emulated
+//! kernels, the CPU GEMM and a host [`flatpeak_common::Communicator`]) and
+//! `crate::cuda::CudaOps` (feature `cuda`: cudarc, NVRTC kernels, cuBLAS, NCCL).
+
+#[cfg(feature = "cuda-emu")]
+pub mod emu_ops;
+mod host;
+mod schedule;
+
+use flatpeak_common::gemm::Accumulate;
+
+use crate::error::{Error, Result};
+use crate::layer::{Gradients, Routing};
+
+pub use schedule::{backward, forward};
+
+/// How a GEMM operand is read from its storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Orientation {
+    /// The operand is the stored matrix: an `r×c` operand is stored `r×c`.
+    #[default]
+    AsStored,
+    /// The operand is the transpose of the stored matrix: an `r×c` operand is stored `c×r`.
+    Transposed,
+}
+
+/// One GEMM operand: a row-major matrix stored in `buf` from element `offset`, read in the
+/// given [`Orientation`].
+#[derive(Debug)]
+pub struct Operand<'a, B> {
+    /// The buffer holding the matrix.
+    pub buf: &'a B,
+    /// First element of the matrix in `buf`.
+    pub offset: usize,
+    /// As stored or transposed.
+    pub orientation: Orientation,
+}
+
+impl<'a, B> Operand<'a, B> {
+    /// The stored matrix as is, from `offset`.
+    pub fn plain(buf: &'a B, offset: usize) -> Self {
+        Self { buf, offset, orientation: Orientation::AsStored }
+    }
+    /// The transpose of the stored matrix, from `offset`.
+    pub fn t(buf: &'a B, offset: usize) -> Self {
+        Self { buf, offset, orientation: Orientation::Transposed }
+    }
+}
+
+/// Sizes of `C (m×n) = op(A) (m×k) · op(B) (k×n)`, all row-major.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmDims {
+    /// Rows of C and op(A).
+    pub m: usize,
+    /// Columns of C and op(B).
+    pub n: usize,
+    /// The contracted dimension.
+    pub k: usize,
+}
+
+/// The primitive operations of the device schedule. `Buf` holds f32, `Index` u32; every length
+/// argument is in elements and every implementation checks that the buffers hold what an
+/// operation touches before running it (a short buffer is [`Error::ShapeMismatch`]). Operations
+/// on zero rows or elements do nothing. All operations are ordered (one stream).
+pub trait DeviceOps {
+    /// A device buffer of f32.
+    type Buf: std::fmt::Debug;
+    /// A device buffer of u32 (row indices, route metadata).
+    type Index: std::fmt::Debug;
+
+    /// This rank in the device group.
+    fn rank(&self) -> usize;
+    /// Ranks in the device group.
+    fn world_size(&self) -> usize;
+
+    /// A zeroed buffer of `len` f32 (at least one element is reserved).
+    fn alloc(&self, len: usize) -> Result<Self::Buf>;
+    /// A zeroed buffer of `len` u32 (at least one element is reserved).
+    fn alloc_index(&self, len: usize) -> Result<Self::Index>;
+    /// Elements `buf` holds.
+    fn buf_len(&self, buf: &Self::Buf) -> usize;
+    /// A new buffer holding `host`.
+    fn upload(&self, host: &[f32]) -> Result<Self::Buf>;
+    /// `dst[..host.len()] = host`.
+    fn write_index(&self, host: &[u32], dst: &mut Self::Index) -> Result<()>;
+    /// `dst[..host.len()] = host`.
+    fn write(&self, host: &[f32], dst: &mut Self::Buf) -> Result<()>;
+    /// `src[..len]` on the host.
+    fn download(&self, src: &Self::Buf, len: usize) -> Result<Vec<f32>>;
+    /// `src[..len]` on the host.
+    fn download_index(&self, src: &Self::Index, len: usize) -> Result<Vec<u32>>;
+    /// `dst[..len] = 0`.
+    fn zero(&self, dst: &mut Self::Buf, len: usize) -> Result<()>;
+
+    /// `dst[r] = scale_r·src[index[r]]` for `r < rows`, rows of `width` (`llep_gather_rows`;
+    /// no scale: 1). Every index must be a row of `src`.
+    fn gather_rows(
+        &self,
+        src: &Self::Buf,
+        index: &Self::Index,
+        rows: usize,
+        scale: Option<&Self::Buf>,
+        width: usize,
+        dst: &mut Self::Buf,
+    ) -> Result<()>;
+    /// `acc[index[r]] += scale_r·src[r]` for r = 0, 1, …, rows − 1 in order, rows of `width`
+    /// (`llep_scatter_add_rows`: duplicates accumulate in input order, reproducibly).
+    fn scatter_add_rows(
+        &self,
+        src: &Self::Buf,
+        index: &Self::Index,
+        rows: usize,
+        scale: Option<&Self::Buf>,
+        width: usize,
+        acc: &mut Self::Buf,
+    ) -> Result<()>;
+    /// `h[..n] = silu(gate) ⊙ up` (`llep_swiglu`).
+    fn swiglu(&self, gate: &Self::Buf, up: &Self::Buf, n: usize, h: &mut Self::Buf) -> Result<()>;
+    /// In place over `n` elements, from `dh`: `gate ← dh ⊙ up ⊙ silu'(gate)`,
+    /// `up ← dh ⊙ silu(gate)` (`llep_swiglu_backward`).
+    fn swiglu_backward(
+        &self,
+        gate: &mut Self::Buf,
+        up: &mut Self::Buf,
+        dh: &Self::Buf,
+        n: usize,
+    ) -> Result<()>;
+    /// `out[r] = ⟨a_r, b_r⟩` for `r < rows`, rows of `width`, f64 partials (`llep_row_dot`).
+    fn row_dot(
+        &self,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        rows: usize,
+        width: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// `C = op(A)·op(B)` (or `C += …` with [`Accumulate::Add`]), C row-major `m×n` from element
+    /// `c_offset` of `c`; f32 with f32 accumulation (no TF32).
+    fn gemm(
+        &self,
+        dims: GemmDims,
+        a: Operand<'_, Self::Buf>,
+        b: Operand<'_, Self::Buf>,
+        c: &mut Self::Buf,
+        c_offset: usize,
+        accumulate: Accumulate,
+    ) -> Result<()>;
+
+    /// All-to-all with variable counts: `send[send_offset..]` holds `send_counts[d]` elements for
+    /// each rank d in rank order, `recv[recv_offset..]` receives `recv_counts[s]` from each rank
+    /// s in rank order. Collective: every rank calls it.
+    fn all_to_all_v(
+        &self,
+        send: (&Self::Buf, usize),
+        send_counts: &[usize],
+        recv: (&mut Self::Buf, usize),
+        recv_counts: &[usize],
+    ) -> Result<()>;
+    /// [`DeviceOps::all_to_all_v`] of u32 (route metadata), from element 0.
+    fn all_to_all_v_index(
+        &self,
+        send: &Self::Index,
+        send_counts: &[usize],
+        recv: &mut Self::Index,
+        recv_counts: &[usize],
+    ) -> Result<()>;
+}
+
+/// One rank's inputs on the device: tokens and native expert weights in device buffers, the
+/// routing on the host (the plan and the route tables are built there).
+#[derive(Debug)]
+pub struct DeviceInputs<'a, B> {
+    /// Tokens x, N×H.
+    pub x: &'a B,
+    /// Top-k ids and weights (host).
+    pub routing: Routing<'a>,
+    /// W_gate of the M native experts, `[M][H][I]`.
+    pub gate: &'a B,
+    /// W_up, `[M][H][I]`.
+    pub up: &'a B,
+    /// W_down, `[M][I][H]`.
+    pub down: &'a B,
+}
+
+/// What [`backward`] returns, on the device (see [`Gradients`]).
+#[derive(Debug)]
+pub struct DeviceGradients<B> {
+    /// dL/dx, N×H.
+    pub dx: B,
+    /// dL/dw_ij, N×k.
+    pub d_weights: B,
+    /// dL/dW_gate of the native experts, M·H·I.
+    pub d_gate: B,
+    /// dL/dW_up, M·H·I.
+    pub d_up: B,
+    /// dL/dW_down, M·I·H.
+    pub d_down: B,
+}
+
+impl<B> DeviceGradients<B> {
+    /// Copies every gradient to the host.
+    pub fn download<O: DeviceOps<Buf = B>>(&self, ops: &O) -> Result<Gradients> {
+        let all = |b: &B| ops.download(b, ops.buf_len(b));
+        Ok(Gradients {
+            dx: all(&self.dx)?,
+            d_weights: all(&self.d_weights)?,
+            d_gate: all(&self.d_gate)?,
+            d_up: all(&self.d_up)?,
+            d_down: all(&self.d_down)?,
+        })
+    }
+}
+
+/// `found ≥ expected`, or [`Error::ShapeMismatch`] naming `what`: the length check every
+/// implementation runs before touching a buffer.
+pub fn need(what: &'static str, expected: usize, found: usize) -> Result<()> {
+    if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, found }) }
+}
