@@ -3,8 +3,9 @@
 //! The `flatpeak` command and the criterion benches of the flatpeak workspace:
 //!
 //! - `flatpeak machine [--json]`: this machine's ceilings, measured ([`machine`]).
-//! - `flatpeak report [--component NAME]... [--json PATH] [--markdown] [--device cpu|cuda:0]`:
-//!   each landed component's baseline-vs-bounded comparison, as the paper's table ([`report`]).
+//! - `flatpeak report [--component NAME]... [--json PATH] [--markdown] [--svg PATH] [--device cpu|cuda:0]`:
+//!   each landed component's baseline-vs-bounded comparison, as the paper's table ([`report`]),
+//!   and the plot of every peak against its growing dimension ([`figure`]).
 //! - `flatpeak plan --model <preset|file.json> --context N --gpus G --gpu-mem BYTES [--json]`:
 //!   the per-GPU memory model of a tuned FSDP2 baseline and of the flattened schedules
 //!   ([`memory_model`]).
@@ -18,6 +19,7 @@
 //! ```
 
 pub mod components;
+pub mod figure;
 pub mod machine;
 pub mod memory_model;
 pub mod report;

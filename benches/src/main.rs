@@ -42,6 +42,9 @@ enum Command {
         /// Print the table as Markdown.
         #[arg(long)]
         markdown: bool,
+        /// Also write the plot of each peak against its growing dimension (SVG) to this file.
+        #[arg(long, value_name = "PATH")]
+        svg: Option<PathBuf>,
         /// Device to run the bounded schedules on.
         #[arg(long, default_value = "cpu", value_parser = parse_device)]
         device: Device,
@@ -141,12 +144,20 @@ fn parse_device(spec: &str) -> Result<Device, String> {
     spec.parse().map_err(|e: flatpeak_common::Error| e.to_string())
 }
 
-fn report(
-    components: &[String],
+/// Where the report's optional files go.
+struct ReportFiles {
     json: Option<PathBuf>,
-    markdown: bool,
-    device: Device,
-) -> Result<(), String> {
+    svg: Option<PathBuf>,
+}
+
+fn report(components: &[String], files: ReportFiles, markdown: bool, device: Device) -> Result<(), String> {
+    let ReportFiles { json, svg } = files;
+    if let Some(path) = &svg {
+        let panels = flatpeak_bench::figure::panels()?;
+        std::fs::write(path, flatpeak_bench::figure::render_svg(&panels))
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        eprintln!("wrote the peak plot to {}", path.display());
+    }
     device.ensure_available().map_err(|e| e.to_string())?;
     let selection = select(components).map_err(|e| e.to_string())?;
     let chosen = &selection.run;
@@ -194,7 +205,9 @@ fn main() -> ExitCode {
                 Ok(())
             }
         }
-        Command::Report { components, json, markdown, device } => report(&components, json, markdown, device),
+        Command::Report { components, json, markdown, svg, device } => {
+            report(&components, ReportFiles { json, svg }, markdown, device)
+        }
         Command::Plan { model, context, gpus, gpu_mem, json } => {
             memory_plan(&model, context, gpus, gpu_mem, json)
         }
