@@ -396,17 +396,6 @@ pub(crate) struct BlockGrads<'a> {
     pub dbias_blk: Option<&'a mut [f32]>,
 }
 
-impl<'a> BlockGrads<'a> {
-    /// Slices that already hold contributions (or zeros): accumulate into both.
-    pub fn accumulating(
-        dx_rows: &'a mut [f32],
-        dw_blk: &'a mut [f32],
-        dbias_blk: Option<&'a mut [f32]>,
-    ) -> Self {
-        Self { dx_rows, dx_mode: Accumulate::Add, dw_blk, dw_mode: Accumulate::Add, dbias_blk }
-    }
-}
-
 /// `dX[rows] += Gᵀ·W_blk`, `dW[blk] += G·X_blk` and `dbias[blk] += G·1` for a `vb×c` gradient
 /// block G.
 pub(crate) fn accumulate_grads(

@@ -11,6 +11,7 @@
 use std::mem::swap;
 
 use flatpeak_common::comm::{Communicator, CommunicatorExt};
+use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{DType, Workspace};
 
 use super::{Pass, Rank, as_matrix, elem_bytes, raw_rows};
@@ -156,11 +157,16 @@ pub(super) fn run<C: Communicator + ?Sized>(
                     }
                     Pass::Grad { grads, .. } => {
                         gradient(config, tokens, (shard.start + v0, vb), logits, &cols, false);
-                        let out = BlockGrads::accumulating(
-                            &mut cur.dx[..c * d],
-                            &mut grads.dw[v0 * d..(v0 + vb) * d],
-                            grads.dbias.as_mut().map(|db| &mut db[v0..v0 + vb]),
-                        );
+                        // dW is fresh output memory: the first packet writes it without reading it
+                        // (no read-then-write page faults).
+                        let first = b == 0 && k == 0;
+                        let out = BlockGrads {
+                            dx_rows: &mut cur.dx[..c * d],
+                            dx_mode: Accumulate::Add,
+                            dw_blk: &mut grads.dw[v0 * d..(v0 + vb) * d],
+                            dw_mode: if first { Accumulate::Replace } else { Accumulate::Add },
+                            dbias_blk: grads.dbias.as_mut().map(|db| &mut db[v0..v0 + vb]),
+                        };
                         accumulate_grads(d, logits, tokens, vocab, out)?;
                     }
                 }

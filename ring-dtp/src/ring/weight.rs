@@ -9,6 +9,7 @@
 use std::mem::swap;
 
 use flatpeak_common::comm::{Communicator, CommunicatorExt};
+use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{DType, Workspace};
 
 use super::{Pass, Rank, as_matrix, elem_bytes, raw_rows};
@@ -97,11 +98,16 @@ pub(super) fn run<C: Communicator + ?Sized>(
                         let dlse = dlse.map(|g| &g[t0..t0 + c]);
                         column_grads(config, plan.v(), &coef[t0..t0 + c], &lse[t0..t0 + c], dlse, &mut cols);
                         gradient(config, tokens, (rows.start, vb), logits, &cols, false);
-                        let out = BlockGrads::accumulating(
-                            &mut grads.dx[t0 * d..(t0 + c) * d],
-                            &mut cur.dw[..vb * d],
-                            has_bias.then_some(&mut cur.dbias[..vb]),
-                        );
+                        // dX is fresh output memory: the first step's first sub-block writes it
+                        // without reading it (no read-then-write page faults).
+                        let first = j == 0 && k == 0;
+                        let out = BlockGrads {
+                            dx_rows: &mut grads.dx[t0 * d..(t0 + c) * d],
+                            dx_mode: if first { Accumulate::Replace } else { Accumulate::Add },
+                            dw_blk: &mut cur.dw[..vb * d],
+                            dw_mode: Accumulate::Add,
+                            dbias_blk: has_bias.then_some(&mut cur.dbias[..vb]),
+                        };
                         accumulate_grads(d, logits, tokens, vocab, out)?;
                     }
                 }
