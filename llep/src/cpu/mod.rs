@@ -421,6 +421,28 @@ pub(crate) fn build_tables(plan: &Plan, me: usize, ids: &[i64], t: &mut Tables<'
 }
 
 /// Rows rank `me` sends each destination, and receives from each source, in round j.
+/// Token i's routes computed on rank d, in slot order: calls `f(m, jj, meta)` for the m-th
+/// such route, which is the token's top-k slot jj, with its local expert slot on d and its
+/// routing weight. The send side of every executor builds its row metadata from this.
+pub(crate) fn row_routes(
+    a: &Assignment,
+    routing: &Routing<'_>,
+    dest: &[u32],
+    (i, d, k): (usize, usize, usize),
+    mut f: impl FnMut(usize, usize, RouteMeta),
+) -> Result<()> {
+    for (m, jj) in (0..k).filter(|&jj| dest[i * k + jj] as usize == d).enumerate() {
+        let e = routing.ids[i * k + jj] as usize;
+        let slot = a.local_slot(d, e).ok_or(Error::PlanMismatch {
+            what: "expert without a slot on its compute rank",
+            planned: d,
+            found: e,
+        })?;
+        f(m, jj, RouteMeta { slot: slot as u32, weight: routing.weights[i * k + jj] });
+    }
+    Ok(())
+}
+
 pub(crate) fn round_counts(plan: &Plan, me: usize, j: usize) -> (Vec<usize>, Vec<usize>) {
     let p = plan.shape().ranks;
     let send = (0..p).map(|d| plan.round_pair_rows(me, d, j)).collect();
@@ -479,15 +501,7 @@ impl<'a, C: Communicator + ?Sized> Ctx<'a, C> {
                 if let Some(meta) = meta.as_deref_mut() {
                     let row = &mut meta[o * k..(o + 1) * k];
                     row.fill(RouteMeta::EMPTY);
-                    for (m, jj) in (0..k).filter(|&jj| t.dest[i * k + jj] as usize == d).enumerate() {
-                        let e = routing.ids[i * k + jj] as usize;
-                        let slot = a.local_slot(d, e).ok_or(Error::PlanMismatch {
-                            what: "expert without a slot on its compute rank",
-                            planned: d,
-                            found: e,
-                        })?;
-                        row[m] = RouteMeta { slot: slot as u32, weight: routing.weights[i * k + jj] };
-                    }
+                    row_routes(a, routing, t.dest, (i, d, k), |m, _, route| row[m] = route)?;
                 }
                 o += 1;
             }

@@ -4,8 +4,8 @@
 //! rows, weights and metadata entries. O(N·k) on the host, nothing N×H.
 
 use crate::config::Shape;
-use crate::cpu::{Tables, build_tables, check_call_shape, check_planned_counts};
-use crate::error::{Error, Result};
+use crate::cpu::{Tables, build_tables, check_call_shape, check_planned_counts, row_routes};
+use crate::error::Result;
 use crate::layer::Routing;
 use crate::plan::{GroupEntry, Plan, RouteMeta};
 
@@ -63,17 +63,11 @@ impl SendLists {
                 let o = out.tokens.len();
                 out.tokens.push(i as u32);
                 let mut row = vec![RouteMeta::EMPTY; k];
-                for (m, jj) in (0..k).filter(|&jj| t.dest[i * k + jj] as usize == d).enumerate() {
-                    let e = routing.ids[i * k + jj] as usize;
-                    let slot = a.local_slot(d, e).ok_or(Error::PlanMismatch {
-                        what: "expert without a slot on its compute rank",
-                        planned: d,
-                        found: e,
-                    })?;
-                    row[m] = RouteMeta { slot: slot as u32, weight: routing.weights[i * k + jj] };
+                row_routes(a, routing, &t.dest, (i, d, k), |m, jj, route| {
+                    row[m] = route;
                     out.dw_src.push((o * k + m) as u32);
                     out.dw_dst.push((i * k + jj) as u32);
-                }
+                })?;
                 out.meta.extend(row.iter().flat_map(|m| [m.slot, m.weight.to_bits()]));
             }
         }
