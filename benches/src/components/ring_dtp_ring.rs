@@ -10,6 +10,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use flatpeak_common::gemm::Threads;
 use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, PeakMeter, SplitMix64, relative_error};
 use ring_dtp::cpu::reference;
 use ring_dtp::ring::{self, RankInputs};
@@ -64,7 +65,9 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     let wt = rng.normal_f32(v * d, 0.0, 1.0 / (d as f32).sqrt());
     let targets: Vec<i64> = (0..n).map(|_| rng.below(v as u64) as i64).collect();
     let config = LinearCrossEntropy::default();
-    let options = RingOptions::with_budget(RING_BUDGET).ring(w.kind);
+    // The P ranks are threads sharing this machine's cores: each rank's GEMMs stay on its own
+    // thread (P GEMMs each splitting its tiles over every core would only contend for them).
+    let options = RingOptions::with_budget(RING_BUDGET).ring(w.kind).gemm_threads(Threads::Single);
     let plan = RingPlan::new(&config, (n, d, v), p, flatpeak_common::DType::F32, options)
         .map_err(|e| fail(e.to_string()))?;
     let group = LocalGroupOptions::default();

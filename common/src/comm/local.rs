@@ -203,7 +203,10 @@ impl LocalComm {
 
     /// Sends a copy of `data` to `peer`, in a buffer `peer` returned earlier when there is one.
     fn post(&self, peer: usize, op: Op, data: &[u8]) -> Result<()> {
-        let mut payload = self.spares[peer].try_recv().unwrap_or_default();
+        // An empty message (a barrier) needs no buffer: it must not take a spare, which its
+        // receiver would have no bytes to copy out of and so would never hand back.
+        let mut payload =
+            if data.is_empty() { Vec::new() } else { self.spares[peer].try_recv().unwrap_or_default() };
         payload.clear();
         payload.extend_from_slice(data);
         self.to[peer].send(Message { op, payload }).map_err(|_| self.lost(peer))
@@ -382,5 +385,18 @@ mod tests {
         // Barrier messages are empty and are not returned.
         b.recycle(0, Vec::new());
         assert!(a.spares[1].try_recv().is_err());
+    }
+
+    #[test]
+    fn a_barrier_leaves_the_spare_buffers_where_they_are() {
+        let mut ranks = LocalGroup::endpoints(2, LocalGroupOptions::default());
+        let (b, a) = (ranks.pop().unwrap(), ranks.pop().unwrap());
+        a.send_bytes(1, &[9u8; 256]).unwrap();
+        b.recv_bytes(0, &mut [0u8; 256]).unwrap(); // rank 0 now holds one spare for rank 1
+        let peer = std::thread::spawn(move || b.barrier().map(|()| b));
+        a.barrier().unwrap();
+        let _b = peer.join().unwrap().unwrap(); // kept alive until the spare is checked
+        let spare = a.spares[1].try_recv().expect("the barrier did not consume the spare");
+        assert!(spare.capacity() >= 256);
     }
 }

@@ -12,7 +12,7 @@
 //! block's shape, and partial results are combined in task order: bitwise identical for any
 //! thread count.
 
-use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, matmul};
+use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, Threads, matmul};
 use rayon::prelude::*;
 
 use crate::config::{LinearCrossEntropy, Softcap};
@@ -44,7 +44,18 @@ pub(crate) fn gemm(
     b: MatRef<'_, f32>,
     acc: Accumulate,
 ) -> Result<()> {
-    Ok(matmul(dst, a, b, MatmulOptions::with_accumulate(acc))?)
+    gemm_on(dst, a, b, acc, Threads::All)
+}
+
+/// [`gemm`] on the given threads (bitwise the same result for every choice).
+pub(crate) fn gemm_on(
+    dst: MatMut<'_, f32>,
+    a: MatRef<'_, f32>,
+    b: MatRef<'_, f32>,
+    acc: Accumulate,
+    threads: Threads,
+) -> Result<()> {
+    Ok(matmul(dst, a, b, MatmulOptions::with_accumulate(acc).threads(threads))?)
 }
 
 /// The resolved targets of rows `t0..t0 + out.len()` (global vocabulary ids, or [`NO_TARGET`]).
@@ -81,21 +92,23 @@ pub(crate) struct VocabBlock<'a> {
     pub vb: usize,
 }
 
-/// `logits (vb×c) = W_blk·X_blkᵀ`, then bias and softcap, in place.
+/// `logits (vb×c) = W_blk·X_blkᵀ` (the GEMM on `threads`), then bias and softcap, in place.
 pub(crate) fn form_logits(
     config: &LinearCrossEntropy,
     d: usize,
     tokens: TokenBlock<'_>,
     vocab: VocabBlock<'_>,
     logits: &mut [f32],
+    threads: Threads,
 ) -> Result<()> {
     let (c, vb) = (tokens.rows(), vocab.vb);
     let logits = &mut logits[..vb * c];
-    gemm(
+    gemm_on(
         MatMut::row_major(logits, vb, c)?,
         MatRef::row_major(&vocab.w[..vb * d], vb, d)?,
         MatRef::row_major(&tokens.x[..c * d], c, d)?.t(),
         Accumulate::Replace,
+        threads,
     )?;
     epilogue(config, vocab.bias, logits, (vb, c));
     Ok(())
@@ -397,13 +410,14 @@ pub(crate) struct BlockGrads<'a> {
 }
 
 /// `dX[rows] += Gᵀ·W_blk`, `dW[blk] += G·X_blk` and `dbias[blk] += G·1` for a `vb×c` gradient
-/// block G.
+/// block G, the GEMMs on `threads`.
 pub(crate) fn accumulate_grads(
     d: usize,
     g: &[f32],
     tokens: TokenBlock<'_>,
     vocab: VocabBlock<'_>,
     out: BlockGrads<'_>,
+    threads: Threads,
 ) -> Result<()> {
     let (c, vb) = (tokens.rows(), vocab.vb);
     if c == 0 || vb == 0 {
@@ -413,9 +427,9 @@ pub(crate) fn accumulate_grads(
     let g = &g[..vb * c];
     let g_mat = MatRef::row_major(g, vb, c)?;
     let w = MatRef::row_major(&vocab.w[..vb * d], vb, d)?;
-    gemm(MatMut::row_major(&mut dx_rows[..c * d], c, d)?, g_mat.t(), w, dx_mode)?;
+    gemm_on(MatMut::row_major(&mut dx_rows[..c * d], c, d)?, g_mat.t(), w, dx_mode, threads)?;
     let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
-    gemm(MatMut::row_major(&mut dw_blk[..vb * d], vb, d)?, g_mat, x, dw_mode)?;
+    gemm_on(MatMut::row_major(&mut dw_blk[..vb * d], vb, d)?, g_mat, x, dw_mode, threads)?;
     if let Some(db) = dbias_blk {
         row_sums(g, c, &mut db[..vb]);
     }

@@ -23,7 +23,7 @@ pub(crate) use block::{
 pub use block::{ROW_SCRATCH_BYTES, WIDEN_ROWS};
 
 use flatpeak_common::Workspace;
-use flatpeak_common::gemm::Accumulate;
+use flatpeak_common::gemm::{Accumulate, Threads};
 
 use crate::config::{LinearCrossEntropy, Reduction, Softcap};
 use crate::error::{Error, Result};
@@ -158,7 +158,7 @@ fn run(
                 Matrix::Bf16(_) => None,
             };
             match w_f32 {
-                Some(w) => form_logits(config, d, tokens, VocabBlock { w, bias, vb }, logits)?,
+                Some(w) => form_logits(config, d, tokens, VocabBlock { w, bias, vb }, logits, Threads::All)?,
                 None => form_logits_widening(config, d, tokens, (&inputs.w, v0, vb, bias), wblk, logits)?,
             }
             if let Some(st) = stats.as_mut() {
@@ -194,7 +194,9 @@ fn run(
                 dbias_blk: g.dbias.as_mut().map(|b| &mut b[v0..v0 + vb]),
             };
             match w_f32 {
-                Some(w) => accumulate_grads(d, logits, tokens, VocabBlock { w, bias, vb }, out)?,
+                Some(w) => {
+                    accumulate_grads(d, logits, tokens, VocabBlock { w, bias, vb }, out, Threads::All)?
+                }
                 None => accumulate_grads_widening(d, logits, tokens, (&inputs.w, v0, vb), wblk, out)?,
             }
         }

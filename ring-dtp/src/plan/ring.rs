@@ -24,6 +24,7 @@ use std::ops::Range;
 
 use flatpeak_common::DType;
 use flatpeak_common::arena::REGION_ALIGN;
+use flatpeak_common::gemm::Threads;
 
 use crate::config::LinearCrossEntropy;
 use crate::error::{Error, Result};
@@ -56,12 +57,17 @@ pub struct RingOptions {
     pub ring: RingChoice,
     /// Per-rank working-set budget in bytes (blocks, ring buffers, messages in flight).
     pub budget_bytes: usize,
+    /// Threads of each block GEMM on the CPU. [`Threads::Single`] suits ranks that are threads
+    /// of one process ([`LocalGroup`](flatpeak_common::LocalGroup)): the P ranks already fill
+    /// the cores, and P GEMMs each splitting its tiles over every core only contend for them.
+    /// Results are bitwise identical for every choice.
+    pub gemm_threads: Threads,
 }
 
 impl Default for RingOptions {
     /// Auto ring, 64 MiB per rank.
     fn default() -> Self {
-        Self { ring: RingChoice::Auto, budget_bytes: 64 << 20 }
+        Self { ring: RingChoice::Auto, budget_bytes: 64 << 20, gemm_threads: Threads::All }
     }
 }
 
@@ -73,6 +79,10 @@ impl RingOptions {
     /// These options with the ring forced.
     pub fn ring(self, kind: RingKind) -> Self {
         Self { ring: RingChoice::Force(kind), ..self }
+    }
+    /// These options with each block GEMM on `threads`.
+    pub fn gemm_threads(self, threads: Threads) -> Self {
+        Self { gemm_threads: threads, ..self }
     }
 }
 
@@ -92,6 +102,7 @@ pub struct RingPlan {
     kind: RingKind,
     token_block: usize,
     vocab_block: usize,
+    gemm_threads: Threads,
 }
 
 fn aligned(bytes: usize) -> usize {
@@ -121,7 +132,18 @@ impl RingPlan {
             RingChoice::Auto if rows < shard => RingKind::Activation,
             RingChoice::Auto => RingKind::Weight,
         };
-        let plan = |token_block, vocab_block| Self { world, n, d, v, dtype, kind, token_block, vocab_block };
+        let gemm_threads = options.gemm_threads;
+        let plan = |token_block, vocab_block| Self {
+            world,
+            n,
+            d,
+            v,
+            dtype,
+            kind,
+            token_block,
+            vocab_block,
+            gemm_threads,
+        };
         let vocab_blocks = || {
             std::iter::successors(Some(shard), |&vb| {
                 let next = if vb == shard { shard.next_power_of_two() / 2 } else { vb / 2 };
@@ -189,6 +211,10 @@ impl RingPlan {
     /// Vocabulary rows per block, Vb (the travelling sub-block of the weight ring).
     pub fn vocab_block(&self) -> usize {
         self.vocab_block
+    }
+    /// Threads of each block GEMM on the CPU (see [`RingOptions::gemm_threads`]).
+    pub fn gemm_threads(&self) -> Threads {
+        self.gemm_threads
     }
     /// Tokens per rank before clipping, ⌈N/P⌉.
     pub fn rows_per_rank(&self) -> usize {

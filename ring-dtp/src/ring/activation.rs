@@ -14,7 +14,7 @@ use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{DType, Workspace};
 
-use super::{Pass, Rank, as_matrix, elem_bytes, raw_rows};
+use super::{LinkCredit, Pass, Rank, as_matrix, elem_bytes, raw_rows};
 use crate::config::LinearCrossEntropy;
 use crate::cpu::{
     BlockGrads, StatsMut, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits,
@@ -85,6 +85,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
     let w_up = ws.take::<f32>(if bf16 { vbmax * d } else { 0 })?;
     let (mut cur, mut inc) = (Packet::carve(&ws, plan)?, Packet::carve(&ws, plan)?);
     let mut cols = crate::cpu::ColumnGrads::with_capacity(cb);
+    let mut credit = LinkCredit::default();
     for b in 0..plan.blocks() {
         for k in 0..p {
             let o = (r + p - k) % p;
@@ -111,6 +112,9 @@ pub(super) fn run<C: Communicator + ?Sized>(
                         cur.dx[..c * d].fill(0.0);
                     }
                 }
+            }
+            if p > 1 {
+                credit.before_send(comm)?;
             }
             if k + 1 < p {
                 comm.send(next, &cur.x[..e * c * d])?;
@@ -144,7 +148,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 let w = w_rows(&inputs.w, v0, v0 + vb, d, w_up);
                 let bias = inputs.bias.map(|bias| &bias[v0..v0 + vb]);
                 let vocab = VocabBlock { w, bias, vb };
-                form_logits(config, d, tokens, vocab, logits)?;
+                form_logits(config, d, tokens, vocab, logits, plan.gemm_threads())?;
                 match &mut pass {
                     Pass::Fold(_) => {
                         let st = StatsMut {
@@ -167,13 +171,14 @@ pub(super) fn run<C: Communicator + ?Sized>(
                             dw_mode: if first { Accumulate::Replace } else { Accumulate::Add },
                             dbias_blk: grads.dbias.as_mut().map(|db| &mut db[v0..v0 + vb]),
                         };
-                        accumulate_grads(d, logits, tokens, vocab, out)?;
+                        accumulate_grads(d, logits, tokens, vocab, out, plan.gemm_threads())?;
                     }
                 }
             }
             // The changing part moves on (after step P − 1: home).
             if p > 1 {
                 send_result(comm, next, &cur, c, d, backward)?;
+                credit.sent();
             }
             if k + 1 < p {
                 let c_in = plan.token_sub_block((o + p - 1) % p, b).len();
@@ -191,7 +196,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                     comm.recv(prev, st.target_logit)?;
                     comm.recv(prev, st.logit_sum)?;
                 }
-                comm.barrier()?;
+                credit.received(comm)?;
                 swap(&mut cur, &mut inc);
                 continue;
             }
@@ -223,11 +228,11 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 }
             }
             if p > 1 {
-                comm.barrier()?;
+                credit.received(comm)?;
             }
         }
     }
-    Ok(())
+    credit.finish(comm)
 }
 
 /// Sends the part of a packet a step changed: the statistics, or the dX accumulator.

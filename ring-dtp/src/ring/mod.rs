@@ -261,3 +261,44 @@ fn as_matrix(raw: &[u8], dtype: DType) -> Matrix<'_> {
         DType::Bf16 | DType::F16 => Matrix::Bf16(bytemuck::cast_slice(raw)),
     }
 }
+
+/// Flow control on the ring's links, in place of a barrier after every step: a rank posts a
+/// step's messages to `next` only once `next` has taken the previous step's (its empty
+/// acknowledgement has arrived), and acknowledges each step's messages from `prev` once it has
+/// taken them. At most one step's messages are in flight per link (the bound the plan counts),
+/// and a rank waits only for its neighbour, never for the slowest rank of the ring.
+///
+/// Every step in which a rank receives from `prev`, `prev` sent to it, and (the ring being
+/// symmetric) the rank sent to `next`: acknowledgements pair one to one with steps. With P = 2
+/// (`next == prev`) each rank's acknowledgement of step k precedes its messages of step k + 1 on
+/// the one link, which is the order the peer takes them in.
+#[derive(Debug, Default)]
+struct LinkCredit {
+    /// Messages this rank sent to `next` that `next` has not yet acknowledged.
+    awaiting: bool,
+}
+
+impl LinkCredit {
+    /// Before the first send of a step: waits until `next` has taken the previous step's.
+    fn before_send<C: Communicator + ?Sized>(&mut self, comm: &C) -> Result<()> {
+        if std::mem::take(&mut self.awaiting) {
+            comm.recv::<u8>(comm.next_rank(), &mut [])?;
+        }
+        Ok(())
+    }
+
+    /// After the last send of a step.
+    fn sent(&mut self) {
+        self.awaiting = true;
+    }
+
+    /// After taking a step's messages from `prev`.
+    fn received<C: Communicator + ?Sized>(&self, comm: &C) -> Result<()> {
+        Ok(comm.send::<u8>(comm.prev_rank(), &[])?)
+    }
+
+    /// At the end of a pass: takes the last acknowledgement, so no message outlives the pass.
+    fn finish<C: Communicator + ?Sized>(mut self, comm: &C) -> Result<()> {
+        self.before_send(comm)
+    }
+}

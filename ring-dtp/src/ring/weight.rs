@@ -12,7 +12,7 @@ use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{DType, Workspace};
 
-use super::{Pass, Rank, as_matrix, elem_bytes, raw_rows};
+use super::{LinkCredit, Pass, Rank, as_matrix, elem_bytes, raw_rows};
 use crate::config::LinearCrossEntropy;
 use crate::cpu::{
     BlockGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits, gradient,
@@ -61,6 +61,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
     let w_up = ws.take::<f32>(if plan.dtype() == DType::F32 { 0 } else { plan.vocab_block() * d })?;
     let (mut cur, mut inc) = (Slot::carve(&ws, plan)?, Slot::carve(&ws, plan)?);
     let mut cols = crate::cpu::ColumnGrads::with_capacity(cb);
+    let mut credit = LinkCredit::default();
     for j in 0..plan.blocks() {
         for k in 0..p {
             let s = (r + p - k) % p;
@@ -76,6 +77,10 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 cur.dw[..vb * d].fill(0.0);
                 cur.dbias[..vb].fill(0.0);
             }
+            let backward = matches!(pass, Pass::Grad { .. });
+            if k + 1 < p || (backward && p > 1) {
+                credit.before_send(comm)?;
+            }
             if k + 1 < p {
                 comm.send(next, &cur.w[..e * vb * d])?;
                 if has_bias {
@@ -89,7 +94,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 inputs.x.rows_f32(t0..t0 + c, d, xblk);
                 resolve_targets(config, inputs, t0, &mut targets[..c]);
                 let tokens = TokenBlock { x: &xblk[..c * d], targets: &targets[..c] };
-                form_logits(config, d, tokens, vocab, logits)?;
+                form_logits(config, d, tokens, vocab, logits, plan.gemm_threads())?;
                 match &mut pass {
                     Pass::Fold(stats) => {
                         fold(config, tokens, (rows.start, vb), logits, false, stats.rows_mut(t0, c))
@@ -108,7 +113,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                             dw_mode: Accumulate::Add,
                             dbias_blk: has_bias.then_some(&mut cur.dbias[..vb]),
                         };
-                        accumulate_grads(d, logits, tokens, vocab, out)?;
+                        accumulate_grads(d, logits, tokens, vocab, out, plan.gemm_threads())?;
                     }
                 }
             }
@@ -116,11 +121,12 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 // Forward: W only.
                 if k + 1 < p {
                     let vb_in = plan.vocab_sub_block((s + p - 1) % p, j).len();
+                    credit.sent();
                     comm.recv(prev, &mut inc.w[..e * vb_in * d])?;
                     if has_bias {
                         comm.recv(prev, &mut inc.bias[..vb_in])?;
                     }
-                    comm.barrier()?;
+                    credit.received(comm)?;
                     swap(&mut cur, &mut inc);
                 }
                 continue;
@@ -131,6 +137,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 if has_bias {
                     comm.send(next, &cur.dbias[..vb])?;
                 }
+                credit.sent();
             }
             if k + 1 < p {
                 let vb_in = plan.vocab_sub_block((s + p - 1) % p, j).len();
@@ -142,7 +149,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 if has_bias {
                     comm.recv(prev, &mut inc.dbias[..vb_in])?;
                 }
-                comm.barrier()?;
+                credit.received(comm)?;
                 swap(&mut cur, &mut inc);
                 continue;
             }
@@ -155,7 +162,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                 if let Some(db) = grads.dbias.as_mut() {
                     comm.recv(prev, &mut db[local])?;
                 }
-                comm.barrier()?;
+                credit.received(comm)?;
             } else {
                 dw_out.copy_from_slice(&cur.dw[..vb * d]);
                 if let Some(db) = grads.dbias.as_mut() {
@@ -164,5 +171,5 @@ pub(super) fn run<C: Communicator + ?Sized>(
             }
         }
     }
-    Ok(())
+    credit.finish(comm)
 }
