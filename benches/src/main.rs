@@ -194,19 +194,28 @@ fn report(components: &[String], files: ReportFiles, markdown: bool, device: Dev
     Ok(())
 }
 
-/// One glibc malloc arena for the whole process, set before any thread starts.
+/// One glibc malloc arena for the whole process, which keeps the memory it has faulted in, set
+/// before any thread starts.
 ///
 /// The llep rows run P rank threads on this machine's cores and report each rank's CPU time.
-/// With an arena per thread, which rank draws which arena changes run to run, and a rank whose
-/// arena keeps trimming and re-faulting its heap was measured 30–40% above its peers on
-/// identical work, which moved the makespan by whichever rank that was. With one arena every
-/// rank allocates alike; the few, large allocations of these steps make its lock cheap.
+/// - With an arena per thread, which rank draws which arena changes run to run, and a rank whose
+///   arena keeps trimming and re-faulting its heap was measured 30–40% above its peers on
+///   identical work, which moved the makespan by whichever rank that was. With one arena every
+///   rank allocates alike; the few, large allocations of these steps make its lock cheap.
+/// - Even with one arena, a step's outputs (megabytes each) came from fresh `mmap`s or a heap
+///   top that had just been trimmed, so whichever rank drew them paid the kernel's page
+///   zeroing inside its step: one rank 15% above the others for a whole run, a different one
+///   per scheme. Serving every allocation below 1 GiB from the heap and never trimming it makes
+///   a step reuse the pages of the previous one, as a device's caching allocator would. Peak
+///   bytes are counted by the counting allocator (bytes requested), which this does not change.
 fn one_malloc_arena() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets an allocator parameter; it runs before any other thread
-    // exists, so no allocation races with the change.
+    // SAFETY: mallopt only sets allocator parameters; it runs before any other thread exists,
+    // so no allocation races with the change.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 1);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
     }
 }
 

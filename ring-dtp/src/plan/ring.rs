@@ -304,8 +304,8 @@ impl RingPlan {
     }
 
     /// Bytes of messages in flight per rank: the CPU fallback's transport buffers each send
-    /// until the receiver takes it, and the ring keeps ranks in step (a barrier per step), so at
-    /// most one step's messages, plus `TRANSPORT_OVERHEAD` for the channel's own nodes (a
+    /// until the receiver takes it, and a rank posts a step's messages only after its neighbour
+    /// has acknowledged taking the previous step's, so at most one step's messages, plus `TRANSPORT_OVERHEAD` for the channel's own nodes (a
     /// rendezvous transport such as NCCL holds none).
     pub fn in_flight_bytes(&self) -> usize {
         if self.world == 1 { 0 } else { self.message_bytes() + TRANSPORT_OVERHEAD }
@@ -346,7 +346,7 @@ impl RingPlan {
 }
 
 /// Bytes the CPU fallback's channel allocates per ring step besides the payloads (list nodes,
-/// barrier tokens); measured well below this.
+/// empty acknowledgements); measured well below this.
 pub const TRANSPORT_OVERHEAD: usize = 16 << 10;
 
 #[cfg(test)]
