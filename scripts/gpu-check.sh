@@ -1,47 +1,106 @@
 #!/usr/bin/env bash
-# One prepared call for a machine with a CUDA GPU: build with --features cuda, run the tests
-# that need a device (ignored elsewhere), run the GPU benches and the report on cuda:0, and print
-# a short table last. Logs go to $OUT (or ./gpu-check-out) so they come back even on a timeout.
+# One prepared call for a machine with a CUDA GPU: run the tests that need a device (ignored
+# elsewhere) and the GPU benches on cuda:0, and print a short table last. Logs go to $OUT (or
+# ./gpu-check-out) so they come back even on a timeout.
 #     bash scripts/gpu-check.sh
+# With cargo on the machine it builds with `--features cuda` first. Without one (a GPU machine
+# with no Rust toolchain and no registry), run `scripts/gpu-bundle.sh` where cargo is, carry
+# .gpu-bundle/ along, and this script runs those executables (FLATPEAK_GPU_BUNDLE=1 forces it).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/gpu-check-out}"
 mkdir -p "$out"
 export CARGO_TERM_COLOR=never
+stage_limit="${FLATPEAK_GPU_STAGE_LIMIT:-300}" # seconds for one test or bench executable
 
-command -v cargo >/dev/null || { echo "gpu-check: cargo not found on this machine" >&2; exit 1; }
+command -v nvcc >/dev/null && nvcc --version | tail -n 2
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader \
   | tee "$out/gpu.txt"
-# NVRTC and the CUDA headers from pip when the machine has no toolkit (libcuda comes with the driver).
-if ! ldconfig -p | grep -q libnvrtc || [[ ! -f /usr/local/cuda/include/cuda_bf16.h ]]; then
+
+# cudarc loads libnvrtc, libcublas, libcublasLt and libnccl by their unversioned names (or
+# CUDA 12's `.so.12`). Where the machine has them only under another name (a CUDA 13 toolkit,
+# NVIDIA's pip wheels), link each one found under its plain name in a private folder.
+libs="$root/target/gpu-check-libs"
+mkdir -p "$libs"
+lib_dirs=()
+for lib in nvrtc cublas cublasLt nccl; do
+  if ldconfig -p | grep -q "lib$lib\.so "; then continue; fi
+  found=$(find /usr/local/cuda/lib64 /usr/local/cuda/targets/*/lib /usr/lib/x86_64-linux-gnu /opt \
+    /usr/local/lib -name "lib$lib.so*" ! -name '*builtins*' ! -name '*.alt.*' 2>/dev/null \
+    | head -1)
+  if [[ -n "$found" ]]; then
+    ln -sf "$found" "$libs/lib$lib.so"
+    lib_dirs+=("$(dirname "$found")")
+    echo "lib$lib.so -> $found"
+  fi
+done
+if [[ ${#lib_dirs[@]} -gt 0 ]]; then
+  export LD_LIBRARY_PATH="$libs:$(printf '%s:' "${lib_dirs[@]}")${LD_LIBRARY_PATH:-}"
+fi
+# Headers for NVRTC and ptxas for the compile check: the machine's toolkit, else the pip wheels.
+if [[ -f /usr/local/cuda/include/cuda_bf16.h ]] && command -v nvcc >/dev/null; then
+  export FLATPEAK_CUDA_INCLUDE=/usr/local/cuda/include
+  export FLATPEAK_PTXAS="$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)"
+elif [[ ! -f /usr/local/cuda/include/cuda_bf16.h ]] || ! ldconfig -p | grep -q libnvrtc; then
   eval "$(bash scripts/setup-nvrtc.sh)"
 fi
+export FLATPEAK_REQUIRE_NVRTC=1
+
+# `column` where the machine has it, else the rows as they are.
+table() { if command -v column >/dev/null; then column "$@"; else cat; fi; }
 
 status=()
 run_stage() { # name, command...
   local name=$1; shift
   local t0=$SECONDS
-  if "$@" >"$out/$name.log" 2>&1; then status+=("$name|ok|$((SECONDS - t0)) s"); else status+=("$name|FAILED|$((SECONDS - t0)) s"); fi
+  if timeout "$stage_limit" "$@" >"$out/$name.log" 2>&1; then
+    status+=("$name|ok|$((SECONDS - t0)) s")
+  else
+    status+=("$name|FAILED ($?)|$((SECONDS - t0)) s")
+  fi
 }
 
-run_stage build cargo build --release --workspace --all-targets --features cuda
-run_stage gpu-tests env FLATPEAK_REQUIRE_NVRTC=1 cargo test --release --workspace --features cuda -- --include-ignored
-run_stage gpu-benches cargo bench -p flatpeak-bench --features cuda -- cuda
-run_stage report cargo run --release -p flatpeak-bench --features cuda -- report --device cuda:0 --markdown --json "$out/report.json"
+bench_flags=(--warm-up-time 1 --measurement-time 3)
+if [[ "${FLATPEAK_GPU_BUNDLE:-}" == 1 ]] || ! command -v cargo >/dev/null; then
+  [[ -d .gpu-bundle/tests ]] || { echo "gpu-check: no cargo and no .gpu-bundle/ (run scripts/gpu-bundle.sh)" >&2; exit 1; }
+  echo "bundle built at commit $(cat .gpu-bundle/commit 2>/dev/null)"
+  for t in .gpu-bundle/tests/*; do
+    # The NVRTC compile check is not ignored (CI runs it): run it here against this toolkit too.
+    which=--ignored
+    [[ "$t" == *.nvrtc_compile ]] && which=--include-ignored
+    run_stage "test.$(basename "$t")" "$t" "$which" --test-threads 1
+  done
+  : >"$out/gpu-tests.log"
+  for t in .gpu-bundle/tests/*; do
+    echo "     Running $(basename "$t")" >>"$out/gpu-tests.log"
+    cat "$out/test.$(basename "$t").log" >>"$out/gpu-tests.log"
+  done
+  : >"$out/gpu-benches.log"
+  for b in .gpu-bundle/benches/*; do
+    run_stage "bench.$(basename "$b")" "$b" --bench cuda "${bench_flags[@]}"
+    cat "$out/bench.$(basename "$b").log" >>"$out/gpu-benches.log"
+  done
+else
+  run_stage build cargo build --release --workspace --all-targets --features cuda
+  run_stage gpu-tests cargo test --release --workspace --features cuda -- --ignored --test-threads 1
+  run_stage nvrtc-compile cargo test --release -p flatpeak-tests --features cuda --test nvrtc_compile
+  cat "$out/nvrtc-compile.log" >>"$out/gpu-tests.log"
+  run_stage gpu-benches cargo bench -p flatpeak-bench --features cuda -- cuda "${bench_flags[@]}"
+fi
 
 echo
 echo "== test binaries (passed / failed / ignored)"
 grep -E "^(     Running|test result)" "$out/gpu-tests.log" | paste - - \
   | sed -E 's/.*Running ([^ ]+).*ok\. ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored.*/\1 \2 \3 \4/; s/.*Running ([^ ]+).*FAILED\. ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored.*/\1 \2 \3 \4 FAILED/' \
-  | column -t
+  | table -t
+echo
+echo "== failures"
+grep -E "^test .* FAILED|panicked at|^Error|error:" "$out/gpu-tests.log" | head -40
 echo
 echo "== GPU benches"
-grep -E "^cuda/|time:|thrpt:" "$out/gpu-benches.log" | paste - - - 2>/dev/null | sed 's/  */ /g'
-echo
-echo "== report (cuda:0)"
-cat "$out/report.log"
+grep -E "^cuda|time:|thrpt:|GEMMs|per .*M bucket" "$out/gpu-benches.log" | sed 's/  */ /g'
 echo
 echo "== stages"
-printf '%s\n' "${status[@]}" | column -t -s '|'
+printf '%s\n' "${status[@]}" | table -t -s '|'
 printf '%s\n' "${status[@]}" | grep -q FAILED && exit 1 || exit 0

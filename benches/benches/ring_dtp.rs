@@ -63,15 +63,37 @@ fn rings(c: &mut Criterion) {
     group.finish();
 }
 
-/// On a GPU host: forward + backward at N = 8192, D = 1024, V = 32768 (f32) through the device
-/// schedule: vocabulary blocks within an 8 MiB budget against 1024-token blocks over the whole
-/// vocabulary (a 128 MiB logits block), same kernels and cuBLAS: what blocking costs on a GPU.
+/// On a GPU host, at N = 8192, D = 1024, V = 32768 (f32): cuBLAS SGEMM at 8192³ (the device's
+/// GEMM ceiling), then forward + backward through the device schedule at several working-set
+/// budgets — vocabulary blocks (4 GEMMs) at 8 and 64 MiB, one 1024-token block over the whole
+/// vocabulary (128 MiB of logits) called as forward then backward (4 GEMMs) and fused (3 GEMMs).
+/// Throughput is in GEMM FLOPs per second, so each row's ratio to the probe is its
+/// `gemm_efficiency` on this device.
 #[cfg(feature = "cuda")]
 fn cuda_blocked_vs_one_block(c: &mut Criterion) {
+    use criterion::Throughput;
+    use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
     use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
     if !flatpeak_common::cuda_available() {
         eprintln!("cuda_blocked_vs_one_block: skipped, no CUDA device");
         return;
+    }
+    let probe = 8192usize;
+    {
+        let ctx = flatpeak_common::cuda::context(0).expect("device");
+        let s = ctx.default_stream();
+        let blas = CudaBlas::new(s.clone()).expect("cublas");
+        let a = s.clone_htod(&SplitMix64::new(9).normal_f32(probe * probe, 0.0, 1.0)).expect("a");
+        let mut out = s.alloc_zeros::<f32>(probe * probe).expect("c");
+        let mut group = c.benchmark_group("cuda/sgemm_probe");
+        group.sample_size(10).throughput(Throughput::Elements(2 * (probe as u64).pow(3)));
+        group.bench_function("sgemm_8192", |b| {
+            b.iter(|| {
+                flatpeak_common::cuda::sgemm_square(&blas, probe, (&a, &a), &mut out).expect("sgemm");
+                s.synchronize().expect("sync");
+            })
+        });
+        group.finish();
     }
     let (n, d, v) = (8192usize, 1024usize, 32768usize);
     let mut rng = SplitMix64::new(5);
@@ -79,9 +101,20 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
     let w = rng.normal_f32(v * d, 0.0, 1.0 / (d as f32).sqrt());
     let targets: Vec<i64> = (0..n).map(|_| rng.below(v as u64) as i64).collect();
     let config = LinearCrossEntropy::default();
+    let gemm_flops = 2 * (n * d * v) as u64;
     let mut group = c.benchmark_group("cuda/ring_dtp_N8192_D1024_V32768_f32");
     group.sample_size(10);
-    for (name, budget) in [("blocked_8MiB", 8usize << 20), ("full_vocab_128MiB", 160 << 20)] {
+    #[derive(Clone, Copy)]
+    enum Call {
+        Separate,
+        Fused,
+    }
+    for (name, budget, call) in [
+        ("blocked_8MiB", 8usize << 20, Call::Separate),
+        ("blocked_64MiB", 64 << 20, Call::Separate),
+        ("full_vocab_160MiB", 160 << 20, Call::Separate),
+        ("full_vocab_160MiB_fused", 160 << 20, Call::Fused),
+    ] {
         let plan = Plan::new(&config, n, d, v, DType::F32, budget).expect("plan");
         let mut lce = CudaLinearCrossEntropy::new(config, plan, 0).expect("device");
         let s = lce.stream().clone();
@@ -97,10 +130,25 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
             d,
             v,
         };
+        let gemms = match call {
+            Call::Fused if plan.schedule() == ring_dtp::Schedule::FullVocab => 3,
+            _ => 4,
+        };
+        eprintln!(
+            "{name}: token block {} x vocabulary block {}, {gemms} GEMMs",
+            plan.token_block(),
+            plan.vocab_block()
+        );
+        group.throughput(Throughput::Elements(gemms * gemm_flops));
         group.bench_function(name, |b| {
             b.iter(|| {
-                let f = lce.forward(&inputs).expect("forward");
-                let g = lce.backward(&inputs, &f, GradOutput::Scalar(1.0), None).expect("backward");
+                let g = match call {
+                    Call::Separate => {
+                        let f = lce.forward(&inputs).expect("forward");
+                        lce.backward(&inputs, &f, GradOutput::Scalar(1.0), None).expect("backward")
+                    }
+                    Call::Fused => lce.forward_backward(&inputs, GradOutput::Scalar(1.0)).expect("fused").1,
+                };
                 s.synchronize().expect("sync");
                 g
             })

@@ -211,3 +211,43 @@ pub fn cast_f32_to_bf16(
         .map_err(driver_error("cuLaunchKernel(cast_f32_to_bf16)"))?;
     Ok(())
 }
+
+/// `c = a·b` for `n×n` f32 matrices with cuBLAS SGEMM on `blas`'s stream, in cuBLAS's default
+/// math mode (true f32, no TF32): the device's GEMM rate probe, the ceiling `gemm_efficiency`
+/// is measured against on a GPU (2n³ FLOPs per call).
+pub fn sgemm_square(
+    blas: &cudarc::cublas::CudaBlas,
+    n: usize,
+    (a, b): (&CudaSlice<f32>, &CudaSlice<f32>),
+    c: &mut CudaSlice<f32>,
+) -> Result<()> {
+    use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
+    use cudarc::cublas::{Gemm, GemmConfig};
+    for (what, len) in [("sgemm a (n·n)", a.len()), ("sgemm b (n·n)", b.len()), ("sgemm c (n·n)", c.len())]
+    {
+        if len != n * n {
+            return Err(Error::ShapeMismatch { what, expected: n * n, found: len });
+        }
+    }
+    let n32 = i32::try_from(n).map_err(|_| Error::ShapeMismatch {
+        what: "sgemm n (i32)",
+        expected: i32::MAX as usize,
+        found: n,
+    })?;
+    let cfg = GemmConfig {
+        transa: CUBLAS_OP_N,
+        transb: CUBLAS_OP_N,
+        m: n32,
+        n: n32,
+        k: n32,
+        alpha: 1.0f32,
+        lda: n32,
+        ldb: n32,
+        beta: 0.0f32,
+        ldc: n32,
+    };
+    // SAFETY: a, b and c each hold exactly n·n floats (checked above), the column-major extents
+    // of an n×n×n product with leading dimensions n; all three belong to `blas`'s context.
+    unsafe { blas.gemm(cfg, a, b, c) }
+        .map_err(|e| Error::Cuda { op: "cublasSgemm", message: format!("{e:?}") })
+}

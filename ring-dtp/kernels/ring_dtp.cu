@@ -111,6 +111,15 @@ extern "C" __global__ void lce_fold(const float* __restrict__ logits, unsigned v
     }
 }
 
+// lse[k] = float(M_k + ln S_k) in f64 from a token block's finished statistics (grid-stride over
+// the block's rows): the fused forward + backward pass needs it before the gradient kernel.
+extern "C" __global__ void lce_row_lse(const float* __restrict__ row_max, const double* __restrict__ row_sum,
+                                       float* __restrict__ lse, unsigned rows) {
+    for (unsigned k = blockIdx.x * blockDim.x + threadIdx.x; k < rows; k += gridDim.x * blockDim.x) {
+        lse[k] = (float)((double)row_max[k] + log(row_sum[k]));
+    }
+}
+
 // Turns a raw logits block into the logit gradient in place (block b = row k, grid = C):
 // with p = e^(z − lse), c the row's scale, zm = 2λ·lse·c + dlse, b = c·α/V, t = c·((1−α) + α/V):
 // G = (c·p − b + zm·p)·f(z) off the target and ((c·p − t) + zm·p)·f(z) at it, f the softcap

@@ -13,7 +13,7 @@ use crate::cpu::{self, Stats, gemm};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
 use crate::kernels::{LINEAR_THREADS, NO_TARGET, softcap_arg};
-use crate::plan::Plan;
+use crate::plan::{self, Plan};
 
 mod ffi {
     unsafe extern "C" {
@@ -54,6 +54,7 @@ mod ffi {
             lambda: f32,
             vocab: u64,
         );
+        pub fn lce_row_lse(row_max: *const f32, row_sum: *const f64, lse: *mut f32, rows: u32);
         pub fn lce_bias_grad(g: *const f32, rows: u32, vb: u32, dbias: *mut f32);
         pub fn lce_widen_bf16(x: *const half::bf16, out: *mut f32, n: u64);
     }
@@ -277,6 +278,29 @@ fn gradient_block(config: &LinearCrossEntropy, b: Block<'_>, rows: RowGrad<'_>) 
     Ok(())
 }
 
+/// `lse[k] = M_k + ln S_k` of a token block's finished statistics (`lce_row_lse`).
+fn row_lse(stats: &Stats, t0: usize, lse: &mut [f32]) -> Result<()> {
+    let rows = lse.len();
+    let cfg =
+        EmuLaunchConfig::linear(grid_stride_blocks(rows, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    let (max, sum) = (&stats.max[t0..t0 + rows], &stats.sum[t0..t0 + rows]);
+    let mut state = lse.to_vec();
+    race_checked(
+        "lce_row_lse",
+        &mut state,
+        |s| bytes_of(&[s]),
+        |schedule, out| {
+            let out = out.as_mut_ptr();
+            // SAFETY: `max`, `sum` and `out` hold `rows` entries; thread k touches row k only.
+            let call = || unsafe { ffi::lce_row_lse(max.as_ptr(), sum.as_ptr(), out, rows as u32) };
+            // SAFETY: see `call`; LINEAR_THREADS is a multiple of 32.
+            unsafe { launch("lce_row_lse", &cfg, schedule, &call) }.map_err(Error::from)
+        },
+    )?;
+    lse.copy_from_slice(&state);
+    Ok(())
+}
+
 fn bias_grad(g: &[f32], (c, vb): (usize, usize), dbias: &mut [f32]) -> Result<()> {
     let cfg = EmuLaunchConfig::linear(grid_stride_blocks(vb, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
     let mut state = dbias[..vb].to_vec();
@@ -400,28 +424,73 @@ pub fn backward(
             };
             let block = Block { logits: &mut buf.logits, targets: &targets[t0..t0 + c], bias, v0, vb };
             gradient_block(config, block, rows)?;
-            let g = MatRef::row_major(&buf.logits[..c * vb], c, vb)?;
-            let w_blk = MatRef::row_major(&buf.w[..vb * d], vb, d)?;
-            gemm(MatMut::row_major(&mut grads.dx[t0 * d..(t0 + c) * d], c, d)?, g, w_blk, Accumulate::Add)?;
-            let x_blk = MatRef::row_major(&buf.x[..c * d], c, d)?;
-            let dw = MatMut::row_major(&mut grads.dw[v0 * d..(v0 + vb) * d], vb, d)?;
-            gemm(dw, g.t(), x_blk, Accumulate::Add)?;
-            if let Some(db) = grads.dbias.as_mut() {
-                bias_grad(&buf.logits, (c, vb), &mut db[v0..v0 + vb])?;
-            }
+            project_block(&buf, (t0, c, v0, vb, d), &mut grads)?;
         }
     }
     Ok(grads)
 }
 
-/// `forward`, then `backward` with `grad` (4 GEMMs, as on the device).
+/// `dX_rows += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel, G being the
+/// gradient block in `buf.logits`.
+fn project_block(
+    buf: &Buffers,
+    (t0, c, v0, vb, d): (usize, usize, usize, usize, usize),
+    grads: &mut Gradients,
+) -> Result<()> {
+    let g = MatRef::row_major(&buf.logits[..c * vb], c, vb)?;
+    let w_blk = MatRef::row_major(&buf.w[..vb * d], vb, d)?;
+    gemm(MatMut::row_major(&mut grads.dx[t0 * d..(t0 + c) * d], c, d)?, g, w_blk, Accumulate::Add)?;
+    let x_blk = MatRef::row_major(&buf.x[..c * d], c, d)?;
+    let dw = MatMut::row_major(&mut grads.dw[v0 * d..(v0 + vb) * d], vb, d)?;
+    gemm(dw, g.t(), x_blk, Accumulate::Add)?;
+    if let Some(db) = grads.dbias.as_mut() {
+        bias_grad(&buf.logits, (c, vb), &mut db[v0..v0 + vb])?;
+    }
+    Ok(())
+}
+
+/// Forward and backward in one pass, as on the device: on [`plan::Schedule::FullVocab`] each token
+/// block's logits are folded, `lce_row_lse` finishes the rows, and the same block becomes G
+/// (3 GEMMs); on the blocked schedule, `forward` then `backward` (4 GEMMs).
 pub fn forward_backward(
     config: &LinearCrossEntropy,
     plan: &Plan,
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
-    let fwd = forward(config, plan, inputs)?;
-    let grads = backward(config, plan, inputs, &fwd, grad, None)?;
-    Ok((fwd, grads))
+    if plan.schedule() == plan::Schedule::VocabBlocked {
+        let fwd = forward(config, plan, inputs)?;
+        let grads = backward(config, plan, inputs, &fwd, grad, None)?;
+        return Ok((fwd, grads));
+    }
+    let targets = check(config, plan, inputs)?;
+    let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+    let coef = cpu::coefficients(config, inputs, grad, inputs.valid_weight(config))?;
+    let mut buf = Buffers::new(plan);
+    let mut stats = Stats::new(n);
+    let mut lse = vec![0.0f32; n];
+    let mut grads =
+        Gradients { dx: vec![0.0; n * d], dw: vec![0.0; v * d], dbias: inputs.bias.map(|_| vec![0.0; v]) };
+    widen_rows(&inputs.w, 0..v, d, &mut buf.w)?;
+    let cb = plan.token_block();
+    for t0 in (0..n).step_by(cb.max(1)) {
+        let c = cb.min(n - t0);
+        widen_rows(&inputs.x, t0..t0 + c, d, &mut buf.x)?;
+        raw_logits(&buf.x, &buf.w, (c, v, d), &mut buf.logits)?;
+        let block =
+            Block { logits: &mut buf.logits, targets: &targets[t0..t0 + c], bias: inputs.bias, v0: 0, vb: v };
+        fold_block(config, block, &mut stats, t0)?;
+        row_lse(&stats, t0, &mut lse[t0..t0 + c])?;
+        let rows = RowGrad { coef: &coef[t0..t0 + c], lse: &lse[t0..t0 + c], dlse: None, vocab: v };
+        let block =
+            Block { logits: &mut buf.logits, targets: &targets[t0..t0 + c], bias: inputs.bias, v0: 0, vb: v };
+        gradient_block(config, block, rows)?;
+        project_block(&buf, (t0, c, 0, v, d), &mut grads)?;
+    }
+    let (per_token, lse) = cpu::per_token_losses(config, inputs, v, &stats);
+    let total: f64 = per_token.iter().map(|&x| x as f64).sum();
+    Ok((
+        Forward { loss: cpu::reduce_loss(config, per_token, total, inputs.valid_weight(config)), lse },
+        grads,
+    ))
 }

@@ -8,7 +8,14 @@ use flatpeak_common::kernels::{BLOCK_REDUCE, KernelSource};
 pub const RING_DTP: KernelSource = KernelSource {
     name: "ring_dtp",
     source: include_str!("../kernels/ring_dtp.cu"),
-    entry_points: &["lce_resolve_targets", "lce_fold", "lce_gradient", "lce_bias_grad", "lce_widen_bf16"],
+    entry_points: &[
+        "lce_resolve_targets",
+        "lce_fold",
+        "lce_row_lse",
+        "lce_gradient",
+        "lce_bias_grad",
+        "lce_widen_bf16",
+    ],
     headers: &[BLOCK_REDUCE],
 };
 

@@ -295,20 +295,42 @@ fn run_on(
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<(ring_dtp::Forward, ring_dtp::Gradients), Error> {
-    match backend {
-        Backend::Cpu => {
+    run_pass_on(backend, (config, plan), inp, grad, Pass::Separate { dlse })
+}
+
+/// How forward and backward are called.
+#[derive(Debug, Clone, Copy)]
+enum Pass<'a> {
+    /// `forward`, then `backward` with an optional upstream gradient of the lse.
+    Separate { dlse: Option<&'a [f32]> },
+    /// `forward_backward` (the loss is the last op).
+    Fused,
+}
+
+fn run_pass_on(
+    backend: Backend,
+    (config, plan): (&LinearCrossEntropy, &Plan),
+    inp: &Inputs<'_>,
+    grad: GradOutput<'_>,
+    pass: Pass<'_>,
+) -> Result<(ring_dtp::Forward, ring_dtp::Gradients), Error> {
+    match (backend, pass) {
+        (Backend::Cpu, Pass::Fused) => cpu::forward_backward(config, plan, inp, grad),
+        (Backend::Cpu, Pass::Separate { dlse }) => {
             let f = cpu::forward(config, plan, inp)?;
             let g = cpu::backward(config, plan, inp, &f, grad, dlse)?;
             Ok((f, g))
         }
         #[cfg(feature = "cuda-emu")]
-        Backend::CudaEmu => {
+        (Backend::CudaEmu, Pass::Fused) => ring_dtp::emu::forward_backward(config, plan, inp, grad),
+        #[cfg(feature = "cuda-emu")]
+        (Backend::CudaEmu, Pass::Separate { dlse }) => {
             let f = ring_dtp::emu::forward(config, plan, inp)?;
             let g = ring_dtp::emu::backward(config, plan, inp, &f, grad, dlse)?;
             Ok((f, g))
         }
         #[cfg(feature = "cuda")]
-        Backend::Cuda => cuda_run(config, plan, inp, grad, dlse),
+        (Backend::Cuda, pass) => cuda_run(config, plan, inp, grad, pass),
         #[allow(unreachable_patterns)]
         other => panic!("{other:?} is not built in"),
     }
@@ -320,7 +342,7 @@ fn cuda_run(
     plan: &Plan,
     inp: &Inputs<'_>,
     grad: GradOutput<'_>,
-    dlse: Option<&[f32]>,
+    pass: Pass<'_>,
 ) -> Result<(ring_dtp::Forward, ring_dtp::Gradients), Error> {
     use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
     let mut lce = CudaLinearCrossEntropy::new(*config, *plan, 0)?;
@@ -351,8 +373,14 @@ fn cuda_run(
         d: inp.d,
         v: inp.v,
     };
-    let f = lce.forward(&dev)?;
-    let g = lce.backward(&dev, &f, grad, dlse)?;
+    let (f, g) = match pass {
+        Pass::Separate { dlse } => {
+            let f = lce.forward(&dev)?;
+            let g = lce.backward(&dev, &f, grad, dlse)?;
+            (f, g)
+        }
+        Pass::Fused => lce.forward_backward(&dev, grad)?,
+    };
     let down = |d: &flatpeak_common::cuda::cudarc::driver::CudaSlice<f32>| s.clone_dtoh(d).map_err(up);
     let grads = ring_dtp::Gradients {
         dx: down(&g.dx)?,
@@ -407,3 +435,46 @@ fn device_schedule_matches_the_reference(backend: Backend) {
 }
 
 flatpeak_common::test_backends!(device_schedule, device_schedule_matches_the_reference, cpu_gemm);
+
+/// The fused forward + backward (3 GEMMs: each token block's full-vocabulary logits folded,
+/// finished and differentiated in place) against the f64 reference on ragged shapes, every
+/// feature on and off, f32 and bf16, several token blocks.
+fn fused_schedule_matches_the_reference(backend: Backend) {
+    for (n, v, d, seed) in [(45usize, 131usize, 24usize, 31u64), (33, 67, 16, 32)] {
+        let c = make_case(n, d, v, seed, 0.2, (true, true, false));
+        let mut all = LinearCrossEntropy::with_reduction(Reduction::None);
+        (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
+        for config in [all, LinearCrossEntropy::default()] {
+            for dtype in [DType::F32, DType::Bf16] {
+                let (xb, wb): (Vec<bf16>, Vec<bf16>) = (
+                    c.x.iter().map(|&a| bf16::from_f32(a)).collect(),
+                    c.w.iter().map(|&a| bf16::from_f32(a)).collect(),
+                );
+                let (x, w) = match dtype {
+                    DType::Bf16 => (Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
+                    _ => (Matrix::F32(&c.x), Matrix::F32(&c.w)),
+                };
+                let inp = inputs(&c, x, w);
+                // The smallest budget whose plan is one pass over the whole vocabulary: several
+                // token blocks for f32 (for bf16 the widened W dominates, so the plan's first
+                // full-vocabulary choice holds every token).
+                let plan = (1..)
+                    .map(|step| Plan::new(&config, n, d, v, dtype, step * 64))
+                    .find(|p| p.as_ref().is_ok_and(|p| p.schedule() == Schedule::FullVocab))
+                    .expect("some budget")
+                    .expect("plan");
+                assert!(dtype == DType::Bf16 || plan.token_block() <= 32, "{plan:?}");
+                let grad = grad_of(&config, &c);
+                let r = reference::run(&inp, &config, grad, None);
+                let (f, g) = run_pass_on(backend, (&config, &plan), &inp, grad, Pass::Fused).expect("runs");
+                check_loss(&config, &f.loss, &r).unwrap();
+                check("lse", &f.lse, &r.lse).unwrap();
+                check_scaled("dx", &g.dx, &r.dx, &r.dx_scale).unwrap();
+                check_scaled("dw", &g.dw, &r.dw, &r.dw_scale).unwrap();
+                check_scaled("dbias", g.dbias.as_ref().unwrap(), &r.dbias, &r.dbias_scale).unwrap();
+            }
+        }
+    }
+}
+
+flatpeak_common::test_backends!(fused_schedule, fused_schedule_matches_the_reference, cpu_gemm);

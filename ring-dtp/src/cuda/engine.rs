@@ -284,6 +284,29 @@ impl Engine {
         Ok(())
     }
 
+    /// `lse[k] = M_k + ln S_k` of a token block's finished statistics (`lce_row_lse`).
+    pub fn row_lse(
+        &self,
+        max: &CudaView<'_, f32>,
+        sum: &CudaView<'_, f64>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let rows = lse.len();
+        need("max (rows)", rows, max.len())?;
+        need("sum (rows)", rows, sum.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.cache.function(&RING_DTP, "lce_row_lse")?;
+        let rows32 = rows as u32;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(max).arg(sum).arg(&mut *lse).arg(&rows32);
+        // SAFETY: `lce_row_lse(const float*, const double*, float*, u32)` matches; thread k reads
+        // max[k] and sum[k] and writes lse[k] for k < rows, each at least `rows` long (checked).
+        unsafe { l.launch(linear(rows, 1024)) }.map_err(cuda("cuLaunchKernel(lce_row_lse)"))?;
+        Ok(())
+    }
+
     /// Turns a raw logits block into its gradient in place (`lce_gradient`, one block per row).
     pub fn gradient(
         &self,
