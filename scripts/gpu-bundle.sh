@@ -27,7 +27,7 @@ for line in sys.stdin:
 '
 }
 
-cargo test --release --workspace --features cuda --no-run --message-format=json 2>/dev/null \
+cargo test --release --workspace --features cuda --no-run --message-format=json \
   | executables | while read -r kind name path; do
     # Plain-`main` test binaries (harness = false) measure host peaks and take no libtest flags.
     # Examples are programs, not test harnesses.
@@ -35,7 +35,7 @@ cargo test --release --workspace --features cuda --no-run --message-format=json 
     case "$name" in *.peak_meter | *.stream_adamw_peak | *.ring_dtp_peak) continue ;; esac
     cp "$path" "$bundle/tests/$name"
   done
-cargo bench -p flatpeak-bench --features cuda --no-run --message-format=json 2>/dev/null \
+cargo bench -p flatpeak-bench --features cuda --no-run --message-format=json \
   | executables | while read -r kind name path; do
     [[ "$kind" == bench ]] && cp "$path" "$bundle/benches/$name"
   done

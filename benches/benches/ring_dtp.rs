@@ -63,16 +63,18 @@ fn rings(c: &mut Criterion) {
     group.finish();
 }
 
-/// On a GPU host, at N = 8192, D = 1024, V = 32768 (f32): cuBLAS SGEMM at 8192³ (the device's
-/// GEMM ceiling), then forward + backward through the device schedule at several working-set
-/// budgets — vocabulary blocks (4 GEMMs) at 8 and 64 MiB, one 1024-token block over the whole
-/// vocabulary (128 MiB of logits) called as forward then backward (4 GEMMs) and fused (3 GEMMs).
-/// Throughput is in GEMM FLOPs per second, so each row's ratio to the probe is its
-/// `gemm_efficiency` on this device.
+/// On a GPU host, at N = 8192, D = 1024, V = 32768: cuBLAS SGEMM at 8192³ (the device's GEMM
+/// ceiling), then forward + backward through the device schedule at several block shapes — all
+/// 8192 tokens over the whole vocabulary (the materialized-logits shape, 1 GiB, gradient in
+/// place), 1024 and 256 tokens over the whole vocabulary (fused: 3 GEMMs; also 1024 called as
+/// forward then backward: 4 GEMMs; and with bf16 inputs), and vocabulary blocks within an 8 MiB
+/// budget (4 GEMMs). Throughput is in GEMM FLOPs per second, so each row's ratio to the probe is
+/// its `gemm_efficiency` on this device; each row prints its plan's block bytes.
 #[cfg(feature = "cuda")]
 fn cuda_blocked_vs_one_block(c: &mut Criterion) {
     use criterion::Throughput;
     use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
+    use half::bf16;
     use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
     if !flatpeak_common::cuda_available() {
         eprintln!("cuda_blocked_vs_one_block: skipped, no CUDA device");
@@ -99,45 +101,47 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
     let mut rng = SplitMix64::new(5);
     let x = rng.normal_f32(n * d, 0.0, 1.0);
     let w = rng.normal_f32(v * d, 0.0, 1.0 / (d as f32).sqrt());
+    let (xh, wh): (Vec<bf16>, Vec<bf16>) =
+        (x.iter().map(|&a| bf16::from_f32(a)).collect(), w.iter().map(|&a| bf16::from_f32(a)).collect());
     let targets: Vec<i64> = (0..n).map(|_| rng.below(v as u64) as i64).collect();
     let config = LinearCrossEntropy::default();
     let gemm_flops = 2 * (n * d * v) as u64;
-    let mut group = c.benchmark_group("cuda/ring_dtp_N8192_D1024_V32768_f32");
+    let mut group = c.benchmark_group("cuda/ring_dtp_N8192_D1024_V32768");
     group.sample_size(10);
-    #[derive(Clone, Copy)]
+    #[derive(Clone, Copy, PartialEq)]
     enum Call {
         Separate,
         Fused,
     }
-    for (name, budget, call) in [
-        ("blocked_8MiB", 8usize << 20, Call::Separate),
-        ("blocked_64MiB", 64 << 20, Call::Separate),
-        ("full_vocab_160MiB", 160 << 20, Call::Separate),
-        ("full_vocab_160MiB_fused", 160 << 20, Call::Fused),
+    let blocks =
+        |c: usize, vb: usize, dtype| Plan::with_blocks(&config, (n, d, v), dtype, (c, vb)).expect("plan");
+    let budget = |bytes: usize| Plan::new(&config, n, d, v, DType::F32, bytes).expect("plan");
+    for (name, plan, call) in [
+        ("f32_materialized_8192_tokens_fused", blocks(n, v, DType::F32), Call::Fused),
+        ("f32_1024_tokens_fused", blocks(1024, v, DType::F32), Call::Fused),
+        ("f32_1024_tokens_separate", blocks(1024, v, DType::F32), Call::Separate),
+        ("f32_256_tokens_fused", blocks(256, v, DType::F32), Call::Fused),
+        ("f32_budget_8MiB_separate", budget(8 << 20), Call::Separate),
+        ("bf16_1024_tokens_fused", blocks(1024, v, DType::Bf16), Call::Fused),
     ] {
-        let plan = Plan::new(&config, n, d, v, DType::F32, budget).expect("plan");
         let mut lce = CudaLinearCrossEntropy::new(config, plan, 0).expect("device");
         let s = lce.stream().clone();
-        let (xd, wd, td) =
-            (s.clone_htod(&x).expect("x"), s.clone_htod(&w).expect("w"), s.clone_htod(&targets).expect("t"));
-        let inputs = DeviceInputs {
-            x: DeviceMatrix::F32(&xd),
-            w: DeviceMatrix::F32(&wd),
-            bias: None,
-            targets: &td,
-            weights: None,
-            n,
-            d,
-            v,
+        let td = s.clone_htod(&targets).expect("t");
+        let (xf, wf, xb, wb);
+        let (xm, wm) = if plan.dtype() == DType::F32 {
+            (xf, wf) = (s.clone_htod(&x).expect("x"), s.clone_htod(&w).expect("w"));
+            (DeviceMatrix::F32(&xf), DeviceMatrix::F32(&wf))
+        } else {
+            (xb, wb) = (s.clone_htod(&xh).expect("x"), s.clone_htod(&wh).expect("w"));
+            (DeviceMatrix::Bf16(&xb), DeviceMatrix::Bf16(&wb))
         };
-        let gemms = match call {
-            Call::Fused if plan.schedule() == ring_dtp::Schedule::FullVocab => 3,
-            _ => 4,
-        };
+        let inputs = DeviceInputs { x: xm, w: wm, bias: None, targets: &td, weights: None, n, d, v };
+        let gemms = if call == Call::Fused { plan.gemms_fused() as u64 } else { 4 };
         eprintln!(
-            "{name}: token block {} x vocabulary block {}, {gemms} GEMMs",
+            "{name}: {} tokens x {} vocabulary rows, {gemms} GEMMs, blocks {:.1} MiB",
             plan.token_block(),
-            plan.vocab_block()
+            plan.vocab_block(),
+            plan.workspace_bytes() as f64 / (1 << 20) as f64
         );
         group.throughput(Throughput::Elements(gemms * gemm_flops));
         group.bench_function(name, |b| {

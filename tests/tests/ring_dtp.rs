@@ -464,14 +464,20 @@ fn fused_schedule_matches_the_reference(backend: Backend) {
                     .expect("some budget")
                     .expect("plan");
                 assert!(dtype == DType::Bf16 || plan.token_block() <= 32, "{plan:?}");
+                // And explicit blocks: 7 tokens (a ragged last block) over the whole vocabulary.
+                let explicit = Plan::with_blocks(&config, (n, d, v), dtype, (7, usize::MAX)).expect("plan");
+                assert_eq!(explicit.schedule(), Schedule::FullVocab);
                 let grad = grad_of(&config, &c);
                 let r = reference::run(&inp, &config, grad, None);
-                let (f, g) = run_pass_on(backend, (&config, &plan), &inp, grad, Pass::Fused).expect("runs");
-                check_loss(&config, &f.loss, &r).unwrap();
-                check("lse", &f.lse, &r.lse).unwrap();
-                check_scaled("dx", &g.dx, &r.dx, &r.dx_scale).unwrap();
-                check_scaled("dw", &g.dw, &r.dw, &r.dw_scale).unwrap();
-                check_scaled("dbias", g.dbias.as_ref().unwrap(), &r.dbias, &r.dbias_scale).unwrap();
+                for plan in [plan, explicit] {
+                    let (f, g) =
+                        run_pass_on(backend, (&config, &plan), &inp, grad, Pass::Fused).expect("runs");
+                    check_loss(&config, &f.loss, &r).unwrap();
+                    check("lse", &f.lse, &r.lse).unwrap();
+                    check_scaled("dx", &g.dx, &r.dx, &r.dx_scale).unwrap();
+                    check_scaled("dw", &g.dw, &r.dw, &r.dw_scale).unwrap();
+                    check_scaled("dbias", g.dbias.as_ref().unwrap(), &r.dbias, &r.dbias_scale).unwrap();
+                }
             }
         }
     }

@@ -114,6 +114,28 @@ impl Plan {
         Err(Error::BudgetTooSmall { budget: budget_bytes, needed, what: "16 tokens x 64 vocabulary rows" })
     }
 
+    /// Explicit blocks instead of a budget: `(token_block, vocab_block)` = (C, Vb), each capped
+    /// at N and V; the full-vocabulary schedule when Vb ≥ V. For callers that know their
+    /// device better than the CPU-oriented choice of [`Plan::new`] — on a GPU, wider blocks
+    /// keep every GEMM large enough to fill the SMs (README, "On a GPU"); `(N, V)` is the
+    /// materialized-logits shape. [`Error::InvalidOption`] for a zero block.
+    pub fn with_blocks(
+        config: &LinearCrossEntropy,
+        (n, d, v): (usize, usize, usize),
+        dtype: DType,
+        (token_block, vocab_block): (usize, usize),
+    ) -> Result<Self> {
+        config.validate()?;
+        for (name, value) in [("token_block", token_block), ("vocab_block", vocab_block)] {
+            if value == 0 {
+                return Err(Error::InvalidOption { name, value: 0.0, expected: "at least 1" });
+            }
+        }
+        let (c, vb) = (token_block.min(n.max(1)), vocab_block.min(v.max(1)));
+        let schedule = if vb >= v { Schedule::FullVocab } else { Schedule::VocabBlocked };
+        Ok(Self { n, d, v, dtype, token_block: c, vocab_block: vb, schedule })
+    }
+
     /// Tokens N.
     pub fn n(&self) -> usize {
         self.n
@@ -208,6 +230,30 @@ impl PaperPeaks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn explicit_blocks_are_capped_and_pick_the_schedule() {
+        let cfg = LinearCrossEntropy::default();
+        let all = Plan::with_blocks(&cfg, (8192, 1024, 32768), DType::F32, (1 << 20, 1 << 20)).unwrap();
+        assert_eq!(
+            (all.schedule(), all.token_block(), all.vocab_block()),
+            (Schedule::FullVocab, 8192, 32768)
+        );
+        assert_eq!(all.workspace_bytes(), 4 * (8192 * 32768 + 8192 * 1024) + 3 * REGION_ALIGN);
+        let blocked = Plan::with_blocks(&cfg, (8192, 1024, 32768), DType::Bf16, (2048, 4096)).unwrap();
+        assert_eq!(
+            (blocked.schedule(), blocked.token_block(), blocked.vocab_block()),
+            (Schedule::VocabBlocked, 2048, 4096)
+        );
+        assert!(matches!(
+            Plan::with_blocks(&cfg, (8, 4, 16), DType::F32, (0, 16)),
+            Err(Error::InvalidOption { name: "token_block", .. })
+        ));
+        assert!(matches!(
+            Plan::with_blocks(&cfg, (8, 4, 16), DType::F32, (8, 0)),
+            Err(Error::InvalidOption { name: "vocab_block", .. })
+        ));
+    }
 
     #[test]
     fn budget_picks_the_schedule() {
