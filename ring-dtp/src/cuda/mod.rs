@@ -3,7 +3,9 @@
 //! `lce_gradient` (backward) applies bias and softcap and folds or differentiates in place, and
 //! two SGEMMs project G into dX and dW (`lce_bias_grad` into dbias). bf16 inputs are widened per
 //! block by `lce_widen_bf16` (exact), so every GEMM is f32 with f32 accumulation (cuBLAS's default
-//! math mode: no TF32). Forward + backward is 4 GEMMs per block pair.
+//! math mode: no TF32). Forward then backward is 4 GEMMs per block pair; `forward_backward`
+//! on the full-vocabulary schedule is 3 (each token block's logits folded, finished by
+//! `lce_row_lse` and turned into G in place).
 //!
 //! [`CudaLinearCrossEntropy`] runs the blocked schedule on one device; [`ring`] runs the weight
 //! and activation rings over P devices through NCCL. Device memory besides inputs and outputs:
