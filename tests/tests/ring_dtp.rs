@@ -395,34 +395,17 @@ fn cuda_run(
 fn device_schedule_matches_the_reference(backend: Backend) {
     for (n, v, d, seed) in [(45usize, 131usize, 24usize, 21u64), (33, 67, 16, 22)] {
         let c = make_case(n, d, v, seed, 0.2, (true, true, true));
-        let mut all = LinearCrossEntropy::with_reduction(Reduction::None);
-        (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
-        for config in [all, LinearCrossEntropy::default()] {
-            for dtype in [DType::F32, DType::Bf16] {
-                let (xb, wb): (Vec<bf16>, Vec<bf16>) = (
-                    c.x.iter().map(|&a| bf16::from_f32(a)).collect(),
-                    c.w.iter().map(|&a| bf16::from_f32(a)).collect(),
-                );
-                let (x, w) = match dtype {
-                    DType::Bf16 => (Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
-                    _ => (Matrix::F32(&c.x), Matrix::F32(&c.w)),
-                };
-                let inp = inputs(&c, x, w);
-                // Room for 16 tokens × 64 vocabulary rows: several blocks both ways.
-                let upcast = if dtype == DType::Bf16 { 64 * d } else { 0 };
-                let budget = 4 * (16 * 64 + 16 * d + upcast) + 3 * 64;
-                let plan = Plan::new(&config, n, d, v, dtype, budget).expect("plan");
-                assert!(plan.vocab_block() < v, "several vocabulary blocks");
-                let grad = grad_of(&config, &c);
-                let r = reference::run(&inp, &config, grad, c.dlse.as_deref());
-                let (f, g) = run_on(backend, &config, &plan, &inp, grad, c.dlse.as_deref()).expect("runs");
-                check_loss(&config, &f.loss, &r).unwrap();
-                check("lse", &f.lse, &r.lse).unwrap();
-                check_scaled("dx", &g.dx, &r.dx, &r.dx_scale).unwrap();
-                check_scaled("dw", &g.dw, &r.dw, &r.dw_scale).unwrap();
-                check_scaled("dbias", g.dbias.as_ref().unwrap(), &r.dbias, &r.dbias_scale).unwrap();
-            }
-        }
+        for_every_config_and_dtype(&c, |config, dtype, inp| {
+            // Room for 16 tokens × 64 vocabulary rows: several blocks both ways.
+            let upcast = if dtype == DType::Bf16 { 64 * d } else { 0 };
+            let budget = 4 * (16 * 64 + 16 * d + upcast) + 3 * 64;
+            let plan = Plan::new(config, n, d, v, dtype, budget).expect("plan");
+            assert!(plan.vocab_block() < v, "several vocabulary blocks");
+            let grad = grad_of(config, &c);
+            let r = reference::run(inp, config, grad, c.dlse.as_deref());
+            let out = run_on(backend, config, &plan, inp, grad, c.dlse.as_deref()).expect("runs");
+            check_against_reference(config, &out, &r);
+        });
     }
     let c = make_case(10, 4, 20, 5, 0.0, (false, false, false));
     let mut targets = c.targets.clone();
@@ -442,45 +425,58 @@ flatpeak_common::test_backends!(device_schedule, device_schedule_matches_the_ref
 fn fused_schedule_matches_the_reference(backend: Backend) {
     for (n, v, d, seed) in [(45usize, 131usize, 24usize, 31u64), (33, 67, 16, 32)] {
         let c = make_case(n, d, v, seed, 0.2, (true, true, false));
-        let mut all = LinearCrossEntropy::with_reduction(Reduction::None);
-        (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
-        for config in [all, LinearCrossEntropy::default()] {
-            for dtype in [DType::F32, DType::Bf16] {
-                let (xb, wb): (Vec<bf16>, Vec<bf16>) = (
-                    c.x.iter().map(|&a| bf16::from_f32(a)).collect(),
-                    c.w.iter().map(|&a| bf16::from_f32(a)).collect(),
-                );
-                let (x, w) = match dtype {
-                    DType::Bf16 => (Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
-                    _ => (Matrix::F32(&c.x), Matrix::F32(&c.w)),
-                };
-                let inp = inputs(&c, x, w);
-                // The smallest budget whose plan is one pass over the whole vocabulary: several
-                // token blocks for f32 (for bf16 the widened W dominates, so the plan's first
-                // full-vocabulary choice holds every token).
-                let plan = (1..)
-                    .map(|step| Plan::new(&config, n, d, v, dtype, step * 64))
-                    .find(|p| p.as_ref().is_ok_and(|p| p.schedule() == Schedule::FullVocab))
-                    .expect("some budget")
-                    .expect("plan");
-                assert!(dtype == DType::Bf16 || plan.token_block() <= 32, "{plan:?}");
-                // And explicit blocks: 7 tokens (a ragged last block) over the whole vocabulary.
-                let explicit = Plan::with_blocks(&config, (n, d, v), dtype, (7, usize::MAX)).expect("plan");
-                assert_eq!(explicit.schedule(), Schedule::FullVocab);
-                let grad = grad_of(&config, &c);
-                let r = reference::run(&inp, &config, grad, None);
-                for plan in [plan, explicit] {
-                    let (f, g) =
-                        run_pass_on(backend, (&config, &plan), &inp, grad, Pass::Fused).expect("runs");
-                    check_loss(&config, &f.loss, &r).unwrap();
-                    check("lse", &f.lse, &r.lse).unwrap();
-                    check_scaled("dx", &g.dx, &r.dx, &r.dx_scale).unwrap();
-                    check_scaled("dw", &g.dw, &r.dw, &r.dw_scale).unwrap();
-                    check_scaled("dbias", g.dbias.as_ref().unwrap(), &r.dbias, &r.dbias_scale).unwrap();
-                }
+        for_every_config_and_dtype(&c, |config, dtype, inp| {
+            // The smallest budget whose plan is one pass over the whole vocabulary: several token
+            // blocks for f32 (for bf16 the widened W dominates, so the plan's first
+            // full-vocabulary choice holds every token).
+            let plan = (1..)
+                .map(|step| Plan::new(config, n, d, v, dtype, step * 64))
+                .find(|p| p.as_ref().is_ok_and(|p| p.schedule() == Schedule::FullVocab))
+                .expect("some budget")
+                .expect("plan");
+            assert!(dtype == DType::Bf16 || plan.token_block() <= 32, "{plan:?}");
+            // And explicit blocks: 7 tokens (a ragged last block) over the whole vocabulary.
+            let explicit = Plan::with_blocks(config, (n, d, v), dtype, (7, usize::MAX)).expect("plan");
+            assert_eq!(explicit.schedule(), Schedule::FullVocab);
+            let grad = grad_of(config, &c);
+            let r = reference::run(inp, config, grad, None);
+            for plan in [plan, explicit] {
+                let out = run_pass_on(backend, (config, &plan), inp, grad, Pass::Fused).expect("runs");
+                check_against_reference(config, &out, &r);
             }
+        });
+    }
+}
+
+/// Runs `body` for the configuration with every feature on (reduction none, label smoothing,
+/// z-loss, softcap) and the default one, each on the case's inputs in f32 and in bf16.
+fn for_every_config_and_dtype(c: &Case, mut body: impl FnMut(&LinearCrossEntropy, DType, &Inputs<'_>)) {
+    let mut all = LinearCrossEntropy::with_reduction(Reduction::None);
+    (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
+    let (xb, wb): (Vec<bf16>, Vec<bf16>) =
+        (c.x.iter().map(|&a| bf16::from_f32(a)).collect(), c.w.iter().map(|&a| bf16::from_f32(a)).collect());
+    for config in [all, LinearCrossEntropy::default()] {
+        for dtype in [DType::F32, DType::Bf16] {
+            let (x, w) = match dtype {
+                DType::Bf16 => (Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
+                _ => (Matrix::F32(&c.x), Matrix::F32(&c.w)),
+            };
+            body(&config, dtype, &inputs(c, x, w));
         }
     }
+}
+
+/// Loss, lse, dX, dW and dbias of one run against the f64 reference.
+fn check_against_reference(
+    config: &LinearCrossEntropy,
+    (f, g): &(ring_dtp::Forward, ring_dtp::Gradients),
+    r: &reference::Reference,
+) {
+    check_loss(config, &f.loss, r).unwrap();
+    check("lse", &f.lse, &r.lse).unwrap();
+    check_scaled("dx", &g.dx, &r.dx, &r.dx_scale).unwrap();
+    check_scaled("dw", &g.dw, &r.dw, &r.dw_scale).unwrap();
+    check_scaled("dbias", g.dbias.as_ref().unwrap(), &r.dbias, &r.dbias_scale).unwrap();
 }
 
 flatpeak_common::test_backends!(fused_schedule, fused_schedule_matches_the_reference, cpu_gemm);
