@@ -236,6 +236,45 @@ fn bitwise_reproducible_run_to_run() {
     }
 }
 
+/// dX's GEMM split in two halves of its reduction (`cpu::splits_dx`: vocabulary blocks, or bf16
+/// sub-blocks, of at least `SPLIT_K_MIN_ROWS` rows) against the f64 reference: V odd so the
+/// halves differ, a full-vocabulary plan (every block splits), and blocks of 3001 + 1098 rows
+/// (the first splits, the last does not); every feature on and off, f32 and bf16 (whose
+/// 2048-row sub-blocks split and whose 3-row tail does not). Then bitwise the same on 1, 2 and
+/// 3 threads, since the split depends on shapes only.
+#[test]
+fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
+    let (n, d, v) = (37usize, 24usize, 2 * cpu::SPLIT_K_MIN_ROWS + 3);
+    let c = make_case(n, d, v, 41, 0.2, (true, true, true));
+    for_every_config_and_dtype(&c, |config, dtype, inp| {
+        let grad = grad_of(config, &c);
+        let with_dlse = reference::run(inp, config, grad, c.dlse.as_deref());
+        let without = reference::run(inp, config, grad, None);
+        for blocks in [(16, usize::MAX), (16, 3001)] {
+            let plan = Plan::with_blocks(config, (n, d, v), dtype, blocks).expect("plan");
+            assert!(cpu::splits_dx(plan.vocab_block(), dtype), "{plan:?}");
+            let fused = cpu::forward_backward(config, &plan, inp, grad).expect("runs");
+            check_against_reference(config, &fused, &without);
+            let f = cpu::forward(config, &plan, inp).expect("forward");
+            let g = cpu::backward(config, &plan, inp, &f, grad, c.dlse.as_deref()).expect("backward");
+            check_against_reference(config, &(f, g), &with_dlse);
+        }
+    });
+    let config = LinearCrossEntropy::default();
+    let inp = inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w));
+    let plan = Plan::with_blocks(&config, (n, d, v), DType::F32, (16, usize::MAX)).expect("plan");
+    let bits = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+        let (f, g) = pool
+            .install(|| cpu::forward_backward(&config, &plan, &inp, GradOutput::Scalar(1.0)))
+            .expect("runs");
+        let to_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        (to_bits(&f.lse), to_bits(&g.dx), to_bits(&g.dw))
+    };
+    let one = bits(1);
+    assert!(one == bits(2) && one == bits(3), "the split changed bits with the thread count");
+}
+
 #[test]
 fn bad_input_is_a_typed_error() {
     let c = make_case(10, 4, 20, 5, 0.0, (false, false, false));

@@ -12,6 +12,7 @@
 //! block's shape, and partial results are combined in task order: bitwise identical for any
 //! thread count.
 
+use flatpeak_common::DType;
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, Threads, matmul};
 use rayon::prelude::*;
 
@@ -20,6 +21,7 @@ use crate::error::Result;
 use crate::inputs::{Inputs, Matrix};
 
 use super::exp::exp;
+use super::rows;
 
 /// Rows of a bf16 W widened to f32 at a time (see [`form_logits_widening`]).
 pub const WIDEN_ROWS: usize = 2048;
@@ -29,6 +31,10 @@ const FOLD_TASKS: usize = 16;
 
 /// Vocabulary rows per task of the gradient pass.
 const GRADIENT_ROWS: usize = 32;
+
+/// Fewest vocabulary rows (the k of `dX += Gᵀ·W_blk`) for which dX's GEMM is split in two
+/// halves of k, run side by side: see [`DxPartial`].
+pub const SPLIT_K_MIN_ROWS: usize = 2048;
 
 /// Scratch bytes per token of a block besides the workspace: the gradient constants
 /// ([`ColumnGrads`], 6 f32), the target entries of the gradient pass (16 B), and the fold's
@@ -227,38 +233,21 @@ pub(crate) fn fold(
     let mut sums = vec![0f64; tasks * c];
     if config.label_smoothing != 0.0 {
         sums.par_chunks_mut(c).zip(logits.par_chunks(range)).for_each(|(s, rows)| {
-            for row in rows.chunks_exact(c) {
-                s.iter_mut().zip(row).for_each(|(s, &z)| *s += z as f64);
-            }
+            rows.chunks_exact(c).for_each(|row| rows::add_f64(s, row));
         });
         add_partials(&sums, stats.logit_sum);
     }
     let mut m_new = stats.max.to_vec();
     let mut maxima = vec![f32::NEG_INFINITY; tasks * c];
     maxima.par_chunks_mut(c).zip(logits.par_chunks(range)).for_each(|(m, rows)| {
-        for row in rows.chunks_exact(c) {
-            m.iter_mut().zip(row).for_each(|(m, &z)| *m = m.max(z));
-        }
+        rows.chunks_exact(c).for_each(|row| rows::max_into(m, row));
     });
-    for part in maxima.chunks_exact(c) {
-        m_new.iter_mut().zip(part).for_each(|(m, &p)| *m = m.max(p));
-    }
+    maxima.chunks_exact(c).for_each(|part| rows::max_into(&mut m_new, part));
     drop(maxima);
     sums.fill(0.0);
     let m = &m_new[..c];
     sums.par_chunks_mut(c).zip(logits.par_chunks_mut(range)).for_each(|(s, rows)| {
-        let s = &mut s[..c];
-        for row in rows.chunks_exact_mut(c) {
-            let lanes = row.iter_mut().zip(m).zip(s.iter_mut());
-            if keep_exp {
-                lanes.for_each(|((z, &m), s)| {
-                    *z = exp(*z - m);
-                    *s += *z as f64;
-                });
-            } else {
-                lanes.for_each(|((z, &m), s)| *s += exp(*z - m) as f64);
-            }
-        }
+        rows.chunks_exact_mut(c).for_each(|row| rows::exp_sum(row, m, s, keep_exp));
     });
     for ((s_run, m_run), &m) in stats.sum.iter_mut().zip(stats.max.iter_mut()).zip(m) {
         if *s_run > 0.0 {
@@ -360,23 +349,13 @@ pub(crate) fn gradient(
             Some((j * c + k, ((cc[k] * p - cols.t[k]) + zc[k] * p) * softcap_derivative(softcap, z)))
         })
         .collect();
-    logits.par_chunks_mut(GRADIENT_ROWS * c).for_each(|rows| {
-        for row in rows.chunks_exact_mut(c) {
-            let row = &mut row[..c];
-            let lanes = row.iter_mut().zip(cc).zip(b).zip(zc);
+    let consts = rows::GradConsts { c: cc, b, z: zc };
+    logits.par_chunks_mut(GRADIENT_ROWS * c).for_each(|block_rows| {
+        for row in block_rows.chunks_exact_mut(c) {
             match (holds_exp, softcap) {
-                (true, _) => lanes.zip(inv_sum).for_each(|((((g, &c), &b), &z), &inv)| {
-                    let p = *g * inv;
-                    *g = c * p - b + z * p;
-                }),
-                (false, Softcap::Off) => lanes.zip(lse).for_each(|((((g, &c), &b), &z), &lse)| {
-                    let p = exp(*g - lse);
-                    *g = c * p - b + z * p;
-                }),
-                (false, Softcap::Tanh { cap }) => lanes.zip(lse).for_each(|((((g, &c), &b), &z), &lse)| {
-                    let (p, t) = (exp(*g - lse), *g / cap);
-                    *g = (c * p - b + z * p) * (1.0 - t * t);
-                }),
+                (true, _) => rows::grad_from_exp(row, consts, inv_sum),
+                (false, Softcap::Off) => rows::grad_from_logits(row, consts, lse),
+                (false, Softcap::Tanh { cap }) => rows::grad_from_capped_logits(row, consts, lse, cap),
             }
         }
     });
@@ -407,6 +386,90 @@ pub(crate) struct BlockGrads<'a> {
     pub dw_blk: &'a mut [f32],
     pub dw_mode: Accumulate,
     pub dbias_blk: Option<&'a mut [f32]>,
+    pub dx_partial: Option<DxPartial<'a>>,
+}
+
+/// Whether the single-device path splits dX's GEMMs ([`DxPartial`]) for vocabulary blocks of
+/// `vb` rows with inputs of `dtype` (a bf16 W is widened, and multiplied, `WIDEN_ROWS` rows at
+/// a time), so its plan reserves the `C·D` partial.
+pub fn splits_dx(vb: usize, dtype: DType) -> bool {
+    let k = if dtype == DType::F32 { vb } else { vb.min(WIDEN_ROWS) };
+    k >= SPLIT_K_MIN_ROWS
+}
+
+/// A `C×D` scratch for a second partial sum of a token block's dX.
+///
+/// `dX += Gᵀ·W_blk` has a small output (C×D) and a long reduction (k = Vb rows); the CPU GEMM
+/// splits only output tiles across threads, and on this shape its threads re-read all of
+/// W_blk and G. With a partial, a GEMM of at least [`SPLIT_K_MIN_ROWS`] rows of k splits k at
+/// ⌊k/2⌋: the first half goes into dX and the second into the partial, the two GEMMs side by
+/// side (each on half the requested threads), and the block adds the partial into dX once at its
+/// end (`dX = (dX + G₁ᵀW₁) + G₂ᵀW₂`). The split depends only on the shapes, never on the
+/// thread count, so results stay bitwise identical for any number of threads (each GEMM is).
+#[derive(Debug)]
+pub(crate) struct DxPartial<'a> {
+    buf: &'a mut [f32],
+    /// Whether `buf` holds a contribution of this block yet.
+    holds: bool,
+}
+
+impl<'a> DxPartial<'a> {
+    /// A partial over `buf` (at least `C·D` elements), empty.
+    pub fn new(buf: &'a mut [f32]) -> Self {
+        Self { buf, holds: false }
+    }
+}
+
+/// `dx (c×d) {=,+=} Gᵀ·W` for a `kb×c` gradient G and `kb×d` rows of W, with k = kb split in
+/// two through `partial` when it is given and k is long enough ([`DxPartial`]).
+fn accumulate_dx(
+    (dx, mode): (&mut [f32], Accumulate),
+    partial: Option<&mut DxPartial<'_>>,
+    (g, w): (&[f32], &[f32]),
+    (c, kb, d): (usize, usize, usize),
+    threads: Threads,
+) -> Result<()> {
+    let Some(partial) = partial.filter(|p| kb >= SPLIT_K_MIN_ROWS && p.buf.len() >= c * d) else {
+        let g = MatRef::row_major(&g[..kb * c], kb, c)?;
+        let w = MatRef::row_major(&w[..kb * d], kb, d)?;
+        return gemm_on(MatMut::row_major(&mut dx[..c * d], c, d)?, g.t(), w, mode, threads);
+    };
+    let h = kb / 2;
+    let (g1, g2) =
+        (MatRef::row_major(&g[..h * c], h, c)?.t(), MatRef::row_major(&g[h * c..kb * c], kb - h, c)?.t());
+    let (w1, w2) = (MatRef::row_major(&w[..h * d], h, d)?, MatRef::row_major(&w[h * d..kb * d], kb - h, d)?);
+    let dx = MatMut::row_major(&mut dx[..c * d], c, d)?;
+    let part_mode = if partial.holds { Accumulate::Add } else { Accumulate::Replace };
+    let part = MatMut::row_major(&mut partial.buf[..c * d], c, d)?;
+    // The requested threads are shared between the halves (on two threads, one each), so no
+    // thread works on both GEMMs at once and each holds one set of packing buffers.
+    let total = match threads {
+        Threads::Single => 1,
+        Threads::All => rayon::current_num_threads(),
+        Threads::Exactly(t) => t,
+    };
+    let (t1, t2) = (Threads::Exactly(total.div_ceil(2)), Threads::Exactly(total / 2));
+    let run_first = |t| gemm_on(dx, g1, w1, mode, t);
+    let run_second = |t| gemm_on(part, g2, w2, part_mode, t);
+    let (first, second) = if total <= 1 {
+        (run_first(Threads::Single), run_second(Threads::Single))
+    } else {
+        rayon::join(|| run_first(t1), || run_second(t2))
+    };
+    first?;
+    second?;
+    partial.holds = true;
+    Ok(())
+}
+
+/// Adds a partial's contribution into `dx` (in element order) and empties it.
+fn add_partial(dx: &mut [f32], partial: Option<&mut DxPartial<'_>>) {
+    let Some(partial) = partial.filter(|p| p.holds) else { return };
+    let n = dx.len();
+    dx.par_chunks_mut(1 << 14).zip(partial.buf[..n].par_chunks(1 << 14)).for_each(|(a, b)| {
+        a.iter_mut().zip(b).for_each(|(a, &b)| *a += b);
+    });
+    partial.holds = false;
 }
 
 /// `dX[rows] += Gᵀ·W_blk`, `dW[blk] += G·X_blk` and `dbias[blk] += G·1` for a `vb×c` gradient
@@ -423,11 +486,12 @@ pub(crate) fn accumulate_grads(
     if c == 0 || vb == 0 {
         return Ok(());
     }
-    let BlockGrads { dx_rows, dx_mode, dw_blk, dw_mode, dbias_blk } = out;
+    let BlockGrads { dx_rows, dx_mode, dw_blk, dw_mode, dbias_blk, mut dx_partial } = out;
     let g = &g[..vb * c];
+    let dx_rows = &mut dx_rows[..c * d];
+    accumulate_dx((dx_rows, dx_mode), dx_partial.as_mut(), (g, vocab.w), (c, vb, d), threads)?;
+    add_partial(dx_rows, dx_partial.as_mut());
     let g_mat = MatRef::row_major(g, vb, c)?;
-    let w = MatRef::row_major(&vocab.w[..vb * d], vb, d)?;
-    gemm_on(MatMut::row_major(&mut dx_rows[..c * d], c, d)?, g_mat.t(), w, dx_mode, threads)?;
     let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
     gemm_on(MatMut::row_major(&mut dw_blk[..vb * d], vb, d)?, g_mat, x, dw_mode, threads)?;
     if let Some(db) = dbias_blk {
@@ -450,18 +514,26 @@ pub(crate) fn accumulate_grads_widening(
     if c == 0 || vb == 0 {
         return Ok(());
     }
-    let BlockGrads { dx_rows, dx_mode, dw_blk, dw_mode, dbias_blk } = out;
+    let BlockGrads { dx_rows, dx_mode, dw_blk, dw_mode, dbias_blk, mut dx_partial } = out;
     let g = &g[..vb * c];
+    let dx_rows = &mut dx_rows[..c * d];
     let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
     for j0 in (0..vb).step_by(WIDEN_ROWS) {
         let j1 = (j0 + WIDEN_ROWS).min(vb);
         w.rows_f32(v0 + j0..v0 + j1, d, w_buf);
-        let g_sub = MatRef::row_major(&g[j0 * c..j1 * c], j1 - j0, c)?;
-        let w_sub = MatRef::row_major(&w_buf[..(j1 - j0) * d], j1 - j0, d)?;
         let dx_mode = if j0 == 0 { dx_mode } else { Accumulate::Add };
-        gemm(MatMut::row_major(&mut dx_rows[..c * d], c, d)?, g_sub.t(), w_sub, dx_mode)?;
+        let (g_sub, w_sub) = (&g[j0 * c..j1 * c], &w_buf[..(j1 - j0) * d]);
+        accumulate_dx(
+            (dx_rows, dx_mode),
+            dx_partial.as_mut(),
+            (g_sub, w_sub),
+            (c, j1 - j0, d),
+            Threads::All,
+        )?;
+        let g_sub = MatRef::row_major(g_sub, j1 - j0, c)?;
         gemm(MatMut::row_major(&mut dw_blk[j0 * d..j1 * d], j1 - j0, d)?, g_sub, x, dw_mode)?;
     }
+    add_partial(dx_rows, dx_partial.as_mut());
     if let Some(db) = dbias_blk {
         row_sums(g, c, &mut db[..vb]);
     }

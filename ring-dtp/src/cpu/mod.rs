@@ -12,15 +12,16 @@
 mod block;
 mod exp;
 pub mod reference;
+mod rows;
 
 #[cfg(feature = "cuda-emu")]
 pub(crate) use block::gemm;
 pub(crate) use block::{
-    BlockGrads, ColumnGrads, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads,
+    BlockGrads, ColumnGrads, DxPartial, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads,
     accumulate_grads_widening, column_grads, fold, form_logits, form_logits_widening, gradient,
     resolve_targets,
 };
-pub use block::{ROW_SCRATCH_BYTES, WIDEN_ROWS};
+pub use block::{ROW_SCRATCH_BYTES, SPLIT_K_MIN_ROWS, WIDEN_ROWS, splits_dx};
 
 use flatpeak_common::Workspace;
 use flatpeak_common::gemm::{Accumulate, Threads};
@@ -84,13 +85,21 @@ struct Scratch<'w> {
     logits: &'w mut [f32],
     xblk: &'w mut [f32],
     wblk: &'w mut [f32],
+    /// dX's second partial sum ([`DxPartial`]); empty when the plan's GEMMs never split.
+    dx_part: &'w mut [f32],
 }
 
 impl<'w> Scratch<'w> {
     fn carve(ws: &'w Workspace, plan: &Plan) -> Result<Self> {
         let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
         let w_upcast = if plan.dtype() == flatpeak_common::DType::F32 { 0 } else { vb.min(WIDEN_ROWS) * d };
-        Ok(Self { logits: ws.take(vb * c)?, xblk: ws.take(c * d)?, wblk: ws.take(w_upcast)? })
+        let dx_part = if splits_dx(vb, plan.dtype()) { c * d } else { 0 };
+        Ok(Self {
+            logits: ws.take(vb * c)?,
+            xblk: ws.take(c * d)?,
+            wblk: ws.take(w_upcast)?,
+            dx_part: ws.take(dx_part)?,
+        })
     }
 }
 
@@ -128,7 +137,7 @@ fn run(
     let (n, d, v) = (inputs.n, inputs.d, inputs.v);
     let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
     let ws = Workspace::new(plan.workspace_bytes());
-    let Scratch { logits, xblk, wblk } = Scratch::carve(&ws, plan)?;
+    let Scratch { logits, xblk, wblk, dx_part } = Scratch::carve(&ws, plan)?;
     let folding = matches!(pass, Pass::Forward | Pass::Fused { .. });
     // Fused over the whole vocabulary without a softcap: the fold leaves e^(z − max) in place
     // and the gradient reuses it (one exponential per logit instead of two).
@@ -192,6 +201,7 @@ fn run(
                 dw_blk: &mut g.dw[v0 * d..(v0 + vb) * d],
                 dw_mode: first(t0 == 0),
                 dbias_blk: g.dbias.as_mut().map(|b| &mut b[v0..v0 + vb]),
+                dx_partial: (!dx_part.is_empty()).then(|| DxPartial::new(&mut dx_part[..])),
             };
             match w_f32 {
                 Some(w) => {

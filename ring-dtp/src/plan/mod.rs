@@ -4,7 +4,8 @@
 //! comparison (naive, Megatron vocab-parallel, Cut Cross-Entropy, Ring-DTP).
 //!
 //! Working set (f32): logits block `Vb·C`, an X block `C·D`, a W sub-block
-//! `min(Vb, WIDEN_ROWS)·D` when W is bf16 (widened per sub-block), and `ROW_SCRATCH_BYTES` per
+//! `min(Vb, WIDEN_ROWS)·D` when W is bf16 (widened per sub-block), a second `C·D` partial sum
+//! of dX where its GEMMs are long enough to split their reduction (`cpu::splits_dx`), and `ROW_SCRATCH_BYTES` per
 //! token of a block (gradient constants and the fold's partials); nothing grows with N but the
 //! per-token statistics (`PER_TOKEN_BYTES`·N, besides the lse output), plus the CPU GEMM's own
 //! packing buffers.
@@ -26,6 +27,12 @@ pub const PER_TOKEN_BYTES: usize = 28;
 /// Bound on the CPU GEMM's packing buffers per thread (measured: 1.0 MiB per thread, a little
 /// more when the left operand is a transposed view).
 pub const CPU_GEMM_SCRATCH_PER_THREAD: usize = 5 << 18;
+
+/// The CPU GEMM's depth block (the `gemm` crate's kc: at least 512 rows of k, 512 on the CI
+/// machine kind). Where dX's GEMM is split in two (`cpu::splits_dx`), the second GEMM in
+/// flight packs its own `kc × C` panel of Gᵀ: measured 0.5, 1.0 and 2.0 MiB at C = 256, 512
+/// and 1024, for D from 256 to 2048, i.e. `4·512·C` bytes.
+pub const CPU_GEMM_DEPTH_BLOCK: usize = 512;
 
 /// Token block sizes tried, largest first: wider blocks mean fewer passes over W and dW.
 const TOKEN_BLOCKS: [usize; 7] = [1024, 512, 256, 128, 64, 32, 16];
@@ -59,8 +66,11 @@ pub struct Plan {
 fn block_bytes(c: usize, vb: usize, d: usize, dtype: DType) -> usize {
     // bf16 W is widened a sub-block of `WIDEN_ROWS` rows at a time.
     let w_upcast = if dtype == DType::F32 { 0 } else { vb.min(crate::cpu::WIDEN_ROWS) * d };
-    // logits, X block and W sub-block (bf16 only), each region aligned.
-    4 * (vb * c + c * d + w_upcast) + 3 * REGION_ALIGN
+    // dX's second partial sum where the GEMMs split k (`cpu::splits_dx`).
+    let dx_part = if crate::cpu::splits_dx(vb, dtype) { c * d } else { 0 };
+    // logits, X block, W sub-block (bf16 only) and dX partial (where split), each region aligned.
+    let regions = 3 + usize::from(dx_part > 0);
+    4 * (vb * c + c * d + w_upcast + dx_part) + regions * REGION_ALIGN
 }
 
 impl Plan {
@@ -169,10 +179,16 @@ impl Plan {
         block_bytes(self.token_block, self.vocab_block, self.d, self.dtype)
     }
     /// The CPU GEMM's own buffers, independent of N: its packed operand panels, bounded by
-    /// `CPU_GEMM_SCRATCH_PER_THREAD` per thread. (The vocabulary-major logits block keeps every
+    /// `CPU_GEMM_SCRATCH_PER_THREAD` per thread, plus `4·CPU_GEMM_DEPTH_BLOCK·C` for the second
+    /// GEMM in flight where dX's GEMM is split. (The vocabulary-major logits block keeps every
     /// GEMM off the path where the CPU GEMM copies a whole transposed operand.)
     pub fn cpu_gemm_scratch_bytes(&self) -> usize {
-        CPU_GEMM_SCRATCH_PER_THREAD * rayon::current_num_threads()
+        let split = if crate::cpu::splits_dx(self.vocab_block, self.dtype) {
+            4 * CPU_GEMM_DEPTH_BLOCK * self.token_block
+        } else {
+            0
+        };
+        CPU_GEMM_SCRATCH_PER_THREAD * rayon::current_num_threads() + split
     }
     /// Scratch besides the workspace that scales with the token block (not with N):
     /// `ROW_SCRATCH_BYTES·C`.
@@ -239,7 +255,10 @@ mod tests {
             (all.schedule(), all.token_block(), all.vocab_block()),
             (Schedule::FullVocab, 8192, 32768)
         );
-        assert_eq!(all.workspace_bytes(), 4 * (8192 * 32768 + 8192 * 1024) + 3 * REGION_ALIGN);
+        // logits, X block and dX's second partial (k = V splits); no W sub-block for f32.
+        assert_eq!(all.workspace_bytes(), 4 * (8192 * 32768 + 2 * 8192 * 1024) + 4 * REGION_ALIGN);
+        let short = Plan::with_blocks(&cfg, (64, 32, 1000), DType::F32, (64, 1000)).unwrap();
+        assert_eq!(short.workspace_bytes(), 4 * (64 * 1000 + 64 * 32) + 3 * REGION_ALIGN);
         let blocked = Plan::with_blocks(&cfg, (8192, 1024, 32768), DType::Bf16, (2048, 4096)).unwrap();
         assert_eq!(
             (blocked.schedule(), blocked.token_block(), blocked.vocab_block()),

@@ -170,6 +170,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                             dw_blk: &mut grads.dw[v0 * d..(v0 + vb) * d],
                             dw_mode: if first { Accumulate::Replace } else { Accumulate::Add },
                             dbias_blk: grads.dbias.as_mut().map(|db| &mut db[v0..v0 + vb]),
+                            dx_partial: None,
                         };
                         accumulate_grads(d, logits, tokens, vocab, out, plan.gemm_threads())?;
                     }

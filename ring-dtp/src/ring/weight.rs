@@ -112,6 +112,7 @@ pub(super) fn run<C: Communicator + ?Sized>(
                             dw_blk: &mut cur.dw[..vb * d],
                             dw_mode: Accumulate::Add,
                             dbias_blk: has_bias.then_some(&mut cur.dbias[..vb]),
+                            dx_partial: None,
                         };
                         accumulate_grads(d, logits, tokens, vocab, out, plan.gemm_threads())?;
                     }
