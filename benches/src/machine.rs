@@ -1,6 +1,7 @@
 //! This machine's ceilings, measured: copy bandwidth and f32 GEMM rate. Components that report
-//! a fraction of a ceiling measure it interleaved with their own kernel ([`interleaved_ratio`]),
-//! because this VM's memory bandwidth swings between two levels over seconds.
+//! a fraction of a ceiling measure it interleaved with their own kernel ([`interleaved_ratio`],
+//! [`GemmProbe`]), because this VM's memory bandwidth swings between two levels over seconds
+//! and its GEMM rate drifts by ±10% over minutes (300–360 GFLOP/s within one session).
 
 use std::time::Instant;
 
@@ -84,24 +85,50 @@ impl CopyProbe {
     }
 }
 
+/// A reusable f32 GEMM-rate probe: one n×n×n product on all cores with the workspace's CPU
+/// GEMM, its operands allocated and faulted in once.
+#[derive(Debug)]
+pub struct GemmProbe {
+    n: usize,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    c: Vec<f32>,
+}
+
+impl GemmProbe {
+    /// Allocates and fills the three n×n operands.
+    pub fn new(n: usize) -> Self {
+        let mut rng = flatpeak_common::SplitMix64::new(1);
+        let a = rng.uniform_f32(n * n, -1.0, 1.0);
+        let b = rng.uniform_f32(n * n, -1.0, 1.0);
+        Self { n, a, b, c: vec![1f32; n * n] }
+    }
+
+    /// GFLOP/s (2·n³ per product) of the best of `reps` products (0 if the shapes were refused,
+    /// which they never are for square operands).
+    pub fn gflops(&mut self, reps: usize) -> f64 {
+        let n = self.n;
+        let mut best = 0f64;
+        for _ in 0..reps.max(1) {
+            let start = Instant::now();
+            let shapes = (
+                MatMut::row_major(&mut self.c, n, n),
+                MatRef::row_major(&self.a, n, n),
+                MatRef::row_major(&self.b, n, n),
+            );
+            let (Ok(dst), Ok(lhs), Ok(rhs)) = shapes else { return 0.0 };
+            if matmul(dst, lhs, rhs, MatmulOptions::default()).is_err() {
+                return 0.0;
+            }
+            best = best.max(2.0 * (n as f64).powi(3) / start.elapsed().as_secs_f64() / 1e9);
+        }
+        best
+    }
+}
+
 /// f32 GEMM GFLOP/s for one n×n×n product on all cores, best of `reps`.
 pub fn gemm_gflops(n: usize, reps: usize) -> f64 {
-    let mut rng = flatpeak_common::SplitMix64::new(1);
-    let a = rng.uniform_f32(n * n, -1.0, 1.0);
-    let b = rng.uniform_f32(n * n, -1.0, 1.0);
-    let mut c = vec![0f32; n * n];
-    let mut best = 0f64;
-    for _ in 0..reps.max(1) {
-        let start = Instant::now();
-        let shapes =
-            (MatMut::row_major(&mut c, n, n), MatRef::row_major(&a, n, n), MatRef::row_major(&b, n, n));
-        let (Ok(dst), Ok(lhs), Ok(rhs)) = shapes else { return 0.0 };
-        if matmul(dst, lhs, rhs, MatmulOptions::default()).is_err() {
-            return 0.0;
-        }
-        best = best.max(2.0 * (n as f64).powi(3) / start.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+    GemmProbe::new(n).gflops(reps)
 }
 
 /// Measures the ceilings.

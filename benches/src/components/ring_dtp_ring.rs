@@ -7,7 +7,6 @@
 //! baseline's is measured on one rank running alone, since concurrent ranks would not all reach
 //! their peak at the same instant and the quotient would understate it.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use flatpeak_common::gemm::Threads;
@@ -17,8 +16,8 @@ use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{GradOutput, Gradients, Inputs, LinearCrossEntropy, Matrix, RingKind, RingOptions, RingPlan};
 
 use super::ReportError;
-use super::ring_dtp::materialized;
-use crate::machine::{MachineInfo, median};
+use super::ring_dtp::{GemmEfficiency, PROBE_N, PROBE_REPS, materialized};
+use crate::machine::{GemmProbe, MachineInfo, median};
 use crate::report::{Comparison, Row};
 
 /// Per-rank working-set budget given to the ring plan.
@@ -97,9 +96,10 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     .map_err(|e| fail(e.to_string()))?;
     let peak_base = alone.peak_bytes;
     drop(alone);
-    let (mut t_base, mut t_ring) = (Vec::new(), Vec::new());
+    let (mut t_base, mut t_ring, mut probes) = (Vec::new(), Vec::new(), Vec::new());
     let mut peak_ring = 0usize;
     let mut results = None;
+    let mut probe = GemmProbe::new(PROBE_N);
     for _ in 0..3 {
         let start = Instant::now();
         let base = baseline();
@@ -115,8 +115,13 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
             ring_out.push(r.map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?);
         }
         results = Some((base, ring_out));
+        probes.push(probe.gflops(PROBE_REPS));
     }
+    drop(probe);
     let Some((base, ring_out)) = results else { return Err(fail("no round ran".into())) };
+    let flops = plan.gemm_flops_per_rank() * p as f64;
+    let base_flops = 3.0 * 2.0 * (n * v * d) as f64;
+    let efficiency = GemmEfficiency::of_rounds((flops, &t_ring), (base_flops, &t_base), &probes, machine);
     let (ms_base, ms_ring) = (median(&mut t_base), median(&mut t_ring));
 
     // Exactness. Every target is valid, so the global mean's gradient is the per-rank mean's
@@ -143,12 +148,8 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     let err_lse = relative_error(&ring_out[0].0.lse[..sub], &oracle.lse);
     let max_rel_err = err_lse.max(err_dx).max(err_dw);
 
-    let flops = plan.gemm_flops_per_rank() * p as f64;
-    let base_flops = 3.0 * 2.0 * (n * v * d) as f64;
-    let gflops = |f: f64, ms: f64| f / (ms / 1e3) / 1e9 / machine.gemm_f32_gflops;
-    let metrics = BTreeMap::from([
-        ("gemm_efficiency".to_string(), gflops(flops, ms_ring)),
-        ("gemm_efficiency_baseline".to_string(), gflops(base_flops, ms_base)),
+    let mut metrics = efficiency.metrics();
+    metrics.extend([
         ("gemms".to_string(), 4.0),
         ("ranks".to_string(), p as f64),
         ("token_block".to_string(), plan.token_block() as f64),
