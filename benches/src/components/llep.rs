@@ -26,6 +26,9 @@
 //! in one diagnostic run even a rank's median did (one rank 18–25% above its peers in four of
 //! five rounds, on identical balanced work). The same estimator
 //! serves every scheme; `makespan_median_ms` (and `_llep`) keep the median-based figure.
+//! `speedup_paired` and `makespan_speedup_vs_llep_paired` are the medians over rounds of
+//! LLEP's wall time (makespan) ÷ PipelinedLLEP's in the same round ([`paired_ratio`]): the
+//! machine's speed drifts between rounds by more than the schemes differ, and a pair shares it.
 //!
 //! **What `peak_bytes` counts (per rank, max over ranks).** The ranks share one process
 //! allocator, so the counting allocator sees the group, not a rank. A rank's transient working
@@ -341,6 +344,10 @@ fn workspaces(config: &LlepConfig, ids: &[i64], pass: Pass) -> Result<Vec<Mutex<
 /// Medians, makespans and peaks of one scheme over the rounds, and its last outputs.
 struct Summary {
     ms: f64,
+    /// Each round's wall ms, in round order (for paired ratios).
+    round_wall_ms: Vec<f64>,
+    /// Each round's makespan (max over ranks of that round's CPU ms), in round order.
+    round_makespan_ms: Vec<f64>,
     makespan_ms: f64,
     makespan_median_ms: f64,
     cpu_ms_total: f64,
@@ -353,7 +360,10 @@ fn summarize(steps: Vec<Step>, workspaces: &[Mutex<Workspace>]) -> Result<Summar
     let high: Vec<usize> =
         workspaces.iter().map(|w| w.lock().map(|w| w.capacity()).unwrap_or(usize::MAX)).collect();
     let extra = steps.iter().map(|s| s.extra_bytes).max().unwrap_or(0);
-    let mut wall: Vec<f64> = steps.iter().map(|s| s.wall_ms).collect();
+    let round_wall_ms: Vec<f64> = steps.iter().map(|s| s.wall_ms).collect();
+    let round_makespan_ms: Vec<f64> =
+        steps.iter().map(|s| s.rank_cpu_ms.iter().copied().fold(0.0, f64::max)).collect();
+    let mut wall = round_wall_ms.clone();
     let per_rank = |r: usize| steps.iter().map(|s| s.rank_cpu_ms[r]).collect::<Vec<f64>>();
     let makespan_ms =
         (0..SHAPE.ranks).map(|r| per_rank(r).into_iter().fold(f64::INFINITY, f64::min)).fold(0.0, f64::max);
@@ -362,6 +372,8 @@ fn summarize(steps: Vec<Step>, workspaces: &[Mutex<Workspace>]) -> Result<Summar
     let last = steps.into_iter().last().ok_or("no round ran")?.outs;
     Ok(Summary {
         ms: median(&mut wall),
+        round_wall_ms,
+        round_makespan_ms,
         makespan_ms,
         makespan_median_ms,
         cpu_ms_total: median(&mut total),
@@ -369,6 +381,14 @@ fn summarize(steps: Vec<Step>, workspaces: &[Mutex<Workspace>]) -> Result<Summar
         group_peak: high.iter().sum::<usize>() + extra,
         last,
     })
+}
+
+/// Median over rounds of `baseline[i] / ours[i]`: the two ran back to back in round i (in
+/// alternating order), so a drift of this VM's speed between rounds (up to 15% for the same
+/// step here) cancels within each pair.
+pub fn paired_ratio(baseline: &[f64], ours: &[f64]) -> f64 {
+    let mut r: Vec<f64> = baseline.iter().zip(ours).map(|(b, o)| b / o).collect();
+    median(&mut r)
 }
 
 fn f64s(v: &[f32]) -> Vec<f64> {
@@ -487,6 +507,11 @@ impl LlepComponent {
             ("cpu_ms_all_ranks_ep".to_string(), ep.cpu_ms_total),
             ("makespan_speedup_vs_llep".to_string(), llep.makespan_ms / ours.makespan_ms),
             ("makespan_speedup_vs_ep".to_string(), ep.makespan_ms / ours.makespan_ms),
+            ("speedup_paired".to_string(), paired_ratio(&llep.round_wall_ms, &ours.round_wall_ms)),
+            (
+                "makespan_speedup_vs_llep_paired".to_string(),
+                paired_ratio(&llep.round_makespan_ms, &ours.round_makespan_ms),
+            ),
             ("rounds".to_string(), plan.rounds() as f64),
             ("pair_cap".to_string(), plan.pair_cap() as f64),
             ("max_rows_per_round".to_string(), plan.max_rows_per_round() as f64),
@@ -561,5 +586,21 @@ impl Component for LlepComponent {
             Workload::PaperPlan => self.paper_row(),
         };
         outcome.map_err(|message| ReportError::workload(self.name(), &w.describe(), message))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paired_ratio_cancels_a_drift_between_rounds() {
+        // The machine slows by 15% from round to round; ours is 5% faster in every round.
+        let llep = [1000.0, 1150.0, 1322.5];
+        let ours: Vec<f64> = llep.iter().map(|t| t / 1.05).collect();
+        assert!((paired_ratio(&llep, &ours) - 1.05).abs() < 1e-12);
+        // Ratios of medians can land on the wrong side when the pairing is lost.
+        let mut shifted = [ours[1], ours[2], ours[2] * 1.15];
+        assert!(median(&mut [1000.0, 1150.0, 1322.5]) / median(&mut shifted) < 1.0);
     }
 }
