@@ -7,6 +7,12 @@
 //! needs no second exponential. Fixed block order and fixed-order reductions: bitwise
 //! reproducible run to run, for any thread count.
 //!
+//! Two things keep the call near the GEMM's own rate: a long vocabulary block's `dX` GEMM is
+//! split in two halves of its reduction run side by side (`block::DxPartial`; its k-long,
+//! C×D-output shape is the one the CPU GEMM's thread split handles worst), and the fold and
+//! gradient row loops are compiled for AVX-512/AVX2 and chosen at run time (`rows.rs`). Both
+//! leave results bitwise identical for any thread count and any target.
+//!
 //! The block kernels live in `block.rs` and are shared with the ring schedules (`crate::ring`).
 
 mod block;
