@@ -441,8 +441,7 @@ fn accumulate_dx(
     let dx = MatMut::row_major(&mut dx[..c * d], c, d)?;
     let part_mode = if partial.holds { Accumulate::Add } else { Accumulate::Replace };
     let part = MatMut::row_major(&mut partial.buf[..c * d], c, d)?;
-    // The requested threads are shared between the halves (on two threads, one each), so no
-    // thread works on both GEMMs at once and each holds one set of packing buffers.
+    // The requested threads are shared between the halves (on two threads, one each).
     let total = match threads {
         Threads::Single => 1,
         Threads::All => rayon::current_num_threads(),
