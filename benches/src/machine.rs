@@ -1,7 +1,7 @@
 //! This machine's ceilings, measured: copy bandwidth and f32 GEMM rate. Components that report
 //! a fraction of a ceiling measure it interleaved with their own kernel ([`interleaved_ratio`],
 //! [`GemmProbe`]), because this VM's memory bandwidth swings between two levels over seconds
-//! and its GEMM rate drifts by ±10% over minutes (300–360 GFLOP/s within one session).
+//! and its GEMM rate drifts over minutes (250–360 GFLOP/s within one session).
 
 use std::time::Instant;
 
