@@ -1,9 +1,21 @@
 //! [`DeviceOps`] on a CUDA device (feature `cuda`): buffers are cudarc [`CudaSlice`]s, the
 //! kernels are `kernels/llep.cu` compiled by NVRTC through [`KernelCache`], the GEMM is cuBLAS
 //! SGEMM (default math mode: f32 with f32 accumulation, no TF32) and all-to-all is
-//! [`DeviceCommunicator::all_to_all_v`] (NCCL). Everything is ordered on the communicator's
-//! stream. The device schedule ([`crate::device::forward`], [`crate::device::backward`]) runs
-//! on it unchanged.
+//! [`DeviceCommunicator::all_to_all_v`] (NCCL). The device schedule ([`crate::device::forward`],
+//! [`crate::device::backward`]) runs on it unchanged.
+//!
+//! # Streams
+//!
+//! The all-to-alls (and the metadata downloads that follow them) run on the communicator's
+//! stream; kernels, GEMMs and every other copy run on a compute stream of the same context,
+//! created by [`CudaOps::new`]. So round j+1's dispatch, which the schedule issues before round
+//! j's experts, moves while they compute. Order between the two streams comes from cudarc's
+//! per-buffer read/write events: every buffer the schedule touches is a `CudaSlice` of this
+//! context, which `new` puts in multi-stream mode, so an all-to-all waits for the kernels that
+//! wrote what it sends and for the last reader of what it overwrites, and a kernel waits for the
+//! all-to-all that filled its operand. [`DeviceOps::fence`], at the start and end of every pass,
+//! makes each stream wait for the other: the caller's work on the communicator's stream comes
+//! first, and a pass's sends are complete before the caller may overwrite its inputs.
 //!
 //! This is the only file of the crate that launches kernels or calls cuBLAS. Every safe method
 //! checks its operands' lengths before launching; gathers and scatters also check every row
@@ -81,8 +93,8 @@ impl CudaIndex {
     }
 }
 
-/// The CUDA device of one rank of a [`DeviceCommunicator`]: its stream, the NVRTC kernels and a
-/// cuBLAS handle.
+/// The CUDA device of one rank of a [`DeviceCommunicator`]: a compute stream beside the
+/// communicator's, the NVRTC kernels and a cuBLAS handle.
 #[derive(Debug)]
 pub struct CudaOps<'c, C: DeviceCommunicator> {
     comm: &'c C,
@@ -92,21 +104,26 @@ pub struct CudaOps<'c, C: DeviceCommunicator> {
 }
 
 impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
-    /// The device of `comm`'s stream: compiles nothing yet (kernels compile at first use),
-    /// creates the cuBLAS handle (default math mode).
+    /// The device of `comm`'s stream, with a new compute stream that first waits for it:
+    /// compiles nothing yet (kernels compile at first use), creates the cuBLAS handle (default
+    /// math mode) on the compute stream. Creating the stream puts the context in multi-stream
+    /// mode (cudarc synchronizes the context once, when it does).
     pub fn new(comm: &'c C) -> Result<Self> {
-        let stream = comm.stream().clone();
-        let cache = KernelCache::new(stream.context().clone())?;
+        let ctx = comm.stream().context().clone();
+        let stream = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
+        stream.join(comm.stream()).map_err(cuda("cuStreamWaitEvent"))?;
+        let cache = KernelCache::new(ctx)?;
         let blas = CudaBlas::new(stream.clone()).map_err(cuda("cublasCreate"))?;
         Ok(Self { comm, stream, cache, blas })
     }
 
-    /// Waits for every operation issued so far.
+    /// Waits for every operation issued so far, on both streams.
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(cuda("cuStreamSynchronize"))
+        self.stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+        self.comm.stream().synchronize().map_err(cuda("cuStreamSynchronize"))
     }
 
-    /// The stream every operation is ordered on.
+    /// The compute stream: kernels, GEMMs and copies other than the all-to-alls' run on it.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
@@ -186,7 +203,14 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
             expected: len,
             found: src.dev.len(),
         })?;
-        self.stream.clone_dtoh(&v).map_err(cuda("cuMemcpyDtoH"))
+        // On the communicator's stream: route metadata arrives by all-to-all, so the host waits
+        // for that (and the all-to-alls before it), not for the compute queued meanwhile.
+        self.comm.stream().clone_dtoh(&v).map_err(cuda("cuMemcpyDtoH"))
+    }
+
+    fn fence(&self) -> Result<()> {
+        self.stream.join(self.comm.stream()).map_err(cuda("cuStreamWaitEvent"))?;
+        self.comm.stream().join(&self.stream).map_err(cuda("cuStreamWaitEvent"))
     }
 
     fn zero(&self, dst: &mut CudaSlice<f32>, len: usize) -> Result<()> {

@@ -77,11 +77,13 @@ mod emulated {
             ("hot 100% on 1", Ids::Profile(Profile::Hot { ratio: 1.0, experts: 1 })),
             ("random (duplicate routes)", Ids::Random),
         ];
-        for p in [1, 2, 4] {
+        // Two buffer copies: round j+1's dispatch is issued before round j's experts run. One:
+        // rounds one after another.
+        for (p, depth) in [(1, 2), (2, 2), (4, 2), (2, 1), (4, 1)] {
             for (seed, (name, ids)) in profiles.iter().enumerate() {
-                let what = format!("P={p} {name}");
+                let what = format!("P={p} depth {depth} {name}");
                 let problem = Problem::new(shape(p), *ids, (p * 10 + seed) as u64);
-                let config = small_config(Scheme::PipelinedLlep);
+                let config = small_config(Scheme::PipelinedLlep).pipeline_depth(depth);
                 let cpu: Vec<RankRun> =
                     common::run(&problem, &config).into_iter().map(|r| r.unwrap()).collect();
                 let device = run_device(&problem, &config);

@@ -91,7 +91,10 @@ pub struct GemmDims {
 /// The primitive operations of the device schedule. `Buf` holds f32, `Index` u32; every length
 /// argument is in elements and every implementation checks that the buffers hold what an
 /// operation touches before running it (a short buffer is [`Error::ShapeMismatch`]). Operations
-/// on zero rows or elements do nothing. All operations are ordered (one stream).
+/// on zero rows or elements do nothing. Every operation sees the effects of the operations
+/// issued before it on the buffers it touches, and its own effects are complete before a later
+/// one touches them; operations on disjoint buffers may run concurrently (CUDA: the all-to-alls
+/// on the communicator's stream, the rest on a compute stream).
 pub trait DeviceOps {
     /// A device buffer of f32.
     type Buf: std::fmt::Debug;
@@ -186,6 +189,13 @@ pub trait DeviceOps {
         recv: (&mut Self::Buf, usize),
         recv_counts: &[usize],
     ) -> Result<()>;
+    /// Every operation issued before completes before any issued after starts, whatever
+    /// stream or queue each runs on (no host wait). The schedule calls it at the start and end
+    /// of a pass. The default does nothing: right for an implementation with one queue.
+    fn fence(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// [`DeviceOps::all_to_all_v`] of u32 (route metadata), from element 0.
     fn all_to_all_v_index(
         &self,

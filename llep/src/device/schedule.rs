@@ -4,16 +4,19 @@
 
 use flatpeak_common::gemm::Accumulate;
 
-use super::host::{GroupLists, SendLists, decode_meta, tables};
+use super::host::{GroupLists, HostTables, SendLists, decode_meta, tables};
 use super::{DeviceGradients, DeviceInputs, DeviceOps, GemmDims, Operand, need};
 use crate::config::{Mode, Shape};
 use crate::cpu::{group, round_counts, scale};
 use crate::error::{Error, Result};
-use crate::plan::{Buffers, GroupEntry, Pass, Plan};
+use crate::plan::{Buffers, GroupEntry, Pass, Plan, RouteMeta};
 
 /// One pipeline copy of the dispatch buffers (backward-only ones hold one element in forward).
+/// The token list is per copy too: round j's combine scatters by it after round j+1's dispatch
+/// has gathered by its own.
 #[derive(Debug)]
 struct RoundSet<B, I> {
+    send_tokens: I,
     send_x: B,
     recv_x: B,
     out: B,
@@ -45,7 +48,6 @@ struct Reserved<B, I> {
     foreign_grad: B,
     grad_return: B,
     sets: Vec<RoundSet<B, I>>,
-    send_tokens: I,
     group_rows: I,
     group_meta: I,
     group_weights: B,
@@ -69,6 +71,7 @@ impl<B, I> Reserved<B, I> {
         let mut sets = Vec::with_capacity(b.depth());
         for _ in 0..b.depth() {
             sets.push(RoundSet {
+                send_tokens: ops.alloc_index(sr)?,
                 send_x: ops.alloc(sr * h)?,
                 recv_x: ops.alloc(rr * h)?,
                 out: ops.alloc(rr * h)?,
@@ -85,7 +88,6 @@ impl<B, I> Reserved<B, I> {
             foreign_grad: maybe(b.foreign_slots() * s.expert_elems())?,
             grad_return: maybe(h * i)?,
             sets,
-            send_tokens: ops.alloc_index(sr)?,
             group_rows: ops.alloc_index(g)?,
             group_meta: maybe_index(g)?,
             group_weights: ops.alloc(g)?,
@@ -246,51 +248,144 @@ fn fetch_foreign<O: DeviceOps>(
     Ok(())
 }
 
+/// A round whose dispatch has been issued: its host lists and counts, and the copy of the
+/// dispatch buffers it uses.
+struct Issued {
+    set: usize,
+    lists: SendLists,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+}
+
+impl Issued {
+    fn sent(&self) -> usize {
+        self.lists.tokens.len()
+    }
+    fn got(&self) -> usize {
+        self.recv_counts.iter().sum()
+    }
+}
+
+/// Issues round j's dispatch into buffer copy `j mod depth`: the token list, the gathered x
+/// (and, in backward, dY) rows and their route metadata, then the all-to-alls.
+fn dispatch<O: DeviceOps>(
+    ops: &O,
+    plan: &Plan,
+    (s, t): (&Shape, &HostTables),
+    (inputs, dy): (&DeviceInputs<'_, O::Buf>, Option<&O::Buf>),
+    sets: &mut [RoundSet<O::Buf, O::Index>],
+    j: usize,
+) -> Result<Issued> {
+    let (me, h, k) = (ops.rank(), s.hidden, s.top_k);
+    let at = j % sets.len();
+    let set = &mut sets[at];
+    let (send_counts, recv_counts) = round_counts(plan, me, j);
+    let lists = SendLists::new(plan, me, t, &inputs.routing, j)?;
+    let sent = lists.tokens.len();
+    ops.write_index(&lists.tokens, &mut set.send_tokens)?;
+    ops.gather_rows(inputs.x, &set.send_tokens, sent, None, h, &mut set.send_x)?;
+    if let Some(dy) = dy {
+        ops.gather_rows(dy, &set.send_tokens, sent, None, h, &mut set.send_dy)?;
+    }
+    ops.write_index(&lists.meta, &mut set.send_meta)?;
+    let (sh, rh) = (scale(&send_counts, h), scale(&recv_counts, h));
+    ops.all_to_all_v((&set.send_x, 0), &sh, (&mut set.recv_x, 0), &rh)?;
+    if dy.is_some() {
+        ops.all_to_all_v((&set.send_dy, 0), &sh, (&mut set.recv_dy, 0), &rh)?;
+    }
+    let (sm, rm) = (scale(&send_counts, 2 * k), scale(&recv_counts, 2 * k));
+    ops.all_to_all_v_index(&set.send_meta, &sm, &mut set.recv_meta, &rm)?;
+    Ok(Issued { set: at, lists, send_counts, recv_counts })
+}
+
+/// The received routes' metadata of an issued round (a download: waits for its all-to-all).
+fn received_meta<O: DeviceOps>(
+    ops: &O,
+    sets: &[RoundSet<O::Buf, O::Index>],
+    round: &Issued,
+    k: usize,
+) -> Result<Vec<RouteMeta>> {
+    Ok(decode_meta(&ops.download_index(&sets[round.set].recv_meta, round.got() * k * 2)?))
+}
+
+/// The rounds in `order`, each handed to `run` once its dispatch is issued and its metadata is
+/// on the host. With two or more buffer copies, round j+1's dispatch is issued before round j
+/// runs, so its all-to-alls overlap round j's GEMMs wherever the implementation runs them
+/// concurrently (CUDA: NCCL's stream against the compute stream); its metadata is fetched after
+/// round j has been issued. With one copy, rounds run one after another.
+fn pipelined<O: DeviceOps>(
+    ops: &O,
+    order: &[usize],
+    sets: &mut Vec<RoundSet<O::Buf, O::Index>>,
+    k: usize,
+    mut issue: impl FnMut(&mut [RoundSet<O::Buf, O::Index>], usize) -> Result<Issued>,
+    mut run: impl FnMut(&mut Vec<RoundSet<O::Buf, O::Index>>, &Issued, &[RouteMeta]) -> Result<()>,
+) -> Result<()> {
+    let ahead = sets.len() >= 2;
+    let mut ready: Option<(Issued, Vec<RouteMeta>)> = None;
+    for (at, &j) in order.iter().enumerate() {
+        let (round, meta) = match ready.take() {
+            Some(r) => r,
+            None => {
+                let round = issue(sets, j)?;
+                let meta = received_meta(ops, sets, &round, k)?;
+                (round, meta)
+            }
+        };
+        let next = match order.get(at + 1) {
+            Some(&jn) if ahead => Some(issue(sets, jn)?),
+            _ => None,
+        };
+        run(sets, &round, &meta)?;
+        if let Some(next) = next {
+            let meta = received_meta(ops, sets, &next, k)?;
+            ready = Some((next, meta));
+        }
+    }
+    Ok(())
+}
+
 /// The layer's forward on this rank's device: `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`, N×H fp32 (a
 /// new buffer). Same schedule, orders and result as [`crate::cpu::forward`]; device memory is
-/// the plan's forward [`Buffers`] (one more G×I buffer for h) plus the index buffers.
+/// the plan's forward [`Buffers`] (one more G×I buffer for h) plus the index buffers. Round
+/// j+1's dispatch is issued before round j's experts (with the default two buffer copies).
 pub fn forward<O: DeviceOps>(ops: &O, plan: &Plan, inputs: &DeviceInputs<'_, O::Buf>) -> Result<O::Buf> {
     let me = ops.rank();
     let (s, t) = tables(plan, me, ops.world_size(), &inputs.routing)?;
     check_inputs(ops, &s, inputs)?;
     let bufs = plan.buffers(me, Pass::Forward);
+    ops.fence()?;
     let mut c = Reserved::new(ops, &bufs)?;
     fetch_foreign(ops, plan, inputs, &mut c.foreign)?;
     let mut y = ops.alloc(s.tokens * s.hidden)?;
     let (h, i, k) = (s.hidden, s.intermediate, s.top_k);
-    for j in 0..plan.rounds() {
-        let set = &mut c.sets[j % bufs.depth()];
-        let (send_counts, recv_counts) = round_counts(plan, me, j);
-        let lists = SendLists::new(plan, me, &t, &inputs.routing, j)?;
-        let sent = lists.tokens.len();
-        let got: usize = recv_counts.iter().sum();
-        ops.write_index(&lists.tokens, &mut c.send_tokens)?;
-        ops.gather_rows(inputs.x, &c.send_tokens, sent, None, h, &mut set.send_x)?;
-        ops.write_index(&lists.meta, &mut set.send_meta)?;
-        let (sh, rh) = (scale(&send_counts, h), scale(&recv_counts, h));
-        ops.all_to_all_v((&set.send_x, 0), &sh, (&mut set.recv_x, 0), &rh)?;
-        let (sm, rm) = (scale(&send_counts, 2 * k), scale(&recv_counts, 2 * k));
-        ops.all_to_all_v_index(&set.send_meta, &sm, &mut set.recv_meta, &rm)?;
-        let meta = decode_meta(&ops.download_index(&set.recv_meta, got * k * 2)?);
-        group(&meta, k, bufs.local_slots(), &mut c.groups, &mut c.offsets)?;
+    let order: Vec<usize> = (0..plan.rounds()).collect();
+    let Reserved { sets, foreign, scratch, groups, offsets, group_rows, group_weights, .. } = &mut c;
+    let issue =
+        |sets: &mut [RoundSet<O::Buf, O::Index>], j| dispatch(ops, plan, (&s, &t), (inputs, None), sets, j);
+    pipelined(ops, &order, sets, k, issue, |sets, round, meta| {
+        let set = &mut sets[round.set];
+        let got = round.got();
+        group(meta, k, bufs.local_slots(), groups, offsets)?;
         ops.zero(&mut set.out, got * h)?;
         for slot in 0..bufs.local_slots() {
-            let entries = &c.groups[c.offsets[slot] as usize..c.offsets[slot + 1] as usize];
+            let entries = &groups[offsets[slot] as usize..offsets[slot + 1] as usize];
             for chunk in entries.chunks(bufs.expert_rows().max(1)) {
                 let n = chunk.len();
-                let lists = GroupLists::new(chunk, &meta);
-                ops.write_index(&lists.rows, &mut c.group_rows)?;
-                ops.write(&lists.weights, &mut c.group_weights)?;
-                let sc = &mut c.scratch;
-                ops.gather_rows(&set.recv_x, &c.group_rows, n, None, h, &mut sc.x)?;
-                let w = expert_at(&s, inputs, &c.foreign, slot);
-                expert_forward(ops, w, (h, i), n, sc)?;
-                ops.scatter_add_rows(&sc.y, &c.group_rows, n, Some(&c.group_weights), h, &mut set.out)?;
+                let lists = GroupLists::new(chunk, meta);
+                ops.write_index(&lists.rows, group_rows)?;
+                ops.write(&lists.weights, group_weights)?;
+                ops.gather_rows(&set.recv_x, group_rows, n, None, h, &mut scratch.x)?;
+                let w = expert_at(&s, inputs, foreign, slot);
+                expert_forward(ops, w, (h, i), n, scratch)?;
+                ops.scatter_add_rows(&scratch.y, group_rows, n, Some(group_weights), h, &mut set.out)?;
             }
         }
+        let (sh, rh) = (scale(&round.send_counts, h), scale(&round.recv_counts, h));
         ops.all_to_all_v((&set.out, 0), &rh, (&mut set.send_x, 0), &sh)?;
-        ops.scatter_add_rows(&set.send_x, &c.send_tokens, sent, None, h, &mut y)?;
-    }
+        ops.scatter_add_rows(&set.send_x, &set.send_tokens, round.sent(), None, h, &mut y)
+    })?;
+    ops.fence()?;
     Ok(y)
 }
 
@@ -388,7 +483,8 @@ fn return_foreign_grads<O: DeviceOps>(
 /// The layer's backward on this rank's device, checkpointed: rounds in reverse, each
 /// re-dispatching x and dY rows and recomputing its expert forward before its backward. Same
 /// schedule, orders and results as [`crate::cpu::backward`]; device memory is the plan's
-/// backward [`Buffers`] plus the index buffers, and the returned gradients.
+/// backward [`Buffers`] plus the index buffers, and the returned gradients. As in [`forward`],
+/// the next round's dispatch is issued before this round's experts.
 pub fn backward<O: DeviceOps>(
     ops: &O,
     plan: &Plan,
@@ -407,6 +503,7 @@ pub fn backward<O: DeviceOps>(
         });
     }
     let bufs = plan.buffers(me, Pass::Backward);
+    ops.fence()?;
     let mut c = Reserved::new(ops, &bufs)?;
     fetch_foreign(ops, plan, inputs, &mut c.foreign)?;
     let (n, h, i, k) = (s.tokens, s.hidden, s.intermediate, s.top_k);
@@ -418,57 +515,67 @@ pub fn backward<O: DeviceOps>(
         d_up: ops.alloc(native)?,
         d_down: ops.alloc(native)?,
     };
-    for j in (0..plan.rounds()).rev() {
-        let set = &mut c.sets[j % bufs.depth()];
-        let (send_counts, recv_counts) = round_counts(plan, me, j);
-        let lists = SendLists::new(plan, me, &t, &inputs.routing, j)?;
-        let sent = lists.tokens.len();
-        let got: usize = recv_counts.iter().sum();
-        ops.write_index(&lists.tokens, &mut c.send_tokens)?;
-        ops.gather_rows(inputs.x, &c.send_tokens, sent, None, h, &mut set.send_x)?;
-        ops.gather_rows(dy, &c.send_tokens, sent, None, h, &mut set.send_dy)?;
-        ops.write_index(&lists.meta, &mut set.send_meta)?;
-        let (sh, rh) = (scale(&send_counts, h), scale(&recv_counts, h));
-        let (sk, rk) = (scale(&send_counts, k), scale(&recv_counts, k));
-        ops.all_to_all_v((&set.send_x, 0), &sh, (&mut set.recv_x, 0), &rh)?;
-        ops.all_to_all_v((&set.send_dy, 0), &sh, (&mut set.recv_dy, 0), &rh)?;
-        let (sm, rm) = (scale(&send_counts, 2 * k), scale(&recv_counts, 2 * k));
-        ops.all_to_all_v_index(&set.send_meta, &sm, &mut set.recv_meta, &rm)?;
-        let meta = decode_meta(&ops.download_index(&set.recv_meta, got * k * 2)?);
-        group(&meta, k, bufs.local_slots(), &mut c.groups, &mut c.offsets)?;
-        ops.zero(&mut set.out, got * h)?;
-        ops.zero(&mut set.dw_out, got * k)?;
-        for slot in 0..bufs.local_slots() {
-            let entries = &c.groups[c.offsets[slot] as usize..c.offsets[slot + 1] as usize];
-            for chunk in entries.chunks(bufs.expert_rows().max(1)) {
-                let rows = chunk.len();
-                let lists = GroupLists::new(chunk, &meta);
-                ops.write_index(&lists.rows, &mut c.group_rows)?;
-                ops.write_index(&lists.meta, &mut c.group_meta)?;
-                ops.write(&lists.weights, &mut c.group_weights)?;
-                ops.gather_rows(&set.recv_x, &c.group_rows, rows, None, h, &mut c.scratch.x)?;
-                let w = expert_at(&s, inputs, &c.foreign, slot);
-                let grad = grad_at(&s, &mut g, &mut c.foreign_grad, slot);
-                let io = GroupBackward::<O> {
-                    recv_dy: &set.recv_dy,
-                    dx_rows: &mut set.out,
-                    dw: &mut set.dw_out,
-                    rows: &c.group_rows,
-                    meta: &c.group_meta,
-                    weights: &c.group_weights,
-                };
-                expert_backward(ops, w, grad, (h, i), rows, io, &mut c.scratch)?;
+    let order: Vec<usize> = (0..plan.rounds()).rev().collect();
+    {
+        let Reserved {
+            sets,
+            foreign,
+            foreign_grad,
+            scratch,
+            groups,
+            offsets,
+            group_rows,
+            group_meta,
+            group_weights,
+            dw_src,
+            dw_dst,
+            dw_gathered,
+            ..
+        } = &mut c;
+        let issue = |sets: &mut [RoundSet<O::Buf, O::Index>], j| {
+            dispatch(ops, plan, (&s, &t), (inputs, Some(dy)), sets, j)
+        };
+        pipelined(ops, &order, sets, k, issue, |sets, round, meta| {
+            let set = &mut sets[round.set];
+            let got = round.got();
+            group(meta, k, bufs.local_slots(), groups, offsets)?;
+            ops.zero(&mut set.out, got * h)?;
+            ops.zero(&mut set.dw_out, got * k)?;
+            for slot in 0..bufs.local_slots() {
+                let entries = &groups[offsets[slot] as usize..offsets[slot + 1] as usize];
+                for chunk in entries.chunks(bufs.expert_rows().max(1)) {
+                    let rows = chunk.len();
+                    let lists = GroupLists::new(chunk, meta);
+                    ops.write_index(&lists.rows, group_rows)?;
+                    ops.write_index(&lists.meta, group_meta)?;
+                    ops.write(&lists.weights, group_weights)?;
+                    ops.gather_rows(&set.recv_x, group_rows, rows, None, h, &mut scratch.x)?;
+                    let w = expert_at(&s, inputs, foreign, slot);
+                    let grad = grad_at(&s, &mut g, foreign_grad, slot);
+                    let io = GroupBackward::<O> {
+                        recv_dy: &set.recv_dy,
+                        dx_rows: &mut set.out,
+                        dw: &mut set.dw_out,
+                        rows: group_rows,
+                        meta: group_meta,
+                        weights: group_weights,
+                    };
+                    expert_backward(ops, w, grad, (h, i), rows, io, scratch)?;
+                }
             }
-        }
-        ops.all_to_all_v((&set.out, 0), &rh, (&mut set.send_x, 0), &sh)?;
-        ops.all_to_all_v((&set.dw_out, 0), &rk, (&mut set.dw_back, 0), &sk)?;
-        ops.scatter_add_rows(&set.send_x, &c.send_tokens, sent, None, h, &mut g.dx)?;
-        let routes = lists.dw_src.len();
-        ops.write_index(&lists.dw_src, &mut c.dw_src)?;
-        ops.write_index(&lists.dw_dst, &mut c.dw_dst)?;
-        ops.gather_rows(&set.dw_back, &c.dw_src, routes, None, 1, &mut c.dw_gathered)?;
-        ops.scatter_add_rows(&c.dw_gathered, &c.dw_dst, routes, None, 1, &mut g.d_weights)?;
+            let (sh, rh) = (scale(&round.send_counts, h), scale(&round.recv_counts, h));
+            let (sk, rk) = (scale(&round.send_counts, k), scale(&round.recv_counts, k));
+            ops.all_to_all_v((&set.out, 0), &rh, (&mut set.send_x, 0), &sh)?;
+            ops.all_to_all_v((&set.dw_out, 0), &rk, (&mut set.dw_back, 0), &sk)?;
+            ops.scatter_add_rows(&set.send_x, &set.send_tokens, round.sent(), None, h, &mut g.dx)?;
+            let routes = round.lists.dw_src.len();
+            ops.write_index(&round.lists.dw_src, dw_src)?;
+            ops.write_index(&round.lists.dw_dst, dw_dst)?;
+            ops.gather_rows(&set.dw_back, dw_src, routes, None, 1, dw_gathered)?;
+            ops.scatter_add_rows(dw_gathered, dw_dst, routes, None, 1, &mut g.d_weights)
+        })?;
     }
     return_foreign_grads(ops, plan, &mut c, &mut g)?;
+    ops.fence()?;
     Ok(g)
 }

@@ -1,13 +1,28 @@
 //! Ring-DTP over P CUDA devices through a [`DeviceCommunicator`] (NCCL): the schedules of
-//! [`crate::ring`] with device buffers. Each ring step computes on the buffers in hand, then
-//! exchanges them with one grouped NCCL send (to the next rank) + receive (from the previous
-//! one) into the second buffer; the accumulators make the extra hop home straight into the
-//! outputs. Every buffer is reserved at [`CudaRing::new`] at the ring plan's size, so the device
-//! working set is fixed at launch: two ring buffers, the logits block and the widening buffers,
-//! plus per-token state of the rank's own tokens.
+//! [`crate::ring`] with device buffers. Every buffer is reserved at [`CudaRing::new`] at the ring
+//! plan's size, so the device working set is fixed at launch: two ring buffers, the logits block
+//! and the widening buffers, plus per-token state of the rank's own tokens.
 //!
-//! The exchange is issued on the compute stream after the step's GEMMs (no overlap yet: a
-//! second stream with events would hide it; the buffers are already double).
+//! # Streams: the exchange overlaps the step's GEMMs
+//!
+//! NCCL runs on the communicator's stream; the GEMMs and kernels run on a second, compute stream
+//! of the same context. A ring step issues two grouped NCCL send (to the next rank) + receive
+//! (from the previous one) pairs into the second buffer:
+//!
+//! - **early**, before the step's GEMMs: what the step only reads — the W rows and bias (weight
+//!   ring), the X rows, targets and backward row data (activation ring). It runs while the GEMMs
+//!   do;
+//! - **late**, after them: what the step writes — the travelling dW/dbias or the fold state and
+//!   dX. The next step's first GEMMs (logits, fold) do not read these, so the late exchange
+//!   overlaps them; the first GEMM that accumulates into them waits for it.
+//!
+//! The accumulators' last hop goes home straight into the outputs. Cross-stream order comes from
+//! cudarc's per-buffer read/write events (every buffer here is a `CudaSlice` of the
+//! communicator's context, and [`CudaRing::new`] puts that context in multi-stream mode): a
+//! receive waits for the last reader of its buffer (the previous step's GEMMs), a GEMM waits for
+//! the receive that wrote its operand. Every call starts with the compute stream waiting for the
+//! communicator's stream (the caller's inputs) and ends with each waiting for the other, so the
+//! caller orders everything on the communicator's stream, as with one stream.
 
 use flatpeak_common::cuda::KernelCache;
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
@@ -175,8 +190,12 @@ impl<C: DeviceCommunicator> CudaRing<C> {
                 found: comm.world_size(),
             });
         }
-        let stream = comm.stream().clone();
-        let engine = Engine::new(KernelCache::new(stream.context().clone())?, stream)?;
+        // A stream of its own for compute, so NCCL's stream is free to move the ring buffers
+        // meanwhile (`new_stream` synchronizes the context once, when it enters multi-stream
+        // mode, so earlier work on the caller's streams is complete and ordered).
+        let ctx = comm.stream().context().clone();
+        let compute = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
+        let engine = Engine::new(KernelCache::new(ctx)?, compute)?;
         let (c, vb, d, dt) = (plan.token_block(), plan.vocab_block(), plan.d(), plan.dtype());
         let wide = dt != DType::F32;
         let e = &engine;
@@ -264,6 +283,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
     /// The loss over all ranks' tokens (or this rank's per-token losses) and this rank's lse.
     pub fn forward(&mut self, inputs: &DeviceRankInputs<'_>) -> Result<Forward> {
         let (n, _) = self.check(inputs)?;
+        self.after_caller()?;
         let (d, v) = (self.plan.d(), self.plan.v());
         let mut resolved = self.engine.zeros::<u32>(n)?;
         let host = HostRows::resolve(
@@ -292,6 +312,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         dlse: Option<&[f32]>,
     ) -> Result<DeviceGradients> {
         let (n, v_r) = self.check(inputs)?;
+        self.after_caller()?;
         let (d, v) = (self.plan.d(), self.plan.v());
         if forward.lse.len() != n {
             return Err(Error::ShapeMismatch { what: "lse (n_r)", expected: n, found: forward.lse.len() });
@@ -325,10 +346,21 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         resolved: &CudaSlice<u32>,
         pass: Pass<'_>,
     ) -> Result<()> {
-        match self.plan.kind() {
+        let ran = match self.plan.kind() {
             RingKind::Weight => self.weight_ring(inputs, resolved, pass),
             RingKind::Activation => self.activation_ring(inputs, resolved, pass),
-        }
+        };
+        // The last hops land on the communicator's stream: compute (the downloads that follow)
+        // waits for them, and the caller's stream for the compute stream's outputs.
+        self.engine.stream.join(self.comm.stream()).map_err(cuda("cuStreamWaitEvent"))?;
+        self.comm.stream().join(&self.engine.stream).map_err(cuda("cuStreamWaitEvent"))?;
+        ran
+    }
+
+    /// The compute stream waits for the work the caller ordered on the communicator's stream
+    /// (uploads of the inputs).
+    fn after_caller(&self) -> Result<()> {
+        self.engine.stream.join(self.comm.stream()).map_err(cuda("cuStreamWaitEvent"))
     }
 }
 
@@ -390,6 +422,19 @@ impl<C: DeviceCommunicator> CudaRing<C> {
                         zero(e, &mut cur.dbias.slice_mut(..vb))?;
                     }
                 }
+                // Early: the W rows and bias travel on while this step's GEMMs read them.
+                let vb_in = plan.vocab_sub_block((s + p - 1) % p, j).len();
+                if k + 1 < p {
+                    exchange_raw(comm, (&cur.w, vb * d), (&mut inc.w, vb_in * d))?;
+                    if has_bias {
+                        comm.exchange(
+                            &[cur.bias.slice(..vb)],
+                            next,
+                            &mut [inc.bias.slice_mut(..vb_in)],
+                            prev,
+                        )?;
+                    }
+                }
                 let w = cur.w.f32(e, vb * d, w_wide)?;
                 for t0 in (0..n).step_by(cb.max(1)) {
                     let c = cb.min(n - t0);
@@ -421,25 +466,16 @@ impl<C: DeviceCommunicator> CudaRing<C> {
                     }
                 }
                 if k + 1 < p {
-                    let vb_in = plan.vocab_sub_block((s + p - 1) % p, j).len();
-                    exchange_raw(comm, (&cur.w, vb * d), (&mut inc.w, vb_in * d))?;
-                    let (mut send, mut recv) = (Vec::new(), Vec::new());
-                    if has_bias {
-                        send.push(cur.bias.slice(..vb));
-                        recv.push(inc.bias.slice_mut(..vb_in));
-                    }
+                    // Late: the accumulators follow once the step's GEMMs are done.
                     if backward {
-                        send.push(cur.dw.slice(..vb * d));
-                        recv.push(inc.dw.slice_mut(..vb_in * d));
+                        let mut send = vec![cur.dw.slice(..vb * d)];
+                        let mut recv = vec![inc.dw.slice_mut(..vb_in * d)];
                         if has_bias {
                             send.push(cur.dbias.slice(..vb));
                             recv.push(inc.dbias.slice_mut(..vb_in));
                         }
-                    }
-                    if !send.is_empty() {
                         comm.exchange(&send, next, &mut recv, prev)?;
                     }
-                    drop((send, recv));
                     std::mem::swap(&mut cur, &mut inc);
                     continue;
                 }
@@ -514,6 +550,28 @@ impl<C: DeviceCommunicator> CudaRing<C> {
                         }
                     }
                 }
+                let backward = matches!(pass, Pass::Grad { .. });
+                // Early: the X rows, targets and backward row data travel on while this step's
+                // GEMMs read them.
+                let c_in = plan.token_sub_block((o + p - 1) % p, blk).len();
+                if k + 1 < p {
+                    exchange_raw(comm, (&cur.x, c * d), (&mut inc.x, c_in * d))?;
+                    comm.exchange(
+                        &[cur.targets.slice(..c)],
+                        next,
+                        &mut [inc.targets.slice_mut(..c_in)],
+                        prev,
+                    )?;
+                    if backward {
+                        let send = [cur.coef.slice(..c), cur.lse.slice(..c), cur.dlse.slice(..c)];
+                        let mut recv = [
+                            inc.coef.slice_mut(..c_in),
+                            inc.lse.slice_mut(..c_in),
+                            inc.dlse.slice_mut(..c_in),
+                        ];
+                        comm.exchange(&send, next, &mut recv, prev)?;
+                    }
+                }
                 let x = cur.x.f32(e, c * d, x_wide)?;
                 for v0 in (0..shard.len()).step_by(vbmax.max(1)) {
                     let vb = vbmax.min(shard.len() - v0);
@@ -552,30 +610,15 @@ impl<C: DeviceCommunicator> CudaRing<C> {
                         }
                     }
                 }
-                let backward = matches!(pass, Pass::Grad { .. });
                 if k + 1 < p {
-                    let c_in = plan.token_sub_block((o + p - 1) % p, blk).len();
-                    exchange_raw(comm, (&cur.x, c * d), (&mut inc.x, c_in * d))?;
-                    comm.exchange(
-                        &[cur.targets.slice(..c)],
-                        next,
-                        &mut [inc.targets.slice_mut(..c_in)],
-                        prev,
-                    )?;
+                    // Late: the accumulators follow once the step's GEMMs are done.
                     if backward {
-                        let send = [
-                            cur.coef.slice(..c),
-                            cur.lse.slice(..c),
-                            cur.dlse.slice(..c),
-                            cur.dx.slice(..c * d),
-                        ];
-                        let mut recv = [
-                            inc.coef.slice_mut(..c_in),
-                            inc.lse.slice_mut(..c_in),
-                            inc.dlse.slice_mut(..c_in),
-                            inc.dx.slice_mut(..c_in * d),
-                        ];
-                        comm.exchange(&send, next, &mut recv, prev)?;
+                        comm.exchange(
+                            &[cur.dx.slice(..c * d)],
+                            next,
+                            &mut [inc.dx.slice_mut(..c_in * d)],
+                            prev,
+                        )?;
                     } else {
                         let send = [cur.max.slice(..c), cur.target_logit.slice(..c)];
                         let mut recv = [inc.max.slice_mut(..c_in), inc.target_logit.slice_mut(..c_in)];
