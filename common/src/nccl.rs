@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
 use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclReduceOp, group_end, group_start};
 
 use crate::comm::ReduceOp;
@@ -128,6 +128,27 @@ impl NcclComm {
     }
 }
 
+/// Records the buffers' cudarc events on `stream` behind a closed NCCL group.
+///
+/// When a context has several streams, cudarc orders each buffer across them by a read and a
+/// write event, recorded when an operation's device-pointer guard drops. Inside
+/// `ncclGroupStart`/`ncclGroupEnd` the guards of `send`/`recv` drop as those calls return, but
+/// NCCL enqueues the group's kernel only at `ncclGroupEnd`: the events would then mark the
+/// stream *before* the transfer, and another stream waiting on them would race it (read a
+/// receive buffer before it arrives, overwrite a send buffer while it is read). Taking each
+/// pointer again once the group is closed records the events behind the kernel. With one
+/// stream cudarc records nothing and this does nothing.
+fn record_after_group<T>(stream: &CudaStream, send: &[CudaView<'_, T>], recv: &mut [CudaViewMut<'_, T>]) {
+    for s in send {
+        let (_, record) = s.device_ptr(stream);
+        drop(record);
+    }
+    for r in recv.iter_mut() {
+        let (_, record) = r.device_ptr_mut(stream);
+        drop(record);
+    }
+}
+
 fn peer(rank: usize, world: usize) -> Result<i32> {
     if rank < world { Ok(rank as i32) } else { Err(Error::RankOutOfRange { rank, world_size: world }) }
 }
@@ -167,7 +188,9 @@ impl DeviceCommunicator for NcclComm {
         let issued = issue();
         // The group is closed whatever happened inside it.
         group_end().map_err(nccl_error("ncclGroupEnd"))?;
-        issued
+        issued?;
+        record_after_group(&self.stream, send, recv);
+        Ok(())
     }
 
     fn all_to_all_v<T: NcclType + DeviceRepr>(
@@ -212,7 +235,9 @@ impl DeviceCommunicator for NcclComm {
         };
         let issued = issue();
         group_end().map_err(nccl_error("ncclGroupEnd"))?;
-        issued
+        issued?;
+        record_after_group(&self.stream, std::slice::from_ref(send), std::slice::from_mut(recv));
+        Ok(())
     }
 
     fn all_reduce<T: NcclType + DeviceRepr>(&self, buf: &mut CudaSlice<T>, op: ReduceOp) -> Result<()> {
