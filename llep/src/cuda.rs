@@ -6,10 +6,12 @@
 //!
 //! # Streams
 //!
-//! The all-to-alls (and the metadata downloads that follow them) run on the communicator's
-//! stream; kernels, GEMMs and every other copy run on a compute stream of the same context,
-//! created by [`CudaOps::new`]. So round j+1's dispatch, which the schedule issues before round
-//! j's experts, moves while they compute. Order between the two streams comes from cudarc's
+//! The all-to-alls run on the communicator's stream; kernels, GEMMs and every other copy run on
+//! a compute stream of the same context, and the downloads of received route metadata on a
+//! third, both created by [`CudaOps::new`]. So round j+1's dispatch, which the schedule issues
+//! before round j's experts, moves while they compute, and the host fetches round j+1's
+//! metadata as soon as it has arrived — not behind round j's combine, which waits for round j's
+//! experts — and queues round j+1 while round j still computes. Order between the two streams comes from cudarc's
 //! per-buffer read/write events: every buffer the schedule touches is a `CudaSlice` of this
 //! context, which `new` puts in multi-stream mode, so an all-to-all waits for the kernels that
 //! wrote what it sends and for the last reader of what it overwrites, and a kernel waits for the
@@ -99,25 +101,33 @@ impl CudaIndex {
 pub struct CudaOps<'c, C: DeviceCommunicator> {
     comm: &'c C,
     stream: Arc<CudaStream>,
+    fetch: Arc<CudaStream>,
     cache: KernelCache,
     blas: CudaBlas,
 }
 
 impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
-    /// The device of `comm`'s stream, with a new compute stream that first waits for it:
-    /// compiles nothing yet (kernels compile at first use), creates the cuBLAS handle (default
-    /// math mode) on the compute stream. Creating the stream puts the context in multi-stream
-    /// mode (cudarc synchronizes the context once, when it does).
+    /// The device of `comm`'s stream, with a new compute stream that first waits for it and a
+    /// stream for metadata downloads: compiles nothing yet (kernels compile at first use),
+    /// creates the cuBLAS handle (default math mode) on the compute stream. Creating the streams
+    /// puts the context in multi-stream mode (cudarc synchronizes the context once, when it
+    /// does).
+    ///
+    /// Synchronize ([`CudaOps::synchronize`]) before dropping the communicator: cudarc aborts an
+    /// NCCL communicator when it drops, which would cancel the last pass's transfers if they
+    /// are still queued (a pass returns without waiting for them).
     pub fn new(comm: &'c C) -> Result<Self> {
         let ctx = comm.stream().context().clone();
         let stream = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
         stream.join(comm.stream()).map_err(cuda("cuStreamWaitEvent"))?;
+        let fetch = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
         let cache = KernelCache::new(ctx)?;
         let blas = CudaBlas::new(stream.clone()).map_err(cuda("cublasCreate"))?;
-        Ok(Self { comm, stream, cache, blas })
+        Ok(Self { comm, stream, fetch, cache, blas })
     }
 
-    /// Waits for every operation issued so far, on both streams.
+    /// Waits for every operation issued so far, on both streams (the metadata downloads wait
+    /// on the host as they run).
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
         self.comm.stream().synchronize().map_err(cuda("cuStreamSynchronize"))
@@ -203,9 +213,10 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
             expected: len,
             found: src.dev.len(),
         })?;
-        // On the communicator's stream: route metadata arrives by all-to-all, so the host waits
-        // for that (and the all-to-alls before it), not for the compute queued meanwhile.
-        self.comm.stream().clone_dtoh(&v).map_err(cuda("cuMemcpyDtoH"))
+        // On a stream of its own: cudarc's events make it wait for the all-to-all that wrote
+        // `src` (or the upload that did), not for the combine and compute queued meanwhile on
+        // the other two streams.
+        self.fetch.clone_dtoh(&v).map_err(cuda("cuMemcpyDtoH"))
     }
 
     fn fence(&self) -> Result<()> {

@@ -135,24 +135,35 @@ mod emulated {
 mod gpu {
     use super::*;
     use flatpeak_common::nccl::NcclComm;
-    use llep::Plan;
     use llep::cuda::CudaOps;
     use llep::device::{self, DeviceInputs, DeviceOps};
+    use llep::{LlepConfig, Plan};
 
     /// One GPU (P = 1): the device schedule with NVRTC kernels, cuBLAS and NCCL against the CPU
-    /// executor, balanced and skewed. Needs a CUDA device, NVRTC and NCCL.
+    /// executor, balanced and skewed, on the tiny shape and on one whose rounds (4 of 512
+    /// rows × H = 256, either profile) are long enough for round j+1's all-to-alls on NCCL's stream
+    /// to run beside round j's kernels on the compute stream. Needs a CUDA device, NVRTC and
+    /// NCCL.
     #[test]
     #[ignore = "needs a CUDA device with NVRTC and NCCL"]
     fn gpu_schedule_matches_cpu_executor() {
         let ctx = flatpeak_common::cuda::context(0).expect("a CUDA device");
         let comm = NcclComm::for_devices(vec![ctx.default_stream()]).expect("NCCL").remove(0);
         let ops = CudaOps::new(&comm).expect("CUDA ops");
-        for (seed, profile) in
-            [Profile::Balanced, Profile::Hot { ratio: 1.0, experts: 1 }].into_iter().enumerate()
+        let larger =
+            Shape { tokens: 2048, hidden: 256, intermediate: 128, experts: 16, top_k: 4, ..shape(1) };
+        let larger_config = LlepConfig::with_scheme(Scheme::PipelinedLlep)
+            .min_chunk(64)
+            .pair_cap(llep::PairCap::Rows(512))
+            .foreign_slots(2);
+        let cases = [(shape(1), small_config(Scheme::PipelinedLlep)), (larger, larger_config)];
+        for (seed, ((shape, config), profile)) in cases
+            .into_iter()
+            .flat_map(|case| [Profile::Balanced, Profile::Hot { ratio: 1.0, experts: 1 }].map(|p| (case, p)))
+            .enumerate()
         {
-            let what = format!("GPU P=1 {profile:?}");
-            let problem = Problem::new(shape(1), Ids::Profile(profile), 40 + seed as u64);
-            let config = small_config(Scheme::PipelinedLlep);
+            let what = format!("GPU P=1 {} tokens {profile:?}", shape.tokens);
+            let problem = Problem::new(shape, Ids::Profile(profile), 40 + seed as u64);
             let cpu: Vec<RankRun> = common::run(&problem, &config).into_iter().map(|r| r.unwrap()).collect();
             let inputs = problem.inputs(0);
             let plan = Plan::from_top_k(&config, &problem.shape, &[inputs.routing.ids]).unwrap();
@@ -166,5 +177,6 @@ mod gpu {
             let grads = device::backward(&ops, &plan, &dev, &dy).unwrap().download(&ops).unwrap();
             compare(&what, &[(y, grads)], &cpu);
         }
+        ops.synchronize().expect("synchronize before the communicator drops");
     }
 }

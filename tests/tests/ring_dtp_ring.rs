@@ -355,6 +355,7 @@ fn device_rings_match_the_reference() {
                                 dw: down(&g.dw, v_r * d),
                                 dbias: g.dbias.as_ref().map(|b| down(b, v_r)),
                             };
+                            ring.synchronize().expect("synchronize before the communicator drops");
                             (fwd, grads)
                         })
                     })

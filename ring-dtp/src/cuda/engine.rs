@@ -189,7 +189,9 @@ impl Engine {
             ldc: ldc as i32,
         };
         // SAFETY: every public caller checks that a, b and c hold the column-major extents of
-        // `cfg` (lda·cols etc., stated at each call); all three are ordered on `self.stream`.
+        // `cfg` (lda·cols etc., stated at each call); the GEMM runs on `self.stream`, the
+        // handle's stream, after every earlier write to a, b or c (issued on this stream, or on
+        // another stream of the context and ordered by cudarc's per-buffer events).
         unsafe { self.blas.gemm(cfg, a, b, c) }.map_err(cuda("cublasSgemm"))
     }
 

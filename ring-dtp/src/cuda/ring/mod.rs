@@ -13,8 +13,9 @@
 //!   ring), the X rows, targets and backward row data (activation ring). It runs while the GEMMs
 //!   do;
 //! - **late**, after them: what the step writes — the travelling dW/dbias or the fold state and
-//!   dX. The next step's first GEMMs (logits, fold) do not read these, so the late exchange
-//!   overlaps them; the first GEMM that accumulates into them waits for it.
+//!   dX. The next step's first logits GEMM (and, in backward, its gradient kernel) does not
+//!   touch these, so the late exchange overlaps it; the first kernel that folds or accumulates
+//!   into them (the fold; the dW or dX GEMM) waits for it.
 //!
 //! The accumulators' last hop goes home straight into the outputs. Cross-stream order comes from
 //! cudarc's per-buffer read/write events (every buffer here is a `CudaSlice` of the
@@ -23,6 +24,15 @@
 //! the receive that wrote its operand. Every call starts with the compute stream waiting for the
 //! communicator's stream (the caller's inputs) and ends with each waiting for the other, so the
 //! caller orders everything on the communicator's stream, as with one stream.
+//!
+//! A ring's first step of each block writes its own data into the current buffer on the compute
+//! stream. That is safe because the buffer in hand at a block's last step is never sent early
+//! (there is no next step), and its last NCCL use was the receive the compute stream already
+//! waited for, or the home send its write waits for: keep both true when changing the order.
+//!
+//! [`CudaRing::backward`] returns with the last hops possibly still queued on the
+//! communicator's stream; cudarc aborts an NCCL communicator when it drops, so synchronize
+//! ([`CudaRing::synchronize`], or a download on that stream) before dropping the ring.
 
 use flatpeak_common::cuda::KernelCache;
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
@@ -30,8 +40,8 @@ use flatpeak_common::nccl::DeviceCommunicator;
 use flatpeak_common::{DType, ReduceOp};
 use half::bf16;
 
-use super::engine::{Engine, LogitsBlock, RowViews, StatsViews, cuda};
-use super::{DeviceGradients, DeviceMatrix, DeviceStats, HostRows, rows_f32};
+use super::engine::{Engine, cuda};
+use super::{DeviceGradients, DeviceMatrix, DeviceStats, HostRows};
 use crate::config::LinearCrossEntropy;
 use crate::cpu;
 use crate::error::{Error, Result};
@@ -246,6 +256,12 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         &self.comm
     }
 
+    /// Waits for every operation issued so far, on the compute stream and the communicator's.
+    pub fn synchronize(&self) -> Result<()> {
+        self.engine.stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+        self.comm.stream().synchronize().map_err(cuda("cuStreamSynchronize"))
+    }
+
     fn check(&self, inputs: &DeviceRankInputs<'_>) -> Result<(usize, usize)> {
         let rank = self.comm.rank();
         let (n, v, d) = (self.plan.tokens(rank).len(), self.plan.shard(rank).len(), self.plan.d());
@@ -382,283 +398,5 @@ fn zero<
     e.stream.memset_zeros(dst).map_err(cuda("cuMemsetD8"))
 }
 
-impl<C: DeviceCommunicator> CudaRing<C> {
-    /// The weight ring: sub-block j of shard s = (r − k) mod P at step k; the dW accumulator
-    /// travels with it and makes the hop home after step P − 1.
-    fn weight_ring(
-        &mut self,
-        inputs: &DeviceRankInputs<'_>,
-        resolved: &CudaSlice<u32>,
-        mut pass: Pass<'_>,
-    ) -> Result<()> {
-        let Self { config, plan, comm, engine: e, logits, x_wide, w_wide, buffers } = self;
-        let Buffers::Weight(slots) = buffers else {
-            return Err(Error::InvalidOption {
-                name: "ring buffers",
-                value: 0.0,
-                expected: "weight-ring slots",
-            });
-        };
-        let [a, b] = &mut **slots;
-        let (mut cur, mut inc) = (a, b);
-        let (p, r, d) = (plan.world(), comm.rank(), plan.d());
-        let (next, prev) = ring_peers(comm);
-        let (own, n, cb) = (plan.shard(r), plan.tokens(r).len(), plan.token_block());
-        let has_bias = inputs.bias_shard.is_some();
-        let backward = matches!(pass, Pass::Grad { .. });
-        for j in 0..plan.blocks() {
-            for k in 0..p {
-                let s = (r + p - k) % p;
-                let rows = plan.vocab_sub_block(s, j);
-                let vb = rows.len();
-                if k == 0 {
-                    let local = rows.start - own.start..rows.end - own.start;
-                    cur.w.load(e, &inputs.w_shard, local.start * d..local.end * d)?;
-                    if let Some(bias) = inputs.bias_shard {
-                        dtod(e, &bias.slice(local), &mut cur.bias.slice_mut(..vb))?;
-                    }
-                    if backward {
-                        zero(e, &mut cur.dw.slice_mut(..vb * d))?;
-                        zero(e, &mut cur.dbias.slice_mut(..vb))?;
-                    }
-                }
-                // Early: the W rows and bias travel on while this step's GEMMs read them.
-                let vb_in = plan.vocab_sub_block((s + p - 1) % p, j).len();
-                if k + 1 < p {
-                    exchange_raw(comm, (&cur.w, vb * d), (&mut inc.w, vb_in * d))?;
-                    if has_bias {
-                        comm.exchange(
-                            &[cur.bias.slice(..vb)],
-                            next,
-                            &mut [inc.bias.slice_mut(..vb_in)],
-                            prev,
-                        )?;
-                    }
-                }
-                let w = cur.w.f32(e, vb * d, w_wide)?;
-                for t0 in (0..n).step_by(cb.max(1)) {
-                    let c = cb.min(n - t0);
-                    let x = rows_f32(e, &inputs.x, t0..t0 + c, d, x_wide)?;
-                    e.logits(&w, &x, (c, vb, d), logits)?;
-                    let block = LogitsBlock {
-                        logits,
-                        rows: c,
-                        vb,
-                        v0: rows.start,
-                        bias: has_bias.then(|| cur.bias.slice(..vb)),
-                        targets: resolved.slice(t0..t0 + c),
-                    };
-                    match &mut pass {
-                        Pass::Fold(stats) => e.fold(config, block, stats.rows(t0, c))?,
-                        Pass::Grad { coef, lse, dlse, grads } => {
-                            let rv = RowViews {
-                                coef: coef.slice(t0..t0 + c),
-                                lse: lse.slice(t0..t0 + c),
-                                dlse: dlse.map(|g| g.slice(t0..t0 + c)),
-                            };
-                            e.gradient(config, plan.v(), block, rv)?;
-                            e.dx(&w, logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
-                            e.dw(&x, logits, (c, vb, d), &mut cur.dw.slice_mut(..vb * d))?;
-                            if has_bias {
-                                e.bias_grad(logits, (c, vb), &mut cur.dbias.slice_mut(..vb))?;
-                            }
-                        }
-                    }
-                }
-                if k + 1 < p {
-                    // Late: the accumulators follow once the step's GEMMs are done.
-                    if backward {
-                        let mut send = vec![cur.dw.slice(..vb * d)];
-                        let mut recv = vec![inc.dw.slice_mut(..vb_in * d)];
-                        if has_bias {
-                            send.push(cur.dbias.slice(..vb));
-                            recv.push(inc.dbias.slice_mut(..vb_in));
-                        }
-                        comm.exchange(&send, next, &mut recv, prev)?;
-                    }
-                    std::mem::swap(&mut cur, &mut inc);
-                    continue;
-                }
-                // Step P − 1: this rank's own sub-block j comes home, complete, into the outputs.
-                let Pass::Grad { grads, .. } = &mut pass else { continue };
-                let home = plan.vocab_sub_block(r, j);
-                let local = home.start - own.start..home.end - own.start;
-                let mut dw_out = grads.dw.slice_mut(local.start * d..local.end * d);
-                let mut db_out = grads.dbias.as_mut().map(|db| db.slice_mut(local.clone()));
-                if p > 1 {
-                    let (mut send, mut recv) = (vec![cur.dw.slice(..vb * d)], vec![dw_out]);
-                    if let Some(db) = db_out {
-                        send.push(cur.dbias.slice(..vb));
-                        recv.push(db);
-                    }
-                    comm.exchange(&send, next, &mut recv, prev)?;
-                } else {
-                    dtod(e, &cur.dw.slice(..vb * d), &mut dw_out)?;
-                    if let Some(db) = db_out.as_mut() {
-                        dtod(e, &cur.dbias.slice(..vb), db)?;
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The activation ring: token block b of rank o = (r − k) mod P at step k, against the whole
-    /// local shard in vocabulary blocks; its statistics or dX accumulator hop home after P − 1.
-    fn activation_ring(
-        &mut self,
-        inputs: &DeviceRankInputs<'_>,
-        resolved: &CudaSlice<u32>,
-        mut pass: Pass<'_>,
-    ) -> Result<()> {
-        let Self { config, plan, comm, engine: e, logits, x_wide, w_wide, buffers } = self;
-        let Buffers::Activation(slots) = buffers else {
-            return Err(Error::InvalidOption {
-                name: "ring buffers",
-                value: 0.0,
-                expected: "activation-ring packets",
-            });
-        };
-        let [a, b] = &mut **slots;
-        let (mut cur, mut inc) = (a, b);
-        let (p, r, d) = (plan.world(), comm.rank(), plan.d());
-        let (next, prev) = ring_peers(comm);
-        let (shard, vbmax) = (plan.shard(r), plan.vocab_block());
-        for blk in 0..plan.blocks() {
-            for k in 0..p {
-                let o = (r + p - k) % p;
-                let c = plan.token_sub_block(o, blk).len();
-                if k == 0 {
-                    let rows = plan.token_sub_block(r, blk);
-                    cur.x.load(e, &inputs.x, rows.start * d..rows.end * d)?;
-                    dtod(e, &resolved.slice(rows.clone()), &mut cur.targets.slice_mut(..c))?;
-                    match &pass {
-                        Pass::Fold(_) => {
-                            e.fill_neg_inf(&mut cur.max.slice_mut(..c))?;
-                            zero(e, &mut cur.target_logit.slice_mut(..c))?;
-                            zero(e, &mut cur.sum.slice_mut(..c))?;
-                            zero(e, &mut cur.logit_sum.slice_mut(..c))?;
-                        }
-                        Pass::Grad { coef, lse, dlse, .. } => {
-                            dtod(e, &coef.slice(rows.clone()), &mut cur.coef.slice_mut(..c))?;
-                            dtod(e, &lse.slice(rows.clone()), &mut cur.lse.slice_mut(..c))?;
-                            match dlse {
-                                Some(g) => dtod(e, &g.slice(rows), &mut cur.dlse.slice_mut(..c))?,
-                                None => zero(e, &mut cur.dlse.slice_mut(..c))?,
-                            }
-                            zero(e, &mut cur.dx.slice_mut(..c * d))?;
-                        }
-                    }
-                }
-                let backward = matches!(pass, Pass::Grad { .. });
-                // Early: the X rows, targets and backward row data travel on while this step's
-                // GEMMs read them.
-                let c_in = plan.token_sub_block((o + p - 1) % p, blk).len();
-                if k + 1 < p {
-                    exchange_raw(comm, (&cur.x, c * d), (&mut inc.x, c_in * d))?;
-                    comm.exchange(
-                        &[cur.targets.slice(..c)],
-                        next,
-                        &mut [inc.targets.slice_mut(..c_in)],
-                        prev,
-                    )?;
-                    if backward {
-                        let send = [cur.coef.slice(..c), cur.lse.slice(..c), cur.dlse.slice(..c)];
-                        let mut recv = [
-                            inc.coef.slice_mut(..c_in),
-                            inc.lse.slice_mut(..c_in),
-                            inc.dlse.slice_mut(..c_in),
-                        ];
-                        comm.exchange(&send, next, &mut recv, prev)?;
-                    }
-                }
-                let x = cur.x.f32(e, c * d, x_wide)?;
-                for v0 in (0..shard.len()).step_by(vbmax.max(1)) {
-                    let vb = vbmax.min(shard.len() - v0);
-                    let w = rows_f32(e, &inputs.w_shard, v0..v0 + vb, d, w_wide)?;
-                    e.logits(&w, &x, (c, vb, d), logits)?;
-                    let block = LogitsBlock {
-                        logits,
-                        rows: c,
-                        vb,
-                        v0: shard.start + v0,
-                        bias: inputs.bias_shard.map(|b| b.slice(v0..v0 + vb)),
-                        targets: cur.targets.slice(..c),
-                    };
-                    match &mut pass {
-                        Pass::Fold(_) => {
-                            let st = StatsViews {
-                                max: cur.max.slice_mut(..c),
-                                sum: cur.sum.slice_mut(..c),
-                                target_logit: cur.target_logit.slice_mut(..c),
-                                logit_sum: cur.logit_sum.slice_mut(..c),
-                            };
-                            e.fold(config, block, st)?;
-                        }
-                        Pass::Grad { grads, .. } => {
-                            let rv = RowViews {
-                                coef: cur.coef.slice(..c),
-                                lse: cur.lse.slice(..c),
-                                dlse: Some(cur.dlse.slice(..c)),
-                            };
-                            e.gradient(config, plan.v(), block, rv)?;
-                            e.dx(&w, logits, (c, vb, d), &mut cur.dx.slice_mut(..c * d))?;
-                            e.dw(&x, logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
-                            if let Some(db) = grads.dbias.as_mut() {
-                                e.bias_grad(logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
-                            }
-                        }
-                    }
-                }
-                if k + 1 < p {
-                    // Late: the accumulators follow once the step's GEMMs are done.
-                    if backward {
-                        comm.exchange(
-                            &[cur.dx.slice(..c * d)],
-                            next,
-                            &mut [inc.dx.slice_mut(..c_in * d)],
-                            prev,
-                        )?;
-                    } else {
-                        let send = [cur.max.slice(..c), cur.target_logit.slice(..c)];
-                        let mut recv = [inc.max.slice_mut(..c_in), inc.target_logit.slice_mut(..c_in)];
-                        comm.exchange(&send, next, &mut recv, prev)?;
-                        let send = [cur.sum.slice(..c), cur.logit_sum.slice(..c)];
-                        let mut recv = [inc.sum.slice_mut(..c_in), inc.logit_sum.slice_mut(..c_in)];
-                        comm.exchange(&send, next, &mut recv, prev)?;
-                    }
-                    std::mem::swap(&mut cur, &mut inc);
-                    continue;
-                }
-                // Step P − 1: this rank's own block comes home, complete.
-                let home = plan.token_sub_block(r, blk);
-                match &mut pass {
-                    Pass::Fold(stats) => {
-                        let st = stats.rows(home.start, home.len());
-                        if p > 1 {
-                            let send = [cur.max.slice(..c), cur.target_logit.slice(..c)];
-                            comm.exchange(&send, next, &mut [st.max, st.target_logit], prev)?;
-                            let send = [cur.sum.slice(..c), cur.logit_sum.slice(..c)];
-                            comm.exchange(&send, next, &mut [st.sum, st.logit_sum], prev)?;
-                        } else {
-                            let StatsViews { mut max, mut sum, mut target_logit, mut logit_sum } = st;
-                            dtod(e, &cur.max.slice(..c), &mut max)?;
-                            dtod(e, &cur.sum.slice(..c), &mut sum)?;
-                            dtod(e, &cur.target_logit.slice(..c), &mut target_logit)?;
-                            dtod(e, &cur.logit_sum.slice(..c), &mut logit_sum)?;
-                        }
-                    }
-                    Pass::Grad { grads, .. } => {
-                        let mut dx_out = grads.dx.slice_mut(home.start * d..home.end * d);
-                        if p > 1 {
-                            comm.exchange(&[cur.dx.slice(..c * d)], next, &mut [dx_out], prev)?;
-                        } else {
-                            dtod(e, &cur.dx.slice(..c * d), &mut dx_out)?;
-                        }
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-}
+mod activation;
+mod weight;
