@@ -3,6 +3,11 @@
 //! (N = 512 tokens per rank, H = 128, I = 64, E = 16, k = 4, f32), balanced and 95%:1 routing.
 //! `cargo bench -p flatpeak-bench --bench llep`; the paper-style comparison at P = 8,
 //! N = 4096, H = 512, I = 256, E = 64, k = 8 is `flatpeak report --component llep`.
+//!
+//! With `--features cuda` and a device, `cuda/llep_*` times the device executor on one GPU
+//! (P = 1, NCCL all-to-all to itself) at the report's per-rank shape: PipelinedLLEP in 4 rounds
+//! with two buffer copies (round j+1's dispatch issued before round j's experts) and with one
+//! (rounds in sequence), against LLEP's single round.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use flatpeak_bench::components::llep::Data;
@@ -60,5 +65,66 @@ fn steps(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, steps);
+#[cfg(feature = "cuda")]
+fn cuda_steps(c: &mut Criterion) {
+    use flatpeak_common::nccl::{NcclComm, nccl_available};
+    use llep::Plan;
+    use llep::cuda::CudaOps;
+    use llep::device::{self, DeviceInputs, DeviceOps};
+    if !flatpeak_common::cuda_available() || !nccl_available() {
+        eprintln!("cuda_steps: skipped, no CUDA device or no NCCL");
+        return;
+    }
+    let shape = Shape {
+        ranks: 1,
+        tokens: 4096,
+        hidden: 512,
+        intermediate: 256,
+        experts: 64,
+        top_k: 8,
+        dtype: DType::F32,
+    };
+    let ctx = flatpeak_common::cuda::context(0).expect("device");
+    let comm = NcclComm::for_devices(vec![ctx.default_stream()]).expect("NCCL").remove(0);
+    let ops = CudaOps::new(&comm).expect("CUDA ops");
+    let data = Data::new(&shape);
+    let pipelined = LlepConfig::default().pair_cap(PairCap::Rows(1024)).min_chunk(64);
+    let configs = [
+        ("pipelined_llep_2_copies", pipelined),
+        ("pipelined_llep_1_copy", pipelined.pipeline_depth(1)),
+        ("llep", LlepConfig::with_scheme(Scheme::Llep).min_chunk(64)),
+    ];
+    for spec in ["balanced", "95%:1"] {
+        let ids = spec.parse::<Profile>().expect("profile").ids(&shape).expect("ids");
+        let inputs = data.inputs(&shape, 0, &ids);
+        let up = |v: &[f32]| ops.upload(v).expect("upload");
+        let w = &inputs.experts;
+        let (x, gate, w_up, down, dy) = (up(inputs.x), up(w.gate), up(w.up), up(w.down), up(data.dy(0)));
+        let dev = DeviceInputs { x: &x, routing: inputs.routing, gate: &gate, up: &w_up, down: &down };
+        let mut group = c.benchmark_group(format!(
+            "cuda/llep_P1_N4096_H512_I256_E64_k8_f32_{}",
+            spec.replace(['%', ':'], "_")
+        ));
+        group.sample_size(10);
+        for (name, config) in &configs {
+            let plan = Plan::from_top_k(config, &shape, &[&ids]).expect("plan");
+            eprintln!("cuda/llep {spec} {name}: {} rounds", plan.rounds());
+            group.bench_function(format!("{name}_train"), |b| {
+                b.iter(|| {
+                    let y = device::forward(&ops, &plan, &dev).expect("forward");
+                    let g = device::backward(&ops, &plan, &dev, &dy).expect("backward");
+                    ops.synchronize().expect("sync");
+                    (y, g)
+                })
+            });
+        }
+        group.finish();
+    }
+    ops.synchronize().expect("sync");
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_steps(_: &mut Criterion) {}
+
+criterion_group!(benches, steps, cuda_steps);
 criterion_main!(benches);
