@@ -58,7 +58,7 @@ use std::time::Instant;
 
 use flatpeak_common::gemm::Threads;
 use flatpeak_common::{
-    Communicator, DType, Device, HeapSize, LocalGroup, LocalGroupOptions, PeakMeter, SplitMix64, Workspace,
+    Communicator, DType, Device, HeapSize, LocalGroup, LocalGroupOptions, PeakMeter, Workspace,
     relative_error,
 };
 use llep::cpu::{self, reference};
@@ -67,6 +67,7 @@ use llep::{
     RankInputs, Routing, Scheme, Shape, SpillSplit, crate_pair_cap, model_row,
 };
 
+pub use super::llep_data::Data;
 use super::{Component, ReportError, cpu_workload};
 use crate::machine::{MachineInfo, median};
 use crate::report::{Comparison, Row};
@@ -178,52 +179,6 @@ pub fn configs() -> [(Scheme, LlepConfig); 3] {
         (Scheme::Llep, single(LlepConfig::with_scheme(Scheme::Llep).spill_split(SpillSplit::Position))),
         (Scheme::StandardEp, single(LlepConfig::with_scheme(Scheme::StandardEp))),
     ]
-}
-
-/// Seeded inputs of every rank: tokens, dY, routing weights and all E experts' weights.
-#[derive(Debug)]
-pub struct Data {
-    x: Vec<Vec<f32>>,
-    dy: Vec<Vec<f32>>,
-    weights: Vec<Vec<f32>>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    down: Vec<f32>,
-}
-
-impl Data {
-    /// The inputs at `shape` (seeded, routing-independent).
-    pub fn new(shape: &Shape) -> Self {
-        let (p, n, h, i, e, k) =
-            (shape.ranks, shape.tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k);
-        let mut rng = SplitMix64::new(0x11E9);
-        let x = (0..p).map(|_| rng.normal_f32(n * h, 0.0, 1.0)).collect();
-        let dy = (0..p).map(|_| rng.normal_f32(n * h, 0.0, 1.0)).collect();
-        let weights = (0..p).map(|s| llep::routing_weights(n, k, 77 + s as u64)).collect();
-        let gate = rng.normal_f32(e * h * i, 0.0, 1.0 / (h as f32).sqrt());
-        let up = rng.normal_f32(e * h * i, 0.0, 1.0 / (h as f32).sqrt());
-        let down = rng.normal_f32(e * i * h, 0.0, 1.0 / (i as f32).sqrt());
-        Self { x, dy, weights, gate, up, down }
-    }
-
-    /// Rank s's inputs with these ids.
-    pub fn inputs<'a>(&'a self, shape: &Shape, s: usize, ids: &'a [i64]) -> RankInputs<'a> {
-        let len = shape.local_experts() * shape.hidden * shape.intermediate;
-        RankInputs {
-            x: &self.x[s],
-            routing: Routing { ids, weights: &self.weights[s] },
-            experts: ExpertWeights {
-                gate: &self.gate[s * len..(s + 1) * len],
-                up: &self.up[s * len..(s + 1) * len],
-                down: &self.down[s * len..(s + 1) * len],
-            },
-        }
-    }
-
-    /// rank s's dY.
-    pub fn dy(&self, s: usize) -> &[f32] {
-        &self.dy[s]
-    }
 }
 
 fn data() -> &'static Data {

@@ -3,6 +3,7 @@
 //! reported as not available.
 
 pub mod llep;
+mod llep_data;
 pub mod ring_dtp;
 pub mod ring_dtp_ring;
 pub mod sco;
