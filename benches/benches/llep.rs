@@ -6,8 +6,8 @@
 //!
 //! With `--features cuda` and a device, `cuda/llep_*` times the device executor on one GPU
 //! (P = 1, NCCL all-to-all to itself) at the report's per-rank shape: PipelinedLLEP in 4 rounds
-//! with two buffer copies (round j+1's dispatch issued before round j's experts) and with one
-//! (rounds in sequence), against LLEP's single round.
+//! with three buffer copies (round j+1's dispatch and round j−1's combine beside round j's
+//! experts), two (the dispatch only) and one (rounds in sequence), against LLEP's single round.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use flatpeak_bench::components::llep::Data;
@@ -90,6 +90,7 @@ fn cuda_steps(c: &mut Criterion) {
     let data = Data::new(&shape);
     let pipelined = LlepConfig::default().pair_cap(PairCap::Rows(1024)).min_chunk(64);
     let configs = [
+        ("pipelined_llep_3_copies", pipelined.pipeline_depth(3)),
         ("pipelined_llep_2_copies", pipelined),
         ("pipelined_llep_1_copy", pipelined.pipeline_depth(1)),
         ("llep", LlepConfig::with_scheme(Scheme::Llep).min_chunk(64)),

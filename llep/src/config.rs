@@ -170,7 +170,9 @@ pub struct LlepConfig {
     pub chunking: Chunking,
     /// What forward keeps for backward.
     pub mode: Mode,
-    /// D: copies of the dispatch buffers, so round j+1's dispatch can overlap round j's GEMMs.
+    /// D: copies of the dispatch buffers, so round j+1's dispatch can overlap round j's GEMMs
+    /// (D ≥ 2), and round j−1's combine too (D ≥ 3; the device executor's issue order, see
+    /// `device`). The CPU executor's rounds run in order whatever D is.
     pub pipeline_depth: usize,
     /// Threads of each expert GEMM. [`Threads::Single`] keeps a rank's compute on its own
     /// thread (P ranks as threads already fill the cores, and the rank's thread CPU time is

@@ -9,10 +9,11 @@
 //! The all-to-alls run on the communicator's stream; kernels, GEMMs and every other copy run on
 //! a compute stream of the same context, and the downloads of received route metadata on a
 //! third, both created by [`CudaOps::new`]. So round j+1's dispatch, which the schedule issues
-//! before round j's experts, moves while they compute, and the host fetches round j+1's
-//! metadata as soon as it has arrived — not behind round j's combine, which waits for round j's
-//! experts — and queues round j+1 while round j still computes. Order between the two streams comes from cudarc's
-//! per-buffer read/write events: every buffer the schedule touches is a `CudaSlice` of this
+//! before round j's experts, moves while they compute (with three buffer copies, so does round
+//! j−1's combine), and the host fetches round j+1's metadata as soon as it has arrived — not
+//! behind round j's combine, which waits for round j's experts — and queues round j+1 while
+//! round j still computes. Order between the streams comes from cudarc's per-buffer read/write
+//! events: every buffer the schedule touches is a `CudaSlice` of this
 //! context, which `new` puts in multi-stream mode, so an all-to-all waits for the kernels that
 //! wrote what it sends and for the last reader of what it overwrites, and a kernel waits for the
 //! all-to-all that filled its operand. [`DeviceOps::fence`], at the start and end of every pass,

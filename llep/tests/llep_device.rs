@@ -77,9 +77,9 @@ mod emulated {
             ("hot 100% on 1", Ids::Profile(Profile::Hot { ratio: 1.0, experts: 1 })),
             ("random (duplicate routes)", Ids::Random),
         ];
-        // Two buffer copies: round j+1's dispatch is issued before round j's experts run. One:
-        // rounds one after another.
-        for (p, depth) in [(1, 2), (2, 2), (4, 2), (2, 1), (4, 1)] {
+        // Two buffer copies: round j+1's dispatch is issued before round j's experts run; three:
+        // round j−1's scatter also waits until after them. One: rounds one after another.
+        for (p, depth) in [(1, 2), (2, 2), (4, 2), (2, 1), (4, 1), (2, 3), (4, 3)] {
             for (seed, (name, ids)) in profiles.iter().enumerate() {
                 let what = format!("P={p} depth {depth} {name}");
                 let problem = Problem::new(shape(p), *ids, (p * 10 + seed) as u64);
@@ -142,7 +142,7 @@ mod gpu {
     /// One GPU (P = 1): the device schedule with NVRTC kernels, cuBLAS and NCCL against the CPU
     /// executor, balanced and skewed, on the tiny shape and on one whose rounds (4 of 512
     /// rows × H = 256, either profile) are long enough for round j+1's all-to-alls on NCCL's stream
-    /// to run beside round j's kernels on the compute stream. Needs a CUDA device, NVRTC and
+    /// to run beside round j's kernels on the compute stream (with two and three buffer copies). Needs a CUDA device, NVRTC and
     /// NCCL.
     #[test]
     #[ignore = "needs a CUDA device with NVRTC and NCCL"]
@@ -156,7 +156,11 @@ mod gpu {
             .min_chunk(64)
             .pair_cap(llep::PairCap::Rows(512))
             .foreign_slots(2);
-        let cases = [(shape(1), small_config(Scheme::PipelinedLlep)), (larger, larger_config)];
+        let cases = [
+            (shape(1), small_config(Scheme::PipelinedLlep)),
+            (larger, larger_config),
+            (larger, larger_config.pipeline_depth(3)),
+        ];
         for (seed, ((shape, config), profile)) in cases
             .into_iter()
             .flat_map(|case| [Profile::Balanced, Profile::Hot { ratio: 1.0, experts: 1 }].map(|p| (case, p)))

@@ -35,6 +35,7 @@
 #[cfg(feature = "cuda-emu")]
 pub mod emu_ops;
 mod host;
+mod pipeline;
 mod schedule;
 
 use flatpeak_common::gemm::Accumulate;

@@ -4,29 +4,13 @@
 
 use flatpeak_common::gemm::Accumulate;
 
-use super::host::{GroupLists, HostTables, SendLists, decode_meta, tables};
+use super::host::{GroupLists, tables};
+use super::pipeline::{Issued, RoundSet, dispatch, pipelined};
 use super::{DeviceGradients, DeviceInputs, DeviceOps, GemmDims, Operand, need};
 use crate::config::{Mode, Shape};
-use crate::cpu::{group, round_counts, scale};
+use crate::cpu::{group, scale};
 use crate::error::{Error, Result};
 use crate::plan::{Buffers, GroupEntry, Pass, Plan, RouteMeta};
-
-/// One pipeline copy of the dispatch buffers (backward-only ones hold one element in forward).
-/// The token list is per copy too: round j's combine scatters by it after round j+1's dispatch
-/// has gathered by its own.
-#[derive(Debug)]
-struct RoundSet<B, I> {
-    send_tokens: I,
-    send_x: B,
-    recv_x: B,
-    out: B,
-    send_meta: I,
-    recv_meta: I,
-    send_dy: B,
-    recv_dy: B,
-    dw_out: B,
-    dw_back: B,
-}
 
 /// The expert scratch of G rows: X, Y (and dY) G×H; gate, up, h G×I; the G routes' dots.
 #[derive(Debug)]
@@ -248,107 +232,11 @@ fn fetch_foreign<O: DeviceOps>(
     Ok(())
 }
 
-/// A round whose dispatch has been issued: its host lists and counts, and the copy of the
-/// dispatch buffers it uses.
-struct Issued {
-    set: usize,
-    lists: SendLists,
-    send_counts: Vec<usize>,
-    recv_counts: Vec<usize>,
-}
-
-impl Issued {
-    fn sent(&self) -> usize {
-        self.lists.tokens.len()
-    }
-    fn got(&self) -> usize {
-        self.recv_counts.iter().sum()
-    }
-}
-
-/// Issues round j's dispatch into buffer copy `j mod depth`: the token list, the gathered x
-/// (and, in backward, dY) rows and their route metadata, then the all-to-alls.
-fn dispatch<O: DeviceOps>(
-    ops: &O,
-    plan: &Plan,
-    (s, t): (&Shape, &HostTables),
-    (inputs, dy): (&DeviceInputs<'_, O::Buf>, Option<&O::Buf>),
-    sets: &mut [RoundSet<O::Buf, O::Index>],
-    j: usize,
-) -> Result<Issued> {
-    let (me, h, k) = (ops.rank(), s.hidden, s.top_k);
-    let at = j % sets.len();
-    let set = &mut sets[at];
-    let (send_counts, recv_counts) = round_counts(plan, me, j);
-    let lists = SendLists::new(plan, me, t, &inputs.routing, j)?;
-    let sent = lists.tokens.len();
-    ops.write_index(&lists.tokens, &mut set.send_tokens)?;
-    ops.gather_rows(inputs.x, &set.send_tokens, sent, None, h, &mut set.send_x)?;
-    if let Some(dy) = dy {
-        ops.gather_rows(dy, &set.send_tokens, sent, None, h, &mut set.send_dy)?;
-    }
-    ops.write_index(&lists.meta, &mut set.send_meta)?;
-    let (sh, rh) = (scale(&send_counts, h), scale(&recv_counts, h));
-    ops.all_to_all_v((&set.send_x, 0), &sh, (&mut set.recv_x, 0), &rh)?;
-    if dy.is_some() {
-        ops.all_to_all_v((&set.send_dy, 0), &sh, (&mut set.recv_dy, 0), &rh)?;
-    }
-    let (sm, rm) = (scale(&send_counts, 2 * k), scale(&recv_counts, 2 * k));
-    ops.all_to_all_v_index(&set.send_meta, &sm, &mut set.recv_meta, &rm)?;
-    Ok(Issued { set: at, lists, send_counts, recv_counts })
-}
-
-/// The received routes' metadata of an issued round (a download: waits for its all-to-all).
-fn received_meta<O: DeviceOps>(
-    ops: &O,
-    sets: &[RoundSet<O::Buf, O::Index>],
-    round: &Issued,
-    k: usize,
-) -> Result<Vec<RouteMeta>> {
-    Ok(decode_meta(&ops.download_index(&sets[round.set].recv_meta, round.got() * k * 2)?))
-}
-
-/// The rounds in `order`, each handed to `run` once its dispatch is issued and its metadata is
-/// on the host. With two or more buffer copies, round j+1's dispatch is issued before round j
-/// runs, so its all-to-alls overlap round j's GEMMs wherever the implementation runs them
-/// concurrently (CUDA: NCCL's stream against the compute stream); its metadata is fetched after
-/// round j has been issued. With one copy, rounds run one after another.
-fn pipelined<O: DeviceOps>(
-    ops: &O,
-    order: &[usize],
-    sets: &mut Vec<RoundSet<O::Buf, O::Index>>,
-    k: usize,
-    mut issue: impl FnMut(&mut [RoundSet<O::Buf, O::Index>], usize) -> Result<Issued>,
-    mut run: impl FnMut(&mut Vec<RoundSet<O::Buf, O::Index>>, &Issued, &[RouteMeta]) -> Result<()>,
-) -> Result<()> {
-    let ahead = sets.len() >= 2;
-    let mut ready: Option<(Issued, Vec<RouteMeta>)> = None;
-    for (at, &j) in order.iter().enumerate() {
-        let (round, meta) = match ready.take() {
-            Some(r) => r,
-            None => {
-                let round = issue(sets, j)?;
-                let meta = received_meta(ops, sets, &round, k)?;
-                (round, meta)
-            }
-        };
-        let next = match order.get(at + 1) {
-            Some(&jn) if ahead => Some(issue(sets, jn)?),
-            _ => None,
-        };
-        run(sets, &round, &meta)?;
-        if let Some(next) = next {
-            let meta = received_meta(ops, sets, &next, k)?;
-            ready = Some((next, meta));
-        }
-    }
-    Ok(())
-}
-
 /// The layer's forward on this rank's device: `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`, N×H fp32 (a
 /// new buffer). Same schedule, orders and result as [`crate::cpu::forward`]; device memory is
 /// the plan's forward [`Buffers`] (one more G×I buffer for h) plus the index buffers. Round
-/// j+1's dispatch is issued before round j's experts (with the default two buffer copies).
+/// j+1's dispatch is issued before round j's experts (two or more buffer copies; the issue
+/// order is in the `pipeline` module).
 pub fn forward<O: DeviceOps>(ops: &O, plan: &Plan, inputs: &DeviceInputs<'_, O::Buf>) -> Result<O::Buf> {
     let me = ops.rank();
     let (s, t) = tables(plan, me, ops.world_size(), &inputs.routing)?;
@@ -363,28 +251,33 @@ pub fn forward<O: DeviceOps>(ops: &O, plan: &Plan, inputs: &DeviceInputs<'_, O::
     let Reserved { sets, foreign, scratch, groups, offsets, group_rows, group_weights, .. } = &mut c;
     let issue =
         |sets: &mut [RoundSet<O::Buf, O::Index>], j| dispatch(ops, plan, (&s, &t), (inputs, None), sets, j);
-    pipelined(ops, &order, sets, k, issue, |sets, round, meta| {
-        let set = &mut sets[round.set];
-        let got = round.got();
-        group(meta, k, bufs.local_slots(), groups, offsets)?;
-        ops.zero(&mut set.out, got * h)?;
-        for slot in 0..bufs.local_slots() {
-            let entries = &groups[offsets[slot] as usize..offsets[slot + 1] as usize];
-            for chunk in entries.chunks(bufs.expert_rows().max(1)) {
-                let n = chunk.len();
-                let lists = GroupLists::new(chunk, meta);
-                ops.write_index(&lists.rows, group_rows)?;
-                ops.write(&lists.weights, group_weights)?;
-                ops.gather_rows(&set.recv_x, group_rows, n, None, h, &mut scratch.x)?;
-                let w = expert_at(&s, inputs, foreign, slot);
-                expert_forward(ops, w, (h, i), n, scratch)?;
-                ops.scatter_add_rows(&scratch.y, group_rows, n, Some(group_weights), h, &mut set.out)?;
+    let run =
+        |_: &mut O::Buf, sets: &mut [RoundSet<O::Buf, O::Index>], round: &Issued, meta: &[RouteMeta]| {
+            let set = &mut sets[round.set];
+            let got = round.got();
+            group(meta, k, bufs.local_slots(), groups, offsets)?;
+            ops.zero(&mut set.out, got * h)?;
+            for slot in 0..bufs.local_slots() {
+                let entries = &groups[offsets[slot] as usize..offsets[slot + 1] as usize];
+                for chunk in entries.chunks(bufs.expert_rows().max(1)) {
+                    let n = chunk.len();
+                    let lists = GroupLists::new(chunk, meta);
+                    ops.write_index(&lists.rows, group_rows)?;
+                    ops.write(&lists.weights, group_weights)?;
+                    ops.gather_rows(&set.recv_x, group_rows, n, None, h, &mut scratch.x)?;
+                    let w = expert_at(&s, inputs, foreign, slot);
+                    expert_forward(ops, w, (h, i), n, scratch)?;
+                    ops.scatter_add_rows(&scratch.y, group_rows, n, Some(group_weights), h, &mut set.out)?;
+                }
             }
-        }
-        let (sh, rh) = (scale(&round.send_counts, h), scale(&round.recv_counts, h));
-        ops.all_to_all_v((&set.out, 0), &rh, (&mut set.send_x, 0), &sh)?;
-        ops.scatter_add_rows(&set.send_x, &set.send_tokens, round.sent(), None, h, &mut y)
-    })?;
+            let (sh, rh) = (scale(&round.send_counts, h), scale(&round.recv_counts, h));
+            ops.all_to_all_v((&set.out, 0), &rh, (&mut set.send_x, 0), &sh)
+        };
+    let finish = |y: &mut O::Buf, sets: &mut [RoundSet<O::Buf, O::Index>], round: &Issued| {
+        let set = &sets[round.set];
+        ops.scatter_add_rows(&set.send_x, &set.send_tokens, round.sent(), None, h, y)
+    };
+    pipelined(ops, &order, sets, (k, &mut y), issue, run, finish)?;
     ops.fence()?;
     Ok(y)
 }
@@ -535,7 +428,10 @@ pub fn backward<O: DeviceOps>(
         let issue = |sets: &mut [RoundSet<O::Buf, O::Index>], j| {
             dispatch(ops, plan, (&s, &t), (inputs, Some(dy)), sets, j)
         };
-        pipelined(ops, &order, sets, k, issue, |sets, round, meta| {
+        let run = |g: &mut DeviceGradients<O::Buf>,
+                   sets: &mut [RoundSet<O::Buf, O::Index>],
+                   round: &Issued,
+                   meta: &[RouteMeta]| {
             let set = &mut sets[round.set];
             let got = round.got();
             group(meta, k, bufs.local_slots(), groups, offsets)?;
@@ -551,7 +447,7 @@ pub fn backward<O: DeviceOps>(
                     ops.write(&lists.weights, group_weights)?;
                     ops.gather_rows(&set.recv_x, group_rows, rows, None, h, &mut scratch.x)?;
                     let w = expert_at(&s, inputs, foreign, slot);
-                    let grad = grad_at(&s, &mut g, foreign_grad, slot);
+                    let grad = grad_at(&s, g, foreign_grad, slot);
                     let io = GroupBackward::<O> {
                         recv_dy: &set.recv_dy,
                         dx_rows: &mut set.out,
@@ -566,14 +462,19 @@ pub fn backward<O: DeviceOps>(
             let (sh, rh) = (scale(&round.send_counts, h), scale(&round.recv_counts, h));
             let (sk, rk) = (scale(&round.send_counts, k), scale(&round.recv_counts, k));
             ops.all_to_all_v((&set.out, 0), &rh, (&mut set.send_x, 0), &sh)?;
-            ops.all_to_all_v((&set.dw_out, 0), &rk, (&mut set.dw_back, 0), &sk)?;
-            ops.scatter_add_rows(&set.send_x, &set.send_tokens, round.sent(), None, h, &mut g.dx)?;
-            let routes = round.lists.dw_src.len();
-            ops.write_index(&round.lists.dw_src, dw_src)?;
-            ops.write_index(&round.lists.dw_dst, dw_dst)?;
-            ops.gather_rows(&set.dw_back, dw_src, routes, None, 1, dw_gathered)?;
-            ops.scatter_add_rows(dw_gathered, dw_dst, routes, None, 1, &mut g.d_weights)
-        })?;
+            ops.all_to_all_v((&set.dw_out, 0), &rk, (&mut set.dw_back, 0), &sk)
+        };
+        let finish =
+            |g: &mut DeviceGradients<O::Buf>, sets: &mut [RoundSet<O::Buf, O::Index>], round: &Issued| {
+                let set = &sets[round.set];
+                ops.scatter_add_rows(&set.send_x, &set.send_tokens, round.sent(), None, h, &mut g.dx)?;
+                let routes = round.lists.dw_src.len();
+                ops.write_index(&round.lists.dw_src, dw_src)?;
+                ops.write_index(&round.lists.dw_dst, dw_dst)?;
+                ops.gather_rows(&set.dw_back, dw_src, routes, None, 1, dw_gathered)?;
+                ops.scatter_add_rows(dw_gathered, dw_dst, routes, None, 1, &mut g.d_weights)
+            };
+        pipelined(ops, &order, sets, (k, &mut g), issue, run, finish)?;
     }
     return_foreign_grads(ops, plan, &mut c, &mut g)?;
     ops.fence()?;
