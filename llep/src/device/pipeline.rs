@@ -1,7 +1,8 @@
 //! The round pipeline of the device schedule: which round's dispatch, experts, combine and
 //! scatter are issued when, over the plan's D copies of the dispatch buffers.
 //!
-//! Issue order for round j (each a call of the schedule, in this order on the host):
+//! Issue order for round j, where j+1 and j−1 are the next and previous rounds of the pass
+//! (backward runs the rounds in reverse, so there they are rounds j−1 and j+1):
 //!
 //! | copies | issued before round j's experts | after them |
 //! |---|---|---|
@@ -16,12 +17,13 @@
 //! j's expert GEMMs overlap round j+1's dispatch and j−1's combine" — which needs three copies:
 //! with two, round j+1's dispatch and round j−1's combine share one.
 //!
-//! Every copy a dispatch writes was last used by a round whose scatter is already issued, and
-//! the scatters into the output keep round order, so every depth gives the same result.
+//! The first round's dispatch is issued on its own; with three or more copies the last round's
+//! scatter follows the loop. Every copy a dispatch writes was last used by a round whose scatter
+//! is already issued, and the scatters into the output keep the pass's round order, so every
+//! depth gives the same result.
 
-use super::DeviceInputs;
-use super::DeviceOps;
 use super::host::{HostTables, SendLists, decode_meta};
+use super::{DeviceInputs, DeviceOps};
 use crate::config::Shape;
 use crate::cpu::{round_counts, scale};
 use crate::error::Result;
@@ -108,7 +110,8 @@ fn received_meta<O: DeviceOps>(
 
 /// Runs the rounds in `order` in the issue order of the module's table: `issue` dispatches a
 /// round, `run` issues its experts and combine once its metadata is on the host, `finish`
-/// scatters its combined rows back. `state` is what `run` and `finish` both write.
+/// scatters its combined rows back. `state` is handed to both (what either writes besides
+/// the buffer copies: the output, the gradients).
 pub(super) fn pipelined<O: DeviceOps, S>(
     ops: &O,
     order: &[usize],
