@@ -75,15 +75,8 @@ fn cuda_steps(c: &mut Criterion) {
         eprintln!("cuda_steps: skipped, no CUDA device or no NCCL");
         return;
     }
-    let shape = Shape {
-        ranks: 1,
-        tokens: 4096,
-        hidden: 512,
-        intermediate: 256,
-        experts: 64,
-        top_k: 8,
-        dtype: DType::F32,
-    };
+    // The report's per-rank shape, on one rank.
+    let shape = Shape { ranks: 1, ..flatpeak_bench::components::llep::SHAPE };
     let ctx = flatpeak_common::cuda::context(0).expect("device");
     let comm = NcclComm::for_devices(vec![ctx.default_stream()]).expect("NCCL").remove(0);
     let ops = CudaOps::new(&comm).expect("CUDA ops");
