@@ -1,6 +1,7 @@
 //! llep benches: one checkpointed training step (plan, forward, recompute + backward) and one
 //! forward of PipelinedLLEP, LLEP and standard EP on P = 4 LocalGroup ranks at a reduced shape
-//! (N = 512 tokens per rank, H = 128, I = 64, E = 16, k = 4, f32), balanced and 95%:1 routing.
+//! (N = 512 tokens per rank, H = 128, I = 64, E = 16, k = 4, f32), for the report's three
+//! profiles: balanced, 50%:4 and 95%:1 routing.
 //! `cargo bench -p flatpeak-bench --bench llep`; the paper-style comparison at P = 8,
 //! N = 4096, H = 512, I = 256, E = 64, k = 8 is `flatpeak report --component llep`.
 //!
@@ -52,7 +53,7 @@ fn step(data: &Data, ids: &[i64], config: &LlepConfig, train: bool) {
 
 fn steps(c: &mut Criterion) {
     let data = Data::new(&SHAPE);
-    for spec in ["balanced", "95%:1"] {
+    for spec in ["balanced", "50%:4", "95%:1"] {
         let ids = spec.parse::<Profile>().expect("profile").ids(&Shape { ranks: 1, ..SHAPE }).expect("ids");
         let mut group =
             c.benchmark_group(format!("llep_P4_N512_H128_I64_E16_k4_f32_{}", spec.replace(['%', ':'], "_")));
@@ -88,7 +89,7 @@ fn cuda_steps(c: &mut Criterion) {
         ("pipelined_llep_1_copy", pipelined.pipeline_depth(1)),
         ("llep", LlepConfig::with_scheme(Scheme::Llep).min_chunk(64)),
     ];
-    for spec in ["balanced", "95%:1"] {
+    for spec in ["balanced", "50%:4", "95%:1"] {
         let ids = spec.parse::<Profile>().expect("profile").ids(&shape).expect("ids");
         let inputs = data.inputs(&shape, 0, &ids);
         let up = |v: &[f32]| ops.upload(v).expect("upload");

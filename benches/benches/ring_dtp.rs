@@ -1,11 +1,13 @@
 //! ring-dtp benches: forward + backward of the blocked single-device path against materialized
-//! logits, and the weight and activation rings on P = 4 LocalGroup ranks, at a reduced shape
-//! (N = 2048, D = 256, V = 8192). `cargo bench -p flatpeak-bench --bench ring_dtp`; the paper-style
+//! logits (f32, and bf16 inputs), and the weight and activation rings on P = 4 LocalGroup ranks,
+//! at a reduced shape (N = 2048, D = 256, V = 8192). `cargo bench -p flatpeak-bench --bench ring_dtp`; the paper-style
 //! comparison at N = 8192, D = 1024, V = 32768 is `flatpeak report --component ring-dtp`.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use flatpeak_bench::components::ring_dtp::materialized;
 use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, SplitMix64};
+use half::bf16;
+use rayon::prelude::*;
 use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{GradOutput, Inputs, LinearCrossEntropy, Matrix, Plan, RingKind, RingOptions, RingPlan, cpu};
 
@@ -34,6 +36,25 @@ fn single_device(c: &mut Criterion) {
             b.iter(|| cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)).expect("runs"))
         });
     }
+    group.finish();
+
+    // bf16 inputs: the baseline widens X and W to f32 once per call (as the report's row does),
+    // the blocked path widens per block.
+    let (xb, wb): (Vec<bf16>, Vec<bf16>) =
+        (x.iter().map(|&a| bf16::from_f32(a)).collect(), w.iter().map(|&a| bf16::from_f32(a)).collect());
+    let inputs = Inputs::new(Matrix::Bf16(&xb), Matrix::Bf16(&wb), &targets, N, D, V);
+    let mut group = c.benchmark_group("ring_dtp_N2048_D256_V8192_P1_bf16");
+    group.sample_size(10);
+    group.bench_function("materialized", |b| {
+        b.iter(|| {
+            let widen = |m: &[bf16]| -> Vec<f32> { m.par_iter().map(|a| a.to_f32()).collect() };
+            materialized(&widen(&xb), &widen(&wb), &targets, (N, D, V))
+        })
+    });
+    let plan = Plan::new(&config, N, D, V, DType::Bf16, 64 << 20).expect("plan");
+    group.bench_function("fused_full_vocab", |b| {
+        b.iter(|| cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)).expect("runs"))
+    });
     group.finish();
 }
 
@@ -74,7 +95,6 @@ fn rings(c: &mut Criterion) {
 fn cuda_blocked_vs_one_block(c: &mut Criterion) {
     use criterion::Throughput;
     use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
-    use half::bf16;
     use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
     if !flatpeak_common::cuda_available() {
         eprintln!("cuda_blocked_vs_one_block: skipped, no CUDA device");

@@ -1,6 +1,7 @@
 //! The CPU executor against the dense f64 reference, over P ∈ {1, 2, 4, 8}, top-k 1..8, the
-//! harness profiles (balanced, 50%:4, 100% on one expert), random ids with duplicates, and all
-//! three schemes, checkpointed and saving activations; and bad input → typed errors.
+//! harness profiles (balanced, 50%:4, 95%:1, 100% on one expert), random ids with duplicates
+//! (each the same as one route with the summed weight), and all three schemes, checkpointed and
+//! saving activations; and bad input → typed errors.
 
 mod common;
 
@@ -48,6 +49,7 @@ fn matches_reference_across_ranks_topk_and_profiles() {
     let profiles = [
         Ids::Profile(Profile::Balanced),
         Ids::Profile(Profile::Hot { ratio: 0.5, experts: 4 }),
+        Ids::Profile(Profile::Hot { ratio: 0.95, experts: 1 }),
         Ids::Profile(Profile::Hot { ratio: 1.0, experts: 1 }),
         Ids::Random,
     ];
@@ -123,6 +125,51 @@ fn saved_activations_misuse_is_a_typed_error() {
         assert!(matches!(store, Err(Error::InvalidConfig { name: "mode", .. })), "{store:?}");
         assert!(matches!(unfilled, Err(Error::PlanMismatch { .. })), "{unfilled:?}");
         assert!(matches!(recompute, Err(Error::InvalidConfig { name: "mode", .. })), "{recompute:?}");
+    }
+}
+
+/// Duplicate ids in one token's top-k are routes of their own, and together they are the one
+/// route with the summed weight: moving every duplicate's weight onto the token's first slot
+/// with that expert (the duplicate keeps its id at weight 0) leaves y, dX, the expert
+/// gradients and d(weights) the same (d(weights) of a slot is ⟨dY, expert(x)⟩ either way).
+#[test]
+fn duplicate_ids_are_one_route_with_the_summed_weight() {
+    let k = 4;
+    for p in [1, 4] {
+        let mut problem = Problem::new(shape(p, k), Ids::Random, 31 + p as u64);
+        for ids in &mut problem.ids {
+            ids[1] = ids[0]; // at least one duplicate per rank, whatever the draw
+        }
+        let config = small_config(Scheme::PipelinedLlep);
+        let split: Vec<RankRun> = run(&problem, &config).into_iter().map(|r| r.unwrap()).collect();
+        let mut moved = 0;
+        for (ids, weights) in problem.ids.iter().zip(&mut problem.weights) {
+            for (token_ids, token_w) in ids.chunks(k).zip(weights.chunks_mut(k)) {
+                for j in 1..k {
+                    if let Some(first) = (0..j).find(|&i| token_ids[i] == token_ids[j]) {
+                        token_w[first] += token_w[j];
+                        token_w[j] = 0.0;
+                        moved += 1;
+                    }
+                }
+            }
+        }
+        assert!(moved >= p, "P={p}: only {moved} duplicates");
+        let merged: Vec<RankRun> = run(&problem, &config).into_iter().map(|r| r.unwrap()).collect();
+        for (me, (a, b)) in split.iter().zip(&merged).enumerate() {
+            let what = format!("P={p} rank {me} ({moved} duplicates)");
+            for (name, x, y) in [
+                ("y", &a.y, &b.y),
+                ("dx", &a.grads.dx, &b.grads.dx),
+                ("d_weights", &a.grads.d_weights, &b.grads.d_weights),
+                ("d_gate", &a.grads.d_gate, &b.grads.d_gate),
+                ("d_up", &a.grads.d_up, &b.grads.d_up),
+                ("d_down", &a.grads.d_down, &b.grads.d_down),
+            ] {
+                let err = relative_error(x, &y.iter().map(|&v| v as f64).collect::<Vec<_>>());
+                assert!(err <= TOL, "{what}: {name} relative error {err:.3e}");
+            }
+        }
     }
 }
 

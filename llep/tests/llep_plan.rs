@@ -196,3 +196,61 @@ fn skew_costs_rounds_not_bytes() {
     assert_eq!(launch.recv_rows(), 8 * 256);
     assert!(rounds.iter().all(|&(_, k, f)| k >= 1 && f <= config.foreign_slots), "{rounds:?}");
 }
+
+/// `PairCap::DispatchBudget` (the default) gives the largest q whose dispatch buffers — send
+/// and receive rows with their metadata, every pipeline copy — fit the budget (never more than
+/// N), and a budget below one row per pair is `Error::BudgetTooSmall` with both figures.
+#[test]
+fn a_dispatch_budget_gives_the_largest_pair_cap_that_fits() {
+    let shape = Shape {
+        ranks: 4,
+        tokens: 1000,
+        hidden: 64,
+        intermediate: 32,
+        experts: 8,
+        top_k: 2,
+        dtype: DType::F32,
+    };
+    for depth in [1, 2, 3] {
+        let base = LlepConfig::default().pipeline_depth(depth);
+        let dispatch = |q: usize| {
+            let b = Buffers::pipelined(&base, &shape, q, Pass::Backward);
+            b.send_bytes() + b.recv_bytes()
+        };
+        let one_row = dispatch(1);
+        assert_eq!(one_row, Buffers::dispatch_bytes_per_row(&shape, Pass::Backward) * depth * shape.ranks);
+        for bytes in [one_row, 7 * one_row + 5, 1 << 20, 1 << 30] {
+            let config = base.pair_cap(PairCap::DispatchBudget { bytes });
+            let launch = Buffers::at_launch(&config, &shape, Pass::Backward).unwrap();
+            let q = launch.recv_rows() / shape.ranks;
+            assert!(dispatch(q) <= bytes, "depth {depth}, {bytes} B: q = {q} needs {}", dispatch(q));
+            assert!(
+                q == shape.tokens || dispatch(q + 1) > bytes,
+                "depth {depth}, {bytes} B: q = {q} is not the largest"
+            );
+            assert_eq!(launch.depth(), depth);
+        }
+        assert_eq!(
+            Buffers::at_launch(
+                &base.pair_cap(PairCap::DispatchBudget { bytes: 1 << 30 }),
+                &shape,
+                Pass::Forward
+            )
+            .unwrap()
+            .recv_rows(),
+            shape.ranks * shape.tokens,
+            "a pair never needs more than N rows"
+        );
+        let small = one_row - 1;
+        let err = Buffers::at_launch(
+            &base.pair_cap(PairCap::DispatchBudget { bytes: small }),
+            &shape,
+            Pass::Backward,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, llep::Error::BudgetTooSmall { budget, needed } if budget == small && needed == one_row),
+            "{err:?}"
+        );
+    }
+}

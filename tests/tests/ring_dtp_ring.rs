@@ -1,17 +1,19 @@
-//! Ring-DTP over P ranks (LocalGroup threads) against the f64 reference of the whole problem:
-//! P ∈ {1, 2, 3, 4, 7}, both rings, f32 and bf16, ragged and prime shapes (ranks with no tokens
-//! or no vocabulary rows included), every feature on; bitwise reproducibility; typed errors.
+//! Ring-DTP over P ranks (LocalGroup threads) against the f64 reference of the whole problem
+//! and against the single-device path: P ∈ {1, 2, 3, 4, 7}, both rings, f32 and bf16, ragged
+//! and prime shapes (ranks with no tokens or no vocabulary rows included), every feature on and
+//! off, by proptest over random shapes too; bitwise reproducibility; typed errors.
 
 use flatpeak_common::comm::{LocalComm, LocalGroup, LocalGroupOptions};
 use flatpeak_common::gemm::Threads;
-use flatpeak_common::testing::SplitMix64;
+use flatpeak_common::testing::{SplitMix64, proptest_config};
 use flatpeak_common::{DType, relative_error};
 use half::bf16;
-use ring_dtp::cpu::reference;
+use proptest::prelude::*;
+use ring_dtp::cpu::{self, reference};
 use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{
-    Error, Forward, GradOutput, Gradients, Inputs, LinearCrossEntropy, Loss, Matrix, Reduction, RingKind,
-    RingOptions, RingPlan, Softcap,
+    Error, Forward, GradOutput, Gradients, Inputs, LinearCrossEntropy, Loss, Matrix, Plan, Reduction,
+    RingKind, RingOptions, RingPlan, Softcap,
 };
 
 /// f32 bound, on errors normalised by the magnitudes each quantity sums (see tests/ring_dtp.rs).
@@ -198,6 +200,110 @@ fn every_world_size_and_ring_matches_the_reference() {
             check_against_reference(&c, &all_features(Reduction::None), DType::F32, p, options);
             check_against_reference(&c, &LinearCrossEntropy::default(), DType::F32, p, options);
         }
+    }
+}
+
+/// The single-device path on the whole problem, with the same features and inputs.
+fn single_device(c: &Case, config: &LinearCrossEntropy, dtype: DType) -> (Forward, Gradients) {
+    let (x, w) = c.matrices(dtype);
+    let full = Inputs::new(x, w, &c.targets, c.n, c.d, c.v).with_bias(&c.bias).with_weights(&c.weights);
+    let plan = Plan::new(config, c.n, c.d, c.v, dtype, 1 << 24).expect("single-device plan");
+    let fwd = cpu::forward(config, &plan, &full).expect("forward");
+    let grads = cpu::backward(config, &plan, &full, &fwd, grad_of(config, &c.grad_tokens), Some(&c.dlse))
+        .expect("backward");
+    (fwd, grads)
+}
+
+/// The ranks' pieces, reassembled, against the single-device path: within the tolerance of
+/// each quantity's scale (both are within it of the f64 reference, in different orders).
+fn compare_single_device(
+    c: &Case,
+    config: &LinearCrossEntropy,
+    dtype: DType,
+    ranks: &[(Forward, Gradients)],
+) {
+    let (x, w) = c.matrices(dtype);
+    let full = Inputs::new(x, w, &c.targets, c.n, c.d, c.v).with_bias(&c.bias).with_weights(&c.weights);
+    let r = reference::run(&full, config, grad_of(config, &c.grad_tokens), Some(&c.dlse));
+    let (fwd, g) = single_device(c, config, dtype);
+    let wide = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+    let cat = |f: fn(&(Forward, Gradients)) -> &[f32]| {
+        ranks.iter().flat_map(|r| f(r).to_vec()).collect::<Vec<f32>>()
+    };
+    let bias = |g: &Gradients| g.dbias.clone().expect("bias given");
+    let what = format!("P={} {dtype} vs single device", ranks.len());
+    let lse = cat(|r| &r.0.lse);
+    assert_eq!(lse.len(), fwd.lse.len(), "{what}: lse length");
+    let e = relative_error(&lse, &wide(&fwd.lse));
+    assert!(e <= 2.0 * TOL, "{what}: lse error {e:e}");
+    let pieces = [
+        ("dx", cat(|r| &r.1.dx), wide(&g.dx), r.dx_scale.clone()),
+        ("dw", cat(|r| &r.1.dw), wide(&g.dw), r.dw_scale.clone()),
+        ("dbias", ranks.iter().flat_map(|(_, g)| bias(g)).collect(), wide(&bias(&g)), r.dbias_scale.clone()),
+    ];
+    for (name, got, want, scale) in pieces {
+        let lengths = (got.len(), want.len(), scale.len());
+        assert!(lengths.0 == lengths.1 && lengths.1 == lengths.2, "{what}: {name} lengths {lengths:?}");
+        let e = scaled_error(&got, &want, &scale);
+        assert!(e <= 2.0 * TOL, "{what}: {name} error {e:e}");
+    }
+    match (&fwd.loss, &ranks[0].0.loss) {
+        (Loss::Scalar(a), Loss::Scalar(b)) => {
+            let e = (a - b).abs() / r.loss_scale.max(1e-30);
+            assert!(e <= 2.0 * TOL, "{what}: loss {b} vs {a}");
+        }
+        (Loss::PerToken(a), Loss::PerToken(_)) => {
+            let per_token = |f: &Forward| match &f.loss {
+                Loss::PerToken(l) => l.clone(),
+                Loss::Scalar(_) => Vec::new(),
+            };
+            let got: Vec<f32> = ranks.iter().flat_map(|(f, _)| per_token(f)).collect();
+            assert_eq!(got.len(), a.len(), "{what}: per-token losses");
+            let e = scaled_error(&got, &wide(a), &r.per_token_scale);
+            assert!(e <= 2.0 * TOL, "{what}: per-token loss error {e:e}");
+        }
+        (a, b) => panic!("{what}: loss kinds differ: {a:?} vs {b:?}"),
+    }
+}
+
+fn ring_config_strategy() -> impl Strategy<Value = LinearCrossEntropy> {
+    (
+        prop_oneof![Just(Reduction::Mean), Just(Reduction::Sum), Just(Reduction::None)],
+        prop_oneof![Just(0.0f32), Just(0.1)],
+        prop_oneof![Just(0.0f32), Just(1e-4)],
+        prop_oneof![Just(Softcap::Off), Just(Softcap::Tanh { cap: 30.0 })],
+    )
+        .prop_map(|(reduction, smoothing, z_loss, softcap)| {
+            let mut config = LinearCrossEntropy::with_reduction(reduction);
+            (config.label_smoothing, config.z_loss, config.softcap) = (smoothing, z_loss, softcap);
+            config
+        })
+}
+
+proptest! {
+    #![proptest_config(proptest_config(24))]
+
+    /// Random shapes, world sizes, rings, dtypes, budgets and features: the ring equals the
+    /// f64 reference and the single-device path.
+    #[test]
+    fn random_rings_match_the_reference_and_the_single_device_path(
+        n in 1usize..80, d in 1usize..24, v in 1usize..200, seed in any::<u64>(),
+        p in prop::sample::select(vec![1usize, 2, 3, 4, 7]),
+        kind in prop_oneof![Just(RingKind::Weight), Just(RingKind::Activation)],
+        bf16_inputs in any::<bool>(), config in ring_config_strategy(),
+        budget in prop_oneof![Just(1usize << 14), Just(1 << 16), Just(1 << 22)],
+    ) {
+        let c = make_case(n, d, v, seed);
+        let dtype = if bf16_inputs { DType::Bf16 } else { DType::F32 };
+        // A budget below the smallest schedule is raised to it.
+        let options = RingOptions::with_budget(budget).ring(kind);
+        let options = match RingPlan::new(&config, (n, d, v), p, dtype, options) {
+            Err(Error::BudgetTooSmall { needed, .. }) => RingOptions::with_budget(needed).ring(kind),
+            _ => options,
+        };
+        let (plan, ranks) = run_ring(&c, &config, dtype, p, options);
+        compare(&c, &config, dtype, &plan, &ranks);
+        compare_single_device(&c, &config, dtype, &ranks);
     }
 }
 

@@ -13,10 +13,12 @@ use flatpeak_common::gemm::Threads;
 use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, PeakMeter, SplitMix64, relative_error};
 use ring_dtp::cpu::reference;
 use ring_dtp::ring::{self, RankInputs};
-use ring_dtp::{GradOutput, Gradients, Inputs, LinearCrossEntropy, Matrix, RingKind, RingOptions, RingPlan};
+use ring_dtp::{
+    GradOutput, Gradients, Inputs, LinearCrossEntropy, Loss, Matrix, RingKind, RingOptions, RingPlan,
+};
 
 use super::ReportError;
-use super::ring_dtp::{GemmEfficiency, PROBE_N, PROBE_REPS, materialized};
+use super::ring_dtp::{GemmEfficiency, PROBE_N, PROBE_REPS, ROUNDS, materialized};
 use crate::machine::{GemmProbe, MachineInfo, median};
 use crate::report::{Comparison, Row};
 
@@ -75,7 +77,7 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     let baseline = || {
         LocalGroup::run(p, group, |comm| {
             let t = plan.tokens(comm.rank());
-            Ok(materialized(&x[t.start * d..t.end * d], &wt, &targets[t.clone()], (t.len(), d, v)).1)
+            Ok(materialized(&x[t.start * d..t.end * d], &wt, &targets[t.clone()], (t.len(), d, v)))
         })
     };
     let ringed = || {
@@ -100,7 +102,7 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     let mut peak_ring = 0usize;
     let mut results = None;
     let mut probe = GemmProbe::new(PROBE_N);
-    for _ in 0..3 {
+    for _ in 0..ROUNDS {
         let start = Instant::now();
         let base = baseline();
         t_base.push(start.elapsed().as_secs_f64() * 1e3);
@@ -108,7 +110,7 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
         let ours = PeakMeter::measure(ringed).map_err(|e| fail(e.to_string()))?;
         t_ring.push(start.elapsed().as_secs_f64() * 1e3);
         peak_ring = peak_ring.max(ours.peak_bytes);
-        let base: Vec<Gradients> =
+        let base: Vec<(f64, Gradients)> =
             base.into_iter().collect::<Result<_, _>>().map_err(|e| fail(e.to_string()))?;
         let mut ring_out = Vec::with_capacity(p);
         for r in ours.value {
@@ -124,8 +126,8 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     let efficiency = GemmEfficiency::of_rounds((flops, &t_ring), (base_flops, &t_base), &probes, machine);
     let (ms_base, ms_ring) = (median(&mut t_base), median(&mut t_ring));
 
-    // Exactness. Every target is valid, so the global mean's gradient is the per-rank mean's
-    // times n_r/N: dX row by row, and dW summed over the ranks' materialized gradients.
+    // Exactness. Every target is valid, so the global mean (its loss and gradient) is the
+    // per-rank means' times n_r/N: the loss and dW summed over the ranks, dX row by row.
     let mut dx_ring = Vec::with_capacity(n * d);
     let mut dw_ring = Vec::with_capacity(v * d);
     for (_, g) in &ring_out {
@@ -134,8 +136,10 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     }
     let mut dx_base = Vec::with_capacity(n * d);
     let mut dw_base = vec![0f64; v * d];
-    for (r, g) in base.iter().enumerate() {
+    let mut loss_base = 0f64;
+    for (r, (loss, g)) in base.iter().enumerate() {
         let share = plan.tokens(r).len() as f64 / n as f64;
+        loss_base += loss * share;
         dx_base.extend(g.dx.iter().map(|&a| a as f64 * share));
         dw_base.iter_mut().zip(&g.dw).for_each(|(acc, &a)| *acc += a as f64 * share);
     }
@@ -146,11 +150,13 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     let sub_inputs = Inputs::new(Matrix::F32(&x[..sub * d]), Matrix::F32(&wt), &targets[..sub], sub, d, v);
     let oracle = reference::run(&sub_inputs, &config, GradOutput::Scalar(1.0), None);
     let err_lse = relative_error(&ring_out[0].0.lse[..sub], &oracle.lse);
-    let max_rel_err = err_lse.max(err_dx).max(err_dw);
+    let Loss::Scalar(loss) = ring_out[0].0.loss else { return Err(fail("mean loss expected".into())) };
+    let err_loss = (loss - loss_base).abs() / loss_base.abs().max(f64::MIN_POSITIVE);
+    let max_rel_err = err_lse.max(err_dx).max(err_dw).max(err_loss);
 
     let mut metrics = efficiency.metrics();
     metrics.extend([
-        ("gemms".to_string(), 4.0),
+        ("gemms".to_string(), plan.gemms() as f64),
         ("ranks".to_string(), p as f64),
         ("token_block".to_string(), plan.token_block() as f64),
         ("vocab_block".to_string(), plan.vocab_block() as f64),
@@ -158,6 +164,7 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
         ("rel_err_lse_vs_f64".to_string(), err_lse),
         ("rel_err_dx_vs_baseline".to_string(), err_dx),
         ("rel_err_dw_vs_baseline".to_string(), err_dw),
+        ("rel_err_loss_vs_baseline".to_string(), err_loss),
     ]);
     let comparison = Comparison {
         peak_bytes_baseline: peak_base as u64,

@@ -14,7 +14,7 @@
 //! | `gradients` | `2·P/G + 2·2·P_window` | same |
 //! | `activations` | one layer's recompute, `34·n·H` (Korthikanti et al., flash attention) | same |
 //! | `dispatch` | standard EP, balanced routing: `llep::PeakModel::paper_fit` send and receive terms at `k·n` rows (skew only adds) | `llep::Buffers::at_launch` (default config, backward pass) |
-//! | `vocab` | `ring_dtp::PaperPeaks::naive` (`8·n·V`) | `ring_dtp::PaperPeaks::ring_dtp` |
+//! | `vocab` | `ring_dtp::PaperPeaks::naive` (`8·n·V`) | `ring_dtp::RingPlan` over the G GPUs: the budget it is planned within (`RingOptions::default`, 64 MiB; `RingPlan::new` fails if the shape cannot fit it) + `per_token_bytes` |
 //! | `checkpoints` | `sco::Plan::plain_device_bytes` (`L·n·H·2`) | `sco::Plan::peak_slots · boundary_bytes` |
 //!
 //! The fourth peak, optimizer state (fp32 θ, m, v: 12 B per parameter), is on the host in both
@@ -36,7 +36,7 @@ use std::path::Path;
 
 use flatpeak_common::DType;
 use llep::{Buffers, LlepConfig, Pass, PeakModel, PeakTerms, Shape};
-use ring_dtp::PaperPeaks;
+use ring_dtp::{LinearCrossEntropy, PaperPeaks, RingOptions, RingPlan};
 use serde::{Deserialize, Serialize};
 
 pub use presets::{PRESET_NAMES, preset};
@@ -92,6 +92,9 @@ pub enum PlanError {
     /// A crate's plan rejected the shape.
     #[error("llep plan: {0}")]
     Llep(#[from] llep::Error),
+    /// A crate's plan rejected the shape.
+    #[error("ring-dtp plan: {0}")]
+    RingDtp(#[from] ring_dtp::Error),
     /// A crate's plan rejected the shape.
     #[error("sco plan: {0}")]
     Sco(#[from] sco::Error),
@@ -299,13 +302,25 @@ pub fn estimate(
         let terms = PeakTerms { send_rows: rows, recv_rows: rows, expert_rows: 0.0, foreign_experts: 0.0 };
         (model.peak(&shape, terms) - model.m0_bytes).ceil() as u64
     };
-    let vocab_peaks = PaperPeaks::at(
-        to_usize("context", context.max(gpus))?,
-        to_usize("hidden", h)?,
-        to_usize("vocab", v)?,
-        shape.ranks,
-    );
-    let vocab = if flat { vocab_peaks.ring_dtp } else { vocab_peaks.naive }.ceil() as u64;
+    let (context_rows, hidden, vocab_rows) =
+        (to_usize("context", context.max(gpus))?, to_usize("hidden", h)?, to_usize("vocab", v)?);
+    let vocab = if flat {
+        // `RingPlan::new` picks blocks whose bound fits the budget (or fails): the device holds
+        // at most the budget, whatever the blocks, plus the per-token statistics. Non-decreasing
+        // in the context (the bisection needs it), unlike the chosen blocks' own bound, which
+        // can shrink when more tokens per rank move the choice to a narrower vocabulary block.
+        let options = RingOptions::default();
+        let ring = RingPlan::new(
+            &LinearCrossEntropy::default(),
+            (context_rows, hidden, vocab_rows),
+            shape.ranks,
+            DType::Bf16,
+            options,
+        )?;
+        (options.budget_bytes + ring.per_token_bytes()) as u64
+    } else {
+        PaperPeaks::at(context_rows, hidden, vocab_rows, shape.ranks).naive.ceil() as u64
+    };
     let sco_plan = sco::Plan::new(
         to_usize("layers", spec.layers)?,
         to_usize("boundary elements", n * h)?,

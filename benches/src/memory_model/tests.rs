@@ -36,8 +36,19 @@ fn every_term_grows_with_the_context_and_the_flattened_peaks_stay_below() {
     for key in ["weights", "gradients", "activations"] {
         assert_eq!(flat.peaks[key], base.peaks[key], "{key} is the same under both");
     }
-    // The baseline's vocabulary peak is the materialized 8 B per logit.
+    // The baseline's vocabulary peak is the materialized 8 B per logit; the flattened one is
+    // the budget ring-dtp's ring plan is held to, plus the per-token statistics.
     assert_eq!(base.peaks["vocab"], 8 * (1u64 << 20) / 64 * spec.vocab);
+    let ring = RingPlan::new(
+        &LinearCrossEntropy::default(),
+        (1 << 20, spec.hidden as usize, spec.vocab as usize),
+        64,
+        DType::Bf16,
+        RingOptions::default(),
+    )
+    .expect("ring plan");
+    assert!(ring.bound_bytes() <= RingOptions::default().budget_bytes);
+    assert_eq!(flat.peaks["vocab"], (RingOptions::default().budget_bytes + ring.per_token_bytes()) as u64);
 }
 
 #[test]
@@ -103,4 +114,27 @@ fn a_json_spec_round_trips_and_rejects_unknown_fields() {
     let err = ModelSpec::load(path.to_str().expect("utf-8")).expect_err("unknown field");
     assert!(err.to_string().contains("hiden"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Below 512 tokens per GPU the ring plan's block choice moves with every token; every peak
+/// must still be non-decreasing there, token by token, or `max_context`'s bisection is void.
+#[test]
+fn every_term_is_non_decreasing_token_by_token_at_short_contexts() {
+    let gpus = 64;
+    for name in PRESET_NAMES {
+        let spec = preset(name).expect("preset");
+        for schedules in [Schedules::Baseline, Schedules::Flattened] {
+            let mut last = estimate(&spec, gpus, gpus, schedules).expect("estimate");
+            for per_gpu in 2..=600 {
+                let e = estimate(&spec, per_gpu * gpus, gpus, schedules).expect("estimate");
+                for (key, &bytes) in &e.peaks {
+                    assert!(
+                        bytes >= last.peaks[key],
+                        "{name} {schedules:?} {key} shrank at {per_gpu} tokens per GPU"
+                    );
+                }
+                last = e;
+            }
+        }
+    }
 }

@@ -338,10 +338,17 @@ impl RingPlan {
         crate::plan::CPU_GEMM_SCRATCH_PER_THREAD
     }
 
+    /// GEMMs per forward + backward over the whole vocabulary: 4 — logits in forward, then in
+    /// backward the logits again (the loss over the whole vocabulary is known only after a
+    /// full turn of the ring), dX and dW.
+    pub fn gemms(&self) -> usize {
+        4
+    }
+
     /// GEMM FLOPs of forward + backward on one rank holding ⌈N/P⌉ tokens against ⌈V/P⌉ rows per
-    /// shard: 4 GEMMs of `2·n·V·D` (logits in forward, logits again, dX and dW in backward).
+    /// shard: [`gemms`](Self::gemms) GEMMs of `2·n·V·D`.
     pub fn gemm_flops_per_rank(&self) -> f64 {
-        4.0 * 2.0 * self.rows_per_rank() as f64 * self.v as f64 * self.d as f64
+        self.gemms() as f64 * 2.0 * self.rows_per_rank() as f64 * self.v as f64 * self.d as f64
     }
 }
 
