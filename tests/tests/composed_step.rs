@@ -5,6 +5,8 @@
 //! the same parameters where the schedules promise it (checkpoint offload and the pipelined
 //! optimizer step change no value); and each component's working set below the baseline's.
 
+use flatpeak_common::DType;
+use flatpeak_common::testing::tolerance;
 use flatpeak_tests::moe::{Checkpoints, MoeConfig, Schedules, train};
 
 const STEPS: usize = 20;
@@ -15,9 +17,11 @@ fn flattened_training_matches_the_baseline_at_every_step() {
     let base = train(&c, Schedules::baseline(), STEPS).expect("baseline run");
     let flat = train(&c, Schedules::flattened(), STEPS).expect("flattened run");
     assert_eq!(base.losses.len(), STEPS);
+    // The workspace's f32 exactness tolerance (relative), at every step.
+    let tol = tolerance(DType::F32).rel;
     for (step, (b, f)) in base.losses.iter().zip(&flat.losses).enumerate() {
         assert!(b.is_finite() && f.is_finite(), "step {step}: {b} / {f}");
-        assert!((b - f).abs() <= 1e-4 * b.abs(), "step {step}: baseline {b} vs flattened {f}");
+        assert!((b - f).abs() <= tol * b.abs(), "step {step}: baseline {b} vs flattened {f}");
     }
     // It trains: the loss falls.
     assert!(flat.losses[STEPS - 1] < flat.losses[0] - 0.1, "{:?}", flat.losses);
@@ -28,22 +32,24 @@ fn flattened_training_matches_the_baseline_at_every_step() {
     // The four working sets, each below its baseline's.
     let (b, f) = (base.peaks, flat.peaks);
     assert!(
-        f.vocab < b.vocab && f.checkpoints < b.checkpoints && f.optimizer < b.optimizer,
+        f.dispatch < b.dispatch
+            && f.vocab < b.vocab
+            && f.checkpoints < b.checkpoints
+            && f.optimizer < b.optimizer,
         "{b:?} vs {f:?}"
     );
-    assert!(f.dispatch > 0 && b.dispatch > 0);
 }
 
 #[test]
 fn offload_and_the_pipelined_step_change_no_bit() {
     let c = MoeConfig { layers: 4, ..MoeConfig::default() };
-    let flat = train(&c, Schedules::flattened(), 5).expect("flattened run");
+    let flat = train(&c, Schedules::flattened(), STEPS).expect("flattened run");
     let on_device = Schedules {
         checkpoints: Checkpoints::OnDevice,
         optimizer: stream_adamw::Schedule::Serial,
         ..Schedules::flattened()
     };
-    let plain = train(&c, on_device, 5).expect("on-device, serial run");
+    let plain = train(&c, on_device, STEPS).expect("on-device, serial run");
     assert_eq!(flat.losses, plain.losses);
     assert_eq!(flat.params, plain.params);
     assert!(flat.peaks.checkpoints < plain.peaks.checkpoints);
