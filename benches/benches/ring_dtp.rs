@@ -1,7 +1,8 @@
 //! ring-dtp benches: forward + backward of the blocked single-device path against materialized
 //! logits (f32, and bf16 inputs), and the weight and activation rings on P = 4 LocalGroup ranks,
-//! at a reduced shape (N = 2048, D = 256, V = 8192). `cargo bench -p flatpeak-bench --bench ring_dtp`; the paper-style
-//! comparison at N = 8192, D = 1024, V = 32768 is `flatpeak report --component ring-dtp`.
+//! at a reduced shape (N = 2048, D = 256, V = 8192). `cargo bench -p flatpeak-bench --bench
+//! ring_dtp`; the paper-style comparison at N = 8192, D = 1024, V = 32768 is
+//! `flatpeak report --component ring-dtp`.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use flatpeak_bench::components::ring_dtp::materialized;
