@@ -121,7 +121,7 @@ impl DeviceWorkspace {
         unsafe { bytes.transmute::<T>(region.len()) }.ok_or(Error::ShapeMismatch {
             what: "device region bytes",
             expected: region.bytes(),
-            found: bytes.len(),
+            got: bytes.len(),
         })
     }
     /// A write view of `region`.
@@ -132,7 +132,7 @@ impl DeviceWorkspace {
         let view = unsafe { bytes.transmute_mut::<T>(region.len()) }.ok_or(Error::ShapeMismatch {
             what: "device region bytes",
             expected: region.bytes(),
-            found,
+            got: found,
         })?;
         // SAFETY: a `CudaViewMut` holds a raw device pointer and references copied from the
         // `CudaSlice` itself (its events and stream), not into the temporary `bytes`; so the view
@@ -199,7 +199,7 @@ pub fn cast_f32_to_bf16(
     out: &mut CudaViewMut<'_, half::bf16>,
 ) -> Result<()> {
     if x.len() != out.len() {
-        return Err(Error::ShapeMismatch { what: "cast output length", expected: x.len(), found: out.len() });
+        return Err(Error::ShapeMismatch { what: "cast output length", expected: x.len(), got: out.len() });
     }
     let f = cache.function(&COMMON, "cast_f32_to_bf16")?;
     let n = x.len() as u64;
@@ -226,13 +226,13 @@ pub fn sgemm_square(
     for (what, len) in [("sgemm a (n·n)", a.len()), ("sgemm b (n·n)", b.len()), ("sgemm c (n·n)", c.len())]
     {
         if len != n * n {
-            return Err(Error::ShapeMismatch { what, expected: n * n, found: len });
+            return Err(Error::ShapeMismatch { what, expected: n * n, got: len });
         }
     }
     let n32 = i32::try_from(n).map_err(|_| Error::ShapeMismatch {
         what: "sgemm n (i32)",
         expected: i32::MAX as usize,
-        found: n,
+        got: n,
     })?;
     let cfg = GemmConfig {
         transa: CUBLAS_OP_N,

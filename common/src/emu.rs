@@ -165,7 +165,7 @@ pub fn checksum_f32(x: &[f32]) -> Result<f64> {
 /// Emulated `cast_f32_to_bf16`: `out[i] = bf16(x[i])`, round to nearest even.
 pub fn cast_f32_to_bf16(x: &[f32], out: &mut [half::bf16]) -> Result<()> {
     if x.len() != out.len() {
-        return Err(Error::ShapeMismatch { what: "cast output length", expected: x.len(), found: out.len() });
+        return Err(Error::ShapeMismatch { what: "cast output length", expected: x.len(), got: out.len() });
     }
     let cast = race_checked("cast_f32_to_bf16", out, |schedule, buf| {
         let (xp, op) = (x.as_ptr(), buf.as_mut_ptr());

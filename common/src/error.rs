@@ -26,14 +26,24 @@ pub enum Error {
         what: &'static str,
     },
     /// Two shapes or lengths that must agree do not.
-    #[error("shape mismatch in {what}: expected {expected}, found {found}")]
+    #[error("shape mismatch in {what}: expected {expected}, got {got}")]
     ShapeMismatch {
         /// Which quantity disagreed.
         what: &'static str,
         /// The value the operation needed.
         expected: usize,
         /// The value it was given.
-        found: usize,
+        got: usize,
+    },
+    /// An option outside its domain (NaN is never in one).
+    #[error("invalid config: {field} = {value}: expected {reason}")]
+    InvalidConfig {
+        /// Which option.
+        field: &'static str,
+        /// The value given, as written by `{:?}`.
+        value: String,
+        /// Its domain, in words.
+        reason: &'static str,
     },
     /// CUDA was requested but cannot be used here; `reason` says why.
     #[error("CUDA unavailable: {reason}")]
@@ -132,4 +142,11 @@ pub enum Error {
         "PeakMeter needs `#[global_allocator] static A: CountingAllocator = CountingAllocator;` in this binary"
     )]
     MeterNotInstalled,
+}
+
+impl Error {
+    /// [`Error::InvalidConfig`] for `field = value`, outside the domain `reason`.
+    pub fn invalid_config(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Self {
+        Self::InvalidConfig { field, value: format!("{value:?}"), reason }
+    }
 }

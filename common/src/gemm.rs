@@ -128,7 +128,7 @@ fn check_view(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> Res
         .and_then(|r| (cols - 1).checked_mul(cs).and_then(|c| r.checked_add(c)))
         .ok_or(Error::SizeOverflow { what: "matrix view extent" })?;
     if last >= len || isize::try_from(rs).is_err() || isize::try_from(cs).is_err() {
-        return Err(Error::ShapeMismatch { what: "matrix view extent", expected: last + 1, found: len });
+        return Err(Error::ShapeMismatch { what: "matrix view extent", expected: last + 1, got: len });
     }
     Ok(())
 }
@@ -196,7 +196,7 @@ impl<'a, T> MatMut<'a, T> {
             return Err(Error::ShapeMismatch {
                 what: "non-overlapping destination stride",
                 expected: inner.max(1) * inner_len,
-                found: outer,
+                got: outer,
             });
         }
         Ok(Self { data, rows, cols, row_stride, col_stride })
@@ -225,7 +225,7 @@ pub fn matmul<T: GemmScalar>(
         [("rhs rows (k)", k, rhs.rows), ("dst rows (m)", m, dst.rows), ("dst cols (n)", n, dst.cols)]
     {
         if expected != found {
-            return Err(Error::ShapeMismatch { what, expected, found });
+            return Err(Error::ShapeMismatch { what, expected, got: found });
         }
     }
     if m == 0 || n == 0 {
@@ -396,10 +396,7 @@ mod tests {
     #[test]
     fn bad_views_are_typed_errors() {
         let a = vec![0.0f32; 6];
-        assert!(matches!(
-            MatRef::row_major(&a, 2, 4),
-            Err(Error::ShapeMismatch { expected: 8, found: 6, .. })
-        ));
+        assert!(matches!(MatRef::row_major(&a, 2, 4), Err(Error::ShapeMismatch { expected: 8, got: 6, .. })));
         let mut c = vec![0.0f32; 4];
         let err = matmul(
             MatMut::row_major(&mut c, 2, 2).unwrap(),
@@ -407,7 +404,7 @@ mod tests {
             MatRef::row_major(&a, 2, 3).unwrap(),
             MatmulOptions::default(),
         );
-        assert_eq!(err.unwrap_err(), Error::ShapeMismatch { what: "rhs rows (k)", expected: 3, found: 2 });
+        assert_eq!(err.unwrap_err(), Error::ShapeMismatch { what: "rhs rows (k)", expected: 3, got: 2 });
         assert!(MatMut::strided(&mut c, 2, 2, 0, 1).is_err());
         let mut d = vec![0.0f32; 9];
         assert!(MatMut::strided(&mut d, 3, 3, 2, 1).is_err()); // (0,2) and (1,0) share an address

@@ -206,14 +206,14 @@ impl DeviceCommunicator for NcclComm {
                 return Err(Error::ShapeMismatch {
                     what: "all_to_all_v counts (ranks)",
                     expected: world,
-                    found: counts.len(),
+                    got: counts.len(),
                 });
             }
             let total: usize = counts.iter().sum();
             if total > len {
                 let what =
                     if what == "send" { "all_to_all_v send elements" } else { "all_to_all_v recv elements" };
-                return Err(Error::ShapeMismatch { what, expected: total, found: len });
+                return Err(Error::ShapeMismatch { what, expected: total, got: len });
             }
         }
         group_start().map_err(nccl_error("ncclGroupStart"))?;

@@ -177,7 +177,7 @@ fn mismatched_programs_and_bad_arguments_are_typed_errors() {
     });
     assert_eq!(
         results[1],
-        Err(Error::ShapeMismatch { what: "received message bytes", expected: 8, found: 12 })
+        Err(Error::ShapeMismatch { what: "received message bytes", expected: 8, got: 12 })
     );
 
     let results = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {

@@ -29,7 +29,7 @@ impl RouteCounts {
             return Err(Error::ShapeMismatch {
                 what: "route counts (P·E)",
                 expected: ranks * experts,
-                found: counts.len(),
+                got: counts.len(),
             });
         }
         Ok(Self { ranks, experts, counts })
@@ -39,11 +39,7 @@ impl RouteCounts {
     pub fn from_top_k(shape: &Shape, ids: &[&[i64]]) -> Result<Self> {
         shape.validate()?;
         if ids.len() != shape.ranks {
-            return Err(Error::ShapeMismatch {
-                what: "ranks of ids",
-                expected: shape.ranks,
-                found: ids.len(),
-            });
+            return Err(Error::ShapeMismatch { what: "ranks of ids", expected: shape.ranks, got: ids.len() });
         }
         let mut counts = Vec::with_capacity(shape.ranks * shape.experts);
         for rank_ids in ids {
@@ -85,7 +81,7 @@ pub fn local_counts(shape: &Shape, ids: &[i64]) -> Result<Vec<usize>> {
         return Err(Error::ShapeMismatch {
             what: "top-k ids (N·k)",
             expected: shape.tokens * k,
-            found: ids.len(),
+            got: ids.len(),
         });
     }
     let mut counts = vec![0usize; shape.experts];
@@ -156,7 +152,7 @@ impl Assignment {
             return Err(Error::ShapeMismatch {
                 what: "route counts (P·E)",
                 expected: shape.ranks * shape.experts,
-                found: counts.ranks() * counts.experts(),
+                got: counts.ranks() * counts.experts(),
             });
         }
         for s in 0..shape.ranks {
@@ -165,7 +161,7 @@ impl Assignment {
                 return Err(Error::ShapeMismatch {
                     what: "routes of one source (N·k)",
                     expected: shape.tokens * shape.top_k,
-                    found: routes,
+                    got: routes,
                 });
             }
         }

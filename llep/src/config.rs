@@ -34,11 +34,7 @@ impl Shape {
     /// Checks the domains: P ≥ 1, E ≥ 1 divisible by P, k ≥ 1, H ≥ 1, I ≥ 1.
     pub fn validate(&self) -> Result<()> {
         let positive = |name, value: usize| {
-            if value >= 1 {
-                Ok(())
-            } else {
-                Err(Error::InvalidConfig { name, value: value as f64, expected: "at least 1" })
-            }
+            if value >= 1 { Ok(()) } else { Err(Error::invalid_config(name, value, "at least 1")) }
         };
         positive("ranks", self.ranks)?;
         positive("experts", self.experts)?;
@@ -251,7 +247,7 @@ impl LlepConfig {
 
     /// Checks every option's domain (NaN is never valid).
     pub fn validate(&self) -> Result<()> {
-        let bad = |name, value: f64, expected| Err(Error::InvalidConfig { name, value, expected });
+        let bad = |name, value: f64, expected| Err(Error::invalid_config(name, value, expected));
         if !(self.alpha.is_finite() && self.alpha > 0.0) {
             return bad("alpha", self.alpha, "a finite value > 0");
         }

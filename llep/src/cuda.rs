@@ -44,7 +44,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{LINEAR_THREADS, LLEP, ROW_THREADS};
 
 fn cuda<E: std::fmt::Debug>(op: &'static str) -> impl Fn(E) -> Error {
-    move |e| Error::Comm(flatpeak_common::Error::Cuda { op, message: format!("{e:?}") })
+    move |e| Error::Common(flatpeak_common::Error::Cuda { op, message: format!("{e:?}") })
 }
 
 fn linear(n: usize) -> LaunchConfig {
@@ -54,7 +54,7 @@ fn linear(n: usize) -> LaunchConfig {
 
 fn view<'a>(what: &'static str, s: &'a CudaSlice<f32>, at: usize, len: usize) -> Result<CudaView<'a, f32>> {
     need(what, at + len, s.len())?;
-    s.try_slice(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, found: s.len() })
+    s.try_slice(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: s.len() })
 }
 
 fn view_mut<'a>(
@@ -65,7 +65,7 @@ fn view_mut<'a>(
 ) -> Result<CudaViewMut<'a, f32>> {
     let found = s.len();
     need(what, at + len, found)?;
-    s.try_slice_mut(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, found })
+    s.try_slice_mut(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: found })
 }
 
 /// A device buffer of u32 with a host mirror of its entries while they are known on the host
@@ -89,7 +89,7 @@ impl CudaIndex {
             Some(&i) => Err(Error::ShapeMismatch {
                 what: "row index (rows of src)",
                 expected: bound,
-                found: i as usize + 1,
+                got: i as usize + 1,
             }),
             None => need("index mirror (rows)", rows, host.len()),
         }
@@ -181,7 +181,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         let mut v = dst.dev.try_slice_mut(..host.len()).ok_or(Error::ShapeMismatch {
             what: "index buffer",
             expected: host.len(),
-            found,
+            got: found,
         })?;
         self.stream.memcpy_htod(host, &mut v).map_err(cuda("cuMemcpyHtoD"))?;
         let mirror = dst.host.get_or_insert_with(|| vec![u32::MAX; found]);
@@ -212,7 +212,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         let v = src.dev.try_slice(..len).ok_or(Error::ShapeMismatch {
             what: "index download",
             expected: len,
-            found: src.dev.len(),
+            got: src.dev.len(),
         })?;
         // On a stream of its own: cudarc's events make it wait for the all-to-all that wrote
         // `src` (or the upload that did), not for the combine and compute queued meanwhile on

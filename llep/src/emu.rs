@@ -39,7 +39,7 @@ const EMU_MAX_BLOCKS: u32 = 4;
 const EMU_ROW_THREADS: u32 = 64;
 
 fn check(what: &'static str, expected: usize, found: usize) -> Result<()> {
-    if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, found }) }
+    if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
 }
 
 fn check_index(index: &[u32], rows: usize, bound: usize) -> Result<()> {
@@ -47,7 +47,7 @@ fn check_index(index: &[u32], rows: usize, bound: usize) -> Result<()> {
         Some(&i) => Err(Error::ShapeMismatch {
             what: "row index (rows of src)",
             expected: bound,
-            found: i as usize + 1,
+            got: i as usize + 1,
         }),
         None => Ok(()),
     }

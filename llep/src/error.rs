@@ -40,15 +40,25 @@ pub enum Error {
         /// The weight given.
         value: f32,
     },
-    /// A buffer or count matrix of the wrong length or shape.
-    #[error("shape mismatch for {what}: expected {expected}, found {found}")]
+    /// An option or dimension outside its domain (NaN is never in one).
+    #[error("invalid config: {field} = {value}: expected {reason}")]
+    InvalidConfig {
+        /// Which option or dimension.
+        field: &'static str,
+        /// The value given, as `{:?}` writes it.
+        value: String,
+        /// Its domain, in words.
+        reason: &'static str,
+    },
+    /// A buffer or dimension of the wrong size.
+    #[error("shape mismatch for {what}: expected {expected}, got {got}")]
     ShapeMismatch {
         /// Which buffer or dimension.
         what: &'static str,
-        /// What the shapes call for.
+        /// What the plan or the other inputs call for.
         expected: usize,
         /// What was given.
-        found: usize,
+        got: usize,
     },
     /// The experts cannot be split evenly over the ranks (expert e lives on rank e / (E/P)).
     #[error("{experts} experts cannot be split evenly over {ranks} ranks")]
@@ -57,16 +67,6 @@ pub enum Error {
         experts: usize,
         /// P.
         ranks: usize,
-    },
-    /// An option or shape outside its domain.
-    #[error("invalid configuration: {name} = {value}, expected {expected}")]
-    InvalidConfig {
-        /// Which option.
-        name: &'static str,
-        /// The value given (as f64 for display).
-        value: f64,
-        /// Its domain, in words.
-        expected: &'static str,
     },
     /// The dispatch byte budget cannot hold one row per rank pair.
     #[error("dispatch budget of {budget} B is below the {needed} B one row per rank pair needs")]
@@ -102,5 +102,12 @@ pub enum Error {
     },
     /// An error from the shared foundation (workspace, communicator, GEMM).
     #[error(transparent)]
-    Comm(#[from] flatpeak_common::Error),
+    Common(#[from] flatpeak_common::Error),
+}
+
+impl Error {
+    /// [`Error::InvalidConfig`] for `field = value` outside the domain `reason`.
+    pub fn invalid_config(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Self {
+        Self::InvalidConfig { field, value: format!("{value:?}"), reason }
+    }
 }

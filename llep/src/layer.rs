@@ -101,5 +101,5 @@ impl HeapSize for Gradients {
 }
 
 pub(crate) fn check_len(what: &'static str, expected: usize, found: usize) -> Result<()> {
-    if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, found }) }
+    if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
 }

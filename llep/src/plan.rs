@@ -96,7 +96,7 @@ pub fn pair_rows(assignment: &Assignment, shape: &Shape, source: usize, ids: &[i
         return Err(Error::ShapeMismatch {
             what: "top-k ids (N·k)",
             expected: shape.tokens * k,
-            found: ids.len(),
+            got: ids.len(),
         });
     }
     let mut mapper = assignment.mapper(source);
@@ -150,9 +150,7 @@ impl Plan {
         shape.validate()?;
         let p = shape.ranks;
         if rows.len() != p * p {
-            return Err(Error::ShapeMismatch {
-                what: "pair rows (P·P)", expected: p * p, found: rows.len()
-            });
+            return Err(Error::ShapeMismatch { what: "pair rows (P·P)", expected: p * p, got: rows.len() });
         }
         if let Some(&bad) = rows.iter().find(|&&r| r > shape.tokens) {
             return Err(Error::PlanMismatch {

@@ -122,9 +122,9 @@ fn saved_activations_misuse_is_a_typed_error() {
     });
     for r in out {
         let (store, unfilled, recompute) = r.unwrap();
-        assert!(matches!(store, Err(Error::InvalidConfig { name: "mode", .. })), "{store:?}");
+        assert!(matches!(store, Err(Error::InvalidConfig { field: "mode", .. })), "{store:?}");
         assert!(matches!(unfilled, Err(Error::PlanMismatch { .. })), "{unfilled:?}");
-        assert!(matches!(recompute, Err(Error::InvalidConfig { name: "mode", .. })), "{recompute:?}");
+        assert!(matches!(recompute, Err(Error::InvalidConfig { field: "mode", .. })), "{recompute:?}");
     }
 }
 
@@ -245,21 +245,21 @@ fn bad_input_is_a_typed_error_on_its_rank_and_fails_the_group() {
             Box::new(|ids, _, _, _| {
                 ids.pop();
             }),
-            Error::ShapeMismatch { what: "top-k ids (N·k)", expected: 26, found: 25 },
+            Error::ShapeMismatch { what: "top-k ids (N·k)", expected: 26, got: 25 },
         ),
         (
             "short x",
             Box::new(|_, _, x, _| {
                 x.pop();
             }),
-            Error::ShapeMismatch { what: "x (N·H)", expected: 208, found: 207 },
+            Error::ShapeMismatch { what: "x (N·H)", expected: 208, got: 207 },
         ),
         (
             "short dY",
             Box::new(|_, _, _, dy| {
                 dy.pop();
             }),
-            Error::ShapeMismatch { what: "dY (N·H)", expected: 208, found: 207 },
+            Error::ShapeMismatch { what: "dY (N·H)", expected: 208, got: 207 },
         ),
     ];
     for (what, edit, want) in cases {
@@ -275,7 +275,7 @@ fn bad_input_is_a_typed_error_on_its_rank_and_fails_the_group() {
         }
         for r in [0, 2, 3] {
             assert!(
-                matches!(out[r], Err(Error::Comm(Common::PeerLost { rank: 1 }))),
+                matches!(out[r], Err(Error::Common(Common::PeerLost { rank: 1 }))),
                 "{what}: rank {r}: {:?}",
                 out[r]
             );
@@ -307,7 +307,7 @@ fn misuse_is_a_typed_error() {
         let (stale_run, tiny_run) = r.unwrap();
         assert!(matches!(stale_run, Err(Error::PlanMismatch { .. })), "{stale_run:?}");
         assert!(
-            matches!(tiny_run, Err(Error::Comm(flatpeak_common::Error::WorkspaceExhausted { .. }))),
+            matches!(tiny_run, Err(Error::Common(flatpeak_common::Error::WorkspaceExhausted { .. }))),
             "{tiny_run:?}"
         );
     }

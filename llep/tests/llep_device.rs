@@ -123,7 +123,7 @@ mod emulated {
         });
         let n = problem.shape.tokens * problem.shape.hidden;
         assert!(
-            matches!(out[0], Ok(Err(llep::Error::ShapeMismatch { what: "x (N·H)", expected, found }))
+            matches!(out[0], Ok(Err(llep::Error::ShapeMismatch { what: "x (N·H)", expected, got: found }))
                 if expected == n && found == n - 1),
             "{:?}",
             out[0]

@@ -33,7 +33,7 @@ fn measure(problem: &Problem, config: &LlepConfig) -> (usize, Vec<usize>) {
             run().map_err(|e| flatpeak_common::Error::ShapeMismatch {
                 what: "llep run",
                 expected: 0,
-                found: e.to_string().len(),
+                got: e.to_string().len(),
             })
         })
     })

@@ -75,8 +75,7 @@ impl LinearCrossEntropy {
 
     /// Checks every option's domain (NaN is never valid).
     pub fn validate(&self) -> Result<()> {
-        let bad =
-            |name, value: f32, expected| Err(Error::InvalidOption { name, value: value as f64, expected });
+        let bad = |name, value: f32, expected| Err(Error::invalid_config(name, value, expected));
         if !(0.0..1.0).contains(&self.label_smoothing) {
             return bad("label_smoothing", self.label_smoothing, "a value in [0, 1)");
         }
@@ -100,12 +99,12 @@ mod tests {
     fn validation() {
         assert!(LinearCrossEntropy::default().validate().is_ok());
         let mut c = LinearCrossEntropy { label_smoothing: 1.0, ..Default::default() };
-        assert!(matches!(c.validate(), Err(Error::InvalidOption { name: "label_smoothing", .. })));
+        assert!(matches!(c.validate(), Err(Error::InvalidConfig { field: "label_smoothing", .. })));
         c.label_smoothing = 0.1;
         c.z_loss = f32::NAN;
-        assert!(matches!(c.validate(), Err(Error::InvalidOption { name: "z_loss", .. })));
+        assert!(matches!(c.validate(), Err(Error::InvalidConfig { field: "z_loss", .. })));
         c.z_loss = 0.0;
         c.softcap = Softcap::Tanh { cap: 0.0 };
-        assert!(matches!(c.validate(), Err(Error::InvalidOption { name: "softcap", .. })));
+        assert!(matches!(c.validate(), Err(Error::InvalidConfig { field: "softcap", .. })));
     }
 }

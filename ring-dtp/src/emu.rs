@@ -346,17 +346,17 @@ fn check(config: &LinearCrossEntropy, plan: &Plan, inputs: &Inputs<'_>) -> Resul
         ("v", plan.v(), inputs.v),
     ] {
         if expected != found {
-            return Err(Error::ShapeMismatch { what, expected, found });
+            return Err(Error::ShapeMismatch { what, expected, got: found });
         }
     }
     if inputs.x.dtype() != inputs.w.dtype() || inputs.x.dtype() != plan.dtype() {
         return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w.dtype() });
     }
     if let Some(b) = inputs.bias.filter(|b| b.len() != inputs.v) {
-        return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, found: b.len() });
+        return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, got: b.len() });
     }
     if let Some(w) = inputs.weights.filter(|w| w.len() != inputs.n) {
-        return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, found: w.len() });
+        return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, got: w.len() });
     }
     resolve_targets(config, inputs)
 }
@@ -398,10 +398,10 @@ pub fn backward(
     let targets = check(config, plan, inputs)?;
     let (n, d, v) = (inputs.n, inputs.d, inputs.v);
     if forward.lse.len() != n {
-        return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, found: forward.lse.len() });
+        return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, got: forward.lse.len() });
     }
     if let Some(g) = dlse.filter(|g| g.len() != n) {
-        return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, found: g.len() });
+        return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, got: g.len() });
     }
     let coef = cpu::coefficients(config, inputs, grad, inputs.valid_weight(config))?;
     let (cb, vbmax) = (plan.token_block(), plan.vocab_block());

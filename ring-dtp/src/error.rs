@@ -17,15 +17,25 @@ pub enum Error {
         /// The vocabulary size V.
         vocab: usize,
     },
-    /// A buffer of the wrong length.
-    #[error("shape mismatch for {what}: expected {expected} elements, found {found}")]
+    /// An option or dimension outside its domain (NaN is never in one).
+    #[error("invalid config: {field} = {value}: expected {reason}")]
+    InvalidConfig {
+        /// Which option or dimension.
+        field: &'static str,
+        /// The value given, as `{:?}` writes it.
+        value: String,
+        /// Its domain, in words.
+        reason: &'static str,
+    },
+    /// A buffer or dimension of the wrong size.
+    #[error("shape mismatch for {what}: expected {expected}, got {got}")]
     ShapeMismatch {
-        /// Which buffer.
+        /// Which buffer or dimension.
         what: &'static str,
-        /// Elements the shapes call for.
+        /// What the plan or the other inputs call for.
         expected: usize,
-        /// Elements given.
-        found: usize,
+        /// What was given.
+        got: usize,
     },
     /// X and W of different element types.
     #[error("dtype mismatch: x is {x}, w is {w}")]
@@ -34,16 +44,6 @@ pub enum Error {
         x: flatpeak_common::DType,
         /// W's dtype.
         w: flatpeak_common::DType,
-    },
-    /// An option outside its domain.
-    #[error("invalid option {name} = {value}: expected {expected}")]
-    InvalidOption {
-        /// Which option.
-        name: &'static str,
-        /// The value given.
-        value: f64,
-        /// Its domain, in words.
-        expected: &'static str,
     },
     /// The byte budget cannot hold even the smallest schedule.
     #[error("budget of {budget} B is below the smallest schedule's {needed} B ({what})")]
@@ -64,4 +64,11 @@ pub enum Error {
     /// An error from the shared foundation (workspace, communicator, CUDA).
     #[error(transparent)]
     Common(#[from] flatpeak_common::Error),
+}
+
+impl Error {
+    /// [`Error::InvalidConfig`] for `field = value` outside the domain `reason`.
+    pub fn invalid_config(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Self {
+        Self::InvalidConfig { field, value: format!("{value:?}"), reason }
+    }
 }

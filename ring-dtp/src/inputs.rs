@@ -94,7 +94,7 @@ impl<'a> Inputs<'a> {
     /// Checks shapes, dtypes and targets against `config`.
     pub fn validate(&self, config: &LinearCrossEntropy) -> Result<()> {
         let check = |what, expected: usize, found: usize| {
-            if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, found }) }
+            if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
         };
         check("x (n·d)", self.n * self.d, self.x.len())?;
         check("w (v·d)", self.v * self.d, self.w.len())?;

@@ -15,15 +15,25 @@ pub enum Error {
         /// The plan's depth L.
         layers: usize,
     },
-    /// A tensor of the wrong number of elements.
-    #[error("boundary tensor of layer {layer} has {found} elements, the plan says {expected}")]
-    WrongSize {
-        /// The layer.
-        layer: usize,
-        /// Elements per boundary (the plan's s).
+    /// An option or dimension outside its domain (NaN is never in one).
+    #[error("invalid config: {field} = {value}: expected {reason}")]
+    InvalidConfig {
+        /// Which option or dimension.
+        field: &'static str,
+        /// The value given, as `{:?}` writes it.
+        value: String,
+        /// Its domain, in words.
+        reason: &'static str,
+    },
+    /// A buffer or dimension of the wrong size.
+    #[error("shape mismatch for {what}: expected {expected}, got {got}")]
+    ShapeMismatch {
+        /// Which buffer or dimension.
+        what: &'static str,
+        /// What the plan or the other inputs call for.
         expected: usize,
-        /// Elements given.
-        found: usize,
+        /// What was given.
+        got: usize,
     },
     /// `offload` of a layer whose boundary is already held.
     #[error("layer {layer} was already offloaded this step")]
@@ -46,16 +56,6 @@ pub enum Error {
         /// The layers holding them.
         held: Vec<usize>,
     },
-    /// An option outside its domain.
-    #[error("invalid option {name} = {value}: expected {expected}")]
-    InvalidOption {
-        /// Which option.
-        name: &'static str,
-        /// The value given.
-        value: usize,
-        /// Its domain, in words.
-        expected: &'static str,
-    },
     /// A copy engine stopped.
     #[error("copy engine `{engine}` stopped: {reason}")]
     EngineStopped {
@@ -77,4 +77,11 @@ pub enum Error {
     /// An error from the shared foundation.
     #[error(transparent)]
     Common(#[from] flatpeak_common::Error),
+}
+
+impl Error {
+    /// [`Error::InvalidConfig`] for `field = value` outside the domain `reason`.
+    pub fn invalid_config(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Self {
+        Self::InvalidConfig { field, value: format!("{value:?}"), reason }
+    }
 }

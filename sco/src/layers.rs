@@ -38,7 +38,7 @@ fn check(what: &'static str, expected: usize, found: usize) -> Result<()> {
     if expected == found {
         Ok(())
     } else {
-        Err(flatpeak_common::Error::ShapeMismatch { what, expected, found }.into())
+        Err(flatpeak_common::Error::ShapeMismatch { what, expected, got: found }.into())
     }
 }
 

@@ -286,10 +286,10 @@ impl<T: Pod + Send + Sync + 'static> CheckpointOffloader<T> {
     pub fn offload_copy(&self, layer: usize, tensor: &[T]) -> Result<()> {
         self.check_layer(layer)?;
         if tensor.len() != self.plan.boundary_elems() {
-            return Err(Error::WrongSize {
-                layer,
+            return Err(Error::ShapeMismatch {
+                what: "boundary tensor (elements)",
                 expected: self.plan.boundary_elems(),
-                found: tensor.len(),
+                got: tensor.len(),
             });
         }
         let mut writer = self.writer()?;

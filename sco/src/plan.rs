@@ -60,7 +60,7 @@ impl Plan {
         options: OffloadOptions,
     ) -> Result<Self> {
         let check = |name, value: usize, ok: bool, expected| {
-            if ok { Ok(()) } else { Err(Error::InvalidOption { name, value, expected }) }
+            if ok { Ok(()) } else { Err(Error::invalid_config(name, value, expected)) }
         };
         check("keep_resident", options.keep_resident, options.keep_resident >= 1, "at least 1")?;
         check("in_flight", options.in_flight, options.in_flight >= 1, "at least 1")?;
@@ -148,10 +148,10 @@ mod tests {
     #[test]
     fn bad_options() {
         let zero = OffloadOptions { keep_resident: 0, ..Default::default() };
-        assert!(matches!(Plan::new(4, 1, 4, zero), Err(Error::InvalidOption { name: "keep_resident", .. })));
+        assert!(matches!(Plan::new(4, 1, 4, zero), Err(Error::InvalidConfig { field: "keep_resident", .. })));
         assert!(matches!(
             Plan::new(0, 1, 4, OffloadOptions::default()),
-            Err(Error::InvalidOption { name: "layers", .. })
+            Err(Error::InvalidConfig { field: "layers", .. })
         ));
     }
 

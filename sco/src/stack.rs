@@ -73,9 +73,13 @@ impl<L: Layer> CheckpointedStack<L> {
     /// the host arena of the plan are reserved now, once, and reused by every step.
     pub fn new(layers: Vec<L>, mode: Checkpointing, options: OffloadOptions, link: Link) -> Result<Self> {
         let width = layers.first().map_or(0, Layer::width);
-        for (layer, l) in layers.iter().enumerate() {
+        for l in &layers {
             if l.width() != width {
-                return Err(Error::WrongSize { layer, expected: width, found: l.width() });
+                return Err(Error::ShapeMismatch {
+                    what: "layer width (all layers alike)",
+                    expected: width,
+                    got: l.width(),
+                });
             }
         }
         let plan = Plan::new(layers.len(), width, std::mem::size_of::<f32>(), options)?;
@@ -100,7 +104,7 @@ impl<L: Layer> CheckpointedStack<L> {
     pub fn step(&mut self, input: &[f32], loss_grad: impl FnOnce(&[f32]) -> Vec<f32>) -> Result<StepOutput> {
         let w = self.width;
         if input.len() != w {
-            return Err(Error::WrongSize { layer: 0, expected: w, found: input.len() });
+            return Err(Error::ShapeMismatch { what: "stack input (width)", expected: w, got: input.len() });
         }
         match self.mode {
             Checkpointing::Off | Checkpointing::OnDevice => self.step_resident(input, loss_grad),
@@ -130,7 +134,7 @@ impl<L: Layer> CheckpointedStack<L> {
         }
         let output = x;
         let mut dy = loss_grad(&output);
-        check_grad(&dy, w, n)?;
+        check_grad(&dy, w)?;
         let mut param_grads = vec![Vec::new(); n];
         for i in (0..n).rev() {
             let mut dx = vec![0f32; w];
@@ -151,11 +155,7 @@ impl<L: Layer> CheckpointedStack<L> {
     ) -> Result<StepOutput> {
         let (w, n) = (self.width, self.layers.len());
         let Some(off) = self.offloader.as_mut() else {
-            return Err(Error::InvalidOption {
-                name: "offloader",
-                value: 0,
-                expected: "present in Offload mode",
-            });
+            return Err(Error::invalid_config("offloader", "none", "present in Offload mode"));
         };
         let d = off.plan().options().prefetch_distance;
         off.offload_copy(0, input)?;
@@ -172,7 +172,7 @@ impl<L: Layer> CheckpointedStack<L> {
             }
         }
         let mut dy = loss_grad(&output);
-        check_grad(&dy, w, n)?;
+        check_grad(&dy, w)?;
         let mut param_grads = vec![Vec::new(); n];
         for i in (0..n).rev() {
             if i >= d && d > 0 {
@@ -193,10 +193,10 @@ impl<L: Layer> CheckpointedStack<L> {
     }
 }
 
-fn check_grad(dy: &[f32], width: usize, layers: usize) -> Result<()> {
+fn check_grad(dy: &[f32], width: usize) -> Result<()> {
     if dy.len() == width {
         Ok(())
     } else {
-        Err(Error::WrongSize { layer: layers, expected: width, found: dy.len() })
+        Err(Error::ShapeMismatch { what: "loss gradient (width)", expected: width, got: dy.len() })
     }
 }

@@ -74,7 +74,7 @@ impl Default for AdamWConfig {
 }
 
 fn check(name: &'static str, value: f64, ok: bool, expected: &'static str) -> Result<()> {
-    if ok && !value.is_nan() { Ok(()) } else { Err(Error::InvalidHyperparameter { name, value, expected }) }
+    if ok && !value.is_nan() { Ok(()) } else { Err(Error::invalid_config(name, value, expected)) }
 }
 
 impl AdamWConfig {
@@ -174,7 +174,7 @@ mod tests {
         let names = ["beta1", "beta2", "eps", "lr", "weight_decay", "max_norm"];
         for (cfg, name) in bad.iter().zip(names) {
             match cfg.validate() {
-                Err(Error::InvalidHyperparameter { name: n, .. }) => assert_eq!(n, name),
+                Err(Error::InvalidConfig { field: n, .. }) => assert_eq!(n, name),
                 other => panic!("{name}: {other:?}"),
             }
         }

@@ -7,35 +7,25 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A hyperparameter outside its domain (NaN included).
-    #[error("hyperparameter {name} = {value} is invalid: expected {expected}")]
-    InvalidHyperparameter {
-        /// Which hyperparameter.
-        name: &'static str,
-        /// The value given.
-        value: f64,
+    /// An option or dimension outside its domain (NaN is never in one).
+    #[error("invalid config: {field} = {value}: expected {reason}")]
+    InvalidConfig {
+        /// Which option or dimension.
+        field: &'static str,
+        /// The value given, as `{:?}` writes it.
+        value: String,
         /// Its domain, in words.
-        expected: &'static str,
+        reason: &'static str,
     },
-    /// Two buffers that must have the same length do not.
-    #[error("length mismatch for {what}: expected {expected}, found {found}")]
-    LengthMismatch {
-        /// Which buffer.
+    /// A buffer or dimension of the wrong size.
+    #[error("shape mismatch for {what}: expected {expected}, got {got}")]
+    ShapeMismatch {
+        /// Which buffer or dimension.
         what: &'static str,
-        /// The length the optimizer holds.
+        /// What the plan or the other inputs call for.
         expected: usize,
-        /// The length given.
-        found: usize,
-    },
-    /// A pipeline option outside its domain.
-    #[error("invalid pipeline option {name} = {value}: expected {expected}")]
-    InvalidPipeline {
-        /// Which option.
-        name: &'static str,
-        /// The value given.
-        value: usize,
-        /// Its domain, in words.
-        expected: &'static str,
+        /// What was given.
+        got: usize,
     },
     /// An imported state does not fit this optimizer.
     #[error("state mismatch: {reason}")]
@@ -76,4 +66,11 @@ pub enum Error {
     /// An error from the shared foundation (device probe, CUDA calls, workspace).
     #[error(transparent)]
     Common(#[from] flatpeak_common::Error),
+}
+
+impl Error {
+    /// [`Error::InvalidConfig`] for `field = value` outside the domain `reason`.
+    pub fn invalid_config(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Self {
+        Self::InvalidConfig { field, value: format!("{value:?}"), reason }
+    }
 }

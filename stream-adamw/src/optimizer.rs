@@ -124,11 +124,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     fn prepare(&mut self, grad_sq: f64, options: StepOptions) -> Result<(Option<StepScalars>, f64, f64)> {
         let scale = options.grad_scale;
         if !(scale.is_finite() && scale > 0.0) {
-            return Err(Error::InvalidHyperparameter {
-                name: "grad_scale",
-                value: scale,
-                expected: "a finite value > 0",
-            });
+            return Err(Error::invalid_config("grad_scale", scale, "a finite value > 0"));
         }
         let norm = grad_sq.sqrt() * scale;
         if !norm.is_finite() {
@@ -173,7 +169,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         let n = self.state.len();
         for (what, found) in [("device grads", grads), ("device params", params)] {
             if found != n {
-                return Err(Error::LengthMismatch { what, expected: n, found });
+                return Err(Error::ShapeMismatch { what, expected: n, got: found });
             }
         }
         Ok(())

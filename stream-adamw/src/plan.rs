@@ -87,14 +87,14 @@ impl Plan {
         param_dtype: DType,
     ) -> Result<Self> {
         if options.bucket_elems == 0 || !options.bucket_elems.is_multiple_of(BUCKET_ALIGN) {
-            return Err(Error::InvalidPipeline {
-                name: "bucket_elems",
-                value: options.bucket_elems,
-                expected: "a positive multiple of 64",
-            });
+            return Err(Error::invalid_config(
+                "bucket_elems",
+                options.bucket_elems,
+                "a positive multiple of 64",
+            ));
         }
         if options.slots == 0 {
-            return Err(Error::InvalidPipeline { name: "slots", value: 0, expected: "at least 1" });
+            return Err(Error::invalid_config("slots", 0, "at least 1"));
         }
         Ok(Self {
             n_params,
@@ -205,9 +205,9 @@ mod tests {
     fn bad_options_are_typed_errors() {
         let e =
             Plan::new(10, PipelineOptions::default().bucket_elems(100), DType::F32, DType::F32).unwrap_err();
-        assert!(matches!(e, Error::InvalidPipeline { name: "bucket_elems", value: 100, .. }));
+        assert!(matches!(e, Error::InvalidConfig { field: "bucket_elems", ref value, .. } if value == "100"));
         let e = Plan::new(10, PipelineOptions::default().slots(0), DType::F32, DType::F32).unwrap_err();
-        assert!(matches!(e, Error::InvalidPipeline { name: "slots", .. }));
+        assert!(matches!(e, Error::InvalidConfig { field: "slots", .. }));
     }
 
     #[test]

@@ -107,13 +107,13 @@ impl OptimizerState {
             ("exp_avg_sq", dict.exp_avg_sq.len()),
         ] {
             if len != n {
-                return Err(Error::LengthMismatch { what, expected: n, found: len });
+                return Err(Error::ShapeMismatch { what, expected: n, got: len });
             }
         }
         let max = match (variant, dict.max_exp_avg_sq) {
             (Variant::AmsGrad, Some(v)) if v.len() == n => v,
             (Variant::AmsGrad, Some(v)) => {
-                return Err(Error::LengthMismatch { what: "max_exp_avg_sq", expected: n, found: v.len() });
+                return Err(Error::ShapeMismatch { what: "max_exp_avg_sq", expected: n, got: v.len() });
             }
             (Variant::AmsGrad, None) if n == 0 => Vec::new(),
             (Variant::AmsGrad, None) => {

@@ -296,7 +296,7 @@ fn bad_input_is_a_typed_error() {
     let short = Inputs::new(Matrix::F32(&c.x[..39]), Matrix::F32(&c.w), &c.targets, 10, 4, 20);
     assert!(matches!(
         cpu::forward(&config, &plan, &short),
-        Err(Error::ShapeMismatch { what: "x (n·d)", expected: 40, found: 39 })
+        Err(Error::ShapeMismatch { what: "x (n·d)", expected: 40, got: 39 })
     ));
     let wb: Vec<bf16> = c.w.iter().map(|&x| bf16::from_f32(x)).collect();
     let mixed = Inputs::new(Matrix::F32(&c.x), Matrix::Bf16(&wb), &c.targets, 10, 4, 20);

@@ -375,20 +375,17 @@ fn bad_input_is_a_typed_error_on_every_rank() {
         ring::forward(comm, &config, &plan, &inputs)
     });
     for r in results {
-        assert!(matches!(r, Err(Error::ShapeMismatch { what: "world size", expected: 2, found: 3 })));
+        assert!(matches!(r, Err(Error::ShapeMismatch { what: "world size", expected: 2, got: 3 })));
     }
     let results = on_ranks(2, |comm: &LocalComm| {
         let inputs = RankInputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..119]), &c.targets[..10]);
         ring::forward(comm, &config, &plan, &inputs)
     });
     for r in results {
-        assert!(matches!(
-            r,
-            Err(Error::ShapeMismatch { what: "w shard (v_r·d)", expected: 120, found: 119 })
-        ));
+        assert!(matches!(r, Err(Error::ShapeMismatch { what: "w shard (v_r·d)", expected: 120, got: 119 })));
     }
     let f16 = RingPlan::new(&config, (20, 8, 30), 2, DType::F16, RingOptions::default());
-    assert!(matches!(f16, Err(Error::InvalidOption { name: "dtype", .. })));
+    assert!(matches!(f16, Err(Error::InvalidConfig { field: "dtype", .. })));
 }
 
 /// The device rings over every local GPU through NCCL (one rank per device; NCCL does not put

@@ -122,7 +122,7 @@ fn misuse_is_a_typed_error() {
     assert_eq!(off.offload_copy(4, &[0.0; 10]).err(), Some(Error::LayerOutOfRange { layer: 4, layers: 4 }));
     assert_eq!(
         off.offload_copy(1, &[0.0; 9]).err(),
-        Some(Error::WrongSize { layer: 1, expected: 10, found: 9 })
+        Some(Error::ShapeMismatch { what: "boundary tensor (elements)", expected: 10, got: 9 })
     );
     off.offload_copy(1, &[1.0; 10]).expect("first offload");
     assert_eq!(off.offload_copy(1, &[2.0; 10]).err(), Some(Error::AlreadyOffloaded { layer: 1 }));
@@ -136,11 +136,14 @@ fn misuse_is_a_typed_error() {
     let widths = vec![ResidualMlp::new(2, 3, 4, 1), ResidualMlp::new(2, 4, 4, 2)];
     assert!(matches!(
         CheckpointedStack::new(widths, Checkpointing::Offload, OffloadOptions::default(), Link::Memcpy),
-        Err(Error::WrongSize { layer: 1, expected: 6, found: 8 })
+        Err(Error::ShapeMismatch { expected: 6, got: 8, .. })
     ));
     let mut stack = mlp_stack(3, Checkpointing::Offload);
-    assert!(matches!(stack.step(&[0.0; 5], loss_grad), Err(Error::WrongSize { expected: 48, found: 5, .. })));
-    assert!(matches!(stack.step(&[0.0; 48], |_| vec![0.0; 3]), Err(Error::WrongSize { found: 3, .. })));
+    assert!(matches!(
+        stack.step(&[0.0; 5], loss_grad),
+        Err(Error::ShapeMismatch { expected: 48, got: 5, .. })
+    ));
+    assert!(matches!(stack.step(&[0.0; 48], |_| vec![0.0; 3]), Err(Error::ShapeMismatch { got: 3, .. })));
     assert!(matches!(
         CheckpointedStack::<ResidualMlp>::new(
             Vec::new(),
@@ -148,17 +151,13 @@ fn misuse_is_a_typed_error() {
             OffloadOptions::default(),
             Link::Memcpy
         ),
-        Err(Error::InvalidOption { name: "layers", .. })
+        Err(Error::InvalidConfig { field: "layers", .. })
     ));
     // A layer handed a buffer of the wrong size says so instead of panicking.
     let layer: &dyn Layer = &stack.layers()[0];
     assert_eq!(
         layer.forward(&[0.0; 5], &mut [0.0; 48]).unwrap_err(),
-        Error::Common(flatpeak_common::Error::ShapeMismatch {
-            what: "layer input x",
-            expected: 48,
-            found: 5
-        })
+        Error::Common(flatpeak_common::Error::ShapeMismatch { what: "layer input x", expected: 48, got: 5 })
     );
     assert!(matches!(
         layer.backward(&[0.0; 48], None, &[0.0; 48], &mut [0.0; 48], &mut [0.0; 3]),

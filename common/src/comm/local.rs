@@ -241,7 +241,7 @@ impl LocalComm {
     fn take_exact(&self, peer: usize, op: Op, out: &mut [u8], what: &'static str) -> Result<()> {
         let payload = self.take(peer, op)?;
         if payload.len() != out.len() {
-            return Err(Error::ShapeMismatch { what, expected: out.len(), found: payload.len() });
+            return Err(Error::ShapeMismatch { what, expected: out.len(), got: payload.len() });
         }
         out.copy_from_slice(&payload);
         self.recycle(peer, payload);
@@ -251,12 +251,12 @@ impl LocalComm {
 
 fn check_counts(what: &'static str, counts: &[usize], world: usize, len: usize) -> Result<()> {
     if counts.len() != world {
-        return Err(Error::ShapeMismatch { what, expected: world, found: counts.len() });
+        return Err(Error::ShapeMismatch { what, expected: world, got: counts.len() });
     }
     let total =
         counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).ok_or(Error::SizeOverflow { what })?;
     if total != len {
-        return Err(Error::ShapeMismatch { what, expected: total, found: len });
+        return Err(Error::ShapeMismatch { what, expected: total, got: len });
     }
     Ok(())
 }

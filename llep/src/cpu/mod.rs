@@ -176,11 +176,11 @@ pub fn backward<C: Communicator + ?Sized>(
     let ctx = Ctx::new(comm, plan, inputs)?;
     check_len("dY (N·H)", ctx.s.tokens * ctx.s.hidden, dy.len())?;
     if plan.config().mode != Mode::Checkpointed {
-        return Err(Error::InvalidConfig {
-            name: "mode",
-            value: 1.0,
-            expected: "Mode::Checkpointed (SaveActivations runs through forward_saving and backward_saved)",
-        });
+        return Err(Error::invalid_config(
+            "mode",
+            plan.config().mode,
+            "Mode::Checkpointed (SaveActivations runs through forward_saving and backward_saved)",
+        ));
     }
     ws.reset();
     let bufs = plan.buffers(ctx.me, Pass::Backward);

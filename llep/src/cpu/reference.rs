@@ -65,11 +65,11 @@ fn route(shape: &Shape, w: &ExpertWeights<'_>, e: usize, x: &[f32]) -> Route {
 fn check(shape: &Shape, inputs: &RankInputs<'_>) -> Result<()> {
     shape.validate()?;
     if shape.ranks != 1 {
-        return Err(Error::InvalidConfig {
-            name: "reference ranks",
-            value: shape.ranks as f64,
-            expected: "1 (every token and expert in one process)",
-        });
+        return Err(Error::invalid_config(
+            "reference ranks",
+            shape.ranks as f64,
+            "1 (every token and expert in one process)",
+        ));
     }
     inputs.validate(shape)
 }

@@ -114,11 +114,11 @@ fn check_mode(plan: &Plan) -> Result<()> {
     if plan.config().mode == Mode::SaveActivations {
         Ok(())
     } else {
-        Err(Error::InvalidConfig {
-            name: "mode",
-            value: 0.0,
-            expected: "Mode::SaveActivations (checkpointed plans run through forward and backward)",
-        })
+        Err(Error::invalid_config(
+            "mode",
+            plan.config().mode,
+            "Mode::SaveActivations (checkpointed plans run through forward and backward)",
+        ))
     }
 }
 

@@ -30,11 +30,7 @@ pub(crate) fn check_call_shape(plan: &Plan, world: usize) -> Result<Shape> {
     }
     check_world_size(world, &s)?;
     if s.tokens.checked_mul(s.top_k).is_none_or(|v| v > u32::MAX as usize) {
-        return Err(Error::InvalidConfig {
-            name: "tokens·top_k",
-            value: (s.tokens * s.top_k) as f64,
-            expected: "< 2^32",
-        });
+        return Err(Error::invalid_config("tokens·top_k", (s.tokens * s.top_k) as f64, "< 2^32"));
     }
     Ok(s)
 }

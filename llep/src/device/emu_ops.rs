@@ -27,13 +27,13 @@ impl<'c, C: Communicator + ?Sized> EmuOps<'c, C> {
 
 /// `v[at..at + len]`, or [`Error::ShapeMismatch`].
 fn span<'a, T>(what: &'static str, v: &'a [T], at: usize, len: usize) -> Result<&'a [T]> {
-    v.get(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, found: v.len() })
+    v.get(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: v.len() })
 }
 
 /// `v[at..at + len]` mutably, or [`Error::ShapeMismatch`].
 fn span_mut<'a, T>(what: &'static str, v: &'a mut [T], at: usize, len: usize) -> Result<&'a mut [T]> {
     let found = v.len();
-    v.get_mut(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, found })
+    v.get_mut(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: found })
 }
 
 /// A GEMM operand of `rows × cols` (as op(·) sees it) as a CPU matrix view.

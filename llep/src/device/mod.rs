@@ -255,5 +255,5 @@ impl<B> DeviceGradients<B> {
 /// `found ≥ expected`, or [`Error::ShapeMismatch`] naming `what`: the length check every
 /// implementation runs before touching a buffer.
 pub fn need(what: &'static str, expected: usize, found: usize) -> Result<()> {
-    if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, found }) }
+    if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
 }

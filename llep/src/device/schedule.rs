@@ -389,11 +389,11 @@ pub fn backward<O: DeviceOps>(
     check_inputs(ops, &s, inputs)?;
     need("dY (N·H)", s.tokens * s.hidden, ops.buf_len(dy))?;
     if plan.config().mode != Mode::Checkpointed {
-        return Err(Error::InvalidConfig {
-            name: "mode",
-            value: 1.0,
-            expected: "Mode::Checkpointed (the device executor recomputes)",
-        });
+        return Err(Error::invalid_config(
+            "mode",
+            plan.config().mode,
+            "Mode::Checkpointed (the device executor recomputes)",
+        ));
     }
     let bufs = plan.buffers(me, Pass::Backward);
     ops.fence()?;

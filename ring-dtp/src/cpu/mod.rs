@@ -42,7 +42,7 @@ fn check_plan(plan: &Plan, inputs: &Inputs<'_>) -> Result<()> {
         [("n", plan.n(), inputs.n), ("d", plan.d(), inputs.d), ("v", plan.v(), inputs.v)]
     {
         if expected != found {
-            return Err(Error::ShapeMismatch { what, expected, found });
+            return Err(Error::ShapeMismatch { what, expected, got: found });
         }
     }
     if plan.dtype() != inputs.x.dtype() {
@@ -76,7 +76,7 @@ pub(crate) fn coefficients(
                 return Err(Error::ShapeMismatch {
                     what: "grad_output (n)",
                     expected: inputs.n,
-                    found: g.len(),
+                    got: g.len(),
                 });
             }
             Ok((0..inputs.n).map(|i| scale(i, g[i], 1.0)).collect())
@@ -131,7 +131,7 @@ enum Pass<'a> {
 }
 
 fn missing(expected: &'static str) -> Error {
-    Error::InvalidOption { name: "pass", value: 0.0, expected }
+    Error::invalid_config("pass", "incomplete", expected)
 }
 
 fn run(
@@ -282,10 +282,10 @@ pub fn backward(
     inputs.validate(config)?;
     check_plan(plan, inputs)?;
     if forward.lse.len() != inputs.n {
-        return Err(Error::ShapeMismatch { what: "lse (n)", expected: inputs.n, found: forward.lse.len() });
+        return Err(Error::ShapeMismatch { what: "lse (n)", expected: inputs.n, got: forward.lse.len() });
     }
     if let Some(g) = dlse.filter(|g| g.len() != inputs.n) {
-        return Err(Error::ShapeMismatch { what: "dlse (n)", expected: inputs.n, found: g.len() });
+        return Err(Error::ShapeMismatch { what: "dlse (n)", expected: inputs.n, got: g.len() });
     }
     let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;
     let (_, grads) = run(config, plan, inputs, Pass::Backward { coef: &coef, lse: &forward.lse, dlse })?;

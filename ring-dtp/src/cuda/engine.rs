@@ -32,7 +32,7 @@ fn per_row(rows: usize) -> LaunchConfig {
 }
 
 fn need(what: &'static str, expected: usize, found: usize) -> Result<()> {
-    if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, found }) }
+    if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
 }
 
 /// Per-row statistics of a token block on the device (fold state).

@@ -221,17 +221,17 @@ impl CudaLinearCrossEntropy {
             ("targets (n)", inputs.n, inputs.targets.len()),
         ] {
             if expected != found {
-                return Err(Error::ShapeMismatch { what, expected, found });
+                return Err(Error::ShapeMismatch { what, expected, got: found });
             }
         }
         if inputs.x.dtype() != inputs.w.dtype() || inputs.x.dtype() != p.dtype() {
             return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w.dtype() });
         }
         if let Some(b) = inputs.bias.filter(|b| b.len() != inputs.v) {
-            return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, found: b.len() });
+            return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, got: b.len() });
         }
         if let Some(w) = inputs.weights.filter(|w| w.len() != inputs.n) {
-            return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, found: w.len() });
+            return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, got: w.len() });
         }
         Ok(())
     }
@@ -284,10 +284,10 @@ impl CudaLinearCrossEntropy {
         let Self { config, plan, engine: e, logits, x_wide, w_wide } = self;
         let (n, d, v) = (inputs.n, inputs.d, inputs.v);
         if forward.lse.len() != n {
-            return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, found: forward.lse.len() });
+            return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, got: forward.lse.len() });
         }
         if let Some(g) = dlse.filter(|g| g.len() != n) {
-            return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, found: g.len() });
+            return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, got: g.len() });
         }
         let mut resolved = e.zeros::<u32>(n)?;
         let host = HostRows::resolve(e, config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;

@@ -128,7 +128,7 @@ impl Plan {
     /// at N and V; the full-vocabulary schedule when Vb ≥ V. For callers that know their
     /// device better than the CPU-oriented choice of [`Plan::new`] — on a GPU, wider blocks
     /// keep every GEMM large enough to fill the SMs (README, "On a GPU"); `(N, V)` is the
-    /// materialized-logits shape. [`Error::InvalidOption`] for a zero block.
+    /// materialized-logits shape. [`Error::InvalidConfig`] for a zero block.
     pub fn with_blocks(
         config: &LinearCrossEntropy,
         (n, d, v): (usize, usize, usize),
@@ -136,9 +136,9 @@ impl Plan {
         (token_block, vocab_block): (usize, usize),
     ) -> Result<Self> {
         config.validate()?;
-        for (name, value) in [("token_block", token_block), ("vocab_block", vocab_block)] {
+        for (field, value) in [("token_block", token_block), ("vocab_block", vocab_block)] {
             if value == 0 {
-                return Err(Error::InvalidOption { name, value: 0.0, expected: "at least 1" });
+                return Err(Error::invalid_config(field, value, "at least 1"));
             }
         }
         let (c, vb) = (token_block.min(n.max(1)), vocab_block.min(v.max(1)));
@@ -266,11 +266,11 @@ mod tests {
         );
         assert!(matches!(
             Plan::with_blocks(&cfg, (8, 4, 16), DType::F32, (0, 16)),
-            Err(Error::InvalidOption { name: "token_block", .. })
+            Err(Error::InvalidConfig { field: "token_block", .. })
         ));
         assert!(matches!(
             Plan::with_blocks(&cfg, (8, 4, 16), DType::F32, (8, 0)),
-            Err(Error::InvalidOption { name: "vocab_block", .. })
+            Err(Error::InvalidConfig { field: "vocab_block", .. })
         ));
     }
 

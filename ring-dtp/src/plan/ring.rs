@@ -121,10 +121,10 @@ impl RingPlan {
     ) -> Result<Self> {
         config.validate()?;
         if world == 0 {
-            return Err(Error::InvalidOption { name: "world", value: 0.0, expected: "at least one rank" });
+            return Err(Error::invalid_config("world", world, "at least one rank"));
         }
         if dtype == DType::F16 {
-            return Err(Error::InvalidOption { name: "dtype", value: 16.0, expected: "f32 or bf16 inputs" });
+            return Err(Error::invalid_config("dtype", dtype, "f32 or bf16 inputs"));
         }
         let (rows, shard) = (n.div_ceil(world).max(1), v.div_ceil(world).max(1));
         let kind = match options.ring {

@@ -99,7 +99,7 @@ struct Rank<'a> {
 }
 
 fn check(what: &'static str, expected: usize, found: usize) -> Result<()> {
-    if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, found }) }
+    if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
 }
 
 fn validate<'a, C: Communicator + ?Sized>(

@@ -125,7 +125,7 @@ fn exchange_raw<C: DeviceCommunicator>(
         (Raw::Bf16(s), Raw::Bf16(r)) => {
             comm.exchange(&[s.slice(..n_send)], to, &mut [r.slice_mut(..n_recv)], from)?
         }
-        _ => return Err(Error::InvalidOption { name: "ring buffers", value: 0.0, expected: "one dtype" }),
+        _ => return Err(Error::invalid_config("ring buffers", "of another ring", "one dtype")),
     }
     Ok(())
 }
@@ -197,7 +197,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
             return Err(Error::ShapeMismatch {
                 what: "world size",
                 expected: plan.world(),
-                found: comm.world_size(),
+                got: comm.world_size(),
             });
         }
         // A stream of its own for compute, so NCCL's stream is free to move the ring buffers
@@ -271,14 +271,14 @@ impl<C: DeviceCommunicator> CudaRing<C> {
             ("targets (n_r)", n, inputs.targets.len()),
         ] {
             if expected != found {
-                return Err(Error::ShapeMismatch { what, expected, found });
+                return Err(Error::ShapeMismatch { what, expected, got: found });
             }
         }
         if let Some(b) = inputs.bias_shard.filter(|b| b.len() != v) {
-            return Err(Error::ShapeMismatch { what: "bias shard (v_r)", expected: v, found: b.len() });
+            return Err(Error::ShapeMismatch { what: "bias shard (v_r)", expected: v, got: b.len() });
         }
         if let Some(w) = inputs.weights.filter(|w| w.len() != n) {
-            return Err(Error::ShapeMismatch { what: "weights (n_r)", expected: n, found: w.len() });
+            return Err(Error::ShapeMismatch { what: "weights (n_r)", expected: n, got: w.len() });
         }
         if inputs.x.dtype() != self.plan.dtype() || inputs.w_shard.dtype() != self.plan.dtype() {
             return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w_shard.dtype() });
@@ -331,10 +331,10 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         self.after_caller()?;
         let (d, v) = (self.plan.d(), self.plan.v());
         if forward.lse.len() != n {
-            return Err(Error::ShapeMismatch { what: "lse (n_r)", expected: n, found: forward.lse.len() });
+            return Err(Error::ShapeMismatch { what: "lse (n_r)", expected: n, got: forward.lse.len() });
         }
         if let Some(g) = dlse.filter(|g| g.len() != n) {
-            return Err(Error::ShapeMismatch { what: "dlse (n_r)", expected: n, found: g.len() });
+            return Err(Error::ShapeMismatch { what: "dlse (n_r)", expected: n, got: g.len() });
         }
         let e = &self.engine;
         let mut resolved = e.zeros::<u32>(n)?;

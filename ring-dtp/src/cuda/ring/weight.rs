@@ -20,11 +20,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
     ) -> Result<()> {
         let Self { config, plan, comm, engine: e, logits, x_wide, w_wide, buffers } = self;
         let Buffers::Weight(slots) = buffers else {
-            return Err(Error::InvalidOption {
-                name: "ring buffers",
-                value: 0.0,
-                expected: "weight-ring slots",
-            });
+            return Err(Error::invalid_config("ring buffers", "of another ring", "weight-ring slots"));
         };
         let [a, b] = &mut **slots;
         let (mut cur, mut inc) = (a, b);
