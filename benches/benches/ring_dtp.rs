@@ -10,7 +10,9 @@ use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, SplitM
 use half::bf16;
 use rayon::prelude::*;
 use ring_dtp::ring::{self, RankInputs};
-use ring_dtp::{GradOutput, Inputs, LinearCrossEntropy, Matrix, Plan, RingKind, RingOptions, RingPlan, cpu};
+use ring_dtp::{
+    Budget, Config, GradOutput, Inputs, Matrix, Plan, RingKind, RingOptions, RingPlan, Shape, cpu,
+};
 
 const N: usize = 2048;
 const D: usize = 256;
@@ -26,13 +28,18 @@ fn data() -> (Vec<f32>, Vec<f32>, Vec<i64>) {
 
 fn single_device(c: &mut Criterion) {
     let (x, w, targets) = data();
-    let config = LinearCrossEntropy::default();
-    let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, N, D, V);
+    let config = Config::default();
+    let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, D);
     let mut group = c.benchmark_group("ring_dtp_N2048_D256_V8192_P1_f32");
     group.sample_size(10);
     group.bench_function("materialized", |b| b.iter(|| materialized(&x, &w, &targets, (N, D, V))));
     for (name, budget) in [("fused_full_vocab", 64usize << 20), ("vocab_blocked", 1 << 20)] {
-        let plan = Plan::new(&config, N, D, V, DType::F32, budget).expect("plan");
+        let plan = Plan::new(
+            &config,
+            Shape { tokens: N, hidden: D, vocab: V, dtype: DType::F32 },
+            Budget::Bytes(budget),
+        )
+        .expect("plan");
         group.bench_function(name, |b| {
             b.iter(|| cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)).expect("runs"))
         });
@@ -43,7 +50,7 @@ fn single_device(c: &mut Criterion) {
     // the blocked path widens per block.
     let (xb, wb): (Vec<bf16>, Vec<bf16>) =
         (x.iter().map(|&a| bf16::from_f32(a)).collect(), w.iter().map(|&a| bf16::from_f32(a)).collect());
-    let inputs = Inputs::new(Matrix::Bf16(&xb), Matrix::Bf16(&wb), &targets, N, D, V);
+    let inputs = Inputs::new(Matrix::Bf16(&xb), Matrix::Bf16(&wb), &targets, D);
     let mut group = c.benchmark_group("ring_dtp_N2048_D256_V8192_P1_bf16");
     group.sample_size(10);
     group.bench_function("materialized", |b| {
@@ -52,7 +59,12 @@ fn single_device(c: &mut Criterion) {
             materialized(&widen(&xb), &widen(&wb), &targets, (N, D, V))
         })
     });
-    let plan = Plan::new(&config, N, D, V, DType::Bf16, 64 << 20).expect("plan");
+    let plan = Plan::new(
+        &config,
+        Shape { tokens: N, hidden: D, vocab: V, dtype: DType::Bf16 },
+        Budget::Bytes(64 << 20),
+    )
+    .expect("plan");
     group.bench_function("fused_full_vocab", |b| {
         b.iter(|| cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)).expect("runs"))
     });
@@ -61,7 +73,7 @@ fn single_device(c: &mut Criterion) {
 
 fn rings(c: &mut Criterion) {
     let (x, w, targets) = data();
-    let config = LinearCrossEntropy::default();
+    let config = Config::default();
     let p = 4;
     let mut group = c.benchmark_group("ring_dtp_N2048_D256_V8192_P4_f32");
     group.sample_size(10);
@@ -125,7 +137,7 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
     let (xh, wh): (Vec<bf16>, Vec<bf16>) =
         (x.iter().map(|&a| bf16::from_f32(a)).collect(), w.iter().map(|&a| bf16::from_f32(a)).collect());
     let targets: Vec<i64> = (0..n).map(|_| rng.below(v as u64) as i64).collect();
-    let config = LinearCrossEntropy::default();
+    let config = Config::default();
     let gemm_flops = 2 * (n * d * v) as u64;
     let mut group = c.benchmark_group("cuda/ring_dtp_N8192_D1024_V32768");
     group.sample_size(10);
@@ -134,9 +146,13 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
         Separate,
         Fused,
     }
-    let blocks =
-        |c: usize, vb: usize, dtype| Plan::with_blocks(&config, (n, d, v), dtype, (c, vb)).expect("plan");
-    let budget = |bytes: usize| Plan::new(&config, n, d, v, DType::F32, bytes).expect("plan");
+    let blocks = |c: usize, vb: usize, dtype| {
+        Plan::with_blocks(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, (c, vb)).expect("plan")
+    };
+    let budget = |bytes: usize| {
+        Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 }, Budget::Bytes(bytes))
+            .expect("plan")
+    };
     for (name, plan, call) in [
         ("f32_materialized_8192_tokens_fused", blocks(n, v, DType::F32), Call::Fused),
         ("f32_1024_tokens_fused", blocks(1024, v, DType::F32), Call::Fused),

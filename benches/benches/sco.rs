@@ -30,13 +30,14 @@ fn step(c: &mut Criterion) {
 fn cuda_overlap(c: &mut Criterion) {
     use flatpeak_common::cuda::{KernelCache, fill_f32};
     use sco::cuda::CudaCheckpointOffloader;
-    use sco::{OffloadOptions, Plan};
+    use sco::{Budget, Config, Plan, Shape};
     if !flatpeak_common::cuda_available() {
         eprintln!("cuda_overlap: skipped, no CUDA device");
         return;
     }
     let (layers, width) = (16usize, 16usize << 20);
-    let plan = Plan::new(layers, width, 4, OffloadOptions::default()).expect("plan");
+    let plan =
+        Plan::new(&Config::default(), Shape::of::<f32>(layers, width), Budget::Unlimited).expect("plan");
     let mut off = CudaCheckpointOffloader::<f32>::new(plan, 0).expect("device");
     let stream = off.compute_stream().clone();
     let cache = KernelCache::new(stream.context().clone()).expect("kernel cache");

@@ -7,7 +7,7 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use flatpeak_bench::components::stream_adamw::{BYTES_PER_PARAM, KernelInputs};
 use flatpeak_common::SplitMix64;
 use half::bf16;
-use stream_adamw::{AdamWConfig, HostDevice, Link, PipelineOptions, Schedule, StepOptions, StreamAdamW};
+use stream_adamw::{Config, HostDevice, Hyperparameters, Link, Schedule, StepOptions, StreamAdamW};
 
 fn kernel(c: &mut Criterion) {
     let mut group = c.benchmark_group("stream_adamw_kernel");
@@ -28,8 +28,8 @@ fn offloaded_step(c: &mut Criterion) {
     let grads = SplitMix64::new(2).normal_f32(n, 0.0, 0.01);
     let mut group = c.benchmark_group("stream_adamw_step_16M_link25");
     for schedule in [Schedule::Serial, Schedule::Pipelined] {
-        let options = PipelineOptions::default().bucket_elems(1 << 20).schedule(schedule);
-        let mut opt = StreamAdamW::<f32, bf16>::new(master.clone(), AdamWConfig::default(), options)
+        let options = Config::default().bucket_elems(1 << 20).schedule(schedule);
+        let mut opt = StreamAdamW::<f32, bf16>::new(master.clone(), Hyperparameters::default(), &options)
             .expect("valid options");
         let mut device = HostDevice::new(grads.clone(), vec![bf16::ZERO; n], Link::Simulated { gbps: 25.0 });
         group.bench_function(format!("{schedule:?}"), |b| {
@@ -59,9 +59,9 @@ fn cuda_offloaded_step(c: &mut Criterion) {
         SplitMix64::new(2).normal_f32(n, 0.0, 0.01).into_iter().map(bf16::from_f32).collect();
     let mut group = c.benchmark_group("cuda_stream_adamw_step_64M_bf16");
     for schedule in [Schedule::Serial, Schedule::Pipelined] {
-        let options = PipelineOptions::default().bucket_elems(bucket).schedule(schedule);
+        let options = Config::default().bucket_elems(bucket).schedule(schedule);
         let (mut opt, mut offload) =
-            StreamAdamW::<bf16, bf16>::for_cuda(master.clone(), AdamWConfig::default(), options, 0)
+            StreamAdamW::<bf16, bf16>::for_cuda(master.clone(), Hyperparameters::default(), &options, 0)
                 .expect("device");
         let stream = offload.context().default_stream();
         let mut device = CudaDevice {

@@ -48,12 +48,17 @@ pub fn panels() -> Result<Vec<Panel>, String> {
 
 fn vocab_panel() -> Result<Panel, String> {
     let (d, v) = (1024usize, 32768usize);
-    let config = ring_dtp::LinearCrossEntropy::default();
+    let config = ring_dtp::Config::default();
     let ns: Vec<usize> = (10..=17).map(|e| 1usize << e).collect();
     let mut base = Vec::new();
     let mut ours = Vec::new();
     for &n in &ns {
-        let plan = ring_dtp::Plan::new(&config, n, d, v, DType::F32, 256 << 20).map_err(|e| e.to_string())?;
+        let plan = ring_dtp::Plan::new(
+            &config,
+            ring_dtp::Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 },
+            ring_dtp::Budget::Bytes(256 << 20),
+        )
+        .map_err(|e| e.to_string())?;
         base.push((n as f64, 8.0 * (n * v) as f64));
         ours.push((
             n as f64,
@@ -114,8 +119,12 @@ fn checkpoint_panel() -> Result<Panel, String> {
     let (n, h) = (32768usize, 4096usize);
     let (mut base, mut ours) = (Vec::new(), Vec::new());
     for layers in [4usize, 8, 16, 32, 64, 128] {
-        let plan =
-            sco::Plan::new(layers, n * h, 2, sco::OffloadOptions::default()).map_err(|e| e.to_string())?;
+        let plan = sco::Plan::new(
+            &sco::Config::default(),
+            sco::Shape::of::<u16>(layers, n * h),
+            sco::Budget::Unlimited,
+        )
+        .map_err(|e| e.to_string())?;
         base.push((layers as f64, plan.plain_device_bytes() as f64));
         ours.push((layers as f64, (plan.peak_slots() * plan.boundary_bytes()) as f64));
     }
@@ -135,9 +144,9 @@ fn optimizer_panel() -> Result<Panel, String> {
     for exp in 8..=11 {
         let n = 10usize.pow(exp);
         let staging = |schedule| -> Result<f64, String> {
-            let options = stream_adamw::PipelineOptions::with_schedule(schedule);
-            let plan =
-                stream_adamw::Plan::new(n, options, DType::Bf16, DType::Bf16).map_err(|e| e.to_string())?;
+            let options = stream_adamw::Config::default().schedule(schedule);
+            let plan = stream_adamw::Plan::new(&options, bf16_shape(n), stream_adamw::Budget::Unlimited)
+                .map_err(|e| e.to_string())?;
             Ok(plan.staging_bytes() as f64)
         };
         base.push((n as f64, staging(stream_adamw::Schedule::Serial)?));
@@ -305,6 +314,11 @@ fn render_panel(s: &mut String, p: &Panel, ox: f64, oy: f64) {
         );
         let _ = writeln!(s, r#"<text x="{}" y="{ly}">{}</text>"#, lx + 28.0, escape(&se.label));
     }
+}
+
+/// N parameters with bf16 gradients and parameters on the link.
+fn bf16_shape(params: usize) -> stream_adamw::Shape {
+    stream_adamw::Shape { params, grad_dtype: DType::Bf16, param_dtype: DType::Bf16 }
 }
 
 #[cfg(test)]

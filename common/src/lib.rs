@@ -6,6 +6,7 @@
 //!
 //! | item | what it is |
 //! |---|---|
+//! | [`Budget`] | the bytes a plan's working set may take: `Plan::new(&Config, Shape, Budget)` in every crate |
 //! | [`Workspace`], [`Arena`] | one reservation at launch, carved into typed aligned buffers; past capacity is [`Error::WorkspaceExhausted`] |
 //! | [`PeakMeter`], [`CountingAllocator`] | exact transient-heap measurement (high-water − before − outputs) |
 //! | [`Device`], [`cuda_available`] | `cpu` / `cuda:N`, probed without cudarc's missing-library panic |
@@ -35,6 +36,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod arena;
+pub mod budget;
 pub mod comm;
 pub mod device;
 pub mod dtype;
@@ -64,6 +66,7 @@ pub mod nvrtc;
 pub mod testing;
 
 pub use arena::{Arena, Region};
+pub use budget::Budget;
 pub use comm::{Communicator, CommunicatorExt, LocalComm, LocalGroup, LocalGroupOptions, ReduceOp};
 pub use device::{Device, cuda_available, cuda_device_count, nvrtc_available};
 pub use dtype::DType;

@@ -26,8 +26,9 @@
 //! ([`cpu::reference`]) to f32 rounding.
 //!
 //! ```
-//! use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, SplitMix64, Workspace};
-//! use llep::{cpu, Buffers, ExpertWeights, LlepConfig, PairCap, Pass, Profile, RankInputs, Routing, Shape};
+//! use flatpeak_common::SplitMix64;
+//! use llep::{cpu, Buffers, Communicator, DType, ExpertWeights, LlepConfig, LocalGroup, LocalGroupOptions};
+//! use llep::{PairCap, Pass, Profile, RankInputs, Routing, Shape, Workspace};
 //!
 //! let shape = Shape { ranks: 4, tokens: 64, hidden: 32, intermediate: 16, experts: 8, top_k: 2, dtype: DType::F32 };
 //! let config = LlepConfig::default().min_chunk(8).pair_cap(PairCap::Rows(8));
@@ -91,6 +92,7 @@ pub mod workload;
 pub use assign::{Assignment, Piece, RouteCounts, RouteMapper, Transfer, local_counts};
 pub use config::{Chunking, LlepConfig, Mode, PairCap, Scheme, Shape, SpillSplit};
 pub use error::{Error, Result};
+pub use flatpeak_common::{Communicator, DType, Device, LocalGroup, LocalGroupOptions, Workspace};
 pub use layer::{ExpertWeights, Gradients, RankInputs, Routing};
 pub use model::{
     ChunkStats, ModelRow, PAPER_SHAPE, PeakModel, PeakTerms, chunk_stats, crate_pair_cap, model_row,

@@ -1,4 +1,4 @@
-//! What the loss computes: `LinearCrossEntropy`, with the features users of Cut Cross-Entropy
+//! What the loss computes: `Config`, with the features users of Cut Cross-Entropy
 //! and Liger expect, each off by default.
 //!
 //! For a valid token i (target y ≠ ignore_index) with logits `z = softcap(x_i·Wᵀ + b)`:
@@ -38,7 +38,7 @@ pub enum Softcap {
 /// no shift.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
-pub struct LinearCrossEntropy {
+pub struct Config {
     /// Targets equal to this are skipped (loss 0, gradient 0).
     pub ignore_index: i64,
     /// Mean, sum or none.
@@ -54,7 +54,7 @@ pub struct LinearCrossEntropy {
     pub shift: usize,
 }
 
-impl Default for LinearCrossEntropy {
+impl Default for Config {
     fn default() -> Self {
         Self {
             ignore_index: -100,
@@ -67,10 +67,30 @@ impl Default for LinearCrossEntropy {
     }
 }
 
-impl LinearCrossEntropy {
-    /// Defaults with this reduction.
-    pub fn with_reduction(reduction: Reduction) -> Self {
-        Self { reduction, ..Self::default() }
+impl Config {
+    /// This config skipping targets equal to `ignore_index`.
+    pub fn ignore_index(self, ignore_index: i64) -> Self {
+        Self { ignore_index, ..self }
+    }
+    /// This config with this reduction.
+    pub fn reduction(self, reduction: Reduction) -> Self {
+        Self { reduction, ..self }
+    }
+    /// This config with label smoothing α.
+    pub fn label_smoothing(self, label_smoothing: f32) -> Self {
+        Self { label_smoothing, ..self }
+    }
+    /// This config with z-loss coefficient λ.
+    pub fn z_loss(self, z_loss: f32) -> Self {
+        Self { z_loss, ..self }
+    }
+    /// This config with this logit soft-capping.
+    pub fn softcap(self, softcap: Softcap) -> Self {
+        Self { softcap, ..self }
+    }
+    /// This config predicting `targets[i + shift]` from row i.
+    pub fn shift(self, shift: usize) -> Self {
+        Self { shift, ..self }
     }
 
     /// Checks every option's domain (NaN is never valid).
@@ -97,8 +117,8 @@ mod tests {
 
     #[test]
     fn validation() {
-        assert!(LinearCrossEntropy::default().validate().is_ok());
-        let mut c = LinearCrossEntropy { label_smoothing: 1.0, ..Default::default() };
+        assert!(Config::default().validate().is_ok());
+        let mut c = Config { label_smoothing: 1.0, ..Default::default() };
         assert!(matches!(c.validate(), Err(Error::InvalidConfig { field: "label_smoothing", .. })));
         c.label_smoothing = 0.1;
         c.z_loss = f32::NAN;

@@ -8,7 +8,7 @@ use flatpeak_common::emu::{EmuLaunchConfig, Schedule, launch};
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef};
 use flatpeak_common::kernels::grid_stride_blocks;
 
-use crate::config::LinearCrossEntropy;
+use crate::config::Config;
 use crate::cpu::{self, Stats, gemm};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
@@ -92,7 +92,7 @@ fn bytes_of<T: bytemuck::Pod>(parts: &[&[T]]) -> Vec<u8> {
 
 /// Resolves every row's target (with shift and ignore_index) and checks every target against
 /// 0..V: [`Error::TargetOutOfRange`] names the first bad one.
-pub fn resolve_targets(config: &LinearCrossEntropy, inputs: &Inputs<'_>) -> Result<Vec<u32>> {
+pub fn resolve_targets(config: &Config, inputs: &Inputs<'_>) -> Result<Vec<u32>> {
     let (n, nt) = (inputs.n, inputs.targets.len());
     let cfg = EmuLaunchConfig::linear(
         grid_stride_blocks(n.max(nt), LINEAR_THREADS, EMU_MAX_BLOCKS),
@@ -181,7 +181,7 @@ struct Block<'a> {
     vb: usize,
 }
 
-fn fold_block(config: &LinearCrossEntropy, b: Block<'_>, stats: &mut Stats, t0: usize) -> Result<()> {
+fn fold_block(config: &Config, b: Block<'_>, stats: &mut Stats, t0: usize) -> Result<()> {
     let c = b.targets.len();
     let cfg = EmuLaunchConfig::linear(c as u32, EMU_ROW_THREADS);
     let mut state = (
@@ -237,7 +237,7 @@ struct RowGrad<'a> {
     vocab: usize,
 }
 
-fn gradient_block(config: &LinearCrossEntropy, b: Block<'_>, rows: RowGrad<'_>) -> Result<()> {
+fn gradient_block(config: &Config, b: Block<'_>, rows: RowGrad<'_>) -> Result<()> {
     let c = b.targets.len();
     let cfg = EmuLaunchConfig::linear(c as u32, EMU_ROW_THREADS);
     let mut state = b.logits[..c * b.vb].to_vec();
@@ -334,7 +334,7 @@ impl Buffers {
     }
 }
 
-fn check(config: &LinearCrossEntropy, plan: &Plan, inputs: &Inputs<'_>) -> Result<Vec<u32>> {
+fn check(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Vec<u32>> {
     config.validate()?;
     // Shapes and dtypes on the host; targets by the kernel (as on the device).
     for (what, expected, found) in [
@@ -362,7 +362,7 @@ fn check(config: &LinearCrossEntropy, plan: &Plan, inputs: &Inputs<'_>) -> Resul
 }
 
 /// The loss and per-row lse by the device schedule (fold kernel per block).
-pub fn forward(config: &LinearCrossEntropy, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
+pub fn forward(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
     let targets = check(config, plan, inputs)?;
     let (n, d, v) = (inputs.n, inputs.d, inputs.v);
     let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
@@ -388,7 +388,7 @@ pub fn forward(config: &LinearCrossEntropy, plan: &Plan, inputs: &Inputs<'_>) ->
 /// dX, dW (and dbias) by the device schedule: recompute each block's raw logits, the gradient
 /// kernel, then `dX += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel.
 pub fn backward(
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     forward: &Forward,
@@ -453,7 +453,7 @@ fn project_block(
 /// block's logits are folded, `lce_row_lse` finishes the rows, and the same block becomes G
 /// (3 GEMMs); on the blocked schedule, `forward` then `backward` (4 GEMMs).
 pub fn forward_backward(
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,

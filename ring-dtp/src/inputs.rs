@@ -4,8 +4,9 @@ use flatpeak_common::DType;
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::config::LinearCrossEntropy;
+use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::plan::Shape;
 
 /// Elements one task widens from bf16.
 const WIDEN_CHUNK: usize = 1 << 16;
@@ -65,7 +66,7 @@ pub struct Inputs<'a> {
     pub w: Matrix<'a>,
     /// Bias, V.
     pub bias: Option<&'a [f32]>,
-    /// Target ids, N (see `LinearCrossEntropy::shift`).
+    /// Target ids, N (see `Config::shift`).
     pub targets: &'a [i64],
     /// Per-token weights ω, N.
     pub weights: Option<&'a [f32]>,
@@ -78,9 +79,16 @@ pub struct Inputs<'a> {
 }
 
 impl<'a> Inputs<'a> {
-    /// Inputs without bias or weights.
-    pub fn new(x: Matrix<'a>, w: Matrix<'a>, targets: &'a [i64], n: usize, d: usize, v: usize) -> Self {
-        Self { x, w, bias: None, targets, weights: None, n, d, v }
+    /// Inputs without bias or weights, with hidden size D: N is `targets.len()` and V is
+    /// `w.len() / D` (shapes and dtypes are checked against the plan's when a call runs).
+    pub fn new(x: Matrix<'a>, w: Matrix<'a>, targets: &'a [i64], hidden: usize) -> Self {
+        let vocab = w.len().checked_div(hidden).unwrap_or(0);
+        Self { x, w, bias: None, targets, weights: None, n: targets.len(), d: hidden, v: vocab }
+    }
+
+    /// N, D and V with the dtype of X.
+    pub fn shape(&self) -> Shape {
+        Shape { tokens: self.n, hidden: self.d, vocab: self.v, dtype: self.x.dtype() }
     }
     /// These inputs with a bias.
     pub fn with_bias(self, bias: &'a [f32]) -> Self {
@@ -92,7 +100,7 @@ impl<'a> Inputs<'a> {
     }
 
     /// Checks shapes, dtypes and targets against `config`.
-    pub fn validate(&self, config: &LinearCrossEntropy) -> Result<()> {
+    pub fn validate(&self, config: &Config) -> Result<()> {
         let check = |what, expected: usize, found: usize| {
             if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
         };
@@ -118,7 +126,7 @@ impl<'a> Inputs<'a> {
 
     /// The target row `i` predicts, or `None` when it is ignored (ignore_index, or past the end
     /// after the shift).
-    pub fn target(&self, config: &LinearCrossEntropy, i: usize) -> Option<usize> {
+    pub fn target(&self, config: &Config, i: usize) -> Option<usize> {
         let t = *self.targets.get(i + config.shift)?;
         (t != config.ignore_index).then_some(t as usize)
     }
@@ -129,7 +137,7 @@ impl<'a> Inputs<'a> {
     }
 
     /// Σ of the valid rows' weights: the mean's denominator.
-    pub fn valid_weight(&self, config: &LinearCrossEntropy) -> f64 {
+    pub fn valid_weight(&self, config: &Config) -> f64 {
         (0..self.n).filter(|&i| self.target(config, i).is_some()).map(|i| self.weight(i) as f64).sum()
     }
 }

@@ -13,18 +13,20 @@
 //! without a copy, f32 or bf16 inputs with f32 accumulation. See `config.rs` for the math.
 //!
 //! ```
-//! use ring_dtp::{cpu, GradOutput, Inputs, LinearCrossEntropy, Loss, Matrix, Plan};
-//! use flatpeak_common::{DType, SplitMix64};
+//! use ring_dtp::{cpu, Budget, Config, DType, GradOutput, Inputs, Loss, Matrix, Plan, Shape};
 //!
-//! let (n, d, v) = (64, 32, 1000);
-//! let mut rng = SplitMix64::new(1);
-//! let x = rng.normal_f32(n * d, 0.0, 1.0);
-//! let w = rng.normal_f32(v * d, 0.0, 0.2);
+//! let shape = Shape { tokens: 64, hidden: 32, vocab: 1000, dtype: DType::F32 };
+//! let config = Config::default().label_smoothing(0.1);
+//! // Sized before any data exists: blocks chosen within 256 KiB, so the 64 × 1000 logits
+//! // never exist at once.
+//! let plan = Plan::new(&config, shape, Budget::Bytes(256 << 10))?;
+//! assert!(plan.workspace_bytes() <= 256 << 10);
+//!
+//! let (n, d, v) = (shape.tokens, shape.hidden, shape.vocab);
+//! let x: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.37).sin()).collect();
+//! let w: Vec<f32> = (0..v * d).map(|i| (i as f32 * 0.11).cos() * 0.2).collect();
 //! let targets: Vec<i64> = (0..n as i64).map(|i| if i % 5 == 0 { -100 } else { i * 7 % v as i64 }).collect();
-//! let config = LinearCrossEntropy::default();
-//! // Blocks chosen from a 256 KiB budget: the 1000 × 64 logits never exist at once.
-//! let plan = Plan::new(&config, n, d, v, DType::F32, 256 << 10)?;
-//! let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, n, d, v);
+//! let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, d);
 //! let (fwd, grads) = cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0))?;
 //! let Loss::Scalar(loss) = fwd.loss else { unreachable!() };
 //! assert!(loss > 0.0 && grads.dw.len() == v * d);
@@ -45,8 +47,10 @@ pub mod kernels;
 pub mod plan;
 pub mod ring;
 
-pub use config::{LinearCrossEntropy, Reduction, Softcap};
+pub use config::{Config, Reduction, Softcap};
 pub use error::{Error, Result};
+pub use flatpeak_common::{Budget, DType, Device, Workspace};
+pub use half::bf16;
 pub use inputs::{Forward, GradOutput, Gradients, Inputs, Loss, Matrix};
-pub use plan::{PaperPeaks, Plan, RingChoice, RingKind, RingOptions, RingPlan, Schedule};
+pub use plan::{PaperPeaks, Plan, RingChoice, RingKind, RingOptions, RingPlan, Schedule, Shape};
 pub use ring::RankInputs;

@@ -158,7 +158,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
         self.layers[layer] =
             LayerState { offloaded: true, slot: Some(slot), d2h_issued: true, kept: true, h2d_issued: false };
         self.kept.push_back(layer);
-        while self.kept.len() > self.plan.options().keep_resident {
+        while self.kept.len() > self.plan.config().keep_resident {
             if let Some(old) = self.kept.pop_front() {
                 self.layers[old].kept = false;
             }

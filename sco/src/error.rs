@@ -56,6 +56,16 @@ pub enum Error {
         /// The layers holding them.
         held: Vec<usize>,
     },
+    /// The budget cannot hold the working set the config implies.
+    #[error("budget of {budget} B is below the {needed} B of {what}")]
+    BudgetTooSmall {
+        /// The budget given.
+        budget: usize,
+        /// What the plan needs.
+        needed: usize,
+        /// Which buffer that is.
+        what: &'static str,
+    },
     /// A copy engine stopped.
     #[error("copy engine `{engine}` stopped: {reason}")]
     EngineStopped {

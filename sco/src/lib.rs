@@ -12,15 +12,20 @@
 //!
 //! ```
 //! use sco::layers::ResidualMlp;
-//! use sco::{Checkpointing, CheckpointedStack, Link, OffloadOptions};
+//! use sco::{Budget, Checkpointing, CheckpointedStack, Config, Link, Plan, Shape};
 //!
-//! let (tokens, hidden) = (16, 8);
-//! let layers: Vec<_> = (0..12).map(|l| ResidualMlp::new(tokens, hidden, 16, l)).collect();
-//! let mut stack = CheckpointedStack::new(layers, Checkpointing::Offload, OffloadOptions::default(), Link::Memcpy)?;
+//! let (tokens, hidden, layers) = (16, 8, 12);
+//! let config = Config::default(); // k_keep = 1, m = 2, d = 1: 3 slots
+//! // Sized before any data exists: the device ring is 3 boundaries whatever the depth.
+//! let plan = Plan::new(&config, Shape::of::<f32>(layers, tokens * hidden), Budget::Bytes(4 << 10))?;
+//! assert_eq!(plan.workspace_bytes(), 3 * tokens * hidden * 4);
+//!
+//! let stack_layers: Vec<_> = (0..layers).map(|l| ResidualMlp::new(tokens, hidden, 16, l as u64)).collect();
+//! let mut stack = CheckpointedStack::new(stack_layers, Checkpointing::Offload, &config, Link::Memcpy)?;
 //! let input: Vec<f32> = (0..tokens * hidden).map(|i| (i as f32 * 0.1).sin()).collect();
 //! let out = stack.step(&input, |y| y.iter().map(|v| 2.0 * v).collect())?;
-//! // 12 boundaries of 512 B, never more than 3 on the "device" (fewer when copies keep up).
-//! assert!(out.boundary_high_water_bytes <= 3 * tokens * hidden * 4);
+//! // 12 boundaries of 512 B, never more than the plan's 3 on the "device".
+//! assert!(out.boundary_high_water_bytes <= plan.workspace_bytes());
 //! assert_eq!(out.param_grads.len(), 12);
 //! # Ok::<(), sco::Error>(())
 //! ```
@@ -36,6 +41,7 @@ pub mod stack;
 
 pub use error::{Error, Result};
 pub use flatpeak_common::Link;
+pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use offloader::{CheckpointOffloader, SlotReader, SlotWriter};
-pub use plan::{OffloadOptions, Plan, hide_ratio};
+pub use plan::{Config, Plan, Shape, hide_ratio};
 pub use stack::{CheckpointedStack, Checkpointing, Layer, StepOutput};

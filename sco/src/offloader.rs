@@ -271,7 +271,7 @@ impl<T: Pod + Send + Sync + 'static> CheckpointOffloader<T> {
             ..Default::default()
         };
         table.kept.push_back(layer);
-        while table.kept.len() > self.plan.options().keep_resident {
+        while table.kept.len() > self.plan.config().keep_resident {
             if let Some(old) = table.kept.pop_front() {
                 table.layers[old].kept = false;
                 table.maybe_evict(old);

@@ -7,12 +7,14 @@
 //! forward copies are in flight, and backward holds the boundary in use plus d prefetched ones.
 //! Device bytes for boundaries: `(k_keep + max(m, d + 1))·s`, independent of L.
 
+use flatpeak_common::Budget;
+
 use crate::error::{Error, Result};
 
 /// SCO's ring parameters. Defaults: k_keep = 1, m = 2, d = 1 (3 slots).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct OffloadOptions {
+pub struct Config {
     /// Newest boundaries kept resident after their copy (≥ 1: the last one's backward comes first).
     pub keep_resident: usize,
     /// Forward D2H copies in flight (≥ 1).
@@ -21,89 +23,129 @@ pub struct OffloadOptions {
     pub prefetch_distance: usize,
 }
 
-impl Default for OffloadOptions {
+impl Default for Config {
     fn default() -> Self {
         Self { keep_resident: 1, in_flight: 2, prefetch_distance: 1 }
     }
 }
 
-impl OffloadOptions {
-    /// These options keeping the `n` newest boundaries resident.
+impl Config {
+    /// This config keeping the `n` newest boundaries resident.
     pub fn keep_resident(self, n: usize) -> Self {
         Self { keep_resident: n, ..self }
     }
-    /// These options with `m` forward copies in flight.
+    /// This config with `m` forward copies in flight.
     pub fn in_flight(self, m: usize) -> Self {
         Self { in_flight: m, ..self }
     }
-    /// These options prefetching `d` layers ahead in backward.
+    /// This config prefetching `d` layers ahead in backward.
     pub fn prefetch_distance(self, d: usize) -> Self {
         Self { prefetch_distance: d, ..self }
+    }
+
+    /// Checks every field's domain: `keep_resident ≥ 1`, `in_flight ≥ 1`.
+    pub fn validate(&self) -> Result<()> {
+        if self.keep_resident == 0 {
+            return Err(Error::invalid_config("keep_resident", self.keep_resident, "at least 1"));
+        }
+        if self.in_flight == 0 {
+            return Err(Error::invalid_config("in_flight", self.in_flight, "at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// The sizes of one checkpointed stack: L boundaries of `boundary_elems` elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Depth L: checkpoint boundaries per step (≥ 1).
+    pub layers: usize,
+    /// Elements per boundary tensor (S·H for a transformer layer's input).
+    pub boundary_elems: usize,
+    /// Bytes per element b.
+    pub element_bytes: usize,
+}
+
+impl Shape {
+    /// L boundaries of `boundary_elems` elements of `T`.
+    pub fn of<T>(layers: usize, boundary_elems: usize) -> Self {
+        Self { layers, boundary_elems, element_bytes: std::mem::size_of::<T>() }
     }
 }
 
 /// The sizes of one offloaded stack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Plan {
-    layers: usize,
-    boundary_elems: usize,
-    element_bytes: usize,
-    options: OffloadOptions,
+    shape: Shape,
+    config: Config,
 }
 
 impl Plan {
-    /// A plan for `layers` boundaries of `boundary_elems` elements of `element_bytes` each.
-    pub fn new(
-        layers: usize,
-        boundary_elems: usize,
-        element_bytes: usize,
-        options: OffloadOptions,
-    ) -> Result<Self> {
-        let check = |name, value: usize, ok: bool, expected| {
-            if ok { Ok(()) } else { Err(Error::invalid_config(name, value, expected)) }
-        };
-        check("keep_resident", options.keep_resident, options.keep_resident >= 1, "at least 1")?;
-        check("in_flight", options.in_flight, options.in_flight >= 1, "at least 1")?;
-        check("layers", layers, layers >= 1, "at least 1")?;
-        Ok(Self { layers, boundary_elems, element_bytes, options })
+    /// Validates `config` and `shape` and checks that the device slot ring,
+    /// `(k_keep + max(m, d + 1))·s` bytes, fits `budget` ([`Error::BudgetTooSmall`] otherwise).
+    /// Every size product is checked.
+    pub fn new(config: &Config, shape: Shape, budget: Budget) -> Result<Self> {
+        config.validate()?;
+        if shape.layers == 0 {
+            return Err(Error::invalid_config("layers", shape.layers, "at least 1"));
+        }
+        let plan = Self { shape, config: *config };
+        let overflow = |what| Error::Common(flatpeak_common::Error::SizeOverflow { what });
+        let boundary =
+            shape.boundary_elems.checked_mul(shape.element_bytes).ok_or(overflow("boundary bytes"))?;
+        boundary.checked_mul(plan.slots()).ok_or(overflow("device ring bytes"))?;
+        boundary.checked_mul(shape.layers).ok_or(overflow("host arena bytes"))?;
+        if !budget.admits(plan.workspace_bytes()) {
+            return Err(Error::BudgetTooSmall {
+                budget: budget.bytes(),
+                needed: plan.workspace_bytes(),
+                what: "the device slot ring",
+            });
+        }
+        Ok(plan)
     }
 
+    /// The shape planned for.
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
     /// Depth L.
     pub fn layers(&self) -> usize {
-        self.layers
+        self.shape.layers
     }
     /// Elements per boundary tensor.
     pub fn boundary_elems(&self) -> usize {
-        self.boundary_elems
+        self.shape.boundary_elems
     }
     /// Bytes per boundary tensor, s.
     pub fn boundary_bytes(&self) -> usize {
-        self.boundary_elems * self.element_bytes
+        self.shape.boundary_elems * self.shape.element_bytes
     }
-    /// The options.
-    pub fn options(&self) -> OffloadOptions {
-        self.options
+    /// The config.
+    pub fn config(&self) -> Config {
+        self.config
     }
     /// Device ring slots: `k_keep + max(m, d + 1)`.
     pub fn slots(&self) -> usize {
-        self.options.keep_resident + self.options.in_flight.max(self.options.prefetch_distance + 1)
+        let c = &self.config;
+        c.keep_resident + c.in_flight.max(c.prefetch_distance + 1)
     }
-    /// Device bytes SCO holds for boundaries: `slots·s`.
-    pub fn device_bytes(&self) -> usize {
+    /// The device working set: the slot ring, `slots·s` bytes, independent of L.
+    pub fn workspace_bytes(&self) -> usize {
         self.slots() * self.boundary_bytes()
     }
     /// Device bytes plain checkpointing holds for boundaries: `L·s`.
     pub fn plain_device_bytes(&self) -> usize {
-        self.layers * self.boundary_bytes()
+        self.shape.layers * self.boundary_bytes()
     }
     /// Host arena bytes: `L·s`, allocated once at exact size.
     pub fn host_arena_bytes(&self) -> usize {
-        self.layers * self.boundary_bytes()
+        self.shape.layers * self.boundary_bytes()
     }
     /// The most slots a step of this depth can hold at once: `min(slots, L)`, since a stack of
     /// L layers has only L boundaries.
     pub fn peak_slots(&self) -> usize {
-        self.slots().min(self.layers)
+        self.slots().min(self.shape.layers)
     }
 }
 
@@ -131,27 +173,38 @@ pub fn hide_ratio(
 mod tests {
     use super::*;
 
+    fn plan(layers: usize, elems: usize, config: Config) -> Result<Plan> {
+        Plan::new(&config, Shape::of::<f32>(layers, elems), Budget::Unlimited)
+    }
+
     #[test]
     fn ring_is_flat_in_depth() {
         for layers in [1usize, 4, 32, 1024] {
-            let p = Plan::new(layers, 1000, 4, OffloadOptions::default()).unwrap();
+            let p = plan(layers, 1000, Config::default()).unwrap();
             assert_eq!(p.slots(), 3);
-            assert_eq!(p.device_bytes(), 12_000);
+            assert_eq!(p.workspace_bytes(), 12_000);
             assert_eq!(p.plain_device_bytes(), layers * 4000);
             assert_eq!(p.peak_slots(), 3.min(layers));
         }
-        let deep =
-            Plan::new(32, 10, 4, OffloadOptions { prefetch_distance: 3, ..Default::default() }).unwrap();
+        let deep = plan(32, 10, Config::default().prefetch_distance(3)).unwrap();
         assert_eq!(deep.slots(), 1 + 4);
     }
 
     #[test]
-    fn bad_options() {
-        let zero = OffloadOptions { keep_resident: 0, ..Default::default() };
-        assert!(matches!(Plan::new(4, 1, 4, zero), Err(Error::InvalidConfig { field: "keep_resident", .. })));
+    fn bad_config_shape_and_budget() {
+        let zero = Config::default().keep_resident(0);
+        assert!(matches!(plan(4, 1, zero), Err(Error::InvalidConfig { field: "keep_resident", .. })));
+        assert!(matches!(plan(0, 1, Config::default()), Err(Error::InvalidConfig { field: "layers", .. })));
+        let shape = Shape::of::<f32>(4, 1000);
+        assert!(Plan::new(&Config::default(), shape, Budget::Bytes(12_000)).is_ok());
+        assert_eq!(
+            Plan::new(&Config::default(), shape, Budget::Bytes(11_999)),
+            Err(Error::BudgetTooSmall { budget: 11_999, needed: 12_000, what: "the device slot ring" })
+        );
+        let huge = Shape { layers: 2, boundary_elems: usize::MAX / 2, element_bytes: 4 };
         assert!(matches!(
-            Plan::new(0, 1, 4, OffloadOptions::default()),
-            Err(Error::InvalidConfig { field: "layers", .. })
+            Plan::new(&Config::default(), huge, Budget::Unlimited),
+            Err(Error::Common(flatpeak_common::Error::SizeOverflow { .. }))
         ));
     }
 

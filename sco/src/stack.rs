@@ -7,7 +7,9 @@ use flatpeak_common::Link;
 
 use crate::error::{Error, Result};
 use crate::offloader::CheckpointOffloader;
-use crate::plan::{OffloadOptions, Plan};
+use flatpeak_common::Budget;
+
+use crate::plan::{Config, Plan, Shape};
 
 /// One layer of a stack mapping a boundary tensor of `width()` elements to another.
 pub trait Layer: Send + Sync {
@@ -62,6 +64,7 @@ pub struct StepOutput {
 pub struct CheckpointedStack<L: Layer> {
     layers: Vec<L>,
     mode: Checkpointing,
+    plan: Plan,
     offloader: Option<CheckpointOffloader<f32>>,
     /// Plain checkpointing's L boundary buffers, reserved once like the offloader's ring.
     resident: Vec<Vec<f32>>,
@@ -71,7 +74,7 @@ pub struct CheckpointedStack<L: Layer> {
 impl<L: Layer> CheckpointedStack<L> {
     /// A stack of `layers` (all of the same width). With [`Checkpointing::Offload`] the ring and
     /// the host arena of the plan are reserved now, once, and reused by every step.
-    pub fn new(layers: Vec<L>, mode: Checkpointing, options: OffloadOptions, link: Link) -> Result<Self> {
+    pub fn new(layers: Vec<L>, mode: Checkpointing, config: &Config, link: Link) -> Result<Self> {
         let width = layers.first().map_or(0, Layer::width);
         for l in &layers {
             if l.width() != width {
@@ -82,17 +85,16 @@ impl<L: Layer> CheckpointedStack<L> {
                 });
             }
         }
-        let plan = Plan::new(layers.len(), width, std::mem::size_of::<f32>(), options)?;
+        let plan = Plan::new(config, Shape::of::<f32>(layers.len(), width), Budget::Unlimited)?;
         let offloader = (mode == Checkpointing::Offload).then(|| CheckpointOffloader::new(plan, link));
         let resident =
             if mode == Checkpointing::Offload { Vec::new() } else { vec![vec![0f32; width]; layers.len()] };
-        Ok(Self { layers, mode, offloader, resident, width })
+        Ok(Self { layers, mode, plan, offloader, resident, width })
     }
 
     /// The SCO plan (the same sizes whatever the mode).
-    pub fn plan(&self) -> Result<Plan> {
-        let options = self.offloader.as_ref().map_or(OffloadOptions::default(), |o| o.plan().options());
-        Plan::new(self.layers.len(), self.width, 4, options)
+    pub fn plan(&self) -> Plan {
+        self.plan
     }
 
     /// The layers.
@@ -157,7 +159,7 @@ impl<L: Layer> CheckpointedStack<L> {
         let Some(off) = self.offloader.as_mut() else {
             return Err(Error::invalid_config("offloader", "none", "present in Offload mode"));
         };
-        let d = off.plan().options().prefetch_distance;
+        let d = off.plan().config().prefetch_distance;
         off.offload_copy(0, input)?;
         let mut output = vec![0f32; w];
         for i in 0..n {

@@ -36,10 +36,11 @@ pub enum GradClip {
     },
 }
 
-/// `torch.optim.AdamW` hyperparameters. Defaults are torch's.
+/// `torch.optim.AdamW` hyperparameters (a param group's `lr`, `betas`, `eps`, `weight_decay`,
+/// `amsgrad`, `maximize`), which may change every step. Defaults are torch's.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
-pub struct AdamWConfig {
+pub struct Hyperparameters {
     /// Learning rate (≥ 0).
     pub lr: f64,
     /// First-moment decay β1 ∈ [0, 1).
@@ -58,7 +59,7 @@ pub struct AdamWConfig {
     pub clip: GradClip,
 }
 
-impl Default for AdamWConfig {
+impl Default for Hyperparameters {
     fn default() -> Self {
         Self {
             lr: 1e-3,
@@ -77,10 +78,34 @@ fn check(name: &'static str, value: f64, ok: bool, expected: &'static str) -> Re
     if ok && !value.is_nan() { Ok(()) } else { Err(Error::invalid_config(name, value, expected)) }
 }
 
-impl AdamWConfig {
-    /// torch defaults with this learning rate.
-    pub fn with_lr(lr: f64) -> Self {
-        Self { lr, ..Self::default() }
+impl Hyperparameters {
+    /// These hyperparameters with learning rate `lr`.
+    pub fn lr(self, lr: f64) -> Self {
+        Self { lr, ..self }
+    }
+    /// These hyperparameters with `(β1, β2)`.
+    pub fn betas(self, beta1: f64, beta2: f64) -> Self {
+        Self { beta1, beta2, ..self }
+    }
+    /// These hyperparameters with ε.
+    pub fn eps(self, eps: f64) -> Self {
+        Self { eps, ..self }
+    }
+    /// These hyperparameters with decoupled weight decay λ.
+    pub fn weight_decay(self, weight_decay: f64) -> Self {
+        Self { weight_decay, ..self }
+    }
+    /// These hyperparameters with this variant (Adam or AMSGrad).
+    pub fn variant(self, variant: Variant) -> Self {
+        Self { variant, ..self }
+    }
+    /// These hyperparameters minimizing or maximizing.
+    pub fn objective(self, objective: Objective) -> Self {
+        Self { objective, ..self }
+    }
+    /// These hyperparameters with this gradient clipping.
+    pub fn clip(self, clip: GradClip) -> Self {
+        Self { clip, ..self }
     }
 
     /// Checks every hyperparameter's domain; NaN is never valid.
@@ -127,7 +152,7 @@ pub struct StepScalars {
 
 impl StepScalars {
     /// Scalars for step `t ≥ 1` with gradients multiplied by `grad_scale` on load.
-    pub fn new(config: &AdamWConfig, t: u64, grad_scale: f64) -> Self {
+    pub fn new(config: &Hyperparameters, t: u64, grad_scale: f64) -> Self {
         let t = t.min(i32::MAX as u64) as i32;
         let bias_correction1 = 1.0 - config.beta1.powi(t);
         let bias_correction2 = 1.0 - config.beta2.powi(t);
@@ -162,14 +187,14 @@ mod tests {
 
     #[test]
     fn validation_names_the_bad_value() {
-        assert!(AdamWConfig::default().validate().is_ok());
+        assert!(Hyperparameters::default().validate().is_ok());
         let bad = [
-            AdamWConfig { beta1: 1.0, ..Default::default() },
-            AdamWConfig { beta2: -0.1, ..Default::default() },
-            AdamWConfig { eps: 0.0, ..Default::default() },
-            AdamWConfig { lr: f64::NAN, ..Default::default() },
-            AdamWConfig { weight_decay: -1.0, ..Default::default() },
-            AdamWConfig { clip: GradClip::GlobalNorm { max_norm: 0.0 }, ..Default::default() },
+            Hyperparameters { beta1: 1.0, ..Default::default() },
+            Hyperparameters { beta2: -0.1, ..Default::default() },
+            Hyperparameters { eps: 0.0, ..Default::default() },
+            Hyperparameters { lr: f64::NAN, ..Default::default() },
+            Hyperparameters { weight_decay: -1.0, ..Default::default() },
+            Hyperparameters { clip: GradClip::GlobalNorm { max_norm: 0.0 }, ..Default::default() },
         ];
         let names = ["beta1", "beta2", "eps", "lr", "weight_decay", "max_norm"];
         for (cfg, name) in bad.iter().zip(names) {
@@ -182,8 +207,12 @@ mod tests {
 
     #[test]
     fn scalars_follow_torch() {
-        let cfg =
-            AdamWConfig { lr: 0.1, weight_decay: 0.5, objective: Objective::Maximize, ..Default::default() };
+        let cfg = Hyperparameters {
+            lr: 0.1,
+            weight_decay: 0.5,
+            objective: Objective::Maximize,
+            ..Default::default()
+        };
         let s = StepScalars::new(&cfg, 2, 0.5);
         assert_eq!(s.sign, -1.0);
         assert_eq!(s.decay, 0.95);

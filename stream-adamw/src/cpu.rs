@@ -171,7 +171,7 @@ pub fn grad_sq_sum<G: GradElement>(grad: &[G]) -> f64 {
 /// The f64 reference of one torch AdamW step on f64 copies of the state (the test oracle).
 /// `grad_scale` multiplies each gradient (clip coefficient / loss scale), in f64.
 pub mod reference {
-    use crate::config::{AdamWConfig, Objective, Variant};
+    use crate::config::{Hyperparameters, Objective, Variant};
 
     /// f64 optimizer state, with the magnitudes each recurrence sums (for error normalisation:
     /// a forward error of a few ulps *of the magnitudes* is all any f32 implementation can
@@ -211,7 +211,7 @@ pub mod reference {
     }
 
     /// One step of `torch.optim.AdamW` in f64.
-    pub fn step(state: &mut State, grad: &[f64], config: &AdamWConfig, grad_scale: f64) {
+    pub fn step(state: &mut State, grad: &[f64], config: &Hyperparameters, grad_scale: f64) {
         state.step += 1;
         let t = state.step as i32;
         let bc1 = 1.0 - config.beta1.powi(t);
@@ -243,7 +243,7 @@ pub mod reference {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::AdamWConfig;
+    use crate::config::Hyperparameters;
 
     #[test]
     fn grad_norm_is_order_fixed_and_flags_non_finite() {
@@ -268,7 +268,7 @@ mod tests {
         let mut rng = flatpeak_common::SplitMix64::new(8);
         let param = rng.normal_f32(n, 0.0, 1.0);
         let grad = rng.normal_f32(n, 0.0, 0.1);
-        let cfg = AdamWConfig::default();
+        let cfg = Hyperparameters::default();
         let (mut p, mut m, mut v) = (param.clone(), vec![0f32; n], vec![0f32; n]);
         let mut out = vec![half::bf16::ZERO; n];
         let s = StepScalars::new(&cfg, 1, 1.0);

@@ -27,6 +27,16 @@ pub enum Error {
         /// What was given.
         got: usize,
     },
+    /// The budget cannot hold the working set the config implies.
+    #[error("budget of {budget} B is below the {needed} B of {what}")]
+    BudgetTooSmall {
+        /// The budget given.
+        budget: usize,
+        /// What the plan needs.
+        needed: usize,
+        /// Which buffer that is.
+        what: &'static str,
+    },
     /// An imported state does not fit this optimizer.
     #[error("state mismatch: {reason}")]
     StateMismatch {

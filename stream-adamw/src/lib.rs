@@ -15,20 +15,23 @@
 //! so are runs on any thread count.
 //!
 //! ```
-//! use stream_adamw::{AdamWConfig, HostDevice, Link, PipelineOptions, StepOptions, StreamAdamW};
-//! use half::bf16;
+//! use stream_adamw::{bf16, Budget, Config, HostDevice, Hyperparameters, Link, Plan, StepOptions, StreamAdamW};
 //!
 //! let n = 10_000;
+//! let config = Config::default().bucket_elems(1024); // 10 buckets, 3 slots each way
+//! // Sized before any data exists: 3 slots of 1024 f32 gradients and bf16 parameters.
+//! let plan = Plan::new(&config, StreamAdamW::<f32, bf16>::shape(n), Budget::Bytes(32 << 10))?;
+//! assert_eq!(plan.workspace_bytes(), 3 * 1024 * (4 + 2));
+//!
 //! let master: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
-//! let options = PipelineOptions::default().bucket_elems(1024); // 10 buckets, 3 slots each way
-//! let mut opt = StreamAdamW::<f32, bf16>::new(master, AdamWConfig::with_lr(1e-2), options)?;
+//! let mut opt = StreamAdamW::<f32, bf16>::new(master, Hyperparameters::default().lr(1e-2), &config)?;
 //! // The CPU fallback's device: gradients and bf16 parameters behind a simulated link.
 //! let grads: Vec<f32> = (0..n).map(|i| (i as f32).cos() * 1e-2).collect();
 //! let mut device = HostDevice::new(grads, vec![bf16::ZERO; n], Link::Memcpy);
 //! let report = opt.step_host(&mut device, StepOptions::default())?;
 //! assert_eq!(report.step, 1);
 //! assert_eq!(device.params[7], bf16::from_f32(opt.state().param()[7]));
-//! assert_eq!(opt.plan().staging_bytes(), 3 * 1024 * (4 + 2));
+//! assert_eq!(opt.plan(), &plan);
 //! # Ok::<(), stream_adamw::Error>(())
 //! ```
 
@@ -49,11 +52,13 @@ pub mod plan;
 pub mod schedule;
 pub mod state;
 
-pub use config::{AdamWConfig, GradClip, Objective, StepScalars, Variant};
+pub use config::{GradClip, Hyperparameters, Objective, StepScalars, Variant};
 pub use element::{GradElement, ParamElement};
 pub use error::{Error, Result};
+pub use flatpeak_common::{Budget, DType, Device, Workspace};
+pub use half::bf16;
 pub use host::{HostDevice, Link};
 pub use optimizer::{StepOptions, StepOutcome, StepReport, StreamAdamW};
-pub use plan::{PipelineOptions, Plan, Schedule, ideal_speedup, pipelined_time};
+pub use plan::{Config, Plan, Schedule, Shape, ideal_speedup, pipelined_time};
 pub use schedule::StageTimes;
 pub use state::{OptimizerState, StateDict};

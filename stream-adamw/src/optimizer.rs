@@ -5,12 +5,14 @@
 use std::marker::PhantomData;
 use std::time::Instant;
 
-use crate::config::{AdamWConfig, StepScalars, clip_coefficient};
+use crate::config::{Hyperparameters, StepScalars, clip_coefficient};
 use crate::cpu::grad_sq_sum;
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
-use crate::plan::{PipelineOptions, Plan, Schedule};
+use flatpeak_common::Budget;
+
+use crate::plan::{Config, Plan, Schedule, Shape};
 use crate::schedule::{StageTimes, Staging, run_pipelined, run_serial};
 use crate::state::{OptimizerState, StateDict};
 
@@ -68,7 +70,7 @@ pub struct StepReport {
 /// of type `P`.
 #[derive(Debug)]
 pub struct StreamAdamW<G, P> {
-    config: AdamWConfig,
+    config: Hyperparameters,
     plan: Plan,
     state: OptimizerState,
     /// The CPU fallback's staging; `None` for an optimizer that stages through CUDA pinned
@@ -86,9 +88,9 @@ impl<G: GradElement, P: ParamElement> flatpeak_common::HeapSize for StreamAdamW<
 
 impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     /// An optimizer for fp32 master parameters `param`, allocating the plan's staging now.
-    pub fn new(param: Vec<f32>, config: AdamWConfig, options: PipelineOptions) -> Result<Self> {
+    pub fn new(param: Vec<f32>, config: Hyperparameters, options: &Config) -> Result<Self> {
         config.validate()?;
-        let plan = Plan::new(param.len(), options, G::DTYPE, P::DTYPE)?;
+        let plan = Plan::new(options, Self::shape(param.len()), Budget::Unlimited)?;
         let staging = Some(Staging::new(&plan));
         Ok(Self {
             state: OptimizerState::new(param, config.variant),
@@ -99,12 +101,17 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         })
     }
 
+    /// The shape of an optimizer over `params` parameters of these element types.
+    pub fn shape(params: usize) -> Shape {
+        Shape { params, grad_dtype: G::DTYPE, param_dtype: P::DTYPE }
+    }
+
     /// The plan (buckets, staging bytes).
     pub fn plan(&self) -> &Plan {
         &self.plan
     }
     /// The hyperparameters.
-    pub fn config(&self) -> &AdamWConfig {
+    pub fn config(&self) -> &Hyperparameters {
         &self.config
     }
     /// The state (fp32 master parameters, moments, step).
@@ -193,12 +200,12 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     /// and events of its schedule. Fails with a typed error when CUDA or the device is missing.
     pub fn for_cuda(
         param: Vec<f32>,
-        config: AdamWConfig,
-        options: PipelineOptions,
+        config: Hyperparameters,
+        options: &Config,
         ordinal: usize,
     ) -> Result<(Self, crate::cuda::CudaOffload<G, P>)> {
         config.validate()?;
-        let plan = Plan::new(param.len(), options, G::DTYPE, P::DTYPE)?;
+        let plan = Plan::new(options, Self::shape(param.len()), Budget::Unlimited)?;
         let offload = crate::cuda::CudaOffload::new(&plan, ordinal)?;
         let state = OptimizerState::new(param, config.variant);
         Ok((Self { config, plan, state, staging: None, _types: PhantomData }, offload))

@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 
-use flatpeak_common::DType;
+use flatpeak_common::{Budget, DType};
 
 use crate::error::{Error, Result};
 
@@ -29,10 +29,11 @@ pub enum Schedule {
     Pipelined,
 }
 
-/// Options of the offloaded step.
+/// How the offloaded step is scheduled: the launch-time sizing of the pipeline. (The update's
+/// hyperparameters, which may change every step, are [`Hyperparameters`](crate::Hyperparameters).)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct PipelineOptions {
+pub struct Config {
     /// Serial or pipelined.
     pub schedule: Schedule,
     /// Elements per bucket (a multiple of [`BUCKET_ALIGN`]).
@@ -42,29 +43,53 @@ pub struct PipelineOptions {
     pub slots: usize,
 }
 
-impl Default for PipelineOptions {
+impl Default for Config {
     fn default() -> Self {
         Self { schedule: Schedule::Pipelined, bucket_elems: 1 << 22, slots: 3 }
     }
 }
 
-impl PipelineOptions {
-    /// Default options with this schedule.
-    pub fn with_schedule(schedule: Schedule) -> Self {
-        Self { schedule, ..Self::default() }
-    }
-    /// These options with this schedule.
+impl Config {
+    /// This config with this schedule.
     pub fn schedule(self, schedule: Schedule) -> Self {
         Self { schedule, ..self }
     }
-    /// These options with buckets of `bucket_elems` elements.
+    /// This config with buckets of `bucket_elems` elements.
     pub fn bucket_elems(self, bucket_elems: usize) -> Self {
         Self { bucket_elems, ..self }
     }
-    /// These options with `slots` staging slots per direction.
+    /// This config with `slots` staging slots per direction.
     pub fn slots(self, slots: usize) -> Self {
         Self { slots, ..self }
     }
+
+    /// Checks every field's domain: `bucket_elems` a positive multiple of [`BUCKET_ALIGN`],
+    /// `slots ≥ 1`.
+    pub fn validate(&self) -> Result<()> {
+        if self.bucket_elems == 0 || !self.bucket_elems.is_multiple_of(BUCKET_ALIGN) {
+            return Err(Error::invalid_config(
+                "bucket_elems",
+                self.bucket_elems,
+                "a positive multiple of 64",
+            ));
+        }
+        if self.slots == 0 {
+            return Err(Error::invalid_config("slots", self.slots, "at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// What one optimizer steps: N parameters, with gradients and device parameters of the given
+/// dtypes on the link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// N: parameters.
+    pub params: usize,
+    /// Gradient dtype on the link (b_g bytes).
+    pub grad_dtype: DType,
+    /// Device parameter dtype on the link (b_p bytes).
+    pub param_dtype: DType,
 }
 
 /// The partition of N parameters into buckets and the bytes each schedule stages.
@@ -79,31 +104,32 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Validates the options for `n_params` parameters with the given link dtypes.
-    pub fn new(
-        n_params: usize,
-        options: PipelineOptions,
-        grad_dtype: DType,
-        param_dtype: DType,
-    ) -> Result<Self> {
-        if options.bucket_elems == 0 || !options.bucket_elems.is_multiple_of(BUCKET_ALIGN) {
-            return Err(Error::invalid_config(
-                "bucket_elems",
-                options.bucket_elems,
-                "a positive multiple of 64",
-            ));
+    /// Validates `config` and checks that the pinned staging,
+    /// [`workspace_bytes`](Plan::workspace_bytes), fits `budget` ([`Error::BudgetTooSmall`]
+    /// otherwise). Every size product is checked.
+    pub fn new(config: &Config, shape: Shape, budget: Budget) -> Result<Self> {
+        config.validate()?;
+        let plan = Self {
+            n_params: shape.params,
+            bucket_elems: config.bucket_elems,
+            slots: config.slots,
+            schedule: config.schedule,
+            grad_dtype: shape.grad_dtype,
+            param_dtype: shape.param_dtype,
+        };
+        let per_elem = shape.grad_dtype.size_in_bytes() + shape.param_dtype.size_in_bytes();
+        let staging =
+            plan.staged_slots().checked_mul(plan.slot_elems()).and_then(|e| e.checked_mul(per_elem));
+        let staging =
+            staging.ok_or(Error::Common(flatpeak_common::Error::SizeOverflow { what: "staging bytes" }))?;
+        if !budget.admits(staging) {
+            return Err(Error::BudgetTooSmall {
+                budget: budget.bytes(),
+                needed: staging,
+                what: "the staging slots",
+            });
         }
-        if options.slots == 0 {
-            return Err(Error::invalid_config("slots", 0, "at least 1"));
-        }
-        Ok(Self {
-            n_params,
-            bucket_elems: options.bucket_elems,
-            slots: options.slots,
-            schedule: options.schedule,
-            grad_dtype,
-            param_dtype,
-        })
+        Ok(plan)
     }
 
     /// Parameters covered.
@@ -141,6 +167,11 @@ impl Plan {
             Schedule::Serial => 1,
         }
     }
+    /// The working set: pinned host staging, both directions, `slots·slot_elems·(b_g + b_p)`
+    /// (the same as [`staging_bytes`](Plan::staging_bytes)).
+    pub fn workspace_bytes(&self) -> usize {
+        self.staging_bytes()
+    }
     /// Pinned host staging bytes, both directions: `slots·slot_elems·(b_g + b_p)`.
     pub fn staging_bytes(&self) -> usize {
         self.staged_slots()
@@ -168,11 +199,14 @@ pub fn pipelined_time(buckets: usize, a: f64, c: f64, h: f64) -> f64 {
 mod tests {
     use super::*;
 
+    fn shape(params: usize) -> Shape {
+        Shape { params, grad_dtype: DType::F32, param_dtype: DType::Bf16 }
+    }
+
     #[test]
     fn buckets_cover_every_parameter_once() {
         for n in [0usize, 1, 63, 64, 65, 1000, 4096] {
-            let plan =
-                Plan::new(n, PipelineOptions::default().bucket_elems(128), DType::F32, DType::Bf16).unwrap();
+            let plan = Plan::new(&Config::default().bucket_elems(128), shape(n), Budget::Unlimited).unwrap();
             let mut next = 0;
             for k in 0..plan.n_buckets() {
                 let r = plan.bucket(k);
@@ -186,27 +220,25 @@ mod tests {
 
     #[test]
     fn staging_is_flat_in_parameters_when_pipelined() {
-        let opts = PipelineOptions::default().bucket_elems(1 << 20);
-        let small = Plan::new(1 << 24, opts, DType::F32, DType::Bf16).unwrap();
-        let large = Plan::new(1 << 30, opts, DType::F32, DType::Bf16).unwrap();
+        let config = Config::default().bucket_elems(1 << 20);
+        let small = Plan::new(&config, shape(1 << 24), Budget::Unlimited).unwrap();
+        let large = Plan::new(&config, shape(1 << 30), Budget::mib(18)).unwrap();
         assert_eq!(small.staging_bytes(), 3 * (1 << 20) * 6);
         assert_eq!(small.staging_bytes(), large.staging_bytes());
-        let serial = Plan::new(
-            1 << 30,
-            PipelineOptions { schedule: Schedule::Serial, ..opts },
-            DType::F32,
-            DType::Bf16,
-        )
-        .unwrap();
+        let serial =
+            Plan::new(&config.schedule(Schedule::Serial), shape(1 << 30), Budget::Unlimited).unwrap();
         assert_eq!(serial.staging_bytes(), (1 << 30) * 6);
+        assert_eq!(
+            Plan::new(&config.schedule(Schedule::Serial), shape(1 << 30), Budget::mib(18)),
+            Err(Error::BudgetTooSmall { budget: 18 << 20, needed: 6 << 30, what: "the staging slots" })
+        );
     }
 
     #[test]
     fn bad_options_are_typed_errors() {
-        let e =
-            Plan::new(10, PipelineOptions::default().bucket_elems(100), DType::F32, DType::F32).unwrap_err();
+        let e = Plan::new(&Config::default().bucket_elems(100), shape(10), Budget::Unlimited).unwrap_err();
         assert!(matches!(e, Error::InvalidConfig { field: "bucket_elems", ref value, .. } if value == "100"));
-        let e = Plan::new(10, PipelineOptions::default().slots(0), DType::F32, DType::F32).unwrap_err();
+        let e = Plan::new(&Config::default().slots(0), shape(10), Budget::Unlimited).unwrap_err();
         assert!(matches!(e, Error::InvalidConfig { field: "slots", .. }));
     }
 

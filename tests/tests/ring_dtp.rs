@@ -8,7 +8,7 @@ use half::bf16;
 use proptest::prelude::*;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::{
-    Error, GradOutput, Inputs, LinearCrossEntropy, Loss, Matrix, Plan, Reduction, Schedule, Softcap,
+    Budget, Config, Error, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Schedule, Shape, Softcap,
 };
 
 /// f32 bound (DESIGN.md principle 3), on norm-wise errors normalised by the magnitudes each
@@ -55,7 +55,7 @@ fn make_case(n: usize, d: usize, v: usize, seed: u64, ignored: f64, extras: (boo
 }
 
 fn inputs<'a>(c: &'a Case, x: Matrix<'a>, w: Matrix<'a>) -> Inputs<'a> {
-    let mut i = Inputs::new(x, w, &c.targets, c.n, c.d, c.v);
+    let mut i = Inputs::new(x, w, &c.targets, c.d);
     if let Some(b) = &c.bias {
         i = i.with_bias(b);
     }
@@ -65,7 +65,7 @@ fn inputs<'a>(c: &'a Case, x: Matrix<'a>, w: Matrix<'a>) -> Inputs<'a> {
     i
 }
 
-fn grad_of<'a>(config: &LinearCrossEntropy, c: &'a Case) -> GradOutput<'a> {
+fn grad_of<'a>(config: &Config, c: &'a Case) -> GradOutput<'a> {
     match config.reduction {
         Reduction::None => GradOutput::PerToken(&c.grad_tokens),
         _ => GradOutput::Scalar(0.7),
@@ -89,11 +89,7 @@ fn check_scaled(what: &str, got: &[f32], want: &[f64], scale: &[f64]) -> Result<
     Ok(())
 }
 
-fn check_loss(
-    config: &LinearCrossEntropy,
-    got: &Loss,
-    r: &reference::Reference,
-) -> Result<(), TestCaseError> {
+fn check_loss(config: &Config, got: &Loss, r: &reference::Reference) -> Result<(), TestCaseError> {
     match (config.reduction, got) {
         (Reduction::None, Loss::PerToken(l)) => {
             check_scaled("per-token loss", l, &r.per_token, &r.per_token_scale)
@@ -115,12 +111,7 @@ fn check_loss(
 
 /// Runs the case through forward + backward (separately, with dlse) and fused, on f32 or bf16
 /// inputs, against the reference fed the same (exactly upcast) values.
-fn run_case(
-    c: &Case,
-    config: &LinearCrossEntropy,
-    dtype: DType,
-    budget: usize,
-) -> Result<Schedule, TestCaseError> {
+fn run_case(c: &Case, config: &Config, dtype: DType, budget: usize) -> Result<Schedule, TestCaseError> {
     let (xb, wb): (Vec<bf16>, Vec<bf16>) =
         (c.x.iter().map(|&v| bf16::from_f32(v)).collect(), c.w.iter().map(|&v| bf16::from_f32(v)).collect());
     let (x, w) = match dtype {
@@ -128,7 +119,9 @@ fn run_case(
         _ => (Matrix::F32(&c.x), Matrix::F32(&c.w)),
     };
     let inp = inputs(c, x, w);
-    let plan = Plan::new(config, c.n, c.d, c.v, dtype, budget).expect("budget holds the smallest schedule");
+    let plan =
+        Plan::new(config, Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype }, Budget::Bytes(budget))
+            .expect("budget holds the smallest schedule");
     let grad = grad_of(config, c);
     let r = reference::run(&inp, config, grad, c.dlse.as_deref());
     let fwd = cpu::forward(config, &plan, &inp).expect("forward");
@@ -149,7 +142,7 @@ fn run_case(
     Ok(plan.schedule())
 }
 
-fn config_strategy() -> impl Strategy<Value = LinearCrossEntropy> {
+fn config_strategy() -> impl Strategy<Value = Config> {
     (
         prop_oneof![Just(Reduction::Mean), Just(Reduction::Sum), Just(Reduction::None)],
         prop_oneof![Just(0.0f32), Just(0.1)],
@@ -158,7 +151,7 @@ fn config_strategy() -> impl Strategy<Value = LinearCrossEntropy> {
         prop_oneof![Just(0usize), Just(2)],
     )
         .prop_map(|(reduction, label_smoothing, z_loss, softcap, shift)| {
-            let mut c = LinearCrossEntropy::with_reduction(reduction);
+            let mut c = Config::default().reduction(reduction);
             (c.label_smoothing, c.z_loss, c.softcap, c.shift) = (label_smoothing, z_loss, softcap, shift);
             c
         })
@@ -176,7 +169,7 @@ proptest! {
         let c = make_case(n, d, v, seed, 0.2, extras);
         let dtype = if bf16_inputs { DType::Bf16 } else { DType::F32 };
         // The smallest budgets force vocabulary blocks; raise one below the minimum to it.
-        let budget = match Plan::new(&config, n, d, v, dtype, budget) {
+        let budget = match Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, Budget::Bytes(budget)) {
             Err(Error::BudgetTooSmall { needed, .. }) => needed,
             _ => budget,
         };
@@ -190,7 +183,7 @@ fn ragged_prime_shapes_and_both_schedules() {
     // The last shape has V > WIDEN_ROWS: a bf16 W is widened in several sub-blocks.
     for (n, v, d, seed) in [(252usize, 507usize, 123usize, 1u64), (251, 509, 67, 2), (40, 4501, 16, 3)] {
         let c = make_case(n, d, v, seed, 0.2, (true, true, true));
-        let mut all = LinearCrossEntropy::with_reduction(Reduction::None);
+        let mut all = Config::default().reduction(Reduction::None);
         (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
         let mut seen = Vec::new();
         for budget in [1usize << 30, 300 << 10] {
@@ -207,9 +200,14 @@ fn an_all_ignored_batch_has_zero_loss_and_gradients() {
     let mut c = make_case(40, 16, 100, 3, 1.0, (true, false, false));
     c.targets.iter_mut().for_each(|t| *t = -100);
     for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
-        let config = LinearCrossEntropy::with_reduction(reduction);
+        let config = Config::default().reduction(reduction);
         let inp = inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w));
-        let plan = Plan::new(&config, 40, 16, 100, DType::F32, 1 << 20).expect("plan");
+        let plan = Plan::new(
+            &config,
+            Shape { tokens: 40, hidden: 16, vocab: 100, dtype: DType::F32 },
+            Budget::Bytes(1 << 20),
+        )
+        .expect("plan");
         let (fwd, g) = cpu::forward_backward(&config, &plan, &inp, grad_of(&config, &c)).expect("runs");
         match fwd.loss {
             Loss::Scalar(l) => assert_eq!(l, 0.0),
@@ -223,10 +221,15 @@ fn an_all_ignored_batch_has_zero_loss_and_gradients() {
 #[test]
 fn bitwise_reproducible_run_to_run() {
     let c = make_case(300, 64, 1000, 4, 0.2, (true, true, false));
-    let config = LinearCrossEntropy::default();
+    let config = Config::default();
     let inp = inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w));
     for budget in [1usize << 30, 256 << 10] {
-        let plan = Plan::new(&config, 300, 64, 1000, DType::F32, budget).expect("plan");
+        let plan = Plan::new(
+            &config,
+            Shape { tokens: 300, hidden: 64, vocab: 1000, dtype: DType::F32 },
+            Budget::Bytes(budget),
+        )
+        .expect("plan");
         let a = cpu::forward_backward(&config, &plan, &inp, GradOutput::Scalar(1.0)).expect("run");
         let b = cpu::forward_backward(&config, &plan, &inp, GradOutput::Scalar(1.0)).expect("run");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -251,7 +254,8 @@ fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
         let with_dlse = reference::run(inp, config, grad, c.dlse.as_deref());
         let without = reference::run(inp, config, grad, None);
         for blocks in [(16, usize::MAX), (16, 3001)] {
-            let plan = Plan::with_blocks(config, (n, d, v), dtype, blocks).expect("plan");
+            let plan = Plan::with_blocks(config, Shape { tokens: n, hidden: d, vocab: v, dtype }, blocks)
+                .expect("plan");
             assert!(cpu::splits_dx(plan.vocab_block(), dtype), "{plan:?}");
             let fused = cpu::forward_backward(config, &plan, inp, grad).expect("runs");
             check_against_reference(config, &fused, &without);
@@ -260,9 +264,14 @@ fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
             check_against_reference(config, &(f, g), &with_dlse);
         }
     });
-    let config = LinearCrossEntropy::default();
+    let config = Config::default();
     let inp = inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w));
-    let plan = Plan::with_blocks(&config, (n, d, v), DType::F32, (16, usize::MAX)).expect("plan");
+    let plan = Plan::with_blocks(
+        &config,
+        Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 },
+        (16, usize::MAX),
+    )
+    .expect("plan");
     let bits = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
         let (f, g) = pool
@@ -278,33 +287,43 @@ fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
 #[test]
 fn bad_input_is_a_typed_error() {
     let c = make_case(10, 4, 20, 5, 0.0, (false, false, false));
-    let config = LinearCrossEntropy::default();
-    let plan = Plan::new(&config, 10, 4, 20, DType::F32, 1 << 20).expect("plan");
+    let config = Config::default();
+    let plan = Plan::new(
+        &config,
+        Shape { tokens: 10, hidden: 4, vocab: 20, dtype: DType::F32 },
+        Budget::Bytes(1 << 20),
+    )
+    .expect("plan");
     let mut targets = c.targets.clone();
     targets[3] = 20;
-    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 10, 4, 20);
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 4);
     assert_eq!(
         cpu::forward(&config, &plan, &inp).unwrap_err(),
         Error::TargetOutOfRange { token: 3, target: 20, vocab: 20 }
     );
     targets[3] = -7;
-    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 10, 4, 20);
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 4);
     assert_eq!(
         cpu::forward(&config, &plan, &inp).unwrap_err(),
         Error::TargetOutOfRange { token: 3, target: -7, vocab: 20 }
     );
-    let short = Inputs::new(Matrix::F32(&c.x[..39]), Matrix::F32(&c.w), &c.targets, 10, 4, 20);
+    let short = Inputs::new(Matrix::F32(&c.x[..39]), Matrix::F32(&c.w), &c.targets, 4);
     assert!(matches!(
         cpu::forward(&config, &plan, &short),
         Err(Error::ShapeMismatch { what: "x (n·d)", expected: 40, got: 39 })
     ));
     let wb: Vec<bf16> = c.w.iter().map(|&x| bf16::from_f32(x)).collect();
-    let mixed = Inputs::new(Matrix::F32(&c.x), Matrix::Bf16(&wb), &c.targets, 10, 4, 20);
+    let mixed = Inputs::new(Matrix::F32(&c.x), Matrix::Bf16(&wb), &c.targets, 4);
     assert!(matches!(cpu::forward(&config, &plan, &mixed), Err(Error::DtypeMismatch { .. })));
-    let ok = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, 10, 4, 20);
-    let other = Plan::new(&config, 11, 4, 20, DType::F32, 1 << 20).expect("plan");
+    let ok = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, 4);
+    let other = Plan::new(
+        &config,
+        Shape { tokens: 11, hidden: 4, vocab: 20, dtype: DType::F32 },
+        Budget::Bytes(1 << 20),
+    )
+    .expect("plan");
     assert!(matches!(cpu::forward(&config, &other, &ok), Err(Error::ShapeMismatch { what: "n", .. })));
-    let none = LinearCrossEntropy::with_reduction(Reduction::None);
+    let none = Config::default().reduction(Reduction::None);
     let fwd = cpu::forward(&none, &plan, &ok).expect("forward");
     assert!(matches!(
         cpu::backward(&none, &plan, &ok, &fwd, GradOutput::Scalar(1.0), None),
@@ -319,7 +338,7 @@ fn bad_input_is_a_typed_error() {
         Err(Error::GradOutputKind { .. })
     ));
     assert!(matches!(
-        Plan::new(&config, 10, 4, 20, DType::F32, 100),
+        Plan::new(&config, Shape { tokens: 10, hidden: 4, vocab: 20, dtype: DType::F32 }, Budget::Bytes(100)),
         Err(Error::BudgetTooSmall { budget: 100, .. })
     ));
 }
@@ -328,7 +347,7 @@ fn bad_input_is_a_typed_error() {
 /// GEMM, then the fold / gradient / bias-gradient kernels) emulated or on a GPU.
 fn run_on(
     backend: Backend,
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &Plan,
     inp: &Inputs<'_>,
     grad: GradOutput<'_>,
@@ -348,7 +367,7 @@ enum Pass<'a> {
 
 fn run_pass_on(
     backend: Backend,
-    (config, plan): (&LinearCrossEntropy, &Plan),
+    (config, plan): (&Config, &Plan),
     inp: &Inputs<'_>,
     grad: GradOutput<'_>,
     pass: Pass<'_>,
@@ -377,7 +396,7 @@ fn run_pass_on(
 
 #[cfg(feature = "cuda")]
 fn cuda_run(
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &Plan,
     inp: &Inputs<'_>,
     grad: GradOutput<'_>,
@@ -438,7 +457,9 @@ fn device_schedule_matches_the_reference(backend: Backend) {
             // Room for 16 tokens × 64 vocabulary rows: several blocks both ways.
             let upcast = if dtype == DType::Bf16 { 64 * d } else { 0 };
             let budget = 4 * (16 * 64 + 16 * d + upcast) + 3 * 64;
-            let plan = Plan::new(config, n, d, v, dtype, budget).expect("plan");
+            let plan =
+                Plan::new(config, Shape { tokens: n, hidden: d, vocab: v, dtype }, Budget::Bytes(budget))
+                    .expect("plan");
             assert!(plan.vocab_block() < v, "several vocabulary blocks");
             let grad = grad_of(config, &c);
             let r = reference::run(inp, config, grad, c.dlse.as_deref());
@@ -449,9 +470,14 @@ fn device_schedule_matches_the_reference(backend: Backend) {
     let c = make_case(10, 4, 20, 5, 0.0, (false, false, false));
     let mut targets = c.targets.clone();
     targets[6] = 20;
-    let config = LinearCrossEntropy::default();
-    let plan = Plan::new(&config, 10, 4, 20, DType::F32, 1 << 20).expect("plan");
-    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 10, 4, 20);
+    let config = Config::default();
+    let plan = Plan::new(
+        &config,
+        Shape { tokens: 10, hidden: 4, vocab: 20, dtype: DType::F32 },
+        Budget::Bytes(1 << 20),
+    )
+    .expect("plan");
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 4);
     let err = run_on(backend, &config, &plan, &inp, GradOutput::Scalar(1.0), None).unwrap_err();
     assert_eq!(err, Error::TargetOutOfRange { token: 6, target: 20, vocab: 20 });
 }
@@ -469,13 +495,21 @@ fn fused_schedule_matches_the_reference(backend: Backend) {
             // blocks for f32 (for bf16 the widened W dominates, so the plan's first
             // full-vocabulary choice holds every token).
             let plan = (1..)
-                .map(|step| Plan::new(config, n, d, v, dtype, step * 64))
+                .map(|step| {
+                    Plan::new(
+                        config,
+                        Shape { tokens: n, hidden: d, vocab: v, dtype },
+                        Budget::Bytes(step * 64),
+                    )
+                })
                 .find(|p| p.as_ref().is_ok_and(|p| p.schedule() == Schedule::FullVocab))
                 .expect("some budget")
                 .expect("plan");
             assert!(dtype == DType::Bf16 || plan.token_block() <= 32, "{plan:?}");
             // And explicit blocks: 7 tokens (a ragged last block) over the whole vocabulary.
-            let explicit = Plan::with_blocks(config, (n, d, v), dtype, (7, usize::MAX)).expect("plan");
+            let explicit =
+                Plan::with_blocks(config, Shape { tokens: n, hidden: d, vocab: v, dtype }, (7, usize::MAX))
+                    .expect("plan");
             assert_eq!(explicit.schedule(), Schedule::FullVocab);
             let grad = grad_of(config, &c);
             let r = reference::run(inp, config, grad, None);
@@ -489,12 +523,12 @@ fn fused_schedule_matches_the_reference(backend: Backend) {
 
 /// Runs `body` for the configuration with every feature on (reduction none, label smoothing,
 /// z-loss, softcap) and the default one, each on the case's inputs in f32 and in bf16.
-fn for_every_config_and_dtype(c: &Case, mut body: impl FnMut(&LinearCrossEntropy, DType, &Inputs<'_>)) {
-    let mut all = LinearCrossEntropy::with_reduction(Reduction::None);
+fn for_every_config_and_dtype(c: &Case, mut body: impl FnMut(&Config, DType, &Inputs<'_>)) {
+    let mut all = Config::default().reduction(Reduction::None);
     (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
     let (xb, wb): (Vec<bf16>, Vec<bf16>) =
         (c.x.iter().map(|&a| bf16::from_f32(a)).collect(), c.w.iter().map(|&a| bf16::from_f32(a)).collect());
-    for config in [all, LinearCrossEntropy::default()] {
+    for config in [all, Config::default()] {
         for dtype in [DType::F32, DType::Bf16] {
             let (x, w) = match dtype {
                 DType::Bf16 => (Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
@@ -507,7 +541,7 @@ fn for_every_config_and_dtype(c: &Case, mut body: impl FnMut(&LinearCrossEntropy
 
 /// Loss, lse, dX, dW and dbias of one run against the f64 reference.
 fn check_against_reference(
-    config: &LinearCrossEntropy,
+    config: &Config,
     (f, g): &(ring_dtp::Forward, ring_dtp::Gradients),
     r: &reference::Reference,
 ) {

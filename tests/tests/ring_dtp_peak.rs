@@ -8,7 +8,9 @@ use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions};
 use flatpeak_common::{CountingAllocator, DType, PeakMeter, SplitMix64};
 use ring_dtp::plan::{CPU_GEMM_SCRATCH_PER_THREAD, PER_TOKEN_BYTES};
 use ring_dtp::ring::{self, RankInputs};
-use ring_dtp::{GradOutput, Inputs, LinearCrossEntropy, Matrix, Plan, RingKind, RingOptions, RingPlan, cpu};
+use ring_dtp::{
+    Budget, Config, GradOutput, Inputs, Matrix, Plan, RingKind, RingOptions, RingPlan, Shape, cpu,
+};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -27,13 +29,14 @@ fn measure(n: usize, d: usize, v: usize, budget: usize, dtype: DType) -> (usize,
     );
     let targets: Vec<i64> =
         (0..n).map(|i| if i % 5 == 0 { -100 } else { rng.below(v as u64) as i64 }).collect();
-    let config = LinearCrossEntropy::default();
-    let plan = Plan::new(&config, n, d, v, dtype, budget).expect("plan");
+    let config = Config::default();
+    let plan = Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, Budget::Bytes(budget))
+        .expect("plan");
     let (xm, wm) = match dtype {
         DType::Bf16 => (Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
         _ => (Matrix::F32(&x), Matrix::F32(&w)),
     };
-    let inputs = Inputs::new(xm, wm, &targets, n, d, v);
+    let inputs = Inputs::new(xm, wm, &targets, d);
     // Warm rayon's pool outside the measurement (a one-time cost).
     cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)).expect("warm-up");
     let m = PeakMeter::measure(|| cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)))
@@ -50,7 +53,7 @@ fn measure_ring(n: usize, d: usize, v: usize, p: usize, options: RingOptions) ->
     let w = rng.normal_f32(v * d, 0.0, 0.1);
     let targets: Vec<i64> =
         (0..n).map(|i| if i % 5 == 0 { -100 } else { rng.below(v as u64) as i64 }).collect();
-    let config = LinearCrossEntropy::default();
+    let config = Config::default();
     let plan = RingPlan::new(&config, (n, d, v), p, DType::F32, options).expect("plan");
     let step = || {
         LocalGroup::run(p, LocalGroupOptions::default(), |comm| {

@@ -12,8 +12,8 @@ use proptest::prelude::*;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{
-    Error, Forward, GradOutput, Gradients, Inputs, LinearCrossEntropy, Loss, Matrix, Plan, Reduction,
-    RingKind, RingOptions, RingPlan, Softcap,
+    Budget, Config, Error, Forward, GradOutput, Gradients, Inputs, Loss, Matrix, Plan, Reduction, RingKind,
+    RingOptions, RingPlan, Shape, Softcap,
 };
 
 /// f32 bound, on errors normalised by the magnitudes each quantity sums (see tests/ring_dtp.rs).
@@ -87,7 +87,7 @@ fn on_ranks<R: Send>(
         .collect()
 }
 
-fn grad_of<'a>(config: &LinearCrossEntropy, g: &'a [f32]) -> GradOutput<'a> {
+fn grad_of<'a>(config: &Config, g: &'a [f32]) -> GradOutput<'a> {
     match config.reduction {
         Reduction::None => GradOutput::PerToken(g),
         _ => GradOutput::Scalar(0.7),
@@ -97,7 +97,7 @@ fn grad_of<'a>(config: &LinearCrossEntropy, g: &'a [f32]) -> GradOutput<'a> {
 /// Every rank's forward and backward (with dlse), in rank order.
 fn run_ring(
     c: &Case,
-    config: &LinearCrossEntropy,
+    config: &Config,
     dtype: DType,
     p: usize,
     options: RingOptions,
@@ -128,28 +128,16 @@ fn scaled_error(got: &[f32], want: &[f64], scale: &[f64]) -> f64 {
     if diff == 0.0 { 0.0 } else { diff / norm }
 }
 
-fn check_against_reference(
-    c: &Case,
-    config: &LinearCrossEntropy,
-    dtype: DType,
-    p: usize,
-    options: RingOptions,
-) {
+fn check_against_reference(c: &Case, config: &Config, dtype: DType, p: usize, options: RingOptions) {
     let (plan, ranks) = run_ring(c, config, dtype, p, options);
     compare(c, config, dtype, &plan, &ranks);
 }
 
 /// The ranks' pieces, reassembled in rank order, against the f64 reference of the whole problem.
-fn compare(
-    c: &Case,
-    config: &LinearCrossEntropy,
-    dtype: DType,
-    plan: &RingPlan,
-    ranks: &[(Forward, Gradients)],
-) {
+fn compare(c: &Case, config: &Config, dtype: DType, plan: &RingPlan, ranks: &[(Forward, Gradients)]) {
     let p = plan.world();
     let (x, w) = c.matrices(dtype);
-    let full = Inputs::new(x, w, &c.targets, c.n, c.d, c.v).with_bias(&c.bias).with_weights(&c.weights);
+    let full = Inputs::new(x, w, &c.targets, c.d).with_bias(&c.bias).with_weights(&c.weights);
     let r = reference::run(&full, config, grad_of(config, &c.grad_tokens), Some(&c.dlse));
     let what = format!("P={p} {:?} {dtype} C={} Vb={}", plan.kind(), plan.token_block(), plan.vocab_block());
     let (mut lse, mut dx, mut dw, mut db, mut per_token) = (vec![], vec![], vec![], vec![], vec![]);
@@ -183,8 +171,8 @@ fn compare(
     }
 }
 
-fn all_features(reduction: Reduction) -> LinearCrossEntropy {
-    let mut config = LinearCrossEntropy::with_reduction(reduction);
+fn all_features(reduction: Reduction) -> Config {
+    let mut config = Config::default().reduction(reduction);
     (config.label_smoothing, config.z_loss, config.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
     config
 }
@@ -198,16 +186,18 @@ fn every_world_size_and_ring_matches_the_reference() {
             // A small budget forces several blocks per shard and per rank.
             let options = RingOptions::with_budget(64 << 10).ring(kind);
             check_against_reference(&c, &all_features(Reduction::None), DType::F32, p, options);
-            check_against_reference(&c, &LinearCrossEntropy::default(), DType::F32, p, options);
+            check_against_reference(&c, &Config::default(), DType::F32, p, options);
         }
     }
 }
 
 /// The single-device path on the whole problem, with the same features and inputs.
-fn single_device(c: &Case, config: &LinearCrossEntropy, dtype: DType) -> (Forward, Gradients) {
+fn single_device(c: &Case, config: &Config, dtype: DType) -> (Forward, Gradients) {
     let (x, w) = c.matrices(dtype);
-    let full = Inputs::new(x, w, &c.targets, c.n, c.d, c.v).with_bias(&c.bias).with_weights(&c.weights);
-    let plan = Plan::new(config, c.n, c.d, c.v, dtype, 1 << 24).expect("single-device plan");
+    let full = Inputs::new(x, w, &c.targets, c.d).with_bias(&c.bias).with_weights(&c.weights);
+    let plan =
+        Plan::new(config, Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype }, Budget::Bytes(1 << 24))
+            .expect("single-device plan");
     let fwd = cpu::forward(config, &plan, &full).expect("forward");
     let grads = cpu::backward(config, &plan, &full, &fwd, grad_of(config, &c.grad_tokens), Some(&c.dlse))
         .expect("backward");
@@ -216,14 +206,9 @@ fn single_device(c: &Case, config: &LinearCrossEntropy, dtype: DType) -> (Forwar
 
 /// The ranks' pieces, reassembled, against the single-device path: within the tolerance of
 /// each quantity's scale (both are within it of the f64 reference, in different orders).
-fn compare_single_device(
-    c: &Case,
-    config: &LinearCrossEntropy,
-    dtype: DType,
-    ranks: &[(Forward, Gradients)],
-) {
+fn compare_single_device(c: &Case, config: &Config, dtype: DType, ranks: &[(Forward, Gradients)]) {
     let (x, w) = c.matrices(dtype);
-    let full = Inputs::new(x, w, &c.targets, c.n, c.d, c.v).with_bias(&c.bias).with_weights(&c.weights);
+    let full = Inputs::new(x, w, &c.targets, c.d).with_bias(&c.bias).with_weights(&c.weights);
     let r = reference::run(&full, config, grad_of(config, &c.grad_tokens), Some(&c.dlse));
     let (fwd, g) = single_device(c, config, dtype);
     let wide = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
@@ -266,7 +251,7 @@ fn compare_single_device(
     }
 }
 
-fn ring_config_strategy() -> impl Strategy<Value = LinearCrossEntropy> {
+fn ring_config_strategy() -> impl Strategy<Value = Config> {
     (
         prop_oneof![Just(Reduction::Mean), Just(Reduction::Sum), Just(Reduction::None)],
         prop_oneof![Just(0.0f32), Just(0.1)],
@@ -274,7 +259,7 @@ fn ring_config_strategy() -> impl Strategy<Value = LinearCrossEntropy> {
         prop_oneof![Just(Softcap::Off), Just(Softcap::Tanh { cap: 30.0 })],
     )
         .prop_map(|(reduction, smoothing, z_loss, softcap)| {
-            let mut config = LinearCrossEntropy::with_reduction(reduction);
+            let mut config = Config::default().reduction(reduction);
             (config.label_smoothing, config.z_loss, config.softcap) = (smoothing, z_loss, softcap);
             config
         })
@@ -322,7 +307,7 @@ fn bf16_sum_and_tiny_vocabularies() {
 
 #[test]
 fn auto_ring_follows_the_shapes() {
-    let config = LinearCrossEntropy::default();
+    let config = Config::default();
     let a = RingPlan::new(&config, (64, 8, 4096), 4, DType::F32, RingOptions::default()).unwrap();
     let b = RingPlan::new(&config, (4096, 8, 64), 4, DType::F32, RingOptions::default()).unwrap();
     assert_eq!((a.kind(), b.kind()), (RingKind::Activation, RingKind::Weight));
@@ -348,7 +333,7 @@ fn bitwise_reproducible_run_to_run_and_on_any_gemm_threads() {
 #[test]
 fn bad_input_is_a_typed_error_on_every_rank() {
     let c = make_case(20, 8, 30, 11);
-    let config = LinearCrossEntropy::default();
+    let config = Config::default();
     let plan = RingPlan::new(&config, (20, 8, 30), 2, DType::F32, RingOptions::default()).unwrap();
     let mut targets = c.targets.clone();
     targets[3] = 30;

@@ -4,7 +4,9 @@
 
 use flatpeak_common::SplitMix64;
 use sco::layers::{AddOne, ResidualMlp};
-use sco::{CheckpointOffloader, CheckpointedStack, Checkpointing, Error, Layer, Link, OffloadOptions, Plan};
+use sco::{
+    Budget, CheckpointOffloader, CheckpointedStack, Checkpointing, Config, Error, Layer, Link, Plan, Shape,
+};
 
 const TOKENS: usize = 8;
 const HIDDEN: usize = 6;
@@ -13,7 +15,7 @@ const INNER: usize = 10;
 fn mlp_stack(layers: usize, mode: Checkpointing) -> CheckpointedStack<ResidualMlp> {
     let layers: Vec<_> =
         (0..layers).map(|l| ResidualMlp::new(TOKENS, HIDDEN, INNER, 100 + l as u64)).collect();
-    CheckpointedStack::new(layers, mode, OffloadOptions::default(), Link::Memcpy).expect("valid stack")
+    CheckpointedStack::new(layers, mode, &Config::default(), Link::Memcpy).expect("valid stack")
 }
 
 fn loss_grad(y: &[f32]) -> Vec<f32> {
@@ -57,15 +59,14 @@ fn device_boundary_memory_is_the_plans_bound_for_every_depth() {
     for layers in [1usize, 2, 3, 8, 33] {
         let stack_layers: Vec<_> =
             (0..layers).map(|l| ResidualMlp::new(TOKENS, HIDDEN, INNER, 100 + l as u64)).collect();
-        let mut sco =
-            CheckpointedStack::new(stack_layers, Checkpointing::Offload, OffloadOptions::default(), slow)
-                .expect("valid stack");
-        let plan = sco.plan().expect("plan");
+        let mut sco = CheckpointedStack::new(stack_layers, Checkpointing::Offload, &Config::default(), slow)
+            .expect("valid stack");
+        let plan = sco.plan();
         let out = sco.step(&input, loss_grad).expect("step");
-        assert_eq!(plan.device_bytes(), 3 * s);
+        assert_eq!(plan.workspace_bytes(), 3 * s);
         // A stack this deep holds min(slots, L) boundaries at its peak, never more.
         assert_eq!(out.boundary_high_water_bytes, plan.peak_slots() * s, "L={layers}");
-        assert!(out.boundary_high_water_bytes <= plan.device_bytes());
+        assert!(out.boundary_high_water_bytes <= plan.workspace_bytes());
         let plain = mlp_stack(layers, Checkpointing::OnDevice).step(&input, loss_grad).expect("step");
         assert_eq!(plain.boundary_high_water_bytes, plan.plain_device_bytes(), "L={layers}");
     }
@@ -81,7 +82,7 @@ fn copies_stay_correct_under_stress_and_the_pool_is_reused() {
     let input: Vec<f32> = (0..width).map(|j| j as f32).collect();
     let stack_layers: Vec<_> = (0..layers).map(|l| AddOne::new(width, l)).collect();
     let mut stack =
-        CheckpointedStack::new(stack_layers, Checkpointing::Offload, OffloadOptions::default(), Link::Memcpy)
+        CheckpointedStack::new(stack_layers, Checkpointing::Offload, &Config::default(), Link::Memcpy)
             .expect("valid stack");
     for iteration in 0..1000 {
         let out = stack.step(&input, |y| vec![1.0; y.len()]).expect("step");
@@ -97,24 +98,24 @@ fn deeper_prefetch_and_more_resident_boundaries_keep_their_bound() {
     let input = SplitMix64::new(9).normal_f32(TOKENS * HIDDEN, 0.0, 1.0);
     let reference = mlp_stack(16, Checkpointing::OnDevice).step(&input, loss_grad).expect("step");
     for (keep_resident, in_flight, prefetch_distance) in [(1, 1, 0), (2, 2, 1), (1, 2, 3), (3, 1, 2)] {
-        let options = OffloadOptions::default()
+        let options = Config::default()
             .keep_resident(keep_resident)
             .in_flight(in_flight)
             .prefetch_distance(prefetch_distance);
         let layers: Vec<_> =
             (0..16).map(|l| ResidualMlp::new(TOKENS, HIDDEN, INNER, 100 + l as u64)).collect();
         let mut stack =
-            CheckpointedStack::new(layers, Checkpointing::Offload, options, Link::Memcpy).expect("stack");
+            CheckpointedStack::new(layers, Checkpointing::Offload, &options, Link::Memcpy).expect("stack");
         let out = stack.step(&input, loss_grad).expect("step");
-        let plan = stack.plan().expect("plan");
-        assert!(out.boundary_high_water_bytes <= plan.device_bytes(), "{options:?}");
+        let plan = stack.plan();
+        assert!(out.boundary_high_water_bytes <= plan.workspace_bytes(), "{options:?}");
         assert_eq!(bits(&out.grad_input), bits(&reference.grad_input), "{options:?}");
     }
 }
 
 #[test]
 fn misuse_is_a_typed_error() {
-    let plan = Plan::new(4, 10, 4, OffloadOptions::default()).expect("plan");
+    let plan = Plan::new(&Config::default(), Shape::of::<f32>(4, 10), Budget::Unlimited).expect("plan");
     let off = CheckpointOffloader::<f32>::new(plan, Link::Memcpy);
     assert_eq!(off.fetch(1).err(), Some(Error::NotOffloaded { layer: 1 }));
     assert_eq!(off.prefetch(2).err(), Some(Error::NotOffloaded { layer: 2 }));
@@ -135,7 +136,7 @@ fn misuse_is_a_typed_error() {
 
     let widths = vec![ResidualMlp::new(2, 3, 4, 1), ResidualMlp::new(2, 4, 4, 2)];
     assert!(matches!(
-        CheckpointedStack::new(widths, Checkpointing::Offload, OffloadOptions::default(), Link::Memcpy),
+        CheckpointedStack::new(widths, Checkpointing::Offload, &Config::default(), Link::Memcpy),
         Err(Error::ShapeMismatch { expected: 6, got: 8, .. })
     ));
     let mut stack = mlp_stack(3, Checkpointing::Offload);
@@ -148,7 +149,7 @@ fn misuse_is_a_typed_error() {
         CheckpointedStack::<ResidualMlp>::new(
             Vec::new(),
             Checkpointing::Offload,
-            OffloadOptions::default(),
+            &Config::default(),
             Link::Memcpy
         ),
         Err(Error::InvalidConfig { field: "layers", .. })
@@ -174,7 +175,8 @@ fn misuse_is_a_typed_error() {
 fn cuda_offloader_round_trips_every_boundary() {
     use sco::cuda::CudaCheckpointOffloader;
     let (layers, width) = (24, 1 << 20);
-    let plan = Plan::new(layers, width, 4, OffloadOptions::default()).expect("plan");
+    let plan =
+        Plan::new(&Config::default(), Shape::of::<f32>(layers, width), Budget::Unlimited).expect("plan");
     let mut off = CudaCheckpointOffloader::<f32>::new(plan, 0).expect("a CUDA device");
     let stream = off.compute_stream().clone();
     let data: Vec<Vec<f32>> =
@@ -195,6 +197,6 @@ fn cuda_offloader_round_trips_every_boundary() {
             off.release(l).expect("release");
         }
         off.finish_step().expect("finish");
-        assert!(off.high_water_bytes() <= plan.device_bytes());
+        assert!(off.high_water_bytes() <= plan.workspace_bytes());
     }
 }

@@ -8,13 +8,13 @@ use half::bf16;
 use proptest::prelude::*;
 use stream_adamw::cpu::reference;
 use stream_adamw::{
-    AdamWConfig, Error, GradClip, GradElement, HostDevice, Link, Objective, PipelineOptions, Schedule,
+    Config, Error, GradClip, GradElement, HostDevice, Hyperparameters, Link, Objective, Schedule,
     StepOptions, StepOutcome, StreamAdamW, Variant,
 };
 
 /// Default hyperparameters with `edit` applied (the config is `#[non_exhaustive]`).
-fn cfg(edit: impl FnOnce(&mut AdamWConfig)) -> AdamWConfig {
-    let mut config = AdamWConfig::default();
+fn cfg(edit: impl FnOnce(&mut Hyperparameters)) -> Hyperparameters {
+    let mut config = Hyperparameters::default();
     edit(&mut config);
     config
 }
@@ -27,12 +27,12 @@ fn grads_f32(n: usize, seed: u64, std: f32) -> Vec<f32> {
 fn run<G: GradElement + Copy>(
     master: &[f32],
     grads: &[Vec<G>],
-    config: AdamWConfig,
-    options: PipelineOptions,
+    config: Hyperparameters,
+    options: Config,
     step: StepOptions,
 ) -> (StreamAdamW<G, bf16>, Vec<bf16>) {
     let n = master.len();
-    let mut opt = StreamAdamW::<G, bf16>::new(master.to_vec(), config, options).unwrap();
+    let mut opt = StreamAdamW::<G, bf16>::new(master.to_vec(), config, &options).unwrap();
     let mut device = HostDevice::new(grads[0].clone(), vec![bf16::ZERO; n], Link::Memcpy);
     for g in grads {
         device.grads.copy_from_slice(g);
@@ -42,7 +42,7 @@ fn run<G: GradElement + Copy>(
     (opt, device.params)
 }
 
-fn config_strategy() -> impl Strategy<Value = AdamWConfig> {
+fn config_strategy() -> impl Strategy<Value = Hyperparameters> {
     (
         1e-5f64..1e-1,
         prop_oneof![Just(0.0), 0.5f64..0.99],
@@ -57,7 +57,7 @@ fn config_strategy() -> impl Strategy<Value = AdamWConfig> {
         ],
     )
         .prop_map(|(lr, beta1, beta2, eps, weight_decay, variant, objective, clip)| {
-            let mut c = AdamWConfig::with_lr(lr);
+            let mut c = Hyperparameters::default().lr(lr);
             (c.beta1, c.beta2, c.eps, c.weight_decay, c.variant, c.objective, c.clip) =
                 (beta1, beta2, eps, weight_decay, variant, objective, clip);
             c
@@ -80,7 +80,7 @@ fn scaled_error(got: &[f32], want: &[f64], scale: &[f64]) -> f64 {
 fn check_against_reference(
     master: &[f32],
     grads: &[Vec<f32>],
-    config: AdamWConfig,
+    config: Hyperparameters,
     step: StepOptions,
     opt_state: &stream_adamw::StateDict,
 ) -> Result<(), TestCaseError> {
@@ -122,7 +122,7 @@ proptest! {
         let master = SplitMix64::new(seed).normal_f32(n, 0.0, 1.0);
         let grads: Vec<Vec<f32>> = (0..10).map(|s| grads_f32(n, seed ^ (s + 1), 0.1 * loss_scale as f32)).collect();
         let step = StepOptions::unscale(loss_scale);
-        let (opt, params) = run(&master, &grads, config, PipelineOptions::default().bucket_elems(bucket), step);
+        let (opt, params) = run(&master, &grads, config, Config::default().bucket_elems(bucket), step);
         check_against_reference(&master, &grads, config, step, &opt.export_state())?;
         prop_assert!(params.iter().zip(opt.state().param()).all(|(p, x)| *p == bf16::from_f32(*x)));
     }
@@ -135,7 +135,7 @@ proptest! {
         let grads: Vec<Vec<bf16>> = (0..10)
             .map(|s| grads_f32(n, seed ^ (s + 1), 0.1).iter().map(|&x| bf16::from_f32(x)).collect())
             .collect();
-        let (opt, _) = run(&master, &grads, config, PipelineOptions::default().bucket_elems(256), StepOptions::default());
+        let (opt, _) = run(&master, &grads, config, Config::default().bucket_elems(256), StepOptions::default());
         // The reference sees the same gradients: widening bf16 → f32 is exact.
         let widened: Vec<Vec<f32>> = grads.iter().map(|g| g.iter().map(|x| x.to_f32()).collect()).collect();
         check_against_reference(&master, &widened, config, StepOptions::default(), &opt.export_state())?;
@@ -148,7 +148,7 @@ proptest! {
     ) {
         let master = SplitMix64::new(seed).normal_f32(n, 0.0, 1.0);
         let grads: Vec<Vec<f32>> = (0..3).map(|s| grads_f32(n, seed ^ (s + 7), 0.1)).collect();
-        let pipe = PipelineOptions::default().bucket_elems(bucket).slots(slots);
+        let pipe = Config::default().bucket_elems(bucket).slots(slots);
         let serial = pipe.schedule(Schedule::Serial);
         let (a, pa) = run(&master, &grads, config, pipe, StepOptions::default());
         let (b, pb) = run(&master, &grads, config, serial, StepOptions::default());
@@ -173,13 +173,7 @@ fn thread_count_does_not_change_a_bit() {
     let on = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
-            run(
-                &master,
-                &grads,
-                config,
-                PipelineOptions::default().bucket_elems(1 << 16),
-                StepOptions::default(),
-            )
+            run(&master, &grads, config, Config::default().bucket_elems(1 << 16), StepOptions::default())
         })
     };
     let (one, p1) = on(1);
@@ -196,9 +190,9 @@ fn non_finite_gradients_skip_the_step_and_touch_nothing() {
     let master = SplitMix64::new(2).normal_f32(n, 0.0, 1.0);
     for schedule in [Schedule::Serial, Schedule::Pipelined] {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            let options = PipelineOptions::default().bucket_elems(512).schedule(schedule);
+            let options = Config::default().bucket_elems(512).schedule(schedule);
             let mut opt =
-                StreamAdamW::<f32, bf16>::new(master.clone(), AdamWConfig::default(), options).unwrap();
+                StreamAdamW::<f32, bf16>::new(master.clone(), Hyperparameters::default(), &options).unwrap();
             let mut device = HostDevice::new(grads_f32(n, 3, 0.1), vec![bf16::ONE; n], Link::Memcpy);
             opt.step_host(&mut device, StepOptions::default()).unwrap();
             let (before, params_before) = (opt.export_state(), device.params.clone());
@@ -220,10 +214,10 @@ fn state_round_trips_exactly() {
     let master = SplitMix64::new(5).normal_f32(n, 0.0, 1.0);
     let grads: Vec<Vec<f32>> = (0..6).map(|s| grads_f32(n, 20 + s, 0.1)).collect();
     let config = cfg(|c| c.variant = Variant::AmsGrad);
-    let options = PipelineOptions::default().bucket_elems(256);
+    let options = Config::default().bucket_elems(256);
     let (whole, _) = run(&master, &grads, config, options, StepOptions::default());
     let (first, _) = run(&master, &grads[..3], config, options, StepOptions::default());
-    let mut resumed = StreamAdamW::<f32, bf16>::new(vec![0.0; n], config, options).unwrap();
+    let mut resumed = StreamAdamW::<f32, bf16>::new(vec![0.0; n], config, &options).unwrap();
     resumed.import_state(first.export_state()).unwrap();
     let mut device = HostDevice::new(vec![0.0; n], vec![bf16::ZERO; n], Link::Memcpy);
     for g in &grads[3..] {
@@ -245,14 +239,13 @@ fn bad_input_is_a_typed_error_never_a_panic() {
         (cfg(|c| c.weight_decay = f64::INFINITY), "weight_decay"),
     ];
     for (config, name) in bad_configs {
-        match StreamAdamW::<f32, bf16>::new(vec![0.0; 4], config, PipelineOptions::default()) {
+        match StreamAdamW::<f32, bf16>::new(vec![0.0; 4], config, &Config::default()) {
             Err(Error::InvalidConfig { field: n, .. }) => assert_eq!(n, name),
             other => panic!("{name}: {other:?}"),
         }
     }
     let mut opt =
-        StreamAdamW::<f32, bf16>::new(vec![0.0; 4], AdamWConfig::default(), PipelineOptions::default())
-            .unwrap();
+        StreamAdamW::<f32, bf16>::new(vec![0.0; 4], Hyperparameters::default(), &Config::default()).unwrap();
     let mut short = HostDevice::new(vec![0.0f32; 3], vec![bf16::ZERO; 4], Link::Memcpy);
     assert_eq!(
         opt.step_host(&mut short, StepOptions::default()).unwrap_err(),
@@ -273,8 +266,8 @@ fn bad_input_is_a_typed_error_never_a_panic() {
     assert!(matches!(
         StreamAdamW::<f32, bf16>::new(
             vec![0.0; 4],
-            AdamWConfig::default(),
-            PipelineOptions::default().bucket_elems(100)
+            Hyperparameters::default(),
+            &Config::default().bucket_elems(100)
         ),
         Err(Error::InvalidConfig { field: "bucket_elems", ref value, .. }) if value == "100"
     ));
@@ -316,9 +309,12 @@ fn statistics_pass_matches_f64(backend: flatpeak_common::testing::Backend) {
 
 #[cfg(feature = "cuda")]
 fn cuda_sum_sq<G: stream_adamw::GradElement>(g: &[G]) -> f64 {
-    let plan =
-        stream_adamw::Plan::new(g.len(), PipelineOptions::default(), G::DTYPE, flatpeak_common::DType::Bf16)
-            .expect("plan");
+    let plan = stream_adamw::Plan::new(
+        &Config::default(),
+        StreamAdamW::<G, bf16>::shape(g.len()),
+        stream_adamw::Budget::Unlimited,
+    )
+    .expect("plan");
     let offload = stream_adamw::cuda::CudaOffload::<G, bf16>::new(&plan, 0).expect("a CUDA device");
     let dev = offload.compute_stream().clone_htod(g).expect("upload");
     offload.grad_sq_sum(&dev).expect("statistics kernel")
@@ -337,11 +333,11 @@ fn cuda_step_equals_the_cpu_step_bitwise() {
     let master = SplitMix64::new(31).normal_f32(n, 0.0, 1.0);
     let grads: Vec<Vec<f32>> = (0..3).map(|s| grads_f32(n, 40 + s, 0.1)).collect();
     let config = cfg(|c| c.clip = GradClip::GlobalNorm { max_norm: 1.0 });
-    let options = PipelineOptions::default().bucket_elems(1 << 16);
+    let options = Config::default().bucket_elems(1 << 16);
     let (cpu, cpu_params) = run(&master, &grads, config, options, StepOptions::default());
     for schedule in [Schedule::Pipelined, Schedule::Serial] {
         let (mut opt, mut offload) =
-            StreamAdamW::<f32, bf16>::for_cuda(master.clone(), config, options.schedule(schedule), 0)
+            StreamAdamW::<f32, bf16>::for_cuda(master.clone(), config, &options.schedule(schedule), 0)
                 .expect("device");
         let stream = offload.context().default_stream();
         let mut device = CudaDevice {

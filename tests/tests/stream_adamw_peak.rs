@@ -6,7 +6,7 @@
 use flatpeak_common::{CountingAllocator, PeakMeter, SplitMix64};
 use half::bf16;
 use stream_adamw::cpu::CHUNK;
-use stream_adamw::{AdamWConfig, HostDevice, Link, PipelineOptions, Schedule, StepOptions, StreamAdamW};
+use stream_adamw::{Config, HostDevice, Hyperparameters, Link, Schedule, StepOptions, StreamAdamW};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -21,9 +21,10 @@ fn measure(n: usize, schedule: Schedule) -> (usize, usize, usize) {
     let master = SplitMix64::new(1).normal_f32(n, 0.0, 1.0);
     let mut device =
         HostDevice::new(SplitMix64::new(2).normal_f32(n, 0.0, 0.1), vec![bf16::ZERO; n], Link::Memcpy);
-    let options = PipelineOptions::default().bucket_elems(1 << 16).schedule(schedule);
+    let options = Config::default().bucket_elems(1 << 16).schedule(schedule);
     let built = PeakMeter::measure(|| {
-        StreamAdamW::<f32, bf16>::new(master.clone(), AdamWConfig::default(), options).expect("valid options")
+        StreamAdamW::<f32, bf16>::new(master.clone(), Hyperparameters::default(), &options)
+            .expect("valid options")
     })
     .expect("counting allocator installed");
     let mut opt = built.value;

@@ -11,7 +11,7 @@ use flatpeak_common::{DType, Device, PeakMeter, SplitMix64, relative_error};
 use half::bf16;
 use rayon::prelude::*;
 use ring_dtp::cpu::{self, reference};
-use ring_dtp::{GradOutput, Gradients, Inputs, LinearCrossEntropy, Loss, Matrix, PaperPeaks, Plan};
+use ring_dtp::{Budget, Config, GradOutput, Gradients, Inputs, Loss, Matrix, PaperPeaks, Plan, Shape};
 
 use super::ring_dtp_ring::{RING_WORKLOADS, RingWorkload, ring_row};
 use super::{Component, ReportError, cpu_workload};
@@ -238,11 +238,16 @@ impl Component for RingDtpComponent {
             _ => (x, wt),
         };
         let inputs = match w.dtype {
-            DType::Bf16 => Inputs::new(Matrix::Bf16(&xb), Matrix::Bf16(&wb), &targets, n, d, v),
-            _ => Inputs::new(Matrix::F32(&x), Matrix::F32(&wt), &targets, n, d, v),
+            DType::Bf16 => Inputs::new(Matrix::Bf16(&xb), Matrix::Bf16(&wb), &targets, d),
+            _ => Inputs::new(Matrix::F32(&x), Matrix::F32(&wt), &targets, d),
         };
-        let config = LinearCrossEntropy::default();
-        let plan = Plan::new(&config, n, d, v, w.dtype, BUDGET).map_err(|e| fail(e.to_string()))?;
+        let config = Config::default();
+        let plan = Plan::new(
+            &config,
+            Shape { tokens: n, hidden: d, vocab: v, dtype: w.dtype },
+            Budget::Bytes(BUDGET),
+        )
+        .map_err(|e| fail(e.to_string()))?;
 
         let (mut t_base, mut t_ours, mut probes) = (Vec::new(), Vec::new(), Vec::new());
         let (mut peak_base, mut peak_ours) = (0usize, 0usize);
@@ -285,8 +290,7 @@ impl Component for RingDtpComponent {
         // Exactness: 64 tokens against the f64 oracle (their lse and dX rows), and the loss and
         // dW against the materialized f32 baseline.
         let sub = 64;
-        let sub_inputs =
-            Inputs::new(Matrix::F32(&x[..sub * d]), Matrix::F32(&wt), &targets[..sub], sub, d, v);
+        let sub_inputs = Inputs::new(Matrix::F32(&x[..sub * d]), Matrix::F32(&wt), &targets[..sub], d);
         let oracle = reference::run(&sub_inputs, &config, GradOutput::Scalar(1.0), None);
         let scale = sub as f64 / n as f64; // mean over n vs over the subset
         let want_dx: Vec<f64> = oracle.dx.iter().map(|g| g * scale).collect();

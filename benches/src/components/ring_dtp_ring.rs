@@ -13,9 +13,7 @@ use flatpeak_common::gemm::Threads;
 use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, PeakMeter, SplitMix64, relative_error};
 use ring_dtp::cpu::reference;
 use ring_dtp::ring::{self, RankInputs};
-use ring_dtp::{
-    GradOutput, Gradients, Inputs, LinearCrossEntropy, Loss, Matrix, RingKind, RingOptions, RingPlan,
-};
+use ring_dtp::{Config, GradOutput, Gradients, Inputs, Loss, Matrix, RingKind, RingOptions, RingPlan};
 
 use super::ReportError;
 use super::ring_dtp::{GemmEfficiency, PROBE_N, PROBE_REPS, ROUNDS, materialized};
@@ -65,7 +63,7 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     let x = rng.normal_f32(n * d, 0.0, 1.0);
     let wt = rng.normal_f32(v * d, 0.0, 1.0 / (d as f32).sqrt());
     let targets: Vec<i64> = (0..n).map(|_| rng.below(v as u64) as i64).collect();
-    let config = LinearCrossEntropy::default();
+    let config = Config::default();
     // The P ranks are threads sharing this machine's cores: each rank's GEMMs stay on its own
     // thread (P GEMMs each splitting its tiles over every core would only contend for them).
     let options = RingOptions::with_budget(RING_BUDGET).ring(w.kind).gemm_threads(Threads::Single);
@@ -147,7 +145,7 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     let err_dw = relative_error(&dw_ring, &dw_base);
     // The lse of rank 0's first 64 tokens against the f64 oracle over the whole vocabulary.
     let sub = 64.min(plan.tokens(0).len());
-    let sub_inputs = Inputs::new(Matrix::F32(&x[..sub * d]), Matrix::F32(&wt), &targets[..sub], sub, d, v);
+    let sub_inputs = Inputs::new(Matrix::F32(&x[..sub * d]), Matrix::F32(&wt), &targets[..sub], d);
     let oracle = reference::run(&sub_inputs, &config, GradOutput::Scalar(1.0), None);
     let err_lse = relative_error(&ring_out[0].0.lse[..sub], &oracle.lse);
     let Loss::Scalar(loss) = ring_out[0].0.loss else { return Err(fail("mean loss expected".into())) };

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use flatpeak_common::{Device, Link, SplitMix64, relative_error};
 use sco::layers::ResidualMlp;
-use sco::{CheckpointedStack, Checkpointing, OffloadOptions, StepOutput, hide_ratio};
+use sco::{CheckpointedStack, Checkpointing, Config, StepOutput, hide_ratio};
 
 use super::{Component, ReportError, cpu_workload};
 use crate::machine::{MachineInfo, median};
@@ -37,7 +37,7 @@ impl Workload {
         let layers = (0..self.layers)
             .map(|l| ResidualMlp::new(self.tokens, self.hidden, self.inner, l as u64))
             .collect();
-        CheckpointedStack::new(layers, mode, OffloadOptions::default(), Link::Memcpy)
+        CheckpointedStack::new(layers, mode, &Config::default(), Link::Memcpy)
     }
 }
 
@@ -81,7 +81,7 @@ impl Component for ScoComponent {
         let fail = |message: String| ReportError::workload(self.name(), &w.describe(), message);
         let mut plain = w.stack(Checkpointing::OnDevice).map_err(|e| fail(e.to_string()))?;
         let mut offload = w.stack(Checkpointing::Offload).map_err(|e| fail(e.to_string()))?;
-        let plan = offload.plan().map_err(|e| fail(e.to_string()))?;
+        let plan = offload.plan();
         let input = SplitMix64::new(5).normal_f32(w.tokens * w.hidden, 0.0, 1.0);
 
         let (mut t_plain, mut t_sco) = (Vec::new(), Vec::new());

@@ -9,8 +9,7 @@ use flatpeak_common::{DType, Device, PeakMeter, SplitMix64, relative_error};
 use half::bf16;
 use stream_adamw::cpu::{ParamSink, StateMut, adamw_update, reference};
 use stream_adamw::{
-    AdamWConfig, GradElement, HostDevice, Link, PipelineOptions, Schedule, StepOptions, StepScalars,
-    StreamAdamW,
+    Config, GradElement, HostDevice, Hyperparameters, Link, Schedule, StepOptions, StepScalars, StreamAdamW,
 };
 
 use super::{Component, ReportError, cpu_workload};
@@ -40,7 +39,7 @@ impl KernelInputs {
             exp_avg: rng.normal_f32(n, 0.0, 0.01),
             exp_avg_sq: rng.uniform_f32(n, 0.0, 1e-4),
             grad: rng.normal_f32(n, 0.0, 0.01),
-            scalars: StepScalars::new(&AdamWConfig::default(), 10, 1.0),
+            scalars: StepScalars::new(&Hyperparameters::default(), 10, 1.0),
         }
     }
 
@@ -171,10 +170,12 @@ fn measure_pipeline_typed<G: GradElement>(
     let master = SplitMix64::new(3).normal_f32(n, 0.0, 1.0);
     let grads: Vec<G> = SplitMix64::new(4).normal_f32(n, 0.0, 0.01).into_iter().map(convert).collect();
     let link = Link::Simulated { gbps: w.link_gbps };
-    let options = PipelineOptions::default().bucket_elems(w.bucket);
-    let config = AdamWConfig::default();
+    let options = Config::default().bucket_elems(w.bucket);
+    let config = Hyperparameters::default();
     let build = |schedule| {
-        PeakMeter::measure(|| StreamAdamW::<G, bf16>::new(master.clone(), config, options.schedule(schedule)))
+        PeakMeter::measure(|| {
+            StreamAdamW::<G, bf16>::new(master.clone(), config, &options.schedule(schedule))
+        })
     };
     let (serial, pipelined) = (build(Schedule::Serial)?, build(Schedule::Pipelined)?);
     // Staging is what the schedule adds beyond the 12 B/param state both hold.

@@ -36,7 +36,7 @@ use std::path::Path;
 
 use flatpeak_common::DType;
 use llep::{Buffers, LlepConfig, Pass, PeakModel, PeakTerms, Shape};
-use ring_dtp::{LinearCrossEntropy, PaperPeaks, RingOptions, RingPlan};
+use ring_dtp::{Config, PaperPeaks, RingOptions, RingPlan};
 use serde::{Deserialize, Serialize};
 
 pub use presets::{PRESET_NAMES, preset};
@@ -311,7 +311,7 @@ pub fn estimate(
         // can shrink when more tokens per rank move the choice to a narrower vocabulary block.
         let options = RingOptions::default();
         let ring = RingPlan::new(
-            &LinearCrossEntropy::default(),
+            &Config::default(),
             (context_rows, hidden, vocab_rows),
             shape.ranks,
             DType::Bf16,
@@ -321,12 +321,12 @@ pub fn estimate(
     } else {
         PaperPeaks::at(context_rows, hidden, vocab_rows, shape.ranks).naive.ceil() as u64
     };
-    let sco_plan = sco::Plan::new(
-        to_usize("layers", spec.layers)?,
-        to_usize("boundary elements", n * h)?,
-        ELEM as usize,
-        sco::OffloadOptions::default(),
-    )?;
+    let sco_shape = sco::Shape {
+        layers: to_usize("layers", spec.layers)?,
+        boundary_elems: to_usize("boundary elements", n * h)?,
+        element_bytes: ELEM as usize,
+    };
+    let sco_plan = sco::Plan::new(&sco::Config::default(), sco_shape, sco::Budget::Unlimited)?;
     let checkpoints = if flat {
         (sco_plan.peak_slots() * sco_plan.boundary_bytes()) as u64
     } else {
@@ -334,10 +334,13 @@ pub fn estimate(
     };
     let schedule = if flat { stream_adamw::Schedule::Pipelined } else { stream_adamw::Schedule::Serial };
     let optimizer_staging = stream_adamw::Plan::new(
-        to_usize("parameters per GPU", shard)?,
-        stream_adamw::PipelineOptions::with_schedule(schedule),
-        DType::Bf16,
-        DType::Bf16,
+        &stream_adamw::Config::default().schedule(schedule),
+        stream_adamw::Shape {
+            params: to_usize("parameters per GPU", shard)?,
+            grad_dtype: DType::Bf16,
+            param_dtype: DType::Bf16,
+        },
+        stream_adamw::Budget::Unlimited,
     )?
     .staging_bytes() as u64;
 

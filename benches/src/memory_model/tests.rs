@@ -40,7 +40,7 @@ fn every_term_grows_with_the_context_and_the_flattened_peaks_stay_below() {
     // the budget ring-dtp's ring plan is held to, plus the per-token statistics.
     assert_eq!(base.peaks["vocab"], 8 * (1u64 << 20) / 64 * spec.vocab);
     let ring = RingPlan::new(
-        &LinearCrossEntropy::default(),
+        &Config::default(),
         (1 << 20, spec.hidden as usize, spec.vocab as usize),
         64,
         DType::Bf16,

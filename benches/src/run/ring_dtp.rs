@@ -6,7 +6,7 @@
 //! gradient of the lse output). Outputs: `loss` (F64 [] for mean or sum, F32 [N] for none),
 //! `lse` [N], `dx` [N, D], `dw` [V, D] and, with a bias, `dbias` [V], all F32.
 
-use ring_dtp::{GradOutput, Inputs, LinearCrossEntropy, Loss, Matrix, Plan, Reduction, Softcap, cpu};
+use ring_dtp::{Budget, Config, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Shape, Softcap, cpu};
 use serde::Deserialize;
 
 use super::{Dim, Floats, Outputs, RunError, TensorFile};
@@ -61,8 +61,8 @@ impl Default for RingDtpConfig {
 
 impl RingDtpConfig {
     /// The crate's config.
-    pub fn to_config(&self) -> LinearCrossEntropy {
-        let mut c = LinearCrossEntropy::default();
+    pub fn to_config(&self) -> Config {
+        let mut c = Config::default();
         c.ignore_index = self.ignore_index;
         c.reduction = match self.reduction {
             ReductionName::Mean => Reduction::Mean,
@@ -103,14 +103,15 @@ pub fn run(t: &TensorFile, cfg: &RingDtpConfig) -> Result<Outputs, RunError> {
     let grad =
         if per_token { GradOutput::PerToken(&grad_output) } else { GradOutput::Scalar(grad_output[0]) };
 
-    let mut inputs = Inputs::new(xm, wm, &targets, n, d, v);
+    let mut inputs = Inputs::new(xm, wm, &targets, d);
     if let Some(b) = &bias {
         inputs = inputs.with_bias(b);
     }
     if let Some(wt) = &weights {
         inputs = inputs.with_weights(wt);
     }
-    let plan = Plan::new(&config, n, d, v, dtype, cfg.budget_bytes)?;
+    let plan =
+        Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, Budget::Bytes(cfg.budget_bytes))?;
     let fwd = cpu::forward(&config, &plan, &inputs)?;
     let grads = cpu::backward(&config, &plan, &inputs, &fwd, grad, dlse.as_deref())?;
 

@@ -7,7 +7,7 @@
 
 use flatpeak_common::Link;
 use sco::layers::ResidualMlp;
-use sco::{CheckpointedStack, Checkpointing, OffloadOptions};
+use sco::{CheckpointedStack, Checkpointing, Config};
 use serde::Deserialize;
 
 use super::{Dim, Outputs, RunError, TensorFile};
@@ -41,7 +41,7 @@ pub struct ScoRunConfig {
 
 impl Default for ScoRunConfig {
     fn default() -> Self {
-        let o = OffloadOptions::default();
+        let o = Config::default();
         Self {
             checkpointing: CheckpointingName::Offload,
             keep_resident: o.keep_resident,
@@ -70,11 +70,11 @@ pub fn run(t: &TensorFile, cfg: &ScoRunConfig) -> Result<Outputs, RunError> {
         CheckpointingName::OnDevice => Checkpointing::OnDevice,
         CheckpointingName::Off => Checkpointing::Off,
     };
-    let options = OffloadOptions::default()
+    let config = Config::default()
         .keep_resident(cfg.keep_resident)
         .in_flight(cfg.in_flight)
         .prefetch_distance(cfg.prefetch_distance);
-    let mut stack = CheckpointedStack::new(layers, mode, options, Link::Memcpy)?;
+    let mut stack = CheckpointedStack::new(layers, mode, &config, Link::Memcpy)?;
     let step = stack.step(&x, |_| dy.clone())?;
     let mut out = Outputs::default();
     out.f32("y", &[s, h], &step.output);

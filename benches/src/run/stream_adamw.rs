@@ -9,7 +9,7 @@
 use half::bf16;
 use serde::Deserialize;
 use stream_adamw::{
-    AdamWConfig, GradClip, GradElement, HostDevice, Link, Objective, PipelineOptions, Schedule, StateDict,
+    Config, GradClip, GradElement, HostDevice, Hyperparameters, Link, Objective, Schedule, StateDict,
     StepOptions, StepOutcome, StreamAdamW, Variant,
 };
 
@@ -40,7 +40,7 @@ pub enum ScheduleName {
 /// The config file of `flatpeak run stream-adamw` (torch's defaults; every field optional).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct StreamAdamWConfig {
+pub struct StreamHyperparameters {
     /// Learning rate.
     pub lr: f64,
     /// β1.
@@ -67,10 +67,10 @@ pub struct StreamAdamWConfig {
     pub slots: usize,
 }
 
-impl Default for StreamAdamWConfig {
+impl Default for StreamHyperparameters {
     fn default() -> Self {
-        let torch = AdamWConfig::default();
-        let pipeline = PipelineOptions::default();
+        let torch = Hyperparameters::default();
+        let pipeline = Config::default();
         Self {
             lr: torch.lr,
             beta1: torch.beta1,
@@ -89,7 +89,7 @@ impl Default for StreamAdamWConfig {
 }
 
 /// Runs one step on the tensors of `t`.
-pub fn run(t: &TensorFile, cfg: &StreamAdamWConfig) -> Result<Outputs, RunError> {
+pub fn run(t: &TensorFile, cfg: &StreamHyperparameters) -> Result<Outputs, RunError> {
     let (param, ps) = t.f32("param", &[Dim::Any])?;
     let n = ps[0];
     let (grad, _) = t.floats("grad", &[Dim::Is(n)])?;
@@ -101,12 +101,12 @@ pub fn run(t: &TensorFile, cfg: &StreamAdamWConfig) -> Result<Outputs, RunError>
 
 fn step<G: GradElement>(
     t: &TensorFile,
-    cfg: &StreamAdamWConfig,
+    cfg: &StreamHyperparameters,
     param: Vec<f32>,
     grad: Vec<G>,
 ) -> Result<Outputs, RunError> {
     let n = param.len();
-    let mut config = AdamWConfig::with_lr(cfg.lr);
+    let mut config = Hyperparameters::default().lr(cfg.lr);
     config.beta1 = cfg.beta1;
     config.beta2 = cfg.beta2;
     config.eps = cfg.eps;
@@ -121,8 +121,8 @@ fn step<G: GradElement>(
         ScheduleName::Pipelined => Schedule::Pipelined,
         ScheduleName::Serial => Schedule::Serial,
     };
-    let options = PipelineOptions::with_schedule(schedule).bucket_elems(cfg.bucket_elems).slots(cfg.slots);
-    let mut opt = StreamAdamW::<G, f32>::new(param.clone(), config, options)?;
+    let options = Config::default().schedule(schedule).bucket_elems(cfg.bucket_elems).slots(cfg.slots);
+    let mut opt = StreamAdamW::<G, f32>::new(param.clone(), config, &options)?;
     let exp_avg = t.optional_f32("exp_avg", &[Dim::Is(n)])?;
     let exp_avg_sq = t.optional_f32("exp_avg_sq", &[Dim::Is(n)])?;
     let max_exp_avg_sq = t.optional_f32("max_exp_avg_sq", &[Dim::Is(n)])?;

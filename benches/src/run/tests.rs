@@ -87,15 +87,8 @@ fn ring_dtp_matches_the_f64_reference_in_f32_and_bf16() {
         let out = run_with(&dir, "ring-dtp", &inputs, Some(config)).expect("run");
         let lce = serde_json::from_str::<ring_dtp::RingDtpConfig>(config).expect("config").to_config();
         let want = ::ring_dtp::cpu::reference::run(
-            &::ring_dtp::Inputs::new(
-                ::ring_dtp::Matrix::F32(&x),
-                ::ring_dtp::Matrix::F32(&w),
-                &targets,
-                n,
-                d,
-                v,
-            )
-            .with_bias(&bias),
+            &::ring_dtp::Inputs::new(::ring_dtp::Matrix::F32(&x), ::ring_dtp::Matrix::F32(&w), &targets, d)
+                .with_bias(&bias),
             &lce,
             ::ring_dtp::GradOutput::Scalar(1.0),
             None,

@@ -16,7 +16,7 @@ use flatpeak_common::DType;
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, Threads, matmul};
 use rayon::prelude::*;
 
-use crate::config::{LinearCrossEntropy, Softcap};
+use crate::config::{Config, Softcap};
 use crate::error::Result;
 use crate::inputs::{Inputs, Matrix};
 
@@ -65,7 +65,7 @@ pub(crate) fn gemm_on(
 }
 
 /// The resolved targets of rows `t0..t0 + out.len()` (global vocabulary ids, or [`NO_TARGET`]).
-pub(crate) fn resolve_targets(config: &LinearCrossEntropy, inputs: &Inputs<'_>, t0: usize, out: &mut [u32]) {
+pub(crate) fn resolve_targets(config: &Config, inputs: &Inputs<'_>, t0: usize, out: &mut [u32]) {
     for (k, o) in out.iter_mut().enumerate() {
         *o = inputs.target(config, t0 + k).map_or(NO_TARGET, |y| y as u32);
     }
@@ -100,7 +100,7 @@ pub(crate) struct VocabBlock<'a> {
 
 /// `logits (vb×c) = W_blk·X_blkᵀ` (the GEMM on `threads`), then bias and softcap, in place.
 pub(crate) fn form_logits(
-    config: &LinearCrossEntropy,
+    config: &Config,
     d: usize,
     tokens: TokenBlock<'_>,
     vocab: VocabBlock<'_>,
@@ -121,12 +121,7 @@ pub(crate) fn form_logits(
 }
 
 /// `z = softcap(u + bias)` in place over a `vb×c` logits block.
-pub(crate) fn epilogue(
-    config: &LinearCrossEntropy,
-    bias: Option<&[f32]>,
-    logits: &mut [f32],
-    (vb, c): (usize, usize),
-) {
+pub(crate) fn epilogue(config: &Config, bias: Option<&[f32]>, logits: &mut [f32], (vb, c): (usize, usize)) {
     let softcap = config.softcap;
     if (bias.is_none() && softcap == Softcap::Off) || vb == 0 || c == 0 {
         return;
@@ -144,7 +139,7 @@ pub(crate) fn epilogue(
 /// time into `w_buf` (so the working set holds a sub-block of W in f32, never the block), each
 /// sub-block's logits rows formed by one GEMM.
 pub(crate) fn form_logits_widening(
-    config: &LinearCrossEntropy,
+    config: &Config,
     d: usize,
     tokens: TokenBlock<'_>,
     (w, v0, vb, bias): (&Matrix<'_>, usize, usize, Option<&[f32]>),
@@ -211,7 +206,7 @@ pub(crate) struct StatsMut<'a> {
 /// Two passes over fixed row ranges (maxima, then sums of exponentials), each range's partials
 /// combined in range order. With `keep_exp`, the block is left holding e^(z − M').
 pub(crate) fn fold(
-    config: &LinearCrossEntropy,
+    config: &Config,
     tokens: TokenBlock<'_>,
     (v0, vb): (usize, usize),
     logits: &mut [f32],
@@ -298,7 +293,7 @@ impl ColumnGrads {
 /// The [`ColumnGrads`] of a block from each token's gradient scale `coef`, its `lse` and the
 /// optional upstream gradient of the lse, for a vocabulary of `v` rows in all.
 pub(crate) fn column_grads(
-    config: &LinearCrossEntropy,
+    config: &Config,
     v: usize,
     coef: &[f32],
     lse: &[f32],
@@ -324,7 +319,7 @@ pub(crate) fn column_grads(
 
 /// Turns a `vb×c` logits block into its gradient G in place, over fixed ranges of rows.
 pub(crate) fn gradient(
-    config: &LinearCrossEntropy,
+    config: &Config,
     tokens: TokenBlock<'_>,
     (v0, vb): (usize, usize),
     logits: &mut [f32],

@@ -32,7 +32,7 @@ pub use block::{ROW_SCRATCH_BYTES, SPLIT_K_MIN_ROWS, WIDEN_ROWS, splits_dx};
 use flatpeak_common::Workspace;
 use flatpeak_common::gemm::{Accumulate, Threads};
 
-use crate::config::{LinearCrossEntropy, Reduction, Softcap};
+use crate::config::{Config, Reduction, Softcap};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Loss, Matrix};
 use crate::plan::{Plan, Schedule};
@@ -54,7 +54,7 @@ fn check_plan(plan: &Plan, inputs: &Inputs<'_>) -> Result<()> {
 /// Per-row gradient scale c_i from the reduction and the upstream gradient (0 for ignored rows).
 /// `mean_denominator` is Σ of the valid rows' weights (over every rank, for a ring).
 pub(crate) fn coefficients(
-    config: &LinearCrossEntropy,
+    config: &Config,
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
     mean_denominator: f64,
@@ -135,7 +135,7 @@ fn missing(expected: &'static str) -> Error {
 }
 
 fn run(
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     pass: Pass<'_>,
@@ -223,7 +223,7 @@ fn run(
 /// Per-token losses `ℓ_i = ω_i·(lse − (1−α)·z_y − (α/V)·Σz + λ·lse²)` (0 for ignored rows) and
 /// the lse of every row, from finished statistics over a vocabulary of `v` rows.
 pub(crate) fn per_token_losses(
-    config: &LinearCrossEntropy,
+    config: &Config,
     inputs: &Inputs<'_>,
     v: usize,
     stats: &Stats,
@@ -245,7 +245,7 @@ pub(crate) fn per_token_losses(
 
 /// The reduced loss from per-token losses, given the (global) sum of losses and of the valid
 /// rows' weights.
-pub(crate) fn reduce_loss(config: &LinearCrossEntropy, per_token: Vec<f32>, total: f64, denom: f64) -> Loss {
+pub(crate) fn reduce_loss(config: &Config, per_token: Vec<f32>, total: f64, denom: f64) -> Loss {
     match config.reduction {
         Reduction::None => Loss::PerToken(per_token),
         Reduction::Sum => Loss::Scalar(total),
@@ -253,7 +253,7 @@ pub(crate) fn reduce_loss(config: &LinearCrossEntropy, per_token: Vec<f32>, tota
     }
 }
 
-fn finish_forward(config: &LinearCrossEntropy, inputs: &Inputs<'_>, stats: &Stats) -> Forward {
+fn finish_forward(config: &Config, inputs: &Inputs<'_>, stats: &Stats) -> Forward {
     let (per_token, lse) = per_token_losses(config, inputs, inputs.v, stats);
     let total: f64 = per_token.iter().map(|&x| x as f64).sum();
     let loss = reduce_loss(config, per_token, total, inputs.valid_weight(config));
@@ -261,7 +261,7 @@ fn finish_forward(config: &LinearCrossEntropy, inputs: &Inputs<'_>, stats: &Stat
 }
 
 /// The loss and per-row lse, one GEMM per block.
-pub fn forward(config: &LinearCrossEntropy, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
+pub fn forward(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
     inputs.validate(config)?;
     check_plan(plan, inputs)?;
     let (stats, _) = run(config, plan, inputs, Pass::Forward)?;
@@ -272,7 +272,7 @@ pub fn forward(config: &LinearCrossEntropy, plan: &Plan, inputs: &Inputs<'_>) ->
 /// dX, dW (and dbias) from forward's lse, recomputing each block's logits (so forward +
 /// backward cost 4 GEMMs). `dlse` is an optional upstream gradient of the lse output.
 pub fn backward(
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     forward: &Forward,
@@ -296,7 +296,7 @@ pub fn backward(
 /// known): on the full-vocabulary schedule each block's logits serve both (3 GEMMs); on the
 /// blocked schedule it runs `forward` then `backward`.
 pub fn forward_backward(
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,

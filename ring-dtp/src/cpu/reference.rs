@@ -1,7 +1,7 @@
 //! The oracle: materialized logits in f64, the loss and its gradient straight from the
 //! definitions in `config.rs`. O(N·V) memory; for tests and error measurement only.
 
-use crate::config::{LinearCrossEntropy, Reduction, Softcap};
+use crate::config::{Config, Reduction, Softcap};
 use crate::inputs::{GradOutput, Inputs, Matrix};
 
 /// f64 results of the reference.
@@ -43,12 +43,7 @@ fn to_f64(m: &Matrix<'_>) -> Vec<f64> {
 
 /// Forward and backward in f64. `grad` is the upstream gradient (its kind must fit the
 /// reduction); `dlse` an optional gradient of the lse output.
-pub fn run(
-    inputs: &Inputs<'_>,
-    config: &LinearCrossEntropy,
-    grad: GradOutput<'_>,
-    dlse: Option<&[f32]>,
-) -> Reference {
+pub fn run(inputs: &Inputs<'_>, config: &Config, grad: GradOutput<'_>, dlse: Option<&[f32]>) -> Reference {
     let (n, d, v) = (inputs.n, inputs.d, inputs.v);
     let (x, w) = (to_f64(&inputs.x), to_f64(&inputs.w));
     let alpha = config.label_smoothing as f64;

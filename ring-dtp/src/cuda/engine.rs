@@ -14,7 +14,7 @@ use flatpeak_common::cuda::{KernelCache, fill_f32};
 use flatpeak_common::kernels::grid_stride_blocks;
 use half::bf16;
 
-use crate::config::LinearCrossEntropy;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::{LINEAR_THREADS, RING_DTP, ROW_THREADS, softcap_arg};
 
@@ -115,7 +115,7 @@ impl Engine {
     /// target; the index of the first one outside 0..V that is not ignore_index, if any.
     pub fn resolve(
         &self,
-        config: &LinearCrossEntropy,
+        config: &Config,
         targets: &CudaView<'_, i64>,
         (n, vocab): (usize, usize),
         resolved: &mut CudaViewMut<'_, u32>,
@@ -251,12 +251,7 @@ impl Engine {
     }
 
     /// Folds a raw logits block into the rows' statistics (`lce_fold`, one block per row).
-    pub fn fold(
-        &self,
-        config: &LinearCrossEntropy,
-        b: LogitsBlock<'_, '_>,
-        mut s: StatsViews<'_>,
-    ) -> Result<()> {
+    pub fn fold(&self, config: &Config, b: LogitsBlock<'_, '_>, mut s: StatsViews<'_>) -> Result<()> {
         Self::check_block(&b)?;
         for (what, len) in [("max", s.max.len()), ("target logit", s.target_logit.len())] {
             need(what, b.rows, len)?;
@@ -312,7 +307,7 @@ impl Engine {
     /// Turns a raw logits block into its gradient in place (`lce_gradient`, one block per row).
     pub fn gradient(
         &self,
-        config: &LinearCrossEntropy,
+        config: &Config,
         vocab: usize,
         b: LogitsBlock<'_, '_>,
         rows: RowViews<'_>,

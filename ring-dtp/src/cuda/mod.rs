@@ -20,7 +20,7 @@ use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView};
 use flatpeak_common::cuda::{KernelCache, context};
 use half::bf16;
 
-use crate::config::LinearCrossEntropy;
+use crate::config::Config;
 use crate::cpu::{self, Stats};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Inputs, Matrix};
@@ -85,7 +85,7 @@ pub struct DeviceInputs<'a> {
     pub w: DeviceMatrix<'a>,
     /// Bias.
     pub bias: Option<&'a CudaSlice<f32>>,
-    /// Target ids (see `LinearCrossEntropy::shift`).
+    /// Target ids (see `Config::shift`).
     pub targets: &'a CudaSlice<i64>,
     /// Per-token weights.
     pub weights: Option<&'a CudaSlice<f32>>,
@@ -120,7 +120,7 @@ impl HostRows {
     /// every target, and copies targets and weights down.
     pub fn resolve(
         e: &Engine,
-        config: &LinearCrossEntropy,
+        config: &Config,
         (targets, weights): (&CudaSlice<i64>, Option<&CudaSlice<f32>>),
         (n, v): (usize, usize),
         resolved: &mut CudaSlice<u32>,
@@ -136,11 +136,8 @@ impl HostRows {
 
     /// A host view of the per-token inputs (X and W are not read by the loss and scale formulas).
     pub fn inputs(&self, (n, d, v): (usize, usize, usize)) -> Inputs<'_> {
-        let mut i = Inputs::new(Matrix::F32(&[]), Matrix::F32(&[]), &self.targets, n, d, v);
-        if let Some(w) = &self.weights {
-            i = i.with_weights(w);
-        }
-        i
+        let (x, w) = (Matrix::F32(&[]), Matrix::F32(&[]));
+        Inputs { x, w, bias: None, targets: &self.targets, weights: self.weights.as_deref(), n, d, v }
     }
 }
 
@@ -179,7 +176,7 @@ impl DeviceStats {
 /// Linear cross-entropy on one CUDA device with the plan's block buffers reserved at launch.
 #[derive(Debug)]
 pub struct CudaLinearCrossEntropy {
-    config: LinearCrossEntropy,
+    config: Config,
     plan: Plan,
     engine: Engine,
     logits: CudaSlice<f32>,
@@ -189,7 +186,7 @@ pub struct CudaLinearCrossEntropy {
 
 impl CudaLinearCrossEntropy {
     /// Reserves the plan's block buffers on CUDA device `ordinal` and creates the cuBLAS handle.
-    pub fn new(config: LinearCrossEntropy, plan: Plan, ordinal: usize) -> Result<Self> {
+    pub fn new(config: Config, plan: Plan, ordinal: usize) -> Result<Self> {
         config.validate()?;
         let ctx = context(ordinal)?;
         let engine = Engine::new(KernelCache::new(ctx.clone())?, ctx.default_stream())?;
@@ -400,7 +397,7 @@ struct BlockAt {
 /// What the gradient step of every block reads: per-row scale, lse and upstream dlse.
 struct GradientPass<'p, 'i> {
     e: &'p Engine,
-    config: &'p LinearCrossEntropy,
+    config: &'p Config,
     inputs: &'p DeviceInputs<'i>,
     resolved: &'p CudaSlice<u32>,
     coef: &'p CudaSlice<f32>,

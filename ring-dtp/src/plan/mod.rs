@@ -14,10 +14,10 @@ mod ring;
 
 pub use ring::{RingChoice, RingKind, RingOptions, RingPlan};
 
-use flatpeak_common::DType;
 use flatpeak_common::arena::REGION_ALIGN;
+use flatpeak_common::{Budget, DType};
 
-use crate::config::LinearCrossEntropy;
+use crate::config::Config;
 use crate::error::{Error, Result};
 
 /// Bytes of per-token state besides the outputs: the fold's running max (f32), sum-exp (f64),
@@ -63,29 +63,41 @@ pub struct Plan {
     schedule: Schedule,
 }
 
-fn block_bytes(c: usize, vb: usize, d: usize, dtype: DType) -> usize {
+/// The sizes of one call: N tokens of hidden size D against a vocabulary of V rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// N: tokens (rows of X).
+    pub tokens: usize,
+    /// D: hidden size.
+    pub hidden: usize,
+    /// V: vocabulary rows of W.
+    pub vocab: usize,
+    /// Element type of X and W (f32 or bf16; accumulation is f32 either way).
+    pub dtype: DType,
+}
+
+/// Working-set bytes of blocks (C, Vb), `None` when the arithmetic overflows (never fits).
+fn block_bytes(c: usize, vb: usize, d: usize, dtype: DType) -> Option<usize> {
     // bf16 W is widened a sub-block of `WIDEN_ROWS` rows at a time.
-    let w_upcast = if dtype == DType::F32 { 0 } else { vb.min(crate::cpu::WIDEN_ROWS) * d };
+    let w_upcast = if dtype == DType::F32 { 0 } else { vb.min(crate::cpu::WIDEN_ROWS).checked_mul(d)? };
     // dX's second partial sum where the GEMMs split k (`cpu::splits_dx`).
-    let dx_part = if crate::cpu::splits_dx(vb, dtype) { c * d } else { 0 };
+    let cd = c.checked_mul(d)?;
+    let dx_part = if crate::cpu::splits_dx(vb, dtype) { cd } else { 0 };
     // logits, X block, W sub-block (bf16 only) and dX partial (where split), each region aligned.
     let regions = 3 + usize::from(dx_part > 0);
-    4 * (vb * c + c * d + w_upcast + dx_part) + regions * REGION_ALIGN
+    let elems = vb.checked_mul(c)?.checked_add(cd)?.checked_add(w_upcast)?.checked_add(dx_part)?;
+    elems.checked_mul(4)?.checked_add(regions * REGION_ALIGN)
 }
 
 impl Plan {
-    /// Chooses blocks for N tokens, hidden size D, vocabulary V and input dtype within
-    /// `budget_bytes` of working set; [`Error::BudgetTooSmall`] when not even 16 tokens × 64
-    /// vocabulary rows fit.
-    pub fn new(
-        config: &LinearCrossEntropy,
-        n: usize,
-        d: usize,
-        v: usize,
-        dtype: DType,
-        budget_bytes: usize,
-    ) -> Result<Self> {
+    /// Chooses blocks for `shape` within `budget` of working set (the largest token blocks,
+    /// then the largest vocabulary blocks, that fit); [`Error::BudgetTooSmall`] when not even
+    /// 16 tokens × 64 vocabulary rows fit. [`Budget::Unlimited`] gives the materialized
+    /// `(N, V)` blocks.
+    pub fn new(config: &Config, shape: Shape, budget: Budget) -> Result<Self> {
         config.validate()?;
+        let Shape { tokens: n, hidden: d, vocab: v, dtype } = shape;
+        let fits = |c: usize, vb: usize| block_bytes(c, vb, d, dtype).is_some_and(|b| budget.admits(b));
         let plan = |token_block: usize, vocab_block: usize, schedule| Self {
             n,
             d,
@@ -102,14 +114,14 @@ impl Plan {
         let v1 = v.max(1);
         let wide = MIN_FULL_VOCAB_TOKENS.min(n.max(1));
         for c in TOKEN_BLOCKS.map(cap).into_iter().filter(|&c| c >= wide) {
-            if block_bytes(c, v1, d, dtype) <= budget_bytes {
+            if fits(c, v1) {
                 return Ok(plan(c, v1, Schedule::FullVocab));
             }
         }
         for c in TOKEN_BLOCKS.map(cap) {
             let mut vb = v1;
             loop {
-                if block_bytes(c, vb, d, dtype) <= budget_bytes {
+                if fits(c, vb) {
                     let schedule = if vb == v1 { Schedule::FullVocab } else { Schedule::VocabBlocked };
                     return Ok(plan(c, vb, schedule));
                 }
@@ -120,8 +132,9 @@ impl Plan {
                 vb = next;
             }
         }
-        let needed = block_bytes(cap(16), MIN_VOCAB_BLOCK.min(v1), d, dtype);
-        Err(Error::BudgetTooSmall { budget: budget_bytes, needed, what: "16 tokens x 64 vocabulary rows" })
+        let needed = block_bytes(cap(16), MIN_VOCAB_BLOCK.min(v1), d, dtype)
+            .ok_or(Error::Common(flatpeak_common::Error::SizeOverflow { what: "ring-dtp block bytes" }))?;
+        Err(Error::BudgetTooSmall { budget: budget.bytes(), needed, what: "16 tokens x 64 vocabulary rows" })
     }
 
     /// Explicit blocks instead of a budget: `(token_block, vocab_block)` = (C, Vb), each capped
@@ -130,22 +143,29 @@ impl Plan {
     /// keep every GEMM large enough to fill the SMs (README, "On a GPU"); `(N, V)` is the
     /// materialized-logits shape. [`Error::InvalidConfig`] for a zero block.
     pub fn with_blocks(
-        config: &LinearCrossEntropy,
-        (n, d, v): (usize, usize, usize),
-        dtype: DType,
+        config: &Config,
+        shape: Shape,
         (token_block, vocab_block): (usize, usize),
     ) -> Result<Self> {
         config.validate()?;
+        let Shape { tokens: n, hidden: d, vocab: v, dtype } = shape;
         for (field, value) in [("token_block", token_block), ("vocab_block", vocab_block)] {
             if value == 0 {
                 return Err(Error::invalid_config(field, value, "at least 1"));
             }
         }
         let (c, vb) = (token_block.min(n.max(1)), vocab_block.min(v.max(1)));
+        if block_bytes(c, vb, d, dtype).is_none() {
+            return Err(Error::Common(flatpeak_common::Error::SizeOverflow { what: "ring-dtp block bytes" }));
+        }
         let schedule = if vb >= v { Schedule::FullVocab } else { Schedule::VocabBlocked };
         Ok(Self { n, d, v, dtype, token_block: c, vocab_block: vb, schedule })
     }
 
+    /// The shape planned for.
+    pub fn shape(&self) -> Shape {
+        Shape { tokens: self.n, hidden: self.d, vocab: self.v, dtype: self.dtype }
+    }
     /// Tokens N.
     pub fn n(&self) -> usize {
         self.n
@@ -176,7 +196,8 @@ impl Plan {
     }
     /// Bytes reserved at launch for blocks; independent of N.
     pub fn workspace_bytes(&self) -> usize {
-        block_bytes(self.token_block, self.vocab_block, self.d, self.dtype)
+        // Both constructors refuse blocks whose bytes overflow, so this is always `Some`.
+        block_bytes(self.token_block, self.vocab_block, self.d, self.dtype).unwrap_or(usize::MAX)
     }
     /// The CPU GEMM's own buffers, independent of N: its packed operand panels, bounded by
     /// `CPU_GEMM_SCRATCH_PER_THREAD` per thread, plus `4·CPU_GEMM_DEPTH_BLOCK·C` for the second
@@ -249,51 +270,91 @@ mod tests {
 
     #[test]
     fn explicit_blocks_are_capped_and_pick_the_schedule() {
-        let cfg = LinearCrossEntropy::default();
-        let all = Plan::with_blocks(&cfg, (8192, 1024, 32768), DType::F32, (1 << 20, 1 << 20)).unwrap();
+        let cfg = Config::default();
+        let all = Plan::with_blocks(
+            &cfg,
+            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
+            (1 << 20, 1 << 20),
+        )
+        .unwrap();
         assert_eq!(
             (all.schedule(), all.token_block(), all.vocab_block()),
             (Schedule::FullVocab, 8192, 32768)
         );
         // logits, X block and dX's second partial (k = V splits); no W sub-block for f32.
         assert_eq!(all.workspace_bytes(), 4 * (8192 * 32768 + 2 * 8192 * 1024) + 4 * REGION_ALIGN);
-        let short = Plan::with_blocks(&cfg, (64, 32, 1000), DType::F32, (64, 1000)).unwrap();
+        let short = Plan::with_blocks(
+            &cfg,
+            Shape { tokens: 64, hidden: 32, vocab: 1000, dtype: DType::F32 },
+            (64, 1000),
+        )
+        .unwrap();
         assert_eq!(short.workspace_bytes(), 4 * (64 * 1000 + 64 * 32) + 3 * REGION_ALIGN);
-        let blocked = Plan::with_blocks(&cfg, (8192, 1024, 32768), DType::Bf16, (2048, 4096)).unwrap();
+        let blocked = Plan::with_blocks(
+            &cfg,
+            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::Bf16 },
+            (2048, 4096),
+        )
+        .unwrap();
         assert_eq!(
             (blocked.schedule(), blocked.token_block(), blocked.vocab_block()),
             (Schedule::VocabBlocked, 2048, 4096)
         );
         assert!(matches!(
-            Plan::with_blocks(&cfg, (8, 4, 16), DType::F32, (0, 16)),
+            Plan::with_blocks(&cfg, Shape { tokens: 8, hidden: 4, vocab: 16, dtype: DType::F32 }, (0, 16)),
             Err(Error::InvalidConfig { field: "token_block", .. })
         ));
         assert!(matches!(
-            Plan::with_blocks(&cfg, (8, 4, 16), DType::F32, (8, 0)),
+            Plan::with_blocks(&cfg, Shape { tokens: 8, hidden: 4, vocab: 16, dtype: DType::F32 }, (8, 0)),
             Err(Error::InvalidConfig { field: "vocab_block", .. })
         ));
     }
 
     #[test]
     fn budget_picks_the_schedule() {
-        let cfg = LinearCrossEntropy::default();
-        let big = Plan::new(&cfg, 8192, 1024, 32768, DType::F32, 1 << 30).unwrap();
+        let cfg = Config::default();
+        let big = Plan::new(
+            &cfg,
+            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
+            Budget::Bytes(1 << 30),
+        )
+        .unwrap();
         assert_eq!(
             (big.schedule(), big.token_block(), big.vocab_block()),
             (Schedule::FullVocab, 1024, 32768)
         );
-        let small = Plan::new(&cfg, 8192, 1024, 32768, DType::F32, 8 << 20).unwrap();
+        let small = Plan::new(
+            &cfg,
+            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
+            Budget::Bytes(8 << 20),
+        )
+        .unwrap();
         assert_eq!(small.schedule(), Schedule::VocabBlocked);
         assert!(small.workspace_bytes() <= 8 << 20);
-        let err = Plan::new(&cfg, 8192, 1024, 32768, DType::F32, 1000).unwrap_err();
+        let err = Plan::new(
+            &cfg,
+            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
+            Budget::Bytes(1000),
+        )
+        .unwrap_err();
         assert!(matches!(err, Error::BudgetTooSmall { budget: 1000, .. }));
     }
 
     #[test]
     fn workspace_does_not_grow_with_tokens() {
-        let cfg = LinearCrossEntropy::default();
-        let a = Plan::new(&cfg, 1 << 10, 512, 4096, DType::Bf16, 64 << 20).unwrap();
-        let b = Plan::new(&cfg, 1 << 20, 512, 4096, DType::Bf16, 64 << 20).unwrap();
+        let cfg = Config::default();
+        let a = Plan::new(
+            &cfg,
+            Shape { tokens: 1 << 10, hidden: 512, vocab: 4096, dtype: DType::Bf16 },
+            Budget::Bytes(64 << 20),
+        )
+        .unwrap();
+        let b = Plan::new(
+            &cfg,
+            Shape { tokens: 1 << 20, hidden: 512, vocab: 4096, dtype: DType::Bf16 },
+            Budget::Bytes(64 << 20),
+        )
+        .unwrap();
         assert_eq!(a.workspace_bytes(), b.workspace_bytes());
         assert_eq!(b.per_token_bytes() - a.per_token_bytes(), PER_TOKEN_BYTES * ((1 << 20) - (1 << 10)));
     }

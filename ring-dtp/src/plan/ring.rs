@@ -26,7 +26,7 @@ use flatpeak_common::DType;
 use flatpeak_common::arena::REGION_ALIGN;
 use flatpeak_common::gemm::Threads;
 
-use crate::config::LinearCrossEntropy;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::plan::PER_TOKEN_BYTES;
 
@@ -113,7 +113,7 @@ impl RingPlan {
     /// Plans N tokens, hidden size D and vocabulary V over `world` ranks with `dtype` inputs;
     /// [`Error::BudgetTooSmall`] when not even 16 tokens × 64 vocabulary rows fit the budget.
     pub fn new(
-        config: &LinearCrossEntropy,
+        config: &Config,
         (n, d, v): (usize, usize, usize),
         world: usize,
         dtype: DType,
@@ -362,7 +362,7 @@ mod tests {
 
     #[test]
     fn layout_covers_everything_once() {
-        let cfg = LinearCrossEntropy::default();
+        let cfg = Config::default();
         for (n, v, p) in [(10, 7, 3), (8192, 32768, 4), (5, 3, 7), (1, 1, 1)] {
             let plan = RingPlan::new(&cfg, (n, 16, v), p, DType::F32, RingOptions::default()).unwrap();
             let tokens: usize = (0..p).map(|r| plan.tokens(r).len()).sum();
@@ -377,7 +377,7 @@ mod tests {
 
     #[test]
     fn auto_ring_and_budget() {
-        let cfg = LinearCrossEntropy::default();
+        let cfg = Config::default();
         let opts = RingOptions::with_budget(48 << 20);
         let a = RingPlan::new(&cfg, (8192, 1024, 32768), 4, DType::F32, opts).unwrap();
         assert_eq!(a.kind(), RingKind::Activation);
@@ -393,7 +393,7 @@ mod tests {
 
     #[test]
     fn bound_does_not_grow_with_tokens() {
-        let cfg = LinearCrossEntropy::default();
+        let cfg = Config::default();
         let opts = RingOptions::with_budget(32 << 20).ring(RingKind::Weight);
         let a = RingPlan::new(&cfg, (1 << 12, 512, 50_000), 4, DType::Bf16, opts).unwrap();
         let b = RingPlan::new(&cfg, (1 << 20, 512, 50_000), 4, DType::Bf16, opts).unwrap();

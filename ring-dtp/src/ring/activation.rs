@@ -15,7 +15,7 @@ use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{DType, Workspace};
 
 use super::{LinkCredit, Pass, Rank, as_matrix, elem_bytes, raw_rows};
-use crate::config::LinearCrossEntropy;
+use crate::config::Config;
 use crate::cpu::{
     BlockGrads, StatsMut, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits,
     gradient, resolve_targets, w_rows,
@@ -67,7 +67,7 @@ impl<'w> Packet<'w> {
 
 pub(super) fn run<C: Communicator + ?Sized>(
     comm: &C,
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &RingPlan,
     rank: &Rank<'_>,
     mut pass: Pass<'_>,

@@ -20,13 +20,13 @@
 //! ```
 //! use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, SplitMix64};
 //! use ring_dtp::ring::{self, RankInputs};
-//! use ring_dtp::{GradOutput, LinearCrossEntropy, Loss, Matrix, RingOptions, RingPlan};
+//! use ring_dtp::{GradOutput, Config, Loss, Matrix, RingOptions, RingPlan};
 //!
 //! let (n, d, v, p) = (96, 16, 500, 3);
 //! let mut rng = SplitMix64::new(2);
 //! let (x, w) = (rng.normal_f32(n * d, 0.0, 1.0), rng.normal_f32(v * d, 0.0, 0.2));
 //! let targets: Vec<i64> = (0..n as i64).map(|i| i * 13 % v as i64).collect();
-//! let config = LinearCrossEntropy::default();
+//! let config = Config::default();
 //! let plan = RingPlan::new(&config, (n, d, v), p, DType::F32, RingOptions::with_budget(1 << 20))?;
 //! // Three ranks as threads; each sees only its tokens and its vocabulary shard.
 //! let results = LocalGroup::run(p, LocalGroupOptions::default(), |comm| {
@@ -52,7 +52,7 @@ mod weight;
 use flatpeak_common::DType;
 use flatpeak_common::comm::{Communicator, CommunicatorExt};
 
-use crate::config::LinearCrossEntropy;
+use crate::config::Config;
 use crate::cpu::{self, Stats};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
@@ -60,7 +60,7 @@ use crate::plan::{RingKind, RingPlan};
 
 /// One rank's share of a call: its tokens' rows of X, targets and weights, and its vocabulary
 /// shard of W and the bias (rows [`RingPlan::shard`]). Targets are global vocabulary ids, and
-/// `LinearCrossEntropy::shift` applies within the rank's rows (to shift across ranks without a
+/// `Config::shift` applies within the rank's rows (to shift across ranks without a
 /// copy, pass each rank the target slice starting one row later).
 #[derive(Debug, Clone, Copy)]
 pub struct RankInputs<'a> {
@@ -104,7 +104,7 @@ fn check(what: &'static str, expected: usize, found: usize) -> Result<()> {
 
 fn validate<'a, C: Communicator + ?Sized>(
     comm: &C,
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &RingPlan,
     inputs: &RankInputs<'a>,
 ) -> Result<Rank<'a>> {
@@ -169,7 +169,7 @@ enum Pass<'a> {
 
 fn run_pass<C: Communicator + ?Sized>(
     comm: &C,
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &RingPlan,
     rank: &Rank<'_>,
     pass: Pass<'_>,
@@ -184,7 +184,7 @@ fn run_pass<C: Communicator + ?Sized>(
 /// losses) and this rank's tokens' lse.
 pub fn forward<C: Communicator + ?Sized>(
     comm: &C,
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &RingPlan,
     inputs: &RankInputs<'_>,
 ) -> Result<Forward> {
@@ -201,7 +201,7 @@ pub fn forward<C: Communicator + ?Sized>(
 /// optional upstream gradient of the lse output.
 pub fn backward<C: Communicator + ?Sized>(
     comm: &C,
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &RingPlan,
     inputs: &RankInputs<'_>,
     forward: &Forward,
@@ -230,7 +230,7 @@ pub fn backward<C: Communicator + ?Sized>(
 /// `forward`, then `backward` with `grad` (4 GEMMs).
 pub fn forward_backward<C: Communicator + ?Sized>(
     comm: &C,
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &RingPlan,
     inputs: &RankInputs<'_>,
     grad: GradOutput<'_>,

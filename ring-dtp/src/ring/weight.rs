@@ -13,7 +13,7 @@ use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{DType, Workspace};
 
 use super::{LinkCredit, Pass, Rank, as_matrix, elem_bytes, raw_rows};
-use crate::config::LinearCrossEntropy;
+use crate::config::Config;
 use crate::cpu::{
     BlockGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits, gradient,
     resolve_targets, w_rows,
@@ -43,7 +43,7 @@ impl<'w> Slot<'w> {
 
 pub(super) fn run<C: Communicator + ?Sized>(
     comm: &C,
-    config: &LinearCrossEntropy,
+    config: &Config,
     plan: &RingPlan,
     rank: &Rank<'_>,
     mut pass: Pass<'_>,

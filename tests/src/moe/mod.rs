@@ -21,9 +21,9 @@ pub mod ops;
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, ReduceOp, SplitMix64, Workspace};
 use llep::{ExpertWeights, LlepConfig, PairCap, Pass, RankInputs, Routing, Scheme, Shape};
-use ring_dtp::{GradOutput, LinearCrossEntropy, Loss, Matrix, RingOptions, RingPlan};
-use sco::{CheckpointOffloader, OffloadOptions};
-use stream_adamw::{AdamWConfig, HostDevice, Link, PipelineOptions, StepOptions, StreamAdamW};
+use ring_dtp::{Config, GradOutput, Loss, Matrix, RingOptions, RingPlan};
+use sco::CheckpointOffloader;
+use stream_adamw::{HostDevice, Hyperparameters, Link, StepOptions, StreamAdamW};
 
 use ops::{Trans, gemm, materialized_loss, rmsnorm, rmsnorm_backward, top_k, top_k_backward};
 
@@ -386,7 +386,7 @@ impl<C: Communicator> Rank<'_, C> {
             }
             LossSchedule::Ring => {
                 let inputs = ring_dtp::RankInputs::new(Matrix::F32(hn), Matrix::F32(&p.w_out), targets);
-                let config = LinearCrossEntropy::default();
+                let config = Config::default();
                 let (fwd, g) = ring_dtp::ring::forward_backward(
                     self.comm,
                     &config,
@@ -463,7 +463,7 @@ pub fn train(c: &MoeConfig, s: Schedules, steps: usize) -> Result<Run> {
     let mut ring_options = RingOptions::default();
     ring_options.budget_bytes = 1 << 20;
     let ring = RingPlan::new(
-        &LinearCrossEntropy::default(),
+        &Config::default(),
         (c.ranks * c.tokens, c.hidden, c.vocab),
         c.ranks,
         DType::F32,
@@ -476,14 +476,19 @@ pub fn train(c: &MoeConfig, s: Schedules, steps: usize) -> Result<Run> {
         let run = || -> Result<(Vec<f64>, Vec<f32>, Peaks)> {
             let r = comm.rank();
             let mut params = Params::init(c, r, ring.shard(r));
-            let options = PipelineOptions::with_schedule(s.optimizer).bucket_elems(1024);
-            let mut opt = StreamAdamW::<f32, f32>::new(params.flatten(), AdamWConfig::with_lr(c.lr), options)
-                .map_err(err("stream-adamw"))?;
+            let options = stream_adamw::Config::default().schedule(s.optimizer).bucket_elems(1024);
+            let mut opt =
+                StreamAdamW::<f32, f32>::new(params.flatten(), Hyperparameters::default().lr(c.lr), &options)
+                    .map_err(err("stream-adamw"))?;
             let mut store = match s.checkpoints {
                 Checkpoints::OnDevice => Store::OnDevice(vec![Vec::new(); c.layers]),
                 Checkpoints::Offload => {
-                    let plan = sco::Plan::new(c.layers, c.tokens * c.hidden, 4, OffloadOptions::default())
-                        .map_err(err("sco plan"))?;
+                    let plan = sco::Plan::new(
+                        &sco::Config::default(),
+                        sco::Shape::of::<f32>(c.layers, c.tokens * c.hidden),
+                        sco::Budget::Unlimited,
+                    )
+                    .map_err(err("sco plan"))?;
                     Store::Offload(CheckpointOffloader::new(plan, Link::Memcpy))
                 }
             };

@@ -42,7 +42,7 @@ use half::bf16;
 
 use super::engine::{Engine, cuda};
 use super::{DeviceGradients, DeviceMatrix, DeviceStats, HostRows};
-use crate::config::LinearCrossEntropy;
+use crate::config::Config;
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput};
@@ -168,7 +168,7 @@ enum Buffers {
 /// Ring-DTP on this rank's device, with the ring plan's buffers reserved at launch.
 #[derive(Debug)]
 pub struct CudaRing<C: DeviceCommunicator> {
-    config: LinearCrossEntropy,
+    config: Config,
     plan: RingPlan,
     comm: C,
     engine: Engine,
@@ -191,7 +191,7 @@ enum Pass<'a> {
 
 impl<C: DeviceCommunicator> CudaRing<C> {
     /// Reserves the plan's buffers on the device of `comm`'s stream.
-    pub fn new(config: LinearCrossEntropy, plan: RingPlan, comm: C) -> Result<Self> {
+    pub fn new(config: Config, plan: RingPlan, comm: C) -> Result<Self> {
         config.validate()?;
         if plan.world() != comm.world_size() {
             return Err(Error::ShapeMismatch {
