@@ -14,7 +14,9 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use flatpeak_bench::components::llep::Data;
 use flatpeak_common::gemm::Threads;
 use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, Workspace};
-use llep::{LlepConfig, PairCap, Pass, Profile, Scheme, Shape, cpu};
+use llep::{Config as LlepConfig, PairCap, Pass, Scheme, Shape, cpu};
+
+use llep::paper::Profile;
 
 const SHAPE: Shape =
     Shape { ranks: 4, tokens: 512, hidden: 128, intermediate: 64, experts: 16, top_k: 4, dtype: DType::F32 };
@@ -34,7 +36,11 @@ fn step(data: &Data, ids: &[i64], config: &LlepConfig, train: bool) {
         let me = comm.rank();
         let inputs = data.inputs(&SHAPE, me, ids);
         let run = || -> llep::Result<usize> {
-            let plan = cpu::plan(comm, config, &SHAPE, &inputs.routing)?;
+            let plan = cpu::schedule(
+                comm,
+                &llep::Plan::new(config, SHAPE, llep::Budget::Unlimited).expect("plan"),
+                &inputs.routing,
+            )?;
             let pass = if train { Pass::Backward } else { Pass::Forward };
             let mut ws = Workspace::new(plan.buffers(me, pass).workspace_bytes());
             let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
@@ -69,7 +75,7 @@ fn steps(c: &mut Criterion) {
 #[cfg(feature = "cuda")]
 fn cuda_steps(c: &mut Criterion) {
     use flatpeak_common::nccl::{NcclComm, nccl_available};
-    use llep::Plan;
+    use llep::Schedule;
     use llep::cuda::CudaOps;
     use llep::device::{self, DeviceInputs, DeviceOps};
     if !flatpeak_common::cuda_available() || !nccl_available() {
@@ -102,7 +108,9 @@ fn cuda_steps(c: &mut Criterion) {
         ));
         group.sample_size(10);
         for (name, config) in &configs {
-            let plan = Plan::from_top_k(config, &shape, &[&ids]).expect("plan");
+            let plan =
+                Schedule::from_top_k(&llep::Plan::new(config, shape, llep::Budget::Unlimited).expect("plan"), &[&ids])
+                    .expect("plan");
             eprintln!("cuda/llep {spec} {name}: {} rounds", plan.rounds());
             group.bench_function(format!("{name}_train"), |b| {
                 b.iter(|| {

@@ -15,7 +15,9 @@
 use std::fmt::Write as _;
 
 use flatpeak_common::DType;
-use llep::{Buffers, LlepConfig, Pass, Plan as LlepPlan, Profile, Scheme, Shape};
+use llep::{Config as LlepConfig, Pass, Schedule as LlepSchedule, Scheme, Shape};
+
+use llep::paper::Profile;
 
 /// A line of a panel.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,7 +90,7 @@ fn dispatch_panel() -> Result<Panel, String> {
     };
     let e = |x: llep::Error| x.to_string();
     let launch =
-        Buffers::at_launch(&LlepConfig::default(), &shape, Pass::Backward).map_err(e)?.workspace_bytes();
+        crate::memory_model::launch_plan(&shape).map_err(e)?.buffers(Pass::Backward).workspace_bytes();
     let (mut ep, mut llep_line, mut ours) = (Vec::new(), Vec::new(), Vec::new());
     for step in 0..=10 {
         let ratio = step as f64 / 10.0;
@@ -96,7 +98,9 @@ fn dispatch_panel() -> Result<Panel, String> {
         let ids = profile.ids(&Shape { ranks: 1, ..shape }).map_err(e)?;
         let views: Vec<&[i64]> = (0..shape.ranks).map(|_| ids.as_slice()).collect();
         let sized = |scheme| -> Result<f64, String> {
-            let plan = LlepPlan::from_top_k(&LlepConfig::with_scheme(scheme), &shape, &views).map_err(e)?;
+            let plan = llep::Plan::new(&LlepConfig::with_scheme(scheme), shape, llep::Budget::Unlimited)
+                .map_err(e)?;
+            let plan = LlepSchedule::from_top_k(&plan, &views).map_err(e)?;
             Ok(plan.max_workspace_bytes(Pass::Backward) as f64)
         };
         ep.push((100.0 * ratio, sized(Scheme::StandardEp)?));

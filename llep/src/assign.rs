@@ -11,7 +11,7 @@
 //! full is skipped, and a remainder no helper can host stays on the native rank. When the
 //! per-rank imbalance `max_g L_g / mean` is below λ, every route stays native (plain EP).
 
-use crate::config::{LlepConfig, Scheme, Shape, SpillSplit};
+use crate::config::{Config, Scheme, Shape, SpillSplit};
 use crate::error::{Error, Result};
 
 /// The all-gathered route counts: `c[s][e]` routes (token, slot) of source rank s to expert e.
@@ -145,7 +145,7 @@ pub struct Assignment {
 
 impl Assignment {
     /// Runs the assignment the config's scheme calls for on these counts.
-    pub fn new(config: &LlepConfig, shape: &Shape, counts: RouteCounts) -> Result<Self> {
+    pub fn new(config: &Config, shape: &Shape, counts: RouteCounts) -> Result<Self> {
         config.validate()?;
         shape.validate()?;
         if counts.ranks() != shape.ranks || counts.experts() != shape.experts {
@@ -303,7 +303,7 @@ pub struct RouteMapper<'a> {
 
 impl RouteMapper<'_> {
     /// The compute rank of this source's next route to `expert`. More routes than the counts
-    /// the assignment was made from is [`Error::PlanMismatch`].
+    /// the assignment was made from is [`Error::ScheduleMismatch`].
     pub fn next(&mut self, expert: usize) -> Result<usize> {
         let a = self.assignment;
         let pieces = &a.pieces[expert];
@@ -314,7 +314,7 @@ impl RouteMapper<'_> {
         }
         if *piece == pieces.len() {
             let planned = a.counts.get(self.source, expert);
-            return Err(Error::PlanMismatch {
+            return Err(Error::ScheduleMismatch {
                 what: "routes of this rank to one expert",
                 planned,
                 found: planned + 1,
@@ -505,7 +505,7 @@ mod tests {
         // Every route of every rank to expert 0.
         let counts =
             RouteCounts::new(4, 8, (0..4).flat_map(|_| [128, 0, 0, 0, 0, 0, 0, 0]).collect()).unwrap();
-        let config = LlepConfig::default().min_chunk(16);
+        let config = Config::default().min_chunk(16);
         let a = Assignment::new(&config, &s, counts).unwrap();
         assert!(a.least_loaded());
         assert_eq!(a.capacity(), 128);
@@ -522,7 +522,7 @@ mod tests {
     fn below_lambda_is_plain_ep() {
         let s = shape(2, 8, 4, 1);
         let counts = RouteCounts::new(2, 4, vec![2, 2, 2, 2, 2, 2, 2, 2]).unwrap();
-        let a = Assignment::new(&LlepConfig::default(), &s, counts).unwrap();
+        let a = Assignment::new(&Config::default(), &s, counts).unwrap();
         assert!(!a.least_loaded());
         assert_eq!(a.imbalance(), 1.0);
         assert!(a.transfers().is_empty());

@@ -1,4 +1,4 @@
-//! What a layer is ([`Shape`]) and how it is scheduled ([`LlepConfig`]).
+//! What a layer is ([`Shape`]) and how it is scheduled ([`Config`]).
 //!
 //! The MoE layer: per rank, N tokens `x` (N×H), top-k expert ids and routing weights (N×k);
 //! E SwiGLU experts `FFN_e(x) = (silu(x·W_gate,e) ⊙ (x·W_up,e))·W_down,e` with W_gate, W_up
@@ -93,30 +93,21 @@ pub enum Mode {
     /// Forward keeps every round's received rows, their routes and each route's SwiGLU
     /// pre-activations (x·W_gate, x·W_up) for backward, which then dispatches only dY and runs
     /// no recompute. What is kept grows with the routing: rank d holds `Σ_s R[s][d]` rows and
-    /// `L_d` routes' pre-activations ([`Plan::saved_bytes`](crate::Plan::saved_bytes)), at most
+    /// `L_d` routes' pre-activations ([`Schedule::saved_bytes`](crate::Schedule::saved_bytes)), at most
     /// `K·P·q` rows ([`Buffers::saved_activation_bytes`](crate::Buffers::saved_activation_bytes)).
     /// Run it with [`cpu::forward_saving`](crate::cpu::forward_saving) and
     /// [`cpu::backward_saved`](crate::cpu::backward_saved).
     SaveActivations,
 }
 
-/// How the pair cap q is chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How the pair cap q is chosen when the launch [`Plan`](crate::Plan) is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PairCap {
-    /// q rows per (source, destination) per round.
+    /// q rows per (source, destination) per round (at most N).
     Rows(usize),
-    /// The largest q whose dispatch buffers (all pipeline copies, for the configured mode) fit
-    /// in this many bytes.
-    DispatchBudget {
-        /// Bytes for the dispatch buffers of one rank.
-        bytes: usize,
-    },
-}
-
-impl Default for PairCap {
-    fn default() -> Self {
-        PairCap::DispatchBudget { bytes: 256 << 20 }
-    }
+    /// The largest q ≤ N whose buffers fit the plan's [`Budget`](flatpeak_common::Budget).
+    #[default]
+    FitBudget,
 }
 
 /// How a spilled expert's routes are divided among the sources that hold them.
@@ -141,12 +132,16 @@ pub enum Chunking {
     Contiguous,
 }
 
+/// The most copies of the dispatch buffers a config may ask for (3 already overlaps dispatch,
+/// experts and combine).
+pub const MAX_PIPELINE_DEPTH: usize = 16;
+
 /// The schedule's options. Defaults: the paper's α = 1.0, m = 1024, λ = 1.3; PipelinedLLEP
-/// with a 256 MiB dispatch budget, 4 foreign-expert slots per rank, proportional spill split,
+/// with the largest pair cap the plan's budget holds, 4 foreign-expert slots per rank, proportional spill split,
 /// strided rounds, checkpointed training, double buffering, GEMMs on the whole rayon pool.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
-pub struct LlepConfig {
+pub struct Config {
     /// Which schedule.
     pub scheme: Scheme,
     /// α: a rank's capacity is `⌊α·⌊Σl/P⌋⌋` routes (= α·k·N).
@@ -176,7 +171,7 @@ pub struct LlepConfig {
     pub gemm_threads: Threads,
 }
 
-impl Default for LlepConfig {
+impl Default for Config {
     fn default() -> Self {
         Self {
             scheme: Scheme::PipelinedLlep,
@@ -194,7 +189,7 @@ impl Default for LlepConfig {
     }
 }
 
-impl LlepConfig {
+impl Config {
     /// Defaults with this scheme.
     pub fn with_scheme(scheme: Scheme) -> Self {
         Self { scheme, ..Self::default() }
@@ -257,8 +252,8 @@ impl LlepConfig {
         if self.min_chunk == 0 {
             return bad("min_chunk", 0.0, "at least 1");
         }
-        if self.pipeline_depth == 0 {
-            return bad("pipeline_depth", 0.0, "at least 1");
+        if !(1..=MAX_PIPELINE_DEPTH).contains(&self.pipeline_depth) {
+            return bad("pipeline_depth", self.pipeline_depth as f64, "1 to 16 copies");
         }
         if self.pair_cap == PairCap::Rows(0) {
             return bad("pair_cap", 0.0, "at least 1 row");
@@ -273,7 +268,7 @@ mod tests {
 
     #[test]
     fn defaults_are_the_papers() {
-        let c = LlepConfig::default();
+        let c = Config::default();
         assert_eq!((c.alpha, c.min_chunk, c.imbalance_threshold), (1.0, 1024, 1.3));
         assert_eq!((c.scheme, c.mode), (Scheme::PipelinedLlep, Mode::Checkpointed));
         assert!(c.validate().is_ok());
@@ -282,12 +277,12 @@ mod tests {
     #[test]
     fn validation_names_the_option() {
         let bad = [
-            LlepConfig::default().alpha(f64::NAN),
-            LlepConfig::default().alpha(0.0),
-            LlepConfig::default().min_chunk(0),
-            LlepConfig::default().pipeline_depth(0),
-            LlepConfig::default().pair_cap(PairCap::Rows(0)),
-            LlepConfig::default().imbalance_threshold(f64::NAN),
+            Config::default().alpha(f64::NAN),
+            Config::default().alpha(0.0),
+            Config::default().min_chunk(0),
+            Config::default().pipeline_depth(0),
+            Config::default().pair_cap(PairCap::Rows(0)),
+            Config::default().imbalance_threshold(f64::NAN),
         ];
         for c in bad {
             assert!(matches!(c.validate(), Err(Error::InvalidConfig { .. })), "{c:?}");

@@ -80,7 +80,7 @@ impl CudaIndex {
     /// Checks that the first `rows` entries are known and each is below `bound`.
     fn check_rows(&self, rows: usize, bound: usize) -> Result<()> {
         need("index buffer (rows)", rows, self.dev.len())?;
-        let host = self.host.as_ref().ok_or(Error::PlanMismatch {
+        let host = self.host.as_ref().ok_or(Error::ScheduleMismatch {
             what: "row indices written on the device (not checkable before a launch)",
             planned: rows,
             found: 0,

@@ -68,13 +68,15 @@ pub enum Error {
         /// P.
         ranks: usize,
     },
-    /// The dispatch byte budget cannot hold one row per rank pair.
-    #[error("dispatch budget of {budget} B is below the {needed} B one row per rank pair needs")]
+    /// The budget cannot hold the buffers of the pair cap (or of one row per rank pair).
+    #[error("budget of {budget} B is below the {needed} B of {what}")]
     BudgetTooSmall {
         /// The budget given.
         budget: usize,
-        /// Bytes for a pair cap of one row.
+        /// Bytes the plan needs.
         needed: usize,
+        /// Which buffers those are.
+        what: &'static str,
     },
     /// A workload profile string that does not parse.
     #[error("invalid profile {spec:?}: {reason}")]
@@ -86,7 +88,7 @@ pub enum Error {
     },
     /// The executor was handed a plan made for other routing, or for another group.
     #[error("plan does not match this call: {what} (plan {planned}, call {found})")]
-    PlanMismatch {
+    ScheduleMismatch {
         /// What disagrees.
         what: &'static str,
         /// The plan's value.

@@ -10,8 +10,8 @@
 //! sends at most q rows to a destination, so every receive buffer is exactly P·q rows whatever
 //! the routing: **imbalance costs rounds, never memory**.
 //!
-//! Memory bound per rank (all sizes in [`Buffers`], fixed by the config and shape before any
-//! routing is known): D pipeline copies of send, receive and output buffers of P·q rows × H
+//! Memory bound per rank (all sizes in the launch [`Plan`]'s [`Buffers`], fixed by the config,
+//! the shape and the budget before any routing is known): D pipeline copies of send, receive and output buffers of P·q rows × H
 //! (backward adds dY rows), expert GEMM buffers of G = P·q rows × (H, I), F_max foreign expert
 //! slots of 3·H·I, and 8·N·k bytes of route tables. Nothing scales with the skew; the baselines
 //! ([`Scheme::Llep`], [`Scheme::StandardEp`]) are plans too, sized to their routing.
@@ -22,24 +22,26 @@
 //! gradients travel home once per layer). [`Mode::SaveActivations`] instead keeps every round's
 //! received rows and SwiGLU pre-activations from [`cpu::forward_saving`] for
 //! [`cpu::backward_saved`] (no recompute; its larger, routing-dependent store is
-//! [`Plan::saved_bytes`]). Exact: forward and backward match a dense f64 reference
+//! [`Schedule::saved_bytes`]). Exact: forward and backward match a dense f64 reference
 //! ([`cpu::reference`]) to f32 rounding.
 //!
 //! ```
 //! use flatpeak_common::SplitMix64;
-//! use llep::{cpu, Buffers, Communicator, DType, ExpertWeights, LlepConfig, LocalGroup, LocalGroupOptions};
-//! use llep::{PairCap, Pass, Profile, RankInputs, Routing, Shape, Workspace};
+//! use llep::paper::{Profile, routing_weights};
+//! use llep::{cpu, Budget, Communicator, Config, DType, ExpertWeights, LocalGroup, LocalGroupOptions};
+//! use llep::{PairCap, Plan, RankInputs, Routing, Shape, Workspace};
 //!
 //! let shape = Shape { ranks: 4, tokens: 64, hidden: 32, intermediate: 16, experts: 8, top_k: 2, dtype: DType::F32 };
-//! let config = LlepConfig::default().min_chunk(8).pair_cap(PairCap::Rows(8));
-//! // Reserved at launch, before any routing is known.
-//! let bytes = Buffers::at_launch(&config, &shape, Pass::Backward)?.workspace_bytes();
+//! let config = Config::default().min_chunk(8).pair_cap(PairCap::Rows(8));
+//! // Sized at launch, before any routing is known: q = 8 rows per rank pair and round.
+//! let plan = Plan::new(&config, shape, Budget::mib(1))?;
+//! let bytes = plan.workspace_bytes();
 //! // Every token's two slots go to expert 0 (all on rank 0): LLEP spills it to all ranks.
 //! let ids = Profile::Hot { ratio: 1.0, experts: 1 }.ids(&Shape { ranks: 1, ..shape })?;
 //! let results = LocalGroup::run(4, LocalGroupOptions::default(), |comm| {
 //!     let mut rng = SplitMix64::new(comm.rank() as u64);
 //!     let x = rng.normal_f32(64 * 32, 0.0, 1.0);
-//!     let weights = llep::routing_weights(64, 2, 7);
+//!     let weights = routing_weights(64, 2, 7);
 //!     let (gate, up, down) = (rng.normal_f32(2 * 32 * 16, 0.0, 0.2), rng.normal_f32(2 * 32 * 16, 0.0, 0.2), rng.normal_f32(2 * 16 * 32, 0.0, 0.2));
 //!     let inputs = RankInputs {
 //!         x: &x,
@@ -48,10 +50,11 @@
 //!     };
 //!     let run = || -> llep::Result<_> {
 //!         let mut ws = Workspace::new(bytes);
-//!         let plan = cpu::plan(comm, &config, &shape, &inputs.routing)?;
-//!         let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
-//!         let grads = cpu::backward(comm, &plan, &inputs, &y, &mut ws)?; // dY = y
-//!         Ok((plan.rounds(), plan.assignment().transfers().len(), grads.dx.len(), ws.high_water()))
+//!         // This call's rounds within the plan: the routing costs rounds, never memory.
+//!         let schedule = cpu::schedule(comm, &plan, &inputs.routing)?;
+//!         let y = cpu::forward(comm, &schedule, &inputs, &mut ws)?;
+//!         let grads = cpu::backward(comm, &schedule, &inputs, &y, &mut ws)?; // dY = y
+//!         Ok((schedule.rounds(), schedule.assignment().transfers().len(), grads.dx.len(), ws.high_water()))
 //!     };
 //!     Ok(run())
 //! });
@@ -63,9 +66,10 @@
 //! ```
 //!
 //! Modules: [`config`] (shape and options), [`assign`] (least-loaded assignment, pure),
-//! [`plan`] (rounds and buffer sizes, pure), [`cpu`] (executor over a `Communicator`, and the
-//! f64 reference), [`workload`] (the LLEP harness's routing profiles), [`model`] (the DESIGN
-//! peak model and the paper's plan-only row). With feature `cuda` or `cuda-emu`, `device` runs
+//! [`plan`] (launch sizing: the pair cap and every buffer, pure), [`schedule`] (one call's
+//! rounds from its routing, pure), [`cpu`] (executor over a `Communicator`, and the f64
+//! reference), [`paper`] (the LLEP harness's routing profiles, the peak model fitted to the
+//! paper's figures and its plan-only rows). With feature `cuda` or `cuda-emu`, `device` runs
 //! the same round schedule on device buffers over a small set of device operations, implemented
 //! by `cuda::CudaOps` (cudarc, NVRTC kernels, cuBLAS, NCCL) and by `device::emu_ops::EmuOps`
 //! (the kernels under the SIMT emulator), which tests it against [`cpu`] without a GPU.
@@ -85,17 +89,14 @@ pub mod emu;
 pub mod error;
 pub mod kernels;
 pub mod layer;
-pub mod model;
+pub mod paper;
 pub mod plan;
-pub mod workload;
+pub mod schedule;
 
 pub use assign::{Assignment, Piece, RouteCounts, RouteMapper, Transfer, local_counts};
-pub use config::{Chunking, LlepConfig, Mode, PairCap, Scheme, Shape, SpillSplit};
+pub use config::{Chunking, Config, Mode, PairCap, Scheme, Shape, SpillSplit};
 pub use error::{Error, Result};
-pub use flatpeak_common::{Communicator, DType, Device, LocalGroup, LocalGroupOptions, Workspace};
+pub use flatpeak_common::{Budget, Communicator, DType, Device, LocalGroup, LocalGroupOptions, Workspace};
 pub use layer::{ExpertWeights, Gradients, RankInputs, Routing};
-pub use model::{
-    ChunkStats, ModelRow, PAPER_SHAPE, PeakModel, PeakTerms, chunk_stats, crate_pair_cap, model_row,
-};
-pub use plan::{Buffers, Pass, Plan, pair_cap, pair_rows, round_rows};
-pub use workload::{Profile, routing_weights};
+pub use plan::{Buffers, Pass, Plan};
+pub use schedule::{Schedule, pair_rows, round_rows};

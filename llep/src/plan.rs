@@ -1,17 +1,12 @@
-//! Pure planning: from the assignment and the all-gathered P×P row counts, the rounds K, the
-//! pair cap q and every buffer's size, before anything runs. No device, no communication.
-//!
-//! A *row* is one token sent to one destination rank with the list of its routes there (a
-//! token is sent once per destination and expanded to its local experts on arrival). Source s
-//! sends `R[s][d]` rows to d. PipelinedLLEP deals the rows of every (s, d) list to K rounds,
-//! at most q per round, with `K = max_{s,d} ⌈R[s][d]/q⌉`: every receive buffer is exactly P·q
-//! rows whatever the routing; imbalance costs rounds, never memory. The baselines run one
-//! round with buffers sized to what arrives (LLEP: ≈ α·k·N routes; standard EP: up to P·k·N).
+//! Launch sizing, pure: from the config, the shape and a byte budget, the pair cap q and every
+//! buffer PipelinedLLEP's executors carve, before any routing is known. No device, no
+//! communication. The routing-dependent part of a call (assignment, rounds) is the
+//! [`Schedule`](crate::Schedule).
 
+use flatpeak_common::Budget;
 use flatpeak_common::arena::Arena;
 
-use crate::assign::{Assignment, RouteCounts};
-use crate::config::{Chunking, LlepConfig, Mode, PairCap, Scheme, Shape};
+use crate::config::{Config, Mode, PairCap, Scheme, Shape};
 use crate::error::{Error, Result};
 
 /// One routed entry of a dispatched row: the destination's local expert slot (native experts
@@ -50,245 +45,85 @@ pub enum Pass {
     Backward,
 }
 
-/// Rows of source s's list for d in round j: indices `r` with `r mod K = j` (strided) or the
-/// j-th run of ⌈R/K⌉ (contiguous).
-pub fn round_rows(chunking: Chunking, total: usize, rounds: usize, round: usize) -> RoundRows {
-    let rounds = rounds.max(1);
-    match chunking {
-        Chunking::Strided => RoundRows { next: round, end: total, step: rounds },
-        Chunking::Contiguous => {
-            let run = total.div_ceil(rounds);
-            let start = (round * run).min(total);
-            RoundRows { next: start, end: (start + run).min(total), step: 1 }
-        }
-    }
-}
-
-/// Iterator over the row indices of one round (see [`round_rows`]).
-#[derive(Debug, Clone)]
-pub struct RoundRows {
-    next: usize,
-    end: usize,
-    step: usize,
-}
-
-impl Iterator for RoundRows {
-    type Item = usize;
-    fn next(&mut self) -> Option<usize> {
-        (self.next < self.end).then(|| {
-            let r = self.next;
-            self.next += self.step;
-            r
-        })
-    }
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        let n = if self.next < self.end { (self.end - self.next).div_ceil(self.step) } else { 0 };
-        (n, Some(n))
-    }
-}
-
-impl ExactSizeIterator for RoundRows {}
-
-/// Source s's row counts `R[s][d]`: tokens with at least one route computed on d.
-pub fn pair_rows(assignment: &Assignment, shape: &Shape, source: usize, ids: &[i64]) -> Result<Vec<usize>> {
-    let (p, k) = (shape.ranks, shape.top_k);
-    if ids.len() != shape.tokens * k {
-        return Err(Error::ShapeMismatch {
-            what: "top-k ids (N·k)",
-            expected: shape.tokens * k,
-            got: ids.len(),
-        });
-    }
-    let mut mapper = assignment.mapper(source);
-    let mut rows = vec![0usize; p];
-    let mut stamp = vec![usize::MAX; p];
-    for (i, token) in ids.chunks_exact(k).enumerate() {
-        for (j, &id) in token.iter().enumerate() {
-            let d = mapper.next(crate::assign::expert_index(shape, id, i, j)?)?;
-            if stamp[d] != i {
-                stamp[d] = i;
-                rows[d] += 1;
-            }
-        }
-    }
-    Ok(rows)
-}
-
-/// The largest q whose dispatch buffers for `config.mode` fit `budget` bytes, or the given q;
-/// never more than N (a pair never has more than N rows).
-pub fn pair_cap(config: &LlepConfig, shape: &Shape) -> Result<usize> {
-    let q = match config.pair_cap {
-        PairCap::Rows(q) => q,
-        PairCap::DispatchBudget { bytes } => {
-            let per_row =
-                Buffers::dispatch_bytes_per_row(shape, Pass::Backward) * config.pipeline_depth * shape.ranks;
-            if bytes < per_row {
-                return Err(Error::BudgetTooSmall { budget: bytes, needed: per_row });
-            }
-            bytes / per_row
-        }
-    };
-    Ok(q.min(shape.tokens).max(1))
-}
-
-/// The schedule of one layer call: assignment, rounds and buffer sizes. Identical on every rank.
-#[derive(Debug, Clone, PartialEq)]
+/// PipelinedLLEP's launch plan: the pair cap q and the buffers of both passes, fixed by the
+/// config, the shape and the budget before any routing is known. Every call's
+/// [`Schedule`](crate::Schedule) runs within it: imbalance costs rounds, never memory.
+///
+/// For the baselines ([`Scheme::Llep`], [`Scheme::StandardEp`]), whose buffers are sized to
+/// each call's routing, the plan is their worst case: q = N (a pair never has more than N
+/// rows), so `workspace_bytes()` bounds every call's [`Schedule::buffers`](crate::Schedule::buffers).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Plan {
-    config: LlepConfig,
+    config: Config,
     shape: Shape,
-    assignment: Assignment,
-    /// Row-major P×P: `R[s][d]`.
-    rows: Vec<usize>,
     pair_cap: usize,
-    rounds: usize,
 }
 
 impl Plan {
-    /// The plan for this assignment and the all-gathered row counts (row-major P×P).
-    pub fn new(config: &LlepConfig, shape: &Shape, assignment: Assignment, rows: Vec<usize>) -> Result<Self> {
+    /// Validates `config` and `shape` and fixes q: [`PairCap::Rows`] as given (at most N),
+    /// [`PairCap::FitBudget`] the largest q ≤ N whose [`workspace_bytes`](Plan::workspace_bytes)
+    /// fit `budget` (N when unlimited). [`Error::BudgetTooSmall`] when the buffers of the
+    /// chosen q (or of one row per rank pair) exceed the budget. Every size is checked for
+    /// overflow.
+    pub fn new(config: &Config, shape: Shape, budget: Budget) -> Result<Self> {
         config.validate()?;
         shape.validate()?;
-        let p = shape.ranks;
-        if rows.len() != p * p {
-            return Err(Error::ShapeMismatch { what: "pair rows (P·P)", expected: p * p, got: rows.len() });
-        }
-        if let Some(&bad) = rows.iter().find(|&&r| r > shape.tokens) {
-            return Err(Error::PlanMismatch {
-                what: "rows of one pair (≤ N)",
-                planned: shape.tokens,
-                found: bad,
-            });
-        }
-        let widest = rows.iter().copied().max().unwrap_or(0);
-        let (pair_cap, rounds) = match config.scheme {
-            Scheme::PipelinedLlep => {
-                let q = pair_cap(config, shape)?;
-                (q, widest.div_ceil(q).max(1))
+        let n = shape.tokens.max(1);
+        let bytes = |q: usize| Self::bytes_at(config, &shape, q);
+        let q = match (config.scheme, config.pair_cap) {
+            (Scheme::Llep | Scheme::StandardEp, _) => n,
+            (Scheme::PipelinedLlep, PairCap::Rows(q)) => q.min(n),
+            (Scheme::PipelinedLlep, PairCap::FitBudget) => {
+                if budget.admits(bytes(n)?) {
+                    n
+                } else {
+                    // The bytes grow with q: the largest q that fits, by bisection.
+                    let (mut fits, mut over) = (0usize, n);
+                    while over - fits > 1 {
+                        let mid = fits + (over - fits) / 2;
+                        if budget.admits(bytes(mid)?) { fits = mid } else { over = mid }
+                    }
+                    fits.max(1)
+                }
             }
-            Scheme::Llep | Scheme::StandardEp => (widest.max(1), 1),
         };
-        Ok(Self { config: *config, shape: *shape, assignment, rows, pair_cap, rounds })
+        let needed = bytes(q)?;
+        if !budget.admits(needed) {
+            let what = if q == 1 { "one row per rank pair" } else { "the pair cap's buffers" };
+            return Err(Error::BudgetTooSmall { budget: budget.bytes(), needed, what });
+        }
+        Ok(Self { config: *config, shape, pair_cap: q })
     }
 
-    /// Counts, assignment, rows and plan from every rank's top-k ids at once (what each rank
-    /// computes from the all-gathered counts and rows).
-    pub fn from_top_k(config: &LlepConfig, shape: &Shape, ids: &[&[i64]]) -> Result<Self> {
-        let counts = RouteCounts::from_top_k(shape, ids)?;
-        let assignment = Assignment::new(config, shape, counts)?;
-        let mut rows = Vec::with_capacity(shape.ranks * shape.ranks);
-        for (s, rank_ids) in ids.iter().enumerate() {
-            rows.extend(pair_rows(&assignment, shape, s, rank_ids)?);
-        }
-        Self::new(config, shape, assignment, rows)
+    /// The larger of the two passes' workspaces at pair cap q, or an overflow error.
+    fn bytes_at(config: &Config, shape: &Shape, q: usize) -> Result<usize> {
+        [Pass::Forward, Pass::Backward]
+            .into_iter()
+            .map(|pass| Buffers::pipelined(config, shape, q, pass).checked_workspace_bytes())
+            .try_fold(0, |most, b| Ok(most.max(b?)))
     }
 
     /// The config.
-    pub fn config(&self) -> &LlepConfig {
+    pub fn config(&self) -> &Config {
         &self.config
     }
     /// The shape.
     pub fn shape(&self) -> &Shape {
         &self.shape
     }
-    /// The least-loaded assignment.
-    pub fn assignment(&self) -> &Assignment {
-        &self.assignment
-    }
-    /// q: rows any source sends any destination in one round (the exact widest pair for the
-    /// one-round baselines).
+    /// q: rows any source sends any destination in one round.
     pub fn pair_cap(&self) -> usize {
         self.pair_cap
     }
-    /// K.
-    pub fn rounds(&self) -> usize {
-        self.rounds
+    /// The buffers one rank carves for `pass`: `send_rows = recv_rows = G = P·q`, D copies,
+    /// F_max foreign slots.
+    pub fn buffers(&self, pass: Pass) -> Buffers {
+        Buffers::pipelined(&self.config, &self.shape, self.pair_cap, pass)
     }
-    /// `R[s][d]`.
-    pub fn pair_rows(&self, source: usize, dest: usize) -> usize {
-        self.rows[source * self.shape.ranks + dest]
-    }
-    /// Rows source s sends d in round j.
-    pub fn round_pair_rows(&self, source: usize, dest: usize, round: usize) -> usize {
-        round_rows(self.config.chunking, self.pair_rows(source, dest), self.rounds, round).len()
-    }
-    /// The rows of source s's list for d that go in round j.
-    pub fn round_row_indices(&self, source: usize, dest: usize, round: usize) -> RoundRows {
-        round_rows(self.config.chunking, self.pair_rows(source, dest), self.rounds, round)
-    }
-    /// Round j's send matrix `S_j[s][d]` in rows (row-major P×P).
-    pub fn round_matrix(&self, round: usize) -> Vec<usize> {
-        let p = self.shape.ranks;
-        (0..p * p).map(|i| self.round_pair_rows(i / p, i % p, round)).collect()
-    }
-    /// The most rows any rank receives in any round.
-    pub fn max_rows_per_round(&self) -> usize {
-        let p = self.shape.ranks;
-        (0..self.rounds)
-            .flat_map(|j| (0..p).map(move |d| (0..p).map(|s| self.round_pair_rows(s, d, j)).sum::<usize>()))
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Rank d's buffers for one pass. PipelinedLLEP's are [`Buffers::at_launch`], whatever the
-    /// routing; the baselines' are sized to this routing.
-    pub fn buffers(&self, rank: usize, pass: Pass) -> Buffers {
-        let (p, m) = (self.shape.ranks, self.shape.local_experts());
-        match self.config.scheme {
-            Scheme::PipelinedLlep => Buffers::pipelined(&self.config, &self.shape, self.pair_cap, pass),
-            Scheme::Llep | Scheme::StandardEp => {
-                let a = &self.assignment;
-                let send_rows = (0..p).map(|d| a.pair_routes(rank, d)).sum();
-                let recv_rows = (0..p).map(|s| a.pair_routes(s, rank)).sum();
-                let slice =
-                    |e: usize| a.pieces(e).iter().filter(|x| x.rank == rank).map(|x| x.routes).sum::<usize>();
-                let native = (rank * m..(rank + 1) * m).map(slice);
-                let expert_rows = native.chain(a.foreign(rank).iter().map(|&e| slice(e))).max().unwrap_or(0);
-                Buffers {
-                    shape: self.shape,
-                    pass,
-                    depth: 1,
-                    send_rows,
-                    recv_rows,
-                    expert_rows,
-                    foreign_slots: a.foreign(rank).len(),
-                }
-            }
-        }
-    }
-
-    /// Rows rank d receives over all rounds, `Σ_s R[s][d]`.
-    pub fn recv_rows_total(&self, rank: usize) -> usize {
-        (0..self.shape.ranks).map(|s| self.pair_rows(s, rank)).sum()
-    }
-
-    /// Rank d's saved-activation store of [`Mode::SaveActivations`], in carve order (bytes):
-    /// the received x rows of every round (`Σ_s R[s][d]` × H), their route metadata (× k
-    /// entries), each computed route's gate and up pre-activations (`L_d` × I, twice), and K + 1
-    /// route offsets. Empty when the config is checkpointed.
-    pub fn saved_regions(&self, rank: usize) -> Vec<usize> {
-        if self.config.mode == Mode::Checkpointed {
-            return Vec::new();
-        }
-        let s = &self.shape;
-        let (h, i, k, b) = (s.hidden, s.intermediate, s.top_k, s.elem_bytes());
-        let rows = self.recv_rows_total(rank);
-        let routes = self.assignment.rank_load(rank);
-        let meta = std::mem::size_of::<RouteMeta>();
-        vec![rows * h * b, rows * k * meta, routes * i * b, routes * i * b, 4 * (self.rounds + 1)]
-    }
-
-    /// Bytes rank d keeps from forward to backward in [`Mode::SaveActivations`] (0 when
-    /// checkpointed): the exact size of [`Plan::saved_regions`], alignment included. At most
-    /// [`Buffers::saved_activation_bytes`] of the rank's buffers for this plan's K: unlike the
-    /// dispatch buffers, it grows with the routing.
-    pub fn saved_bytes(&self, rank: usize) -> usize {
-        let regions = self.saved_regions(rank);
-        if regions.is_empty() { 0 } else { Arena::bytes_for(&regions).unwrap_or(usize::MAX) }
-    }
-
-    /// The largest workspace any rank needs for `pass`.
-    pub fn max_workspace_bytes(&self, pass: Pass) -> usize {
-        (0..self.shape.ranks).map(|d| self.buffers(d, pass).workspace_bytes()).max().unwrap_or(0)
+    /// The working set one rank reserves at launch: the larger pass's buffers (backward), within
+    /// the budget the plan was made for.
+    pub fn workspace_bytes(&self) -> usize {
+        self.buffers(Pass::Forward).workspace_bytes().max(self.buffers(Pass::Backward).workspace_bytes())
     }
 }
 
@@ -301,20 +136,20 @@ impl Plan {
 /// return buffer), and N·k-entry route tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Buffers {
-    shape: Shape,
-    pass: Pass,
-    depth: usize,
-    send_rows: usize,
-    recv_rows: usize,
-    expert_rows: usize,
-    foreign_slots: usize,
+    pub(crate) shape: Shape,
+    pub(crate) pass: Pass,
+    pub(crate) depth: usize,
+    pub(crate) send_rows: usize,
+    pub(crate) recv_rows: usize,
+    pub(crate) expert_rows: usize,
+    pub(crate) foreign_slots: usize,
 }
 
 impl Buffers {
     /// PipelinedLLEP's buffers for pair cap q: `send_rows = recv_rows = G = P·q`, D copies,
     /// F_max slots. Depends on the config and shape only.
-    pub fn pipelined(config: &LlepConfig, shape: &Shape, q: usize, pass: Pass) -> Self {
-        let rows = shape.ranks * q;
+    pub fn pipelined(config: &Config, shape: &Shape, q: usize, pass: Pass) -> Self {
+        let rows = shape.ranks.saturating_mul(q);
         Self {
             shape: *shape,
             pass,
@@ -324,13 +159,6 @@ impl Buffers {
             expert_rows: rows,
             foreign_slots: config.foreign_slots,
         }
-    }
-
-    /// PipelinedLLEP's buffers, from the config and shape alone: what a rank reserves at launch.
-    pub fn at_launch(config: &LlepConfig, shape: &Shape, pass: Pass) -> Result<Self> {
-        config.validate()?;
-        shape.validate()?;
-        Ok(Self::pipelined(config, shape, pair_cap(config, shape)?, pass))
     }
 
     /// Dispatch bytes per row of one pipeline copy: send, receive and output rows with their
@@ -377,39 +205,30 @@ impl Buffers {
         self.shape.local_experts() + self.foreign_slots
     }
 
-    /// Every region in carve order, in bytes (the CPU executor carves exactly these).
-    pub fn regions(&self) -> Vec<usize> {
+    /// Every region in carve order, in bytes, computed in u128 so no product overflows.
+    fn regions_wide(&self) -> Vec<u128> {
         let s = &self.shape;
-        let (n, h, i, k, b) = (s.tokens, s.hidden, s.intermediate, s.top_k, s.elem_bytes());
-        let meta = std::mem::size_of::<RouteMeta>();
-        let group = std::mem::size_of::<GroupEntry>();
+        let w = |x: usize| x as u128;
+        let (n, h, i, k, b) = (w(s.tokens), w(s.hidden), w(s.intermediate), w(s.top_k), w(s.elem_bytes()));
+        let meta = w(std::mem::size_of::<RouteMeta>());
+        let group = w(std::mem::size_of::<GroupEntry>());
+        let (send, recv, g, slots) =
+            (w(self.send_rows), w(self.recv_rows), w(self.expert_rows), w(self.foreign_slots));
+        let expert = 3 * h * i;
         let bwd = self.pass == Pass::Backward;
-        let g = self.expert_rows;
-        let mut out =
-            vec![4 * n * k, 4 * n * k, 4 * (s.ranks + 1), self.foreign_slots * s.expert_elems() * b];
+        let mut out = vec![4 * n * k, 4 * n * k, 4 * (w(s.ranks) + 1), slots * expert * b];
         if bwd {
-            out.extend([self.foreign_slots * s.expert_elems() * 4, h * i * 4]);
+            out.extend([slots * expert * 4, h * i * 4]);
         }
         for _ in 0..self.depth {
-            out.extend([
-                self.send_rows * h * b,
-                self.recv_rows * h * b,
-                self.recv_rows * h * b,
-                self.send_rows * k * meta,
-                self.recv_rows * k * meta,
-            ]);
+            out.extend([send * h * b, recv * h * b, recv * h * b, send * k * meta, recv * k * meta]);
             if bwd {
-                out.extend([
-                    self.send_rows * h * b,
-                    self.recv_rows * h * b,
-                    self.recv_rows * k * 4,
-                    self.send_rows * k * 4,
-                ]);
+                out.extend([send * h * b, recv * h * b, recv * k * 4, send * k * 4]);
             }
         }
         out.extend([
-            self.recv_rows * k * group,
-            4 * (self.local_slots() + 1),
+            recv * k * group,
+            4 * (w(s.local_experts()) + slots + 1),
             g * h * b,
             g * h * b,
             g * i * b,
@@ -421,9 +240,32 @@ impl Buffers {
         out
     }
 
-    /// Bytes of the whole reservation, alignment included.
+    /// Every region in carve order, in bytes (the CPU executor carves exactly these). A region
+    /// past `usize` reads `usize::MAX`; a [`Plan`] never has one.
+    pub fn regions(&self) -> Vec<usize> {
+        self.regions_wide().into_iter().map(|r| usize::try_from(r).unwrap_or(usize::MAX)).collect()
+    }
+
+    /// Bytes of the whole reservation, alignment included, or [`SizeOverflow`] when they do
+    /// not fit a `usize`.
+    ///
+    /// [`SizeOverflow`]: flatpeak_common::Error::SizeOverflow
+    pub fn checked_workspace_bytes(&self) -> Result<usize> {
+        let overflow =
+            || Error::Common(flatpeak_common::Error::SizeOverflow { what: "llep workspace bytes" });
+        let regions: Vec<usize> = self
+            .regions_wide()
+            .into_iter()
+            .map(usize::try_from)
+            .collect::<Result<_, _>>()
+            .map_err(|_| overflow())?;
+        Ok(Arena::bytes_for(&regions)?)
+    }
+
+    /// Bytes of the whole reservation, alignment included (`usize::MAX` where
+    /// [`checked_workspace_bytes`](Buffers::checked_workspace_bytes) overflows).
     pub fn workspace_bytes(&self) -> usize {
-        Arena::bytes_for(&self.regions()).unwrap_or(usize::MAX)
+        self.checked_workspace_bytes().unwrap_or(usize::MAX)
     }
     /// Send-side dispatch bytes (all copies): x rows (and dY rows) with their metadata.
     pub fn send_bytes(&self) -> usize {
@@ -473,7 +315,7 @@ impl Buffers {
     /// The bound of what [`Mode::SaveActivations`] keeps from forward to backward for K
     /// rounds: every round's receive buffer of rows with their metadata and per-route SwiGLU
     /// pre-activations, `K·recv_rows·(H·b + 8·k + 2·k·I·b)` plus K + 1 route offsets and
-    /// alignment; [`Plan::saved_bytes`] is the exact figure of one routing. 0 when checkpointed.
+    /// alignment; [`Schedule::saved_bytes`] is the exact figure of one routing. 0 when checkpointed.
     pub fn saved_activation_bytes(&self, mode: Mode, rounds: usize) -> usize {
         match mode {
             Mode::Checkpointed => 0,

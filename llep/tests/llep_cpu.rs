@@ -7,7 +7,9 @@ mod common;
 
 use common::{Ids, Problem, RankRun, run, run_saved, small_config};
 use flatpeak_common::{DType, relative_error};
-use llep::{Mode, Pass, Profile, Scheme, Shape};
+use llep::{Mode, Pass, Scheme, Shape};
+
+use llep::paper::Profile;
 
 const TOL: f64 = 1e-5;
 
@@ -110,8 +112,18 @@ fn saved_activations_misuse_is_a_typed_error() {
         let inputs = problem.inputs(me);
         let checkpointed = small_config(Scheme::PipelinedLlep);
         let saving = checkpointed.mode(Mode::SaveActivations);
-        let plain = llep::cpu::plan(comm, &checkpointed, &problem.shape, &inputs.routing).unwrap();
-        let plan = llep::cpu::plan(comm, &saving, &problem.shape, &inputs.routing).unwrap();
+        let plain = llep::cpu::schedule(
+            comm,
+            &llep::Plan::new(&checkpointed, problem.shape, llep::Budget::Unlimited).expect("plan"),
+            &inputs.routing,
+        )
+        .unwrap();
+        let plan = llep::cpu::schedule(
+            comm,
+            &llep::Plan::new(&saving, problem.shape, llep::Budget::Unlimited).expect("plan"),
+            &inputs.routing,
+        )
+        .unwrap();
         let mut ws = Workspace::new(plan.buffers(me, Pass::Backward).workspace_bytes());
         let store_for_checkpointed = llep::cpu::SavedActivations::new(&plain, me).map(|_| ());
         let mut saved = llep::cpu::SavedActivations::new(&plan, me).unwrap();
@@ -123,7 +135,7 @@ fn saved_activations_misuse_is_a_typed_error() {
     for r in out {
         let (store, unfilled, recompute) = r.unwrap();
         assert!(matches!(store, Err(Error::InvalidConfig { field: "mode", .. })), "{store:?}");
-        assert!(matches!(unfilled, Err(Error::PlanMismatch { .. })), "{unfilled:?}");
+        assert!(matches!(unfilled, Err(Error::ScheduleMismatch { .. })), "{unfilled:?}");
         assert!(matches!(recompute, Err(Error::InvalidConfig { field: "mode", .. })), "{recompute:?}");
     }
 }
@@ -207,7 +219,11 @@ fn run_edited(problem: &Problem, edit: &Edit) -> Vec<llep::Result<()>> {
         let inputs = llep::RankInputs { x: &x, routing: llep::Routing { ids: &ids, weights: &w }, ..base };
         Ok((|| {
             let config = small_config(Scheme::PipelinedLlep);
-            let plan = llep::cpu::plan(comm, &config, &problem.shape, &inputs.routing)?;
+            let plan = llep::cpu::schedule(
+                comm,
+                &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan"),
+                &inputs.routing,
+            )?;
             let mut ws = Workspace::new(plan.buffers(me, llep::Pass::Backward).workspace_bytes());
             llep::cpu::forward(comm, &plan, &inputs, &mut ws)?;
             llep::cpu::backward(comm, &plan, &inputs, &dy, &mut ws)?;
@@ -286,26 +302,35 @@ fn bad_input_is_a_typed_error_on_its_rank_and_fails_the_group() {
 #[test]
 fn misuse_is_a_typed_error() {
     use flatpeak_common::{LocalGroup, LocalGroupOptions, Workspace};
-    use llep::{Error, LlepConfig, Pass, Plan};
+    use llep::{Config, Error, Pass, Schedule};
     let problem = Problem::new(shape(2, 2), Ids::Random, 9);
     let other = Problem::new(shape(2, 2), Ids::Profile(Profile::Hot { ratio: 1.0, experts: 1 }), 9);
     let config = small_config(Scheme::PipelinedLlep);
     let views: Vec<&[i64]> = other.ids.iter().map(Vec::as_slice).collect();
-    let stale = Plan::from_top_k(&config, &problem.shape, &views).unwrap();
+    let stale = Schedule::from_top_k(
+        &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan"),
+        &views,
+    )
+    .unwrap();
     let out = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
         use flatpeak_common::Communicator;
         let me = comm.rank();
         let inputs = problem.inputs(me);
         let mut ws = Workspace::new(stale.buffers(me, Pass::Backward).workspace_bytes());
         let stale_run = llep::cpu::forward(comm, &stale, &inputs, &mut ws).map(|_| ());
-        let plan = llep::cpu::plan(comm, &config, &problem.shape, &inputs.routing).unwrap();
+        let plan = llep::cpu::schedule(
+            comm,
+            &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan"),
+            &inputs.routing,
+        )
+        .unwrap();
         let mut tiny = Workspace::new(1024);
         let tiny_run = llep::cpu::forward(comm, &plan, &inputs, &mut tiny).map(|_| ());
         Ok((stale_run, tiny_run))
     });
     for r in out {
         let (stale_run, tiny_run) = r.unwrap();
-        assert!(matches!(stale_run, Err(Error::PlanMismatch { .. })), "{stale_run:?}");
+        assert!(matches!(stale_run, Err(Error::ScheduleMismatch { .. })), "{stale_run:?}");
         assert!(
             matches!(tiny_run, Err(Error::Common(flatpeak_common::Error::WorkspaceExhausted { .. }))),
             "{tiny_run:?}"
@@ -314,13 +339,22 @@ fn misuse_is_a_typed_error() {
     // A plan for another group size, an uneven expert split, a dtype the CPU does not run.
     let one = LocalGroup::run(1, LocalGroupOptions::default(), |comm| {
         let inputs = problem.inputs(0);
-        Ok(llep::cpu::plan(comm, &config, &problem.shape, &inputs.routing).map(|_| ()))
+        Ok(llep::cpu::schedule(
+            comm,
+            &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan"),
+            &inputs.routing,
+        )
+        .map(|_| ()))
     });
-    assert!(matches!(one[0], Ok(Err(Error::PlanMismatch { what: "ranks", planned: 2, found: 1 }))));
+    assert!(matches!(one[0], Ok(Err(Error::ScheduleMismatch { what: "ranks", planned: 2, found: 1 }))));
     let uneven = Shape { ranks: 3, ..problem.shape };
     assert!(matches!(uneven.validate(), Err(Error::ExpertsNotDivisible { experts: 16, ranks: 3 })));
     let bf16 = Shape { dtype: DType::Bf16, ..problem.shape };
-    let plan = Plan::from_top_k(&LlepConfig::default(), &bf16, &views).unwrap();
+    let plan = Schedule::from_top_k(
+        &llep::Plan::new(&Config::default(), bf16, llep::Budget::Unlimited).expect("plan"),
+        &views,
+    )
+    .unwrap();
     let run = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
         use flatpeak_common::Communicator;
         let mut ws = Workspace::new(1 << 20);

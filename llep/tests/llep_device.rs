@@ -9,7 +9,9 @@ mod common;
 
 use common::{Ids, Problem, RankRun, small_config};
 use flatpeak_common::{DType, relative_error};
-use llep::{Gradients, Profile, Scheme, Shape};
+use llep::{Gradients, Scheme, Shape};
+
+use llep::paper::Profile;
 
 const TOL: f64 = 1e-5;
 
@@ -42,17 +44,21 @@ fn compare(what: &str, device: &[(Vec<f32>, Gradients)], cpu: &[RankRun]) {
 mod emulated {
     use super::*;
     use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions};
-    use llep::LlepConfig;
+    use llep::Config;
     use llep::device::emu_ops::EmuOps;
     use llep::device::{self, DeviceInputs, DeviceOps};
 
     /// Plans on every rank (host), then runs the device forward and backward on the emulator.
-    fn run_device(problem: &Problem, config: &LlepConfig) -> Vec<(Vec<f32>, Gradients, usize, usize)> {
+    fn run_device(problem: &Problem, config: &Config) -> Vec<(Vec<f32>, Gradients, usize, usize)> {
         LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
             Ok((|| -> llep::Result<_> {
                 let me = comm.rank();
                 let inputs = problem.inputs(me);
-                let plan = llep::cpu::plan(comm, config, &problem.shape, &inputs.routing)?;
+                let plan = llep::cpu::schedule(
+                    comm,
+                    &llep::Plan::new(config, problem.shape, llep::Budget::Unlimited).expect("plan"),
+                    &inputs.routing,
+                )?;
                 let ops = EmuOps::new(comm);
                 let w = &inputs.experts;
                 let (x, gate, up, down) =
@@ -109,7 +115,12 @@ mod emulated {
         let config = small_config(Scheme::PipelinedLlep);
         let out = LocalGroup::run(1, LocalGroupOptions::default(), |comm| {
             let inputs = problem.inputs(0);
-            let plan = llep::cpu::plan(comm, &config, &problem.shape, &inputs.routing).unwrap();
+            let plan = llep::cpu::schedule(
+                comm,
+                &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan"),
+                &inputs.routing,
+            )
+            .unwrap();
             let ops = EmuOps::new(comm);
             let w = &inputs.experts;
             let (x, gate, up, down) = (
@@ -137,7 +148,7 @@ mod gpu {
     use flatpeak_common::nccl::NcclComm;
     use llep::cuda::CudaOps;
     use llep::device::{self, DeviceInputs, DeviceOps};
-    use llep::{LlepConfig, Plan};
+    use llep::{Config, Schedule};
 
     /// One GPU (P = 1): the device schedule with NVRTC kernels, cuBLAS and NCCL against the CPU
     /// executor, balanced and skewed, on the tiny shape and on one whose rounds (4 of 512
@@ -152,7 +163,7 @@ mod gpu {
         let ops = CudaOps::new(&comm).expect("CUDA ops");
         let larger =
             Shape { tokens: 2048, hidden: 256, intermediate: 128, experts: 16, top_k: 4, ..shape(1) };
-        let larger_config = LlepConfig::with_scheme(Scheme::PipelinedLlep)
+        let larger_config = Config::with_scheme(Scheme::PipelinedLlep)
             .min_chunk(64)
             .pair_cap(llep::PairCap::Rows(512))
             .foreign_slots(2);
@@ -170,7 +181,11 @@ mod gpu {
             let problem = Problem::new(shape, Ids::Profile(profile), 40 + seed as u64);
             let cpu: Vec<RankRun> = common::run(&problem, &config).into_iter().map(|r| r.unwrap()).collect();
             let inputs = problem.inputs(0);
-            let plan = Plan::from_top_k(&config, &problem.shape, &[inputs.routing.ids]).unwrap();
+            let plan = Schedule::from_top_k(
+                &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan"),
+                &[inputs.routing.ids],
+            )
+            .unwrap();
             let w = &inputs.experts;
             let up = |v: &[f32]| ops.upload(v).unwrap();
             let (x, gate, w_up, down, dy) =

@@ -2,11 +2,13 @@
 //! 52.66 → 21.43 GiB (LLEP → PipelinedLLEP, balanced) from its fitted multipliers, and the
 //! chunk send ratios of LLEP's plan under strided and contiguous chunking.
 
-use llep::{LlepConfig, PAPER_SHAPE, PeakModel, Profile, crate_pair_cap, model_row};
+use llep::Config;
+
+use llep::paper::{PAPER_SHAPE, PeakModel, Profile, crate_pair_cap, model_row};
 
 #[test]
 fn paper_row() {
-    let config = LlepConfig::default();
+    let config = Config::default();
     let q = crate_pair_cap(&PAPER_SHAPE, Profile::Balanced, 10, &config).unwrap();
     let model = PeakModel::paper_fit();
     for spec in ["balanced", "95:16", "80:16", "50:4"] {

@@ -10,20 +10,26 @@ use common::{Ids, Problem, launch_bytes, small_config};
 use flatpeak_common::{
     Communicator, CountingAllocator, DType, LocalGroup, LocalGroupOptions, PeakMeter, Workspace,
 };
-use llep::{Buffers, LlepConfig, Pass, Profile, Scheme, Shape, cpu};
+use llep::{Config, Pass, Scheme, Shape, cpu};
+
+use llep::paper::Profile;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
 /// Runs plan + forward + backward on every rank from a workspace reserved at `bytes(plan)`;
 /// returns the measured transient peak (outputs excluded) and each rank's reservation.
-fn measure(problem: &Problem, config: &LlepConfig) -> (usize, Vec<usize>) {
+fn measure(problem: &Problem, config: &Config) -> (usize, Vec<usize>) {
     let m = PeakMeter::measure(|| {
         LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
             let me = comm.rank();
             let inputs = problem.inputs(me);
             let run = || -> llep::Result<(Vec<f32>, llep::Gradients, usize)> {
-                let plan = cpu::plan(comm, config, &problem.shape, &inputs.routing)?;
+                let plan = cpu::schedule(
+                    comm,
+                    &llep::Plan::new(config, problem.shape, llep::Budget::Unlimited)?,
+                    &inputs.routing,
+                )?;
                 let bytes = plan.buffers(me, Pass::Backward).workspace_bytes();
                 let mut ws = Workspace::new(bytes);
                 let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
@@ -102,7 +108,9 @@ fn working_set_is_fixed_under_skew() {
     // Besides the P reservations: route tables are inside them; what is left is the plan's
     // O(P·E + P²) vectors, the LocalGroup's threads and channels and the messages in flight
     // (at most two rounds' rows per pair), and the GEMM's packing buffers.
-    let b = Buffers::at_launch(&ours, &shape, Pass::Backward).unwrap();
+    let b = llep::Plan::new(&ours, shape, llep::Budget::Unlimited)
+        .map(|plan| plan.buffers(Pass::Backward))
+        .unwrap();
     let in_flight = 2 * shape.ranks * b.send_rows() * (2 * shape.hidden * 4 + 12 * shape.top_k);
     let scratch =
         (shape.ranks + rayon::current_num_threads()) * gemm_scratch_per_thread(&shape, b.expert_rows());
@@ -118,7 +126,7 @@ fn working_set_is_fixed_under_skew() {
 
     // Standard EP sizes its buffers to what arrives: the hot rank's reservation grows with the
     // skew (the measured peaks also carry the GEMM's per-thread slabs, which swamp them here).
-    let ep = LlepConfig::with_scheme(Scheme::StandardEp);
+    let ep = Config::with_scheme(Scheme::StandardEp);
     let (ep_bal, ep_res_bal) = measure(&balanced, &ep);
     let (ep_skew, ep_res_skew) = measure(&skewed, &ep);
     println!(

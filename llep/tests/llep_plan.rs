@@ -5,7 +5,9 @@
 
 use flatpeak_common::testing::proptest_config;
 use flatpeak_common::{DType, LocalGroup, LocalGroupOptions, SplitMix64};
-use llep::{Buffers, Chunking, LlepConfig, PairCap, Pass, Plan, Profile, Scheme, Shape, SpillSplit, cpu};
+use llep::{Buffers, Chunking, Config, PairCap, Pass, Schedule, Scheme, Shape, SpillSplit, cpu};
+
+use llep::paper::Profile;
 use proptest::prelude::*;
 
 /// Ids with a fraction `hot` of routes on the first `h` experts, the rest uniform.
@@ -21,9 +23,10 @@ fn skewed_ids(shape: &Shape, hot: f64, h: usize, seed: u64) -> Vec<Vec<i64>> {
         .collect()
 }
 
-fn check_invariants(config: &LlepConfig, shape: &Shape, ids: &[Vec<i64>]) -> Result<Plan, TestCaseError> {
+fn check_invariants(config: &Config, shape: &Shape, ids: &[Vec<i64>]) -> Result<Schedule, TestCaseError> {
     let views: Vec<&[i64]> = ids.iter().map(Vec::as_slice).collect();
-    let plan = Plan::from_top_k(config, shape, &views).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let plan = Schedule::from_top_k(&llep::Plan::new(config, *shape, llep::Budget::Unlimited)?, &views)
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
     let a = plan.assignment();
     let (p, m) = (shape.ranks, shape.local_experts());
     // Every route exactly once: pieces cover each expert's load, shares cover each source's count,
@@ -87,7 +90,9 @@ fn check_invariants(config: &LlepConfig, shape: &Shape, ids: &[Vec<i64>]) -> Res
     // PipelinedLLEP's buffers are the launch-time ones, whatever the routing.
     if config.scheme == Scheme::PipelinedLlep {
         for pass in [Pass::Forward, Pass::Backward] {
-            let launch = Buffers::at_launch(config, shape, pass).unwrap();
+            let launch = llep::Plan::new(config, *shape, llep::Budget::Unlimited)
+                .map(|plan| plan.buffers(pass))
+                .unwrap();
             for d in 0..p {
                 prop_assert_eq!(plan.buffers(d, pass), launch);
             }
@@ -96,7 +101,7 @@ fn check_invariants(config: &LlepConfig, shape: &Shape, ids: &[Vec<i64>]) -> Res
     Ok(plan)
 }
 
-fn config_strategy() -> impl Strategy<Value = LlepConfig> {
+fn config_strategy() -> impl Strategy<Value = Config> {
     (
         prop_oneof![Just(Scheme::PipelinedLlep), Just(Scheme::Llep), Just(Scheme::StandardEp)],
         1usize..24,
@@ -108,7 +113,7 @@ fn config_strategy() -> impl Strategy<Value = LlepConfig> {
         prop_oneof![Just(Chunking::Strided), Just(Chunking::Contiguous)],
     )
         .prop_map(|(scheme, m, f, q, alpha, lambda, split, chunking)| {
-            LlepConfig::with_scheme(scheme)
+            Config::with_scheme(scheme)
                 .min_chunk(m)
                 .foreign_slots(f)
                 .pair_cap(PairCap::Rows(q))
@@ -158,11 +163,12 @@ proptest! {
         let ids = skewed_ids(&shape, 0.6, 2, seed);
         let weights: Vec<Vec<f32>> = (0..shape.ranks).map(|_| vec![0.5; shape.tokens * shape.top_k]).collect();
         let views: Vec<&[i64]> = ids.iter().map(Vec::as_slice).collect();
-        let whole = Plan::from_top_k(&config, &shape, &views).unwrap();
+        let plan = llep::Plan::new(&config, shape, llep::Budget::Unlimited).expect("plan");
+        let whole = Schedule::from_top_k(&plan, &views).unwrap();
         let plans = LocalGroup::run(shape.ranks, LocalGroupOptions::default(), |comm| {
             use flatpeak_common::Communicator;
             let r = comm.rank();
-            Ok(cpu::plan(comm, &config, &shape, &llep::Routing { ids: &ids[r], weights: &weights[r] }))
+            Ok(cpu::schedule(comm, &plan, &llep::Routing { ids: &ids[r], weights: &weights[r] }))
         });
         for plan in plans {
             prop_assert_eq!(&plan.unwrap().unwrap(), &whole);
@@ -183,7 +189,7 @@ fn skew_costs_rounds_not_bytes() {
         top_k: 8,
         dtype: DType::F32,
     };
-    let config = LlepConfig::default().pair_cap(PairCap::Rows(256));
+    let config = Config::default().pair_cap(PairCap::Rows(256));
     let mut rounds = Vec::new();
     for profile in ["balanced", "50:4", "95:1", "100:1"] {
         let profile: Profile = profile.parse().unwrap();
@@ -192,16 +198,18 @@ fn skew_costs_rounds_not_bytes() {
         rounds.push((profile.to_string(), plan.rounds(), plan.assignment().max_foreign()));
     }
     println!("(profile, K, foreign experts): {rounds:?}");
-    let launch = Buffers::at_launch(&config, &shape, Pass::Backward).unwrap();
+    let launch = llep::Plan::new(&config, shape, llep::Budget::Unlimited)
+        .map(|plan| plan.buffers(Pass::Backward))
+        .unwrap();
     assert_eq!(launch.recv_rows(), 8 * 256);
     assert!(rounds.iter().all(|&(_, k, f)| k >= 1 && f <= config.foreign_slots), "{rounds:?}");
 }
 
-/// `PairCap::DispatchBudget` (the default) gives the largest q whose dispatch buffers — send
-/// and receive rows with their metadata, every pipeline copy — fit the budget (never more than
-/// N), and a budget below one row per pair is `Error::BudgetTooSmall` with both figures.
+/// `PairCap::FitBudget` (the default) gives the largest q whose workspace — both passes, every
+/// pipeline copy — fits the plan's budget (never more than N), `PairCap::Rows` is checked
+/// against it, and a budget below one row per pair is `Error::BudgetTooSmall` with both figures.
 #[test]
-fn a_dispatch_budget_gives_the_largest_pair_cap_that_fits() {
+fn a_budget_gives_the_largest_pair_cap_that_fits() {
     let shape = Shape {
         ranks: 4,
         tokens: 1000,
@@ -212,45 +220,52 @@ fn a_dispatch_budget_gives_the_largest_pair_cap_that_fits() {
         dtype: DType::F32,
     };
     for depth in [1, 2, 3] {
-        let base = LlepConfig::default().pipeline_depth(depth);
-        let dispatch = |q: usize| {
-            let b = Buffers::pipelined(&base, &shape, q, Pass::Backward);
-            b.send_bytes() + b.recv_bytes()
+        let base = Config::default().pipeline_depth(depth);
+        let bytes_at = |q: usize| {
+            let pass = |pass| Buffers::pipelined(&base, &shape, q, pass).workspace_bytes();
+            pass(Pass::Forward).max(pass(Pass::Backward))
         };
-        let one_row = dispatch(1);
-        assert_eq!(one_row, Buffers::dispatch_bytes_per_row(&shape, Pass::Backward) * depth * shape.ranks);
+        let one_row = bytes_at(1);
         for bytes in [one_row, 7 * one_row + 5, 1 << 20, 1 << 30] {
-            let config = base.pair_cap(PairCap::DispatchBudget { bytes });
-            let launch = Buffers::at_launch(&config, &shape, Pass::Backward).unwrap();
-            let q = launch.recv_rows() / shape.ranks;
-            assert!(dispatch(q) <= bytes, "depth {depth}, {bytes} B: q = {q} needs {}", dispatch(q));
+            let plan = llep::Plan::new(&base, shape, llep::Budget::Bytes(bytes)).expect("plan");
+            let q = plan.pair_cap();
+            assert_eq!(plan.buffers(Pass::Backward).recv_rows(), shape.ranks * q);
             assert!(
-                q == shape.tokens || dispatch(q + 1) > bytes,
+                plan.workspace_bytes() <= bytes,
+                "depth {depth}, {bytes} B: q = {q} needs {}",
+                bytes_at(q)
+            );
+            assert_eq!(plan.workspace_bytes(), bytes_at(q));
+            assert!(
+                q == shape.tokens || bytes_at(q + 1) > bytes,
                 "depth {depth}, {bytes} B: q = {q} is not the largest"
             );
-            assert_eq!(launch.depth(), depth);
+            assert_eq!(plan.buffers(Pass::Forward).depth(), depth);
         }
+        let unlimited = llep::Plan::new(&base, shape, llep::Budget::Unlimited).expect("plan");
+        assert_eq!(unlimited.pair_cap(), shape.tokens, "a pair never needs more than N rows");
+        let err = llep::Plan::new(&base, shape, llep::Budget::Bytes(one_row - 1)).unwrap_err();
         assert_eq!(
-            Buffers::at_launch(
-                &base.pair_cap(PairCap::DispatchBudget { bytes: 1 << 30 }),
-                &shape,
-                Pass::Forward
-            )
-            .unwrap()
-            .recv_rows(),
-            shape.ranks * shape.tokens,
-            "a pair never needs more than N rows"
+            err,
+            llep::Error::BudgetTooSmall {
+                budget: one_row - 1,
+                needed: one_row,
+                what: "one row per rank pair"
+            }
         );
-        let small = one_row - 1;
-        let err = Buffers::at_launch(
-            &base.pair_cap(PairCap::DispatchBudget { bytes: small }),
-            &shape,
-            Pass::Backward,
-        )
-        .unwrap_err();
-        assert!(
-            matches!(err, llep::Error::BudgetTooSmall { budget, needed } if budget == small && needed == one_row),
-            "{err:?}"
+        let fixed = base.pair_cap(PairCap::Rows(8));
+        assert_eq!(
+            llep::Plan::new(&fixed, shape, llep::Budget::Bytes(bytes_at(8))).expect("plan").pair_cap(),
+            8
         );
+        assert!(matches!(
+            llep::Plan::new(&fixed, shape, llep::Budget::Bytes(bytes_at(8) - 1)),
+            Err(llep::Error::BudgetTooSmall { what: "the pair cap's buffers", .. })
+        ));
     }
+    let huge = Shape { tokens: usize::MAX / 2, hidden: usize::MAX / 4, ..shape };
+    assert!(matches!(
+        llep::Plan::new(&Config::default(), huge, llep::Budget::Unlimited),
+        Err(llep::Error::Common(flatpeak_common::Error::SizeOverflow { .. }))
+    ));
 }

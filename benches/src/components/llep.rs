@@ -36,8 +36,8 @@
 //! every buffer it uses — send, receive, output and metadata buffers of every pipeline copy,
 //! the expert GEMM scratch, the foreign-expert slots and their gradients, the route tables — and
 //! which it cannot exceed (a carve past it is an error, never growth; the tests check the
-//! carves fill it exactly). PipelinedLLEP reserves [`Buffers::at_launch`] for the pass, the
-//! baselines what their plan sizes to this routing ([`Plan::buffers`]). Plus (2) the rank's share, 1/P, of
+//! carves fill it exactly). PipelinedLLEP reserves its launch [`llep::Plan`]'s buffers for the pass, the
+//! baselines what their plan sizes to this routing ([`Schedule::buffers`]). Plus (2) the rank's share, 1/P, of
 //! everything else the group allocates during the step beyond its outputs (y, dX, d(weights),
 //! dW), measured by the counting allocator around the whole group step with the workspaces
 //! reserved beforehand: the plan's vectors, per-round count vectors, the `LocalGroup`
@@ -63,9 +63,11 @@ use flatpeak_common::{
 };
 use llep::cpu::{self, reference};
 use llep::{
-    Buffers, ExpertWeights, Gradients, LlepConfig, PAPER_SHAPE, PairCap, Pass, PeakModel, Plan, Profile,
-    RankInputs, Routing, Scheme, Shape, SpillSplit, crate_pair_cap, model_row,
+    Config as LlepConfig, ExpertWeights, Gradients, PairCap, Pass, RankInputs, Routing, Schedule, Scheme,
+    Shape, SpillSplit,
 };
+
+use llep::paper::{PAPER_SHAPE, PeakModel, Profile, crate_pair_cap, model_row};
 
 pub use super::llep_data::Data;
 use super::{Component, ReportError, cpu_workload};
@@ -109,7 +111,7 @@ const SUBSET: usize = 16;
 pub enum Phase {
     /// Checkpointed training step: plan, forward, then recompute + backward.
     TrainingStep,
-    /// Plan and forward only (what LLEP's harness measures).
+    /// Schedule and forward only (what LLEP's harness measures).
     ForwardOnly,
 }
 
@@ -210,7 +212,7 @@ pub struct RankOut {
     /// The rank thread's CPU time during the step, ms.
     pub cpu_ms: f64,
     /// The rank's plan.
-    pub plan: Plan,
+    pub plan: Schedule,
 }
 
 impl HeapSize for RankOut {
@@ -245,7 +247,11 @@ fn run_step(
             comm.barrier()?;
             let (t0, c0) = (Instant::now(), thread_cpu_ms());
             let mut step = || -> llep::Result<RankOut> {
-                let plan = cpu::plan(comm, config, &SHAPE, &inputs.routing)?;
+                let plan = cpu::schedule(
+                    comm,
+                    &llep::Plan::new(config, SHAPE, llep::Budget::Unlimited)?,
+                    &inputs.routing,
+                )?;
                 let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
                 let grads = match phase {
                     Phase::TrainingStep => Some(cpu::backward(comm, &plan, &inputs, d.dy(me), &mut ws)?),
@@ -278,11 +284,15 @@ fn workspaces(config: &LlepConfig, ids: &[i64], pass: Pass) -> Result<Vec<Mutex<
     let views: Vec<&[i64]> = (0..SHAPE.ranks).map(|_| ids).collect();
     let bytes: Vec<usize> = match config.scheme {
         Scheme::PipelinedLlep => {
-            let b = Buffers::at_launch(config, &SHAPE, pass).map_err(|e| e.to_string())?.workspace_bytes();
+            let b = llep::Plan::new(config, SHAPE, llep::Budget::Unlimited)
+                .map(|plan| plan.buffers(pass))
+                .map_err(|e| e.to_string())?
+                .workspace_bytes();
             vec![b; SHAPE.ranks]
         }
         _ => {
-            let plan = Plan::from_top_k(config, &SHAPE, &views).map_err(|e| e.to_string())?;
+            let plan = llep::Plan::new(config, SHAPE, llep::Budget::Unlimited).map_err(|e| e.to_string())?;
+            let plan = Schedule::from_top_k(&plan, &views).map_err(|e| e.to_string())?;
             (0..SHAPE.ranks).map(|d| plan.buffers(d, pass).workspace_bytes()).collect()
         }
     };

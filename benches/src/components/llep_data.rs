@@ -23,7 +23,7 @@ impl Data {
         let mut rng = SplitMix64::new(0x11E9);
         let x = (0..p).map(|_| rng.normal_f32(n * h, 0.0, 1.0)).collect();
         let dy = (0..p).map(|_| rng.normal_f32(n * h, 0.0, 1.0)).collect();
-        let weights = (0..p).map(|s| llep::routing_weights(n, k, 77 + s as u64)).collect();
+        let weights = (0..p).map(|s| llep::paper::routing_weights(n, k, 77 + s as u64)).collect();
         let gate = rng.normal_f32(e * h * i, 0.0, 1.0 / (h as f32).sqrt());
         let up = rng.normal_f32(e * h * i, 0.0, 1.0 / (h as f32).sqrt());
         let down = rng.normal_f32(e * i * h, 0.0, 1.0 / (i as f32).sqrt());

@@ -13,7 +13,7 @@
 //! | `weights` | `2·P/G + 2·2·P_window` | same |
 //! | `gradients` | `2·P/G + 2·2·P_window` | same |
 //! | `activations` | one layer's recompute, `34·n·H` (Korthikanti et al., flash attention) | same |
-//! | `dispatch` | standard EP, balanced routing: `llep::PeakModel::paper_fit` send and receive terms at `k·n` rows (skew only adds) | `llep::Buffers::at_launch` (default config, backward pass) |
+//! | `dispatch` | standard EP, balanced routing: `llep::paper::PeakModel::paper_fit` send and receive terms at `k·n` rows (skew only adds) | `llep::Plan` (default config, the largest q whose dispatch buffers fit 256 MiB, backward pass) |
 //! | `vocab` | `ring_dtp::PaperPeaks::naive` (`8·n·V`) | `ring_dtp::RingPlan` over the G GPUs: the budget it is planned within (`RingOptions::default`, 64 MiB; `RingPlan::new` fails if the shape cannot fit it) + `per_token_bytes` |
 //! | `checkpoints` | `sco::Plan::plain_device_bytes` (`L·n·H·2`) | `sco::Plan::peak_slots · boundary_bytes` |
 //!
@@ -35,7 +35,9 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use flatpeak_common::DType;
-use llep::{Buffers, LlepConfig, Pass, PeakModel, PeakTerms, Shape};
+use llep::{Buffers, Config as LlepConfig, Pass, Shape};
+
+use llep::paper::{PeakModel, PeakTerms};
 use ring_dtp::{Config, PaperPeaks, RingOptions, RingPlan};
 use serde::{Deserialize, Serialize};
 
@@ -256,6 +258,21 @@ pub struct Estimate {
     pub host: BTreeMap<String, u64>,
 }
 
+/// Bytes of one rank's dispatch buffers (send and receive rows with their metadata, every
+/// pipeline copy) that the flattened column gives PipelinedLLEP.
+pub const DISPATCH_BUDGET: usize = 256 << 20;
+
+/// PipelinedLLEP's launch plan in the flattened column: the default config with the largest
+/// pair cap q whose dispatch buffers fit [`DISPATCH_BUDGET`] (at most N).
+pub fn launch_plan(shape: &Shape) -> Result<llep::Plan, llep::Error> {
+    let config = LlepConfig::default();
+    let per_pair_row = Buffers::dispatch_bytes_per_row(shape, Pass::Backward)
+        .saturating_mul(config.pipeline_depth)
+        .saturating_mul(shape.ranks);
+    let q = (DISPATCH_BUDGET / per_pair_row.max(1)).clamp(1, shape.tokens.max(1));
+    llep::Plan::new(&config.pair_cap(llep::PairCap::Rows(q)), *shape, llep::Budget::Unlimited)
+}
+
 fn setup_error(what: &'static str, value: u64, expected: &'static str) -> PlanError {
     PlanError::InvalidSetup { what, value, expected }
 }
@@ -295,7 +312,7 @@ pub fn estimate(
         dtype: DType::Bf16,
     };
     let dispatch = if flat {
-        Buffers::at_launch(&LlepConfig::default(), &shape, Pass::Backward)?.workspace_bytes() as u64
+        launch_plan(&shape)?.buffers(Pass::Backward).workspace_bytes() as u64
     } else {
         let model = PeakModel::paper_fit();
         let rows = (k * n) as f64;

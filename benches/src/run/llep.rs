@@ -8,7 +8,7 @@
 //! gradients `d_gate`, `d_up` [E, H, I] and `d_down` [E, I, H], all F32.
 
 use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, Workspace};
-use llep::{ExpertWeights, LlepConfig, PairCap, Pass, RankInputs, Routing, Scheme, Shape, cpu};
+use llep::{Config as LlepConfig, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape, cpu};
 use serde::Deserialize;
 
 use super::{Dim, Outputs, RunError, TensorFile};
@@ -38,10 +38,10 @@ pub struct LlepRunConfig {
     pub min_chunk: usize,
     /// λ: imbalance below which plain EP runs.
     pub imbalance_threshold: f64,
-    /// q rows per (source, destination) per round; `null`: from `dispatch_budget_bytes`.
+    /// q rows per (source, destination) per round; `null`: the largest that `budget_bytes` holds.
     pub pair_cap_rows: Option<usize>,
-    /// Bytes for one rank's dispatch buffers when `pair_cap_rows` is null.
-    pub dispatch_budget_bytes: usize,
+    /// Bytes of one rank's workspace (both passes' buffers, every pipeline copy).
+    pub budget_bytes: usize,
     /// F_max foreign expert slots per rank.
     pub foreign_slots: usize,
 }
@@ -54,7 +54,7 @@ impl Default for LlepRunConfig {
             min_chunk: 1024,
             imbalance_threshold: 1.3,
             pair_cap_rows: None,
-            dispatch_budget_bytes: 256 << 20,
+            budget_bytes: 256 << 20,
             foreign_slots: 4,
         }
     }
@@ -67,9 +67,7 @@ impl LlepRunConfig {
             SchemeName::Llep => Scheme::Llep,
             SchemeName::StandardEp => Scheme::StandardEp,
         };
-        let cap = self
-            .pair_cap_rows
-            .map_or(PairCap::DispatchBudget { bytes: self.dispatch_budget_bytes }, PairCap::Rows);
+        let cap = self.pair_cap_rows.map_or(PairCap::FitBudget, PairCap::Rows);
         LlepConfig::with_scheme(scheme)
             .alpha(self.alpha)
             .min_chunk(self.min_chunk)
@@ -117,7 +115,8 @@ pub fn run(t: &TensorFile, cfg: &LlepRunConfig) -> Result<Outputs, RunError> {
             },
         };
         let layer = || -> llep::Result<RankResult> {
-            let plan = cpu::plan(comm, &config, &shape, &inputs.routing)?;
+            let plan = llep::Plan::new(&config, shape, llep::Budget::Bytes(cfg.budget_bytes))?;
+            let plan = cpu::schedule(comm, &plan, &inputs.routing)?;
             let mut ws = Workspace::new(plan.max_workspace_bytes(Pass::Backward));
             let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
             let grads = match &dy {

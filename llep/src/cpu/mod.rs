@@ -29,10 +29,11 @@ use flatpeak_common::gemm::Threads;
 use flatpeak_common::{Communicator, CommunicatorExt, Workspace};
 
 use crate::assign::{Assignment, RouteCounts, local_counts};
-use crate::config::{LlepConfig, Mode, Shape};
+use crate::config::{Mode, Shape};
 use crate::error::{Error, Result};
 use crate::layer::{Gradients, RankInputs, Routing, check_len};
-use crate::plan::{Buffers, GroupEntry, Pass, Plan, RouteMeta, pair_rows};
+use crate::plan::{Buffers, GroupEntry, Pass, Plan, RouteMeta};
+use crate::schedule::{Schedule, pair_rows};
 use expert::{BackwardRound, ExpertRef, Scratch, expert_grad, zero_gradients, zeros};
 pub use saved::{SavedActivations, backward_saved, forward_saving};
 pub(crate) use tables::{
@@ -53,13 +54,8 @@ pub fn all_gather<C: Communicator + ?Sized, T: Pod>(comm: &C, mine: &[T]) -> Res
 /// route counts, runs the assignment, all-gathers the P×P row counts. Every rank gets the same
 /// plan. A rank with bad routing returns its error; its peers see the group fail
 /// ([`flatpeak_common::Error::PeerLost`]) instead of hanging.
-pub fn plan<C: Communicator + ?Sized>(
-    comm: &C,
-    config: &LlepConfig,
-    shape: &Shape,
-    routing: &Routing<'_>,
-) -> Result<Plan> {
-    shape.validate()?;
+pub fn schedule<C: Communicator + ?Sized>(comm: &C, plan: &Plan, routing: &Routing<'_>) -> Result<Schedule> {
+    let (config, shape) = (plan.config(), plan.shape());
     check_world(comm, shape)?;
     routing.validate(shape)?;
     let counts: Vec<u64> = local_counts(shape, routing.ids)?.into_iter().map(|c| c as u64).collect();
@@ -68,15 +64,15 @@ pub fn plan<C: Communicator + ?Sized>(
     let rows: Vec<u64> =
         pair_rows(&assignment, shape, comm.rank(), routing.ids)?.into_iter().map(|r| r as u64).collect();
     let rows = all_gather(comm, &rows)?.into_iter().map(|r| r as usize).collect();
-    Plan::new(config, shape, assignment, rows)
+    Schedule::new(plan, assignment, rows)
 }
 
 /// The layer's forward on this rank: `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`, N×H. Keeps nothing for
-/// backward. Buffers come from `ws` (reserve [`Plan::buffers`]`(rank, Pass::Forward)` or
-/// more; PipelinedLLEP's size is [`Buffers::at_launch`]).
+/// backward. Buffers come from `ws` (reserve [`Schedule::buffers`]`(rank, Pass::Forward)` or
+/// more; PipelinedLLEP's size is the launch [`Plan::workspace_bytes`](crate::Plan::workspace_bytes)).
 pub fn forward<C: Communicator + ?Sized>(
     comm: &C,
-    plan: &Plan,
+    plan: &Schedule,
     inputs: &RankInputs<'_>,
     ws: &mut Workspace,
 ) -> Result<Vec<f32>> {
@@ -87,7 +83,7 @@ pub fn forward<C: Communicator + ?Sized>(
 /// every route's pre-activations are kept there (round j's routes from `route_start[j]`).
 fn run_forward<C: Communicator + ?Sized>(
     comm: &C,
-    plan: &Plan,
+    plan: &Schedule,
     inputs: &RankInputs<'_>,
     ws: &mut Workspace,
     mut save: Option<&mut saved::Store<'_>>,
@@ -124,7 +120,7 @@ fn run_forward<C: Communicator + ?Sized>(
         if let Some((gate, _)) = &pre
             && gate.len() < filled * i
         {
-            return Err(Error::PlanMismatch {
+            return Err(Error::ScheduleMismatch {
                 what: "routes computed on this rank (saved pre-activations)",
                 planned: route_base + gate.len() / i.max(1),
                 found: route_base + filled,
@@ -168,7 +164,7 @@ fn run_forward<C: Communicator + ?Sized>(
 /// weights' gradient and the native experts' weight gradients (foreign contributions included).
 pub fn backward<C: Communicator + ?Sized>(
     comm: &C,
-    plan: &Plan,
+    plan: &Schedule,
     inputs: &RankInputs<'_>,
     dy: &[f32],
     ws: &mut Workspace,
@@ -239,7 +235,7 @@ fn check_world<C: Communicator + ?Sized>(comm: &C, shape: &Shape) -> Result<()> 
 /// The group size against the shape's ranks.
 pub(crate) fn check_world_size(world: usize, shape: &Shape) -> Result<()> {
     if world != shape.ranks {
-        return Err(Error::PlanMismatch { what: "ranks", planned: shape.ranks, found: world });
+        return Err(Error::ScheduleMismatch { what: "ranks", planned: shape.ranks, found: world });
     }
     Ok(())
 }
@@ -257,7 +253,7 @@ pub(crate) fn group(
     for m in meta.iter().filter(|m| m.slot != u32::MAX) {
         let slot = m.slot as usize;
         if slot >= slots {
-            return Err(Error::PlanMismatch {
+            return Err(Error::ScheduleMismatch {
                 what: "local expert slot received",
                 planned: slots,
                 found: slot,
@@ -349,14 +345,14 @@ impl<'w> Carved<'w> {
 /// One call's fixed context: the group, the plan, this rank's inputs.
 struct Ctx<'a, C: ?Sized> {
     comm: &'a C,
-    plan: &'a Plan,
+    plan: &'a Schedule,
     inputs: &'a RankInputs<'a>,
     s: Shape,
     me: usize,
 }
 
 impl<'a, C: Communicator + ?Sized> Ctx<'a, C> {
-    fn new(comm: &'a C, plan: &'a Plan, inputs: &'a RankInputs<'a>) -> Result<Self> {
+    fn new(comm: &'a C, plan: &'a Schedule, inputs: &'a RankInputs<'a>) -> Result<Self> {
         let s = check_call_shape(plan, comm.world_size())?;
         inputs.validate(&s)?;
         let me = comm.rank();

@@ -3,13 +3,13 @@
 //! rows only and runs each expert's backward from what was kept (six GEMMs per group, no
 //! recompute).
 //!
-//! Memory: the store of rank d is [`Plan::saved_bytes`]`(d)` =
+//! Memory: the store of rank d is [`Schedule::saved_bytes`]`(d)` =
 //! `Σ_s R[s][d]·(H·4 + 8·k) + 2·L_d·I·4 + 4·(K + 1)` bytes (rows received over all rounds,
 //! routes computed there), reserved once per call and held from forward to backward; at most
 //! [`Buffers::saved_activation_bytes`](crate::Buffers::saved_activation_bytes) for this K.
 //! Unlike the dispatch buffers it grows with the routing: this is the larger bound the
 //! checkpointed mode avoids. The per-round workspace is the checkpointed one's
-//! ([`Plan::buffers`]); the x receive buffers go unused (rows land in the store).
+//! ([`Schedule::buffers`]); the x receive buffers go unused (rows land in the store).
 
 use flatpeak_common::{Communicator, CommunicatorExt, Workspace};
 
@@ -17,11 +17,12 @@ use super::{Carved, Ctx, expert, group, run_forward, scale};
 use crate::config::Mode;
 use crate::error::{Error, Result};
 use crate::layer::{Gradients, RankInputs, check_len};
-use crate::plan::{Pass, Plan, RouteMeta};
+use crate::plan::{Pass, RouteMeta};
+use crate::schedule::Schedule;
 use expert::{expert_grad, zero_gradients};
 
 /// What one rank's forward keeps for backward in [`Mode::SaveActivations`]: a reservation of
-/// [`Plan::saved_bytes`] made before the forward, filled by [`forward_saving`], read by
+/// [`Schedule::saved_bytes`] made before the forward, filled by [`forward_saving`], read by
 /// [`backward_saved`].
 #[derive(Debug)]
 pub struct SavedActivations {
@@ -32,7 +33,7 @@ pub struct SavedActivations {
 
 impl SavedActivations {
     /// Reserves rank `rank`'s store for `plan` (a plan in [`Mode::SaveActivations`]).
-    pub fn new(plan: &Plan, rank: usize) -> Result<Self> {
+    pub fn new(plan: &Schedule, rank: usize) -> Result<Self> {
         check_mode(plan)?;
         Ok(Self { store: Workspace::new(plan.saved_bytes(rank)), filled: None })
     }
@@ -42,12 +43,12 @@ impl SavedActivations {
         self.store.capacity()
     }
 
-    fn stamp(plan: &Plan, rank: usize) -> [usize; 4] {
+    fn stamp(plan: &Schedule, rank: usize) -> [usize; 4] {
         [rank, plan.rounds(), plan.recv_rows_total(rank), plan.assignment().rank_load(rank)]
     }
 
-    /// The store carved as [`Plan::saved_regions`] lays it out.
-    fn carve(&mut self, plan: &Plan, rank: usize) -> Result<Store<'_>> {
+    /// The store carved as [`Schedule::saved_regions`] lays it out.
+    fn carve(&mut self, plan: &Schedule, rank: usize) -> Result<Store<'_>> {
         self.store.reset();
         let s = plan.shape();
         let [_, rounds, rows, routes] = Self::stamp(plan, rank);
@@ -91,7 +92,7 @@ impl Store<'_> {
         route_base: usize,
     ) -> Result<RoundStore<'_>> {
         let (h, k, i) = (self.hidden, self.top_k, self.intermediate);
-        let short = |planned: usize, found: usize| Error::PlanMismatch {
+        let short = |planned: usize, found: usize| Error::ScheduleMismatch {
             what: "rows or routes of the saved-activation store",
             planned,
             found,
@@ -110,7 +111,7 @@ impl Store<'_> {
     }
 }
 
-fn check_mode(plan: &Plan) -> Result<()> {
+fn check_mode(plan: &Schedule) -> Result<()> {
     if plan.config().mode == Mode::SaveActivations {
         Ok(())
     } else {
@@ -127,7 +128,7 @@ fn check_mode(plan: &Plan) -> Result<()> {
 /// bitwise the same as [`forward`](super::forward)'s.
 pub fn forward_saving<C: Communicator + ?Sized>(
     comm: &C,
-    plan: &Plan,
+    plan: &Schedule,
     inputs: &RankInputs<'_>,
     ws: &mut Workspace,
     saved: &mut SavedActivations,
@@ -148,7 +149,7 @@ pub fn forward_saving<C: Communicator + ?Sized>(
 /// [`backward`](super::backward) returns.
 pub fn backward_saved<C: Communicator + ?Sized>(
     comm: &C,
-    plan: &Plan,
+    plan: &Schedule,
     inputs: &RankInputs<'_>,
     dy: &[f32],
     saved: &mut SavedActivations,
@@ -160,7 +161,11 @@ pub fn backward_saved<C: Communicator + ?Sized>(
     let stamp = SavedActivations::stamp(plan, ctx.me);
     if saved.filled != Some(stamp) {
         let found = saved.filled.map_or(0, |f| f[1]);
-        return Err(Error::PlanMismatch { what: "rounds of the saved forward", planned: stamp[1], found });
+        return Err(Error::ScheduleMismatch {
+            what: "rounds of the saved forward",
+            planned: stamp[1],
+            found,
+        });
     }
     let mut store = saved.carve(plan, ctx.me)?;
     ws.reset();
@@ -187,7 +192,7 @@ pub fn backward_saved<C: Communicator + ?Sized>(
         let (x, meta, (gate, up)) = store.round(row_end, got, route_base)?;
         let filled = group(meta, k, bufs.local_slots(), c.groups, c.offsets)?;
         if filled != route_end.saturating_sub(route_base) {
-            return Err(Error::PlanMismatch {
+            return Err(Error::ScheduleMismatch {
                 what: "routes of a saved round",
                 planned: route_end.saturating_sub(route_base),
                 found: filled,

@@ -10,7 +10,8 @@ use crate::assign::{Assignment, local_counts};
 use crate::config::Shape;
 use crate::error::{Error, Result};
 use crate::layer::Routing;
-use crate::plan::{Plan, RouteMeta};
+use crate::plan::RouteMeta;
+use crate::schedule::Schedule;
 
 /// Rank `me`'s route tables, in workspace memory.
 pub(crate) struct Tables<'w> {
@@ -23,7 +24,7 @@ pub(crate) struct Tables<'w> {
 
 /// Checks the plan's shape for a call on a group of `world` ranks (f32, the group size,
 /// N·k < 2³²) and returns it.
-pub(crate) fn check_call_shape(plan: &Plan, world: usize) -> Result<Shape> {
+pub(crate) fn check_call_shape(plan: &Schedule, world: usize) -> Result<Shape> {
     let s = *plan.shape();
     if s.dtype != DType::F32 {
         return Err(Error::UnsupportedDtype { dtype: s.dtype });
@@ -36,12 +37,12 @@ pub(crate) fn check_call_shape(plan: &Plan, world: usize) -> Result<Shape> {
 }
 
 /// Checks that rank `me`'s routes per expert are the ones the plan was made from.
-pub(crate) fn check_planned_counts(plan: &Plan, me: usize, ids: &[i64]) -> Result<()> {
+pub(crate) fn check_planned_counts(plan: &Schedule, me: usize, ids: &[i64]) -> Result<()> {
     let s = plan.shape();
     let planned = plan.assignment().counts().row(me);
     let found = local_counts(s, ids)?;
     if let Some(e) = (0..s.experts).find(|&e| planned[e] != found[e]) {
-        return Err(Error::PlanMismatch {
+        return Err(Error::ScheduleMismatch {
             what: "routes of this rank to an expert",
             planned: planned[e],
             found: found[e],
@@ -51,7 +52,7 @@ pub(crate) fn check_planned_counts(plan: &Plan, me: usize, ids: &[i64]) -> Resul
 }
 
 /// Route → compute rank, and the per-destination row lists (tokens ascending), of rank `me`.
-pub(crate) fn build_tables(plan: &Plan, me: usize, ids: &[i64], t: &mut Tables<'_>) -> Result<()> {
+pub(crate) fn build_tables(plan: &Schedule, me: usize, ids: &[i64], t: &mut Tables<'_>) -> Result<()> {
     let s = plan.shape();
     let (k, p) = (s.top_k, s.ranks);
     let mut mapper = plan.assignment().mapper(me);
@@ -71,7 +72,11 @@ pub(crate) fn build_tables(plan: &Plan, me: usize, ids: &[i64], t: &mut Tables<'
         let planned = plan.pair_rows(me, d);
         let found = t.row_start[d + 1] as usize;
         if planned != found {
-            return Err(Error::PlanMismatch { what: "rows of this rank to a destination", planned, found });
+            return Err(Error::ScheduleMismatch {
+                what: "rows of this rank to a destination",
+                planned,
+                found,
+            });
         }
         t.row_start[d + 1] += t.row_start[d];
     }
@@ -99,7 +104,7 @@ pub(crate) fn row_routes(
 ) -> Result<()> {
     for (m, jj) in (0..k).filter(|&jj| dest[i * k + jj] as usize == d).enumerate() {
         let e = routing.ids[i * k + jj] as usize;
-        let slot = a.local_slot(d, e).ok_or(Error::PlanMismatch {
+        let slot = a.local_slot(d, e).ok_or(Error::ScheduleMismatch {
             what: "expert without a slot on its compute rank",
             planned: d,
             found: e,
@@ -110,7 +115,7 @@ pub(crate) fn row_routes(
 }
 
 /// Rows rank `me` sends each destination, and receives from each source, in round j.
-pub(crate) fn round_counts(plan: &Plan, me: usize, j: usize) -> (Vec<usize>, Vec<usize>) {
+pub(crate) fn round_counts(plan: &Schedule, me: usize, j: usize) -> (Vec<usize>, Vec<usize>) {
     let p = plan.shape().ranks;
     let send = (0..p).map(|d| plan.round_pair_rows(me, d, j)).collect();
     let recv = (0..p).map(|s| plan.round_pair_rows(s, me, j)).collect();

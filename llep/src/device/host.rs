@@ -7,7 +7,8 @@ use crate::config::Shape;
 use crate::cpu::{Tables, build_tables, check_call_shape, check_planned_counts, row_routes};
 use crate::error::Result;
 use crate::layer::Routing;
-use crate::plan::{GroupEntry, Plan, RouteMeta};
+use crate::plan::{GroupEntry, RouteMeta};
+use crate::schedule::Schedule;
 
 /// Rank `me`'s route tables: compute rank per route, per-destination token lists.
 #[derive(Debug)]
@@ -19,7 +20,7 @@ pub(super) struct HostTables {
 
 /// Checks the call (shape, group size, routing, planned counts) and builds the tables.
 pub(super) fn tables(
-    plan: &Plan,
+    plan: &Schedule,
     me: usize,
     world: usize,
     routing: &Routing<'_>,
@@ -51,7 +52,7 @@ pub(super) struct SendLists {
 
 impl SendLists {
     /// Builds round j's lists.
-    pub fn new(plan: &Plan, me: usize, t: &HostTables, routing: &Routing<'_>, j: usize) -> Result<Self> {
+    pub fn new(plan: &Schedule, me: usize, t: &HostTables, routing: &Routing<'_>, j: usize) -> Result<Self> {
         let s = plan.shape();
         let k = s.top_k;
         let a = plan.assignment();

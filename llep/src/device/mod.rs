@@ -2,7 +2,7 @@
 //! written once over [`DeviceOps`], the primitive operations a device offers — buffers,
 //! the five kernels of `kernels/llep.cu`, a strided SGEMM and all-to-all.
 //!
-//! The host plans ([`crate::cpu::plan`] or [`crate::Plan::from_top_k`]) and keeps the routing
+//! The host plans ([`crate::cpu::schedule`] or [`crate::Schedule::from_top_k`]) and keeps the routing
 //! (N×k ids and weights) and the route tables (8·N·k bytes) as the CPU executor does; per round
 //! it builds the round's index lists (tokens in send order, and per expert group the received
 //! rows, their routing weights and metadata entries) and writes them into index buffers fixed

@@ -27,7 +27,8 @@ use super::{DeviceInputs, DeviceOps};
 use crate::config::Shape;
 use crate::cpu::{round_counts, scale};
 use crate::error::Result;
-use crate::plan::{Plan, RouteMeta};
+use crate::plan::RouteMeta;
+use crate::schedule::Schedule;
 
 /// One pipeline copy of the dispatch buffers (backward-only ones hold one element in forward).
 /// The token list is per copy too: round j's combine scatters by it after round j+1's dispatch
@@ -70,7 +71,7 @@ impl Issued {
 /// (and, in backward, dY) rows and their route metadata, then the all-to-alls.
 pub(super) fn dispatch<O: DeviceOps>(
     ops: &O,
-    plan: &Plan,
+    plan: &Schedule,
     (s, t): (&Shape, &HostTables),
     (inputs, dy): (&DeviceInputs<'_, O::Buf>, Option<&O::Buf>),
     sets: &mut [RoundSet<O::Buf, O::Index>],

@@ -10,7 +10,8 @@ use super::{DeviceGradients, DeviceInputs, DeviceOps, GemmDims, Operand, need};
 use crate::config::{Mode, Shape};
 use crate::cpu::{group, scale};
 use crate::error::{Error, Result};
-use crate::plan::{Buffers, GroupEntry, Pass, Plan, RouteMeta};
+use crate::plan::{Buffers, GroupEntry, Pass, RouteMeta};
+use crate::schedule::Schedule;
 
 /// The expert scratch of G rows: X, Y (and dY) G×H; gate, up, h G×I; the G routes' dots.
 #[derive(Debug)]
@@ -207,7 +208,7 @@ fn check_inputs<O: DeviceOps>(ops: &O, s: &Shape, inputs: &DeviceInputs<'_, O::B
 /// part, one all-to-all in which only the owner sends (every rank takes part).
 fn fetch_foreign<O: DeviceOps>(
     ops: &O,
-    plan: &Plan,
+    plan: &Schedule,
     inputs: &DeviceInputs<'_, O::Buf>,
     foreign: &mut O::Buf,
 ) -> Result<()> {
@@ -237,7 +238,7 @@ fn fetch_foreign<O: DeviceOps>(
 /// the plan's forward [`Buffers`] (one more G×I buffer for h) plus the index buffers. Round
 /// j+1's dispatch is issued before round j's experts (two or more buffer copies; the issue
 /// order is in the `pipeline` module).
-pub fn forward<O: DeviceOps>(ops: &O, plan: &Plan, inputs: &DeviceInputs<'_, O::Buf>) -> Result<O::Buf> {
+pub fn forward<O: DeviceOps>(ops: &O, plan: &Schedule, inputs: &DeviceInputs<'_, O::Buf>) -> Result<O::Buf> {
     let me = ops.rank();
     let (s, t) = tables(plan, me, ops.world_size(), &inputs.routing)?;
     check_inputs(ops, &s, inputs)?;
@@ -345,7 +346,7 @@ fn expert_backward<O: DeviceOps>(
 /// add them to their native gradients, in transfer order.
 fn return_foreign_grads<O: DeviceOps>(
     ops: &O,
-    plan: &Plan,
+    plan: &Schedule,
     c: &mut Reserved<O::Buf, O::Index>,
     g: &mut DeviceGradients<O::Buf>,
 ) -> Result<()> {
@@ -380,7 +381,7 @@ fn return_foreign_grads<O: DeviceOps>(
 /// the next round's dispatch is issued before this round's experts.
 pub fn backward<O: DeviceOps>(
     ops: &O,
-    plan: &Plan,
+    plan: &Schedule,
     inputs: &DeviceInputs<'_, O::Buf>,
     dy: &O::Buf,
 ) -> Result<DeviceGradients<O::Buf>> {

@@ -4,10 +4,9 @@
 
 use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, SplitMix64, Workspace};
 use llep::cpu::reference::{self, ReferenceGrads};
-use llep::{
-    Buffers, ExpertWeights, Gradients, LlepConfig, Pass, Plan, Profile, RankInputs, Routing, Scheme, Shape,
-    cpu,
-};
+use llep::{Config, ExpertWeights, Gradients, Pass, RankInputs, Routing, Schedule, Scheme, Shape, cpu};
+
+use llep::paper::Profile;
 
 /// A seeded problem: per-rank tokens, ids, weights and dY; all E experts' weights.
 pub struct Problem {
@@ -43,7 +42,8 @@ impl Problem {
                 Ids::Random => (0..n * k).map(|_| rng.below(e as u64) as i64).collect(),
             })
             .collect();
-        let weights = (0..p).map(|s| llep::routing_weights(n, k, seed ^ ((s as u64 + 1) * 0x9E37))).collect();
+        let weights =
+            (0..p).map(|s| llep::paper::routing_weights(n, k, seed ^ ((s as u64 + 1) * 0x9E37))).collect();
         let scale_in = 1.0 / (h as f32).sqrt();
         let scale_mid = 1.0 / (i as f32).sqrt();
         let gate = rng.normal_f32(e * h * i, 0.0, scale_in);
@@ -85,7 +85,7 @@ impl Problem {
 
 /// One rank's results of a forward + backward.
 pub struct RankRun {
-    pub plan: Plan,
+    pub plan: Schedule,
     pub y: Vec<f32>,
     pub grads: Gradients,
     pub workspace_bytes: usize,
@@ -93,12 +93,16 @@ pub struct RankRun {
 }
 
 /// Plans on every rank, reserves the plan's backward workspace, runs forward and backward.
-pub fn run(problem: &Problem, config: &LlepConfig) -> Vec<llep::Result<RankRun>> {
+pub fn run(problem: &Problem, config: &Config) -> Vec<llep::Result<RankRun>> {
     LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
         Ok((|| {
             let me = comm.rank();
             let inputs = problem.inputs(me);
-            let plan = cpu::plan(comm, config, &problem.shape, &inputs.routing)?;
+            let plan = cpu::schedule(
+                comm,
+                &llep::Plan::new(config, problem.shape, llep::Budget::Unlimited)?,
+                &inputs.routing,
+            )?;
             let bufs = plan.buffers(me, Pass::Backward);
             let mut ws = Workspace::new(bufs.workspace_bytes());
             let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
@@ -118,15 +122,19 @@ pub fn run(problem: &Problem, config: &LlepConfig) -> Vec<llep::Result<RankRun>>
 }
 
 /// As [`run`], in [`llep::Mode::SaveActivations`]: forward keeps its activations in a store
-/// reserved at the plan's [`Plan::saved_bytes`], backward runs from them. `high_water` is the
+/// reserved at the plan's [`Schedule::saved_bytes`], backward runs from them. `high_water` is the
 /// store's high-water plus the workspace's.
-pub fn run_saved(problem: &Problem, config: &LlepConfig) -> Vec<llep::Result<RankRun>> {
+pub fn run_saved(problem: &Problem, config: &Config) -> Vec<llep::Result<RankRun>> {
     let config = config.mode(llep::Mode::SaveActivations);
     LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
         Ok((|| {
             let me = comm.rank();
             let inputs = problem.inputs(me);
-            let plan = cpu::plan(comm, &config, &problem.shape, &inputs.routing)?;
+            let plan = cpu::schedule(
+                comm,
+                &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited)?,
+                &inputs.routing,
+            )?;
             let bufs = plan.buffers(me, Pass::Backward);
             let mut ws = Workspace::new(bufs.workspace_bytes());
             let mut saved = cpu::SavedActivations::new(&plan, me)?;
@@ -147,11 +155,14 @@ pub fn run_saved(problem: &Problem, config: &LlepConfig) -> Vec<llep::Result<Ran
 }
 
 /// Launch-time buffers of PipelinedLLEP (what a rank reserves before any routing is known).
-pub fn launch_bytes(config: &LlepConfig, shape: &Shape) -> usize {
-    Buffers::at_launch(config, shape, Pass::Backward).unwrap().workspace_bytes()
+pub fn launch_bytes(config: &Config, shape: &Shape) -> usize {
+    llep::Plan::new(config, *shape, llep::Budget::Unlimited)
+        .map(|plan| plan.buffers(Pass::Backward))
+        .unwrap()
+        .workspace_bytes()
 }
 
 /// A config that spills, caps and pipelines at test sizes.
-pub fn small_config(scheme: Scheme) -> LlepConfig {
-    LlepConfig::with_scheme(scheme).min_chunk(4).pair_cap(llep::PairCap::Rows(3)).foreign_slots(2)
+pub fn small_config(scheme: Scheme) -> Config {
+    Config::with_scheme(scheme).min_chunk(4).pair_cap(llep::PairCap::Rows(3)).foreign_slots(2)
 }

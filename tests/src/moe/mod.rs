@@ -20,7 +20,7 @@ pub mod ops;
 
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, ReduceOp, SplitMix64, Workspace};
-use llep::{ExpertWeights, LlepConfig, PairCap, Pass, RankInputs, Routing, Scheme, Shape};
+use llep::{Config as LlepConfig, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape};
 use ring_dtp::{Config, GradOutput, Loss, Matrix, RingOptions, RingPlan};
 use sco::CheckpointOffloader;
 use stream_adamw::{HostDevice, Hyperparameters, Link, StepOptions, StreamAdamW};
@@ -338,12 +338,17 @@ impl<C: Communicator> Rank<'_, C> {
         }
     }
 
+    /// The llep launch plan of every MoE block (the schedule's pair cap and buffers).
+    fn llep_plan(&self) -> Result<llep::Plan> {
+        llep::Plan::new(&self.llep, self.shape, llep::Budget::Unlimited).map_err(err("llep plan"))
+    }
+
     /// `x + MoE(RMSNorm(x))`, and the dispatch workspace it reserved.
     fn block_forward(&self, b: &Block, x: &[f32]) -> Result<(Vec<f32>, usize)> {
         let (u, _, ids, w) = self.route(b, x)?;
         let inputs = self.moe_inputs(b, &u, &ids, &w);
         let plan =
-            llep::cpu::plan(self.comm, &self.llep, &self.shape, &inputs.routing).map_err(err("llep plan"))?;
+            llep::cpu::schedule(self.comm, &self.llep_plan()?, &inputs.routing).map_err(err("llep plan"))?;
         let bytes = plan.max_workspace_bytes(Pass::Backward);
         let mut ws = Workspace::new(bytes);
         let y = llep::cpu::forward(self.comm, &plan, &inputs, &mut ws).map_err(err("llep forward"))?;
@@ -356,7 +361,7 @@ impl<C: Communicator> Rank<'_, C> {
         let (u, inv, ids, w) = self.route(b, x)?;
         let inputs = self.moe_inputs(b, &u, &ids, &w);
         let plan =
-            llep::cpu::plan(self.comm, &self.llep, &self.shape, &inputs.routing).map_err(err("llep plan"))?;
+            llep::cpu::schedule(self.comm, &self.llep_plan()?, &inputs.routing).map_err(err("llep plan"))?;
         let mut ws = Workspace::new(plan.max_workspace_bytes(Pass::Backward));
         let moe =
             llep::cpu::backward(self.comm, &plan, &inputs, dy, &mut ws).map_err(err("llep backward"))?;

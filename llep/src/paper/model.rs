@@ -9,10 +9,13 @@
 //! crate's own row is M0 plus the exact bytes of its buffers.
 
 use crate::assign::Assignment;
-use crate::config::{Chunking, LlepConfig, PairCap, Scheme, Shape, SpillSplit};
+use crate::config::{Chunking, Config, PairCap, Scheme, Shape, SpillSplit};
 use crate::error::Result;
+use flatpeak_common::Budget;
+
+use super::workload::Profile;
 use crate::plan::{Buffers, Pass, Plan};
-use crate::workload::Profile;
+use crate::schedule::Schedule;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -168,16 +171,18 @@ pub fn model_row(
     profile: Profile,
     chunks: usize,
     q: usize,
-    crate_config: &LlepConfig,
+    crate_config: &Config,
     model: &PeakModel,
 ) -> Result<ModelRow> {
     let ids = profile.ids(&Shape { ranks: 1, ..*shape })?;
     let views: Vec<&[i64]> = (0..shape.ranks).map(|_| ids.as_slice()).collect();
     let (p, m, kn) = (shape.ranks, shape.local_experts(), (shape.tokens * shape.top_k) as f64);
-    let llep_cfg = LlepConfig::with_scheme(Scheme::Llep).spill_split(SpillSplit::Position);
-    let llep = Plan::from_top_k(&llep_cfg, shape, &views)?;
-    let ep = Plan::from_top_k(&LlepConfig::with_scheme(Scheme::StandardEp), shape, &views)?;
-    let max_over = |plan: &Plan, recv: &dyn Fn(&Assignment, usize) -> f64, slice_div: f64| {
+    let llep_cfg = Config::with_scheme(Scheme::Llep).spill_split(SpillSplit::Position);
+    let schedule =
+        |config: &Config| Schedule::from_top_k(&Plan::new(config, *shape, Budget::Unlimited)?, &views);
+    let llep = schedule(&llep_cfg)?;
+    let ep = schedule(&Config::with_scheme(Scheme::StandardEp))?;
+    let max_over = |plan: &Schedule, recv: &dyn Fn(&Assignment, usize) -> f64, slice_div: f64| {
         let a = plan.assignment();
         (0..p)
             .map(|d| {
@@ -200,7 +205,7 @@ pub fn model_row(
     let contiguous = chunk_stats(llep.assignment(), shape, &views, chunks, Chunking::Contiguous)?;
     let chunk_recv = strided.max_chunk_recv as f64;
     let config = crate_config.scheme(Scheme::PipelinedLlep).pair_cap(PairCap::Rows(q));
-    let ours = Plan::from_top_k(&config, shape, &views)?;
+    let ours = schedule(&config)?;
     let rows = (config.pipeline_depth * p * ours.pair_cap()) as f64;
     let formula = PeakTerms {
         send_rows: rows,
@@ -227,10 +232,11 @@ pub fn model_row(
 
 /// The pair cap that gives this crate `rounds` rounds on `profile` (balanced, for the paper's
 /// K = 10): `⌈max_{s,d} R[s][d] / rounds⌉`.
-pub fn crate_pair_cap(shape: &Shape, profile: Profile, rounds: usize, config: &LlepConfig) -> Result<usize> {
+pub fn crate_pair_cap(shape: &Shape, profile: Profile, rounds: usize, config: &Config) -> Result<usize> {
     let ids = profile.ids(&Shape { ranks: 1, ..*shape })?;
     let views: Vec<&[i64]> = (0..shape.ranks).map(|_| ids.as_slice()).collect();
-    let plan = Plan::from_top_k(&config.scheme(Scheme::Llep), shape, &views)?;
+    let plan =
+        Schedule::from_top_k(&Plan::new(&config.scheme(Scheme::Llep), *shape, Budget::Unlimited)?, &views)?;
     let p = shape.ranks;
     let widest = (0..p * p).map(|i| plan.pair_rows(i / p, i % p)).max().unwrap_or(0);
     Ok(widest.div_ceil(rounds.max(1)).max(1))
