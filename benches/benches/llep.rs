@@ -108,9 +108,11 @@ fn cuda_steps(c: &mut Criterion) {
         ));
         group.sample_size(10);
         for (name, config) in &configs {
-            let plan =
-                Schedule::from_top_k(&llep::Plan::new(config, shape, llep::Budget::Unlimited).expect("plan"), &[&ids])
-                    .expect("plan");
+            let plan = Schedule::from_top_k(
+                &llep::Plan::new(config, shape, llep::Budget::Unlimited).expect("plan"),
+                &[&ids],
+            )
+            .expect("plan");
             eprintln!("cuda/llep {spec} {name}: {} rounds", plan.rounds());
             group.bench_function(format!("{name}_train"), |b| {
                 b.iter(|| {

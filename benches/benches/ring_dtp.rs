@@ -78,8 +78,14 @@ fn rings(c: &mut Criterion) {
     let mut group = c.benchmark_group("ring_dtp_N2048_D256_V8192_P4_f32");
     group.sample_size(10);
     for kind in [RingKind::Weight, RingKind::Activation] {
-        let options = RingOptions::with_budget(4 << 20).ring(kind);
-        let plan = RingPlan::new(&config, (N, D, V), p, DType::F32, options).expect("plan");
+        let (budget, options) = (Budget::Bytes(4 << 20), RingOptions::default().ring(kind));
+        let plan = RingPlan::new(
+            &config,
+            Shape { tokens: N, hidden: D, vocab: V, dtype: DType::F32 },
+            budget,
+            options.ranks(p),
+        )
+        .expect("plan");
         group.bench_function(format!("{kind:?}"), |b| {
             b.iter(|| {
                 LocalGroup::run(p, LocalGroupOptions::default(), |comm| {

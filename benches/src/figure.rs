@@ -90,7 +90,7 @@ fn dispatch_panel() -> Result<Panel, String> {
     };
     let e = |x: llep::Error| x.to_string();
     let launch =
-        crate::memory_model::launch_plan(&shape).map_err(e)?.buffers(Pass::Backward).workspace_bytes();
+        flatpeak::memory_model::launch_plan(&shape).map_err(e)?.buffers(Pass::Backward).workspace_bytes();
     let (mut ep, mut llep_line, mut ours) = (Vec::new(), Vec::new(), Vec::new());
     for step in 0..=10 {
         let ratio = step as f64 / 10.0;

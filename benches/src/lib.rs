@@ -8,9 +8,9 @@
 //!   and the plot of every peak against its growing dimension ([`figure`]).
 //! - `flatpeak plan --model <preset|file.json> --context N --gpus G --gpu-mem BYTES [--json]`:
 //!   the per-GPU memory model of a tuned FSDP2 baseline and of the flattened schedules
-//!   ([`memory_model`]).
+//!   (`flatpeak::memory_model`).
 //! - `flatpeak run <component> --inputs in.safetensors [--config cfg.json] --outputs out.safetensors`:
-//!   one primitive on tensors from any framework ([`run`]).
+//!   one primitive on tensors from any framework (`flatpeak::run`).
 //!
 //! ```
 //! use flatpeak_bench::machine::{measure, MachineOptions};
@@ -21,6 +21,4 @@
 pub mod components;
 pub mod figure;
 pub mod machine;
-pub mod memory_model;
 pub mod report;
-pub mod run;

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use flatpeak::memory_model::{ModelSpec, plan, render_text as render_plan};
 use flatpeak_bench::components::{ReportError, select};
 use flatpeak_bench::machine::{MachineOptions, measure};
-use flatpeak_bench::memory_model::{ModelSpec, plan, render_text as render_plan};
 use flatpeak_bench::report::{Report, SCHEMA_VERSION, machine_line, render_markdown, render_text};
 use flatpeak_common::{CountingAllocator, Device};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -238,7 +238,7 @@ fn main() -> ExitCode {
             memory_plan(&model, context, gpus, gpu_mem, json)
         }
         Command::Run { component, inputs, config, outputs } => {
-            flatpeak_bench::run::run(&component, &inputs, config.as_deref(), &outputs)
+            flatpeak::run::run(&component, &inputs, config.as_deref(), &outputs)
                 .map(|names| println!("wrote {} to {}", names.join(", "), outputs.display()))
                 .map_err(|e| e.to_string())
         }

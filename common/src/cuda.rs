@@ -21,15 +21,86 @@ use crate::error::{Error, Result};
 use crate::kernels::{COMMON, KernelSource, grid_stride_blocks};
 use crate::nvrtc::{Arch, Target, compile};
 
-fn driver_error(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+/// Maps a cudarc error (driver, cuBLAS, NCCL) to [`Error::Cuda`] naming the call:
+/// `stream.alloc_zeros(n).map_err(cuda_error("cuMemAlloc"))?` (a crate's `?` then converts it
+/// to its own `Error::Common`).
+pub fn cuda_error<E: std::fmt::Debug>(op: &'static str) -> impl Fn(E) -> Error {
     move |e| Error::Cuda { op, message: format!("{e:?}") }
+}
+
+/// A 1-D grid-stride launch over `n` elements: `threads` per block, at most `max_blocks` blocks
+/// (the kernel's loop covers the rest).
+pub fn linear_launch(n: usize, threads: u32, max_blocks: u32) -> LaunchConfig {
+    let blocks = grid_stride_blocks(n, threads, max_blocks);
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One block of `threads` per row, or [`Error::ShapeMismatch`] when `rows` exceeds a grid's
+/// `u32` x dimension.
+pub fn per_row_launch(rows: usize, threads: u32) -> Result<LaunchConfig> {
+    let blocks = u32::try_from(rows).map_err(|_| Error::ShapeMismatch {
+        what: "rows of a per-row launch (u32 grid)",
+        expected: u32::MAX as usize,
+        got: rows,
+    })?;
+    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
+}
+
+fn gemm_dim(what: &'static str, value: usize) -> Result<i32> {
+    i32::try_from(value).map_err(|_| Error::ShapeMismatch { what, expected: i32::MAX as usize, got: value })
+}
+
+/// One cuBLAS SGEMM on `blas`'s stream, in column-major terms: `C (m×n) = op_a(A)·op_b(B) +
+/// beta·C` with α = 1, leading dimensions `lda`, `ldb`, `ldc`; a no-op when `m` or `n` is 0.
+/// [`Error::ShapeMismatch`] when a dimension does not fit cuBLAS's `i32`.
+///
+/// # Safety
+///
+/// `a`, `b` and `c` must hold the column-major extents the operations and leading dimensions
+/// imply (`A`: `lda·k` elements for `op_a = N`, `lda·m` for `T`; likewise `B`; `C`: `ldc·n`),
+/// belong to `blas`'s context, and be ordered on its stream after every earlier write to them;
+/// `c` must not alias `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm<A, B, C>(
+    blas: &cudarc::cublas::CudaBlas,
+    (op_a, op_b): (cudarc::cublas::sys::cublasOperation_t, cudarc::cublas::sys::cublasOperation_t),
+    (m, n, k): (usize, usize, usize),
+    (a, lda): (&A, usize),
+    (b, ldb): (&B, usize),
+    (c, ldc): (&mut C, usize),
+    beta: f32,
+) -> Result<()>
+where
+    A: cudarc::driver::DevicePtr<f32>,
+    B: cudarc::driver::DevicePtr<f32>,
+    C: cudarc::driver::DevicePtrMut<f32>,
+{
+    use cudarc::cublas::{Gemm, GemmConfig};
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let cfg = GemmConfig {
+        transa: op_a,
+        transb: op_b,
+        m: gemm_dim("sgemm m (i32)", m)?,
+        n: gemm_dim("sgemm n (i32)", n)?,
+        k: gemm_dim("sgemm k (i32)", k)?,
+        alpha: 1.0f32,
+        lda: gemm_dim("sgemm lda (i32)", lda.max(1))?,
+        ldb: gemm_dim("sgemm ldb (i32)", ldb.max(1))?,
+        beta,
+        ldc: gemm_dim("sgemm ldc (i32)", ldc.max(1))?,
+    };
+    // SAFETY: the caller guarantees the extents, context, stream order and non-aliasing this
+    // GEMM needs (this function's `# Safety`); every dimension was checked to fit i32.
+    unsafe { blas.gemm(cfg, a, b, c) }.map_err(cuda_error("cublasSgemm"))
 }
 
 /// Opens the primary context of CUDA device `ordinal`, after checking (without panicking) that
 /// the driver and the device exist.
 pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     Device::Cuda(ordinal).ensure_available()?;
-    CudaContext::new(ordinal).map_err(driver_error("cuCtxCreate"))
+    CudaContext::new(ordinal).map_err(cuda_error("cuCtxCreate"))
 }
 
 /// Compiled modules of one context, compiled at first use: a cubin for the device's exact
@@ -44,7 +115,7 @@ pub struct KernelCache {
 impl KernelCache {
     /// A cache for `ctx`, targeting its compute capability.
     pub fn new(ctx: Arc<CudaContext>) -> Result<Self> {
-        let (major, minor) = ctx.compute_capability().map_err(driver_error("cuDeviceGetAttribute"))?;
+        let (major, minor) = ctx.compute_capability().map_err(cuda_error("cuDeviceGetAttribute"))?;
         let arch = Arch { major: major as u32, minor: minor as u32 };
         Ok(Self { ctx, arch, modules: Mutex::new(HashMap::new()) })
     }
@@ -72,12 +143,12 @@ impl KernelCache {
                 }
             }
         };
-        module.load_function(entry).map_err(driver_error("cuModuleGetFunction"))
+        module.load_function(entry).map_err(cuda_error("cuModuleGetFunction"))
     }
 
     fn load(&self, kernel: &KernelSource) -> Result<Arc<CudaModule>> {
         let cubin = compile(kernel, self.arch, Target::Cubin).and_then(|c| {
-            self.ctx.load_module(Ptx::from_binary(c.image)).map_err(driver_error("cuModuleLoadData(cubin)"))
+            self.ctx.load_module(Ptx::from_binary(c.image)).map_err(cuda_error("cuModuleLoadData(cubin)"))
         });
         match cubin {
             Ok(module) => Ok(module),
@@ -85,7 +156,7 @@ impl KernelCache {
             Err(_) => {
                 let ptx = compile(kernel, self.arch, Target::Ptx)?;
                 let text = String::from_utf8_lossy(&ptx.image).into_owned();
-                self.ctx.load_module(Ptx::from_src(text)).map_err(driver_error("cuModuleLoadData(ptx)"))
+                self.ctx.load_module(Ptx::from_src(text)).map_err(cuda_error("cuModuleLoadData(ptx)"))
             }
         }
     }
@@ -101,7 +172,7 @@ pub struct DeviceWorkspace {
 impl DeviceWorkspace {
     /// Allocates `capacity` bytes on `stream`'s device, zeroed.
     pub fn new(stream: &Arc<CudaStream>, capacity: usize) -> Result<Self> {
-        let buffer = stream.alloc_zeros::<u8>(capacity.max(1)).map_err(driver_error("cuMemAlloc"))?;
+        let buffer = stream.alloc_zeros::<u8>(capacity.max(1)).map_err(cuda_error("cuMemAlloc"))?;
         Ok(Self { buffer, arena: Arena::new(capacity) })
     }
     /// Carves `len` elements of `T` (see [`Arena::carve`]).
@@ -152,8 +223,7 @@ impl DeviceWorkspace {
 const THREADS: u32 = 256;
 
 fn grid_for(n: usize, max_blocks: u32) -> LaunchConfig {
-    let blocks = grid_stride_blocks(n, THREADS, max_blocks);
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+    linear_launch(n, THREADS, max_blocks)
 }
 
 /// `out[i] = value` on `stream`.
@@ -169,7 +239,7 @@ pub fn fill_f32(
     launch.arg(out).arg(&value).arg(&n);
     // SAFETY: `fill_f32(float*, float, u64)` matches the three arguments in order; the kernel
     // writes only `out[0..n)` (grid-stride loop bounded by `n = out.len()`).
-    unsafe { launch.launch(grid_for(n as usize, 4096)) }.map_err(driver_error("cuLaunchKernel(fill_f32)"))?;
+    unsafe { launch.launch(grid_for(n as usize, 4096)) }.map_err(cuda_error("cuLaunchKernel(fill_f32)"))?;
     Ok(())
 }
 
@@ -179,15 +249,14 @@ pub fn checksum_f32(cache: &KernelCache, stream: &Arc<CudaStream>, x: &CudaView<
     let f = cache.function(&COMMON, "checksum_f32")?;
     let n = x.len() as u64;
     let cfg = grid_for(x.len(), 1024);
-    let mut partial =
-        stream.alloc_zeros::<f64>(cfg.grid_dim.0 as usize).map_err(driver_error("cuMemAlloc"))?;
+    let mut partial = stream.alloc_zeros::<f64>(cfg.grid_dim.0 as usize).map_err(cuda_error("cuMemAlloc"))?;
     let mut launch = stream.launch_builder(&f);
     launch.arg(x).arg(&n).arg(&mut partial);
     // SAFETY: `checksum_f32(const float*, u64, double*)` matches the arguments; it reads
     // `x[0..n)`, writes `partial[blockIdx.x]` for `gridDim.x = partial.len()` blocks, and its
     // block size (256) is a multiple of 32 as the kernel requires.
-    unsafe { launch.launch(cfg) }.map_err(driver_error("cuLaunchKernel(checksum_f32)"))?;
-    let partial = stream.clone_dtoh(&partial).map_err(driver_error("cuMemcpyDtoH"))?;
+    unsafe { launch.launch(cfg) }.map_err(cuda_error("cuLaunchKernel(checksum_f32)"))?;
+    let partial = stream.clone_dtoh(&partial).map_err(cuda_error("cuMemcpyDtoH"))?;
     Ok(partial.iter().sum())
 }
 
@@ -208,7 +277,7 @@ pub fn cast_f32_to_bf16(
     // SAFETY: `cast_f32_to_bf16(const float*, __nv_bfloat16*, u64)` matches; both buffers hold
     // `n` elements (checked above) and the kernel touches indices below `n` only.
     unsafe { launch.launch(grid_for(n as usize, 4096)) }
-        .map_err(driver_error("cuLaunchKernel(cast_f32_to_bf16)"))?;
+        .map_err(cuda_error("cuLaunchKernel(cast_f32_to_bf16)"))?;
     Ok(())
 }
 
@@ -222,32 +291,14 @@ pub fn sgemm_square(
     c: &mut CudaSlice<f32>,
 ) -> Result<()> {
     use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
-    use cudarc::cublas::{Gemm, GemmConfig};
     for (what, len) in [("sgemm a (n·n)", a.len()), ("sgemm b (n·n)", b.len()), ("sgemm c (n·n)", c.len())]
     {
         if len != n * n {
             return Err(Error::ShapeMismatch { what, expected: n * n, got: len });
         }
     }
-    let n32 = i32::try_from(n).map_err(|_| Error::ShapeMismatch {
-        what: "sgemm n (i32)",
-        expected: i32::MAX as usize,
-        got: n,
-    })?;
-    let cfg = GemmConfig {
-        transa: CUBLAS_OP_N,
-        transb: CUBLAS_OP_N,
-        m: n32,
-        n: n32,
-        k: n32,
-        alpha: 1.0f32,
-        lda: n32,
-        ldb: n32,
-        beta: 0.0f32,
-        ldc: n32,
-    };
     // SAFETY: a, b and c each hold exactly n·n floats (checked above), the column-major extents
-    // of an n×n×n product with leading dimensions n; all three belong to `blas`'s context.
-    unsafe { blas.gemm(cfg, a, b, c) }
-        .map_err(|e| Error::Cuda { op: "cublasSgemm", message: format!("{e:?}") })
+    // of an n×n×n product with leading dimensions n; all three belong to `blas`'s context, and
+    // `c` is a `&mut` borrow distinct from `a` and `b`.
+    unsafe { sgemm(blas, (CUBLAS_OP_N, CUBLAS_OP_N), (n, n, n), (a, n), (b, n), (c, n), 0.0) }
 }

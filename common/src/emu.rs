@@ -109,14 +109,32 @@ pub fn race_checked<T: Pod>(
     initial: &[T],
     mut run: impl FnMut(Schedule, &mut [T]) -> Result<()>,
 ) -> Result<Vec<T>> {
-    let mut forward = initial.to_vec();
-    run(Schedule::Forward, &mut forward)?;
-    let mut reverse = initial.to_vec();
-    run(Schedule::Reverse, &mut reverse)?;
-    let (a, b): (&[u8], &[u8]) = (bytemuck::cast_slice(&forward), bytemuck::cast_slice(&reverse));
-    match a.iter().zip(b).position(|(x, y)| x != y) {
-        None => Ok(forward),
-        Some(first_difference) => Err(Error::EmuRace { kernel: name.into(), first_difference }),
+    let mut outputs = initial.to_vec();
+    race_checked_state(
+        name,
+        &mut outputs,
+        |o| bytemuck::cast_slice(o).to_vec(),
+        |schedule, o| run(schedule, o),
+    )?;
+    Ok(outputs)
+}
+
+/// Runs `launch_one` under both schedules on copies of `state` (any outputs a launch writes,
+/// `bytes` serializing them for the comparison) and keeps the forward schedule's `state`, or
+/// [`Error::EmuRace`] when the two differ anywhere (compared bitwise).
+pub fn race_checked_state<S: Clone, E: From<Error>>(
+    name: &str,
+    state: &mut S,
+    bytes: impl Fn(&S) -> Vec<u8>,
+    mut launch_one: impl FnMut(Schedule, &mut S) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let mut reverse = state.clone();
+    launch_one(Schedule::Forward, state)?;
+    launch_one(Schedule::Reverse, &mut reverse)?;
+    let (a, b) = (bytes(state), bytes(&reverse));
+    match a.iter().zip(&b).position(|(x, y)| x != y) {
+        None => Ok(()),
+        Some(first_difference) => Err(Error::EmuRace { kernel: name.into(), first_difference }.into()),
     }
 }
 

@@ -29,27 +29,21 @@
 
 use std::sync::Arc;
 
-use flatpeak_common::cuda::KernelCache;
+use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
 use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
-use flatpeak_common::cuda::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use flatpeak_common::cuda::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
 };
+use flatpeak_common::cuda::{KernelCache, cuda_error, linear_launch, sgemm};
 use flatpeak_common::gemm::Accumulate;
-use flatpeak_common::kernels::grid_stride_blocks;
 use flatpeak_common::nccl::DeviceCommunicator;
 
 use crate::device::{DeviceOps, GemmDims, Operand, Orientation, need};
 use crate::error::{Error, Result};
 use crate::kernels::{LINEAR_THREADS, LLEP, ROW_THREADS};
 
-fn cuda<E: std::fmt::Debug>(op: &'static str) -> impl Fn(E) -> Error {
-    move |e| Error::Common(flatpeak_common::Error::Cuda { op, message: format!("{e:?}") })
-}
-
 fn linear(n: usize) -> LaunchConfig {
-    let blocks = grid_stride_blocks(n, LINEAR_THREADS, 4096);
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (LINEAR_THREADS, 1, 1), shared_mem_bytes: 0 }
+    linear_launch(n, LINEAR_THREADS, 4096)
 }
 
 fn view<'a>(what: &'static str, s: &'a CudaSlice<f32>, at: usize, len: usize) -> Result<CudaView<'a, f32>> {
@@ -119,19 +113,19 @@ impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
     /// are still queued (a pass returns without waiting for them).
     pub fn new(comm: &'c C) -> Result<Self> {
         let ctx = comm.stream().context().clone();
-        let stream = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
-        stream.join(comm.stream()).map_err(cuda("cuStreamWaitEvent"))?;
-        let fetch = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
+        let stream = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
+        stream.join(comm.stream()).map_err(cuda_error("cuStreamWaitEvent"))?;
+        let fetch = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
         let cache = KernelCache::new(ctx)?;
-        let blas = CudaBlas::new(stream.clone()).map_err(cuda("cublasCreate"))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(cuda_error("cublasCreate"))?;
         Ok(Self { comm, stream, fetch, cache, blas })
     }
 
     /// Waits for every operation issued so far, on both streams (the metadata downloads wait
     /// on the host as they run).
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
-        self.comm.stream().synchronize().map_err(cuda("cuStreamSynchronize"))
+        self.stream.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
+        self.comm.stream().synchronize().map_err(cuda_error("cuStreamSynchronize")).map_err(Error::from)
     }
 
     /// The compute stream: kernels, GEMMs and copies other than the all-to-alls' run on it.
@@ -153,11 +147,11 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
     }
 
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
-        self.stream.alloc_zeros::<f32>(len.max(1)).map_err(cuda("cuMemAlloc"))
+        self.stream.alloc_zeros::<f32>(len.max(1)).map_err(cuda_error("cuMemAlloc")).map_err(Error::from)
     }
 
     fn alloc_index(&self, len: usize) -> Result<CudaIndex> {
-        let dev = self.stream.alloc_zeros::<u32>(len.max(1)).map_err(cuda("cuMemAlloc"))?;
+        let dev = self.stream.alloc_zeros::<u32>(len.max(1)).map_err(cuda_error("cuMemAlloc"))?;
         Ok(CudaIndex { dev, host: Some(vec![0; len.max(1)]) })
     }
 
@@ -169,7 +163,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         if host.is_empty() {
             return self.alloc(1);
         }
-        self.stream.clone_htod(host).map_err(cuda("cuMemcpyHtoD"))
+        self.stream.clone_htod(host).map_err(cuda_error("cuMemcpyHtoD")).map_err(Error::from)
     }
 
     fn write_index(&self, host: &[u32], dst: &mut CudaIndex) -> Result<()> {
@@ -183,7 +177,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
             expected: host.len(),
             got: found,
         })?;
-        self.stream.memcpy_htod(host, &mut v).map_err(cuda("cuMemcpyHtoD"))?;
+        self.stream.memcpy_htod(host, &mut v).map_err(cuda_error("cuMemcpyHtoD"))?;
         let mirror = dst.host.get_or_insert_with(|| vec![u32::MAX; found]);
         mirror[..host.len()].copy_from_slice(host);
         Ok(())
@@ -194,14 +188,17 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
             return Ok(());
         }
         let mut v = view_mut("buffer", dst, 0, host.len())?;
-        self.stream.memcpy_htod(host, &mut v).map_err(cuda("cuMemcpyHtoD"))
+        self.stream.memcpy_htod(host, &mut v).map_err(cuda_error("cuMemcpyHtoD")).map_err(Error::from)
     }
 
     fn download(&self, src: &CudaSlice<f32>, len: usize) -> Result<Vec<f32>> {
         if len == 0 {
             return Ok(Vec::new());
         }
-        self.stream.clone_dtoh(&view("download", src, 0, len)?).map_err(cuda("cuMemcpyDtoH"))
+        self.stream
+            .clone_dtoh(&view("download", src, 0, len)?)
+            .map_err(cuda_error("cuMemcpyDtoH"))
+            .map_err(Error::from)
     }
 
     fn download_index(&self, src: &CudaIndex, len: usize) -> Result<Vec<u32>> {
@@ -217,19 +214,22 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         // On a stream of its own: cudarc's events make it wait for the all-to-all that wrote
         // `src` (or the upload that did), not for the combine and compute queued meanwhile on
         // the other two streams.
-        self.fetch.clone_dtoh(&v).map_err(cuda("cuMemcpyDtoH"))
+        self.fetch.clone_dtoh(&v).map_err(cuda_error("cuMemcpyDtoH")).map_err(Error::from)
     }
 
     fn fence(&self) -> Result<()> {
-        self.stream.join(self.comm.stream()).map_err(cuda("cuStreamWaitEvent"))?;
-        self.comm.stream().join(&self.stream).map_err(cuda("cuStreamWaitEvent"))
+        self.stream.join(self.comm.stream()).map_err(cuda_error("cuStreamWaitEvent"))?;
+        self.comm.stream().join(&self.stream).map_err(cuda_error("cuStreamWaitEvent")).map_err(Error::from)
     }
 
     fn zero(&self, dst: &mut CudaSlice<f32>, len: usize) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
-        self.stream.memset_zeros(&mut view_mut("zero fill", dst, 0, len)?).map_err(cuda("cuMemsetD8"))
+        self.stream
+            .memset_zeros(&mut view_mut("zero fill", dst, 0, len)?)
+            .map_err(cuda_error("cuMemsetD8"))
+            .map_err(Error::from)
     }
 
     fn gather_rows(
@@ -262,7 +262,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         // matches the arguments in order (no scale: a null pointer); it reads `index[0..rows)`,
         // each entry < src rows (checked on the host mirror), `scale[0..rows)` and writes
         // `dst[0..rows·width)` — all lengths checked above; grid-stride over rows·width.
-        unsafe { l.launch(linear(rows * width)) }.map_err(cuda("cuLaunchKernel(llep_gather_rows)"))?;
+        unsafe { l.launch(linear(rows * width)) }.map_err(cuda_error("cuLaunchKernel(llep_gather_rows)"))?;
         Ok(())
     }
 
@@ -296,7 +296,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         // float*)` matches the arguments in order (no scale: a null pointer); it reads
         // `src[0..rows·width)`, `index[0..rows)` (each < acc rows, checked on the host mirror),
         // `scale[0..rows)`, and thread c updates column c of `acc` only — lengths checked above.
-        unsafe { l.launch(linear(width)) }.map_err(cuda("cuLaunchKernel(llep_scatter_add_rows)"))?;
+        unsafe { l.launch(linear(width)) }.map_err(cuda_error("cuLaunchKernel(llep_scatter_add_rows)"))?;
         Ok(())
     }
 
@@ -320,7 +320,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         // SAFETY: `llep_swiglu(const float*, const float*, u64, float*)` matches; it reads
         // `gate[0..n)`, `up[0..n)` and writes `h[0..n)`, all holding ≥ n (checked above); `h`
         // is a distinct allocation (a `&mut` borrow).
-        unsafe { l.launch(linear(n)) }.map_err(cuda("cuLaunchKernel(llep_swiglu)"))?;
+        unsafe { l.launch(linear(n)) }.map_err(cuda_error("cuLaunchKernel(llep_swiglu)"))?;
         Ok(())
     }
 
@@ -344,7 +344,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         // SAFETY: `llep_swiglu_backward(float*, float*, const float*, u64)` matches; element e
         // of `gate`, `up` (rewritten in place) and `dh` for e < n, all holding ≥ n (checked
         // above); the three are distinct allocations (two `&mut` borrows and a `&`).
-        unsafe { l.launch(linear(n)) }.map_err(cuda("cuLaunchKernel(llep_swiglu_backward)"))?;
+        unsafe { l.launch(linear(n)) }.map_err(cuda_error("cuLaunchKernel(llep_swiglu_backward)"))?;
         Ok(())
     }
 
@@ -374,7 +374,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         // SAFETY: `llep_row_dot(const float*, const float*, u32, float*)` matches; block r reads
         // row r of `a` and `b` (rows·width, checked) and writes `out[r]` (rows, checked);
         // ROW_THREADS is a multiple of 32 and at most 1024, as the block reduction requires.
-        unsafe { l.launch(cfg) }.map_err(cuda("cuLaunchKernel(llep_row_dot)"))?;
+        unsafe { l.launch(cfg) }.map_err(cuda_error("cuLaunchKernel(llep_row_dot)"))?;
         Ok(())
     }
 
@@ -405,23 +405,14 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         } else {
             (cublasOperation_t::CUBLAS_OP_N, k)
         };
-        let cfg = GemmConfig {
-            transa: op_b,
-            transb: op_a,
-            m: n as i32,
-            n: m as i32,
-            k: k as i32,
-            alpha: 1.0f32,
-            lda: ld_b.max(1) as i32,
-            ldb: ld_a.max(1) as i32,
-            beta: if accumulate == Accumulate::Add { 1.0 } else { 0.0 },
-            ldc: n as i32,
-        };
-        // SAFETY: the views hold exactly the extents `cfg` reads and writes: op(B)ᵀ n×k (k·n
-        // elements, ld n or k), op(A)ᵀ k×m (m·k, ld k or m) and C n×m (m·n, ld n), checked when
-        // the views were made; all three are ordered on `self.stream`, the handle's stream, and C
-        // is a `&mut` borrow distinct from A and B.
-        unsafe { self.blas.gemm(cfg, &bv, &av, &mut cv) }.map_err(cuda("cublasSgemm"))
+        let beta = if accumulate == Accumulate::Add { 1.0 } else { 0.0 };
+        // SAFETY: the views hold exactly the extents this product reads and writes: op(B)ᵀ n×k
+        // (k·n elements, ld n or k), op(A)ᵀ k×m (m·k, ld k or m) and C n×m (m·n, ld n), checked
+        // when the views were made; all three are ordered on `self.stream`, the handle's
+        // stream, and C is a `&mut` borrow distinct from A and B.
+        Ok(unsafe {
+            sgemm(&self.blas, (op_b, op_a), (n, m, k), (&bv, ld_b), (&av, ld_a), (&mut cv, n), beta)
+        }?)
     }
 
     fn all_to_all_v(

@@ -4,7 +4,7 @@
 //! compiled as host C++ and run by the SIMT emulator under two thread schedules (a race is an
 //! error), and the CPU GEMM in place of cuBLAS.
 
-use flatpeak_common::emu::{EmuLaunchConfig, Schedule, launch};
+use flatpeak_common::emu::{EmuLaunchConfig, launch, race_checked_state};
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef};
 use flatpeak_common::kernels::grid_stride_blocks;
 
@@ -66,26 +66,6 @@ const EMU_ROW_THREADS: u32 = 64;
 /// Blocks of an emulated grid-stride launch.
 const EMU_MAX_BLOCKS: u32 = 4;
 
-/// Runs `launch_one` under both schedules on copies of `state`; the state, or
-/// [`flatpeak_common::Error::EmuRace`] when the two differ anywhere (compared bitwise).
-fn race_checked<S: Clone>(
-    name: &str,
-    state: &mut S,
-    bytes: impl Fn(&S) -> Vec<u8>,
-    mut launch_one: impl FnMut(Schedule, &mut S) -> Result<()>,
-) -> Result<()> {
-    let mut reverse = state.clone();
-    launch_one(Schedule::Forward, state)?;
-    launch_one(Schedule::Reverse, &mut reverse)?;
-    let (a, b) = (bytes(state), bytes(&reverse));
-    match a.iter().zip(&b).position(|(x, y)| x != y) {
-        None => Ok(()),
-        Some(first_difference) => {
-            Err(flatpeak_common::Error::EmuRace { kernel: name.into(), first_difference }.into())
-        }
-    }
-}
-
 fn bytes_of<T: bytemuck::Pod>(parts: &[&[T]]) -> Vec<u8> {
     parts.iter().flat_map(|p| bytemuck::cast_slice::<T, u8>(p).iter().copied()).collect()
 }
@@ -99,7 +79,7 @@ pub fn resolve_targets(config: &Config, inputs: &Inputs<'_>) -> Result<Vec<u32>>
         LINEAR_THREADS,
     );
     let mut state = (vec![NO_TARGET; n], [u64::MAX]);
-    race_checked(
+    race_checked_state(
         "lce_resolve_targets",
         &mut state,
         |(r, b)| [bytes_of(&[r]), bytes_of(&[b])].concat(),
@@ -146,7 +126,7 @@ fn widen_rows(m: &Matrix<'_>, rows: std::ops::Range<usize>, d: usize, out: &mut 
     let cfg =
         EmuLaunchConfig::linear(grid_stride_blocks(len, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
     let mut state = vec![0f32; len];
-    race_checked(
+    race_checked_state(
         "lce_widen_bf16",
         &mut state,
         |s| bytes_of(&[s]),
@@ -193,7 +173,7 @@ fn fold_block(config: &Config, b: Block<'_>, stats: &mut Stats, t0: usize) -> Re
     let softcap = softcap_arg(config.softcap);
     let bias = b.bias.map_or(std::ptr::null(), |s| s.as_ptr());
     let logits = &*b.logits;
-    race_checked(
+    race_checked_state(
         "lce_fold",
         &mut state,
         |(m, s, t, z)| [bytes_of(&[m, t]), bytes_of(&[s, z])].concat(),
@@ -244,7 +224,7 @@ fn gradient_block(config: &Config, b: Block<'_>, rows: RowGrad<'_>) -> Result<()
     let softcap = softcap_arg(config.softcap);
     let bias = b.bias.map_or(std::ptr::null(), |s| s.as_ptr());
     let dlse = rows.dlse.map_or(std::ptr::null(), |s| s.as_ptr());
-    race_checked(
+    race_checked_state(
         "lce_gradient",
         &mut state,
         |s| bytes_of(&[s]),
@@ -285,7 +265,7 @@ fn row_lse(stats: &Stats, t0: usize, lse: &mut [f32]) -> Result<()> {
         EmuLaunchConfig::linear(grid_stride_blocks(rows, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
     let (max, sum) = (&stats.max[t0..t0 + rows], &stats.sum[t0..t0 + rows]);
     let mut state = lse.to_vec();
-    race_checked(
+    race_checked_state(
         "lce_row_lse",
         &mut state,
         |s| bytes_of(&[s]),
@@ -304,7 +284,7 @@ fn row_lse(stats: &Stats, t0: usize, lse: &mut [f32]) -> Result<()> {
 fn bias_grad(g: &[f32], (c, vb): (usize, usize), dbias: &mut [f32]) -> Result<()> {
     let cfg = EmuLaunchConfig::linear(grid_stride_blocks(vb, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
     let mut state = dbias[..vb].to_vec();
-    race_checked(
+    race_checked_state(
         "lce_bias_grad",
         &mut state,
         |s| bytes_of(&[s]),

@@ -44,6 +44,7 @@ pub mod emu;
 pub mod error;
 pub mod inputs;
 pub mod kernels;
+pub mod paper;
 pub mod plan;
 pub mod ring;
 
@@ -52,5 +53,5 @@ pub use error::{Error, Result};
 pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use half::bf16;
 pub use inputs::{Forward, GradOutput, Gradients, Inputs, Loss, Matrix};
-pub use plan::{PaperPeaks, Plan, RingChoice, RingKind, RingOptions, RingPlan, Schedule, Shape};
+pub use plan::{Plan, RingChoice, RingKind, RingOptions, RingPlan, Schedule, Shape};
 pub use ring::RankInputs;

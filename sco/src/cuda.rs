@@ -13,18 +13,14 @@
 
 use std::sync::Arc;
 
-use flatpeak_common::cuda::context;
 use flatpeak_common::cuda::cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
     DeviceRepr, PinnedHostSlice, ValidAsZeroBits, result,
 };
+use flatpeak_common::cuda::{context, cuda_error};
 
 use crate::error::{Error, Result};
 use crate::plan::Plan;
-
-fn cuda(op: &'static str) -> impl Fn(result::DriverError) -> Error {
-    move |e| Error::Common(flatpeak_common::Error::Cuda { op, message: format!("{e:?}") })
-}
 
 #[derive(Debug, Clone, Copy, Default)]
 struct LayerState {
@@ -62,17 +58,17 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
         let compute = ctx.default_stream();
         let s = plan.boundary_elems().max(1);
         let ring = (0..plan.slots())
-            .map(|_| compute.alloc_zeros::<T>(s).map_err(cuda("cuMemAlloc")))
+            .map(|_| compute.alloc_zeros::<T>(s).map_err(cuda_error("cuMemAlloc")).map_err(Error::from))
             .collect::<Result<Vec<_>>>()?;
         let bytes = plan.host_arena_bytes();
         // SAFETY: the arena is `Pod`-like storage (`ValidAsZeroBits`); every slot of it is
         // written by a D2H copy before an H2D copy reads it (`offloaded` is checked).
         let arena = unsafe { ctx.alloc_pinned_with_flags::<T>(plan.layers() * s, 0) }
             .map_err(|e| Error::PinnedAlloc { bytes, reason: format!("{e:?}") })?;
-        let event = || ctx.new_event(None).map_err(cuda("cuEventCreate"));
+        let event = || ctx.new_event(None).map_err(cuda_error("cuEventCreate")).map_err(Error::from);
         Ok(Self {
-            d2h: ctx.new_stream().map_err(cuda("cuStreamCreate"))?,
-            h2d: ctx.new_stream().map_err(cuda("cuStreamCreate"))?,
+            d2h: ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?,
+            h2d: ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?,
             d2h_done: (0..plan.layers()).map(|_| event()).collect::<Result<Vec<_>>>()?,
             h2d_done: (0..plan.layers()).map(|_| event()).collect::<Result<Vec<_>>>()?,
             layers: vec![LayerState::default(); plan.layers()],
@@ -112,7 +108,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
             let held = self.slot_owner.iter().flatten().copied().collect();
             return Err(Error::RingFull { slots: self.plan.slots(), held });
         };
-        self.d2h_done[victim].synchronize().map_err(cuda("cuEventSynchronize"))?;
+        self.d2h_done[victim].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
         let slot = self.layers[victim].slot.take().ok_or(Error::NotOffloaded { layer: victim })?;
         Ok(self.claim(slot, for_layer))
     }
@@ -145,16 +141,16 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
         let slot = st.slot.ok_or(Error::NotOffloaded { layer })?;
         let s = self.plan.boundary_elems();
         let (src, record_read) = self.ring[slot].device_ptr(&self.d2h);
-        let arena = self.arena.as_mut_slice().map_err(cuda("cuEventSynchronize"))?;
+        let arena = self.arena.as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
         // SAFETY: the arena outlives the copy (it is only freed with `self`, after `finish_step`
         // or drop synchronises); `layer`'s region is not read before `d2h_done[layer]` fires;
         // `src` holds `s` elements; the d2h stream waits on the slot's write event (cudarc).
         unsafe {
             result::memcpy_dtoh_async(&mut arena[layer * s..(layer + 1) * s], src, self.d2h.cu_stream())
         }
-        .map_err(cuda("cuMemcpyDtoHAsync"))?;
+        .map_err(cuda_error("cuMemcpyDtoHAsync"))?;
         drop(record_read);
-        self.d2h_done[layer].record(&self.d2h).map_err(cuda("cuEventRecord"))?;
+        self.d2h_done[layer].record(&self.d2h).map_err(cuda_error("cuEventRecord"))?;
         self.layers[layer] =
             LayerState { offloaded: true, slot: Some(slot), d2h_issued: true, kept: true, h2d_issued: false };
         self.kept.push_back(layer);
@@ -178,16 +174,16 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
         let slot = self.reserve(layer)?;
         self.layers[layer].slot = Some(slot);
         let s = self.plan.boundary_elems();
-        self.h2d.wait(&self.d2h_done[layer]).map_err(cuda("cuStreamWaitEvent"))?;
+        self.h2d.wait(&self.d2h_done[layer]).map_err(cuda_error("cuStreamWaitEvent"))?;
         let (dst, record_write) = self.ring[slot].device_ptr_mut(&self.h2d);
-        let arena = self.arena.as_slice().map_err(cuda("cuEventSynchronize"))?;
+        let arena = self.arena.as_slice().map_err(cuda_error("cuEventSynchronize"))?;
         // SAFETY: the h2d stream waits on the boundary's D2H (above) and on the slot's last
         // read and write (cudarc's events), so it neither reads a half-written arena region nor
         // overwrites a slot still in use; the arena outlives the copy.
         unsafe { result::memcpy_htod_async(dst, &arena[layer * s..(layer + 1) * s], self.h2d.cu_stream()) }
-            .map_err(cuda("cuMemcpyHtoDAsync"))?;
+            .map_err(cuda_error("cuMemcpyHtoDAsync"))?;
         drop(record_write);
-        self.h2d_done[layer].record(&self.h2d).map_err(cuda("cuEventRecord"))?;
+        self.h2d_done[layer].record(&self.h2d).map_err(cuda_error("cuEventRecord"))?;
         self.layers[layer].h2d_issued = true;
         Ok(())
     }
@@ -197,7 +193,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
         self.prefetch(layer)?;
         let slot = self.layers[layer].slot.ok_or(Error::NotOffloaded { layer })?;
         if self.layers[layer].h2d_issued {
-            self.compute.wait(&self.h2d_done[layer]).map_err(cuda("cuStreamWaitEvent"))?;
+            self.compute.wait(&self.h2d_done[layer]).map_err(cuda_error("cuStreamWaitEvent"))?;
         }
         Ok(self.ring[slot].slice(..))
     }
@@ -212,7 +208,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
         self.kept.retain(|&l| l != layer);
         self.layers[layer].kept = false;
         if let Some(slot) = self.layers[layer].slot.take() {
-            self.d2h_done[layer].synchronize().map_err(cuda("cuEventSynchronize"))?;
+            self.d2h_done[layer].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
             self.slot_owner[slot] = None;
         }
         Ok(())
@@ -221,7 +217,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
     /// Waits for every copy and forgets this step's boundaries; ring and arena stay reserved.
     pub fn finish_step(&mut self) -> Result<()> {
         for stream in [&self.d2h, &self.h2d, &self.compute] {
-            stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+            stream.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
         }
         self.layers.iter_mut().for_each(|l| *l = LayerState::default());
         self.slot_owner.iter_mut().for_each(|s| *s = None);

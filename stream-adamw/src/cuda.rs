@@ -13,7 +13,7 @@ use flatpeak_common::cuda::cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
     PinnedHostSlice, PushKernelArg, result, sys,
 };
-use flatpeak_common::cuda::{KernelCache, context};
+use flatpeak_common::cuda::{KernelCache, context, cuda_error};
 use flatpeak_common::kernels::grid_stride_blocks;
 
 use crate::config::StepScalars;
@@ -24,10 +24,6 @@ use crate::kernels::{STATS_THREADS, STREAM_ADAMW, grad_sq_entry};
 use crate::plan::{Plan, Schedule};
 use crate::schedule::StageTimes;
 use crate::state::OptimizerState;
-
-fn cuda(op: &'static str) -> impl Fn(result::DriverError) -> Error {
-    move |e| Error::Common(flatpeak_common::Error::Cuda { op, message: format!("{e:?}") })
-}
 
 /// Gradients and parameters in device memory.
 #[derive(Debug)]
@@ -73,13 +69,13 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
             grad_slots.push(g);
             param_slots.push(p);
         }
-        let event = || ctx.new_event(None).map_err(cuda("cuEventCreate"));
+        let event = || ctx.new_event(None).map_err(cuda_error("cuEventCreate")).map_err(Error::from);
         let d2h_done = (0..slots).map(|_| event()).collect::<Result<Vec<_>>>()?;
         let h2d_done = (0..slots).map(|_| event()).collect::<Result<Vec<_>>>()?;
         Ok(Self {
             compute: ctx.default_stream(),
-            d2h: ctx.new_stream().map_err(cuda("cuStreamCreate"))?,
-            h2d: ctx.new_stream().map_err(cuda("cuStreamCreate"))?,
+            d2h: ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?,
+            h2d: ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?,
             cache: KernelCache::new(ctx)?,
             grad_slots,
             param_slots,
@@ -104,7 +100,8 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
         let n = grads.len();
         let blocks = grid_stride_blocks(n, STATS_THREADS, 1024);
         let f = self.cache.function(&STREAM_ADAMW, grad_sq_entry(G::DTYPE))?;
-        let mut partial = self.compute.alloc_zeros::<f64>(blocks as usize).map_err(cuda("cuMemAlloc"))?;
+        let mut partial =
+            self.compute.alloc_zeros::<f64>(blocks as usize).map_err(cuda_error("cuMemAlloc"))?;
         let n64 = n as u64;
         let mut builder = self.compute.launch_builder(&f);
         builder.arg(grads).arg(&n64).arg(&mut partial);
@@ -113,8 +110,8 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
         // SAFETY: `grad_sq_partial_<dtype>(const G*, u64, double*)` matches the arguments (the
         // entry is chosen by `G::DTYPE`); it reads `grads[0..n)` and writes `partial[blockIdx.x]`
         // for `gridDim.x = partial.len()` blocks of 256 threads (a multiple of 32, as required).
-        unsafe { builder.launch(cfg) }.map_err(cuda("cuLaunchKernel(grad_sq_partial)"))?;
-        let partial = self.compute.clone_dtoh(&partial).map_err(cuda("cuMemcpyDtoH"))?;
+        unsafe { builder.launch(cfg) }.map_err(cuda_error("cuLaunchKernel(grad_sq_partial)"))?;
+        let partial = self.compute.clone_dtoh(&partial).map_err(cuda_error("cuMemcpyDtoH"))?;
         Ok(partial.iter().sum())
     }
 
@@ -122,13 +119,13 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
     fn start_d2h(&mut self, grads: &CudaSlice<G>, range: std::ops::Range<usize>, slot: usize) -> Result<()> {
         let view = grads.slice(range.clone());
         let (src, _record) = view.device_ptr(&self.d2h);
-        let dst = self.grad_slots[slot].as_mut_slice().map_err(cuda("cuEventSynchronize"))?;
+        let dst = self.grad_slots[slot].as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
         // SAFETY: `dst[..len]` is pinned memory owned by `self`, which outlives the copy (every
         // step waits for its copies before returning); nothing reads the slot before
         // `d2h_done[slot]` fires; `src` points at `len` live elements of `grads`.
         unsafe { result::memcpy_dtoh_async(&mut dst[..range.len()], src, self.d2h.cu_stream()) }
-            .map_err(cuda("cuMemcpyDtoHAsync"))?;
-        self.d2h_done[slot].record(&self.d2h).map_err(cuda("cuEventRecord"))
+            .map_err(cuda_error("cuMemcpyDtoHAsync"))?;
+        self.d2h_done[slot].record(&self.d2h).map_err(cuda_error("cuEventRecord")).map_err(Error::from)
     }
 
     /// H2D of param slot `slot` into `params[range]` on the H2D stream; records `h2d_done[slot]`.
@@ -141,12 +138,12 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
         let len = range.len();
         let mut view = params.slice_mut(range);
         let (dst, _record) = view.device_ptr_mut(&self.h2d);
-        let src = self.param_slots[slot].as_slice().map_err(cuda("cuEventSynchronize"))?;
+        let src = self.param_slots[slot].as_slice().map_err(cuda_error("cuEventSynchronize"))?;
         // SAFETY: `src[..len]` is pinned memory owned by `self` and not written again before
         // `h2d_done[slot]` fires (the Adam stage waits on it); `dst` holds `len` elements.
         unsafe { result::memcpy_htod_async(dst, &src[..len], self.h2d.cu_stream()) }
-            .map_err(cuda("cuMemcpyHtoDAsync"))?;
-        self.h2d_done[slot].record(&self.h2d).map_err(cuda("cuEventRecord"))
+            .map_err(cuda_error("cuMemcpyHtoDAsync"))?;
+        self.h2d_done[slot].record(&self.h2d).map_err(cuda_error("cuEventRecord")).map_err(Error::from)
     }
 
     /// The Adam stage of bucket `range` from slot `slot`, after its gradients landed and the
@@ -158,14 +155,14 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
         slot: usize,
         scalars: &StepScalars,
     ) -> Result<Duration> {
-        self.d2h_done[slot].synchronize().map_err(cuda("cuEventSynchronize"))?;
-        self.h2d_done[slot].synchronize().map_err(cuda("cuEventSynchronize"))?;
+        self.d2h_done[slot].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
+        self.h2d_done[slot].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
         let len = range.len();
-        let grads = self.grad_slots[slot].as_slice().map_err(cuda("cuEventSynchronize"))?;
+        let grads = self.grad_slots[slot].as_slice().map_err(cuda_error("cuEventSynchronize"))?;
         let grads: &[G] = &grads[..len];
         // The two slot vectors are distinct fields: borrow them apart.
         let params = &mut self.param_slots[slot];
-        let params = params.as_mut_slice().map_err(cuda("cuEventSynchronize"))?;
+        let params = params.as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
         let start = Instant::now();
         adamw_update(state.view(range), grads, ParamSink::Copy(&mut params[..len]), scalars);
         Ok(start.elapsed())
@@ -188,12 +185,12 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
                 let n = plan.n_params();
                 let start = Instant::now();
                 self.start_d2h(&device.grads, 0..n, 0)?;
-                self.d2h_done[0].synchronize().map_err(cuda("cuEventSynchronize"))?;
+                self.d2h_done[0].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
                 times.d2h += start.elapsed();
                 times.adam += self.adam(state, 0..n, 0, scalars)?;
                 let start = Instant::now();
                 self.start_h2d(&mut device.params, 0..n, 0)?;
-                self.h2d_done[0].synchronize().map_err(cuda("cuEventSynchronize"))?;
+                self.h2d_done[0].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
                 times.h2d += start.elapsed();
             }
             Schedule::Pipelined => {
@@ -207,7 +204,7 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
                         self.start_h2d(&mut device.params, plan.bucket(j), j % slots)?;
                     }
                 }
-                self.h2d.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+                self.h2d.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
             }
         }
         Ok(())

@@ -1,6 +1,5 @@
 //! Cross-crate test support for the flatpeak workspace: the list of every kernel source that
-//! ships, for the NVRTC compile check, and the composed MoE training step ([`moe`]). The tests
-//! themselves live in `tests/tests/`.
+//! ships, for the NVRTC compile check. The tests themselves live in `tests/tests/`.
 
 use flatpeak_common::kernels::KernelSource;
 
@@ -28,5 +27,3 @@ mod tests {
         assert!(!kernels.is_empty());
     }
 }
-
-pub mod moe;

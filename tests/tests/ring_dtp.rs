@@ -247,7 +247,7 @@ fn bitwise_reproducible_run_to_run() {
 /// 3 threads, since the split depends on shapes only.
 #[test]
 fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
-    let (n, d, v) = (37usize, 24usize, 2 * cpu::SPLIT_K_MIN_ROWS + 3);
+    let (n, d, v) = (37usize, 24usize, 2 * ring_dtp::plan::SPLIT_K_MIN_ROWS + 3);
     let c = make_case(n, d, v, 41, 0.2, (true, true, true));
     for_every_config_and_dtype(&c, |config, dtype, inp| {
         let grad = grad_of(config, &c);
@@ -256,7 +256,7 @@ fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
         for blocks in [(16, usize::MAX), (16, 3001)] {
             let plan = Plan::with_blocks(config, Shape { tokens: n, hidden: d, vocab: v, dtype }, blocks)
                 .expect("plan");
-            assert!(cpu::splits_dx(plan.vocab_block(), dtype), "{plan:?}");
+            assert!(ring_dtp::plan::splits_dx(plan.vocab_block(), dtype), "{plan:?}");
             let fused = cpu::forward_backward(config, &plan, inp, grad).expect("runs");
             check_against_reference(config, &fused, &without);
             let f = cpu::forward(config, &plan, inp).expect("forward");

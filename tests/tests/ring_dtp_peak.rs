@@ -47,14 +47,26 @@ fn measure(n: usize, d: usize, v: usize, budget: usize, dtype: DType) -> (usize,
 
 /// One ring forward + backward over P LocalGroup ranks: the process-wide peak (every rank, the
 /// group's channels and threads), outputs excluded.
-fn measure_ring(n: usize, d: usize, v: usize, p: usize, options: RingOptions) -> (usize, RingPlan) {
+fn measure_ring(
+    n: usize,
+    d: usize,
+    v: usize,
+    p: usize,
+    (budget, options): (Budget, RingOptions),
+) -> (usize, RingPlan) {
     let mut rng = SplitMix64::new(n as u64 + 1);
     let x = rng.normal_f32(n * d, 0.0, 1.0);
     let w = rng.normal_f32(v * d, 0.0, 0.1);
     let targets: Vec<i64> =
         (0..n).map(|i| if i % 5 == 0 { -100 } else { rng.below(v as u64) as i64 }).collect();
     let config = Config::default();
-    let plan = RingPlan::new(&config, (n, d, v), p, DType::F32, options).expect("plan");
+    let plan = RingPlan::new(
+        &config,
+        Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 },
+        budget,
+        options.ranks(p),
+    )
+    .expect("plan");
     let step = || {
         LocalGroup::run(p, LocalGroupOptions::default(), |comm| {
             let r = comm.rank();
@@ -79,7 +91,7 @@ fn ring_bounds() -> usize {
     let (p, d, v) = (4, 256, 8192);
     let mut passed = 0;
     for kind in [RingKind::Weight, RingKind::Activation] {
-        let options = RingOptions::with_budget(4 << 20).ring(kind);
+        let options = (Budget::Bytes(4 << 20), RingOptions::default().ring(kind));
         let mut peaks = Vec::new();
         for n in [1024usize, 8192] {
             let (peak, plan) = measure_ring(n, d, v, p, options);

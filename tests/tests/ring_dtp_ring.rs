@@ -100,9 +100,15 @@ fn run_ring(
     config: &Config,
     dtype: DType,
     p: usize,
-    options: RingOptions,
+    (budget, options): (Budget, RingOptions),
 ) -> (RingPlan, Vec<(Forward, Gradients)>) {
-    let plan = RingPlan::new(config, (c.n, c.d, c.v), p, dtype, options).expect("plan");
+    let plan = RingPlan::new(
+        config,
+        Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype },
+        budget,
+        options.ranks(p),
+    )
+    .expect("plan");
     let (x, w) = c.matrices(dtype);
     let results = on_ranks(p, |comm: &LocalComm| {
         use flatpeak_common::comm::Communicator;
@@ -128,7 +134,13 @@ fn scaled_error(got: &[f32], want: &[f64], scale: &[f64]) -> f64 {
     if diff == 0.0 { 0.0 } else { diff / norm }
 }
 
-fn check_against_reference(c: &Case, config: &Config, dtype: DType, p: usize, options: RingOptions) {
+fn check_against_reference(
+    c: &Case,
+    config: &Config,
+    dtype: DType,
+    p: usize,
+    options: (Budget, RingOptions),
+) {
     let (plan, ranks) = run_ring(c, config, dtype, p, options);
     compare(c, config, dtype, &plan, &ranks);
 }
@@ -184,7 +196,7 @@ fn every_world_size_and_ring_matches_the_reference() {
     for p in [1, 2, 3, 4, 7] {
         for kind in [RingKind::Weight, RingKind::Activation] {
             // A small budget forces several blocks per shard and per rank.
-            let options = RingOptions::with_budget(64 << 10).ring(kind);
+            let options = (Budget::Bytes(64 << 10), RingOptions::default().ring(kind));
             check_against_reference(&c, &all_features(Reduction::None), DType::F32, p, options);
             check_against_reference(&c, &Config::default(), DType::F32, p, options);
         }
@@ -281,9 +293,9 @@ proptest! {
         let c = make_case(n, d, v, seed);
         let dtype = if bf16_inputs { DType::Bf16 } else { DType::F32 };
         // A budget below the smallest schedule is raised to it.
-        let options = RingOptions::with_budget(budget).ring(kind);
-        let options = match RingPlan::new(&config, (n, d, v), p, dtype, options) {
-            Err(Error::BudgetTooSmall { needed, .. }) => RingOptions::with_budget(needed).ring(kind),
+        let options = (Budget::Bytes(budget), RingOptions::default().ring(kind));
+        let options = match RingPlan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, options.0, options.1.ranks(p)) {
+            Err(Error::BudgetTooSmall { needed, .. }) => (Budget::Bytes(needed), RingOptions::default().ring(kind)),
             _ => options,
         };
         let (plan, ranks) = run_ring(&c, &config, dtype, p, options);
@@ -298,7 +310,7 @@ fn bf16_sum_and_tiny_vocabularies() {
     for (n, v, p) in [(45, 37, 4), (5, 3, 7), (3, 50, 4)] {
         let c = make_case(n, 16, v, n as u64);
         for kind in [RingKind::Weight, RingKind::Activation] {
-            let options = RingOptions::with_budget(48 << 10).ring(kind);
+            let options = (Budget::Bytes(48 << 10), RingOptions::default().ring(kind));
             check_against_reference(&c, &all_features(Reduction::Sum), DType::Bf16, p, options);
             check_against_reference(&c, &all_features(Reduction::Mean), DType::F32, p, options);
         }
@@ -308,8 +320,20 @@ fn bf16_sum_and_tiny_vocabularies() {
 #[test]
 fn auto_ring_follows_the_shapes() {
     let config = Config::default();
-    let a = RingPlan::new(&config, (64, 8, 4096), 4, DType::F32, RingOptions::default()).unwrap();
-    let b = RingPlan::new(&config, (4096, 8, 64), 4, DType::F32, RingOptions::default()).unwrap();
+    let a = RingPlan::new(
+        &config,
+        Shape { tokens: 64, hidden: 8, vocab: 4096, dtype: DType::F32 },
+        Budget::mib(64),
+        RingOptions::default().ranks(4),
+    )
+    .unwrap();
+    let b = RingPlan::new(
+        &config,
+        Shape { tokens: 4096, hidden: 8, vocab: 64, dtype: DType::F32 },
+        Budget::mib(64),
+        RingOptions::default().ranks(4),
+    )
+    .unwrap();
     assert_eq!((a.kind(), b.kind()), (RingKind::Activation, RingKind::Weight));
 }
 
@@ -317,10 +341,11 @@ fn auto_ring_follows_the_shapes() {
 fn bitwise_reproducible_run_to_run_and_on_any_gemm_threads() {
     let c = make_case(97, 32, 211, 9);
     for kind in [RingKind::Weight, RingKind::Activation] {
-        let options = RingOptions::with_budget(96 << 10).ring(kind);
+        let options = (Budget::Bytes(96 << 10), RingOptions::default().ring(kind));
         let config = all_features(Reduction::Mean);
         let (_, a) = run_ring(&c, &config, DType::F32, 3, options);
-        let (_, b) = run_ring(&c, &config, DType::F32, 3, options.gemm_threads(Threads::Single));
+        let (_, b) =
+            run_ring(&c, &config, DType::F32, 3, (options.0, options.1.gemm_threads(Threads::Single)));
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for ((fa, ga), (fb, gb)) in a.iter().zip(&b) {
             assert_eq!(fa, fb);
@@ -334,7 +359,13 @@ fn bitwise_reproducible_run_to_run_and_on_any_gemm_threads() {
 fn bad_input_is_a_typed_error_on_every_rank() {
     let c = make_case(20, 8, 30, 11);
     let config = Config::default();
-    let plan = RingPlan::new(&config, (20, 8, 30), 2, DType::F32, RingOptions::default()).unwrap();
+    let plan = RingPlan::new(
+        &config,
+        Shape { tokens: 20, hidden: 8, vocab: 30, dtype: DType::F32 },
+        Budget::mib(64),
+        RingOptions::default().ranks(2),
+    )
+    .unwrap();
     let mut targets = c.targets.clone();
     targets[3] = 30;
     let results = on_ranks(2, |comm: &LocalComm| {
@@ -369,7 +400,12 @@ fn bad_input_is_a_typed_error_on_every_rank() {
     for r in results {
         assert!(matches!(r, Err(Error::ShapeMismatch { what: "w shard (v_r·d)", expected: 120, got: 119 })));
     }
-    let f16 = RingPlan::new(&config, (20, 8, 30), 2, DType::F16, RingOptions::default());
+    let f16 = RingPlan::new(
+        &config,
+        Shape { tokens: 20, hidden: 8, vocab: 30, dtype: DType::F16 },
+        Budget::mib(64),
+        RingOptions::default().ranks(2),
+    );
     assert!(matches!(f16, Err(Error::InvalidConfig { field: "dtype", .. })));
 }
 
@@ -392,8 +428,14 @@ fn device_rings_match_the_reference() {
     for kind in [RingKind::Weight, RingKind::Activation] {
         for dtype in [DType::F32, DType::Bf16] {
             let config = all_features(Reduction::None);
-            let options = RingOptions::with_budget(64 << 10).ring(kind);
-            let plan = RingPlan::new(&config, (c.n, c.d, c.v), p, dtype, options).expect("plan");
+            let options = (Budget::Bytes(64 << 10), RingOptions::default().ring(kind));
+            let plan = RingPlan::new(
+                &config,
+                Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype },
+                options.0,
+                options.1.ranks(p),
+            )
+            .expect("plan");
             let streams = (0..p).map(|i| CudaContext::new(i).expect("context").default_stream()).collect();
             let comms = NcclComm::for_devices(streams).expect("NCCL");
             let ranks: Vec<(Forward, Gradients)> = std::thread::scope(|scope| {

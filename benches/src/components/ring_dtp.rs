@@ -11,7 +11,8 @@ use flatpeak_common::{DType, Device, PeakMeter, SplitMix64, relative_error};
 use half::bf16;
 use rayon::prelude::*;
 use ring_dtp::cpu::{self, reference};
-use ring_dtp::{Budget, Config, GradOutput, Gradients, Inputs, Loss, Matrix, PaperPeaks, Plan, Shape};
+use ring_dtp::paper::PaperPeaks;
+use ring_dtp::{Budget, Config, GradOutput, Gradients, Inputs, Loss, Matrix, Plan, Shape};
 
 use super::ring_dtp_ring::{RING_WORKLOADS, RingWorkload, ring_row};
 use super::{Component, ReportError, cpu_workload};

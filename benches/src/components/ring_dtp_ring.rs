@@ -66,9 +66,14 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     let config = Config::default();
     // The P ranks are threads sharing this machine's cores: each rank's GEMMs stay on its own
     // thread (P GEMMs each splitting its tiles over every core would only contend for them).
-    let options = RingOptions::with_budget(RING_BUDGET).ring(w.kind).gemm_threads(Threads::Single);
-    let plan = RingPlan::new(&config, (n, d, v), p, flatpeak_common::DType::F32, options)
-        .map_err(|e| fail(e.to_string()))?;
+    let options = RingOptions::default().ring(w.kind).gemm_threads(Threads::Single);
+    let plan = RingPlan::new(
+        &config,
+        ring_dtp::Shape { tokens: n, hidden: d, vocab: v, dtype: flatpeak_common::DType::F32 },
+        ring_dtp::Budget::Bytes(RING_BUDGET),
+        options.ranks(p),
+    )
+    .map_err(|e| fail(e.to_string()))?;
     let group = LocalGroupOptions::default();
 
     // Every rank: its tokens against the whole W, materialized (mean over its own tokens).

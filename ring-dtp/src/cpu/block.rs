@@ -12,34 +12,19 @@
 //! block's shape, and partial results are combined in task order: bitwise identical for any
 //! thread count.
 
-use flatpeak_common::DType;
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, Threads, matmul};
 use rayon::prelude::*;
 
 use crate::config::{Config, Softcap};
 use crate::error::Result;
 use crate::inputs::{Inputs, Matrix};
+use crate::plan::{FOLD_TASKS, SPLIT_K_MIN_ROWS, WIDEN_ROWS};
 
 use super::exp::exp;
 use super::rows;
 
-/// Rows of a bf16 W widened to f32 at a time (see `form_logits_widening`).
-pub const WIDEN_ROWS: usize = 2048;
-
-/// Row ranges the fold splits a block into (its partial maxima and sums are combined in order).
-const FOLD_TASKS: usize = 16;
-
 /// Vocabulary rows per task of the gradient pass.
 const GRADIENT_ROWS: usize = 32;
-
-/// Fewest vocabulary rows (the k of `dX += Gᵀ·W_blk`) for which dX's GEMM is split in two
-/// halves of k, run side by side: see `DxPartial`.
-pub const SPLIT_K_MIN_ROWS: usize = 2048;
-
-/// Scratch bytes per token of a block besides the workspace: the gradient constants
-/// (`ColumnGrads`, 6 f32), the target entries of the gradient pass (16 B), and the fold's
-/// partials (a max in f32 and a sum in f64 per task, and the new max).
-pub const ROW_SCRATCH_BYTES: usize = 6 * 4 + 16 + FOLD_TASKS * 12 + 4;
 
 /// A resolved target meaning "this row predicts nothing" (ignored, or shifted past the end).
 pub(crate) const NO_TARGET: u32 = u32::MAX;
@@ -382,14 +367,6 @@ pub(crate) struct BlockGrads<'a> {
     pub dw_mode: Accumulate,
     pub dbias_blk: Option<&'a mut [f32]>,
     pub dx_partial: Option<DxPartial<'a>>,
-}
-
-/// Whether the single-device path splits dX's GEMMs (`DxPartial`) for vocabulary blocks of
-/// `vb` rows with inputs of `dtype` (a bf16 W is widened, and multiplied, `WIDEN_ROWS` rows at
-/// a time), so its plan reserves the `C·D` partial.
-pub fn splits_dx(vb: usize, dtype: DType) -> bool {
-    let k = if dtype == DType::F32 { vb } else { vb.min(WIDEN_ROWS) };
-    k >= SPLIT_K_MIN_ROWS
 }
 
 /// A `C×D` scratch for a second partial sum of a token block's dX.

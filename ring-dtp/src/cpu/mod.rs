@@ -20,6 +20,7 @@ mod exp;
 pub mod reference;
 mod rows;
 
+use crate::plan::{WIDEN_ROWS, splits_dx};
 #[cfg(feature = "cuda-emu")]
 pub(crate) use block::gemm;
 pub(crate) use block::{
@@ -27,7 +28,6 @@ pub(crate) use block::{
     accumulate_grads_widening, column_grads, fold, form_logits, form_logits_widening, gradient,
     resolve_targets,
 };
-pub use block::{ROW_SCRATCH_BYTES, SPLIT_K_MIN_ROWS, WIDEN_ROWS, splits_dx};
 
 use flatpeak_common::Workspace;
 use flatpeak_common::gemm::{Accumulate, Threads};

@@ -5,30 +5,24 @@
 
 use std::sync::Arc;
 
+use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
 use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
-use flatpeak_common::cuda::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use flatpeak_common::cuda::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
-use flatpeak_common::cuda::{KernelCache, fill_f32};
-use flatpeak_common::kernels::grid_stride_blocks;
+use flatpeak_common::cuda::{KernelCache, cuda_error, fill_f32, linear_launch, per_row_launch, sgemm};
 use half::bf16;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::{LINEAR_THREADS, RING_DTP, ROW_THREADS, softcap_arg};
 
-pub(crate) fn cuda<E: std::fmt::Debug>(op: &'static str) -> impl Fn(E) -> Error {
-    move |e| Error::Common(flatpeak_common::Error::Cuda { op, message: format!("{e:?}") })
-}
-
 fn linear(n: usize, max_blocks: u32) -> LaunchConfig {
-    let blocks = grid_stride_blocks(n, LINEAR_THREADS, max_blocks);
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (LINEAR_THREADS, 1, 1), shared_mem_bytes: 0 }
+    linear_launch(n, LINEAR_THREADS, max_blocks)
 }
 
-fn per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
+fn per_row(rows: usize) -> Result<LaunchConfig> {
+    Ok(per_row_launch(rows, ROW_THREADS)?)
 }
 
 fn need(what: &'static str, expected: usize, found: usize) -> Result<()> {
@@ -75,7 +69,7 @@ pub(crate) struct Engine {
 
 impl Engine {
     pub fn new(cache: KernelCache, stream: Arc<CudaStream>) -> Result<Self> {
-        let blas = CudaBlas::new(stream.clone()).map_err(cuda("cublasCreate"))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(cuda_error("cublasCreate"))?;
         Ok(Self { cache, stream, blas })
     }
 
@@ -86,7 +80,7 @@ impl Engine {
         &self,
         len: usize,
     ) -> Result<CudaSlice<T>> {
-        self.stream.alloc_zeros::<T>(len.max(1)).map_err(cuda("cuMemAlloc"))
+        self.stream.alloc_zeros::<T>(len.max(1)).map_err(cuda_error("cuMemAlloc")).map_err(Error::from)
     }
 
     pub fn upload<T: flatpeak_common::cuda::cudarc::driver::DeviceRepr + Copy + Default>(
@@ -94,16 +88,20 @@ impl Engine {
         host: &[T],
     ) -> Result<CudaSlice<T>> {
         if host.is_empty() {
-            return self.stream.clone_htod(&[T::default()]).map_err(cuda("cuMemcpyHtoD"));
+            return self
+                .stream
+                .clone_htod(&[T::default()])
+                .map_err(cuda_error("cuMemcpyHtoD"))
+                .map_err(Error::from);
         }
-        self.stream.clone_htod(host).map_err(cuda("cuMemcpyHtoD"))
+        self.stream.clone_htod(host).map_err(cuda_error("cuMemcpyHtoD")).map_err(Error::from)
     }
 
     pub fn download<T: flatpeak_common::cuda::cudarc::driver::DeviceRepr + Default + Copy>(
         &self,
         dev: &CudaView<'_, T>,
     ) -> Result<Vec<T>> {
-        self.stream.clone_dtoh(dev).map_err(cuda("cuMemcpyDtoH"))
+        self.stream.clone_dtoh(dev).map_err(cuda_error("cuMemcpyDtoH")).map_err(Error::from)
     }
 
     /// `out = -inf` (the fold's initial maximum).
@@ -122,7 +120,7 @@ impl Engine {
     ) -> Result<Option<usize>> {
         need("resolved targets (n)", n, resolved.len())?;
         let nt = targets.len();
-        let mut first_bad = self.stream.clone_htod(&[u64::MAX]).map_err(cuda("cuMemcpyHtoD"))?;
+        let mut first_bad = self.stream.clone_htod(&[u64::MAX]).map_err(cuda_error("cuMemcpyHtoD"))?;
         let f = self.cache.function(&RING_DTP, "lce_resolve_targets")?;
         let (nt64, n64, shift, ignore, v64) =
             (nt as u64, n as u64, config.shift as u64, config.ignore_index, vocab as u64);
@@ -140,9 +138,9 @@ impl Engine {
             // matches the arguments in order; it reads `targets[0..nt)`, writes `resolved[0..n)`
             // (checked above) and `first_bad[0]`, grid-stride over max(n, nt).
             unsafe { b.launch(linear(n.max(nt), 1024)) }
-                .map_err(cuda("cuLaunchKernel(lce_resolve_targets)"))?;
+                .map_err(cuda_error("cuLaunchKernel(lce_resolve_targets)"))?;
         }
-        let bad = self.stream.clone_dtoh(&first_bad).map_err(cuda("cuMemcpyDtoH"))?[0];
+        let bad = self.stream.clone_dtoh(&first_bad).map_err(cuda_error("cuMemcpyDtoH"))?[0];
         Ok((bad != u64::MAX).then_some(bad as usize))
     }
 
@@ -159,7 +157,7 @@ impl Engine {
         l.arg(x).arg(&mut *out).arg(&len64);
         // SAFETY: `lce_widen_bf16(const bf16*, float*, u64)` matches; it reads `x[0..len)` and
         // writes `out[0..len)`, which holds at least `len` (checked above).
-        unsafe { l.launch(linear(len, 4096)) }.map_err(cuda("cuLaunchKernel(lce_widen_bf16)"))?;
+        unsafe { l.launch(linear(len, 4096)) }.map_err(cuda_error("cuLaunchKernel(lce_widen_bf16)"))?;
         Ok(())
     }
 
@@ -173,26 +171,12 @@ impl Engine {
         (c, ldc): (&mut C, usize),
         beta: f32,
     ) -> Result<()> {
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        let cfg = GemmConfig {
-            transa: ta,
-            transb: tb,
-            m: m as i32,
-            n: n as i32,
-            k: k as i32,
-            alpha: 1.0f32,
-            lda: lda as i32,
-            ldb: ldb as i32,
-            beta,
-            ldc: ldc as i32,
-        };
         // SAFETY: every public caller checks that a, b and c hold the column-major extents of
-        // `cfg` (lda·cols etc., stated at each call); the GEMM runs on `self.stream`, the
-        // handle's stream, after every earlier write to a, b or c (issued on this stream, or on
-        // another stream of the context and ordered by cudarc's per-buffer events).
-        unsafe { self.blas.gemm(cfg, a, b, c) }.map_err(cuda("cublasSgemm"))
+        // the product (lda·cols etc., stated at each call) and passes a `c` distinct from a and
+        // b; the GEMM runs on `self.stream`, the handle's stream, after every earlier write to
+        // a, b or c (issued on this stream, or on another stream of the context and ordered by
+        // cudarc's per-buffer events).
+        Ok(unsafe { sgemm(&self.blas, (ta, tb), (m, n, k), (a, lda), (b, ldb), (c, ldc), beta) }?)
     }
 
     /// Raw `logits (c×vb, row-major) = X_blk·W_blkᵀ`: column-major `(vb×c) = Wᵀ·X` with W and X
@@ -273,11 +257,12 @@ impl Engine {
         };
         l.arg(&softcap).arg(&b.targets).arg(&mut s.max).arg(&mut s.sum).arg(&mut s.target_logit);
         l.arg(&mut s.logit_sum).arg(&smoothing);
+        let grid = per_row(b.rows)?;
         // SAFETY: `lce_fold(const float*, u32, u32, const float*, float, const u32*, float*,
         // double*, float*, double*, int)` matches the arguments in order (a null bias is a zero
         // pointer); block k reads logits row k, bias[0..vb), targets[k] and updates row k of the
         // statistics — all lengths checked above; 256 threads per block, a multiple of 32.
-        unsafe { l.launch(per_row(b.rows)) }.map_err(cuda("cuLaunchKernel(lce_fold)"))?;
+        unsafe { l.launch(grid) }.map_err(cuda_error("cuLaunchKernel(lce_fold)"))?;
         Ok(())
     }
 
@@ -300,7 +285,7 @@ impl Engine {
         l.arg(max).arg(sum).arg(&mut *lse).arg(&rows32);
         // SAFETY: `lce_row_lse(const float*, const double*, float*, u32)` matches; thread k reads
         // max[k] and sum[k] and writes lse[k] for k < rows, each at least `rows` long (checked).
-        unsafe { l.launch(linear(rows, 1024)) }.map_err(cuda("cuLaunchKernel(lce_row_lse)"))?;
+        unsafe { l.launch(linear(rows, 1024)) }.map_err(cuda_error("cuLaunchKernel(lce_row_lse)"))?;
         Ok(())
     }
 
@@ -337,11 +322,12 @@ impl Engine {
             None => l.arg(&null),
         };
         l.arg(&alpha).arg(&lambda).arg(&v64);
+        let grid = per_row(b.rows)?;
         // SAFETY: `lce_gradient(float*, u32, u32, const float*, float, const u32*, const float*,
         // const float*, const float*, float, float, u64)` matches the arguments (null bias and
         // dlse are zero pointers); block k rewrites logits row k and reads row k of targets,
         // coef, lse and dlse — lengths checked above; 256 threads per block.
-        unsafe { l.launch(per_row(b.rows)) }.map_err(cuda("cuLaunchKernel(lce_gradient)"))?;
+        unsafe { l.launch(grid) }.map_err(cuda_error("cuLaunchKernel(lce_gradient)"))?;
         Ok(())
     }
 
@@ -363,7 +349,7 @@ impl Engine {
         l.arg(g).arg(&c32).arg(&vb32).arg(dbias);
         // SAFETY: `lce_bias_grad(const float*, u32, u32, float*)` matches; it reads G (c×vb) and
         // updates dbias[0..vb) (grid-stride over columns) — lengths checked above.
-        unsafe { l.launch(linear(vb, 1024)) }.map_err(cuda("cuLaunchKernel(lce_bias_grad)"))?;
+        unsafe { l.launch(linear(vb, 1024)) }.map_err(cuda_error("cuLaunchKernel(lce_bias_grad)"))?;
         Ok(())
     }
 }

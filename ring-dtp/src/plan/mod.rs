@@ -5,7 +5,7 @@
 //!
 //! Working set (f32): logits block `Vb·C`, an X block `C·D`, a W sub-block
 //! `min(Vb, WIDEN_ROWS)·D` when W is bf16 (widened per sub-block), a second `C·D` partial sum
-//! of dX where its GEMMs are long enough to split their reduction (`cpu::splits_dx`), and `ROW_SCRATCH_BYTES` per
+//! of dX where its GEMMs are long enough to split their reduction ([`splits_dx`]), and `ROW_SCRATCH_BYTES` per
 //! token of a block (gradient constants and the fold's partials); nothing grows with N but the
 //! per-token statistics (`PER_TOKEN_BYTES`·N, besides the lse output), plus the CPU GEMM's own
 //! packing buffers.
@@ -29,10 +29,34 @@ pub const PER_TOKEN_BYTES: usize = 28;
 pub const CPU_GEMM_SCRATCH_PER_THREAD: usize = 5 << 18;
 
 /// The CPU GEMM's depth block (the `gemm` crate's kc: at least 512 rows of k, 512 on the CI
-/// machine kind). Where dX's GEMM is split in two (`cpu::splits_dx`), the second GEMM in
+/// machine kind). Where dX's GEMM is split in two ([`splits_dx`]), the second GEMM in
 /// flight packs its own `kc × C` panel of Gᵀ: measured 0.5, 1.0 and 2.0 MiB at C = 256, 512
 /// and 1024, for D from 256 to 2048, i.e. `4·512·C` bytes.
 pub const CPU_GEMM_DEPTH_BLOCK: usize = 512;
+
+/// Rows of a bf16 W widened to f32 at a time by the CPU path (its `form_logits_widening`).
+pub const WIDEN_ROWS: usize = 2048;
+
+/// Row ranges the CPU fold splits a block into (its partial maxima and sums are combined in
+/// order).
+pub(crate) const FOLD_TASKS: usize = 16;
+
+/// Fewest vocabulary rows (the k of `dX += Gᵀ·W_blk`) for which the CPU path splits dX's GEMM
+/// in two halves of k, run side by side (its `DxPartial`).
+pub const SPLIT_K_MIN_ROWS: usize = 2048;
+
+/// Scratch bytes per token of a block besides the workspace: the gradient constants (6 f32),
+/// the target entries of the gradient pass (16 B), and the fold's partials (a max in f32 and a
+/// sum in f64 per task, and the new max).
+pub const ROW_SCRATCH_BYTES: usize = 6 * 4 + 16 + FOLD_TASKS * 12 + 4;
+
+/// Whether the single-device path splits dX's GEMMs for vocabulary blocks of `vb` rows with
+/// inputs of `dtype` (a bf16 W is widened, and multiplied, [`WIDEN_ROWS`] rows at a time), so
+/// its plan reserves the `C·D` partial.
+pub fn splits_dx(vb: usize, dtype: DType) -> bool {
+    let k = if dtype == DType::F32 { vb } else { vb.min(WIDEN_ROWS) };
+    k >= SPLIT_K_MIN_ROWS
+}
 
 /// Token block sizes tried, largest first: wider blocks mean fewer passes over W and dW.
 const TOKEN_BLOCKS: [usize; 7] = [1024, 512, 256, 128, 64, 32, 16];
@@ -79,10 +103,10 @@ pub struct Shape {
 /// Working-set bytes of blocks (C, Vb), `None` when the arithmetic overflows (never fits).
 fn block_bytes(c: usize, vb: usize, d: usize, dtype: DType) -> Option<usize> {
     // bf16 W is widened a sub-block of `WIDEN_ROWS` rows at a time.
-    let w_upcast = if dtype == DType::F32 { 0 } else { vb.min(crate::cpu::WIDEN_ROWS).checked_mul(d)? };
-    // dX's second partial sum where the GEMMs split k (`cpu::splits_dx`).
+    let w_upcast = if dtype == DType::F32 { 0 } else { vb.min(WIDEN_ROWS).checked_mul(d)? };
+    // dX's second partial sum where the GEMMs split k ([`splits_dx`]).
     let cd = c.checked_mul(d)?;
-    let dx_part = if crate::cpu::splits_dx(vb, dtype) { cd } else { 0 };
+    let dx_part = if splits_dx(vb, dtype) { cd } else { 0 };
     // logits, X block, W sub-block (bf16 only) and dX partial (where split), each region aligned.
     let regions = 3 + usize::from(dx_part > 0);
     let elems = vb.checked_mul(c)?.checked_add(cd)?.checked_add(w_upcast)?.checked_add(dx_part)?;
@@ -204,7 +228,7 @@ impl Plan {
     /// GEMM in flight where dX's GEMM is split. (The vocabulary-major logits block keeps every
     /// GEMM off the path where the CPU GEMM copies a whole transposed operand.)
     pub fn cpu_gemm_scratch_bytes(&self) -> usize {
-        let split = if crate::cpu::splits_dx(self.vocab_block, self.dtype) {
+        let split = if splits_dx(self.vocab_block, self.dtype) {
             4 * CPU_GEMM_DEPTH_BLOCK * self.token_block
         } else {
             0
@@ -214,7 +238,7 @@ impl Plan {
     /// Scratch besides the workspace that scales with the token block (not with N):
     /// `ROW_SCRATCH_BYTES·C`.
     pub fn row_scratch_bytes(&self) -> usize {
-        crate::cpu::ROW_SCRATCH_BYTES * self.token_block
+        ROW_SCRATCH_BYTES * self.token_block
     }
     /// The per-token statistics besides the workspace: `PER_TOKEN_BYTES·N`.
     pub fn per_token_bytes(&self) -> usize {
@@ -226,41 +250,6 @@ impl Plan {
             Schedule::FullVocab => 3,
             Schedule::VocabBlocked => 4,
         }
-    }
-}
-
-/// Per-rank peak bytes of the vocabulary projection + loss, forward and backward, by formula
-/// (DESIGN.md § ring-dtp, research/vocab.md), for N tokens over P ranks (n = N/P tokens and
-/// v = ⌈V/P⌉ vocabulary rows per rank) and hidden size D with bf16 inputs.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PaperPeaks {
-    /// A data-parallel rank materializing its n tokens' fp32 logits and their gradient: 8·n·V.
-    pub naive: f64,
-    /// Megatron vocab-parallel CE (TP + SP): 6·N·V/P + 2·N·D.
-    pub megatron: f64,
-    /// Cut Cross-Entropy on a rank's n tokens with bf16 dC and dE: 4n + 4V + 2·V·D + 2·n·D.
-    pub cut_cross_entropy: f64,
-    /// Ring-DTP, weight ring, one buffer each: 2·v·D (bf16 W) + 4·v·D (fp32 dW) + 4·n·D + 12·n.
-    pub ring_dtp: f64,
-}
-
-impl PaperPeaks {
-    /// The formulas at N tokens, D, V, P ranks.
-    pub fn at(n_total: usize, d: usize, v: usize, p: usize) -> Self {
-        let (nt, d, v, p) = (n_total as f64, d as f64, v as f64, p.max(1) as f64);
-        let n = nt / p;
-        let vs = (v / p).ceil();
-        Self {
-            naive: 8.0 * n * v,
-            megatron: 6.0 * nt * v / p + 2.0 * nt * d,
-            cut_cross_entropy: 4.0 * n + 4.0 * v + 2.0 * v * d + 2.0 * n * d,
-            ring_dtp: 2.0 * vs * d + 4.0 * vs * d + 4.0 * n * d + 12.0 * n,
-        }
-    }
-
-    /// `1 − ring_dtp / naive`.
-    pub fn ring_reduction(&self) -> f64 {
-        1.0 - self.ring_dtp / self.naive
     }
 }
 
@@ -357,16 +346,5 @@ mod tests {
         .unwrap();
         assert_eq!(a.workspace_bytes(), b.workspace_bytes());
         assert_eq!(b.per_token_bytes() - a.per_token_bytes(), PER_TOKEN_BYTES * ((1 << 20) - (1 << 10)));
-    }
-
-    #[test]
-    fn the_papers_86_6_percent() {
-        // N = 32,768, V = 152,064 (Qwen2.5), D = 5,120: 1 − 0.75·D/N − D/(2V) = 86.6%, any P.
-        for p in [1, 8] {
-            let peaks = PaperPeaks::at(32_768, 5_120, 152_064, p);
-            let want = 1.0 - 0.75 * 5120.0 / 32768.0 - 5120.0 / (2.0 * 152_064.0);
-            assert!((peaks.ring_reduction() - want).abs() < 2e-4, "P={p}: {}", peaks.ring_reduction());
-        }
-        assert!((PaperPeaks::at(32_768, 5_120, 152_064, 8).ring_reduction() - 0.866).abs() < 5e-4);
     }
 }

@@ -22,13 +22,13 @@
 
 use std::ops::Range;
 
-use flatpeak_common::DType;
 use flatpeak_common::arena::REGION_ALIGN;
 use flatpeak_common::gemm::Threads;
+use flatpeak_common::{Budget, DType};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::plan::PER_TOKEN_BYTES;
+use crate::plan::{PER_TOKEN_BYTES, Shape};
 
 /// Which operand circulates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,14 +49,15 @@ pub enum RingChoice {
     Force(RingKind),
 }
 
-/// Options of [`RingPlan::new`].
+/// The ring of [`RingPlan::new`]: its ranks, which operand circulates, and how each rank runs
+/// its GEMMs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RingOptions {
+    /// P: ranks of the ring (≥ 1).
+    pub ranks: usize,
     /// The ring.
     pub ring: RingChoice,
-    /// Per-rank working-set budget in bytes (blocks, ring buffers, messages in flight).
-    pub budget_bytes: usize,
     /// Threads of each block GEMM on the CPU. [`Threads::Single`] suits ranks that are threads
     /// of one process ([`LocalGroup`](flatpeak_common::LocalGroup)): the P ranks already fill
     /// the cores, and P GEMMs each splitting its tiles over every core only contend for them.
@@ -65,16 +66,16 @@ pub struct RingOptions {
 }
 
 impl Default for RingOptions {
-    /// Auto ring, 64 MiB per rank.
+    /// One rank, auto ring, GEMMs on the whole rayon pool.
     fn default() -> Self {
-        Self { ring: RingChoice::Auto, budget_bytes: 64 << 20, gemm_threads: Threads::All }
+        Self { ranks: 1, ring: RingChoice::Auto, gemm_threads: Threads::All }
     }
 }
 
 impl RingOptions {
-    /// Auto ring within `budget_bytes` per rank.
-    pub fn with_budget(budget_bytes: usize) -> Self {
-        Self { budget_bytes, ..Self::default() }
+    /// These options over `ranks` ranks.
+    pub fn ranks(self, ranks: usize) -> Self {
+        Self { ranks, ..self }
     }
     /// These options with the ring forced.
     pub fn ring(self, kind: RingKind) -> Self {
@@ -110,16 +111,13 @@ fn aligned(bytes: usize) -> usize {
 }
 
 impl RingPlan {
-    /// Plans N tokens, hidden size D and vocabulary V over `world` ranks with `dtype` inputs;
-    /// [`Error::BudgetTooSmall`] when not even 16 tokens × 64 vocabulary rows fit the budget.
-    pub fn new(
-        config: &Config,
-        (n, d, v): (usize, usize, usize),
-        world: usize,
-        dtype: DType,
-        options: RingOptions,
-    ) -> Result<Self> {
+    /// Plans `shape` (N tokens over all ranks) on the ring of `options`, within `budget` bytes
+    /// per rank (blocks, ring buffers, messages in flight); [`Error::BudgetTooSmall`] when not
+    /// even 16 tokens × 64 vocabulary rows fit.
+    pub fn new(config: &Config, shape: Shape, budget: Budget, options: RingOptions) -> Result<Self> {
         config.validate()?;
+        let Shape { tokens: n, hidden: d, vocab: v, dtype } = shape;
+        let world = options.ranks;
         if world == 0 {
             return Err(Error::invalid_config("world", world, "at least one rank"));
         }
@@ -167,14 +165,14 @@ impl RingPlan {
             };
             for (c, vb) in candidates {
                 let p = plan(c, vb);
-                if c >= c_floor && vb >= vb_floor && p.bound_bytes() <= options.budget_bytes {
+                if c >= c_floor && vb >= vb_floor && budget.admits(p.bound_bytes()) {
                     return Ok(p);
                 }
             }
         }
         let needed = plan(16.min(rows), MIN_VOCAB_BLOCK.min(shard)).bound_bytes();
         Err(Error::BudgetTooSmall {
-            budget: options.budget_bytes,
+            budget: budget.bytes(),
             needed,
             what: "a ring step of 16 tokens x 64 vocabulary rows",
         })
@@ -314,7 +312,7 @@ impl RingPlan {
     /// Per-row scratch besides the workspace: the gradient pass's per-token constants and the
     /// fold's partials (`ROW_SCRATCH_BYTES` per token of a block).
     pub fn row_scratch_bytes(&self) -> usize {
-        crate::cpu::ROW_SCRATCH_BYTES * self.token_block
+        crate::plan::ROW_SCRATCH_BYTES * self.token_block
     }
 
     /// The plan's per-rank bound on the working set besides per-token statistics and the CPU
@@ -364,7 +362,13 @@ mod tests {
     fn layout_covers_everything_once() {
         let cfg = Config::default();
         for (n, v, p) in [(10, 7, 3), (8192, 32768, 4), (5, 3, 7), (1, 1, 1)] {
-            let plan = RingPlan::new(&cfg, (n, 16, v), p, DType::F32, RingOptions::default()).unwrap();
+            let plan = RingPlan::new(
+                &cfg,
+                Shape { tokens: n, hidden: 16, vocab: v, dtype: DType::F32 },
+                Budget::mib(64),
+                RingOptions::default().ranks(p),
+            )
+            .unwrap();
             let tokens: usize = (0..p).map(|r| plan.tokens(r).len()).sum();
             let rows: usize = (0..p).map(|r| plan.shard(r).len()).sum();
             assert_eq!((tokens, rows), (n, v));
@@ -378,25 +382,60 @@ mod tests {
     #[test]
     fn auto_ring_and_budget() {
         let cfg = Config::default();
-        let opts = RingOptions::with_budget(48 << 20);
-        let a = RingPlan::new(&cfg, (8192, 1024, 32768), 4, DType::F32, opts).unwrap();
+        let (budget, opts) = (Budget::mib(48), RingOptions::default());
+        let a = RingPlan::new(
+            &cfg,
+            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
+            budget,
+            opts.ranks(4),
+        )
+        .unwrap();
         assert_eq!(a.kind(), RingKind::Activation);
         assert!(a.bound_bytes() <= 48 << 20);
-        let w = RingPlan::new(&cfg, (8192, 1024, 32768), 4, DType::F32, opts.ring(RingKind::Weight)).unwrap();
+        let w = RingPlan::new(
+            &cfg,
+            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
+            budget,
+            opts.ring(RingKind::Weight).ranks(4),
+        )
+        .unwrap();
         assert_eq!(w.kind(), RingKind::Weight);
         assert!(w.bound_bytes() <= 48 << 20 && w.vocab_block() >= 512);
-        let b = RingPlan::new(&cfg, (1 << 20, 1024, 32768), 4, DType::F32, opts).unwrap();
+        let b = RingPlan::new(
+            &cfg,
+            Shape { tokens: 1 << 20, hidden: 1024, vocab: 32768, dtype: DType::F32 },
+            budget,
+            opts.ranks(4),
+        )
+        .unwrap();
         assert_eq!(b.kind(), RingKind::Weight);
-        let err = RingPlan::new(&cfg, (8192, 1024, 32768), 4, DType::F32, RingOptions::with_budget(1 << 10));
+        let err = RingPlan::new(
+            &cfg,
+            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
+            Budget::Bytes(1 << 10),
+            RingOptions::default().ranks(4),
+        );
         assert!(matches!(err, Err(Error::BudgetTooSmall { budget: 1024, .. })));
     }
 
     #[test]
     fn bound_does_not_grow_with_tokens() {
         let cfg = Config::default();
-        let opts = RingOptions::with_budget(32 << 20).ring(RingKind::Weight);
-        let a = RingPlan::new(&cfg, (1 << 12, 512, 50_000), 4, DType::Bf16, opts).unwrap();
-        let b = RingPlan::new(&cfg, (1 << 20, 512, 50_000), 4, DType::Bf16, opts).unwrap();
+        let (budget, opts) = (Budget::mib(32), RingOptions::default().ring(RingKind::Weight));
+        let a = RingPlan::new(
+            &cfg,
+            Shape { tokens: 1 << 12, hidden: 512, vocab: 50_000, dtype: DType::Bf16 },
+            budget,
+            opts.ranks(4),
+        )
+        .unwrap();
+        let b = RingPlan::new(
+            &cfg,
+            Shape { tokens: 1 << 20, hidden: 512, vocab: 50_000, dtype: DType::Bf16 },
+            budget,
+            opts.ranks(4),
+        )
+        .unwrap();
         assert_eq!(a.bound_bytes(), b.bound_bytes());
     }
 }

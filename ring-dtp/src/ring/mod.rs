@@ -18,16 +18,17 @@
 //! loss are summed over ranks in f64, in rank order, identically on every rank.
 //!
 //! ```
-//! use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, SplitMix64};
+//! use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, SplitMix64};
 //! use ring_dtp::ring::{self, RankInputs};
-//! use ring_dtp::{GradOutput, Config, Loss, Matrix, RingOptions, RingPlan};
+//! use ring_dtp::{Budget, Config, DType, GradOutput, Loss, Matrix, RingOptions, RingPlan, Shape};
 //!
 //! let (n, d, v, p) = (96, 16, 500, 3);
 //! let mut rng = SplitMix64::new(2);
 //! let (x, w) = (rng.normal_f32(n * d, 0.0, 1.0), rng.normal_f32(v * d, 0.0, 0.2));
 //! let targets: Vec<i64> = (0..n as i64).map(|i| i * 13 % v as i64).collect();
 //! let config = Config::default();
-//! let plan = RingPlan::new(&config, (n, d, v), p, DType::F32, RingOptions::with_budget(1 << 20))?;
+//! let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 };
+//! let plan = RingPlan::new(&config, shape, Budget::mib(1), RingOptions::default().ranks(p))?;
 //! // Three ranks as threads; each sees only its tokens and its vocabulary shard.
 //! let results = LocalGroup::run(p, LocalGroupOptions::default(), |comm| {
 //!     let (t, s) = (plan.tokens(comm.rank()), plan.shard(comm.rank()));

@@ -34,13 +34,13 @@
 //! communicator's stream; cudarc aborts an NCCL communicator when it drops, so synchronize
 //! ([`CudaRing::synchronize`], or a download on that stream) before dropping the ring.
 
-use flatpeak_common::cuda::KernelCache;
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use flatpeak_common::cuda::{KernelCache, cuda_error};
 use flatpeak_common::nccl::DeviceCommunicator;
 use flatpeak_common::{DType, ReduceOp};
 use half::bf16;
 
-use super::engine::{Engine, cuda};
+use super::engine::Engine;
 use super::{DeviceGradients, DeviceMatrix, DeviceStats, HostRows};
 use crate::config::Config;
 use crate::cpu;
@@ -85,11 +85,13 @@ impl Raw {
             (Raw::F32(dst), DeviceMatrix::F32(src)) => e
                 .stream
                 .memcpy_dtod(&src.slice(range), &mut dst.slice_mut(..len))
-                .map_err(cuda("cuMemcpyDtoD")),
+                .map_err(cuda_error("cuMemcpyDtoD"))
+                .map_err(Error::from),
             (Raw::Bf16(dst), DeviceMatrix::Bf16(src)) => e
                 .stream
                 .memcpy_dtod(&src.slice(range), &mut dst.slice_mut(..len))
-                .map_err(cuda("cuMemcpyDtoD")),
+                .map_err(cuda_error("cuMemcpyDtoD"))
+                .map_err(Error::from),
             _ => Err(Error::DtypeMismatch { x: m.dtype(), w: m.dtype() }),
         }
     }
@@ -204,7 +206,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         // meanwhile (`new_stream` synchronizes the context once, when it enters multi-stream
         // mode, so earlier work on the caller's streams is complete and ordered).
         let ctx = comm.stream().context().clone();
-        let compute = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
+        let compute = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
         let engine = Engine::new(KernelCache::new(ctx)?, compute)?;
         let (c, vb, d, dt) = (plan.token_block(), plan.vocab_block(), plan.d(), plan.dtype());
         let wide = dt != DType::F32;
@@ -258,8 +260,8 @@ impl<C: DeviceCommunicator> CudaRing<C> {
 
     /// Waits for every operation issued so far, on the compute stream and the communicator's.
     pub fn synchronize(&self) -> Result<()> {
-        self.engine.stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
-        self.comm.stream().synchronize().map_err(cuda("cuStreamSynchronize"))
+        self.engine.stream.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
+        self.comm.stream().synchronize().map_err(cuda_error("cuStreamSynchronize")).map_err(Error::from)
     }
 
     fn check(&self, inputs: &DeviceRankInputs<'_>) -> Result<(usize, usize)> {
@@ -368,15 +370,19 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         };
         // The last hops land on the communicator's stream: compute (the downloads that follow)
         // waits for them, and the caller's stream for the compute stream's outputs.
-        self.engine.stream.join(self.comm.stream()).map_err(cuda("cuStreamWaitEvent"))?;
-        self.comm.stream().join(&self.engine.stream).map_err(cuda("cuStreamWaitEvent"))?;
+        self.engine.stream.join(self.comm.stream()).map_err(cuda_error("cuStreamWaitEvent"))?;
+        self.comm.stream().join(&self.engine.stream).map_err(cuda_error("cuStreamWaitEvent"))?;
         ran
     }
 
     /// The compute stream waits for the work the caller ordered on the communicator's stream
     /// (uploads of the inputs).
     fn after_caller(&self) -> Result<()> {
-        self.engine.stream.join(self.comm.stream()).map_err(cuda("cuStreamWaitEvent"))
+        self.engine
+            .stream
+            .join(self.comm.stream())
+            .map_err(cuda_error("cuStreamWaitEvent"))
+            .map_err(Error::from)
     }
 }
 
@@ -385,7 +391,7 @@ fn dtod<T: flatpeak_common::cuda::cudarc::driver::DeviceRepr>(
     src: &CudaView<'_, T>,
     dst: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
-    e.stream.memcpy_dtod(src, dst).map_err(cuda("cuMemcpyDtoD"))
+    e.stream.memcpy_dtod(src, dst).map_err(cuda_error("cuMemcpyDtoD")).map_err(Error::from)
 }
 
 fn zero<
@@ -395,7 +401,7 @@ fn zero<
     e: &Engine,
     dst: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
-    e.stream.memset_zeros(dst).map_err(cuda("cuMemsetD8"))
+    e.stream.memset_zeros(dst).map_err(cuda_error("cuMemsetD8")).map_err(Error::from)
 }
 
 mod activation;

@@ -18,12 +18,15 @@
 
 pub mod ops;
 
-use flatpeak_common::gemm::Accumulate;
-use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, ReduceOp, SplitMix64, Workspace};
-use llep::{Config as LlepConfig, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape};
-use ring_dtp::{Config, GradOutput, Loss, Matrix, RingOptions, RingPlan};
-use sco::CheckpointOffloader;
-use stream_adamw::{HostDevice, Hyperparameters, Link, StepOptions, StreamAdamW};
+use flatpeak::common::gemm::Accumulate;
+use flatpeak::common::{Communicator, DType, LocalGroup, LocalGroupOptions, ReduceOp, SplitMix64, Workspace};
+use flatpeak::llep::{
+    Config as LlepConfig, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape,
+};
+use flatpeak::ring_dtp::{Config, GradOutput, Loss, Matrix, RingOptions, RingPlan};
+use flatpeak::sco::CheckpointOffloader;
+use flatpeak::stream_adamw::{HostDevice, Hyperparameters, Link, StepOptions, StreamAdamW};
+use flatpeak::{llep, ring_dtp, sco, stream_adamw};
 
 use ops::{Trans, gemm, materialized_loss, rmsnorm, rmsnorm_backward, top_k, top_k_backward};
 
@@ -465,16 +468,11 @@ pub fn train(c: &MoeConfig, s: Schedules, steps: usize) -> Result<Run> {
     };
     // A small pair cap and chunk, so PipelinedLLEP runs several rounds on this tiny shape.
     let llep = LlepConfig::with_scheme(s.dispatch).min_chunk(4).pair_cap(PairCap::Rows(8));
-    let mut ring_options = RingOptions::default();
-    ring_options.budget_bytes = 1 << 20;
-    let ring = RingPlan::new(
-        &Config::default(),
-        (c.ranks * c.tokens, c.hidden, c.vocab),
-        c.ranks,
-        DType::F32,
-        ring_options,
-    )
-    .map_err(err("ring plan"))?;
+    let ring_shape =
+        ring_dtp::Shape { tokens: c.ranks * c.tokens, hidden: c.hidden, vocab: c.vocab, dtype: DType::F32 };
+    let ring_options = RingOptions::default().ranks(c.ranks);
+    let ring = RingPlan::new(&Config::default(), ring_shape, ring_dtp::Budget::mib(1), ring_options)
+        .map_err(err("ring plan"))?;
     let (tokens, targets) = sequence(c);
     let results = LocalGroup::run(c.ranks, LocalGroupOptions::default(), |comm| {
         let rank = Rank { comm, c: *c, s, shape, llep, ring };

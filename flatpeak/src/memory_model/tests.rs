@@ -41,14 +41,18 @@ fn every_term_grows_with_the_context_and_the_flattened_peaks_stay_below() {
     assert_eq!(base.peaks["vocab"], 8 * (1u64 << 20) / 64 * spec.vocab);
     let ring = RingPlan::new(
         &Config::default(),
-        (1 << 20, spec.hidden as usize, spec.vocab as usize),
-        64,
-        DType::Bf16,
-        RingOptions::default(),
+        ring_dtp::Shape {
+            tokens: 1 << 20,
+            hidden: spec.hidden as usize,
+            vocab: spec.vocab as usize,
+            dtype: DType::Bf16,
+        },
+        RING_BUDGET,
+        RingOptions::default().ranks(64),
     )
     .expect("ring plan");
-    assert!(ring.bound_bytes() <= RingOptions::default().budget_bytes);
-    assert_eq!(flat.peaks["vocab"], (RingOptions::default().budget_bytes + ring.per_token_bytes()) as u64);
+    assert!(ring.bound_bytes() <= RING_BUDGET.bytes());
+    assert_eq!(flat.peaks["vocab"], (RING_BUDGET.bytes() + ring.per_token_bytes()) as u64);
 }
 
 #[test]

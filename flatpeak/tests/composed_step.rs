@@ -7,7 +7,13 @@
 
 use flatpeak_common::DType;
 use flatpeak_common::testing::tolerance;
-use flatpeak_tests::moe::{Checkpoints, MoeConfig, Schedules, train};
+
+// The model is the `moe_train` example's; this test runs it.
+#[path = "../examples/moe_train/model/mod.rs"]
+#[allow(dead_code)]
+mod model;
+
+use model::{Checkpoints, MoeConfig, Schedules, train};
 
 const STEPS: usize = 20;
 

@@ -2,14 +2,14 @@
 //! softmax router, GEMM helpers and the materialized-logits cross-entropy baseline, each with
 //! its backward.
 
-use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, matmul};
-use flatpeak_common::{Communicator, CommunicatorExt, ReduceOp};
+use flatpeak::common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, matmul};
+use flatpeak::common::{Communicator, CommunicatorExt, ReduceOp};
 
 /// RMSNorm's ε.
 pub const RMS_EPS: f32 = 1e-6;
 
 /// Errors of the model's own ops (shapes come from the config, so these are views gone wrong).
-pub type Result<T> = std::result::Result<T, flatpeak_common::Error>;
+pub type Result<T> = std::result::Result<T, flatpeak::common::Error>;
 
 /// `C (m×n) [+]= op(A) · op(B)` on row-major storage; `ta`/`tb`: the operand is the transpose of
 /// the stored matrix.

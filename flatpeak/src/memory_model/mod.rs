@@ -14,7 +14,7 @@
 //! | `gradients` | `2·P/G + 2·2·P_window` | same |
 //! | `activations` | one layer's recompute, `34·n·H` (Korthikanti et al., flash attention) | same |
 //! | `dispatch` | standard EP, balanced routing: `llep::paper::PeakModel::paper_fit` send and receive terms at `k·n` rows (skew only adds) | `llep::Plan` (default config, the largest q whose dispatch buffers fit 256 MiB, backward pass) |
-//! | `vocab` | `ring_dtp::PaperPeaks::naive` (`8·n·V`) | `ring_dtp::RingPlan` over the G GPUs: the budget it is planned within (`RingOptions::default`, 64 MiB; `RingPlan::new` fails if the shape cannot fit it) + `per_token_bytes` |
+//! | `vocab` | `ring_dtp::paper::PaperPeaks::naive` (`8·n·V`) | `ring_dtp::RingPlan` over the G GPUs: the budget it is planned within (`RING_BUDGET`, 64 MiB; `RingPlan::new` fails if the shape cannot fit it) + `per_token_bytes` |
 //! | `checkpoints` | `sco::Plan::plain_device_bytes` (`L·n·H·2`) | `sco::Plan::peak_slots · boundary_bytes` |
 //!
 //! The fourth peak, optimizer state (fp32 θ, m, v: 12 B per parameter), is on the host in both
@@ -38,7 +38,8 @@ use flatpeak_common::DType;
 use llep::{Buffers, Config as LlepConfig, Pass, Shape};
 
 use llep::paper::{PeakModel, PeakTerms};
-use ring_dtp::{Config, PaperPeaks, RingOptions, RingPlan};
+use ring_dtp::paper::PaperPeaks;
+use ring_dtp::{Config, RingOptions, RingPlan};
 use serde::{Deserialize, Serialize};
 
 pub use presets::{PRESET_NAMES, preset};
@@ -258,6 +259,9 @@ pub struct Estimate {
     pub host: BTreeMap<String, u64>,
 }
 
+/// The per-rank budget the flattened column holds ring-dtp's ring plan to.
+pub const RING_BUDGET: ring_dtp::Budget = ring_dtp::Budget::mib(64);
+
 /// Bytes of one rank's dispatch buffers (send and receive rows with their metadata, every
 /// pipeline copy) that the flattened column gives PipelinedLLEP.
 pub const DISPATCH_BUDGET: usize = 256 << 20;
@@ -326,15 +330,11 @@ pub fn estimate(
         // at most the budget, whatever the blocks, plus the per-token statistics. Non-decreasing
         // in the context (the bisection needs it), unlike the chosen blocks' own bound, which
         // can shrink when more tokens per rank move the choice to a narrower vocabulary block.
-        let options = RingOptions::default();
-        let ring = RingPlan::new(
-            &Config::default(),
-            (context_rows, hidden, vocab_rows),
-            shape.ranks,
-            DType::Bf16,
-            options,
-        )?;
-        (options.budget_bytes + ring.per_token_bytes()) as u64
+        let shape_all =
+            ring_dtp::Shape { tokens: context_rows, hidden, vocab: vocab_rows, dtype: DType::Bf16 };
+        let options = RingOptions::default().ranks(shape.ranks);
+        let ring = RingPlan::new(&Config::default(), shape_all, RING_BUDGET, options)?;
+        (RING_BUDGET.bytes() + ring.per_token_bytes()) as u64
     } else {
         PaperPeaks::at(context_rows, hidden, vocab_rows, shape.ranks).naive.ceil() as u64
     };

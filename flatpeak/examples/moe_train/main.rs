@@ -1,12 +1,15 @@
-//! Trains the tiny long-context MoE model of `flatpeak_tests::moe` for 20 steps on 4 simulated
-//! ranks, with the baselines and with the four flatpeak schedules, and prints the loss of each
-//! step and each component's working set per rank.
+//! Trains a tiny long-context MoE model (embedding, RMSNorm, top-k router, MoE blocks, the
+//! vocabulary projection and loss; `model/`) for 20 steps on 4 simulated ranks, with the
+//! baselines and with the four flatpeak schedules, and prints the loss of each step and each
+//! component's working set per rank. `tests/composed_step.rs` runs the same model as a test.
 //!
 //! ```sh
-//! cargo run --release -p flatpeak-tests --example moe_train
+//! cargo run --release -p flatpeak --example moe_train
 //! ```
 
-use flatpeak_tests::moe::{MoeConfig, Schedules, train};
+mod model;
+
+use model::{MoeConfig, Schedules, train};
 
 fn kib(bytes: usize) -> String {
     format!("{:.1} KiB", bytes as f64 / 1024.0)
