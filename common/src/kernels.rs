@@ -1,6 +1,6 @@
 //! Registry of CUDA C sources. Each crate lists its `kernels/*.cu` files as [`KernelSource`]s
 //! in a `KERNELS` constant; the NVRTC compile check (`tests/tests/nvrtc_compile.rs`) and the
-//! run-time [`KernelCache`](crate::cuda::KernelCache) both read from there, so a kernel that
+//! run-time `cuda::KernelCache` (feature `cuda`) both read from there, so a kernel that
 //! ships is a kernel that is checked. The sources are plain strings: listing them needs no CUDA.
 
 /// A device header shared by several kernels (`common/kernels/include/flatpeak/*.cuh`), handed

@@ -4,7 +4,7 @@
 use crate::dtype::DType;
 pub use crate::rng::SplitMix64;
 
-/// Where a test body runs its kernels: the same body for all three (see [`test_backends!`]).
+/// Where a test body runs its kernels: the same body for all three (see [`test_backends!`](crate::test_backends)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
     /// The CPU reference / fast path.

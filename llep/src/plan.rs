@@ -315,7 +315,7 @@ impl Buffers {
     /// The bound of what [`Mode::SaveActivations`] keeps from forward to backward for K
     /// rounds: every round's receive buffer of rows with their metadata and per-route SwiGLU
     /// pre-activations, `K·recv_rows·(H·b + 8·k + 2·k·I·b)` plus K + 1 route offsets and
-    /// alignment; [`Schedule::saved_bytes`] is the exact figure of one routing. 0 when checkpointed.
+    /// alignment; [`Schedule::saved_bytes`](crate::Schedule::saved_bytes) is the exact figure of one routing. 0 when checkpointed.
     pub fn saved_activation_bytes(&self, mode: Mode, rounds: usize) -> usize {
         match mode {
             Mode::Checkpointed => 0,

@@ -1,5 +1,5 @@
 //! The components `flatpeak report` can measure. Each landed primitive registers a
-//! [`Component`] here; names in [`COMPONENTS`](crate::report::COMPONENTS) without one are
+//! [`Component`] here; names in [`crate::report::COMPONENTS`] without one are
 //! reported as not available.
 
 pub mod llep;

@@ -1,10 +1,10 @@
 //! `flatpeak run ring-dtp`: the vocabulary projection + cross-entropy, forward then backward.
 //!
-//! Inputs: `x` [N, D] F32 or BF16, `w` [V, D] (the dtype of `x`), `targets` [N] I64; optional
-//! `bias` [V] F32, `weights` [N] F32 (per-token loss weights), `grad_output` (F32: [] for
-//! reduction mean or sum, default 1; [N] for none, default ones) and `dlse` [N] F32 (upstream
-//! gradient of the lse output). Outputs: `loss` (F64 [] for mean or sum, F32 [N] for none),
-//! `lse` [N], `dx` [N, D], `dw` [V, D] and, with a bias, `dbias` [V], all F32.
+//! Inputs: `x` \[N, D\] F32 or BF16, `w` \[V, D\] (the dtype of `x`), `targets` \[N\] I64; optional
+//! `bias` \[V\] F32, `weights` \[N\] F32 (per-token loss weights), `grad_output` (F32: \[\] for
+//! reduction mean or sum, default 1; \[N\] for none, default ones) and `dlse` \[N\] F32 (upstream
+//! gradient of the lse output). Outputs: `loss` (F64 \[\] for mean or sum, F32 \[N\] for none),
+//! `lse` \[N\], `dx` \[N, D\], `dw` \[V, D\] and, with a bias, `dbias` \[V\], all F32.
 
 use ring_dtp::{Budget, Config, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Shape, Softcap, cpu};
 use serde::Deserialize;

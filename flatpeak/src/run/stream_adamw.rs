@@ -1,10 +1,10 @@
 //! `flatpeak run stream-adamw`: one `torch.optim.AdamW` step through the offloaded pipeline.
 //!
-//! Inputs: `param` [n] F32 (the fp32 master parameters), `grad` [n] F32 or BF16; optional
-//! state `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (AMSGrad) [n] F32 and `step` [] I64 (steps
+//! Inputs: `param` \[n\] F32 (the fp32 master parameters), `grad` \[n\] F32 or BF16; optional
+//! state `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` (AMSGrad) \[n\] F32 and `step` \[\] I64 (steps
 //! taken so far; all absent: a fresh state). Outputs: `param`, `exp_avg`, `exp_avg_sq` (and
-//! `max_exp_avg_sq`) [n] F32, `step` [] I64, `grad_norm` [] F64 (‖g‖₂ before clipping) and
-//! `skipped` [] I64 (1 when a non-finite gradient skipped the step).
+//! `max_exp_avg_sq`) \[n\] F32, `step` \[\] I64, `grad_norm` \[\] F64 (‖g‖₂ before clipping) and
+//! `skipped` \[\] I64 (1 when a non-finite gradient skipped the step).
 
 use half::bf16;
 use serde::Deserialize;
