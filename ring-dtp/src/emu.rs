@@ -8,6 +8,7 @@ use flatpeak_common::emu::{EmuLaunchConfig, launch, race_checked_state};
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef};
 use flatpeak_common::kernels::grid_stride_blocks;
 
+use crate::blocks::{BlockAt, BlockOps, Pass, run_blocks};
 use crate::config::Config;
 use crate::cpu::{self, Stats, gemm};
 use crate::error::{Error, Result};
@@ -341,28 +342,129 @@ fn check(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Vec<u32>> 
     resolve_targets(config, inputs)
 }
 
+/// What the gradient kernel of a block reads besides its logits: each row's gradient scale,
+/// and the saved lse with its optional upstream gradient (backward; the fused pass finishes
+/// its own).
+struct GradientInputs<'a> {
+    coef: &'a [f32],
+    saved_lse: &'a [f32],
+    dlse: Option<&'a [f32]>,
+}
+
+/// The device schedule under the emulator, as a backend of the block schedule
+/// ([`crate::blocks`]): X and W blocks widened by the widening kernel, raw logits by a CPU GEMM
+/// standing in for cuBLAS, then the fold, row-lse, gradient and bias-gradient kernels.
+struct EmuBlocks<'a> {
+    config: &'a Config,
+    inputs: &'a Inputs<'a>,
+    targets: Vec<u32>,
+    buf: Buffers,
+    stats: Option<Stats>,
+    /// The fused pass's lse of every row.
+    lse: Vec<f32>,
+    grads: Option<Gradients>,
+    gradient: Option<GradientInputs<'a>>,
+}
+
+impl<'a> EmuBlocks<'a> {
+    /// The backend of one call, from the targets [`check`] resolved.
+    fn new(
+        (config, plan, inputs): (&'a Config, &Plan, &'a Inputs<'a>),
+        targets: Vec<u32>,
+        pass: Pass,
+        gradient: Option<GradientInputs<'a>>,
+    ) -> Self {
+        let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+        Self {
+            config,
+            inputs,
+            targets,
+            buf: Buffers::new(plan),
+            stats: (pass != Pass::Backward).then(|| Stats::new(n)),
+            lse: vec![0.0; if pass == Pass::Fused { n } else { 0 }],
+            grads: (pass != Pass::Forward).then(|| Gradients {
+                dx: vec![0.0; n * d],
+                dw: vec![0.0; v * d],
+                dbias: inputs.bias.map(|_| vec![0.0; v]),
+            }),
+            gradient,
+        }
+    }
+
+    /// The loss and lse from the finished statistics.
+    fn finish_forward(&self) -> Result<Forward> {
+        let stats = self.stats.as_ref().ok_or_else(|| missing("fold stats"))?;
+        let (per_token, lse) = cpu::per_token_losses(self.config, self.inputs, self.inputs.v, stats);
+        let total: f64 = per_token.iter().map(|&x| x as f64).sum();
+        let loss = cpu::reduce_loss(self.config, per_token, total, self.inputs.valid_weight(self.config));
+        Ok(Forward { loss, lse })
+    }
+}
+
+/// Block `at`'s view for the per-row kernels.
+fn block<'b>(logits: &'b mut [f32], targets: &'b [u32], inputs: &Inputs<'b>, at: BlockAt) -> Block<'b> {
+    Block {
+        logits,
+        targets: &targets[at.t0..at.t0 + at.c],
+        bias: inputs.bias.map(|b| &b[at.v0..at.v0 + at.vb]),
+        v0: at.v0,
+        vb: at.vb,
+    }
+}
+
+fn missing(what: &'static str) -> Error {
+    Error::invalid_config("pass", "incomplete", what)
+}
+
+impl BlockOps for EmuBlocks<'_> {
+    fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
+        widen_rows(&self.inputs.x, t0..t0 + c, self.inputs.d, &mut self.buf.x)
+    }
+
+    fn load_vocab(&mut self, v0: usize, vb: usize) -> Result<()> {
+        widen_rows(&self.inputs.w, v0..v0 + vb, self.inputs.d, &mut self.buf.w)
+    }
+
+    fn logits(&mut self, at: BlockAt) -> Result<()> {
+        raw_logits(&self.buf.x, &self.buf.w, (at.c, at.vb, self.inputs.d), &mut self.buf.logits)
+    }
+
+    fn fold(&mut self, at: BlockAt) -> Result<()> {
+        let Self { config, inputs, targets, buf, stats, .. } = self;
+        let stats = stats.as_mut().ok_or_else(|| missing("fold stats"))?;
+        fold_block(config, block(&mut buf.logits, targets, inputs, at), stats, at.t0)
+    }
+
+    fn row_lse(&mut self, at: BlockAt) -> Result<()> {
+        let stats = self.stats.as_ref().ok_or_else(|| missing("fold stats"))?;
+        row_lse(stats, at.t0, &mut self.lse[at.t0..at.t0 + at.c])
+    }
+
+    fn gradient(&mut self, at: BlockAt, pass: Pass) -> Result<()> {
+        let (t0, c) = (at.t0, at.c);
+        let Self { config, inputs, targets, buf, lse, gradient, .. } = self;
+        let g = gradient.as_ref().ok_or_else(|| missing("gradient scales"))?;
+        let rows = RowGrad {
+            coef: &g.coef[t0..t0 + c],
+            lse: if pass == Pass::Fused { &lse[t0..t0 + c] } else { &g.saved_lse[t0..t0 + c] },
+            dlse: if pass == Pass::Fused { None } else { g.dlse.map(|g| &g[t0..t0 + c]) },
+            vocab: inputs.v,
+        };
+        gradient_block(config, block(&mut buf.logits, targets, inputs, at), rows)
+    }
+
+    fn project(&mut self, at: BlockAt) -> Result<()> {
+        let grads = self.grads.as_mut().ok_or_else(|| missing("gradients"))?;
+        project_block(&self.buf, (at.t0, at.c, at.v0, at.vb, self.inputs.d), grads)
+    }
+}
+
 /// The loss and per-row lse by the device schedule (fold kernel per block).
 pub fn forward(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
     let targets = check(config, plan, inputs)?;
-    let (n, d, v) = (inputs.n, inputs.d, inputs.v);
-    let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
-    let mut buf = Buffers::new(plan);
-    let mut stats = Stats::new(n);
-    for t0 in (0..n).step_by(cb.max(1)) {
-        let c = cb.min(n - t0);
-        widen_rows(&inputs.x, t0..t0 + c, d, &mut buf.x)?;
-        for v0 in (0..v).step_by(vbmax.max(1)) {
-            let vb = vbmax.min(v - v0);
-            widen_rows(&inputs.w, v0..v0 + vb, d, &mut buf.w)?;
-            raw_logits(&buf.x, &buf.w, (c, vb, d), &mut buf.logits)?;
-            let bias = inputs.bias.map(|b| &b[v0..v0 + vb]);
-            let block = Block { logits: &mut buf.logits, targets: &targets[t0..t0 + c], bias, v0, vb };
-            fold_block(config, block, &mut stats, t0)?;
-        }
-    }
-    let (per_token, lse) = cpu::per_token_losses(config, inputs, v, &stats);
-    let total: f64 = per_token.iter().map(|&x| x as f64).sum();
-    Ok(Forward { loss: cpu::reduce_loss(config, per_token, total, inputs.valid_weight(config)), lse })
+    let mut ops = EmuBlocks::new((config, plan, inputs), targets, Pass::Forward, None);
+    run_blocks(&mut ops, plan, Pass::Forward)?;
+    ops.finish_forward()
 }
 
 /// dX, dW (and dbias) by the device schedule: recompute each block's raw logits, the gradient
@@ -376,7 +478,7 @@ pub fn backward(
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
     let targets = check(config, plan, inputs)?;
-    let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+    let n = inputs.n;
     if forward.lse.len() != n {
         return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, got: forward.lse.len() });
     }
@@ -384,30 +486,10 @@ pub fn backward(
         return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, got: g.len() });
     }
     let coef = cpu::coefficients(config, inputs, grad, inputs.valid_weight(config))?;
-    let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
-    let mut buf = Buffers::new(plan);
-    let mut grads =
-        Gradients { dx: vec![0.0; n * d], dw: vec![0.0; v * d], dbias: inputs.bias.map(|_| vec![0.0; v]) };
-    for t0 in (0..n).step_by(cb.max(1)) {
-        let c = cb.min(n - t0);
-        widen_rows(&inputs.x, t0..t0 + c, d, &mut buf.x)?;
-        for v0 in (0..v).step_by(vbmax.max(1)) {
-            let vb = vbmax.min(v - v0);
-            widen_rows(&inputs.w, v0..v0 + vb, d, &mut buf.w)?;
-            raw_logits(&buf.x, &buf.w, (c, vb, d), &mut buf.logits)?;
-            let bias = inputs.bias.map(|b| &b[v0..v0 + vb]);
-            let rows = RowGrad {
-                coef: &coef[t0..t0 + c],
-                lse: &forward.lse[t0..t0 + c],
-                dlse: dlse.map(|g| &g[t0..t0 + c]),
-                vocab: v,
-            };
-            let block = Block { logits: &mut buf.logits, targets: &targets[t0..t0 + c], bias, v0, vb };
-            gradient_block(config, block, rows)?;
-            project_block(&buf, (t0, c, v0, vb, d), &mut grads)?;
-        }
-    }
-    Ok(grads)
+    let gradient = GradientInputs { coef: &coef, saved_lse: &forward.lse, dlse };
+    let mut ops = EmuBlocks::new((config, plan, inputs), targets, Pass::Backward, Some(gradient));
+    run_blocks(&mut ops, plan, Pass::Backward)?;
+    ops.grads.ok_or_else(|| missing("gradients"))
 }
 
 /// `dX_rows += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel, G being the
@@ -444,33 +526,10 @@ pub fn forward_backward(
         return Ok((fwd, grads));
     }
     let targets = check(config, plan, inputs)?;
-    let (n, d, v) = (inputs.n, inputs.d, inputs.v);
     let coef = cpu::coefficients(config, inputs, grad, inputs.valid_weight(config))?;
-    let mut buf = Buffers::new(plan);
-    let mut stats = Stats::new(n);
-    let mut lse = vec![0.0f32; n];
-    let mut grads =
-        Gradients { dx: vec![0.0; n * d], dw: vec![0.0; v * d], dbias: inputs.bias.map(|_| vec![0.0; v]) };
-    widen_rows(&inputs.w, 0..v, d, &mut buf.w)?;
-    let cb = plan.token_block();
-    for t0 in (0..n).step_by(cb.max(1)) {
-        let c = cb.min(n - t0);
-        widen_rows(&inputs.x, t0..t0 + c, d, &mut buf.x)?;
-        raw_logits(&buf.x, &buf.w, (c, v, d), &mut buf.logits)?;
-        let block =
-            Block { logits: &mut buf.logits, targets: &targets[t0..t0 + c], bias: inputs.bias, v0: 0, vb: v };
-        fold_block(config, block, &mut stats, t0)?;
-        row_lse(&stats, t0, &mut lse[t0..t0 + c])?;
-        let rows = RowGrad { coef: &coef[t0..t0 + c], lse: &lse[t0..t0 + c], dlse: None, vocab: v };
-        let block =
-            Block { logits: &mut buf.logits, targets: &targets[t0..t0 + c], bias: inputs.bias, v0: 0, vb: v };
-        gradient_block(config, block, rows)?;
-        project_block(&buf, (t0, c, 0, v, d), &mut grads)?;
-    }
-    let (per_token, lse) = cpu::per_token_losses(config, inputs, v, &stats);
-    let total: f64 = per_token.iter().map(|&x| x as f64).sum();
-    Ok((
-        Forward { loss: cpu::reduce_loss(config, per_token, total, inputs.valid_weight(config)), lse },
-        grads,
-    ))
+    let gradient = GradientInputs { coef: &coef, saved_lse: &[], dlse: None };
+    let mut ops = EmuBlocks::new((config, plan, inputs), targets, Pass::Fused, Some(gradient));
+    run_blocks(&mut ops, plan, Pass::Fused)?;
+    let forward = ops.finish_forward()?;
+    Ok((forward, ops.grads.ok_or_else(|| missing("gradients"))?))
 }

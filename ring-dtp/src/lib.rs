@@ -33,6 +33,7 @@
 //! # Ok::<(), ring_dtp::Error>(())
 //! ```
 
+mod blocks;
 pub mod config;
 pub mod cpu;
 #[cfg(feature = "cuda")]

@@ -32,6 +32,7 @@ pub(crate) use block::{
 use flatpeak_common::Workspace;
 use flatpeak_common::gemm::{Accumulate, Threads};
 
+use crate::blocks::{BlockAt, BlockOps, Pass, run_blocks};
 use crate::config::{Config, Reduction, Softcap};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Loss, Matrix};
@@ -120,104 +121,184 @@ pub(crate) fn w_rows<'a>(w: &Matrix<'a>, v0: usize, v1: usize, d: usize, buf: &'
     }
 }
 
-/// Which passes one call runs.
-enum Pass<'a> {
-    /// Fold only.
-    Forward,
-    /// Gradient from a saved lse (recompute logits).
-    Backward { coef: &'a [f32], lse: &'a [f32], dlse: Option<&'a [f32]> },
-    /// Fold, then gradient from the same logits (full-vocabulary schedule only).
-    Fused { coef: &'a [f32] },
-}
-
 fn missing(expected: &'static str) -> Error {
     Error::invalid_config("pass", "incomplete", expected)
 }
 
+/// What the gradient of a block reads besides its logits: each row's gradient scale, and the
+/// saved lse with its optional upstream gradient (backward; the fused pass finishes its own).
+struct GradientInputs<'a> {
+    coef: &'a [f32],
+    saved_lse: &'a [f32],
+    dlse: Option<&'a [f32]>,
+}
+
+/// The CPU backend of the block schedule ([`crate::blocks`]): blocks in a workspace reserved at
+/// the plan's size, an f32 W read in place and a bf16 W widened `WIDEN_ROWS` rows at a time
+/// inside the GEMMs.
+struct CpuBlocks<'a, 'w> {
+    config: &'a Config,
+    inputs: &'a Inputs<'a>,
+    scratch: Scratch<'w>,
+    /// Resolved targets of the current token block.
+    targets: Vec<u32>,
+    /// Fused over the whole vocabulary without a softcap: the fold leaves e^(z − max) in place
+    /// and the gradient reuses it (one exponential per logit instead of two).
+    keep_exp: bool,
+    stats: Option<Stats>,
+    grads: Option<Gradients>,
+    gradient: Option<GradientInputs<'a>>,
+    cols: ColumnGrads,
+    /// The fused pass's lse of the current token block.
+    lse_block: Vec<f32>,
+}
+
+impl<'a, 'w> CpuBlocks<'a, 'w> {
+    fn new(
+        (config, plan, inputs): (&'a Config, &Plan, &'a Inputs<'a>),
+        ws: &'w Workspace,
+        pass: Pass,
+        gradient: Option<GradientInputs<'a>>,
+    ) -> Result<Self> {
+        let (n, d, v, cb) = (inputs.n, inputs.d, inputs.v, plan.token_block());
+        let keep_exp =
+            pass == Pass::Fused && plan.schedule() == Schedule::FullVocab && config.softcap == Softcap::Off;
+        Ok(Self {
+            config,
+            inputs,
+            scratch: Scratch::carve(ws, plan)?,
+            targets: vec![NO_TARGET; cb],
+            keep_exp,
+            stats: (pass != Pass::Backward).then(|| Stats::new(n)),
+            grads: (pass != Pass::Forward).then(|| Gradients {
+                dx: vec![0.0; n * d],
+                dw: vec![0.0; v * d],
+                dbias: inputs.bias.map(|_| vec![0.0; v]),
+            }),
+            gradient,
+            cols: ColumnGrads::with_capacity(cb),
+            lse_block: vec![0f32; cb],
+        })
+    }
+
+    /// An f32 W's rows of the block, read in place (`None` for bf16: widened in the GEMMs).
+    fn w_f32(&self, at: BlockAt) -> Option<&'a [f32]> {
+        let d = self.inputs.d;
+        match self.inputs.w {
+            Matrix::F32(m) => Some(&m[at.v0 * d..(at.v0 + at.vb) * d]),
+            Matrix::Bf16(_) => None,
+        }
+    }
+
+    fn bias(&self, at: BlockAt) -> Option<&'a [f32]> {
+        self.inputs.bias.map(|b| &b[at.v0..at.v0 + at.vb])
+    }
+}
+
+impl BlockOps for CpuBlocks<'_, '_> {
+    fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
+        self.inputs.x.rows_f32(t0..t0 + c, self.inputs.d, self.scratch.xblk);
+        resolve_targets(self.config, self.inputs, t0, &mut self.targets[..c]);
+        Ok(())
+    }
+
+    fn load_vocab(&mut self, _v0: usize, _vb: usize) -> Result<()> {
+        // An f32 W is read in place and a bf16 W widened a sub-block at a time inside the GEMMs.
+        Ok(())
+    }
+
+    fn logits(&mut self, at: BlockAt) -> Result<()> {
+        let (d, c) = (self.inputs.d, at.c);
+        let (bias, w_f32) = (self.bias(at), self.w_f32(at));
+        let Scratch { logits, xblk, wblk, .. } = &mut self.scratch;
+        let tokens = TokenBlock { x: &xblk[..c * d], targets: &self.targets[..c] };
+        match w_f32 {
+            Some(w) => {
+                form_logits(self.config, d, tokens, VocabBlock { w, bias, vb: at.vb }, logits, Threads::All)
+            }
+            None => form_logits_widening(
+                self.config,
+                d,
+                tokens,
+                (&self.inputs.w, at.v0, at.vb, bias),
+                wblk,
+                logits,
+            ),
+        }
+    }
+
+    fn fold(&mut self, at: BlockAt) -> Result<()> {
+        let (d, c) = (self.inputs.d, at.c);
+        let st = self.stats.as_mut().ok_or_else(|| missing("fold stats"))?;
+        let tokens = TokenBlock { x: &self.scratch.xblk[..c * d], targets: &self.targets[..c] };
+        fold(self.config, tokens, (at.v0, at.vb), self.scratch.logits, self.keep_exp, st.rows_mut(at.t0, c));
+        Ok(())
+    }
+
+    fn row_lse(&mut self, at: BlockAt) -> Result<()> {
+        let st = self.stats.as_ref().ok_or_else(|| missing("fold stats"))?;
+        for (k, l) in self.lse_block[..at.c].iter_mut().enumerate() {
+            *l = st.lse(at.t0 + k) as f32;
+        }
+        Ok(())
+    }
+
+    fn gradient(&mut self, at: BlockAt, pass: Pass) -> Result<()> {
+        let (d, t0, c) = (self.inputs.d, at.t0, at.c);
+        let inputs = self.gradient.as_ref().ok_or_else(|| missing("gradient scales"))?;
+        let (lse, dlse) = match pass {
+            Pass::Fused => (&self.lse_block[..c], None),
+            _ => (&inputs.saved_lse[t0..t0 + c], inputs.dlse.map(|g| &g[t0..t0 + c])),
+        };
+        column_grads(self.config, self.inputs.v, &inputs.coef[t0..t0 + c], lse, dlse, &mut self.cols);
+        if self.keep_exp {
+            let st = self.stats.as_ref().ok_or_else(|| missing("fold stats"))?;
+            for (k, inv) in self.cols.inv_sum.iter_mut().enumerate() {
+                *inv = (1.0 / st.sum[t0 + k]) as f32;
+            }
+        }
+        let tokens = TokenBlock { x: &self.scratch.xblk[..c * d], targets: &self.targets[..c] };
+        gradient(self.config, tokens, (at.v0, at.vb), self.scratch.logits, &self.cols, self.keep_exp);
+        Ok(())
+    }
+
+    fn project(&mut self, at: BlockAt) -> Result<()> {
+        let BlockAt { t0, c, v0, vb } = at;
+        let d = self.inputs.d;
+        let (bias, w_f32) = (self.bias(at), self.w_f32(at));
+        let g = self.grads.as_mut().ok_or_else(|| missing("gradients"))?;
+        let Scratch { logits, xblk, wblk, dx_part } = &mut self.scratch;
+        let tokens = TokenBlock { x: &xblk[..c * d], targets: &self.targets[..c] };
+        // The first block to touch a slice of dX or dW writes it without reading it.
+        let first = |is_first: bool| if is_first { Accumulate::Replace } else { Accumulate::Add };
+        let out = BlockGrads {
+            dx_rows: &mut g.dx[t0 * d..(t0 + c) * d],
+            dx_mode: first(v0 == 0),
+            dw_blk: &mut g.dw[v0 * d..(v0 + vb) * d],
+            dw_mode: first(t0 == 0),
+            dbias_blk: g.dbias.as_mut().map(|b| &mut b[v0..v0 + vb]),
+            dx_partial: (!dx_part.is_empty()).then(|| DxPartial::new(&mut dx_part[..])),
+        };
+        match w_f32 {
+            Some(w) => accumulate_grads(d, logits, tokens, VocabBlock { w, bias, vb }, out, Threads::All),
+            None => accumulate_grads_widening(d, logits, tokens, (&self.inputs.w, v0, vb), wblk, out),
+        }
+    }
+}
+
+/// Runs `pass` of the block schedule on the CPU: the statistics (forward, fused) and the
+/// gradients (backward, fused).
 fn run(
     config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
-    pass: Pass<'_>,
+    pass: Pass,
+    gradient: Option<GradientInputs<'_>>,
 ) -> Result<(Option<Stats>, Option<Gradients>)> {
-    let (n, d, v) = (inputs.n, inputs.d, inputs.v);
-    let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
     let ws = Workspace::new(plan.workspace_bytes());
-    let Scratch { logits, xblk, wblk, dx_part } = Scratch::carve(&ws, plan)?;
-    let folding = matches!(pass, Pass::Forward | Pass::Fused { .. });
-    // Fused over the whole vocabulary without a softcap: the fold leaves e^(z − max) in place
-    // and the gradient reuses it (one exponential per logit instead of two).
-    let keep_exp = matches!(pass, Pass::Fused { .. })
-        && plan.schedule() == Schedule::FullVocab
-        && config.softcap == Softcap::Off;
-    let mut stats = folding.then(|| Stats::new(n));
-    let mut grads = (!matches!(pass, Pass::Forward)).then(|| Gradients {
-        dx: vec![0.0; n * d],
-        dw: vec![0.0; v * d],
-        dbias: inputs.bias.map(|_| vec![0.0; v]),
-    });
-    let mut cols = ColumnGrads::with_capacity(cb);
-    let mut lse_block = vec![0f32; cb];
-    let mut targets = vec![NO_TARGET; cb];
-    for t0 in (0..n).step_by(cb.max(1)) {
-        let c = cb.min(n - t0);
-        inputs.x.rows_f32(t0..t0 + c, d, xblk);
-        resolve_targets(config, inputs, t0, &mut targets[..c]);
-        let tokens = TokenBlock { x: &xblk[..c * d], targets: &targets[..c] };
-        for v0 in (0..v).step_by(vbmax.max(1)) {
-            let vb = vbmax.min(v - v0);
-            let bias = inputs.bias.map(|b| &b[v0..v0 + vb]);
-            // An f32 W is read in place; a bf16 W is widened a sub-block at a time.
-            let w_f32 = match inputs.w {
-                Matrix::F32(m) => Some(&m[v0 * d..(v0 + vb) * d]),
-                Matrix::Bf16(_) => None,
-            };
-            match w_f32 {
-                Some(w) => form_logits(config, d, tokens, VocabBlock { w, bias, vb }, logits, Threads::All)?,
-                None => form_logits_widening(config, d, tokens, (&inputs.w, v0, vb, bias), wblk, logits)?,
-            }
-            if let Some(st) = stats.as_mut() {
-                fold(config, tokens, (v0, vb), logits, keep_exp, st.rows_mut(t0, c));
-            }
-            let (coef, lse, dlse) = match pass {
-                Pass::Forward => continue,
-                Pass::Backward { coef, lse, dlse } => (coef, &lse[t0..t0 + c], dlse.map(|g| &g[t0..t0 + c])),
-                Pass::Fused { coef } => {
-                    let st = stats.as_ref().ok_or_else(|| missing("fold stats"))?;
-                    for (k, l) in lse_block[..c].iter_mut().enumerate() {
-                        *l = st.lse(t0 + k) as f32;
-                    }
-                    (coef, &lse_block[..c], None)
-                }
-            };
-            column_grads(config, v, &coef[t0..t0 + c], lse, dlse, &mut cols);
-            if keep_exp {
-                let st = stats.as_ref().ok_or_else(|| missing("fold stats"))?;
-                for (k, inv) in cols.inv_sum.iter_mut().enumerate() {
-                    *inv = (1.0 / st.sum[t0 + k]) as f32;
-                }
-            }
-            let Some(g) = grads.as_mut() else { continue };
-            gradient(config, tokens, (v0, vb), logits, &cols, keep_exp);
-            // The first block to touch a slice of dX or dW writes it without reading it.
-            let first = |is_first: bool| if is_first { Accumulate::Replace } else { Accumulate::Add };
-            let out = BlockGrads {
-                dx_rows: &mut g.dx[t0 * d..(t0 + c) * d],
-                dx_mode: first(v0 == 0),
-                dw_blk: &mut g.dw[v0 * d..(v0 + vb) * d],
-                dw_mode: first(t0 == 0),
-                dbias_blk: g.dbias.as_mut().map(|b| &mut b[v0..v0 + vb]),
-                dx_partial: (!dx_part.is_empty()).then(|| DxPartial::new(&mut dx_part[..])),
-            };
-            match w_f32 {
-                Some(w) => {
-                    accumulate_grads(d, logits, tokens, VocabBlock { w, bias, vb }, out, Threads::All)?
-                }
-                None => accumulate_grads_widening(d, logits, tokens, (&inputs.w, v0, vb), wblk, out)?,
-            }
-        }
-    }
-    Ok((stats, grads))
+    let mut ops = CpuBlocks::new((config, plan, inputs), &ws, pass, gradient)?;
+    run_blocks(&mut ops, plan, pass)?;
+    Ok((ops.stats, ops.grads))
 }
 
 /// Per-token losses `ℓ_i = ω_i·(lse − (1−α)·z_y − (α/V)·Σz + λ·lse²)` (0 for ignored rows) and
@@ -264,7 +345,7 @@ fn finish_forward(config: &Config, inputs: &Inputs<'_>, stats: &Stats) -> Forwar
 pub fn forward(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
     inputs.validate(config)?;
     check_plan(plan, inputs)?;
-    let (stats, _) = run(config, plan, inputs, Pass::Forward)?;
+    let (stats, _) = run(config, plan, inputs, Pass::Forward, None)?;
     let stats = stats.ok_or_else(|| missing("fold stats"))?;
     Ok(finish_forward(config, inputs, &stats))
 }
@@ -288,7 +369,8 @@ pub fn backward(
         return Err(Error::ShapeMismatch { what: "dlse (n)", expected: inputs.n, got: g.len() });
     }
     let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;
-    let (_, grads) = run(config, plan, inputs, Pass::Backward { coef: &coef, lse: &forward.lse, dlse })?;
+    let gradient = GradientInputs { coef: &coef, saved_lse: &forward.lse, dlse };
+    let (_, grads) = run(config, plan, inputs, Pass::Backward, Some(gradient))?;
     grads.ok_or_else(|| missing("gradients"))
 }
 
@@ -309,7 +391,8 @@ pub fn forward_backward(
         let grads = backward(config, plan, inputs, &fwd, grad, None)?;
         return Ok((fwd, grads));
     }
-    let (stats, grads) = run(config, plan, inputs, Pass::Fused { coef: &coef })?;
+    let gradient = GradientInputs { coef: &coef, saved_lse: &[], dlse: None };
+    let (stats, grads) = run(config, plan, inputs, Pass::Fused, Some(gradient))?;
     let stats = stats.ok_or_else(|| missing("fold stats"))?;
     let grads = grads.ok_or_else(|| missing("gradients"))?;
     Ok((finish_forward(config, inputs, &stats), grads))

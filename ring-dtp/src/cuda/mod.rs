@@ -20,6 +20,7 @@ use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView};
 use flatpeak_common::cuda::{KernelCache, context};
 use half::bf16;
 
+use crate::blocks::{BlockAt, BlockOps, Pass, run_blocks};
 use crate::config::Config;
 use crate::cpu::{self, Stats};
 use crate::error::{Error, Result};
@@ -233,39 +234,40 @@ impl CudaLinearCrossEntropy {
         Ok(())
     }
 
-    /// The loss and per-row lse (on the host): per block, the logits SGEMM and `lce_fold`.
-    pub fn forward(&mut self, inputs: &DeviceInputs<'_>) -> Result<Forward> {
+    /// The backend of one call: targets resolved on the device (checked against 0..V) and the
+    /// per-token inputs copied down for the loss and the gradient scales.
+    fn blocks<'s, 'i>(
+        &'s mut self,
+        inputs: &'s DeviceInputs<'i>,
+        pass: Pass,
+    ) -> Result<(CudaBlocks<'s, 'i>, HostRows)> {
         self.check(inputs)?;
-        let Self { config, plan, engine: e, logits, x_wide, w_wide } = self;
-        let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+        let Self { config, engine: e, logits, x_wide, w_wide, .. } = self;
+        let (n, v) = (inputs.n, inputs.v);
         let mut resolved = e.zeros::<u32>(n)?;
         let host = HostRows::resolve(e, config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;
-        let mut stats = DeviceStats::new(e, n)?;
-        let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
-        for t0 in (0..n).step_by(cb.max(1)) {
-            let c = cb.min(n - t0);
-            let x = rows_f32(e, &inputs.x, t0..t0 + c, d, x_wide)?;
-            for v0 in (0..v).step_by(vbmax.max(1)) {
-                let vb = vbmax.min(v - v0);
-                let w = rows_f32(e, &inputs.w, v0..v0 + vb, d, w_wide)?;
-                e.logits(&w, &x, (c, vb, d), logits)?;
-                let block = LogitsBlock {
-                    logits,
-                    rows: c,
-                    vb,
-                    v0,
-                    bias: inputs.bias.map(|b| b.slice(v0..v0 + vb)),
-                    targets: resolved.slice(t0..t0 + c),
-                };
-                e.fold(config, block, stats.rows(t0, c))?;
-            }
-        }
-        let stats = stats.download(e, n)?;
-        let shadow = host.inputs((n, d, v));
-        let (per_token, lse) = cpu::per_token_losses(config, &shadow, v, &stats);
-        let total: f64 = per_token.iter().map(|&x| x as f64).sum();
-        let loss = cpu::reduce_loss(config, per_token, total, shadow.valid_weight(config));
-        Ok(Forward { loss, lse })
+        let ops = CudaBlocks {
+            e,
+            config,
+            inputs,
+            logits,
+            x_wide,
+            w_wide,
+            resolved,
+            stats: (pass != Pass::Backward).then(|| DeviceStats::new(e, n)).transpose()?,
+            lse: (pass == Pass::Fused).then(|| e.zeros::<f32>(n)).transpose()?,
+            grads: (pass != Pass::Forward).then(|| DeviceGradients::zeros(e, inputs)).transpose()?,
+            gradient: None,
+        };
+        Ok((ops, host))
+    }
+
+    /// The loss and per-row lse (on the host): per block, the logits SGEMM and `lce_fold`.
+    pub fn forward(&mut self, inputs: &DeviceInputs<'_>) -> Result<Forward> {
+        let plan = self.plan;
+        let (mut ops, host) = self.blocks(inputs, Pass::Forward)?;
+        run_blocks(&mut ops, &plan, Pass::Forward)?;
+        ops.finish_forward(&host)
     }
 
     /// dX, dW (and dbias) on the device from forward's lse: per block, the logits SGEMM again,
@@ -277,50 +279,26 @@ impl CudaLinearCrossEntropy {
         grad: GradOutput<'_>,
         dlse: Option<&[f32]>,
     ) -> Result<DeviceGradients> {
-        self.check(inputs)?;
-        let Self { config, plan, engine: e, logits, x_wide, w_wide } = self;
-        let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+        let n = inputs.n;
         if forward.lse.len() != n {
             return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, got: forward.lse.len() });
         }
         if let Some(g) = dlse.filter(|g| g.len() != n) {
             return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, got: g.len() });
         }
-        let mut resolved = e.zeros::<u32>(n)?;
-        let host = HostRows::resolve(e, config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;
-        let shadow = host.inputs((n, d, v));
-        let coef = cpu::coefficients(config, &shadow, grad, shadow.valid_weight(config))?;
-        let (coef, lse) = (e.upload(&coef)?, e.upload(&forward.lse)?);
-        let dlse = dlse.map(|g| e.upload(g)).transpose()?;
-        let pass = GradientPass {
-            e,
-            config,
-            inputs,
-            resolved: &resolved,
-            coef: &coef,
-            lse: &lse,
-            dlse: dlse.as_ref(),
-        };
-        let mut grads = DeviceGradients::zeros(e, inputs)?;
-        let (cb, vbmax) = (plan.token_block(), plan.vocab_block());
-        for t0 in (0..n).step_by(cb.max(1)) {
-            let c = cb.min(n - t0);
-            let x = rows_f32(e, &inputs.x, t0..t0 + c, d, x_wide)?;
-            for v0 in (0..v).step_by(vbmax.max(1)) {
-                let vb = vbmax.min(v - v0);
-                let w = rows_f32(e, &inputs.w, v0..v0 + vb, d, w_wide)?;
-                e.logits(&w, &x, (c, vb, d), logits)?;
-                pass.block(logits, (&x, &w), BlockAt { t0, c, v0, vb }, &mut grads)?;
-            }
-        }
-        Ok(grads)
+        let plan = self.plan;
+        let (mut ops, host) = self.blocks(inputs, Pass::Backward)?;
+        ops.set_gradient(&host, grad, Some(&forward.lse), dlse)?;
+        run_blocks(&mut ops, &plan, Pass::Backward)?;
+        ops.grads.ok_or_else(|| missing("gradients"))
     }
 
     /// Forward and backward in one pass when the loss is the last op (its upstream gradient is
     /// known). On [`Schedule::FullVocab`] each token block's logits serve both: the logits
     /// SGEMM, `lce_fold` over the whole vocabulary, `lce_row_lse`, then `lce_gradient` and the
-    /// dX/dW SGEMMs — 3 GEMMs instead of 4, no host round trip inside the loop. On the blocked
-    /// schedule it runs [`forward`](Self::forward) then [`backward`](Self::backward).
+    /// dX/dW SGEMMs — 3 GEMMs instead of 4, no host round trip inside the loop; W (widened once
+    /// for bf16) serves every token block. On the blocked schedule it runs
+    /// [`forward`](Self::forward) then [`backward`](Self::backward).
     pub fn forward_backward(
         &mut self,
         inputs: &DeviceInputs<'_>,
@@ -331,47 +309,12 @@ impl CudaLinearCrossEntropy {
             let grads = self.backward(inputs, &forward, grad, None)?;
             return Ok((forward, grads));
         }
-        self.check(inputs)?;
-        let Self { config, plan, engine: e, logits, x_wide, w_wide } = self;
-        let (n, d, v) = (inputs.n, inputs.d, inputs.v);
-        let mut resolved = e.zeros::<u32>(n)?;
-        let host = HostRows::resolve(e, config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;
-        let shadow = host.inputs((n, d, v));
-        let coef = cpu::coefficients(config, &shadow, grad, shadow.valid_weight(config))?;
-        let mut stats = DeviceStats::new(e, n)?;
-        let mut lse = e.zeros::<f32>(n)?;
-        let coef = e.upload(&coef)?;
-        let mut grads = DeviceGradients::zeros(e, inputs)?;
-        // The whole vocabulary is one block: W (widened once for bf16) serves every token block.
-        let w = rows_f32(e, &inputs.w, 0..v, d, w_wide)?;
-        let cb = plan.token_block();
-        for t0 in (0..n).step_by(cb.max(1)) {
-            let c = cb.min(n - t0);
-            let x = rows_f32(e, &inputs.x, t0..t0 + c, d, x_wide)?;
-            e.logits(&w, &x, (c, v, d), logits)?;
-            let block = LogitsBlock {
-                logits,
-                rows: c,
-                vb: v,
-                v0: 0,
-                bias: inputs.bias.map(|b| b.slice(0..v)),
-                targets: resolved.slice(t0..t0 + c),
-            };
-            e.fold(config, block, stats.rows(t0, c))?;
-            e.row_lse(
-                &stats.max.slice(t0..t0 + c),
-                &stats.sum.slice(t0..t0 + c),
-                &mut lse.slice_mut(t0..t0 + c),
-            )?;
-            let pass =
-                GradientPass { e, config, inputs, resolved: &resolved, coef: &coef, lse: &lse, dlse: None };
-            pass.block(logits, (&x, &w), BlockAt { t0, c, v0: 0, vb: v }, &mut grads)?;
-        }
-        let stats = stats.download(e, n)?;
-        let (per_token, lse) = cpu::per_token_losses(config, &shadow, v, &stats);
-        let total: f64 = per_token.iter().map(|&x| x as f64).sum();
-        let loss = cpu::reduce_loss(config, per_token, total, shadow.valid_weight(config));
-        Ok((Forward { loss, lse }, grads))
+        let plan = self.plan;
+        let (mut ops, host) = self.blocks(inputs, Pass::Fused)?;
+        ops.set_gradient(&host, grad, None, None)?;
+        run_blocks(&mut ops, &plan, Pass::Fused)?;
+        let forward = ops.finish_forward(&host)?;
+        Ok((forward, ops.grads.ok_or_else(|| missing("gradients"))?))
     }
 }
 
@@ -385,55 +328,168 @@ impl DeviceGradients {
     }
 }
 
-/// Where a logits block sits: token rows `t0..t0+c`, vocabulary rows `v0..v0+vb`.
-#[derive(Debug, Clone, Copy)]
-struct BlockAt {
-    t0: usize,
-    c: usize,
-    v0: usize,
-    vb: usize,
+fn missing(what: &'static str) -> Error {
+    Error::invalid_config("pass", "incomplete", what)
 }
 
-/// What the gradient step of every block reads: per-row scale, lse and upstream dlse.
-struct GradientPass<'p, 'i> {
-    e: &'p Engine,
-    config: &'p Config,
-    inputs: &'p DeviceInputs<'i>,
-    resolved: &'p CudaSlice<u32>,
-    coef: &'p CudaSlice<f32>,
-    lse: &'p CudaSlice<f32>,
-    dlse: Option<&'p CudaSlice<f32>>,
+/// What the gradient kernel of every block reads besides its logits, on the device: each row's
+/// gradient scale, and the saved lse with its optional upstream gradient (backward; the fused
+/// pass finishes its own lse).
+struct DeviceGradientInputs {
+    coef: CudaSlice<f32>,
+    saved_lse: Option<CudaSlice<f32>>,
+    dlse: Option<CudaSlice<f32>>,
 }
 
-impl GradientPass<'_, '_> {
-    /// Turns the raw logits block at `at` into G in place, then `dX_rows += G·W_blk`,
-    /// `dW_blk += Gᵀ·X_blk` and `dbias_blk += Σ_rows G`.
-    fn block(
-        &self,
-        logits: &mut CudaSlice<f32>,
-        (x, w): (&CudaView<'_, f32>, &CudaView<'_, f32>),
-        BlockAt { t0, c, v0, vb }: BlockAt,
-        grads: &mut DeviceGradients,
+/// The CUDA backend of the block schedule ([`crate::blocks`]) on one device: the plan's block
+/// buffers, the resolved targets, and the call's statistics and gradients.
+struct CudaBlocks<'s, 'i> {
+    e: &'s Engine,
+    config: &'s Config,
+    inputs: &'s DeviceInputs<'i>,
+    logits: &'s mut CudaSlice<f32>,
+    x_wide: &'s mut CudaSlice<f32>,
+    w_wide: &'s mut CudaSlice<f32>,
+    resolved: CudaSlice<u32>,
+    stats: Option<DeviceStats>,
+    /// The fused pass's lse of every row.
+    lse: Option<CudaSlice<f32>>,
+    grads: Option<DeviceGradients>,
+    gradient: Option<DeviceGradientInputs>,
+}
+
+/// Rows `r0..r0 + rows` (width `d`) of `m` as f32: a view of an f32 matrix, or of `wide`, where
+/// the backend's load widened them.
+fn block_rows<'r>(
+    m: &DeviceMatrix<'r>,
+    wide: &'r CudaSlice<f32>,
+    r0: usize,
+    rows: usize,
+    d: usize,
+) -> CudaView<'r, f32> {
+    match *m {
+        DeviceMatrix::F32(s) => s.slice(r0 * d..(r0 + rows) * d),
+        DeviceMatrix::Bf16(_) => wide.slice(0..rows * d),
+    }
+}
+
+impl CudaBlocks<'_, '_> {
+    /// Uploads the gradient scales of `grad` (from the host rows), and the saved lse and dlse.
+    fn set_gradient(
+        &mut self,
+        host: &HostRows,
+        grad: GradOutput<'_>,
+        saved_lse: Option<&[f32]>,
+        dlse: Option<&[f32]>,
     ) -> Result<()> {
-        let (e, d) = (self.e, self.inputs.d);
-        let block = LogitsBlock {
-            logits,
-            rows: c,
-            vb,
-            v0,
-            bias: self.inputs.bias.map(|b| b.slice(v0..v0 + vb)),
-            targets: self.resolved.slice(t0..t0 + c),
+        let shadow = host.inputs((self.inputs.n, self.inputs.d, self.inputs.v));
+        let coef = cpu::coefficients(self.config, &shadow, grad, shadow.valid_weight(self.config))?;
+        let e = self.e;
+        self.gradient = Some(DeviceGradientInputs {
+            coef: e.upload(&coef)?,
+            saved_lse: saved_lse.map(|l| e.upload(l)).transpose()?,
+            dlse: dlse.map(|g| e.upload(g)).transpose()?,
+        });
+        Ok(())
+    }
+
+    /// The loss and lse from the finished statistics (downloaded once).
+    fn finish_forward(&self, host: &HostRows) -> Result<Forward> {
+        let (n, d, v) = (self.inputs.n, self.inputs.d, self.inputs.v);
+        let stats = self.stats.as_ref().ok_or_else(|| missing("fold stats"))?.download(self.e, n)?;
+        let shadow = host.inputs((n, d, v));
+        let (per_token, lse) = cpu::per_token_losses(self.config, &shadow, v, &stats);
+        let total: f64 = per_token.iter().map(|&x| x as f64).sum();
+        let loss = cpu::reduce_loss(self.config, per_token, total, shadow.valid_weight(self.config));
+        Ok(Forward { loss, lse })
+    }
+}
+
+/// Block `at`'s logits and what the per-row kernels read besides them.
+fn logits_block<'a, 'b>(
+    logits: &'b mut CudaSlice<f32>,
+    inputs: &DeviceInputs<'a>,
+    resolved: &'a CudaSlice<u32>,
+    at: BlockAt,
+) -> LogitsBlock<'a, 'b> {
+    LogitsBlock {
+        logits,
+        rows: at.c,
+        vb: at.vb,
+        v0: at.v0,
+        bias: inputs.bias.map(|b| b.slice(at.v0..at.v0 + at.vb)),
+        targets: resolved.slice(at.t0..at.t0 + at.c),
+    }
+}
+
+impl BlockOps for CudaBlocks<'_, '_> {
+    fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
+        let d = self.inputs.d;
+        match self.inputs.x {
+            DeviceMatrix::F32(_) => Ok(()),
+            DeviceMatrix::Bf16(s) => self.e.widen(&s.slice(t0 * d..(t0 + c) * d), self.x_wide),
+        }
+    }
+
+    fn load_vocab(&mut self, v0: usize, vb: usize) -> Result<()> {
+        let d = self.inputs.d;
+        match self.inputs.w {
+            DeviceMatrix::F32(_) => Ok(()),
+            DeviceMatrix::Bf16(s) => self.e.widen(&s.slice(v0 * d..(v0 + vb) * d), self.w_wide),
+        }
+    }
+
+    fn logits(&mut self, at: BlockAt) -> Result<()> {
+        let d = self.inputs.d;
+        let x = block_rows(&self.inputs.x, self.x_wide, at.t0, at.c, d);
+        let w = block_rows(&self.inputs.w, self.w_wide, at.v0, at.vb, d);
+        self.e.logits(&w, &x, (at.c, at.vb, d), self.logits)
+    }
+
+    fn fold(&mut self, at: BlockAt) -> Result<()> {
+        let Self { e, config, inputs, logits, resolved, stats, .. } = self;
+        let stats = stats.as_mut().ok_or_else(|| missing("fold stats"))?;
+        e.fold(config, logits_block(logits, inputs, resolved, at), stats.rows(at.t0, at.c))
+    }
+
+    fn row_lse(&mut self, at: BlockAt) -> Result<()> {
+        let (t0, c) = (at.t0, at.c);
+        let stats = self.stats.as_ref().ok_or_else(|| missing("fold stats"))?;
+        let lse = self.lse.as_mut().ok_or_else(|| missing("fused lse"))?;
+        self.e.row_lse(
+            &stats.max.slice(t0..t0 + c),
+            &stats.sum.slice(t0..t0 + c),
+            &mut lse.slice_mut(t0..t0 + c),
+        )
+    }
+
+    fn gradient(&mut self, at: BlockAt, pass: Pass) -> Result<()> {
+        let (t0, c) = (at.t0, at.c);
+        let Self { e, config, inputs, logits, resolved, lse, gradient, .. } = self;
+        let g = gradient.as_ref().ok_or_else(|| missing("gradient scales"))?;
+        let (lse, dlse) = match pass {
+            Pass::Fused => (lse.as_ref(), None),
+            _ => (g.saved_lse.as_ref(), g.dlse.as_ref()),
         };
+        let lse = lse.ok_or_else(|| missing("lse"))?;
         let rows = RowViews {
-            coef: self.coef.slice(t0..t0 + c),
-            lse: self.lse.slice(t0..t0 + c),
-            dlse: self.dlse.map(|g| g.slice(t0..t0 + c)),
+            coef: g.coef.slice(t0..t0 + c),
+            lse: lse.slice(t0..t0 + c),
+            dlse: dlse.map(|g| g.slice(t0..t0 + c)),
         };
-        e.gradient(self.config, self.inputs.v, block, rows)?;
-        e.dx(w, logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
-        e.dw(x, logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
+        e.gradient(config, inputs.v, logits_block(logits, inputs, resolved, at), rows)
+    }
+
+    fn project(&mut self, at: BlockAt) -> Result<()> {
+        let BlockAt { t0, c, v0, vb } = at;
+        let d = self.inputs.d;
+        let grads = self.grads.as_mut().ok_or_else(|| missing("gradients"))?;
+        let x = block_rows(&self.inputs.x, self.x_wide, t0, c, d);
+        let w = block_rows(&self.inputs.w, self.w_wide, v0, vb, d);
+        self.e.dx(&w, self.logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
+        self.e.dw(&x, self.logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
         if let Some(db) = grads.dbias.as_mut() {
-            e.bias_grad(logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
+            self.e.bias_grad(self.logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
         }
         Ok(())
     }
