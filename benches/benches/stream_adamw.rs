@@ -29,8 +29,13 @@ fn offloaded_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("stream_adamw_step_16M_link25");
     for schedule in [Schedule::Serial, Schedule::Pipelined] {
         let options = Config::default().bucket_elems(1 << 20).schedule(schedule);
-        let mut opt = StreamAdamW::<f32, bf16>::new(master.clone(), Hyperparameters::default(), &options)
-            .expect("valid options");
+        let mut opt = StreamAdamW::<f32, bf16>::new(
+            master.clone(),
+            Hyperparameters::default(),
+            &options,
+            stream_adamw::Device::Cpu,
+        )
+        .expect("valid options");
         let mut device = HostDevice::new(grads.clone(), vec![bf16::ZERO; n], Link::Simulated { gbps: 25.0 });
         group.bench_function(format!("{schedule:?}"), |b| {
             b.iter_batched(
@@ -60,17 +65,18 @@ fn cuda_offloaded_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("cuda_stream_adamw_step_64M_bf16");
     for schedule in [Schedule::Serial, Schedule::Pipelined] {
         let options = Config::default().bucket_elems(bucket).schedule(schedule);
-        let (mut opt, mut offload) =
-            StreamAdamW::<bf16, bf16>::for_cuda(master.clone(), Hyperparameters::default(), &options, 0)
+        let on = stream_adamw::Device::Cuda(0);
+        let mut opt =
+            StreamAdamW::<bf16, bf16>::new(master.clone(), Hyperparameters::default(), &options, on)
                 .expect("device");
-        let stream = offload.context().default_stream();
+        let stream = opt.cuda_offload().expect("a CUDA optimizer").context().default_stream();
         let mut device = CudaDevice {
             grads: stream.clone_htod(&grads).expect("upload"),
             params: stream.alloc_zeros::<bf16>(n).expect("alloc"),
         };
         // The first step touches the host state for the first time (page faults): time a warm one.
-        opt.step_cuda(&mut offload, &mut device, StepOptions::default()).expect("cold step");
-        let report = opt.step_cuda(&mut offload, &mut device, StepOptions::default()).expect("step");
+        opt.step_cuda(&mut device, StepOptions::default()).expect("cold step");
+        let report = opt.step_cuda(&mut device, StepOptions::default()).expect("step");
         if schedule == Schedule::Serial {
             let b = n.div_ceil(bucket) as f64;
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / b;
@@ -88,7 +94,7 @@ fn cuda_offloaded_step(c: &mut Criterion) {
             );
         }
         group.bench_function(format!("{schedule:?}"), |b| {
-            b.iter(|| opt.step_cuda(&mut offload, &mut device, StepOptions::default()).expect("step"))
+            b.iter(|| opt.step_cuda(&mut device, StepOptions::default()).expect("step"))
         });
     }
     group.finish();

@@ -61,6 +61,14 @@ pub enum Error {
         /// What the reduction needs.
         expected: &'static str,
     },
+    /// Tensors on one device handed to an executor on another (nothing is copied silently).
+    #[error("executor on {executor} was handed tensors on {inputs}")]
+    WrongDevice {
+        /// The executor's device.
+        executor: flatpeak_common::Device,
+        /// Where the tensors are.
+        inputs: flatpeak_common::Device,
+    },
     /// An error from the shared foundation (workspace, communicator, CUDA).
     #[error(transparent)]
     Common(#[from] flatpeak_common::Error),

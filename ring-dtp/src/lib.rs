@@ -12,8 +12,12 @@
 //! smoothing, z-loss and a differentiable lse, logit softcap, bias, per-token weights, shift
 //! without a copy, f32 or bf16 inputs with f32 accumulation. See `config.rs` for the math.
 //!
+//! [`LinearCrossEntropy`] runs one device's schedule (CPU, or CUDA with the `cuda` feature);
+//! [`ring`] runs it over P ranks; [`cpu`] also exposes the CPU path as free functions and its
+//! f64 reference.
+//!
 //! ```
-//! use ring_dtp::{cpu, Budget, Config, DType, GradOutput, Inputs, Loss, Matrix, Plan, Shape};
+//! use ring_dtp::{Budget, Config, DType, Device, GradOutput, Inputs, LinearCrossEntropy, Loss, Matrix, Plan, Shape};
 //!
 //! let shape = Shape { tokens: 64, hidden: 32, vocab: 1000, dtype: DType::F32 };
 //! let config = Config::default().label_smoothing(0.1);
@@ -27,7 +31,9 @@
 //! let w: Vec<f32> = (0..v * d).map(|i| (i as f32 * 0.11).cos() * 0.2).collect();
 //! let targets: Vec<i64> = (0..n as i64).map(|i| if i % 5 == 0 { -100 } else { i * 7 % v as i64 }).collect();
 //! let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, d);
-//! let (fwd, grads) = cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0))?;
+//! // The executor reserves the plan's working set once, on the device it is given.
+//! let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu)?;
+//! let (fwd, grads) = lce.forward_backward(&inputs, GradOutput::Scalar(1.0))?;
 //! let Loss::Scalar(loss) = fwd.loss else { unreachable!() };
 //! assert!(loss > 0.0 && grads.dw.len() == v * d);
 //! # Ok::<(), ring_dtp::Error>(())
@@ -43,6 +49,7 @@ pub mod cuda;
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
 pub mod emu;
 pub mod error;
+mod executor;
 pub mod inputs;
 pub mod kernels;
 pub mod paper;
@@ -51,6 +58,7 @@ pub mod ring;
 
 pub use config::{Config, Reduction, Softcap};
 pub use error::{Error, Result};
+pub use executor::LinearCrossEntropy;
 pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use half::bf16;
 pub use inputs::{Forward, GradOutput, Gradients, Inputs, Loss, Matrix};

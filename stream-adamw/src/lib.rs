@@ -15,7 +15,7 @@
 //! so are runs on any thread count.
 //!
 //! ```
-//! use stream_adamw::{bf16, Budget, Config, HostDevice, Hyperparameters, Link, Plan, StepOptions, StreamAdamW};
+//! use stream_adamw::{bf16, Budget, Config, Device, HostDevice, Hyperparameters, Link, Plan, StepOptions, StreamAdamW};
 //!
 //! let n = 10_000;
 //! let config = Config::default().bucket_elems(1024); // 10 buckets, 3 slots each way
@@ -24,7 +24,8 @@
 //! assert_eq!(plan.workspace_bytes(), 3 * 1024 * (4 + 2));
 //!
 //! let master: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
-//! let mut opt = StreamAdamW::<f32, bf16>::new(master, Hyperparameters::default().lr(1e-2), &config)?;
+//! let hyperparameters = Hyperparameters::default().lr(1e-2);
+//! let mut opt = StreamAdamW::<f32, bf16>::new(master, hyperparameters, &config, Device::Cpu)?;
 //! // The CPU fallback's device: gradients and bf16 parameters behind a simulated link.
 //! let grads: Vec<f32> = (0..n).map(|i| (i as f32).cos() * 1e-2).collect();
 //! let mut device = HostDevice::new(grads, vec![bf16::ZERO; n], Link::Memcpy);

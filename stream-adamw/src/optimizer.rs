@@ -10,7 +10,7 @@ use crate::cpu::grad_sq_sum;
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
-use flatpeak_common::Budget;
+use flatpeak_common::{Budget, Device};
 
 use crate::plan::{Config, Plan, Schedule, Shape};
 use crate::schedule::{StageTimes, Staging, run_pipelined, run_serial};
@@ -66,39 +66,82 @@ pub struct StepReport {
     pub times: StageTimes,
 }
 
-/// Offloaded AdamW over N parameters with gradients of type `G` and a device parameter copy
-/// of type `P`.
+/// Where the optimizer stages its copies: the CPU fallback's host slots and copy threads, or a
+/// CUDA device's pinned slots and copy streams.
 #[derive(Debug)]
-pub struct StreamAdamW<G, P> {
+enum Backend<G: GradElement, P: ParamElement> {
+    Host(Staging<G, P>),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<crate::cuda::CudaOffload<G, P>>),
+}
+
+impl<G: GradElement, P: ParamElement> Backend<G, P> {
+    /// The host staging, or [`Error::WrongBackend`] for an optimizer on a CUDA device.
+    fn host(&self) -> Result<&Staging<G, P>> {
+        match self {
+            Backend::Host(staging) => Ok(staging),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => Err(Error::WrongBackend {
+                expected: "step_cuda (this optimizer stages through CUDA pinned memory)",
+            }),
+        }
+    }
+}
+
+/// Offloaded AdamW over N parameters with gradients of type `G` and a device parameter copy
+/// of type `P`, on one [`Device`]: it owns its hyperparameters, its plan, the fp32 state and
+/// the plan's staging, allocated once at construction.
+#[derive(Debug)]
+pub struct StreamAdamW<G: GradElement, P: ParamElement> {
     config: Hyperparameters,
     plan: Plan,
     state: OptimizerState,
-    /// The CPU fallback's staging; `None` for an optimizer that stages through CUDA pinned
-    /// memory (see `for_cuda`).
-    staging: Option<Staging<G, P>>,
+    device: Device,
+    backend: Backend<G, P>,
     _types: PhantomData<fn(G) -> P>,
 }
 
 impl<G: GradElement, P: ParamElement> flatpeak_common::HeapSize for StreamAdamW<G, P> {
     /// The state's 12 (or 16, AMSGrad) B/param plus the staging slots.
     fn heap_bytes(&self) -> usize {
-        self.state.heap_bytes() + self.staging.as_ref().map_or(0, Staging::heap_bytes)
+        let staging = match &self.backend {
+            Backend::Host(staging) => staging.heap_bytes(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => 0, // pinned, not heap
+        };
+        self.state.heap_bytes() + staging
     }
 }
 
 impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
-    /// An optimizer for fp32 master parameters `param`, allocating the plan's staging now.
-    pub fn new(param: Vec<f32>, config: Hyperparameters, options: &Config) -> Result<Self> {
+    /// An optimizer for fp32 master parameters `param` on `device`, allocating the plan's
+    /// staging now: host slots and copy threads on the CPU fallback ([`Device::Cpu`], stepped
+    /// by [`step_host`](Self::step_host)), pinned slots and copy streams on a CUDA device
+    /// (feature `cuda`, stepped by `step_cuda`). A CUDA device that cannot be used is
+    /// `Common(CudaUnavailable)`, saying why.
+    pub fn new(param: Vec<f32>, config: Hyperparameters, options: &Config, device: Device) -> Result<Self> {
         config.validate()?;
         let plan = Plan::new(options, Self::shape(param.len()), Budget::Unlimited)?;
-        let staging = Some(Staging::new(&plan));
+        let backend = match device {
+            Device::Cpu => Backend::Host(Staging::new(&plan)),
+            Device::Cuda(ordinal) => {
+                device.ensure_available()?;
+                cuda_backend(&plan, ordinal)?
+            }
+        };
         Ok(Self {
             state: OptimizerState::new(param, config.variant),
             config,
             plan,
-            staging,
+            device,
+            backend,
             _types: PhantomData,
         })
+    }
+
+    /// The device it steps.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// The shape of an optimizer over `params` parameters of these element types.
@@ -148,11 +191,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     /// gradients skip the step and touch nothing.
     pub fn step_host(&mut self, device: &mut HostDevice<G, P>, options: StepOptions) -> Result<StepReport> {
         self.check_lengths(device.grads.len(), device.params.len())?;
-        let wrong_backend =
-            Error::WrongBackend { expected: "step_cuda (this optimizer stages through CUDA pinned memory)" };
-        if self.staging.is_none() {
-            return Err(wrong_backend);
-        }
+        self.backend.host()?;
         let start = Instant::now();
         let mut times = StageTimes::default();
         let grad_sq = grad_sq_sum(&device.grads);
@@ -161,7 +200,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         let Some(scalars) = scalars else {
             return Ok(self.skipped(grad_norm, times, start));
         };
-        let staging = self.staging.as_ref().ok_or(wrong_backend)?;
+        let staging = self.backend.host()?;
         match self.plan.schedule() {
             Schedule::Serial => run_serial(&mut self.state, staging, device, &scalars, &mut times),
             Schedule::Pipelined => {
@@ -195,20 +234,28 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
 }
 
 #[cfg(feature = "cuda")]
+fn cuda_backend<G: GradElement, P: ParamElement>(plan: &Plan, ordinal: usize) -> Result<Backend<G, P>> {
+    Ok(Backend::Cuda(Box::new(crate::cuda::CudaOffload::new(plan, ordinal)?)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend<G: GradElement, P: ParamElement>(_plan: &Plan, ordinal: usize) -> Result<Backend<G, P>> {
+    // `ensure_available` already failed without the feature; this keeps the reason explicit.
+    Err(Error::Common(flatpeak_common::Error::CudaUnavailable {
+        reason: format!("cuda:{ordinal} requested, but stream-adamw was built without the `cuda` feature"),
+    }))
+}
+
+#[cfg(feature = "cuda")]
 impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
-    /// An optimizer whose staging is CUDA pinned memory on device `ordinal`, with the streams
-    /// and events of its schedule. Fails with a typed error when CUDA or the device is missing.
-    pub fn for_cuda(
-        param: Vec<f32>,
-        config: Hyperparameters,
-        options: &Config,
-        ordinal: usize,
-    ) -> Result<(Self, crate::cuda::CudaOffload<G, P>)> {
-        config.validate()?;
-        let plan = Plan::new(options, Self::shape(param.len()), Budget::Unlimited)?;
-        let offload = crate::cuda::CudaOffload::new(&plan, ordinal)?;
-        let state = OptimizerState::new(param, config.variant);
-        Ok((Self { config, plan, state, staging: None, _types: PhantomData }, offload))
+    /// The streams, events and pinned staging of an optimizer on a CUDA device (`None` on the
+    /// CPU fallback): its context allocates the device buffers [`step_cuda`](Self::step_cuda)
+    /// reads and writes.
+    pub fn cuda_offload(&self) -> Option<&crate::cuda::CudaOffload<G, P>> {
+        match &self.backend {
+            Backend::Cuda(offload) => Some(offload),
+            Backend::Host(_) => None,
+        }
     }
 
     /// One optimizer step on a CUDA device: the statistics kernel over the device gradients,
@@ -216,11 +263,13 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     /// gradients skip the step and touch nothing.
     pub fn step_cuda(
         &mut self,
-        offload: &mut crate::cuda::CudaOffload<G, P>,
         device: &mut crate::cuda::CudaDevice<G, P>,
         options: StepOptions,
     ) -> Result<StepReport> {
         self.check_lengths(device.grads.len(), device.params.len())?;
+        let wrong_backend =
+            || Error::WrongBackend { expected: "step_host (this optimizer stages on the host)" };
+        let Backend::Cuda(offload) = &self.backend else { return Err(wrong_backend()) };
         let start = Instant::now();
         let mut times = StageTimes::default();
         let grad_sq = offload.grad_sq_sum(&device.grads)?;
@@ -229,6 +278,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         let Some(scalars) = scalars else {
             return Ok(self.skipped(grad_norm, times, start));
         };
+        let Backend::Cuda(offload) = &mut self.backend else { return Err(wrong_backend()) };
         offload.run(&self.plan, &mut self.state, device, &scalars, &mut times)?;
         times.total = start.elapsed();
         Ok(StepReport { outcome: StepOutcome::Applied, step: self.state.step, grad_norm, clip_coef, times })

@@ -32,7 +32,8 @@ fn run<G: GradElement + Copy>(
     step: StepOptions,
 ) -> (StreamAdamW<G, bf16>, Vec<bf16>) {
     let n = master.len();
-    let mut opt = StreamAdamW::<G, bf16>::new(master.to_vec(), config, &options).unwrap();
+    let mut opt =
+        StreamAdamW::<G, bf16>::new(master.to_vec(), config, &options, stream_adamw::Device::Cpu).unwrap();
     let mut device = HostDevice::new(grads[0].clone(), vec![bf16::ZERO; n], Link::Memcpy);
     for g in grads {
         device.grads.copy_from_slice(g);
@@ -191,8 +192,13 @@ fn non_finite_gradients_skip_the_step_and_touch_nothing() {
     for schedule in [Schedule::Serial, Schedule::Pipelined] {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let options = Config::default().bucket_elems(512).schedule(schedule);
-            let mut opt =
-                StreamAdamW::<f32, bf16>::new(master.clone(), Hyperparameters::default(), &options).unwrap();
+            let mut opt = StreamAdamW::<f32, bf16>::new(
+                master.clone(),
+                Hyperparameters::default(),
+                &options,
+                stream_adamw::Device::Cpu,
+            )
+            .unwrap();
             let mut device = HostDevice::new(grads_f32(n, 3, 0.1), vec![bf16::ONE; n], Link::Memcpy);
             opt.step_host(&mut device, StepOptions::default()).unwrap();
             let (before, params_before) = (opt.export_state(), device.params.clone());
@@ -217,7 +223,8 @@ fn state_round_trips_exactly() {
     let options = Config::default().bucket_elems(256);
     let (whole, _) = run(&master, &grads, config, options, StepOptions::default());
     let (first, _) = run(&master, &grads[..3], config, options, StepOptions::default());
-    let mut resumed = StreamAdamW::<f32, bf16>::new(vec![0.0; n], config, &options).unwrap();
+    let mut resumed =
+        StreamAdamW::<f32, bf16>::new(vec![0.0; n], config, &options, stream_adamw::Device::Cpu).unwrap();
     resumed.import_state(first.export_state()).unwrap();
     let mut device = HostDevice::new(vec![0.0; n], vec![bf16::ZERO; n], Link::Memcpy);
     for g in &grads[3..] {
@@ -239,13 +246,23 @@ fn bad_input_is_a_typed_error_never_a_panic() {
         (cfg(|c| c.weight_decay = f64::INFINITY), "weight_decay"),
     ];
     for (config, name) in bad_configs {
-        match StreamAdamW::<f32, bf16>::new(vec![0.0; 4], config, &Config::default()) {
+        match StreamAdamW::<f32, bf16>::new(
+            vec![0.0; 4],
+            config,
+            &Config::default(),
+            stream_adamw::Device::Cpu,
+        ) {
             Err(Error::InvalidConfig { field: n, .. }) => assert_eq!(n, name),
             other => panic!("{name}: {other:?}"),
         }
     }
-    let mut opt =
-        StreamAdamW::<f32, bf16>::new(vec![0.0; 4], Hyperparameters::default(), &Config::default()).unwrap();
+    let mut opt = StreamAdamW::<f32, bf16>::new(
+        vec![0.0; 4],
+        Hyperparameters::default(),
+        &Config::default(),
+        stream_adamw::Device::Cpu,
+    )
+    .unwrap();
     let mut short = HostDevice::new(vec![0.0f32; 3], vec![bf16::ZERO; 4], Link::Memcpy);
     assert_eq!(
         opt.step_host(&mut short, StepOptions::default()).unwrap_err(),
@@ -263,12 +280,19 @@ fn bad_input_is_a_typed_error_never_a_panic() {
     let mut dict = opt.export_state();
     dict.max_exp_avg_sq = Some(vec![0.0; 4]);
     assert!(matches!(opt.import_state(dict), Err(Error::StateMismatch { .. })));
+    // A CUDA device that is not there: an error that says why, never a silent CPU fallback.
+    let missing = stream_adamw::Device::Cuda(1 << 20);
+    match StreamAdamW::<f32, bf16>::new(vec![0.0; 4], Hyperparameters::default(), &Config::default(), missing)
+    {
+        Err(Error::Common(flatpeak_common::Error::CudaUnavailable { reason })) => assert!(!reason.is_empty()),
+        other => panic!("expected CudaUnavailable, got {other:?}"),
+    }
+    assert_eq!(opt.device(), stream_adamw::Device::Cpu);
     assert!(matches!(
         StreamAdamW::<f32, bf16>::new(
             vec![0.0; 4],
             Hyperparameters::default(),
-            &Config::default().bucket_elems(100)
-        ),
+            &Config::default().bucket_elems(100), stream_adamw::Device::Cpu),
         Err(Error::InvalidConfig { field: "bucket_elems", ref value, .. }) if value == "100"
     ));
 }
@@ -336,17 +360,18 @@ fn cuda_step_equals_the_cpu_step_bitwise() {
     let options = Config::default().bucket_elems(1 << 16);
     let (cpu, cpu_params) = run(&master, &grads, config, options, StepOptions::default());
     for schedule in [Schedule::Pipelined, Schedule::Serial] {
-        let (mut opt, mut offload) =
-            StreamAdamW::<f32, bf16>::for_cuda(master.clone(), config, &options.schedule(schedule), 0)
+        let device = stream_adamw::Device::Cuda(0);
+        let mut opt =
+            StreamAdamW::<f32, bf16>::new(master.clone(), config, &options.schedule(schedule), device)
                 .expect("device");
-        let stream = offload.context().default_stream();
+        let stream = opt.cuda_offload().expect("a CUDA optimizer").context().default_stream();
         let mut device = CudaDevice {
             grads: stream.clone_htod(&grads[0]).expect("upload"),
             params: stream.alloc_zeros::<bf16>(n).expect("alloc"),
         };
         for g in &grads {
             stream.memcpy_htod(g, &mut device.grads).expect("upload");
-            let report = opt.step_cuda(&mut offload, &mut device, StepOptions::default()).expect("step");
+            let report = opt.step_cuda(&mut device, StepOptions::default()).expect("step");
             assert_eq!(report.outcome, StepOutcome::Applied);
         }
         assert_eq!(opt.export_state(), cpu.export_state(), "{schedule:?}");
@@ -355,7 +380,7 @@ fn cuda_step_equals_the_cpu_step_bitwise() {
         bad[n - 1] = f32::NAN;
         stream.memcpy_htod(&bad, &mut device.grads).expect("upload");
         let before = opt.export_state();
-        let report = opt.step_cuda(&mut offload, &mut device, StepOptions::default()).expect("step");
+        let report = opt.step_cuda(&mut device, StepOptions::default()).expect("step");
         assert_eq!(report.outcome, StepOutcome::SkippedNonFinite);
         assert_eq!(opt.export_state(), before);
     }

@@ -23,8 +23,13 @@ fn measure(n: usize, schedule: Schedule) -> (usize, usize, usize) {
         HostDevice::new(SplitMix64::new(2).normal_f32(n, 0.0, 0.1), vec![bf16::ZERO; n], Link::Memcpy);
     let options = Config::default().bucket_elems(1 << 16).schedule(schedule);
     let built = PeakMeter::measure(|| {
-        StreamAdamW::<f32, bf16>::new(master.clone(), Hyperparameters::default(), &options)
-            .expect("valid options")
+        StreamAdamW::<f32, bf16>::new(
+            master.clone(),
+            Hyperparameters::default(),
+            &options,
+            stream_adamw::Device::Cpu,
+        )
+        .expect("valid options")
     })
     .expect("counting allocator installed");
     let mut opt = built.value;

@@ -174,7 +174,12 @@ fn measure_pipeline_typed<G: GradElement>(
     let config = Hyperparameters::default();
     let build = |schedule| {
         PeakMeter::measure(|| {
-            StreamAdamW::<G, bf16>::new(master.clone(), config, &options.schedule(schedule))
+            StreamAdamW::<G, bf16>::new(
+                master.clone(),
+                config,
+                &options.schedule(schedule),
+                stream_adamw::Device::Cpu,
+            )
         })
     };
     let (serial, pipelined) = (build(Schedule::Serial)?, build(Schedule::Pipelined)?);

@@ -122,7 +122,7 @@ fn step<G: GradElement>(
         ScheduleName::Serial => Schedule::Serial,
     };
     let options = Config::default().schedule(schedule).bucket_elems(cfg.bucket_elems).slots(cfg.slots);
-    let mut opt = StreamAdamW::<G, f32>::new(param.clone(), config, &options)?;
+    let mut opt = StreamAdamW::<G, f32>::new(param.clone(), config, &options, stream_adamw::Device::Cpu)?;
     let exp_avg = t.optional_f32("exp_avg", &[Dim::Is(n)])?;
     let exp_avg_sq = t.optional_f32("exp_avg_sq", &[Dim::Is(n)])?;
     let max_exp_avg_sq = t.optional_f32("max_exp_avg_sq", &[Dim::Is(n)])?;

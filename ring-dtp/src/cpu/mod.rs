@@ -289,14 +289,13 @@ impl BlockOps for CpuBlocks<'_, '_> {
 /// Runs `pass` of the block schedule on the CPU: the statistics (forward, fused) and the
 /// gradients (backward, fused).
 fn run(
-    config: &Config,
-    plan: &Plan,
-    inputs: &Inputs<'_>,
+    ws: &mut Workspace,
+    (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
     pass: Pass,
     gradient: Option<GradientInputs<'_>>,
 ) -> Result<(Option<Stats>, Option<Gradients>)> {
-    let ws = Workspace::new(plan.workspace_bytes());
-    let mut ops = CpuBlocks::new((config, plan, inputs), &ws, pass, gradient)?;
+    ws.reset();
+    let mut ops = CpuBlocks::new((config, plan, inputs), ws, pass, gradient)?;
     run_blocks(&mut ops, plan, pass)?;
     Ok((ops.stats, ops.grads))
 }
@@ -341,11 +340,27 @@ fn finish_forward(config: &Config, inputs: &Inputs<'_>, stats: &Stats) -> Forwar
     Forward { loss, lse }
 }
 
+/// A workspace of the plan's size, reserved for one call of the free functions below (the
+/// [`LinearCrossEntropy`](crate::LinearCrossEntropy) executor reserves one for all its calls).
+fn call_workspace(plan: &Plan) -> Workspace {
+    Workspace::new(plan.workspace_bytes())
+}
+
 /// The loss and per-row lse, one GEMM per block.
 pub fn forward(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
+    forward_in(&mut call_workspace(plan), config, plan, inputs)
+}
+
+/// [`forward`] with the blocks carved from `ws` (at least the plan's bytes).
+pub(crate) fn forward_in(
+    ws: &mut Workspace,
+    config: &Config,
+    plan: &Plan,
+    inputs: &Inputs<'_>,
+) -> Result<Forward> {
     inputs.validate(config)?;
     check_plan(plan, inputs)?;
-    let (stats, _) = run(config, plan, inputs, Pass::Forward, None)?;
+    let (stats, _) = run(ws, (config, plan, inputs), Pass::Forward, None)?;
     let stats = stats.ok_or_else(|| missing("fold stats"))?;
     Ok(finish_forward(config, inputs, &stats))
 }
@@ -360,6 +375,17 @@ pub fn backward(
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
+    backward_in(&mut call_workspace(plan), (config, plan, inputs), forward, grad, dlse)
+}
+
+/// [`backward`] with the blocks carved from `ws` (at least the plan's bytes).
+pub(crate) fn backward_in(
+    ws: &mut Workspace,
+    (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
+    forward: &Forward,
+    grad: GradOutput<'_>,
+    dlse: Option<&[f32]>,
+) -> Result<Gradients> {
     inputs.validate(config)?;
     check_plan(plan, inputs)?;
     if forward.lse.len() != inputs.n {
@@ -370,7 +396,7 @@ pub fn backward(
     }
     let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;
     let gradient = GradientInputs { coef: &coef, saved_lse: &forward.lse, dlse };
-    let (_, grads) = run(config, plan, inputs, Pass::Backward, Some(gradient))?;
+    let (_, grads) = run(ws, (config, plan, inputs), Pass::Backward, Some(gradient))?;
     grads.ok_or_else(|| missing("gradients"))
 }
 
@@ -383,16 +409,26 @@ pub fn forward_backward(
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
+    forward_backward_in(&mut call_workspace(plan), (config, plan, inputs), grad)
+}
+
+/// [`forward_backward`] with the blocks carved from `ws` (at least the plan's bytes).
+pub(crate) fn forward_backward_in(
+    ws: &mut Workspace,
+    (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
+    grad: GradOutput<'_>,
+) -> Result<(Forward, Gradients)> {
     inputs.validate(config)?;
     check_plan(plan, inputs)?;
+    // The upstream gradient is checked before any block runs, on either schedule.
     let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;
     if plan.schedule() == Schedule::VocabBlocked {
-        let fwd = forward(config, plan, inputs)?;
-        let grads = backward(config, plan, inputs, &fwd, grad, None)?;
+        let fwd = forward_in(ws, config, plan, inputs)?;
+        let grads = backward_in(ws, (config, plan, inputs), &fwd, grad, None)?;
         return Ok((fwd, grads));
     }
     let gradient = GradientInputs { coef: &coef, saved_lse: &[], dlse: None };
-    let (stats, grads) = run(config, plan, inputs, Pass::Fused, Some(gradient))?;
+    let (stats, grads) = run(ws, (config, plan, inputs), Pass::Fused, Some(gradient))?;
     let stats = stats.ok_or_else(|| missing("fold stats"))?;
     let grads = grads.ok_or_else(|| missing("gradients"))?;
     Ok((finish_forward(config, inputs, &stats), grads))

@@ -480,9 +480,13 @@ pub fn train(c: &MoeConfig, s: Schedules, steps: usize) -> Result<Run> {
             let r = comm.rank();
             let mut params = Params::init(c, r, ring.shard(r));
             let options = stream_adamw::Config::default().schedule(s.optimizer).bucket_elems(1024);
-            let mut opt =
-                StreamAdamW::<f32, f32>::new(params.flatten(), Hyperparameters::default().lr(c.lr), &options)
-                    .map_err(err("stream-adamw"))?;
+            let mut opt = StreamAdamW::<f32, f32>::new(
+                params.flatten(),
+                Hyperparameters::default().lr(c.lr),
+                &options,
+                stream_adamw::Device::Cpu,
+            )
+            .map_err(err("stream-adamw"))?;
             let mut store = match s.checkpoints {
                 Checkpoints::OnDevice => Store::OnDevice(vec![Vec::new(); c.layers]),
                 Checkpoints::Offload => {
