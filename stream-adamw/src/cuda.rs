@@ -6,6 +6,7 @@
 //! parameter slots are write-combined (the CPU only writes them, sequentially). Both are
 //! allocated once, at [`CudaOffload::new`], at the plan's exact size.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,7 +22,8 @@ use crate::cpu::{ParamSink, adamw_update};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::kernels::{STATS_THREADS, STREAM_ADAMW, grad_sq_entry};
-use crate::plan::{Plan, Schedule};
+use crate::pipeline::{CopyEngines, run_step};
+use crate::plan::Plan;
 use crate::schedule::StageTimes;
 use crate::state::OptimizerState;
 
@@ -115,62 +117,8 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
         Ok(partial.iter().sum())
     }
 
-    /// D2H of `grads[range]` into grad slot `slot` on the D2H stream; records `d2h_done[slot]`.
-    fn start_d2h(&mut self, grads: &CudaSlice<G>, range: std::ops::Range<usize>, slot: usize) -> Result<()> {
-        let view = grads.slice(range.clone());
-        let (src, _record) = view.device_ptr(&self.d2h);
-        let dst = self.grad_slots[slot].as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
-        // SAFETY: `dst[..len]` is pinned memory owned by `self`, which outlives the copy (every
-        // step waits for its copies before returning); nothing reads the slot before
-        // `d2h_done[slot]` fires; `src` points at `len` live elements of `grads`.
-        unsafe { result::memcpy_dtoh_async(&mut dst[..range.len()], src, self.d2h.cu_stream()) }
-            .map_err(cuda_error("cuMemcpyDtoHAsync"))?;
-        self.d2h_done[slot].record(&self.d2h).map_err(cuda_error("cuEventRecord")).map_err(Error::from)
-    }
-
-    /// H2D of param slot `slot` into `params[range]` on the H2D stream; records `h2d_done[slot]`.
-    fn start_h2d(
-        &mut self,
-        params: &mut CudaSlice<P>,
-        range: std::ops::Range<usize>,
-        slot: usize,
-    ) -> Result<()> {
-        let len = range.len();
-        let mut view = params.slice_mut(range);
-        let (dst, _record) = view.device_ptr_mut(&self.h2d);
-        let src = self.param_slots[slot].as_slice().map_err(cuda_error("cuEventSynchronize"))?;
-        // SAFETY: `src[..len]` is pinned memory owned by `self` and not written again before
-        // `h2d_done[slot]` fires (the Adam stage waits on it); `dst` holds `len` elements.
-        unsafe { result::memcpy_htod_async(dst, &src[..len], self.h2d.cu_stream()) }
-            .map_err(cuda_error("cuMemcpyHtoDAsync"))?;
-        self.h2d_done[slot].record(&self.h2d).map_err(cuda_error("cuEventRecord")).map_err(Error::from)
-    }
-
-    /// The Adam stage of bucket `range` from slot `slot`, after its gradients landed and the
-    /// slot's previous parameters went up.
-    fn adam(
-        &mut self,
-        state: &mut OptimizerState,
-        range: std::ops::Range<usize>,
-        slot: usize,
-        scalars: &StepScalars,
-    ) -> Result<Duration> {
-        self.d2h_done[slot].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
-        self.h2d_done[slot].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
-        let len = range.len();
-        let grads = self.grad_slots[slot].as_slice().map_err(cuda_error("cuEventSynchronize"))?;
-        let grads: &[G] = &grads[..len];
-        // The two slot vectors are distinct fields: borrow them apart.
-        let params = &mut self.param_slots[slot];
-        let params = params.as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
-        let start = Instant::now();
-        adamw_update(state.view(range), grads, ParamSink::Copy(&mut params[..len]), scalars);
-        Ok(start.elapsed())
-    }
-
-    /// Runs the plan's schedule. Serial: every copy and update in sequence. Pipelined: at
-    /// iteration k, D2H(k) is issued, then Adam(k−1) runs on this thread and H2D(k−1) is issued,
-    /// so D2H(k) ‖ Adam(k−1) ‖ H2D(k−2).
+    /// Runs the plan's schedule ([`crate::pipeline`], the one the CPU fallback runs) with this
+    /// device's copy streams as its engines.
     pub(crate) fn run(
         &mut self,
         plan: &Plan,
@@ -179,34 +127,88 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
         scalars: &StepScalars,
         times: &mut StageTimes,
     ) -> Result<()> {
-        let (buckets, slots) = (plan.n_buckets(), plan.staged_slots());
-        match plan.schedule() {
-            Schedule::Serial => {
-                let n = plan.n_params();
-                let start = Instant::now();
-                self.start_d2h(&device.grads, 0..n, 0)?;
-                self.d2h_done[0].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
-                times.d2h += start.elapsed();
-                times.adam += self.adam(state, 0..n, 0, scalars)?;
-                let start = Instant::now();
-                self.start_h2d(&mut device.params, 0..n, 0)?;
-                self.h2d_done[0].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
-                times.h2d += start.elapsed();
-            }
-            Schedule::Pipelined => {
-                for k in 0..=buckets {
-                    if k < buckets {
-                        self.start_d2h(&device.grads, plan.bucket(k), k % slots)?;
-                    }
-                    if k >= 1 {
-                        let j = k - 1;
-                        times.adam += self.adam(state, plan.bucket(j), j % slots, scalars)?;
-                        self.start_h2d(&mut device.params, plan.bucket(j), j % slots)?;
-                    }
-                }
-                self.h2d.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
-            }
-        }
+        let mut engines = CudaEngines { offload: self, device, waited: [Duration::ZERO; 2] };
+        run_step(&mut engines, plan, state, scalars, times)
+    }
+}
+
+/// A device's copy engines for one step: the D2H and H2D streams with an event per slot. The
+/// engines' times are what the host waited for them.
+struct CudaEngines<'a, G: DeviceRepr, P: DeviceRepr> {
+    offload: &'a mut CudaOffload<G, P>,
+    device: &'a mut CudaDevice<G, P>,
+    waited: [Duration; 2],
+}
+
+impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
+    /// D2H of `grads[range]` into grad slot `slot` on the D2H stream; records `d2h_done[slot]`.
+    fn start_d2h(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
+        let o = &mut *self.offload;
+        let view = self.device.grads.slice(range.clone());
+        let (src, _record) = view.device_ptr(&o.d2h);
+        let dst = o.grad_slots[slot].as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
+        // SAFETY: `dst[..len]` is pinned memory owned by the offload, which outlives the copy
+        // (every step waits for its copies before returning); nothing reads the slot before
+        // `d2h_done[slot]` fires (the schedule waits on it); `src` points at `len` live elements
+        // of the device gradients.
+        unsafe { result::memcpy_dtoh_async(&mut dst[..range.len()], src, o.d2h.cu_stream()) }
+            .map_err(cuda_error("cuMemcpyDtoHAsync"))?;
+        Ok(o.d2h_done[slot].record(&o.d2h).map_err(cuda_error("cuEventRecord"))?)
+    }
+
+    fn wait_d2h(&mut self, slot: usize) -> Result<()> {
+        let start = Instant::now();
+        self.offload.d2h_done[slot].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
+        self.waited[0] += start.elapsed();
         Ok(())
+    }
+
+    /// H2D of param slot `slot` into `params[range]` on the H2D stream; records `h2d_done[slot]`.
+    fn start_h2d(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
+        let o = &mut *self.offload;
+        let len = range.len();
+        let mut view = self.device.params.slice_mut(range);
+        let (dst, _record) = view.device_ptr_mut(&o.h2d);
+        let src = o.param_slots[slot].as_slice().map_err(cuda_error("cuEventSynchronize"))?;
+        // SAFETY: `src[..len]` is pinned memory owned by the offload and not written again
+        // before `h2d_done[slot]` fires (the schedule waits on it before the slot's next Adam);
+        // `dst` holds `len` elements.
+        unsafe { result::memcpy_htod_async(dst, &src[..len], o.h2d.cu_stream()) }
+            .map_err(cuda_error("cuMemcpyHtoDAsync"))?;
+        Ok(o.h2d_done[slot].record(&o.h2d).map_err(cuda_error("cuEventRecord"))?)
+    }
+
+    fn wait_h2d(&mut self, slot: usize) -> Result<()> {
+        let start = Instant::now();
+        self.offload.h2d_done[slot].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
+        self.waited[1] += start.elapsed();
+        Ok(())
+    }
+
+    fn adam(
+        &mut self,
+        state: &mut OptimizerState,
+        range: Range<usize>,
+        slot: usize,
+        scalars: &StepScalars,
+    ) -> Result<Duration> {
+        let o = &mut *self.offload;
+        let len = range.len();
+        let grads = o.grad_slots[slot].as_slice().map_err(cuda_error("cuEventSynchronize"))?;
+        let grads: &[G] = &grads[..len];
+        // The two slot vectors are distinct fields: borrow them apart.
+        let params = o.param_slots[slot].as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
+        let start = Instant::now();
+        adamw_update(state.view(range), grads, ParamSink::Copy(&mut params[..len]), scalars);
+        Ok(start.elapsed())
+    }
+
+    fn finish(&mut self) -> Result<(Duration, Duration)> {
+        let start = Instant::now();
+        self.offload.d2h.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
+        let d2h = self.waited[0] + start.elapsed();
+        let start = Instant::now();
+        self.offload.h2d.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
+        Ok((d2h, self.waited[1] + start.elapsed()))
     }
 }

@@ -49,6 +49,7 @@ pub mod error;
 pub mod host;
 pub mod kernels;
 pub mod optimizer;
+mod pipeline;
 pub mod plan;
 pub mod schedule;
 pub mod state;

@@ -12,8 +12,8 @@ use crate::error::{Error, Result};
 use crate::host::HostDevice;
 use flatpeak_common::{Budget, Device};
 
-use crate::plan::{Config, Plan, Schedule, Shape};
-use crate::schedule::{StageTimes, Staging, run_pipelined, run_serial};
+use crate::plan::{Config, Plan, Shape};
+use crate::schedule::{StageTimes, Staging, run_host};
 use crate::state::{OptimizerState, StateDict};
 
 /// Per-step options.
@@ -201,12 +201,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
             return Ok(self.skipped(grad_norm, times, start));
         };
         let staging = self.backend.host()?;
-        match self.plan.schedule() {
-            Schedule::Serial => run_serial(&mut self.state, staging, device, &scalars, &mut times),
-            Schedule::Pipelined => {
-                run_pipelined(&self.plan, &mut self.state, staging, device, &scalars, &mut times)?
-            }
-        }
+        run_host(&self.plan, &mut self.state, staging, device, &scalars, &mut times)?;
         times.total = start.elapsed();
         Ok(StepReport { outcome: StepOutcome::Applied, step: self.state.step, grad_norm, clip_coef, times })
     }

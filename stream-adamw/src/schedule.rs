@@ -1,10 +1,11 @@
-//! Executing a step's copies and updates on the CPU fallback: the serial baseline and the
-//! bucket pipeline (a D2H engine thread, the Adam stage on the calling thread's rayon pool, an
-//! H2D engine thread), coordinated by per-stage completion counters. Stages only wait on what
-//! they need: D2H(k) on the Adam of the bucket that last used its grad slot, Adam(k) on D2H(k)
-//! and on the H2D that last drained its param slot, H2D(k) on Adam(k).
+//! The CPU fallback's copy engines and staging: a D2H and an H2D engine thread, fed in issue
+//! order by the schedule of [`crate::pipeline`] (the one the CUDA path runs), with per-stage
+//! completion counters the schedule waits on; Adam runs on the calling thread's rayon pool.
 
+use std::ops::Range;
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Condvar, Mutex, MutexGuard};
+use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::config::StepScalars;
@@ -12,6 +13,7 @@ use crate::cpu::{ParamSink, adamw_update};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
+use crate::pipeline::{CopyEngines, run_step};
 use crate::plan::Plan;
 use crate::state::OptimizerState;
 
@@ -66,12 +68,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug, Default)]
 struct Counters {
     d2h: usize,
-    adam: usize,
     h2d: usize,
     failed: Option<&'static str>,
 }
 
-/// Completion counters of the three stages (buckets complete in order within a stage).
+/// Completion counters of the two copy engines (jobs complete in order within an engine).
 #[derive(Debug, Default)]
 struct Progress {
     counters: Mutex<Counters>,
@@ -122,25 +123,105 @@ impl Drop for StageGuard<'_> {
     }
 }
 
-/// Serial offload: all gradients down, Adam over everything, all parameters up.
-pub(crate) fn run_serial<G: GradElement, P: ParamElement>(
-    state: &mut OptimizerState,
-    staging: &Staging<G, P>,
-    device: &mut HostDevice<G, P>,
-    scalars: &StepScalars,
-    times: &mut StageTimes,
-) {
-    let (mut grads, mut params) = (lock(&staging.grads[0]), lock(&staging.params[0]));
-    let n = state.len();
-    times.d2h += device.link.copy(&device.grads, &mut grads[..n]);
-    let start = Instant::now();
-    adamw_update(state.view(0..n), &grads[..n], ParamSink::Copy(&mut params[..n]), scalars);
-    times.adam += start.elapsed();
-    times.h2d += device.link.copy(&params[..n], &mut device.params);
+/// One copy job: the bucket's element range and its slot.
+type Job = (Range<usize>, usize);
+
+/// The CPU fallback's copy engines: a D2H and an H2D thread, each taking its jobs in issue
+/// order from a channel and counting them done in [`Progress`].
+struct HostEngines<'scope, 'a, G, P> {
+    staging: &'a Staging<G, P>,
+    progress: &'a Progress,
+    d2h: Option<Sender<Job>>,
+    h2d: Option<Sender<Job>>,
+    threads: Option<[ScopedJoinHandle<'scope, Result<Duration>>; 2]>,
+    /// Jobs issued per direction, and per slot the count up to its latest job (0: none yet).
+    issued: [usize; 2],
+    slot_job: [Vec<usize>; 2],
 }
 
-/// The bucket pipeline.
-pub(crate) fn run_pipelined<G: GradElement, P: ParamElement>(
+const D2H: usize = 0;
+const H2D: usize = 1;
+
+impl<G: GradElement, P: ParamElement> HostEngines<'_, '_, G, P> {
+    fn issue(&mut self, direction: usize, job: Job) -> Result<()> {
+        let stage = if direction == D2H { "d2h" } else { "h2d" };
+        let slot = job.1;
+        let sender = if direction == D2H { &self.d2h } else { &self.h2d };
+        let stopped = || Error::PipelineStage { stage, reason: "copy engine stopped".into() };
+        sender.as_ref().ok_or_else(stopped)?.send(job).map_err(|_| stopped())?;
+        self.issued[direction] += 1;
+        self.slot_job[direction][slot] = self.issued[direction];
+        Ok(())
+    }
+
+    fn wait(&self, direction: usize, slot: usize) -> Result<()> {
+        let job = self.slot_job[direction][slot];
+        self.progress.wait(|c| if direction == D2H { c.d2h >= job } else { c.h2d >= job })
+    }
+}
+
+impl<G: GradElement, P: ParamElement> CopyEngines for HostEngines<'_, '_, G, P> {
+    fn start_d2h(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
+        self.issue(D2H, (range, slot))
+    }
+    fn wait_d2h(&mut self, slot: usize) -> Result<()> {
+        self.wait(D2H, slot)
+    }
+    fn start_h2d(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
+        self.issue(H2D, (range, slot))
+    }
+    fn wait_h2d(&mut self, slot: usize) -> Result<()> {
+        self.wait(H2D, slot)
+    }
+
+    fn adam(
+        &mut self,
+        state: &mut OptimizerState,
+        range: Range<usize>,
+        slot: usize,
+        scalars: &StepScalars,
+    ) -> Result<Duration> {
+        let (grads, mut params) = (lock(&self.staging.grads[slot]), lock(&self.staging.params[slot]));
+        let len = range.len();
+        let start = Instant::now();
+        adamw_update(state.view(range), &grads[..len], ParamSink::Copy(&mut params[..len]), scalars);
+        Ok(start.elapsed())
+    }
+
+    fn finish(&mut self) -> Result<(Duration, Duration)> {
+        // Closing the channels ends the engines once they have done every job.
+        self.d2h = None;
+        self.h2d = None;
+        let Some([d2h, h2d]) = self.threads.take() else { return Ok((Duration::ZERO, Duration::ZERO)) };
+        let join = |h: ScopedJoinHandle<'_, Result<Duration>>, stage| {
+            h.join().unwrap_or_else(|_| {
+                Err(Error::PipelineStage { stage, reason: "copy engine panicked".into() })
+            })
+        };
+        let (d2h, h2d) = (join(d2h, "d2h"), join(h2d, "h2d"));
+        Ok((d2h?, h2d?))
+    }
+}
+
+/// One copy engine: takes jobs in order, copies each over `link`, counts it done; its busy time.
+fn engine(
+    stage: &'static str,
+    jobs: Receiver<Job>,
+    progress: &Progress,
+    mut copy: impl FnMut(Range<usize>, usize) -> Duration,
+) -> Result<Duration> {
+    let guard = StageGuard::new(progress, stage);
+    let mut busy = Duration::ZERO;
+    for (range, slot) in jobs {
+        busy += copy(range, slot);
+        progress.advance(|c| if stage == "d2h" { c.d2h += 1 } else { c.h2d += 1 });
+    }
+    guard.finish(busy)
+}
+
+/// Runs `plan`'s schedule ([`run_step`]) on the CPU fallback's device: the copy engines are two
+/// threads for the length of the step.
+pub(crate) fn run_host<G: GradElement, P: ParamElement>(
     plan: &Plan,
     state: &mut OptimizerState,
     staging: &Staging<G, P>,
@@ -148,63 +229,40 @@ pub(crate) fn run_pipelined<G: GradElement, P: ParamElement>(
     scalars: &StepScalars,
     times: &mut StageTimes,
 ) -> Result<()> {
-    let (buckets, slots) = (plan.n_buckets(), plan.staged_slots());
     let progress = Progress::default();
     let link = device.link;
     let (device_grads, device_params) = (&device.grads, &mut device.params);
-    let (d2h, h2d, adam) = std::thread::scope(|scope| {
-        let d2h_engine = scope.spawn(|| -> Result<Duration> {
-            let guard = StageGuard::new(&progress, "d2h");
-            let mut busy = Duration::ZERO;
-            for k in 0..buckets {
-                progress.wait(|c| c.adam + slots > k)?; // grad slot drained by Adam(k − R)
-                let range = plan.bucket(k);
-                let mut slot = lock(&staging.grads[k % slots]);
-                busy += link.copy(&device_grads[range.clone()], &mut slot[..range.len()]);
-                drop(slot);
-                progress.advance(|c| c.d2h += 1);
-            }
-            guard.finish(busy)
-        });
-        let h2d_engine = scope.spawn(|| -> Result<Duration> {
-            let guard = StageGuard::new(&progress, "h2d");
-            let mut busy = Duration::ZERO;
-            for k in 0..buckets {
-                progress.wait(|c| c.adam > k)?;
-                let range = plan.bucket(k);
-                let slot = lock(&staging.params[k % slots]);
-                busy += link.copy(&slot[..range.len()], &mut device_params[range.clone()]);
-                drop(slot);
-                progress.advance(|c| c.h2d += 1);
-            }
-            guard.finish(busy)
-        });
-        let adam = (|| -> Result<Duration> {
-            let guard = StageGuard::new(&progress, "adam");
-            let mut busy = Duration::ZERO;
-            for k in 0..buckets {
-                // Gradients landed, and the param slot's previous bucket went up.
-                progress.wait(|c| c.d2h > k && c.h2d + slots > k)?;
-                let range = plan.bucket(k);
-                let (grads, mut params) = (lock(&staging.grads[k % slots]), lock(&staging.params[k % slots]));
-                let start = Instant::now();
-                let sink = ParamSink::Copy(&mut params[..range.len()]);
-                adamw_update(state.view(range.clone()), &grads[..range.len()], sink, scalars);
-                busy += start.elapsed();
-                drop((grads, params));
-                progress.advance(|c| c.adam += 1);
-            }
-            guard.finish(busy)
-        })();
-        let join = |h: std::thread::ScopedJoinHandle<'_, Result<Duration>>, stage| {
-            h.join().unwrap_or_else(|_| {
-                Err(Error::PipelineStage { stage, reason: "copy engine panicked".into() })
+    let slots = staging.grads.len();
+    std::thread::scope(|scope| {
+        let (d2h_tx, d2h_rx) = channel::<Job>();
+        let (h2d_tx, h2d_rx) = channel::<Job>();
+        let progress = &progress;
+        let d2h = scope.spawn(move || {
+            engine("d2h", d2h_rx, progress, |range, slot| {
+                let mut dst = lock(&staging.grads[slot]);
+                let len = range.len();
+                link.copy(&device_grads[range], &mut dst[..len])
             })
+        });
+        let h2d = scope.spawn(move || {
+            engine("h2d", h2d_rx, progress, |range, slot| {
+                let src = lock(&staging.params[slot]);
+                let len = range.len();
+                link.copy(&src[..len], &mut device_params[range])
+            })
+        });
+        let mut engines = HostEngines {
+            staging,
+            progress,
+            d2h: Some(d2h_tx),
+            h2d: Some(h2d_tx),
+            threads: Some([d2h, h2d]),
+            issued: [0, 0],
+            slot_job: [vec![0; slots], vec![0; slots]],
         };
-        (join(d2h_engine, "d2h"), join(h2d_engine, "h2d"), adam)
-    });
-    times.d2h += d2h?;
-    times.adam += adam?;
-    times.h2d += h2d?;
-    Ok(())
+        let ran = run_step(&mut engines, plan, state, scalars, times);
+        // On an error the engines still end (their channels close) before the scope joins them.
+        let finished = engines.finish();
+        ran.and(finished.map(|_| ()))
+    })
 }
