@@ -5,6 +5,7 @@
 //! the same parameters where the schedules promise it (checkpoint offload and the pipelined
 //! optimizer step change no value); and each component's working set below the baseline's.
 
+use flatpeak::sco;
 use flatpeak_common::DType;
 use flatpeak_common::testing::tolerance;
 
@@ -35,15 +36,22 @@ fn flattened_training_matches_the_baseline_at_every_step() {
     let p = &flat.params;
     let emb = c.vocab * c.hidden;
     assert!(p.iter().all(|r| r[..emb] == p[0][..emb]), "embedding diverged across ranks");
-    // The four working sets, each below its baseline's.
+    // The working sets: dispatch, vocabulary and optimizer staging below their baselines'. The
+    // checkpoint ring holds at most the plan's slots (its bound, whatever the copies' timing),
+    // which with L = 3 layers and 3 slots may equal the baseline's L boundaries: the strict
+    // comparison, with more layers than slots, is the next test's.
     let (b, f) = (base.peaks, flat.peaks);
-    assert!(
-        f.dispatch < b.dispatch
-            && f.vocab < b.vocab
-            && f.checkpoints < b.checkpoints
-            && f.optimizer < b.optimizer,
-        "{b:?} vs {f:?}"
-    );
+    assert!(f.dispatch < b.dispatch && f.vocab < b.vocab && f.optimizer < b.optimizer, "{b:?} vs {f:?}");
+    let boundary = c.tokens * c.hidden * 4;
+    let slots = sco::Plan::new(
+        &sco::Config::default(),
+        sco::Shape::of::<f32>(c.layers, c.tokens * c.hidden),
+        sco::Budget::Unlimited,
+    )
+    .expect("sco plan")
+    .peak_slots();
+    assert_eq!(b.checkpoints, c.layers * boundary);
+    assert!(f.checkpoints <= slots * boundary, "{b:?} vs {f:?}");
 }
 
 #[test]
@@ -58,5 +66,7 @@ fn offload_and_the_pipelined_step_change_no_bit() {
     let plain = train(&c, on_device, STEPS).expect("on-device, serial run");
     assert_eq!(flat.losses, plain.losses);
     assert_eq!(flat.params, plain.params);
+    // 4 layers, a 3-slot ring: below the baseline whatever the copies' timing.
+    assert!(flat.peaks.checkpoints <= 3 * c.tokens * c.hidden * 4);
     assert!(flat.peaks.checkpoints < plain.peaks.checkpoints);
 }

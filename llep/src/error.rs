@@ -86,12 +86,12 @@ pub enum Error {
         /// What is wrong with it.
         reason: &'static str,
     },
-    /// The executor was handed a plan made for other routing, or for another group.
-    #[error("plan does not match this call: {what} (plan {planned}, call {found})")]
+    /// The executor was handed a schedule made for other routing, or for another group.
+    #[error("schedule does not match this call: {what} (schedule {planned}, call {found})")]
     ScheduleMismatch {
         /// What disagrees.
         what: &'static str,
-        /// The plan's value.
+        /// The schedule's value.
         planned: usize,
         /// The call's value.
         found: usize,

@@ -3,12 +3,10 @@
 //! [`CheckpointOffloader`] (SCO), or not checkpointed at all (every layer's internals saved).
 //! A framework adopts SCO either through this driver or through the raw offloader.
 
-use flatpeak_common::Link;
+use flatpeak_common::{Budget, Link};
 
 use crate::error::{Error, Result};
 use crate::offloader::CheckpointOffloader;
-use flatpeak_common::Budget;
-
 use crate::plan::{Config, Plan, Shape};
 
 /// One layer of a stack mapping a boundary tensor of `width()` elements to another.

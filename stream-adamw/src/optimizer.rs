@@ -5,13 +5,13 @@
 use std::marker::PhantomData;
 use std::time::Instant;
 
+use flatpeak_common::{Budget, Device};
+
 use crate::config::{Hyperparameters, StepScalars, clip_coefficient};
 use crate::cpu::grad_sq_sum;
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
-use flatpeak_common::{Budget, Device};
-
 use crate::plan::{Config, Plan, Shape};
 use crate::schedule::{StageTimes, Staging, run_host};
 use crate::state::{OptimizerState, StateDict};

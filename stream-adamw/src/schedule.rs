@@ -1,5 +1,5 @@
 //! The CPU fallback's copy engines and staging: a D2H and an H2D engine thread, fed in issue
-//! order by the schedule of [`crate::pipeline`] (the one the CUDA path runs), with per-stage
+//! order by the schedule of `pipeline.rs` (the one the CUDA path runs), with per-stage
 //! completion counters the schedule waits on; Adam runs on the calling thread's rayon pool.
 
 use std::ops::Range;

@@ -8,12 +8,12 @@
 //! the LLEP and paper-style pipelined rows reproduce 52.66 → 21.43 GiB by construction; the
 //! crate's own row is M0 plus the exact bytes of its buffers.
 
-use crate::assign::Assignment;
-use crate::config::{Chunking, Config, PairCap, Scheme, Shape, SpillSplit};
-use crate::error::Result;
 use flatpeak_common::Budget;
 
 use super::workload::Profile;
+use crate::assign::Assignment;
+use crate::config::{Chunking, Config, PairCap, Scheme, Shape, SpillSplit};
+use crate::error::Result;
 use crate::plan::{Buffers, Pass, Plan};
 use crate::schedule::Schedule;
 

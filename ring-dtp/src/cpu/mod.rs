@@ -20,7 +20,6 @@ mod exp;
 pub mod reference;
 mod rows;
 
-use crate::plan::{WIDEN_ROWS, splits_dx};
 #[cfg(feature = "cuda-emu")]
 pub(crate) use block::gemm;
 pub(crate) use block::{
@@ -36,7 +35,7 @@ use crate::blocks::{BlockAt, BlockOps, Pass, run_blocks};
 use crate::config::{Config, Reduction, Softcap};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Loss, Matrix};
-use crate::plan::{Plan, Schedule};
+use crate::plan::{Plan, Schedule, WIDEN_ROWS, splits_dx};
 
 fn check_plan(plan: &Plan, inputs: &Inputs<'_>) -> Result<()> {
     for (what, expected, found) in
