@@ -49,9 +49,9 @@ pub enum Pass {
 /// config, the shape and the budget before any routing is known. Every call's
 /// [`Schedule`](crate::Schedule) runs within it: imbalance costs rounds, never memory.
 ///
-/// For the baselines ([`Scheme::Llep`], [`Scheme::StandardEp`]), whose buffers are sized to
-/// each call's routing, the plan is their worst case: q = N (a pair never has more than N
-/// rows), so `workspace_bytes()` bounds every call's [`Schedule::buffers`](crate::Schedule::buffers).
+/// The baselines ([`Scheme::Llep`], [`Scheme::StandardEp`]) size their buffers to each call's
+/// routing ([`Schedule::buffers`](crate::Schedule::buffers)), so no launch-time working set bounds
+/// them: their plan runs one round (q = N) and is not checked against the budget.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Plan {
     config: Config,
@@ -71,7 +71,9 @@ impl Plan {
         let n = shape.tokens.max(1);
         let bytes = |q: usize| Self::bytes_at(config, &shape, q);
         let q = match (config.scheme, config.pair_cap) {
-            (Scheme::Llep | Scheme::StandardEp, _) => n,
+            (Scheme::Llep | Scheme::StandardEp, _) => {
+                return Ok(Self { config: *config, shape, pair_cap: n });
+            }
             (Scheme::PipelinedLlep, PairCap::Rows(q)) => q.min(n),
             (Scheme::PipelinedLlep, PairCap::FitBudget) => {
                 if budget.admits(bytes(n)?) {
@@ -120,8 +122,9 @@ impl Plan {
     pub fn buffers(&self, pass: Pass) -> Buffers {
         Buffers::pipelined(&self.config, &self.shape, self.pair_cap, pass)
     }
-    /// The working set one rank reserves at launch: the larger pass's buffers (backward), within
-    /// the budget the plan was made for.
+    /// PipelinedLLEP's working set, reserved at launch: the larger pass's buffers (backward),
+    /// within the budget the plan was made for. (The baselines' is each call's
+    /// [`Schedule::max_workspace_bytes`](crate::Schedule::max_workspace_bytes).)
     pub fn workspace_bytes(&self) -> usize {
         self.buffers(Pass::Forward).workspace_bytes().max(self.buffers(Pass::Backward).workspace_bytes())
     }

@@ -38,6 +38,15 @@ pub(crate) enum Pass {
     Fused,
 }
 
+/// What the gradient of a block reads besides its logits, on the host: each row's gradient
+/// scale, and the saved lse with its optional upstream gradient (backward; the fused pass
+/// finishes its own).
+pub(crate) struct GradientInputs<'a> {
+    pub coef: &'a [f32],
+    pub saved_lse: &'a [f32],
+    pub dlse: Option<&'a [f32]>,
+}
+
 /// One backend's operations on one block. Each is called in the order [`run_blocks`] states;
 /// a backend keeps the call's inputs, its block buffers, the statistics and the gradients.
 pub(crate) trait BlockOps {

@@ -8,7 +8,7 @@ use flatpeak_common::emu::{EmuLaunchConfig, launch, race_checked_state};
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef};
 use flatpeak_common::kernels::grid_stride_blocks;
 
-use crate::blocks::{BlockAt, BlockOps, Pass, run_blocks};
+use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::Config;
 use crate::cpu::{self, Stats, gemm};
 use crate::error::{Error, Result};
@@ -340,15 +340,6 @@ fn check(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Vec<u32>> 
         return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, got: w.len() });
     }
     resolve_targets(config, inputs)
-}
-
-/// What the gradient kernel of a block reads besides its logits: each row's gradient scale,
-/// and the saved lse with its optional upstream gradient (backward; the fused pass finishes
-/// its own).
-struct GradientInputs<'a> {
-    coef: &'a [f32],
-    saved_lse: &'a [f32],
-    dlse: Option<&'a [f32]>,
 }
 
 /// The device schedule under the emulator, as a backend of the block schedule

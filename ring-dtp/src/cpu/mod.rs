@@ -31,7 +31,7 @@ pub(crate) use block::{
 use flatpeak_common::Workspace;
 use flatpeak_common::gemm::{Accumulate, Threads};
 
-use crate::blocks::{BlockAt, BlockOps, Pass, run_blocks};
+use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::{Config, Reduction, Softcap};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Loss, Matrix};
@@ -122,14 +122,6 @@ pub(crate) fn w_rows<'a>(w: &Matrix<'a>, v0: usize, v1: usize, d: usize, buf: &'
 
 fn missing(expected: &'static str) -> Error {
     Error::invalid_config("pass", "incomplete", expected)
-}
-
-/// What the gradient of a block reads besides its logits: each row's gradient scale, and the
-/// saved lse with its optional upstream gradient (backward; the fused pass finishes its own).
-struct GradientInputs<'a> {
-    coef: &'a [f32],
-    saved_lse: &'a [f32],
-    dlse: Option<&'a [f32]>,
 }
 
 /// The CPU backend of the block schedule ([`crate::blocks`]): blocks in a workspace reserved at
