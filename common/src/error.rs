@@ -150,3 +150,79 @@ impl Error {
         Self::InvalidConfig { field, value: format!("{value:?}"), reason }
     }
 }
+
+/// Declares a crate's own `Error` enum in the workspace's one error vocabulary: the crate's
+/// variants, then the four every crate shares, named and worded alike everywhere —
+/// `InvalidConfig { field, value, reason }` (an option or dimension outside its domain),
+/// `ShapeMismatch { what, expected, got }`, `BudgetTooSmall { budget, needed, what }` and
+/// `Common(flatpeak_common::Error)` — with `Error::invalid_config(field, value, reason)`, which
+/// writes the offending value with `{:?}`. The enum derives `Debug`, `Clone`, `PartialEq` and
+/// `thiserror::Error` (the crate depends on `thiserror`) and is `#[non_exhaustive]`.
+///
+/// ```
+/// flatpeak_common::error_vocabulary! {
+///     /// What can go wrong in this crate.
+///     pub enum Error {
+///         /// A layer index past the end.
+///         #[error("layer {layer} out of range")]
+///         LayerOutOfRange {
+///             /// The layer given.
+///             layer: usize,
+///         },
+///     }
+/// }
+/// let e = Error::invalid_config("slots", 0usize, "at least 1");
+/// assert_eq!(e.to_string(), "invalid config: slots = 0: expected at least 1");
+/// assert!(matches!(Error::from(flatpeak_common::Error::MeterNotInstalled), Error::Common(_)));
+/// ```
+#[macro_export]
+macro_rules! error_vocabulary {
+    ($(#[$attr:meta])* $vis:vis enum $name:ident { $($variants:tt)* }) => {
+        $(#[$attr])*
+        #[derive(Debug, Clone, PartialEq, ::thiserror::Error)]
+        #[non_exhaustive]
+        $vis enum $name {
+            $($variants)*
+            /// An option or dimension outside its domain (NaN is never in one).
+            #[error("invalid config: {field} = {value}: expected {reason}")]
+            InvalidConfig {
+                /// Which option or dimension.
+                field: &'static str,
+                /// The value given, as `{:?}` writes it.
+                value: ::std::string::String,
+                /// Its domain, in words.
+                reason: &'static str,
+            },
+            /// A buffer or dimension of the wrong size.
+            #[error("shape mismatch for {what}: expected {expected}, got {got}")]
+            ShapeMismatch {
+                /// Which buffer or dimension.
+                what: &'static str,
+                /// What the plan or the other inputs call for.
+                expected: usize,
+                /// What was given.
+                got: usize,
+            },
+            /// The budget cannot hold the working set the config and shape imply.
+            #[error("budget of {budget} B is below the {needed} B of {what}")]
+            BudgetTooSmall {
+                /// The budget given.
+                budget: usize,
+                /// What the plan needs.
+                needed: usize,
+                /// Which buffers those are.
+                what: &'static str,
+            },
+            /// An error from the shared foundation (workspace, communicator, CUDA).
+            #[error(transparent)]
+            Common(#[from] $crate::Error),
+        }
+
+        impl $name {
+            /// [`Self::InvalidConfig`] for `field = value` outside the domain `reason`.
+            pub fn invalid_config(field: &'static str, value: impl ::std::fmt::Debug, reason: &'static str) -> Self {
+                Self::InvalidConfig { field, value: format!("{value:?}"), reason }
+            }
+        }
+    };
+}

@@ -1,12 +1,14 @@
 //! The one error type of `llep`; every variant carries the offending values.
+//! Besides its own variants it has the four every crate shares (`InvalidConfig`,
+//! `ShapeMismatch`, `BudgetTooSmall`, `Common`), declared by
+//! [`flatpeak_common::error_vocabulary!`].
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+flatpeak_common::error_vocabulary! {
 /// Bad routing, bad shapes or options, a budget too small for any schedule, or a failure of
 /// the communicator below.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[non_exhaustive]
 pub enum Error {
     /// A top-k expert id at or past the number of experts.
     #[error("expert id {expert} of token {token}, slot {slot} is outside 0..{experts}")]
@@ -40,26 +42,6 @@ pub enum Error {
         /// The weight given.
         value: f32,
     },
-    /// An option or dimension outside its domain (NaN is never in one).
-    #[error("invalid config: {field} = {value}: expected {reason}")]
-    InvalidConfig {
-        /// Which option or dimension.
-        field: &'static str,
-        /// The value given, as `{:?}` writes it.
-        value: String,
-        /// Its domain, in words.
-        reason: &'static str,
-    },
-    /// A buffer or dimension of the wrong size.
-    #[error("shape mismatch for {what}: expected {expected}, got {got}")]
-    ShapeMismatch {
-        /// Which buffer or dimension.
-        what: &'static str,
-        /// What the plan or the other inputs call for.
-        expected: usize,
-        /// What was given.
-        got: usize,
-    },
     /// The experts cannot be split evenly over the ranks (expert e lives on rank e / (E/P)).
     #[error("{experts} experts cannot be split evenly over {ranks} ranks")]
     ExpertsNotDivisible {
@@ -67,16 +49,6 @@ pub enum Error {
         experts: usize,
         /// P.
         ranks: usize,
-    },
-    /// The budget cannot hold the buffers of the pair cap (or of one row per rank pair).
-    #[error("budget of {budget} B is below the {needed} B of {what}")]
-    BudgetTooSmall {
-        /// The budget given.
-        budget: usize,
-        /// Bytes the plan needs.
-        needed: usize,
-        /// Which buffers those are.
-        what: &'static str,
     },
     /// A workload profile string that does not parse.
     #[error("invalid profile {spec:?}: {reason}")]
@@ -102,14 +74,5 @@ pub enum Error {
         /// The dtype of the shape.
         dtype: flatpeak_common::DType,
     },
-    /// An error from the shared foundation (workspace, communicator, GEMM).
-    #[error(transparent)]
-    Common(#[from] flatpeak_common::Error),
 }
-
-impl Error {
-    /// [`Error::InvalidConfig`] for `field = value` outside the domain `reason`.
-    pub fn invalid_config(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Self {
-        Self::InvalidConfig { field, value: format!("{value:?}"), reason }
-    }
 }

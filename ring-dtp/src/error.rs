@@ -1,11 +1,13 @@
 //! The one error type of `ring-dtp`; every variant carries the offending values.
+//! Besides its own variants it has the four every crate shares (`InvalidConfig`,
+//! `ShapeMismatch`, `BudgetTooSmall`, `Common`), declared by
+//! [`flatpeak_common::error_vocabulary!`].
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+flatpeak_common::error_vocabulary! {
 /// Bad input, a budget too small for any schedule, or a failure below.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[non_exhaustive]
 pub enum Error {
     /// A target outside `0..V` that is not `ignore_index`.
     #[error("target {target} of token {token} is outside 0..{vocab} and is not ignore_index")]
@@ -17,26 +19,6 @@ pub enum Error {
         /// The vocabulary size V.
         vocab: usize,
     },
-    /// An option or dimension outside its domain (NaN is never in one).
-    #[error("invalid config: {field} = {value}: expected {reason}")]
-    InvalidConfig {
-        /// Which option or dimension.
-        field: &'static str,
-        /// The value given, as `{:?}` writes it.
-        value: String,
-        /// Its domain, in words.
-        reason: &'static str,
-    },
-    /// A buffer or dimension of the wrong size.
-    #[error("shape mismatch for {what}: expected {expected}, got {got}")]
-    ShapeMismatch {
-        /// Which buffer or dimension.
-        what: &'static str,
-        /// What the plan or the other inputs call for.
-        expected: usize,
-        /// What was given.
-        got: usize,
-    },
     /// X and W of different element types.
     #[error("dtype mismatch: x is {x}, w is {w}")]
     DtypeMismatch {
@@ -44,16 +26,6 @@ pub enum Error {
         x: flatpeak_common::DType,
         /// W's dtype.
         w: flatpeak_common::DType,
-    },
-    /// The byte budget cannot hold even the smallest schedule.
-    #[error("budget of {budget} B is below the smallest schedule's {needed} B ({what})")]
-    BudgetTooSmall {
-        /// The budget given.
-        budget: usize,
-        /// What the smallest schedule needs.
-        needed: usize,
-        /// Which schedule that is.
-        what: &'static str,
     },
     /// `grad_output` of the wrong kind for the reduction.
     #[error("grad_output must be {expected} for this reduction")]
@@ -69,14 +41,5 @@ pub enum Error {
         /// Where the tensors are.
         inputs: flatpeak_common::Device,
     },
-    /// An error from the shared foundation (workspace, communicator, CUDA).
-    #[error(transparent)]
-    Common(#[from] flatpeak_common::Error),
 }
-
-impl Error {
-    /// [`Error::InvalidConfig`] for `field = value` outside the domain `reason`.
-    pub fn invalid_config(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Self {
-        Self::InvalidConfig { field, value: format!("{value:?}"), reason }
-    }
 }

@@ -1,11 +1,13 @@
 //! The one error type of `sco`; every variant carries the offending values.
+//! Besides its own variants it has the four every crate shares (`InvalidConfig`,
+//! `ShapeMismatch`, `BudgetTooSmall`, `Common`), declared by
+//! [`flatpeak_common::error_vocabulary!`].
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+flatpeak_common::error_vocabulary! {
 /// Misuse of the offloader, bad options, or a failed copy engine.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[non_exhaustive]
 pub enum Error {
     /// A layer index past the plan's depth.
     #[error("layer {layer} out of range for a stack of {layers} layers")]
@@ -14,26 +16,6 @@ pub enum Error {
         layer: usize,
         /// The plan's depth L.
         layers: usize,
-    },
-    /// An option or dimension outside its domain (NaN is never in one).
-    #[error("invalid config: {field} = {value}: expected {reason}")]
-    InvalidConfig {
-        /// Which option or dimension.
-        field: &'static str,
-        /// The value given, as `{:?}` writes it.
-        value: String,
-        /// Its domain, in words.
-        reason: &'static str,
-    },
-    /// A buffer or dimension of the wrong size.
-    #[error("shape mismatch for {what}: expected {expected}, got {got}")]
-    ShapeMismatch {
-        /// Which buffer or dimension.
-        what: &'static str,
-        /// What the plan or the other inputs call for.
-        expected: usize,
-        /// What was given.
-        got: usize,
     },
     /// `offload` of a layer whose boundary is already held.
     #[error("layer {layer} was already offloaded this step")]
@@ -56,16 +38,6 @@ pub enum Error {
         /// The layers holding them.
         held: Vec<usize>,
     },
-    /// The budget cannot hold the working set the config implies.
-    #[error("budget of {budget} B is below the {needed} B of {what}")]
-    BudgetTooSmall {
-        /// The budget given.
-        budget: usize,
-        /// What the plan needs.
-        needed: usize,
-        /// Which buffer that is.
-        what: &'static str,
-    },
     /// A copy engine stopped.
     #[error("copy engine `{engine}` stopped: {reason}")]
     EngineStopped {
@@ -84,14 +56,5 @@ pub enum Error {
         /// The driver's error.
         reason: String,
     },
-    /// An error from the shared foundation.
-    #[error(transparent)]
-    Common(#[from] flatpeak_common::Error),
 }
-
-impl Error {
-    /// [`Error::InvalidConfig`] for `field = value` outside the domain `reason`.
-    pub fn invalid_config(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Self {
-        Self::InvalidConfig { field, value: format!("{value:?}"), reason }
-    }
 }
