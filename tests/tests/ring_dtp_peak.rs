@@ -15,6 +15,13 @@ use ring_dtp::{
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
+/// Token counts measured (the smaller, then the larger): the peak may grow between them by the
+/// per-token term only. Hidden size and vocabulary are small enough that the debug-build test
+/// runs in a minute or two, large enough that every budget below splits the vocabulary.
+const TOKENS: [usize; 2] = [1024, 4096];
+const HIDDEN: usize = 128;
+const VOCAB: usize = 4096;
+
 /// Bookkeeping besides workspace and per-token state: per-block column records and target
 /// lists (≤ 20 B per token of a block) and rayon's job bookkeeping.
 const SLACK: usize = 64 * 1024;
@@ -88,12 +95,12 @@ fn measure_ring(
 }
 
 fn ring_bounds() -> usize {
-    let (p, d, v) = (4, 256, 8192);
+    let (p, d, v) = (4, HIDDEN, VOCAB);
     let mut passed = 0;
     for kind in [RingKind::Weight, RingKind::Activation] {
         let options = (Budget::Bytes(4 << 20), RingOptions::default().ring(kind));
         let mut peaks = Vec::new();
-        for n in [1024usize, 8192] {
+        for n in TOKENS {
             let (peak, plan) = measure_ring(n, d, v, p, options);
             // Per rank: the plan's bound, its tokens' statistics and gradient scales, the CPU
             // GEMM's rank-thread buffers; once: the rayon pool's buffers, the group's channels.
@@ -107,16 +114,24 @@ fn ring_bounds() -> usize {
                 plan.per_token_bytes(),
                 plan.cpu_gemm_scratch_bytes()
             );
-            peaks.push(peak);
+            peaks.push((peak, plan.bound_bytes()));
             passed += 1;
         }
+        // The plan's bound grows with N only until the budget caps it (its chunks never exceed
+        // a rank's tokens), so the peak may grow by P × that growth plus per-token state.
         // Which threads pack GEMM operands (each caches its own buffers) depends on how the
         // ranks' GEMMs meet on the shared pool, so that part may differ between two runs by up
         // to a rank's packing buffers each; everything else is per-token state.
-        let growth = peaks[1].saturating_sub(peaks[0]);
+        let growth = peaks[1].0.saturating_sub(peaks[0].0);
+        let plan_growth = p * peaks[1].1.saturating_sub(peaks[0].1);
         assert!(
-            growth <= PER_TOKEN_BYTES * (8192 - 1024) + p * (SLACK + CPU_GEMM_SCRATCH_PER_THREAD),
-            "{kind:?}: peak grew by {growth} B from N=1024 to 8192"
+            growth
+                <= plan_growth
+                    + PER_TOKEN_BYTES * (TOKENS[1] - TOKENS[0])
+                    + p * (SLACK + CPU_GEMM_SCRATCH_PER_THREAD),
+            "{kind:?}: peak grew by {growth} B from N={} to {}",
+            TOKENS[0],
+            TOKENS[1]
         );
     }
     passed
@@ -128,8 +143,8 @@ fn main() {
         [(64usize << 20, DType::F32), (2 << 20, DType::F32), (4 << 20, DType::Bf16), (64 << 20, DType::Bf16)]
     {
         let mut peaks = Vec::new();
-        for n in [1024usize, 8192] {
-            let (peak, plan) = measure(n, 256, 8192, budget, dtype);
+        for n in TOKENS {
+            let (peak, plan) = measure(n, HIDDEN, VOCAB, budget, dtype);
             let bound = plan.workspace_bytes()
                 + plan.per_token_bytes()
                 + plan.row_scratch_bytes()
@@ -143,13 +158,17 @@ fn main() {
                 plan.workspace_bytes(),
                 plan.per_token_bytes()
             );
-            peaks.push(peak);
+            peaks.push((peak, plan.workspace_bytes()));
             passed += 1;
         }
-        let growth = peaks[1].saturating_sub(peaks[0]);
+        // The workspace grows with N only until the budget caps it; past that, per-token state.
+        let growth = peaks[1].0.saturating_sub(peaks[0].0);
+        let plan_growth = peaks[1].1.saturating_sub(peaks[0].1);
         assert!(
-            growth <= PER_TOKEN_BYTES * (8192 - 1024) + SLACK,
-            "peak grew by {growth} B from N=1024 to 8192"
+            growth <= plan_growth + PER_TOKEN_BYTES * (TOKENS[1] - TOKENS[0]) + SLACK,
+            "peak grew by {growth} B from N={} to {}",
+            TOKENS[0],
+            TOKENS[1]
         );
     }
     println!("test result: ok. {passed} passed; 0 failed; 0 ignored; 0 measured; 0 filtered out");
