@@ -48,7 +48,11 @@
 //! ```
 
 mod activation;
+mod schedule;
 mod weight;
+
+#[cfg(feature = "cuda")]
+pub(crate) use schedule::{RingOps, Step, run_ring};
 
 use flatpeak_common::DType;
 use flatpeak_common::comm::{Communicator, CommunicatorExt};

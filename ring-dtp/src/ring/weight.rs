@@ -7,16 +7,18 @@
 //! contributions in the fixed order s, s + 1, …, s + P − 1.
 
 use std::mem::swap;
+use std::ops::Range;
 
 use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{DType, Workspace};
 
+use super::schedule::{RingOps, Step, run_ring};
 use super::{LinkCredit, Pass, Rank, as_matrix, elem_bytes, raw_rows};
 use crate::config::Config;
 use crate::cpu::{
-    BlockGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits, gradient,
-    resolve_targets, w_rows,
+    BlockGrads, ColumnGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits,
+    gradient, resolve_targets, w_rows,
 };
 use crate::error::Result;
 use crate::plan::RingPlan;
@@ -41,136 +43,184 @@ impl<'w> Slot<'w> {
     }
 }
 
+/// Runs one pass of the weight ring on the CPU, with its buffers carved from a workspace of the
+/// plan's size.
 pub(super) fn run<C: Communicator + ?Sized>(
     comm: &C,
     config: &Config,
     plan: &RingPlan,
     rank: &Rank<'_>,
-    mut pass: Pass<'_>,
+    pass: Pass<'_>,
 ) -> Result<()> {
-    let (p, r, d) = (plan.world(), rank.rank, plan.d());
-    let (next, prev) = (comm.next_rank(), comm.prev_rank());
-    let (cb, e) = (plan.token_block(), elem_bytes(plan.dtype()));
-    let inputs = &rank.local;
-    let own = plan.shard(r);
-    let has_bias = inputs.bias.is_some();
+    let (cb, d) = (plan.token_block(), plan.d());
     let ws = Workspace::new(plan.workspace_bytes());
-    let logits = ws.take::<f32>(cb * plan.vocab_block())?;
-    let targets = ws.take::<u32>(cb)?;
-    let xblk = ws.take::<f32>(cb * d)?;
-    let w_up = ws.take::<f32>(if plan.dtype() == DType::F32 { 0 } else { plan.vocab_block() * d })?;
-    let (mut cur, mut inc) = (Slot::carve(&ws, plan)?, Slot::carve(&ws, plan)?);
-    let mut cols = crate::cpu::ColumnGrads::with_capacity(cb);
-    let mut credit = LinkCredit::default();
-    for j in 0..plan.blocks() {
-        for k in 0..p {
-            let s = (r + p - k) % p;
-            let rows = plan.vocab_sub_block(s, j);
-            let vb = rows.len();
-            if k == 0 {
-                // The own sub-block enters the ring from the inputs.
-                let local = rows.start - own.start..rows.end - own.start;
-                cur.w[..e * vb * d].copy_from_slice(raw_rows(&inputs.w, local.clone(), d));
-                if let Some(b) = inputs.bias {
-                    cur.bias[..vb].copy_from_slice(&b[local]);
+    let backward = matches!(pass, Pass::Grad { .. });
+    let mut ops = WeightRing {
+        comm,
+        config,
+        plan,
+        rank,
+        pass,
+        logits: ws.take::<f32>(cb * plan.vocab_block())?,
+        targets: ws.take::<u32>(cb)?,
+        xblk: ws.take::<f32>(cb * d)?,
+        w_up: ws.take::<f32>(if plan.dtype() == DType::F32 { 0 } else { plan.vocab_block() * d })?,
+        cur: Slot::carve(&ws, plan)?,
+        inc: Slot::carve(&ws, plan)?,
+        cols: ColumnGrads::with_capacity(cb),
+        credit: LinkCredit::default(),
+    };
+    run_ring(&mut ops, plan, rank.rank, backward)
+}
+
+/// The weight ring's CPU backend: two [`Slot`]s and the token-block buffers.
+struct WeightRing<'a, 'w, C: ?Sized> {
+    comm: &'a C,
+    config: &'a Config,
+    plan: &'a RingPlan,
+    rank: &'a Rank<'a>,
+    pass: Pass<'a>,
+    logits: &'w mut [f32],
+    targets: &'w mut [u32],
+    xblk: &'w mut [f32],
+    w_up: &'w mut [f32],
+    cur: Slot<'w>,
+    inc: Slot<'w>,
+    cols: ColumnGrads,
+    credit: LinkCredit,
+}
+
+impl<C: Communicator + ?Sized> WeightRing<'_, '_, C> {
+    /// Bytes of one W row on the wire, and D.
+    fn widths(&self) -> (usize, usize) {
+        (elem_bytes(self.plan.dtype()), self.plan.d())
+    }
+    fn has_bias(&self) -> bool {
+        self.rank.local.bias.is_some()
+    }
+    /// The current sub-block's rows within this rank's shard.
+    fn local(&self, rows: &Range<usize>) -> Range<usize> {
+        let own = self.plan.shard(self.rank.rank);
+        rows.start - own.start..rows.end - own.start
+    }
+}
+
+impl<C: Communicator + ?Sized> RingOps for WeightRing<'_, '_, C> {
+    fn enter(&mut self, own: &Step) -> Result<()> {
+        let ((e, d), vb, local) = (self.widths(), own.unit.len(), self.local(&own.unit));
+        let inputs = &self.rank.local;
+        self.cur.w[..e * vb * d].copy_from_slice(raw_rows(&inputs.w, local.clone(), d));
+        if let Some(b) = inputs.bias {
+            self.cur.bias[..vb].copy_from_slice(&b[local]);
+        }
+        self.cur.dw[..vb * d].fill(0.0);
+        self.cur.dbias[..vb].fill(0.0);
+        Ok(())
+    }
+
+    fn send_inputs(&mut self, step: &Step, _incoming: usize) -> Result<()> {
+        let ((e, d), vb) = (self.widths(), step.unit.len());
+        self.credit.before_send(self.comm)?;
+        let next = self.comm.next_rank();
+        self.comm.send(next, &self.cur.w[..e * vb * d])?;
+        if self.has_bias() {
+            self.comm.send(next, &self.cur.bias[..vb])?;
+        }
+        Ok(())
+    }
+
+    fn compute(&mut self, step: &Step) -> Result<()> {
+        let Self { config, plan, rank, pass, logits, targets, xblk, w_up, cur, cols, .. } = self;
+        let (d, cb, vb, rows) = (plan.d(), plan.token_block(), step.unit.len(), &step.unit);
+        let e = elem_bytes(plan.dtype());
+        let inputs = &rank.local;
+        let has_bias = inputs.bias.is_some();
+        let w = w_rows(&as_matrix(&cur.w[..e * vb * d], plan.dtype()), 0, vb, d, w_up);
+        let vocab = VocabBlock { w, bias: has_bias.then_some(&cur.bias[..vb]), vb };
+        for t0 in (0..inputs.n).step_by(cb.max(1)) {
+            let c = cb.min(inputs.n - t0);
+            inputs.x.rows_f32(t0..t0 + c, d, xblk);
+            resolve_targets(config, inputs, t0, &mut targets[..c]);
+            let tokens = TokenBlock { x: &xblk[..c * d], targets: &targets[..c] };
+            form_logits(config, d, tokens, vocab, logits, plan.gemm_threads())?;
+            match pass {
+                Pass::Fold(stats) => {
+                    fold(config, tokens, (rows.start, vb), logits, false, stats.rows_mut(t0, c))
                 }
-                cur.dw[..vb * d].fill(0.0);
-                cur.dbias[..vb].fill(0.0);
-            }
-            let backward = matches!(pass, Pass::Grad { .. });
-            if k + 1 < p || (backward && p > 1) {
-                credit.before_send(comm)?;
-            }
-            if k + 1 < p {
-                comm.send(next, &cur.w[..e * vb * d])?;
-                if has_bias {
-                    comm.send(next, &cur.bias[..vb])?;
-                }
-            }
-            let w = w_rows(&as_matrix(&cur.w[..e * vb * d], plan.dtype()), 0, vb, d, w_up);
-            let vocab = VocabBlock { w, bias: has_bias.then_some(&cur.bias[..vb]), vb };
-            for t0 in (0..inputs.n).step_by(cb.max(1)) {
-                let c = cb.min(inputs.n - t0);
-                inputs.x.rows_f32(t0..t0 + c, d, xblk);
-                resolve_targets(config, inputs, t0, &mut targets[..c]);
-                let tokens = TokenBlock { x: &xblk[..c * d], targets: &targets[..c] };
-                form_logits(config, d, tokens, vocab, logits, plan.gemm_threads())?;
-                match &mut pass {
-                    Pass::Fold(stats) => {
-                        fold(config, tokens, (rows.start, vb), logits, false, stats.rows_mut(t0, c))
-                    }
-                    Pass::Grad { coef, lse, dlse, grads } => {
-                        let dlse = dlse.map(|g| &g[t0..t0 + c]);
-                        column_grads(config, plan.v(), &coef[t0..t0 + c], &lse[t0..t0 + c], dlse, &mut cols);
-                        gradient(config, tokens, (rows.start, vb), logits, &cols, false);
-                        // dX is fresh output memory: the first step's first sub-block writes it
-                        // without reading it (no read-then-write page faults).
-                        let first = j == 0 && k == 0;
-                        let out = BlockGrads {
-                            dx_rows: &mut grads.dx[t0 * d..(t0 + c) * d],
-                            dx_mode: if first { Accumulate::Replace } else { Accumulate::Add },
-                            dw_blk: &mut cur.dw[..vb * d],
-                            dw_mode: Accumulate::Add,
-                            dbias_blk: has_bias.then_some(&mut cur.dbias[..vb]),
-                            dx_partial: None,
-                        };
-                        accumulate_grads(d, logits, tokens, vocab, out, plan.gemm_threads())?;
-                    }
-                }
-            }
-            let Pass::Grad { grads, .. } = &mut pass else {
-                // Forward: W only.
-                if k + 1 < p {
-                    let vb_in = plan.vocab_sub_block((s + p - 1) % p, j).len();
-                    credit.sent();
-                    comm.recv(prev, &mut inc.w[..e * vb_in * d])?;
-                    if has_bias {
-                        comm.recv(prev, &mut inc.bias[..vb_in])?;
-                    }
-                    credit.received(comm)?;
-                    swap(&mut cur, &mut inc);
-                }
-                continue;
-            };
-            // Backward: the accumulator moves on (after step P − 1: home).
-            if p > 1 {
-                comm.send(next, &cur.dw[..vb * d])?;
-                if has_bias {
-                    comm.send(next, &cur.dbias[..vb])?;
-                }
-                credit.sent();
-            }
-            if k + 1 < p {
-                let vb_in = plan.vocab_sub_block((s + p - 1) % p, j).len();
-                comm.recv(prev, &mut inc.w[..e * vb_in * d])?;
-                if has_bias {
-                    comm.recv(prev, &mut inc.bias[..vb_in])?;
-                }
-                comm.recv(prev, &mut inc.dw[..vb_in * d])?;
-                if has_bias {
-                    comm.recv(prev, &mut inc.dbias[..vb_in])?;
-                }
-                credit.received(comm)?;
-                swap(&mut cur, &mut inc);
-                continue;
-            }
-            // Step P − 1: this rank's own sub-block j comes home, complete, into the outputs.
-            let home = plan.vocab_sub_block(r, j);
-            let local = home.start - own.start..home.end - own.start;
-            let dw_out = &mut grads.dw[local.start * d..local.end * d];
-            if p > 1 {
-                comm.recv(prev, dw_out)?;
-                if let Some(db) = grads.dbias.as_mut() {
-                    comm.recv(prev, &mut db[local])?;
-                }
-                credit.received(comm)?;
-            } else {
-                dw_out.copy_from_slice(&cur.dw[..vb * d]);
-                if let Some(db) = grads.dbias.as_mut() {
-                    db[local].copy_from_slice(&cur.dbias[..vb]);
+                Pass::Grad { coef, lse, dlse, grads } => {
+                    let dlse = dlse.map(|g| &g[t0..t0 + c]);
+                    column_grads(config, plan.v(), &coef[t0..t0 + c], &lse[t0..t0 + c], dlse, cols);
+                    gradient(config, tokens, (rows.start, vb), logits, cols, false);
+                    // dX is fresh output memory: the first step's first sub-block writes it
+                    // without reading it (no read-then-write page faults).
+                    let out = BlockGrads {
+                        dx_rows: &mut grads.dx[t0 * d..(t0 + c) * d],
+                        dx_mode: if step.first() { Accumulate::Replace } else { Accumulate::Add },
+                        dw_blk: &mut cur.dw[..vb * d],
+                        dw_mode: Accumulate::Add,
+                        dbias_blk: has_bias.then_some(&mut cur.dbias[..vb]),
+                        dx_partial: None,
+                    };
+                    accumulate_grads(d, logits, tokens, vocab, out, plan.gemm_threads())?;
                 }
             }
         }
+        Ok(())
     }
-    credit.finish(comm)
+
+    fn pass_on(&mut self, step: &Step, vb_in: usize, carried: bool) -> Result<()> {
+        let ((e, d), vb, has_bias) = (self.widths(), step.unit.len(), self.has_bias());
+        let (comm, next, prev) = (self.comm, self.comm.next_rank(), self.comm.prev_rank());
+        if carried {
+            comm.send(next, &self.cur.dw[..vb * d])?;
+            if has_bias {
+                comm.send(next, &self.cur.dbias[..vb])?;
+            }
+        }
+        self.credit.sent();
+        comm.recv(prev, &mut self.inc.w[..e * vb_in * d])?;
+        if has_bias {
+            comm.recv(prev, &mut self.inc.bias[..vb_in])?;
+        }
+        if carried {
+            comm.recv(prev, &mut self.inc.dw[..vb_in * d])?;
+            if has_bias {
+                comm.recv(prev, &mut self.inc.dbias[..vb_in])?;
+            }
+        }
+        self.credit.received(comm)?;
+        swap(&mut self.cur, &mut self.inc);
+        Ok(())
+    }
+
+    fn home(&mut self, step: &Step, home: Range<usize>) -> Result<()> {
+        let ((_, d), vb, local) = (self.widths(), step.unit.len(), self.local(&home));
+        let (comm, p) = (self.comm, self.plan.world());
+        let Pass::Grad { grads, .. } = &mut self.pass else {
+            return Ok(()); // the forward pass carries nothing home (`run_ring` never asks)
+        };
+        let dw_out = &mut grads.dw[local.start * d..local.end * d];
+        if p == 1 {
+            dw_out.copy_from_slice(&self.cur.dw[..vb * d]);
+            if let Some(db) = grads.dbias.as_mut() {
+                db[local].copy_from_slice(&self.cur.dbias[..vb]);
+            }
+            return Ok(());
+        }
+        self.credit.before_send(comm)?;
+        comm.send(comm.next_rank(), &self.cur.dw[..vb * d])?;
+        if grads.dbias.is_some() {
+            comm.send(comm.next_rank(), &self.cur.dbias[..vb])?;
+        }
+        self.credit.sent();
+        comm.recv(comm.prev_rank(), dw_out)?;
+        if let Some(db) = grads.dbias.as_mut() {
+            comm.recv(comm.prev_rank(), &mut db[local])?;
+        }
+        self.credit.received(comm)
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        std::mem::take(&mut self.credit).finish(self.comm)
+    }
 }

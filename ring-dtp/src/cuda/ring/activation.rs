@@ -1,167 +1,184 @@
 //! The activation ring on CUDA devices: token blocks circulate against each rank's whole
 //! vocabulary shard; see [`crate::ring`] for the schedule and [`super`] for the streams.
 
+use std::ops::Range;
+
 use flatpeak_common::cuda::cudarc::driver::CudaSlice;
 use flatpeak_common::nccl::DeviceCommunicator;
 
-use super::{Buffers, CudaRing, DeviceRankInputs, Pass, dtod, exchange_raw, ring_peers, zero};
-use crate::cuda::engine::{LogitsBlock, RowViews, StatsViews};
+use super::{DeviceRankInputs, Packet, Pass, dtod, exchange_raw, ring_peers, zero};
+use crate::config::Config;
+use crate::cuda::engine::{Engine, LogitsBlock, RowViews, StatsViews};
 use crate::cuda::rows_f32;
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::plan::RingPlan;
+use crate::ring::{RingOps, Step};
 
-impl<C: DeviceCommunicator> CudaRing<C> {
-    /// The activation ring: token block b of rank o = (r − k) mod P at step k, against the whole
-    /// local shard in vocabulary blocks; its statistics or dX accumulator hop home after P − 1.
-    pub(super) fn activation_ring(
-        &mut self,
-        inputs: &DeviceRankInputs<'_>,
-        resolved: &CudaSlice<u32>,
-        mut pass: Pass<'_>,
-    ) -> Result<()> {
-        let Self { config, plan, comm, engine: e, logits, x_wide, w_wide, buffers } = self;
-        let Buffers::Activation(slots) = buffers else {
-            return Err(Error::invalid_config("ring buffers", "of another ring", "activation-ring packets"));
-        };
-        let [a, b] = &mut **slots;
-        let (mut cur, mut inc) = (a, b);
-        let (p, r, d) = (plan.world(), comm.rank(), plan.d());
+/// The activation ring's CUDA backend: two [`Packet`]s of the ring's reserved buffers.
+pub(super) struct ActivationRing<'a, C: DeviceCommunicator> {
+    pub config: &'a Config,
+    pub plan: &'a RingPlan,
+    pub comm: &'a C,
+    pub e: &'a Engine,
+    pub logits: &'a mut CudaSlice<f32>,
+    pub x_wide: &'a mut CudaSlice<f32>,
+    pub w_wide: &'a mut CudaSlice<f32>,
+    pub cur: &'a mut Packet,
+    pub inc: &'a mut Packet,
+    pub inputs: &'a DeviceRankInputs<'a>,
+    pub resolved: &'a CudaSlice<u32>,
+    pub pass: Pass<'a>,
+}
+
+impl<C: DeviceCommunicator> ActivationRing<'_, C> {
+    /// Sends the current packet's statistics (forward) or dX (backward) on, and receives the
+    /// previous rank's into the incoming packet.
+    fn exchange_result(&mut self, c: usize, c_in: usize) -> Result<()> {
+        let (comm, d) = (self.comm, self.plan.d());
         let (next, prev) = ring_peers(comm);
-        let (shard, vbmax) = (plan.shard(r), plan.vocab_block());
-        for blk in 0..plan.blocks() {
-            for k in 0..p {
-                let o = (r + p - k) % p;
-                let c = plan.token_sub_block(o, blk).len();
-                if k == 0 {
-                    let rows = plan.token_sub_block(r, blk);
-                    cur.x.load(e, &inputs.x, rows.start * d..rows.end * d)?;
-                    dtod(e, &resolved.slice(rows.clone()), &mut cur.targets.slice_mut(..c))?;
-                    match &pass {
-                        Pass::Fold(_) => {
-                            e.fill_neg_inf(&mut cur.max.slice_mut(..c))?;
-                            zero(e, &mut cur.target_logit.slice_mut(..c))?;
-                            zero(e, &mut cur.sum.slice_mut(..c))?;
-                            zero(e, &mut cur.logit_sum.slice_mut(..c))?;
-                        }
-                        Pass::Grad { coef, lse, dlse, .. } => {
-                            dtod(e, &coef.slice(rows.clone()), &mut cur.coef.slice_mut(..c))?;
-                            dtod(e, &lse.slice(rows.clone()), &mut cur.lse.slice_mut(..c))?;
-                            match dlse {
-                                Some(g) => dtod(e, &g.slice(rows), &mut cur.dlse.slice_mut(..c))?,
-                                None => zero(e, &mut cur.dlse.slice_mut(..c))?,
-                            }
-                            zero(e, &mut cur.dx.slice_mut(..c * d))?;
-                        }
-                    }
+        let (cur, inc) = (&*self.cur, &mut *self.inc);
+        if matches!(self.pass, Pass::Grad { .. }) {
+            comm.exchange(&[cur.dx.slice(..c * d)], next, &mut [inc.dx.slice_mut(..c_in * d)], prev)?;
+        } else {
+            let send = [cur.max.slice(..c), cur.target_logit.slice(..c)];
+            let mut recv = [inc.max.slice_mut(..c_in), inc.target_logit.slice_mut(..c_in)];
+            comm.exchange(&send, next, &mut recv, prev)?;
+            let send = [cur.sum.slice(..c), cur.logit_sum.slice(..c)];
+            let mut recv = [inc.sum.slice_mut(..c_in), inc.logit_sum.slice_mut(..c_in)];
+            comm.exchange(&send, next, &mut recv, prev)?;
+        }
+        Ok(())
+    }
+}
+
+impl<C: DeviceCommunicator> RingOps for ActivationRing<'_, C> {
+    fn enter(&mut self, own: &Step) -> Result<()> {
+        let (e, d, c, rows) = (self.e, self.plan.d(), own.unit.len(), own.unit.clone());
+        let cur = &mut *self.cur;
+        cur.x.load(e, &self.inputs.x, rows.start * d..rows.end * d)?;
+        dtod(e, &self.resolved.slice(rows.clone()), &mut cur.targets.slice_mut(..c))?;
+        match &self.pass {
+            Pass::Fold(_) => {
+                e.fill_neg_inf(&mut cur.max.slice_mut(..c))?;
+                zero(e, &mut cur.target_logit.slice_mut(..c))?;
+                zero(e, &mut cur.sum.slice_mut(..c))?;
+                zero(e, &mut cur.logit_sum.slice_mut(..c))?;
+            }
+            Pass::Grad { coef, lse, dlse, .. } => {
+                dtod(e, &coef.slice(rows.clone()), &mut cur.coef.slice_mut(..c))?;
+                dtod(e, &lse.slice(rows.clone()), &mut cur.lse.slice_mut(..c))?;
+                match dlse {
+                    Some(g) => dtod(e, &g.slice(rows), &mut cur.dlse.slice_mut(..c))?,
+                    None => zero(e, &mut cur.dlse.slice_mut(..c))?,
                 }
-                let backward = matches!(pass, Pass::Grad { .. });
-                // Early: the X rows, targets and backward row data travel on while this step's
-                // GEMMs read them.
-                let c_in = plan.token_sub_block((o + p - 1) % p, blk).len();
-                if k + 1 < p {
-                    exchange_raw(comm, (&cur.x, c * d), (&mut inc.x, c_in * d))?;
-                    comm.exchange(
-                        &[cur.targets.slice(..c)],
-                        next,
-                        &mut [inc.targets.slice_mut(..c_in)],
-                        prev,
-                    )?;
-                    if backward {
-                        let send = [cur.coef.slice(..c), cur.lse.slice(..c), cur.dlse.slice(..c)];
-                        let mut recv = [
-                            inc.coef.slice_mut(..c_in),
-                            inc.lse.slice_mut(..c_in),
-                            inc.dlse.slice_mut(..c_in),
-                        ];
-                        comm.exchange(&send, next, &mut recv, prev)?;
-                    }
-                }
-                let x = cur.x.f32(e, c * d, x_wide)?;
-                for v0 in (0..shard.len()).step_by(vbmax.max(1)) {
-                    let vb = vbmax.min(shard.len() - v0);
-                    let w = rows_f32(e, &inputs.w_shard, v0..v0 + vb, d, w_wide)?;
-                    e.logits(&w, &x, (c, vb, d), logits)?;
-                    let block = LogitsBlock {
-                        logits,
-                        rows: c,
-                        vb,
-                        v0: shard.start + v0,
-                        bias: inputs.bias_shard.map(|b| b.slice(v0..v0 + vb)),
-                        targets: cur.targets.slice(..c),
+                zero(e, &mut cur.dx.slice_mut(..c * d))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Early: the X rows, targets and backward row data travel on while this step's GEMMs read
+    /// them.
+    fn send_inputs(&mut self, step: &Step, c_in: usize) -> Result<()> {
+        let (comm, d, c) = (self.comm, self.plan.d(), step.unit.len());
+        let (next, prev) = ring_peers(comm);
+        let (cur, inc) = (&*self.cur, &mut *self.inc);
+        exchange_raw(comm, (&cur.x, c * d), (&mut inc.x, c_in * d))?;
+        comm.exchange(&[cur.targets.slice(..c)], next, &mut [inc.targets.slice_mut(..c_in)], prev)?;
+        if matches!(self.pass, Pass::Grad { .. }) {
+            let send = [cur.coef.slice(..c), cur.lse.slice(..c), cur.dlse.slice(..c)];
+            let mut recv =
+                [inc.coef.slice_mut(..c_in), inc.lse.slice_mut(..c_in), inc.dlse.slice_mut(..c_in)];
+            comm.exchange(&send, next, &mut recv, prev)?;
+        }
+        Ok(())
+    }
+
+    fn compute(&mut self, step: &Step) -> Result<()> {
+        let Self { config, plan, comm, e, logits, x_wide, w_wide, cur, inputs, pass, .. } = self;
+        let (d, c, vbmax, shard) = (plan.d(), step.unit.len(), plan.vocab_block(), plan.shard(comm.rank()));
+        let x = cur.x.f32(e, c * d, x_wide)?;
+        for v0 in (0..shard.len()).step_by(vbmax.max(1)) {
+            let vb = vbmax.min(shard.len() - v0);
+            let w = rows_f32(e, &inputs.w_shard, v0..v0 + vb, d, w_wide)?;
+            e.logits(&w, &x, (c, vb, d), logits)?;
+            let block = LogitsBlock {
+                logits,
+                rows: c,
+                vb,
+                v0: shard.start + v0,
+                bias: inputs.bias_shard.map(|b| b.slice(v0..v0 + vb)),
+                targets: cur.targets.slice(..c),
+            };
+            match pass {
+                Pass::Fold(_) => {
+                    let st = StatsViews {
+                        max: cur.max.slice_mut(..c),
+                        sum: cur.sum.slice_mut(..c),
+                        target_logit: cur.target_logit.slice_mut(..c),
+                        logit_sum: cur.logit_sum.slice_mut(..c),
                     };
-                    match &mut pass {
-                        Pass::Fold(_) => {
-                            let st = StatsViews {
-                                max: cur.max.slice_mut(..c),
-                                sum: cur.sum.slice_mut(..c),
-                                target_logit: cur.target_logit.slice_mut(..c),
-                                logit_sum: cur.logit_sum.slice_mut(..c),
-                            };
-                            e.fold(config, block, st)?;
-                        }
-                        Pass::Grad { grads, .. } => {
-                            let rv = RowViews {
-                                coef: cur.coef.slice(..c),
-                                lse: cur.lse.slice(..c),
-                                dlse: Some(cur.dlse.slice(..c)),
-                            };
-                            e.gradient(config, plan.v(), block, rv)?;
-                            e.dx(&w, logits, (c, vb, d), &mut cur.dx.slice_mut(..c * d))?;
-                            e.dw(&x, logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
-                            if let Some(db) = grads.dbias.as_mut() {
-                                e.bias_grad(logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
-                            }
-                        }
-                    }
+                    e.fold(config, block, st)?;
                 }
-                if k + 1 < p {
-                    // Late: the accumulators follow once the step's GEMMs are done.
-                    if backward {
-                        comm.exchange(
-                            &[cur.dx.slice(..c * d)],
-                            next,
-                            &mut [inc.dx.slice_mut(..c_in * d)],
-                            prev,
-                        )?;
-                    } else {
-                        let send = [cur.max.slice(..c), cur.target_logit.slice(..c)];
-                        let mut recv = [inc.max.slice_mut(..c_in), inc.target_logit.slice_mut(..c_in)];
-                        comm.exchange(&send, next, &mut recv, prev)?;
-                        let send = [cur.sum.slice(..c), cur.logit_sum.slice(..c)];
-                        let mut recv = [inc.sum.slice_mut(..c_in), inc.logit_sum.slice_mut(..c_in)];
-                        comm.exchange(&send, next, &mut recv, prev)?;
-                    }
-                    std::mem::swap(&mut cur, &mut inc);
-                    continue;
-                }
-                // Step P − 1: this rank's own block comes home, complete.
-                let home = plan.token_sub_block(r, blk);
-                match &mut pass {
-                    Pass::Fold(stats) => {
-                        let st = stats.rows(home.start, home.len());
-                        if p > 1 {
-                            let send = [cur.max.slice(..c), cur.target_logit.slice(..c)];
-                            comm.exchange(&send, next, &mut [st.max, st.target_logit], prev)?;
-                            let send = [cur.sum.slice(..c), cur.logit_sum.slice(..c)];
-                            comm.exchange(&send, next, &mut [st.sum, st.logit_sum], prev)?;
-                        } else {
-                            let StatsViews { mut max, mut sum, mut target_logit, mut logit_sum } = st;
-                            dtod(e, &cur.max.slice(..c), &mut max)?;
-                            dtod(e, &cur.sum.slice(..c), &mut sum)?;
-                            dtod(e, &cur.target_logit.slice(..c), &mut target_logit)?;
-                            dtod(e, &cur.logit_sum.slice(..c), &mut logit_sum)?;
-                        }
-                    }
-                    Pass::Grad { grads, .. } => {
-                        let mut dx_out = grads.dx.slice_mut(home.start * d..home.end * d);
-                        if p > 1 {
-                            comm.exchange(&[cur.dx.slice(..c * d)], next, &mut [dx_out], prev)?;
-                        } else {
-                            dtod(e, &cur.dx.slice(..c * d), &mut dx_out)?;
-                        }
+                Pass::Grad { grads, .. } => {
+                    let rv = RowViews {
+                        coef: cur.coef.slice(..c),
+                        lse: cur.lse.slice(..c),
+                        dlse: Some(cur.dlse.slice(..c)),
+                    };
+                    e.gradient(config, plan.v(), block, rv)?;
+                    e.dx(&w, logits, (c, vb, d), &mut cur.dx.slice_mut(..c * d))?;
+                    e.dw(&x, logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
+                    if let Some(db) = grads.dbias.as_mut() {
+                        e.bias_grad(logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
                     }
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Late: the statistics or dX follow once the step's GEMMs are done.
+    fn pass_on(&mut self, step: &Step, c_in: usize, _carried: bool) -> Result<()> {
+        self.exchange_result(step.unit.len(), c_in)?;
+        std::mem::swap(&mut self.cur, &mut self.inc);
+        Ok(())
+    }
+
+    /// Step P − 1: this rank's own block comes home, complete, into the outputs.
+    fn home(&mut self, step: &Step, home: Range<usize>) -> Result<()> {
+        let (d, c, p, comm, e, cur) =
+            (self.plan.d(), step.unit.len(), self.plan.world(), self.comm, self.e, &*self.cur);
+        let (next, prev) = ring_peers(comm);
+        match &mut self.pass {
+            Pass::Fold(stats) => {
+                let st = stats.rows(home.start, home.len());
+                if p > 1 {
+                    let send = [cur.max.slice(..c), cur.target_logit.slice(..c)];
+                    comm.exchange(&send, next, &mut [st.max, st.target_logit], prev)?;
+                    let send = [cur.sum.slice(..c), cur.logit_sum.slice(..c)];
+                    comm.exchange(&send, next, &mut [st.sum, st.logit_sum], prev)?;
+                } else {
+                    let StatsViews { mut max, mut sum, mut target_logit, mut logit_sum } = st;
+                    dtod(e, &cur.max.slice(..c), &mut max)?;
+                    dtod(e, &cur.sum.slice(..c), &mut sum)?;
+                    dtod(e, &cur.target_logit.slice(..c), &mut target_logit)?;
+                    dtod(e, &cur.logit_sum.slice(..c), &mut logit_sum)?;
+                }
+            }
+            Pass::Grad { grads, .. } => {
+                let mut dx_out = grads.dx.slice_mut(home.start * d..home.end * d);
+                if p > 1 {
+                    comm.exchange(&[cur.dx.slice(..c * d)], next, &mut [dx_out], prev)?;
+                } else {
+                    dtod(e, &cur.dx.slice(..c * d), &mut dx_out)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
         Ok(())
     }
 }

@@ -47,6 +47,7 @@ use crate::cpu;
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput};
 use crate::plan::{RingKind, RingPlan};
+use crate::ring::run_ring;
 
 /// One rank's device share of a call (see [`crate::ring::RankInputs`]): its tokens' rows of X,
 /// targets and weights, and its vocabulary shard of W and the bias.
@@ -364,9 +365,45 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         resolved: &CudaSlice<u32>,
         pass: Pass<'_>,
     ) -> Result<()> {
-        let ran = match self.plan.kind() {
-            RingKind::Weight => self.weight_ring(inputs, resolved, pass),
-            RingKind::Activation => self.activation_ring(inputs, resolved, pass),
+        let Self { config, plan, comm, engine: e, logits, x_wide, w_wide, buffers } = self;
+        let (rank, backward) = (comm.rank(), matches!(pass, Pass::Grad { .. }));
+        let ran = match buffers {
+            Buffers::Weight(slots) => {
+                let [cur, inc] = &mut **slots;
+                let mut ops = WeightRing {
+                    config,
+                    plan,
+                    comm,
+                    e,
+                    logits,
+                    x_wide,
+                    w_wide,
+                    cur,
+                    inc,
+                    inputs,
+                    resolved,
+                    pass,
+                };
+                run_ring(&mut ops, plan, rank, backward)
+            }
+            Buffers::Activation(packets) => {
+                let [cur, inc] = &mut **packets;
+                let mut ops = ActivationRing {
+                    config,
+                    plan,
+                    comm,
+                    e,
+                    logits,
+                    x_wide,
+                    w_wide,
+                    cur,
+                    inc,
+                    inputs,
+                    resolved,
+                    pass,
+                };
+                run_ring(&mut ops, plan, rank, backward)
+            }
         };
         // The last hops land on the communicator's stream: compute (the downloads that follow)
         // waits for them, and the caller's stream for the compute stream's outputs.
@@ -406,3 +443,6 @@ fn zero<
 
 mod activation;
 mod weight;
+
+use activation::ActivationRing;
+use weight::WeightRing;
