@@ -101,6 +101,7 @@ impl<'a> Inputs<'a> {
 
     /// Checks shapes, dtypes and targets against `config`.
     pub fn validate(&self, config: &Config) -> Result<()> {
+        config.validate()?;
         let check = |what, expected: usize, found: usize| {
             if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
         };

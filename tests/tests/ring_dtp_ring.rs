@@ -496,3 +496,31 @@ fn device_rings_match_the_reference() {
         }
     }
 }
+
+/// A config made invalid after planning is refused by every executor that takes it, with the
+/// offending field named: the single-device CPU path and each ring rank.
+#[test]
+fn executors_revalidate_the_config_they_are_given() {
+    let c = make_case(12, 4, 10, 9);
+    let config = Config::default();
+    let shape = Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype: DType::F32 };
+    let bad = config.label_smoothing(1.5);
+    let plan = Plan::new(&config, shape, Budget::Unlimited).expect("plan");
+    let inputs = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, c.d);
+    let err = cpu::forward(&bad, &plan, &inputs).unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { field: "label_smoothing", .. }), "{err}");
+    let ring_plan =
+        RingPlan::new(&config, shape, Budget::Unlimited, RingOptions::default().ranks(2)).expect("plan");
+    for r in on_ranks(2, |comm: &LocalComm| {
+        use flatpeak_common::comm::Communicator;
+        let (t, s) = (ring_plan.tokens(comm.rank()), ring_plan.shard(comm.rank()));
+        let inputs = RankInputs::new(
+            slice(Matrix::F32(&c.x), t.clone(), c.d),
+            slice(Matrix::F32(&c.w), s, c.d),
+            &c.targets[t],
+        );
+        ring::forward(comm, &bad, &ring_plan, &inputs)
+    }) {
+        assert!(matches!(r, Err(Error::InvalidConfig { field: "label_smoothing", .. })), "{r:?}");
+    }
+}

@@ -113,6 +113,7 @@ fn validate<'a, C: Communicator + ?Sized>(
     plan: &RingPlan,
     inputs: &RankInputs<'a>,
 ) -> Result<Rank<'a>> {
+    config.validate()?;
     check("world size", plan.world(), comm.world_size())?;
     let rank = comm.rank();
     let (n, v, d) = (plan.tokens(rank).len(), plan.shard(rank).len(), plan.d());
