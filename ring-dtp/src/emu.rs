@@ -336,8 +336,11 @@ fn check(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Vec<u32>> 
     if let Some(b) = inputs.bias.filter(|b| b.len() != inputs.v) {
         return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, got: b.len() });
     }
-    if let Some(w) = inputs.weights.filter(|w| w.len() != inputs.n) {
-        return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, got: w.len() });
+    if let Some(w) = inputs.weights {
+        if w.len() != inputs.n {
+            return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, got: w.len() });
+        }
+        crate::inputs::check_weights(w)?;
     }
     resolve_targets(config, inputs)
 }

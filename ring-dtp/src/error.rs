@@ -19,6 +19,16 @@ pub enum Error {
         /// The vocabulary size V.
         vocab: usize,
     },
+    /// A per-token weight that is negative or not finite: the loss would be silently wrong (a
+    /// NaN weight gives a loss of 0 with NaN gradients; a negative one can cancel the mean's
+    /// denominator).
+    #[error("weight {weight} of token {token} must be finite and ≥ 0")]
+    InvalidWeight {
+        /// The token (row of X).
+        token: usize,
+        /// Its weight.
+        weight: f32,
+    },
     /// X and W of different element types.
     #[error("dtype mismatch: x is {x}, w is {w}")]
     DtypeMismatch {

@@ -113,6 +113,7 @@ impl<'a> Inputs<'a> {
         }
         if let Some(w) = self.weights {
             check("weights (n)", self.n, w.len())?;
+            check_weights(w)?;
         }
         if self.x.dtype() != self.w.dtype() {
             return Err(Error::DtypeMismatch { x: self.x.dtype(), w: self.w.dtype() });
@@ -140,6 +141,15 @@ impl<'a> Inputs<'a> {
     /// Σ of the valid rows' weights: the mean's denominator.
     pub fn valid_weight(&self, config: &Config) -> f64 {
         (0..self.n).filter(|&i| self.target(config, i).is_some()).map(|i| self.weight(i) as f64).sum()
+    }
+}
+
+/// Checks per-token weights: each finite and ≥ 0, so the mean's denominator Σω is finite and
+/// ≥ 0 and the loss and its gradient see the same one.
+pub(crate) fn check_weights(weights: &[f32]) -> Result<()> {
+    match weights.iter().position(|w| !(w.is_finite() && *w >= 0.0)) {
+        Some(token) => Err(Error::InvalidWeight { token, weight: weights[token] }),
+        None => Ok(()),
     }
 }
 

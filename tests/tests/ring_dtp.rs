@@ -480,6 +480,15 @@ fn device_schedule_matches_the_reference(backend: Backend) {
     let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 4);
     let err = run_on(backend, &config, &plan, &inp, GradOutput::Scalar(1.0), None).unwrap_err();
     assert_eq!(err, Error::TargetOutOfRange { token: 6, target: 20, vocab: 20 });
+    // A NaN, infinite or negative per-token weight is refused (it gave a loss of 0 with NaN or
+    // nonzero gradients).
+    for bad in [f32::NAN, f32::INFINITY, -0.5] {
+        let mut weights = vec![1.0f32; 10];
+        weights[4] = bad;
+        let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, 4).with_weights(&weights);
+        let err = run_on(backend, &config, &plan, &inp, GradOutput::Scalar(1.0), None).unwrap_err();
+        assert!(matches!(err, Error::InvalidWeight { token: 4, .. }), "{bad}: {err}");
+    }
 }
 
 flatpeak_common::test_backends!(device_schedule, device_schedule_matches_the_reference, cpu_gemm);

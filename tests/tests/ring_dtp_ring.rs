@@ -385,6 +385,22 @@ fn bad_input_is_a_typed_error_on_every_rank() {
     );
     // Rank 1's inputs are fine: it learns that its peer is gone instead of hanging.
     assert!(results[1].is_err());
+    // A negative weight on rank 1's tokens: rank 1 names it; rank 0 learns its peer is gone.
+    let mut weights = vec![1.0f32; c.n];
+    weights[plan.tokens(1).start + 2] = -1.0;
+    let results = on_ranks(2, |comm: &LocalComm| {
+        use flatpeak_common::comm::Communicator;
+        let (t, s) = (plan.tokens(comm.rank()), plan.shard(comm.rank()));
+        let inputs = RankInputs::new(
+            Matrix::F32(&c.x[t.start * 8..t.end * 8]),
+            Matrix::F32(&c.w[s.start * 8..s.end * 8]),
+            &c.targets[t.clone()],
+        )
+        .with_weights(&weights[t]);
+        ring::forward(comm, &config, &plan, &inputs)
+    });
+    assert!(matches!(results[1], Err(Error::InvalidWeight { token: 2, weight: -1.0 })), "{:?}", results[1]);
+    assert!(results[0].is_err());
     // A plan for another world size, and shards of the wrong shape.
     let results = on_ranks(3, |comm: &LocalComm| {
         let inputs = RankInputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..120]), &c.targets[..10]);

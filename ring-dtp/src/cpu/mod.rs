@@ -59,18 +59,19 @@ pub(crate) fn coefficients(
     grad: GradOutput<'_>,
     mean_denominator: f64,
 ) -> Result<Vec<f32>> {
-    let scale = |i: usize, g: f32, denom: f64| -> f32 {
-        if inputs.target(config, i).is_none() || denom == 0.0 {
-            0.0
-        } else {
-            (g as f64 * inputs.weight(i) as f64 / denom) as f32
+    let scale = |i: usize, g: f32, denom: Option<f64>| -> f32 {
+        match (inputs.target(config, i), denom) {
+            (Some(_), Some(denom)) => (g as f64 * inputs.weight(i) as f64 / denom) as f32,
+            _ => 0.0,
         }
     };
     match (config.reduction, grad) {
         (Reduction::Mean, GradOutput::Scalar(g)) => {
-            Ok((0..inputs.n).map(|i| scale(i, g, mean_denominator)).collect())
+            Ok((0..inputs.n).map(|i| scale(i, g, normaliser(mean_denominator))).collect())
         }
-        (Reduction::Sum, GradOutput::Scalar(g)) => Ok((0..inputs.n).map(|i| scale(i, g, 1.0)).collect()),
+        (Reduction::Sum, GradOutput::Scalar(g)) => {
+            Ok((0..inputs.n).map(|i| scale(i, g, Some(1.0))).collect())
+        }
         (Reduction::None, GradOutput::PerToken(g)) => {
             if g.len() != inputs.n {
                 return Err(Error::ShapeMismatch {
@@ -79,7 +80,7 @@ pub(crate) fn coefficients(
                     got: g.len(),
                 });
             }
-            Ok((0..inputs.n).map(|i| scale(i, g[i], 1.0)).collect())
+            Ok((0..inputs.n).map(|i| scale(i, g[i], Some(1.0))).collect())
         }
         (Reduction::None, _) => Err(Error::GradOutputKind { expected: "per-token for reduction none" }),
         _ => Err(Error::GradOutputKind { expected: "a scalar for reduction mean or sum" }),
@@ -320,8 +321,14 @@ pub(crate) fn reduce_loss(config: &Config, per_token: Vec<f32>, total: f64, deno
     match config.reduction {
         Reduction::None => Loss::PerToken(per_token),
         Reduction::Sum => Loss::Scalar(total),
-        Reduction::Mean => Loss::Scalar(if denom > 0.0 { total / denom } else { 0.0 }),
+        Reduction::Mean => Loss::Scalar(normaliser(denom).map_or(0.0, |denom| total / denom)),
     }
+}
+
+/// The mean's normaliser Σω over the valid rows, or `None` when no row counts (then the loss is
+/// 0 and so is every gradient). The loss and the gradient scales both take it from here.
+fn normaliser(valid_weight: f64) -> Option<f64> {
+    (valid_weight > 0.0).then_some(valid_weight)
 }
 
 fn finish_forward(config: &Config, inputs: &Inputs<'_>, stats: &Stats) -> Forward {

@@ -132,6 +132,9 @@ impl HostRows {
             return Err(Error::TargetOutOfRange { token, target: targets[token], vocab: v });
         }
         let weights = weights.map(|w| e.download(&w.slice(..))).transpose()?;
+        if let Some(w) = &weights {
+            crate::inputs::check_weights(w)?;
+        }
         Ok(Self { targets, weights })
     }
 

@@ -125,6 +125,7 @@ fn validate<'a, C: Communicator + ?Sized>(
     }
     if let Some(w) = inputs.weights {
         check("weights (n_r)", n, w.len())?;
+        crate::inputs::check_weights(w)?;
     }
     for dtype in [inputs.x.dtype(), inputs.w_shard.dtype()] {
         if dtype != plan.dtype() {
