@@ -108,7 +108,8 @@ impl Hyperparameters {
         Self { clip, ..self }
     }
 
-    /// Checks every hyperparameter's domain; NaN is never valid.
+    /// Checks every hyperparameter's domain, in the precision the kernel uses (f32); NaN is
+    /// never valid.
     pub fn validate(&self) -> Result<()> {
         check("lr", self.lr, self.lr >= 0.0 && self.lr.is_finite(), "a finite value ≥ 0")?;
         check("beta1", self.beta1, (0.0..1.0).contains(&self.beta1), "a value in [0, 1)")?;
@@ -123,6 +124,17 @@ impl Hyperparameters {
         if let GradClip::GlobalNorm { max_norm } = self.clip {
             check("max_norm", max_norm, max_norm > 0.0 && max_norm.is_finite(), "a finite value > 0")?;
         }
+        // The kernel computes in f32: each scalar it is handed (see `StepScalars`) must survive
+        // the cast, or every parameter would silently become NaN. ε must stay a normal f32 > 0
+        // (a subnormal one is flushed to 0 by a kernel built with fast math); lr/(1 − β1) is the
+        // largest step size (step 1) and lr·λ the decay's term.
+        let f32_finite = |x: f64| (x as f32).is_finite();
+        check("lr", self.lr, f32_finite(self.lr), "finite in f32 (≤ 3.4e38)")?;
+        check("eps", self.eps, self.eps as f32 >= f32::MIN_POSITIVE, "≥ 1.2e-38 (a normal f32)")?;
+        let step_size = self.lr / (1.0 - self.beta1);
+        check("lr", self.lr, f32_finite(step_size), "lr/(1 − β1), the first step size, finite in f32")?;
+        let decay_term = self.lr * self.weight_decay;
+        check("weight_decay", self.weight_decay, f32_finite(decay_term), "lr·weight_decay finite in f32")?;
         Ok(())
     }
 }
@@ -195,8 +207,15 @@ mod tests {
             Hyperparameters { lr: f64::NAN, ..Default::default() },
             Hyperparameters { weight_decay: -1.0, ..Default::default() },
             Hyperparameters { clip: GradClip::GlobalNorm { max_norm: 0.0 }, ..Default::default() },
+            // Valid in f64, lost in the kernel's f32: ε flushes to 0, lr overflows, and so do the
+            // first step size and the decay term.
+            Hyperparameters { eps: 1e-50, ..Default::default() },
+            Hyperparameters { lr: 1e300, ..Default::default() },
+            Hyperparameters { lr: 1e30, beta1: 1.0 - 1e-12, ..Default::default() },
+            Hyperparameters { lr: 1e20, weight_decay: 1e20, ..Default::default() },
         ];
-        let names = ["beta1", "beta2", "eps", "lr", "weight_decay", "max_norm"];
+        let names =
+            ["beta1", "beta2", "eps", "lr", "weight_decay", "max_norm", "eps", "lr", "lr", "weight_decay"];
         for (cfg, name) in bad.iter().zip(names) {
             match cfg.validate() {
                 Err(Error::InvalidConfig { field: n, .. }) => assert_eq!(n, name),

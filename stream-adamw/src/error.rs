@@ -15,6 +15,17 @@ pub enum Error {
         /// What does not fit.
         reason: String,
     },
+    /// An imported second moment that is negative or not finite (√v would be NaN or the
+    /// update silently wrong).
+    #[error("imported {what}[{index}] = {value}: must be finite and ≥ 0")]
+    InvalidState {
+        /// The buffer (`exp_avg_sq` or `max_exp_avg_sq`).
+        what: &'static str,
+        /// The first offending element.
+        index: usize,
+        /// Its value.
+        value: f32,
+    },
     /// The step counter would overflow.
     #[error("step counter overflow at step {step}")]
     StepOverflow {

@@ -170,8 +170,9 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         self.state.import(dict, self.config.variant)
     }
 
-    /// Gradient statistics and the step's scalars, or `None` when the step must be skipped.
-    fn prepare(&mut self, grad_sq: f64, options: StepOptions) -> Result<(Option<StepScalars>, f64, f64)> {
+    /// Gradient statistics and the step's scalars with its step number, or `None` when the step
+    /// must be skipped. Changes nothing: the step number is committed only once the step ran.
+    fn prepare(&self, grad_sq: f64, options: StepOptions) -> Result<(Option<NextStep>, f64, f64)> {
         let scale = options.grad_scale;
         if !(scale.is_finite() && scale > 0.0) {
             return Err(Error::invalid_config("grad_scale", scale, "a finite value > 0"));
@@ -182,8 +183,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         }
         let step = self.state.step.checked_add(1).ok_or(Error::StepOverflow { step: self.state.step })?;
         let clip_coef = clip_coefficient(self.config.clip, norm);
-        self.state.step = step;
-        Ok((Some(StepScalars::new(&self.config, step, clip_coef * scale)), norm, clip_coef))
+        Ok((Some((StepScalars::new(&self.config, step, clip_coef * scale), step)), norm, clip_coef))
     }
 
     /// One optimizer step on the CPU fallback's device: statistics over the device gradients,
@@ -197,11 +197,12 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         let grad_sq = grad_sq_sum(&device.grads);
         times.stats = start.elapsed();
         let (scalars, grad_norm, clip_coef) = self.prepare(grad_sq, options)?;
-        let Some(scalars) = scalars else {
+        let Some((scalars, step)) = scalars else {
             return Ok(self.skipped(grad_norm, times, start));
         };
         let staging = self.backend.host()?;
         run_host(&self.plan, &mut self.state, staging, device, &scalars, &mut times)?;
+        self.state.step = step;
         times.total = start.elapsed();
         Ok(StepReport { outcome: StepOutcome::Applied, step: self.state.step, grad_norm, clip_coef, times })
     }
@@ -227,6 +228,9 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         }
     }
 }
+
+/// The scalars of the step about to run, and its number (committed once it ran).
+type NextStep = (StepScalars, u64);
 
 #[cfg(feature = "cuda")]
 fn cuda_backend<G: GradElement, P: ParamElement>(plan: &Plan, ordinal: usize) -> Result<Backend<G, P>> {
@@ -270,11 +274,12 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         let grad_sq = offload.grad_sq_sum(&device.grads)?;
         times.stats = start.elapsed();
         let (scalars, grad_norm, clip_coef) = self.prepare(grad_sq, options)?;
-        let Some(scalars) = scalars else {
+        let Some((scalars, step)) = scalars else {
             return Ok(self.skipped(grad_norm, times, start));
         };
         let Backend::Cuda(offload) = &mut self.backend else { return Err(wrong_backend()) };
         offload.run(&self.plan, &mut self.state, device, &scalars, &mut times)?;
+        self.state.step = step;
         times.total = start.elapsed();
         Ok(StepReport { outcome: StepOutcome::Applied, step: self.state.step, grad_norm, clip_coef, times })
     }

@@ -97,8 +97,9 @@ impl OptimizerState {
         }
     }
 
-    /// Replaces the state with `dict`, after checking it fits: same length everywhere, and a
-    /// max-v buffer exactly when the variant is AMSGrad. On error nothing changes.
+    /// Replaces the state with `dict`, after checking it fits: same length everywhere, second
+    /// moments finite and ≥ 0, and a max-v buffer exactly when the variant is AMSGrad. On error
+    /// nothing changes.
     pub fn import(&mut self, dict: StateDict, variant: Variant) -> Result<()> {
         let n = self.param.len();
         for (what, len) in [
@@ -108,6 +109,14 @@ impl OptimizerState {
         ] {
             if len != n {
                 return Err(Error::ShapeMismatch { what, expected: n, got: len });
+            }
+        }
+        let second_moments =
+            [("exp_avg_sq", Some(&dict.exp_avg_sq)), ("max_exp_avg_sq", dict.max_exp_avg_sq.as_ref())];
+        for (what, buf) in second_moments {
+            if let Some(index) = buf.and_then(|v| v.iter().position(|x| !(x.is_finite() && *x >= 0.0))) {
+                let value = buf.map_or(0.0, |v| v[index]);
+                return Err(Error::InvalidState { what, index, value });
             }
         }
         let max = match (variant, dict.max_exp_avg_sq) {

@@ -280,6 +280,18 @@ fn bad_input_is_a_typed_error_never_a_panic() {
     let mut dict = opt.export_state();
     dict.max_exp_avg_sq = Some(vec![0.0; 4]);
     assert!(matches!(opt.import_state(dict), Err(Error::StateMismatch { .. })));
+    // A second moment that is negative or not finite would make every later step NaN: refused,
+    // and the state is what it was.
+    let before = opt.export_state();
+    for bad in [-1e-3f32, f32::NAN, f32::INFINITY] {
+        let mut dict = opt.export_state();
+        dict.exp_avg_sq[2] = bad;
+        match opt.import_state(dict) {
+            Err(Error::InvalidState { what: "exp_avg_sq", index: 2, .. }) => {}
+            other => panic!("{bad}: {other:?}"),
+        }
+        assert_eq!(opt.export_state(), before);
+    }
     // A CUDA device that is not there: an error that says why, never a silent CPU fallback.
     let missing = stream_adamw::Device::Cuda(1 << 20);
     match StreamAdamW::<f32, bf16>::new(vec![0.0; 4], Hyperparameters::default(), &Config::default(), missing)
