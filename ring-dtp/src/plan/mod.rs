@@ -100,6 +100,17 @@ pub struct Shape {
     pub dtype: DType,
 }
 
+/// Checks that the inputs' sizes and the per-token statistics of `shape` are representable, so
+/// that no size derived from them overflows.
+fn check_input_sizes(Shape { tokens: n, hidden: d, vocab: v, .. }: Shape) -> Result<()> {
+    let fits = |a: usize, b: usize| a.checked_mul(b).and_then(|x| x.checked_mul(4)).is_some();
+    if fits(n, d) && fits(v, d) && n.checked_mul(PER_TOKEN_BYTES).is_some() {
+        Ok(())
+    } else {
+        Err(Error::Common(flatpeak_common::Error::SizeOverflow { what: "ring-dtp input sizes" }))
+    }
+}
+
 /// Working-set bytes of blocks (C, Vb), `None` when the arithmetic overflows (never fits).
 fn block_bytes(c: usize, vb: usize, d: usize, dtype: DType) -> Option<usize> {
     // bf16 W is widened a sub-block of `WIDEN_ROWS` rows at a time.
@@ -120,6 +131,7 @@ impl Plan {
     /// `(N, V)` blocks.
     pub fn new(config: &Config, shape: Shape, budget: Budget) -> Result<Self> {
         config.validate()?;
+        check_input_sizes(shape)?;
         let Shape { tokens: n, hidden: d, vocab: v, dtype } = shape;
         let fits = |c: usize, vb: usize| block_bytes(c, vb, d, dtype).is_some_and(|b| budget.admits(b));
         let plan = |token_block: usize, vocab_block: usize, schedule| Self {
@@ -172,6 +184,7 @@ impl Plan {
         (token_block, vocab_block): (usize, usize),
     ) -> Result<Self> {
         config.validate()?;
+        check_input_sizes(shape)?;
         let Shape { tokens: n, hidden: d, vocab: v, dtype } = shape;
         for (field, value) in [("token_block", token_block), ("vocab_block", vocab_block)] {
             if value == 0 {
@@ -327,6 +340,22 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, Error::BudgetTooSmall { budget: 1000, .. }));
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_an_error_not_a_panic() {
+        let cfg = Config::default();
+        for (n, d, v) in [(usize::MAX, 16, 1000), (1000, usize::MAX / 2, 1000), (1 << 40, 1 << 30, 1 << 20)] {
+            let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 };
+            for budget in [Budget::Unlimited, Budget::mib(64)] {
+                match Plan::new(&cfg, shape, budget) {
+                    Err(Error::Common(flatpeak_common::Error::SizeOverflow { .. }))
+                    | Err(Error::BudgetTooSmall { .. }) => {}
+                    other => panic!("N={n} D={d} V={v}: {other:?}"),
+                }
+            }
+            assert!(Plan::with_blocks(&cfg, shape, (n, v)).is_err());
+        }
     }
 
     #[test]

@@ -106,8 +106,16 @@ pub struct RingPlan {
     gemm_threads: Threads,
 }
 
-fn aligned(bytes: usize) -> usize {
-    bytes.div_ceil(REGION_ALIGN) * REGION_ALIGN
+/// Σ of `regions`, each rounded up to whole `REGION_ALIGN` lines; `None` on overflow.
+fn aligned_sum(regions: &[Option<usize>]) -> Option<usize> {
+    regions
+        .iter()
+        .try_fold(0usize, |sum, &bytes| sum.checked_add(bytes?.checked_next_multiple_of(REGION_ALIGN)?))
+}
+
+/// The product of `factors`; `None` on overflow.
+fn product(factors: &[usize]) -> Option<usize> {
+    factors.iter().try_fold(1usize, |p, &f| p.checked_mul(f))
 }
 
 impl RingPlan {
@@ -125,6 +133,13 @@ impl RingPlan {
             return Err(Error::invalid_config("dtype", dtype, "f32 or bf16 inputs"));
         }
         let (rows, shard) = (n.div_ceil(world).max(1), v.div_ceil(world).max(1));
+        // The inputs' and per-token sizes, so that no size a rank derives overflows.
+        if product(&[n, d, 4]).is_none()
+            || product(&[v, d, 4]).is_none()
+            || product(&[rows, PER_TOKEN_BYTES]).is_none()
+        {
+            return Err(Error::Common(flatpeak_common::Error::SizeOverflow { what: "ring-dtp input sizes" }));
+        }
         let kind = match options.ring {
             RingChoice::Force(kind) => kind,
             RingChoice::Auto if rows < shard => RingKind::Activation,
@@ -165,12 +180,14 @@ impl RingPlan {
             };
             for (c, vb) in candidates {
                 let p = plan(c, vb);
-                if c >= c_floor && vb >= vb_floor && budget.admits(p.bound_bytes()) {
+                if c >= c_floor && vb >= vb_floor && p.checked_bound().is_some_and(|b| budget.admits(b)) {
                     return Ok(p);
                 }
             }
         }
-        let needed = plan(16.min(rows), MIN_VOCAB_BLOCK.min(shard)).bound_bytes();
+        let needed = plan(16.min(rows), MIN_VOCAB_BLOCK.min(shard))
+            .checked_bound()
+            .ok_or(Error::Common(flatpeak_common::Error::SizeOverflow { what: "ring-dtp ring bound" }))?;
         Err(Error::BudgetTooSmall {
             budget: budget.bytes(),
             needed,
@@ -261,12 +278,26 @@ impl RingPlan {
     /// dW accumulator, bias and dbias (weight ring); or a packet's X rows in their input dtype, its
     /// dX accumulator, targets, max, target logit, sum-exp, Σz, lse, scale and dlse (activation
     /// ring).
-    pub(crate) fn buffer_regions(&self) -> Vec<usize> {
+    fn buffer_regions(&self) -> Vec<Option<usize>> {
         let (c, vb, d, e) = (self.token_block, self.vocab_block, self.d, self.dtype.size_in_bytes());
         match self.kind {
-            RingKind::Weight => vec![e * vb * d, 4 * vb * d, 4 * vb, 4 * vb],
+            RingKind::Weight => {
+                vec![product(&[e, vb, d]), product(&[4, vb, d]), product(&[4, vb]), product(&[4, vb])]
+            }
             RingKind::Activation => {
-                vec![e * c * d, 4 * c * d, 4 * c, 4 * c, 4 * c, 8 * c, 8 * c, 4 * c, 4 * c, 4 * c]
+                let row = |bytes: usize| product(&[bytes, c]);
+                vec![
+                    product(&[e, c, d]),
+                    product(&[4, c, d]),
+                    row(4),
+                    row(4),
+                    row(4),
+                    row(8),
+                    row(8),
+                    row(4),
+                    row(4),
+                    row(4),
+                ]
             }
         }
     }
@@ -274,31 +305,54 @@ impl RingPlan {
     /// The regions besides the ring buffers, in carve order: the logits block, then the
     /// token-block targets and X copy with the W upcast (weight ring), or the X and W upcasts
     /// (activation ring). Upcasts are empty for f32 inputs.
-    pub(crate) fn block_regions(&self) -> Vec<usize> {
+    fn block_regions(&self) -> Vec<Option<usize>> {
         let (c, vb, d) = (self.token_block, self.vocab_block, self.d);
-        let upcast = |rows: usize| if self.dtype == DType::F32 { 0 } else { 4 * rows * d };
+        let upcast = |rows: usize| if self.dtype == DType::F32 { Some(0) } else { product(&[4, rows, d]) };
         match self.kind {
-            RingKind::Weight => vec![4 * c * vb, 4 * c, 4 * c * d, upcast(vb)],
-            RingKind::Activation => vec![4 * c * vb, upcast(c), upcast(vb)],
+            RingKind::Weight => vec![product(&[4, c, vb]), product(&[4, c]), product(&[4, c, d]), upcast(vb)],
+            RingKind::Activation => vec![product(&[4, c, vb]), upcast(c), upcast(vb)],
         }
+    }
+
+    /// [`workspace_bytes`](Self::workspace_bytes), `None` on overflow.
+    fn checked_workspace(&self) -> Option<usize> {
+        let buffer = aligned_sum(&self.buffer_regions())?;
+        aligned_sum(&self.block_regions())?.checked_add(buffer.checked_mul(2)?)
+    }
+
+    /// [`message_bytes`](Self::message_bytes), `None` on overflow.
+    fn checked_message(&self) -> Option<usize> {
+        let (c, vb, d, e) = (self.token_block, self.vocab_block, self.d, self.dtype.size_in_bytes());
+        let sum = |terms: &[Option<usize>]| terms.iter().try_fold(0usize, |s, &t| s.checked_add(t?));
+        match self.kind {
+            RingKind::Weight => sum(&[product(&[e, vb, d]), product(&[4, vb, d]), product(&[8, vb])]),
+            RingKind::Activation => {
+                let backward = sum(&[product(&[4, c, d]), product(&[12, c])])?;
+                sum(&[product(&[e, c, d]), product(&[4, c]), Some(backward.max(product(&[24, c])?))])
+            }
+        }
+    }
+
+    /// [`bound_bytes`](Self::bound_bytes), `None` on overflow; [`RingPlan::new`] returns only
+    /// plans for which it is `Some`, so the accessors below never overflow.
+    fn checked_bound(&self) -> Option<usize> {
+        let in_flight =
+            if self.world == 1 { 0 } else { self.checked_message()?.checked_add(TRANSPORT_OVERHEAD)? };
+        let rows = product(&[crate::plan::ROW_SCRATCH_BYTES, self.token_block])?;
+        self.checked_workspace()?.checked_add(in_flight)?.checked_add(rows)
     }
 
     /// Bytes a rank reserves at launch: the block regions and two ring buffers (current +
     /// incoming), each region aligned.
     pub fn workspace_bytes(&self) -> usize {
-        let buffer: usize = self.buffer_regions().into_iter().map(aligned).sum();
-        self.block_regions().into_iter().map(aligned).sum::<usize>() + 2 * buffer
+        self.checked_workspace().unwrap_or(usize::MAX)
     }
 
     /// Bytes a rank sends per ring step, at most: a W sub-block with its bias and, in backward,
     /// the dW accumulator; or a packet's X rows and targets with the statistics (forward) or
     /// the row data and dX accumulator (backward).
     pub fn message_bytes(&self) -> usize {
-        let (c, vb, d, e) = (self.token_block, self.vocab_block, self.d, self.dtype.size_in_bytes());
-        match self.kind {
-            RingKind::Weight => e * vb * d + 4 * vb * d + 8 * vb,
-            RingKind::Activation => e * c * d + 4 * c + (4 * c * d + 12 * c).max(24 * c),
-        }
+        self.checked_message().unwrap_or(usize::MAX)
     }
 
     /// Bytes of messages in flight per rank: the CPU fallback's transport buffers each send
@@ -319,7 +373,7 @@ impl RingPlan {
     /// GEMM's own packing buffers: `workspace_bytes + in_flight_bytes + row_scratch_bytes`.
     /// Independent of N.
     pub fn bound_bytes(&self) -> usize {
-        self.workspace_bytes() + self.in_flight_bytes() + self.row_scratch_bytes()
+        self.checked_bound().unwrap_or(usize::MAX)
     }
 
     /// Per-token statistics of a rank's own tokens besides the outputs: `PER_TOKEN_BYTES·⌈N/P⌉`.
@@ -357,6 +411,24 @@ pub const TRANSPORT_OVERHEAD: usize = 16 << 10;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_that_overflow_are_an_error_not_a_panic() {
+        let cfg = Config::default();
+        for (n, d, v) in [(usize::MAX, 16, 1000), (1000, usize::MAX / 2, 1000), (1 << 40, 1 << 30, 1 << 20)] {
+            for p in [1, 3] {
+                let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::Bf16 };
+                let options = RingOptions::default().ranks(p);
+                for budget in [Budget::Unlimited, Budget::mib(64)] {
+                    match RingPlan::new(&cfg, shape, budget, options) {
+                        Err(Error::Common(flatpeak_common::Error::SizeOverflow { .. }))
+                        | Err(Error::BudgetTooSmall { .. }) => {}
+                        other => panic!("N={n} D={d} V={v} P={p}: {other:?}"),
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn layout_covers_everything_once() {
