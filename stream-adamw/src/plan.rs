@@ -122,6 +122,10 @@ impl Plan {
             plan.staged_slots().checked_mul(plan.slot_elems()).and_then(|e| e.checked_mul(per_elem));
         let staging =
             staging.ok_or(Error::Common(flatpeak_common::Error::SizeOverflow { what: "staging bytes" }))?;
+        // The link's bytes per step and the host state (f32 master, moments, AMSGrad's max).
+        if shape.params.checked_mul(per_elem.max(16)).is_none() {
+            return Err(Error::Common(flatpeak_common::Error::SizeOverflow { what: "parameter bytes" }));
+        }
         if !budget.admits(staging) {
             return Err(Error::BudgetTooSmall {
                 budget: budget.bytes(),
@@ -148,9 +152,9 @@ impl Plan {
     pub fn n_buckets(&self) -> usize {
         self.n_params.div_ceil(self.bucket_elems)
     }
-    /// Element range of bucket `k` (the last one may be short).
+    /// Element range of bucket `k` (the last one may be short; empty past the end).
     pub fn bucket(&self, k: usize) -> Range<usize> {
-        let start = (k * self.bucket_elems).min(self.n_params);
+        let start = k.saturating_mul(self.bucket_elems).min(self.n_params);
         start..(start + self.bucket_elems).min(self.n_params)
     }
     /// Elements of one staging slot: a whole bucket (pipelined) or everything (serial).
@@ -232,6 +236,18 @@ mod tests {
             Plan::new(&config.schedule(Schedule::Serial), shape(1 << 30), Budget::mib(18)),
             Err(Error::BudgetTooSmall { budget: 18 << 20, needed: 6 << 30, what: "the staging slots" })
         );
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_an_error_not_a_panic() {
+        for params in [usize::MAX, usize::MAX / 8] {
+            for config in [Config::default(), Config::default().schedule(Schedule::Serial)] {
+                let err = Plan::new(&config, shape(params), Budget::Unlimited).unwrap_err();
+                assert!(matches!(err, Error::Common(flatpeak_common::Error::SizeOverflow { .. })), "{err}");
+            }
+        }
+        let plan = Plan::new(&Config::default(), shape(10), Budget::Unlimited).unwrap();
+        assert!(plan.bucket(usize::MAX).is_empty());
     }
 
     #[test]
