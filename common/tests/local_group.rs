@@ -161,6 +161,21 @@ fn a_silent_peer_is_a_timeout_not_a_hang() {
 }
 
 #[test]
+fn a_zero_timeout_is_refused_before_any_rank_runs() {
+    let ran = std::sync::atomic::AtomicBool::new(false);
+    let results = LocalGroup::run(3, LocalGroupOptions::with_timeout(Duration::ZERO), |_| {
+        ran.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    });
+    assert_eq!(results.len(), 3);
+    for r in results {
+        assert!(matches!(r, Err(Error::InvalidConfig { field: "timeout", .. })), "{r:?}");
+    }
+    assert!(!ran.into_inner());
+    assert!(LocalGroup::endpoints(2, LocalGroupOptions::with_timeout(Duration::ZERO)).is_err());
+}
+
+#[test]
 fn mismatched_programs_and_bad_arguments_are_typed_errors() {
     let results = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
         if comm.rank() == 0 { comm.barrier() } else { comm.all_reduce_f32(&mut [1.0], ReduceOp::Sum) }

@@ -41,6 +41,13 @@ impl LocalGroupOptions {
     pub fn with_timeout(timeout: Duration) -> Self {
         Self { timeout }
     }
+    /// A zero timeout would fail every wait at once: [`Error::InvalidConfig`].
+    pub fn validate(&self) -> Result<()> {
+        if self.timeout.is_zero() {
+            return Err(Error::invalid_config("timeout", self.timeout, "longer than zero"));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,8 +85,10 @@ pub struct LocalGroup;
 
 impl LocalGroup {
     /// Endpoints of a new group of `world_size` ranks, endpoint `r` for rank `r`. Hand each to
-    /// its own thread (or use [`LocalGroup::run`]).
-    pub fn endpoints(world_size: usize, options: LocalGroupOptions) -> Vec<LocalComm> {
+    /// its own thread (or use [`LocalGroup::run`]). [`Error::InvalidConfig`] for invalid
+    /// options.
+    pub fn endpoints(world_size: usize, options: LocalGroupOptions) -> Result<Vec<LocalComm>> {
+        options.validate()?;
         let mut senders: Vec<Vec<Option<Sender<Message>>>> =
             (0..world_size).map(|_| vec![None; world_size]).collect();
         let mut receivers: Vec<Vec<Option<Receiver<Message>>>> =
@@ -99,7 +108,7 @@ impl LocalGroup {
             }
         }
         let lost_because: Arc<[AtomicUsize]> = (0..world_size).map(|_| AtomicUsize::new(NO_CAUSE)).collect();
-        senders
+        Ok(senders
             .into_iter()
             .zip(receivers)
             .zip(returners.into_iter().zip(spares))
@@ -114,7 +123,7 @@ impl LocalGroup {
                 timeout: options.timeout,
                 lost_because: Arc::clone(&lost_because),
             })
-            .collect()
+            .collect())
     }
 
     /// Runs `f` on `world_size` ranks, one scoped thread each, and returns each rank's result in
@@ -125,7 +134,11 @@ impl LocalGroup {
         R: Send,
         F: Fn(&LocalComm) -> Result<R> + Sync,
     {
-        let comms = LocalGroup::endpoints(world_size, options);
+        let comms = match LocalGroup::endpoints(world_size, options) {
+            Ok(comms) => comms,
+            // No rank runs: each reports the options' error.
+            Err(err) => return (0..world_size).map(|_| Err(err.clone())).collect(),
+        };
         std::thread::scope(|scope| {
             let handles: Vec<_> = comms
                 .into_iter()
@@ -362,7 +375,7 @@ mod tests {
 
     #[test]
     fn a_received_buffer_goes_back_to_its_sender_and_carries_the_next_message() {
-        let ranks = LocalGroup::endpoints(2, LocalGroupOptions::default());
+        let ranks = LocalGroup::endpoints(2, LocalGroupOptions::default()).unwrap();
         let (a, b) = (&ranks[0], &ranks[1]);
         let first = vec![7u8; 4096];
         a.send_bytes(1, &first).unwrap();
@@ -389,7 +402,7 @@ mod tests {
 
     #[test]
     fn a_barrier_leaves_the_spare_buffers_where_they_are() {
-        let mut ranks = LocalGroup::endpoints(2, LocalGroupOptions::default());
+        let mut ranks = LocalGroup::endpoints(2, LocalGroupOptions::default()).unwrap();
         let (b, a) = (ranks.pop().unwrap(), ranks.pop().unwrap());
         a.send_bytes(1, &[9u8; 256]).unwrap();
         b.recv_bytes(0, &mut [0u8; 256]).unwrap(); // rank 0 now holds one spare for rank 1
