@@ -128,18 +128,18 @@ impl<'a> Inputs<'a> {
 
     /// The target row `i` predicts, or `None` when it is ignored (ignore_index, or past the end
     /// after the shift).
-    pub fn target(&self, config: &Config, i: usize) -> Option<usize> {
+    pub(crate) fn target(&self, config: &Config, i: usize) -> Option<usize> {
         let t = *self.targets.get(i + config.shift)?;
         (t != config.ignore_index).then_some(t as usize)
     }
 
-    /// ω_i (1 without weights).
-    pub fn weight(&self, i: usize) -> f32 {
-        self.weights.map_or(1.0, |w| w[i])
+    /// ω_i (1 without weights; [`validate`](Self::validate) checked their length).
+    pub(crate) fn weight(&self, i: usize) -> f32 {
+        self.weights.and_then(|w| w.get(i).copied()).unwrap_or(1.0)
     }
 
     /// Σ of the valid rows' weights: the mean's denominator.
-    pub fn valid_weight(&self, config: &Config) -> f64 {
+    pub(crate) fn valid_weight(&self, config: &Config) -> f64 {
         (0..self.n).filter(|&i| self.target(config, i).is_some()).map(|i| self.weight(i) as f64).sum()
     }
 }

@@ -123,7 +123,7 @@ fn run_case(c: &Case, config: &Config, dtype: DType, budget: usize) -> Result<Sc
         Plan::new(config, Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype }, Budget::Bytes(budget))
             .expect("budget holds the smallest schedule");
     let grad = grad_of(config, c);
-    let r = reference::run(&inp, config, grad, c.dlse.as_deref());
+    let r = reference::run(&inp, config, grad, c.dlse.as_deref()).expect("reference");
     let fwd = cpu::forward(config, &plan, &inp).expect("forward");
     check_loss(config, &fwd.loss, &r)?;
     check("lse", &fwd.lse, &r.lse)?;
@@ -134,7 +134,7 @@ fn run_case(c: &Case, config: &Config, dtype: DType, budget: usize) -> Result<Sc
         check_scaled("dbias", db, &r.dbias, &r.dbias_scale)?;
     }
     // Fused (no dlse): against the reference without it.
-    let r0 = reference::run(&inp, config, grad, None);
+    let r0 = reference::run(&inp, config, grad, None).expect("reference");
     let (f2, g2) = cpu::forward_backward(config, &plan, &inp, grad).expect("fused");
     check_loss(config, &f2.loss, &r0)?;
     check_scaled("fused dx", &g2.dx, &r0.dx, &r0.dx_scale)?;
@@ -251,8 +251,8 @@ fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
     let c = make_case(n, d, v, 41, 0.2, (true, true, true));
     for_every_config_and_dtype(&c, |config, dtype, inp| {
         let grad = grad_of(config, &c);
-        let with_dlse = reference::run(inp, config, grad, c.dlse.as_deref());
-        let without = reference::run(inp, config, grad, None);
+        let with_dlse = reference::run(inp, config, grad, c.dlse.as_deref()).expect("reference");
+        let without = reference::run(inp, config, grad, None).expect("reference");
         for blocks in [(16, usize::MAX), (16, 3001)] {
             let plan = Plan::with_blocks(config, Shape { tokens: n, hidden: d, vocab: v, dtype }, blocks)
                 .expect("plan");
@@ -307,6 +307,23 @@ fn bad_input_is_a_typed_error() {
         cpu::forward(&config, &plan, &inp).unwrap_err(),
         Error::TargetOutOfRange { token: 3, target: -7, vocab: 20 }
     );
+    // The f64 reference checks its inputs as the fast path does (it indexed W by the target).
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 4);
+    assert_eq!(
+        reference::run(&inp, &config, GradOutput::Scalar(1.0), None).unwrap_err(),
+        Error::TargetOutOfRange { token: 3, target: -7, vocab: 20 }
+    );
+    let short_weights = [1.0f32; 9];
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, 4).with_weights(&short_weights);
+    assert!(matches!(
+        reference::run(&inp, &config, GradOutput::Scalar(1.0), None),
+        Err(Error::ShapeMismatch { what: "weights (n)", expected: 10, got: 9 })
+    ));
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, 4);
+    assert!(matches!(
+        reference::run(&inp, &config, GradOutput::PerToken(&[1.0; 10]), None),
+        Err(Error::GradOutputKind { .. })
+    ));
     let short = Inputs::new(Matrix::F32(&c.x[..39]), Matrix::F32(&c.w), &c.targets, 4);
     assert!(matches!(
         cpu::forward(&config, &plan, &short),
@@ -462,7 +479,7 @@ fn device_schedule_matches_the_reference(backend: Backend) {
                     .expect("plan");
             assert!(plan.vocab_block() < v, "several vocabulary blocks");
             let grad = grad_of(config, &c);
-            let r = reference::run(inp, config, grad, c.dlse.as_deref());
+            let r = reference::run(inp, config, grad, c.dlse.as_deref()).expect("reference");
             let out = run_on(backend, config, &plan, inp, grad, c.dlse.as_deref()).expect("runs");
             check_against_reference(config, &out, &r);
         });
@@ -521,7 +538,7 @@ fn fused_schedule_matches_the_reference(backend: Backend) {
                     .expect("plan");
             assert_eq!(explicit.schedule(), Schedule::FullVocab);
             let grad = grad_of(config, &c);
-            let r = reference::run(inp, config, grad, None);
+            let r = reference::run(inp, config, grad, None).expect("reference");
             for plan in [plan, explicit] {
                 let out = run_pass_on(backend, (config, &plan), inp, grad, Pass::Fused).expect("runs");
                 check_against_reference(config, &out, &r);

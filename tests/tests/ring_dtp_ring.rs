@@ -150,7 +150,7 @@ fn compare(c: &Case, config: &Config, dtype: DType, plan: &RingPlan, ranks: &[(F
     let p = plan.world();
     let (x, w) = c.matrices(dtype);
     let full = Inputs::new(x, w, &c.targets, c.d).with_bias(&c.bias).with_weights(&c.weights);
-    let r = reference::run(&full, config, grad_of(config, &c.grad_tokens), Some(&c.dlse));
+    let r = reference::run(&full, config, grad_of(config, &c.grad_tokens), Some(&c.dlse)).expect("reference");
     let what = format!("P={p} {:?} {dtype} C={} Vb={}", plan.kind(), plan.token_block(), plan.vocab_block());
     let (mut lse, mut dx, mut dw, mut db, mut per_token) = (vec![], vec![], vec![], vec![], vec![]);
     for (fwd, g) in ranks {
@@ -221,7 +221,7 @@ fn single_device(c: &Case, config: &Config, dtype: DType) -> (Forward, Gradients
 fn compare_single_device(c: &Case, config: &Config, dtype: DType, ranks: &[(Forward, Gradients)]) {
     let (x, w) = c.matrices(dtype);
     let full = Inputs::new(x, w, &c.targets, c.d).with_bias(&c.bias).with_weights(&c.weights);
-    let r = reference::run(&full, config, grad_of(config, &c.grad_tokens), Some(&c.dlse));
+    let r = reference::run(&full, config, grad_of(config, &c.grad_tokens), Some(&c.dlse)).expect("reference");
     let (fwd, g) = single_device(c, config, dtype);
     let wide = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
     let cat = |f: fn(&(Forward, Gradients)) -> &[f32]| {

@@ -292,7 +292,8 @@ impl Component for RingDtpComponent {
         // dW against the materialized f32 baseline.
         let sub = 64;
         let sub_inputs = Inputs::new(Matrix::F32(&x[..sub * d]), Matrix::F32(&wt), &targets[..sub], d);
-        let oracle = reference::run(&sub_inputs, &config, GradOutput::Scalar(1.0), None);
+        let oracle = reference::run(&sub_inputs, &config, GradOutput::Scalar(1.0), None)
+            .map_err(|e| fail(e.to_string()))?;
         let scale = sub as f64 / n as f64; // mean over n vs over the subset
         let want_dx: Vec<f64> = oracle.dx.iter().map(|g| g * scale).collect();
         let err_lse = relative_error(&fwd.lse[..sub], &oracle.lse);

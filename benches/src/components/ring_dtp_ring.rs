@@ -151,7 +151,8 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     // The lse of rank 0's first 64 tokens against the f64 oracle over the whole vocabulary.
     let sub = 64.min(plan.tokens(0).len());
     let sub_inputs = Inputs::new(Matrix::F32(&x[..sub * d]), Matrix::F32(&wt), &targets[..sub], d);
-    let oracle = reference::run(&sub_inputs, &config, GradOutput::Scalar(1.0), None);
+    let oracle = reference::run(&sub_inputs, &config, GradOutput::Scalar(1.0), None)
+        .map_err(|e| fail(e.to_string()))?;
     let err_lse = relative_error(&ring_out[0].0.lse[..sub], &oracle.lse);
     let Loss::Scalar(loss) = ring_out[0].0.loss else { return Err(fail("mean loss expected".into())) };
     let err_loss = (loss - loss_base).abs() / loss_base.abs().max(f64::MIN_POSITIVE);

@@ -92,7 +92,8 @@ fn ring_dtp_matches_the_f64_reference_in_f32_and_bf16() {
             &lce,
             ::ring_dtp::GradOutput::Scalar(1.0),
             None,
-        );
+        )
+        .expect("reference");
         let loss = out.f64("loss", &[]).expect("scalar loss").0[0];
         assert!((loss - want.loss).abs() <= TOL * want.loss.abs(), "{dtype}: loss {loss} vs {}", want.loss);
         for (name, shape, reference) in [

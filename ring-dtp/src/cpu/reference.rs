@@ -2,6 +2,7 @@
 //! definitions in `config.rs`. O(N·V) memory; for tests and error measurement only.
 
 use crate::config::{Config, Reduction, Softcap};
+use crate::error::{Error, Result};
 use crate::inputs::{GradOutput, Inputs, Matrix};
 
 /// f64 results of the reference.
@@ -42,8 +43,31 @@ fn to_f64(m: &Matrix<'_>) -> Vec<f64> {
 }
 
 /// Forward and backward in f64. `grad` is the upstream gradient (its kind must fit the
-/// reduction); `dlse` an optional gradient of the lse output.
-pub fn run(inputs: &Inputs<'_>, config: &Config, grad: GradOutput<'_>, dlse: Option<&[f32]>) -> Reference {
+/// reduction); `dlse` an optional gradient of the lse output. The inputs are checked as the
+/// fast path checks them (shapes, targets, weights, config), so bad input is the same typed
+/// error here.
+pub fn run(
+    inputs: &Inputs<'_>,
+    config: &Config,
+    grad: GradOutput<'_>,
+    dlse: Option<&[f32]>,
+) -> Result<Reference> {
+    inputs.validate(config)?;
+    if let Some(g) = dlse.filter(|g| g.len() != inputs.n) {
+        return Err(Error::ShapeMismatch { what: "dlse (n)", expected: inputs.n, got: g.len() });
+    }
+    match (config.reduction, grad) {
+        (Reduction::None, GradOutput::PerToken(g)) if g.len() != inputs.n => {
+            return Err(Error::ShapeMismatch { what: "grad_output (n)", expected: inputs.n, got: g.len() });
+        }
+        (Reduction::None, GradOutput::Scalar(_)) => {
+            return Err(Error::GradOutputKind { expected: "per-token for reduction none" });
+        }
+        (Reduction::Mean | Reduction::Sum, GradOutput::PerToken(_)) => {
+            return Err(Error::GradOutputKind { expected: "a scalar for reduction mean or sum" });
+        }
+        _ => {}
+    }
     let (n, d, v) = (inputs.n, inputs.d, inputs.v);
     let (x, w) = (to_f64(&inputs.x), to_f64(&inputs.w));
     let alpha = config.label_smoothing as f64;
@@ -129,5 +153,5 @@ pub fn run(inputs: &Inputs<'_>, config: &Config, grad: GradOutput<'_>, dlse: Opt
     };
     r.loss = reduce(&r.per_token);
     r.loss_scale = reduce(&r.per_token_scale);
-    r
+    Ok(r)
 }
