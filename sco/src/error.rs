@@ -23,7 +23,8 @@ pub enum Error {
         /// The layer.
         layer: usize,
     },
-    /// `prefetch`/`fetch` of a layer that was never offloaded this step.
+    /// `prefetch`/`fetch`/`release` of a layer that was never offloaded this step (or, on
+    /// CUDA, `offload` of a layer no slot was written for with `slot_for`).
     #[error("layer {layer} has no boundary to fetch: it was not offloaded this step")]
     NotOffloaded {
         /// The layer.

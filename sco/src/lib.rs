@@ -12,7 +12,7 @@
 //!
 //! ```
 //! use sco::layers::ResidualMlp;
-//! use sco::{Budget, Checkpointing, CheckpointedStack, Config, Link, Plan, Shape};
+//! use sco::{Budget, CheckpointStore, CheckpointedStack, Config, Device, Offloader, Plan, Shape};
 //!
 //! let (tokens, hidden, layers) = (16, 8, 12);
 //! let config = Config::default(); // k_keep = 1, m = 2, d = 1: 3 slots
@@ -20,12 +20,20 @@
 //! let plan = Plan::new(&config, Shape::of::<f32>(layers, tokens * hidden), Budget::Bytes(4 << 10))?;
 //! assert_eq!(plan.workspace_bytes(), 3 * tokens * hidden * 4);
 //!
+//! // The executor, chosen by one `Device`: host buffers and copy threads on `Device::Cpu`; a
+//! // device ring, a pinned arena and copy streams on `Device::Cuda(n)` (feature `cuda`; without
+//! // it, an error that says so). Each backend lends its own tensors, so the caller matches once.
+//! let Offloader::Host(offloader) = Offloader::<f32>::new(plan, Device::Cpu)? else {
+//!     unreachable!("Device::Cpu is the host offloader")
+//! };
+//! // The stack drives any `CheckpointStore`, with layers that compute on its tensors.
 //! let stack_layers: Vec<_> = (0..layers).map(|l| ResidualMlp::new(tokens, hidden, 16, l as u64)).collect();
-//! let mut stack = CheckpointedStack::new(stack_layers, Checkpointing::Offload, &config, Link::Memcpy)?;
+//! let mut stack = CheckpointedStack::with_store(stack_layers, offloader)?;
 //! let input: Vec<f32> = (0..tokens * hidden).map(|i| (i as f32 * 0.1).sin()).collect();
 //! let out = stack.step(&input, |y| y.iter().map(|v| 2.0 * v).collect())?;
 //! // 12 boundaries of 512 B, never more than the plan's 3 on the "device".
 //! assert!(out.boundary_high_water_bytes <= plan.workspace_bytes());
+//! assert_eq!(stack.store().map(|s| s.high_water_bytes()), Some(out.boundary_high_water_bytes));
 //! assert_eq!(out.param_grads.len(), 12);
 //! # Ok::<(), sco::Error>(())
 //! ```
@@ -34,14 +42,20 @@
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 pub mod error;
+pub mod executor;
 pub mod layers;
 pub mod offloader;
 pub mod plan;
+pub mod ring;
 pub mod stack;
+pub mod store;
 
 pub use error::{Error, Result};
+pub use executor::{Element, Offloader};
 pub use flatpeak_common::Link;
 pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use offloader::{CheckpointOffloader, SlotReader, SlotWriter};
 pub use plan::{Config, Plan, Shape, hide_ratio};
+pub use ring::SlotRing;
 pub use stack::{CheckpointedStack, Checkpointing, Layer, StepOutput};
+pub use store::{CheckpointStore, Host, Tensors};

@@ -1,14 +1,18 @@
 //! [`CheckpointOffloader`] on the CPU fallback: a host "device" ring of `plan.slots()` boundary
 //! slots (reserved once), a host arena of L slots (reserved once, exact size), and two copy
-//! engine threads (D2H, H2D) standing in for the GPU's copy streams. The schedule, the slot
-//! accounting and every wait are the ones the CUDA path uses.
+//! engine threads (D2H, H2D) standing in for the GPU's copy streams. Every decision about slots
+//! is the [`SlotRing`]'s, the same accounting the CUDA offloader uses; this file only copies and
+//! waits.
+//!
+//! Memory bound: `plan.workspace_bytes() = slots·s` bytes of ring, `plan.host_arena_bytes() =
+//! L·s` of arena, whatever the schedule does.
 //!
 //! A boundary's life: `writer()` reserves a free slot (waiting for an in-flight copy to free one);
 //! `offload(layer, w)` starts its D2H copy; the k_keep newest stay resident, older ones free their
-//! slot when their copy lands. In backward, `prefetch(layer)` starts the H2D copy into a free slot,
-//! `fetch(layer)` waits for it and lends the data, `release(layer)` frees the slot.
+//! slot when their copy lands. In backward, `prefetch(layer)` starts the H2D copy into a free slot
+//! (or keeps a resident boundary where it is), `fetch(layer)` waits for it and lends the data,
+//! `release(layer)` frees the slot.
 
-use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -19,6 +23,8 @@ use flatpeak_common::Link;
 
 use crate::error::{Error, Result};
 use crate::plan::Plan;
+use crate::ring::{Lend, Reservation, Reserved, SlotRing};
+use crate::store::{CheckpointStore, Host, check_len};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -30,71 +36,10 @@ fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     m.write().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Where one layer's boundary is, this step.
-#[derive(Debug, Clone, Copy, Default)]
-struct LayerState {
-    offloaded: bool,
-    /// Device slot holding (or receiving) the boundary.
-    slot: Option<usize>,
-    on_host: bool,
-    d2h_pending: bool,
-    h2d_pending: bool,
-    /// Lent out by `fetch`.
-    lent: bool,
-    /// Among the k_keep newest: not freed when its copy lands.
-    kept: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SlotUse {
-    Free,
-    Writing,
-    Layer(usize),
-}
-
 #[derive(Debug)]
 struct Table {
-    layers: Vec<LayerState>,
-    slots: Vec<SlotUse>,
-    kept: VecDeque<usize>,
-    in_use: usize,
-    high_water: usize,
+    ring: SlotRing,
     failed: Option<(&'static str, String)>,
-}
-
-impl Table {
-    fn take_free_slot(&mut self) -> Option<usize> {
-        let slot = self.slots.iter().position(|s| *s == SlotUse::Free)?;
-        self.slots[slot] = SlotUse::Writing;
-        self.in_use += 1;
-        self.high_water = self.high_water.max(self.in_use);
-        Some(slot)
-    }
-
-    fn free_slot(&mut self, slot: usize) {
-        self.slots[slot] = SlotUse::Free;
-        self.in_use -= 1;
-    }
-
-    /// Frees `layer`'s slot if nothing needs it on the device any more.
-    fn maybe_evict(&mut self, layer: usize) {
-        let st = self.layers[layer];
-        if let Some(slot) = st.slot
-            && st.on_host
-            && !st.d2h_pending
-            && !st.h2d_pending
-            && !st.lent
-            && !st.kept
-        {
-            self.layers[layer].slot = None;
-            self.free_slot(slot);
-        }
-    }
-
-    /// Whether a pending copy will free a slot without further calls from the schedule.
-    fn slot_will_free(&self) -> bool {
-        self.layers.iter().any(|l| l.slot.is_some() && l.d2h_pending && !l.kept && !l.lent)
-    }
 }
 
 #[derive(Debug)]
@@ -108,21 +53,26 @@ struct Shared<T> {
 }
 
 impl<T> Shared<T> {
-    /// Waits until `ready` holds, failing when an engine stopped.
-    fn wait_until<'a>(
-        &'a self,
-        mut table: MutexGuard<'a, Table>,
-        ready: impl Fn(&Table) -> bool,
-    ) -> Result<MutexGuard<'a, Table>> {
+    /// Runs `step` on the table until it returns `Some`, waiting for a copy to land in between;
+    /// fails when an engine stopped.
+    fn wait_for<R>(&self, mut step: impl FnMut(&mut Table) -> Result<Option<R>>) -> Result<R> {
+        let mut table = lock(&self.table);
         loop {
             if let Some((engine, reason)) = &table.failed {
                 return Err(Error::EngineStopped { engine, reason: reason.clone() });
             }
-            if ready(&table) {
-                return Ok(table);
+            if let Some(done) = step(&mut table)? {
+                return Ok(done);
             }
             table = self.changed.wait(table).unwrap_or_else(|p| p.into_inner());
         }
+    }
+
+    /// Updates the table and wakes the waiters.
+    fn update<R>(&self, f: impl FnOnce(&mut SlotRing) -> R) -> R {
+        let done = f(&mut lock(&self.table).ring);
+        self.changed.notify_all();
+        done
     }
 }
 
@@ -145,7 +95,8 @@ impl<T> Drop for EngineGuard<T> {
 }
 
 /// Offloads L checkpoint boundaries of `plan.boundary_elems()` elements of `T` through a fixed
-/// device ring (CPU fallback).
+/// device ring (CPU fallback). Holds `plan.workspace_bytes()` of ring and
+/// `plan.host_arena_bytes()` of arena from construction to drop, never more.
 #[derive(Debug)]
 pub struct CheckpointOffloader<T: Pod + Send + Sync + 'static> {
     plan: Plan,
@@ -155,6 +106,27 @@ pub struct CheckpointOffloader<T: Pod + Send + Sync + 'static> {
     engines: Vec<JoinHandle<()>>,
 }
 
+/// A copy engine: copies each job between its slot and the arena and reports it landed.
+fn engine<T: Pod + Send + Sync + 'static>(
+    shared: Arc<Shared<T>>,
+    to_device: bool,
+    link: Link,
+    jobs: std::sync::mpsc::Receiver<Job>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let _guard = EngineGuard(Arc::clone(&shared), if to_device { "h2d" } else { "d2h" });
+        for Job { layer, slot } in jobs {
+            if !to_device {
+                link.copy(&read(&shared.slots[slot]), &mut write(&shared.arena[layer]));
+                shared.update(|ring| ring.d2h_landed(layer));
+            } else {
+                link.copy(&read(&shared.arena[layer]), &mut write(&shared.slots[slot]));
+                shared.update(|ring| ring.h2d_landed(layer));
+            }
+        }
+    })
+}
+
 impl<T: Pod + Send + Sync + 'static> CheckpointOffloader<T> {
     /// Reserves the device ring and the host arena of `plan` now, and starts the copy engines.
     pub fn new(plan: Plan, link: Link) -> Self {
@@ -162,58 +134,21 @@ impl<T: Pod + Send + Sync + 'static> CheckpointOffloader<T> {
         let shared = Arc::new(Shared {
             slots: (0..plan.slots()).map(|_| RwLock::new(vec![T::zeroed(); s])).collect(),
             arena: (0..plan.layers()).map(|_| RwLock::new(vec![T::zeroed(); s])).collect(),
-            table: Mutex::new(Table {
-                layers: vec![LayerState::default(); plan.layers()],
-                slots: vec![SlotUse::Free; plan.slots()],
-                kept: VecDeque::new(),
-                in_use: 0,
-                high_water: 0,
-                failed: None,
-            }),
+            table: Mutex::new(Table { ring: SlotRing::new(&plan), failed: None }),
             changed: Condvar::new(),
         });
         let (d2h_tx, d2h_rx) = channel::<Job>();
         let (h2d_tx, h2d_rx) = channel::<Job>();
-        let d2h_shared = Arc::clone(&shared);
-        let d2h_engine = std::thread::spawn(move || {
-            let _guard = EngineGuard(Arc::clone(&d2h_shared), "d2h");
-            for Job { layer, slot } in d2h_rx {
-                let (src, mut dst) = (read(&d2h_shared.slots[slot]), write(&d2h_shared.arena[layer]));
-                link.copy(&src, &mut dst);
-                drop((src, dst));
-                let mut table = lock(&d2h_shared.table);
-                table.layers[layer].d2h_pending = false;
-                table.layers[layer].on_host = true;
-                table.maybe_evict(layer);
-                drop(table);
-                d2h_shared.changed.notify_all();
-            }
-        });
-        let h2d_shared = Arc::clone(&shared);
-        let h2d_engine = std::thread::spawn(move || {
-            let _guard = EngineGuard(Arc::clone(&h2d_shared), "h2d");
-            for Job { layer, slot } in h2d_rx {
-                let (src, mut dst) = (read(&h2d_shared.arena[layer]), write(&h2d_shared.slots[slot]));
-                link.copy(&src, &mut dst);
-                drop((src, dst));
-                lock(&h2d_shared.table).layers[layer].h2d_pending = false;
-                h2d_shared.changed.notify_all();
-            }
-        });
-        Self { plan, shared, d2h: Some(d2h_tx), h2d: Some(h2d_tx), engines: vec![d2h_engine, h2d_engine] }
+        let engines = vec![
+            engine(Arc::clone(&shared), false, link, d2h_rx),
+            engine(Arc::clone(&shared), true, link, h2d_rx),
+        ];
+        Self { plan, shared, d2h: Some(d2h_tx), h2d: Some(h2d_tx), engines }
     }
 
     /// The plan.
     pub fn plan(&self) -> &Plan {
         &self.plan
-    }
-
-    fn check_layer(&self, layer: usize) -> Result<()> {
-        if layer < self.plan.layers() {
-            Ok(())
-        } else {
-            Err(Error::LayerOutOfRange { layer, layers: self.plan.layers() })
-        }
     }
 
     fn send(&self, to_device: bool, job: Job) -> Result<()> {
@@ -226,141 +161,85 @@ impl<T: Pod + Send + Sync + 'static> CheckpointOffloader<T> {
 
     /// Reserves a free device slot, waiting for an in-flight copy to free one;
     /// [`Error::RingFull`] when no copy in flight ever will.
-    fn reserve(&self) -> Result<usize> {
-        let mut table = lock(&self.shared.table);
-        loop {
-            if let Some(slot) = table.take_free_slot() {
-                return Ok(slot);
-            }
-            if !table.slot_will_free() && table.failed.is_none() {
-                let held = table
-                    .slots
-                    .iter()
-                    .filter_map(|s| if let SlotUse::Layer(l) = s { Some(*l) } else { None })
-                    .collect();
-                return Err(Error::RingFull { slots: self.plan.slots(), held });
-            }
-            table =
-                self.shared.wait_until(table, |t| t.slots.contains(&SlotUse::Free) || !t.slot_will_free())?;
-        }
+    fn reserve(&self) -> Result<Reserved> {
+        self.shared.wait_for(|table| match table.ring.reserve()? {
+            Reservation::Slot(reserved) => Ok(Some(reserved)),
+            Reservation::AwaitD2h(_) => Ok(None),
+        })
     }
 
     /// A free device slot to write a new boundary into (a layer's output, or the stack's input).
     pub fn writer(&self) -> Result<SlotWriter<'_, T>> {
-        let slot = self.reserve()?;
-        Ok(SlotWriter { offloader: self, slot, data: Some(write(&self.shared.slots[slot])) })
+        let reserved = self.reserve()?;
+        let data = write(&self.shared.slots[reserved.slot()]);
+        Ok(SlotWriter { offloader: self, reserved: Some(reserved), data: Some(data) })
     }
 
     /// Records `writer`'s slot as `layer`'s boundary and starts its D2H copy. The k_keep newest
     /// boundaries stay resident; an older one frees its slot when its copy lands.
     pub fn offload(&self, layer: usize, mut writer: SlotWriter<'_, T>) -> Result<()> {
-        self.check_layer(layer)?;
-        let slot = writer.slot;
-        let mut table = lock(&self.shared.table);
-        if table.layers[layer].offloaded {
-            return Err(Error::AlreadyOffloaded { layer }); // the writer's drop frees the slot
-        }
         drop(writer.data.take()); // the engine locks the slot to copy it
-        writer.slot = usize::MAX; // ownership passes to the layer
-        table.slots[slot] = SlotUse::Layer(layer);
-        table.layers[layer] = LayerState {
-            offloaded: true,
-            slot: Some(slot),
-            d2h_pending: true,
-            kept: true,
-            ..Default::default()
-        };
-        table.kept.push_back(layer);
-        while table.kept.len() > self.plan.config().keep_resident {
-            if let Some(old) = table.kept.pop_front() {
-                table.layers[old].kept = false;
-                table.maybe_evict(old);
-            }
-        }
-        drop(table);
+        // Always there: only `offload` (which consumes the writer) and the drop take it.
+        let reserved = writer.reserved.take().ok_or(Error::AlreadyOffloaded { layer })?;
+        let slot = self.shared.update(|ring| ring.offload(layer, reserved))?;
         self.send(false, Job { layer, slot })
     }
 
     /// Copies `tensor` into a slot and offloads it as `layer`'s boundary (the raw API for a
     /// framework that hands over its own tensor).
     pub fn offload_copy(&self, layer: usize, tensor: &[T]) -> Result<()> {
-        self.check_layer(layer)?;
-        if tensor.len() != self.plan.boundary_elems() {
-            return Err(Error::ShapeMismatch {
-                what: "boundary tensor (elements)",
-                expected: self.plan.boundary_elems(),
-                got: tensor.len(),
-            });
-        }
+        lock(&self.shared.table).ring.check_layer(layer)?;
+        check_len("boundary tensor (elements)", self.plan.boundary_elems(), tensor.len())?;
         let mut writer = self.writer()?;
         writer.copy_from_slice(tensor);
         self.offload(layer, writer)
     }
 
-    /// Starts bringing `layer`'s boundary back to the device (a no-op when it is resident).
+    /// Starts bringing `layer`'s boundary back to the device (a no-op when it is resident); it
+    /// then stays there until [`release`](Self::release) (one of the k_keep newest: until then,
+    /// or until newer boundaries displace it).
     pub fn prefetch(&self, layer: usize) -> Result<()> {
-        self.check_layer(layer)?;
-        {
-            let table = lock(&self.shared.table);
-            if !table.layers[layer].offloaded {
-                return Err(Error::NotOffloaded { layer });
-            }
-            if table.layers[layer].slot.is_some() {
-                return Ok(());
-            }
+        if !lock(&self.shared.table).ring.want(layer)? {
+            return Ok(());
         }
-        let slot = self.reserve()?;
-        let mut table = lock(&self.shared.table);
-        table.slots[slot] = SlotUse::Layer(layer);
-        table.layers[layer].slot = Some(slot);
-        table.layers[layer].h2d_pending = true;
-        drop(table);
-        self.send(true, Job { layer, slot })
+        let reserved = self.reserve()?;
+        match self.shared.update(|ring| ring.start_h2d(layer, reserved))? {
+            Some(slot) => self.send(true, Job { layer, slot }),
+            None => Ok(()),
+        }
     }
 
-    /// `layer`'s boundary on the device (prefetching it if needed), once its copy landed.
+    /// `layer`'s boundary on the device (prefetching it if needed), once its copy landed; it
+    /// then stays there as after [`prefetch`](Self::prefetch).
     pub fn fetch(&self, layer: usize) -> Result<SlotReader<'_, T>> {
         self.prefetch(layer)?;
-        let table = lock(&self.shared.table);
-        let mut table = self.shared.wait_until(table, |t| !t.layers[layer].h2d_pending)?;
-        let slot = table.layers[layer].slot.ok_or(Error::NotOffloaded { layer })?;
-        table.layers[layer].lent = true;
-        drop(table);
+        let slot = self.shared.wait_for(|table| match table.ring.lend(layer)? {
+            Lend::Ready(slot) => Ok(Some(slot)),
+            Lend::AwaitH2d => Ok(None),
+        })?;
         Ok(SlotReader { offloader: self, layer, data: read(&self.shared.slots[slot]) })
     }
 
     /// Backward is done with `layer`'s boundary: its device slot may be reused.
     pub fn release(&self, layer: usize) -> Result<()> {
-        self.check_layer(layer)?;
-        let mut table = lock(&self.shared.table);
-        if !table.layers[layer].offloaded {
-            return Err(Error::NotOffloaded { layer });
-        }
-        table.layers[layer].kept = false;
-        table.kept.retain(|&l| l != layer);
-        table.maybe_evict(layer);
-        drop(table);
-        self.shared.changed.notify_all();
-        Ok(())
+        self.shared.update(|ring| ring.release(layer))
     }
 
     /// Waits for every copy in flight, then forgets this step's boundaries (the ring and the
     /// arena stay reserved for the next step).
     pub fn finish_step(&mut self) -> Result<()> {
-        let table = lock(&self.shared.table);
-        let mut table =
-            self.shared.wait_until(table, |t| t.layers.iter().all(|l| !l.d2h_pending && !l.h2d_pending))?;
-        let layers = table.layers.len();
-        table.layers = vec![LayerState::default(); layers];
-        table.slots.iter_mut().for_each(|s| *s = SlotUse::Free);
-        table.kept.clear();
-        table.in_use = 0;
-        Ok(())
+        self.shared.wait_for(|table| {
+            let done = !table.ring.copies_in_flight();
+            if done {
+                table.ring.finish_step();
+            }
+            Ok(done.then_some(()))
+        })
     }
 
     /// The most device slots ever held at once.
     pub fn high_water_slots(&self) -> usize {
-        lock(&self.shared.table).high_water
+        lock(&self.shared.table).ring.high_water_slots()
     }
 
     /// Device bytes of the most slots ever held at once.
@@ -379,12 +258,51 @@ impl<T: Pod + Send + Sync + 'static> Drop for CheckpointOffloader<T> {
     }
 }
 
+impl<T: Pod + Send + Sync + std::fmt::Debug + 'static> CheckpointStore for CheckpointOffloader<T> {
+    type Tensors = Host<T>;
+
+    fn plan(&self) -> &Plan {
+        &self.plan
+    }
+    fn tensors(&self) -> Host<T> {
+        Host::new()
+    }
+    fn offload_from(&mut self, layer: usize, tensor: &[T]) -> Result<()> {
+        self.offload_copy(layer, tensor)
+    }
+    fn forward_into<R>(&mut self, layer: usize, f: impl FnOnce(&[T], &mut [T]) -> Result<R>) -> Result<R> {
+        let next = layer.saturating_add(1);
+        lock(&self.shared.table).ring.check_offload(next)?;
+        let x = self.fetch(layer)?;
+        let mut y = self.writer()?;
+        let done = f(&x, &mut y)?; // on error, dropping `y` gives its slot back
+        drop(x);
+        self.offload(next, y)?;
+        Ok(done)
+    }
+    fn prefetch(&mut self, layer: usize) -> Result<()> {
+        CheckpointOffloader::prefetch(self, layer)
+    }
+    fn fetch_with<R>(&mut self, layer: usize, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+        f(&self.fetch(layer)?)
+    }
+    fn release(&mut self, layer: usize) -> Result<()> {
+        CheckpointOffloader::release(self, layer)
+    }
+    fn finish_step(&mut self) -> Result<()> {
+        CheckpointOffloader::finish_step(self)
+    }
+    fn high_water_bytes(&self) -> usize {
+        CheckpointOffloader::high_water_bytes(self)
+    }
+}
+
 /// A reserved device slot being written; hand it to [`CheckpointOffloader::offload`]. Dropped
 /// without being offloaded, it frees the slot.
 #[derive(Debug)]
 pub struct SlotWriter<'a, T: Pod + Send + Sync + 'static> {
     offloader: &'a CheckpointOffloader<T>,
-    slot: usize,
+    reserved: Option<Reserved>,
     data: Option<RwLockWriteGuard<'a, Vec<T>>>,
 }
 
@@ -404,10 +322,8 @@ impl<T: Pod + Send + Sync + 'static> DerefMut for SlotWriter<'_, T> {
 impl<T: Pod + Send + Sync + 'static> Drop for SlotWriter<'_, T> {
     fn drop(&mut self) {
         self.data.take();
-        if self.slot != usize::MAX {
-            let shared = &self.offloader.shared;
-            lock(&shared.table).free_slot(self.slot);
-            shared.changed.notify_all();
+        if let Some(reserved) = self.reserved.take() {
+            self.offloader.shared.update(|ring| ring.cancel(reserved));
         }
     }
 }
@@ -429,11 +345,7 @@ impl<T: Pod + Send + Sync + 'static> Deref for SlotReader<'_, T> {
 
 impl<T: Pod + Send + Sync + 'static> Drop for SlotReader<'_, T> {
     fn drop(&mut self) {
-        let shared = &self.offloader.shared;
-        let mut table = lock(&shared.table);
-        table.layers[self.layer].lent = false;
-        table.maybe_evict(self.layer);
-        drop(table);
-        shared.changed.notify_all();
+        let layer = self.layer;
+        self.offloader.shared.update(|ring| ring.unlend(layer));
     }
 }

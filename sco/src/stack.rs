@@ -1,34 +1,41 @@
 //! A checkpointed stack driver: forward with checkpoints, then backward with recompute, with
-//! the boundaries on the device (plain checkpointing), offloaded through a
-//! [`CheckpointOffloader`] (SCO), or not checkpointed at all (every layer's internals saved).
-//! A framework adopts SCO either through this driver or through the raw offloader.
+//! the boundaries on the device (plain checkpointing), offloaded through any
+//! [`CheckpointStore`] (SCO), or not checkpointed at all (every layer's internals saved).
+//! A framework adopts SCO either through this driver or through an offloader's raw API.
+//!
+//! Device memory for boundaries: `plan.workspace_bytes()` (the store's ring, `slots·s`) with
+//! [`Checkpointing::Offload`], `L·s` with the other two; [`StepOutput::boundary_high_water_bytes`]
+//! reports what a step held.
 
 use flatpeak_common::{Budget, Link};
 
 use crate::error::{Error, Result};
 use crate::offloader::CheckpointOffloader;
 use crate::plan::{Config, Plan, Shape};
+use crate::store::{CheckpointStore, Host, Owned, TensorMut, TensorRef, Tensors, check_len};
 
-/// One layer of a stack mapping a boundary tensor of `width()` elements to another.
-pub trait Layer: Send + Sync {
+/// One layer of a stack mapping a boundary tensor of `width()` elements to another, computing
+/// on the tensors of family `F` (host `f32` slices by default; a CUDA layer implements
+/// `Layer<sco::cuda::CudaTensors<T>>`).
+pub trait Layer<F: Tensors = Host>: Send + Sync {
     /// Elements of the input (and output) boundary tensor.
     fn width(&self) -> usize;
     /// Elements of this layer's parameter gradient.
     fn param_count(&self) -> usize;
     /// `y = f(x)`.
-    fn forward(&self, x: &[f32], y: &mut [f32]) -> Result<()>;
+    fn forward(&self, x: TensorRef<'_, F>, y: TensorMut<'_, F>) -> Result<()>;
     /// `y = f(x)`, also returning the internals backward needs (no checkpointing).
-    fn forward_saving(&self, x: &[f32], y: &mut [f32]) -> Result<Vec<f32>>;
+    fn forward_saving(&self, x: TensorRef<'_, F>, y: TensorMut<'_, F>) -> Result<Owned<F>>;
     /// Given the layer input `x` and `dy`, writes `dx` and the parameter gradient. With
     /// `saved = None` it recomputes its internals from `x` (checkpointing); it must then produce
     /// bitwise the same result as with the internals `forward_saving` returned.
     fn backward(
         &self,
-        x: &[f32],
-        saved: Option<&[f32]>,
-        dy: &[f32],
-        dx: &mut [f32],
-        dparams: &mut [f32],
+        x: TensorRef<'_, F>,
+        saved: Option<TensorRef<'_, F>>,
+        dy: TensorRef<'_, F>,
+        dx: TensorMut<'_, F>,
+        dparams: TensorMut<'_, F>,
     ) -> Result<()>;
 }
 
@@ -44,50 +51,73 @@ pub enum Checkpointing {
     Offload,
 }
 
-/// What one step computed.
+/// What one step computed, as tensors `O` of the stack's family (`Vec<f32>` on the host).
 #[derive(Debug, Clone, PartialEq)]
-pub struct StepOutput {
+pub struct StepOutput<O = Vec<f32>> {
     /// The stack's output.
-    pub output: Vec<f32>,
+    pub output: O,
     /// Gradient with respect to the stack's input.
-    pub grad_input: Vec<f32>,
+    pub grad_input: O,
     /// Per-layer parameter gradients.
-    pub param_grads: Vec<Vec<f32>>,
+    pub param_grads: Vec<O>,
     /// Most boundary bytes held on the device at once during the step.
     pub boundary_high_water_bytes: usize,
 }
 
-/// A stack of layers run with one of the [`Checkpointing`] schedules.
+/// A stack of layers run with one of the [`Checkpointing`] schedules, offloading through a
+/// store `S` (the CPU offloader by default).
 #[derive(Debug)]
-pub struct CheckpointedStack<L: Layer> {
+pub struct CheckpointedStack<L, S: CheckpointStore = CheckpointOffloader<f32>> {
     layers: Vec<L>,
     mode: Checkpointing,
     plan: Plan,
-    offloader: Option<CheckpointOffloader<f32>>,
+    tensors: S::Tensors,
+    offloader: Option<S>,
     /// Plain checkpointing's L boundary buffers, reserved once like the offloader's ring.
-    resident: Vec<Vec<f32>>,
+    resident: Vec<Owned<S::Tensors>>,
     width: usize,
 }
 
+/// The common width of `layers`; [`Error::ShapeMismatch`] when they differ.
+fn common_width<F: Tensors, L: Layer<F>>(layers: &[L]) -> Result<usize> {
+    let width = layers.first().map_or(0, Layer::width);
+    for l in layers {
+        check_len("layer width (all layers alike)", width, l.width())?;
+    }
+    Ok(width)
+}
+
 impl<L: Layer> CheckpointedStack<L> {
-    /// A stack of `layers` (all of the same width). With [`Checkpointing::Offload`] the ring and
-    /// the host arena of the plan are reserved now, once, and reused by every step.
+    /// A stack of `layers` (all of the same width) on the CPU fallback. With
+    /// [`Checkpointing::Offload`] the ring and the host arena of the plan are reserved now, once,
+    /// and reused by every step; `link` sets the copy engines' speed.
     pub fn new(layers: Vec<L>, mode: Checkpointing, config: &Config, link: Link) -> Result<Self> {
-        let width = layers.first().map_or(0, Layer::width);
-        for l in &layers {
-            if l.width() != width {
-                return Err(Error::ShapeMismatch {
-                    what: "layer width (all layers alike)",
-                    expected: width,
-                    got: l.width(),
-                });
-            }
-        }
+        let width = common_width(&layers)?;
         let plan = Plan::new(config, Shape::of::<f32>(layers.len(), width), Budget::Unlimited)?;
         let offloader = (mode == Checkpointing::Offload).then(|| CheckpointOffloader::new(plan, link));
-        let resident =
-            if mode == Checkpointing::Offload { Vec::new() } else { vec![vec![0f32; width]; layers.len()] };
-        Ok(Self { layers, mode, plan, offloader, resident, width })
+        let resident = match mode {
+            Checkpointing::Offload => Vec::new(),
+            _ => vec![vec![0f32; width]; layers.len()],
+        };
+        Ok(Self { layers, mode, plan, tensors: Host::new(), offloader, resident, width })
+    }
+}
+
+impl<L: Layer<S::Tensors>, S: CheckpointStore> CheckpointedStack<L, S> {
+    /// A stack of `layers` offloading through `store` ([`Checkpointing::Offload`]) on the
+    /// store's device, e.g. a `cuda::CudaCheckpointOffloader` with layers on device views. The
+    /// store's plan must be for these layers: its depth, width and element size
+    /// ([`Error::ShapeMismatch`] otherwise).
+    pub fn with_store(layers: Vec<L>, store: S) -> Result<Self> {
+        let width = common_width(&layers)?;
+        let plan = *store.plan();
+        check_len("stack depth (the store's plan)", plan.layers(), layers.len())?;
+        check_len("layer width (the store's boundary elements)", plan.boundary_elems(), width)?;
+        let elem = std::mem::size_of::<<S::Tensors as Tensors>::Elem>();
+        check_len("element bytes (the store's plan)", plan.shape().element_bytes, elem)?;
+        let tensors = store.tensors();
+        let mode = Checkpointing::Offload;
+        Ok(Self { layers, mode, plan, tensors, offloader: Some(store), resident: Vec::new(), width })
     }
 
     /// The SCO plan (the same sizes whatever the mode).
@@ -100,103 +130,115 @@ impl<L: Layer> CheckpointedStack<L> {
         &self.layers
     }
 
+    /// The store boundaries are offloaded through (`None` unless [`Checkpointing::Offload`]).
+    pub fn store(&self) -> Option<&S> {
+        self.offloader.as_ref()
+    }
+
     /// Forward over every layer, `loss_grad(output)` for the upstream gradient, then backward.
-    pub fn step(&mut self, input: &[f32], loss_grad: impl FnOnce(&[f32]) -> Vec<f32>) -> Result<StepOutput> {
-        let w = self.width;
-        if input.len() != w {
-            return Err(Error::ShapeMismatch { what: "stack input (width)", expected: w, got: input.len() });
-        }
+    pub fn step(
+        &mut self,
+        input: TensorRef<'_, S::Tensors>,
+        loss_grad: impl FnOnce(TensorRef<'_, S::Tensors>) -> Owned<S::Tensors>,
+    ) -> Result<StepOutput<Owned<S::Tensors>>> {
+        check_len("stack input (width)", self.width, S::Tensors::len(&input))?;
         match self.mode {
             Checkpointing::Off | Checkpointing::OnDevice => self.step_resident(input, loss_grad),
-            Checkpointing::Offload => self.step_offload(input, loss_grad),
+            Checkpointing::Offload => {
+                let result = self.step_offload(input, loss_grad);
+                if result.is_err()
+                    && let Some(off) = self.offloader.as_mut()
+                {
+                    // Leave the store ready for the next step; the step's own error is the one
+                    // to report.
+                    let _ = off.finish_step();
+                }
+                result
+            }
         }
     }
 
     fn step_resident(
         &mut self,
-        input: &[f32],
-        loss_grad: impl FnOnce(&[f32]) -> Vec<f32>,
-    ) -> Result<StepOutput> {
-        let (w, n) = (self.width, self.layers.len());
+        input: TensorRef<'_, S::Tensors>,
+        loss_grad: impl FnOnce(TensorRef<'_, S::Tensors>) -> Owned<S::Tensors>,
+    ) -> Result<StepOutput<Owned<S::Tensors>>> {
+        let (w, n, t) = (self.width, self.layers.len(), &self.tensors);
         let save = self.mode == Checkpointing::Off;
-        let mut saved: Vec<Vec<f32>> = Vec::with_capacity(n);
+        let mut saved = Vec::with_capacity(if save { n } else { 0 });
         let boundaries = &mut self.resident;
-        boundaries[0].copy_from_slice(input);
-        let mut x = vec![0f32; w];
+        let first = boundaries.first_mut().ok_or(Error::invalid_config("layers", n, "at least 1"))?;
+        t.copy(input, S::Tensors::view_mut(first))?;
+        let mut output = t.zeros(w)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let (done, rest) = boundaries.split_at_mut(i + 1);
-            let y = rest.first_mut().map_or(&mut x, |next| next);
+            let y = S::Tensors::view_mut(rest.first_mut().unwrap_or(&mut output));
+            let x = S::Tensors::view(&done[i]);
             if save {
-                saved.push(layer.forward_saving(&done[i], y)?);
+                saved.push(layer.forward_saving(x, y)?);
             } else {
-                layer.forward(&done[i], y)?;
+                layer.forward(x, y)?;
             }
         }
-        let output = x;
-        let mut dy = loss_grad(&output);
-        check_grad(&dy, w)?;
-        let mut param_grads = vec![Vec::new(); n];
-        for i in (0..n).rev() {
-            let mut dx = vec![0f32; w];
-            let mut dp = vec![0f32; self.layers[i].param_count()];
-            let internals = saved.get(i).map(Vec::as_slice);
-            self.layers[i].backward(&boundaries[i], internals, &dy, &mut dx, &mut dp)?;
-            param_grads[i] = dp;
+        let mut dy = loss_grad(S::Tensors::view(&output));
+        check_grad::<S::Tensors>(&dy, w)?;
+        let mut param_grads = Vec::with_capacity(n);
+        for (i, layer) in self.layers.iter().enumerate().rev() {
+            let (mut dx, mut dp) = (t.zeros(w)?, t.zeros(layer.param_count())?);
+            let internals = saved.get(i).map(S::Tensors::view);
+            let x = S::Tensors::view(&boundaries[i]);
+            let (dy_view, dx_view) = (S::Tensors::view(&dy), S::Tensors::view_mut(&mut dx));
+            layer.backward(x, internals, dy_view, dx_view, S::Tensors::view_mut(&mut dp))?;
+            param_grads.push(dp);
             dy = dx;
         }
-        let boundary_high_water_bytes = n * w * std::mem::size_of::<f32>();
+        param_grads.reverse();
+        let boundary_high_water_bytes = n * self.plan.boundary_bytes();
         Ok(StepOutput { output, grad_input: dy, param_grads, boundary_high_water_bytes })
     }
 
     fn step_offload(
         &mut self,
-        input: &[f32],
-        loss_grad: impl FnOnce(&[f32]) -> Vec<f32>,
-    ) -> Result<StepOutput> {
-        let (w, n) = (self.width, self.layers.len());
+        input: TensorRef<'_, S::Tensors>,
+        loss_grad: impl FnOnce(TensorRef<'_, S::Tensors>) -> Owned<S::Tensors>,
+    ) -> Result<StepOutput<Owned<S::Tensors>>> {
+        let (w, n, t) = (self.width, self.layers.len(), &self.tensors);
         let Some(off) = self.offloader.as_mut() else {
             return Err(Error::invalid_config("offloader", "none", "present in Offload mode"));
         };
         let d = off.plan().config().prefetch_distance;
-        off.offload_copy(0, input)?;
-        let mut output = vec![0f32; w];
-        for i in 0..n {
-            let x = off.fetch(i)?;
+        off.offload_from(0, input)?;
+        let mut output = t.zeros(w)?;
+        for (i, layer) in self.layers.iter().enumerate() {
             if i + 1 < n {
-                let mut y = off.writer()?;
-                self.layers[i].forward(&x, &mut y)?;
-                drop(x);
-                off.offload(i + 1, y)?;
+                off.forward_into(i, |x, y| layer.forward(x, y))?;
             } else {
-                self.layers[i].forward(&x, &mut output)?;
+                off.fetch_with(i, |x| layer.forward(x, S::Tensors::view_mut(&mut output)))?;
             }
         }
-        let mut dy = loss_grad(&output);
-        check_grad(&dy, w)?;
-        let mut param_grads = vec![Vec::new(); n];
-        for i in (0..n).rev() {
+        let mut dy = loss_grad(S::Tensors::view(&output));
+        check_grad::<S::Tensors>(&dy, w)?;
+        let mut param_grads = Vec::with_capacity(n);
+        for (i, layer) in self.layers.iter().enumerate().rev() {
             if i >= d && d > 0 {
                 off.prefetch(i - d)?; // H2D of x_{i−d} overlaps layer i's recompute and backward
             }
-            let x = off.fetch(i)?;
-            let mut dx = vec![0f32; w];
-            let mut dp = vec![0f32; self.layers[i].param_count()];
-            self.layers[i].backward(&x, None, &dy, &mut dx, &mut dp)?;
-            drop(x);
+            let (mut dx, mut dp) = (t.zeros(w)?, t.zeros(layer.param_count())?);
+            off.fetch_with(i, |x| {
+                let (dy_view, dx_view) = (S::Tensors::view(&dy), S::Tensors::view_mut(&mut dx));
+                layer.backward(x, None, dy_view, dx_view, S::Tensors::view_mut(&mut dp))
+            })?;
             off.release(i)?;
-            param_grads[i] = dp;
+            param_grads.push(dp);
             dy = dx;
         }
+        param_grads.reverse();
         off.finish_step()?;
         let boundary_high_water_bytes = off.high_water_bytes();
         Ok(StepOutput { output, grad_input: dy, param_grads, boundary_high_water_bytes })
     }
 }
 
-fn check_grad(dy: &[f32], width: usize) -> Result<()> {
-    if dy.len() == width {
-        Ok(())
-    } else {
-        Err(Error::ShapeMismatch { what: "loss gradient (width)", expected: width, got: dy.len() })
-    }
+fn check_grad<F: Tensors>(dy: &F::Owned, width: usize) -> Result<()> {
+    check_len("loss gradient (width)", width, F::len(&F::view(dy)))
 }

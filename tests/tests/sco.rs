@@ -1,11 +1,15 @@
 //! sco: gradients bitwise equal with SCO, plain checkpointing and no checkpointing; the device
 //! boundary high-water equals the plan's bound for every depth; copies stay correct under
-//! stress; the pool is reused across steps; misuse is a typed error.
+//! stress; the pool is reused across steps; misuse is a typed error; the stack drives any
+//! `CheckpointStore` with the same schedule, and a failed step leaves the store reusable.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use flatpeak_common::SplitMix64;
 use sco::layers::{AddOne, ResidualMlp};
 use sco::{
-    Budget, CheckpointOffloader, CheckpointedStack, Checkpointing, Config, Error, Layer, Link, Plan, Shape,
+    Budget, CheckpointOffloader, CheckpointStore, CheckpointedStack, Checkpointing, Config, Device, Error,
+    Host, Layer, Link, Offloader, Plan, Shape,
 };
 
 const TOKENS: usize = 8;
@@ -164,6 +168,175 @@ fn misuse_is_a_typed_error() {
         layer.backward(&[0.0; 48], None, &[0.0; 48], &mut [0.0; 48], &mut [0.0; 3]),
         Err(Error::Common(_))
     ));
+}
+
+/// A store that records what the stack asks of it and passes it on to the CPU offloader.
+#[derive(Debug)]
+struct Recording {
+    inner: CheckpointOffloader<f32>,
+    calls: Vec<Call>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Call {
+    OffloadFrom(usize),
+    ForwardInto(usize),
+    Prefetch(usize),
+    Fetch(usize),
+    Release(usize),
+    FinishStep,
+}
+
+impl CheckpointStore for Recording {
+    type Tensors = Host;
+    fn plan(&self) -> &Plan {
+        self.inner.plan()
+    }
+    fn tensors(&self) -> Host {
+        Host::new()
+    }
+    fn offload_from(&mut self, layer: usize, tensor: &[f32]) -> sco::Result<()> {
+        self.calls.push(Call::OffloadFrom(layer));
+        self.inner.offload_from(layer, tensor)
+    }
+    fn forward_into<R>(
+        &mut self,
+        layer: usize,
+        f: impl FnOnce(&[f32], &mut [f32]) -> sco::Result<R>,
+    ) -> sco::Result<R> {
+        self.calls.push(Call::ForwardInto(layer));
+        self.inner.forward_into(layer, f)
+    }
+    fn prefetch(&mut self, layer: usize) -> sco::Result<()> {
+        self.calls.push(Call::Prefetch(layer));
+        self.inner.prefetch(layer)
+    }
+    fn fetch_with<R>(&mut self, layer: usize, f: impl FnOnce(&[f32]) -> sco::Result<R>) -> sco::Result<R> {
+        self.calls.push(Call::Fetch(layer));
+        self.inner.fetch_with(layer, f)
+    }
+    fn release(&mut self, layer: usize) -> sco::Result<()> {
+        self.calls.push(Call::Release(layer));
+        self.inner.release(layer)
+    }
+    fn finish_step(&mut self) -> sco::Result<()> {
+        self.calls.push(Call::FinishStep);
+        self.inner.finish_step()
+    }
+    fn high_water_bytes(&self) -> usize {
+        self.inner.high_water_bytes()
+    }
+}
+
+fn mlp_layers(layers: usize) -> Vec<ResidualMlp> {
+    (0..layers).map(|l| ResidualMlp::new(TOKENS, HIDDEN, INNER, 100 + l as u64)).collect()
+}
+
+#[test]
+fn the_stack_drives_any_store_with_the_same_schedule() {
+    let input = SplitMix64::new(10).normal_f32(TOKENS * HIDDEN, 0.0, 1.0);
+    let (layers, d) = (6, 2);
+    let config = Config::default().prefetch_distance(d);
+    let plan =
+        Plan::new(&config, Shape::of::<f32>(layers, TOKENS * HIDDEN), Budget::Unlimited).expect("plan");
+    let store = Recording { inner: CheckpointOffloader::new(plan, Link::Memcpy), calls: Vec::new() };
+    let mut stack = CheckpointedStack::with_store(mlp_layers(layers), store).expect("stack");
+    let reference = mlp_stack(layers, Checkpointing::OnDevice).step(&input, loss_grad).expect("step");
+    for _ in 0..2 {
+        let out = stack.step(&input, loss_grad).expect("step");
+        assert_eq!(bits(&out.grad_input), bits(&reference.grad_input));
+        for (a, b) in out.param_grads.iter().zip(&reference.param_grads) {
+            assert_eq!(bits(a), bits(b));
+        }
+        assert!(out.boundary_high_water_bytes <= plan.workspace_bytes());
+    }
+    // Forward: the input, then each layer's output as the next boundary, the last layer's
+    // output kept by the stack; backward: prefetch d ahead, fetch, release; then finish.
+    let mut expected = vec![Call::OffloadFrom(0)];
+    expected.extend((0..layers - 1).map(Call::ForwardInto));
+    expected.push(Call::Fetch(layers - 1));
+    for i in (0..layers).rev() {
+        if i >= d {
+            expected.push(Call::Prefetch(i - d));
+        }
+        expected.extend([Call::Fetch(i), Call::Release(i)]);
+    }
+    expected.push(Call::FinishStep);
+    let calls = &stack.store().expect("a store").calls;
+    assert_eq!(calls[..expected.len()], expected[..]);
+    assert_eq!(calls[expected.len()..], expected[..], "the same schedule every step");
+
+    // The store must be planned for the stack it drives.
+    let fresh = || CheckpointOffloader::<f32>::new(plan, Link::Memcpy);
+    assert_eq!(
+        CheckpointedStack::with_store(mlp_layers(layers + 1), fresh()).err(),
+        Some(Error::ShapeMismatch { what: "stack depth (the store's plan)", expected: 6, got: 7 })
+    );
+    let wide: Vec<_> = (0..layers).map(|l| ResidualMlp::new(TOKENS, HIDDEN + 1, INNER, l as u64)).collect();
+    assert!(matches!(
+        CheckpointedStack::with_store(wide, fresh()),
+        Err(Error::ShapeMismatch { expected: 48, got: 56, .. })
+    ));
+}
+
+/// `AddOne` whose backward fails once, on one layer.
+#[derive(Debug)]
+struct FailsOnce {
+    inner: AddOne,
+    armed: AtomicBool,
+}
+
+impl Layer for FailsOnce {
+    fn width(&self) -> usize {
+        self.inner.width()
+    }
+    fn param_count(&self) -> usize {
+        self.inner.param_count()
+    }
+    fn forward(&self, x: &[f32], y: &mut [f32]) -> sco::Result<()> {
+        self.inner.forward(x, y)
+    }
+    fn forward_saving(&self, x: &[f32], y: &mut [f32]) -> sco::Result<Vec<f32>> {
+        self.inner.forward_saving(x, y)
+    }
+    fn backward(
+        &self,
+        x: &[f32],
+        saved: Option<&[f32]>,
+        dy: &[f32],
+        dx: &mut [f32],
+        dparams: &mut [f32],
+    ) -> sco::Result<()> {
+        if self.armed.swap(false, Ordering::Relaxed) {
+            return Err(Error::invalid_config("armed", true, "a layer that does not fail"));
+        }
+        self.inner.backward(x, saved, dy, dx, dparams)
+    }
+}
+
+#[test]
+fn a_failed_step_leaves_the_store_ready_for_the_next() {
+    let (width, layers) = (64, 5);
+    let input: Vec<f32> = (0..width).map(|j| j as f32).collect();
+    let plan =
+        Plan::new(&Config::default(), Shape::of::<f32>(layers, width), Budget::Unlimited).expect("plan");
+    // The executor chosen by the device: the host offloader for `Device::Cpu`.
+    let Offloader::Host(offloader) = Offloader::<f32>::new(plan, Device::Cpu).expect("cpu") else {
+        panic!("Device::Cpu gives the host offloader");
+    };
+    let stack_layers: Vec<_> = (0..layers)
+        .map(|l| FailsOnce { inner: AddOne::new(width, l), armed: AtomicBool::new(l == 2) })
+        .collect();
+    let mut stack = CheckpointedStack::with_store(stack_layers, offloader).expect("stack");
+    assert!(matches!(
+        stack.step(&input, |y| vec![1.0; y.len()]),
+        Err(Error::InvalidConfig { field: "armed", .. })
+    ));
+    for _ in 0..3 {
+        let out = stack.step(&input, |y| vec![1.0; y.len()]).expect("the store was reset");
+        assert_eq!(out.param_grads.iter().map(|g| g[0]).sum::<f32>(), 0.0, "every boundary intact");
+        assert_eq!(out.output[3], 3.0 + layers as f32);
+    }
 }
 
 /// On a GPU: boundaries offloaded through the CUDA ring and fetched back in backward order are
