@@ -13,8 +13,8 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use flatpeak_bench::components::llep::Data;
 use flatpeak_common::gemm::Threads;
-use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, Workspace};
-use llep::{Config as LlepConfig, PairCap, Pass, Scheme, Shape, cpu};
+use flatpeak_common::{Communicator, DType, Device, LocalGroup, LocalGroupOptions};
+use llep::{Config as LlepConfig, Executor, PairCap, Pass, Scheme, Shape};
 
 use llep::paper::Profile;
 
@@ -30,22 +30,21 @@ fn configs() -> [(&'static str, LlepConfig); 3] {
     ]
 }
 
-/// One step on every rank; workspaces reserved inside (PipelinedLLEP: its launch size).
+/// One step on every rank; executors (and their workspaces) made inside (PipelinedLLEP: its
+/// launch size for the pass; the baselines: their routing's).
 fn step(data: &Data, ids: &[i64], config: &LlepConfig, train: bool) {
     let out = LocalGroup::run(SHAPE.ranks, LocalGroupOptions::default(), |comm| {
         let me = comm.rank();
         let inputs = data.inputs(&SHAPE, me, ids);
         let run = || -> llep::Result<usize> {
-            let plan = cpu::schedule(
-                comm,
-                &llep::Plan::new(config, SHAPE, llep::Budget::Unlimited).expect("plan"),
-                &inputs.routing,
-            )?;
+            let launch = llep::Plan::new(config, SHAPE, llep::Budget::Unlimited).expect("plan");
+            let plan = llep::cpu::schedule(comm, &launch, &inputs.routing)?;
             let pass = if train { Pass::Backward } else { Pass::Forward };
-            let mut ws = Workspace::new(plan.buffers(me, pass).workspace_bytes());
-            let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
+            let bytes = plan.buffers(me, pass).workspace_bytes();
+            let mut layer = Executor::with_workspace_bytes(launch, Device::Cpu, bytes)?;
+            let y = layer.forward(comm, &plan, &inputs)?;
             if train {
-                let g = cpu::backward(comm, &plan, &inputs, data.dy(me), &mut ws)?;
+                let g = layer.backward(comm, &plan, &inputs, data.dy(me))?;
                 return Ok(y.len() + g.dx.len());
             }
             Ok(y.len())
@@ -77,7 +76,7 @@ fn cuda_steps(c: &mut Criterion) {
     use flatpeak_common::nccl::{NcclComm, nccl_available};
     use llep::Schedule;
     use llep::cuda::CudaOps;
-    use llep::device::{self, DeviceInputs, DeviceOps};
+    use llep::device::{DeviceInputs, DeviceOps};
     if !flatpeak_common::cuda_available() || !nccl_available() {
         eprintln!("cuda_steps: skipped, no CUDA device or no NCCL");
         return;
@@ -108,16 +107,14 @@ fn cuda_steps(c: &mut Criterion) {
         ));
         group.sample_size(10);
         for (name, config) in &configs {
-            let plan = Schedule::from_top_k(
-                &llep::Plan::new(config, shape, llep::Budget::Unlimited).expect("plan"),
-                &[&ids],
-            )
-            .expect("plan");
+            let launch = llep::Plan::new(config, shape, llep::Budget::Unlimited).expect("plan");
+            let mut layer = llep::Executor::new(launch, flatpeak_common::Device::Cuda(0)).expect("executor");
+            let plan = Schedule::from_top_k(&launch, &[&ids]).expect("plan");
             eprintln!("cuda/llep {spec} {name}: {} rounds", plan.rounds());
             group.bench_function(format!("{name}_train"), |b| {
                 b.iter(|| {
-                    let y = device::forward(&ops, &plan, &dev).expect("forward");
-                    let g = device::backward(&ops, &plan, &dev, &dy).expect("backward");
+                    let y = layer.forward_cuda(&ops, &plan, &dev).expect("forward");
+                    let g = layer.backward_cuda(&ops, &plan, &dev, &dy).expect("backward");
                     ops.synchronize().expect("sync");
                     (y, g)
                 })

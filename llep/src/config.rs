@@ -95,8 +95,8 @@ pub enum Mode {
     /// no recompute. What is kept grows with the routing: rank d holds `Σ_s R[s][d]` rows and
     /// `L_d` routes' pre-activations ([`Schedule::saved_bytes`](crate::Schedule::saved_bytes)), at most
     /// `K·P·q` rows ([`Buffers::saved_activation_bytes`](crate::Buffers::saved_activation_bytes)).
-    /// Run it with [`cpu::forward_saving`](crate::cpu::forward_saving) and
-    /// [`cpu::backward_saved`](crate::cpu::backward_saved).
+    /// Run it with [`Executor::forward_saving`](crate::Executor::forward_saving) and
+    /// [`Executor::backward_saved`](crate::Executor::backward_saved).
     SaveActivations,
 }
 

@@ -1,8 +1,10 @@
 //! [`DeviceOps`] on a CUDA device (feature `cuda`): buffers are cudarc [`CudaSlice`]s, the
 //! kernels are `kernels/llep.cu` compiled by NVRTC through [`KernelCache`], the GEMM is cuBLAS
 //! SGEMM (default math mode: f32 with f32 accumulation, no TF32) and all-to-all is
-//! [`DeviceCommunicator::all_to_all_v`] (NCCL). The device schedule ([`crate::device::forward`],
-//! [`crate::device::backward`]) runs on it unchanged.
+//! [`DeviceCommunicator::all_to_all_v`] (NCCL). The round schedule ([`crate::device`]) runs on
+//! it unchanged, chosen by [`Executor::new`](crate::Executor::new) with `Device::Cuda(n)`
+//! ([`Executor::forward_cuda`](crate::Executor::forward_cuda),
+//! [`Executor::backward_cuda`](crate::Executor::backward_cuda)).
 //!
 //! # Streams
 //!
@@ -230,6 +232,20 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
             .memset_zeros(&mut view_mut("zero fill", dst, 0, len)?)
             .map_err(cuda_error("cuMemsetD8"))
             .map_err(Error::from)
+    }
+
+    fn copy(
+        &self,
+        (src, src_at): (&CudaSlice<f32>, usize),
+        (dst, dst_at): (&mut CudaSlice<f32>, usize),
+        len: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let from = view("copy source", src, src_at, len)?;
+        let mut to = view_mut("copy destination", dst, dst_at, len)?;
+        self.stream.memcpy_dtod(&from, &mut to).map_err(cuda_error("cuMemcpyDtoD")).map_err(Error::from)
     }
 
     fn gather_rows(

@@ -68,11 +68,19 @@ pub enum Error {
         /// The call's value.
         found: usize,
     },
-    /// The CPU executor computes in f32 only.
-    #[error("the CPU executor takes f32 tensors; the shape says {dtype}")]
+    /// The executors compute in f32 only.
+    #[error("the executors take f32 tensors; the shape says {dtype}")]
     UnsupportedDtype {
         /// The dtype of the shape.
         dtype: flatpeak_common::DType,
+    },
+    /// Tensors on one device handed to an executor on another (nothing is copied silently).
+    #[error("executor on {executor} was handed tensors on {inputs}")]
+    WrongDevice {
+        /// The executor's device.
+        executor: flatpeak_common::Device,
+        /// Where the tensors are.
+        inputs: flatpeak_common::Device,
     },
 }
 }

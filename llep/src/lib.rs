@@ -11,25 +11,34 @@
 //! the routing: **imbalance costs rounds, never memory**.
 //!
 //! Memory bound per rank (all sizes in the launch [`Plan`]'s [`Buffers`], fixed by the config,
-//! the shape and the budget before any routing is known): D pipeline copies of send, receive and output buffers of P·q rows × H
-//! (backward adds dY rows), expert GEMM buffers of G = P·q rows × (H, I), F_max foreign expert
-//! slots of 3·H·I, and 8·N·k bytes of route tables. Nothing scales with the skew; the baselines
-//! ([`Scheme::Llep`], [`Scheme::StandardEp`]) are plans too, sized to their routing.
+//! the shape and the budget before any routing is known): D pipeline copies of send, receive
+//! and output buffers of P·q rows × H with their token and route lists (backward adds dY rows
+//! and d(weights)), the expert scratch of G = P·q rows × (H, I) with one group's index lists,
+//! F_max foreign expert slots of 3·H·I, and on the host 8·N·k bytes of route tables, up to two
+//! rounds' received route metadata and the grouping arrays ([`Buffers::regions`] lists every
+//! one). Nothing scales with the skew; the baselines ([`Scheme::Llep`], [`Scheme::StandardEp`])
+//! are plans too, sized to their routing.
 //!
 //! Training runs the layer checkpointed ([`Mode::Checkpointed`]): forward keeps nothing,
 //! backward recomputes each round and runs its backward at once, returning dX, the routing
 //! weights' gradient (for the router) and the native experts' weight gradients (foreign
 //! gradients travel home once per layer). [`Mode::SaveActivations`] instead keeps every round's
-//! received rows and SwiGLU pre-activations from [`cpu::forward_saving`] for
-//! [`cpu::backward_saved`] (no recompute; its larger, routing-dependent store is
+//! received rows and SwiGLU pre-activations from [`Executor::forward_saving`] for
+//! [`Executor::backward_saved`] (no recompute; its larger, routing-dependent store is
 //! [`Schedule::saved_bytes`]). Exact: forward and backward match a dense f64 reference
 //! ([`cpu::reference`]) to f32 rounding.
+//!
+//! The round schedule is written once ([`device`], over the [`device::DeviceOps`] a backend
+//! offers) and an [`Executor`] runs it on the backend its [`Device`] names: [`Device::Cpu`] —
+//! host memory carved from the one workspace it reserved, the CPU GEMM, the [`Communicator`]'s
+//! all-to-all ([`cpu::HostOps`]) — or, with feature `cuda`, `Device::Cuda(n)` (cudarc, NVRTC
+//! kernels, cuBLAS, NCCL: `cuda::CudaOps`); without it a CUDA device is a typed error.
 //!
 //! ```
 //! use flatpeak_common::SplitMix64;
 //! use llep::paper::{Profile, routing_weights};
-//! use llep::{cpu, Budget, Communicator, Config, DType, ExpertWeights, LocalGroup, LocalGroupOptions};
-//! use llep::{PairCap, Plan, RankInputs, Routing, Shape, Workspace};
+//! use llep::{Budget, Communicator, Config, DType, Device, Executor, ExpertWeights, LocalGroup};
+//! use llep::{LocalGroupOptions, PairCap, Plan, RankInputs, Routing, Shape};
 //!
 //! let shape = Shape { ranks: 4, tokens: 64, hidden: 32, intermediate: 16, experts: 8, top_k: 2, dtype: DType::F32 };
 //! let config = Config::default().min_chunk(8).pair_cap(PairCap::Rows(8));
@@ -49,30 +58,32 @@
 //!         experts: ExpertWeights { gate: &gate, up: &up, down: &down },
 //!     };
 //!     let run = || -> llep::Result<_> {
-//!         let mut ws = Workspace::new(bytes);
+//!         let mut layer = Executor::new(plan, Device::Cpu)?; // reserves `bytes`, once
 //!         // This call's rounds within the plan: the routing costs rounds, never memory.
-//!         let schedule = cpu::schedule(comm, &plan, &inputs.routing)?;
-//!         let y = cpu::forward(comm, &schedule, &inputs, &mut ws)?;
-//!         let grads = cpu::backward(comm, &schedule, &inputs, &y, &mut ws)?; // dY = y
-//!         Ok((schedule.rounds(), schedule.assignment().transfers().len(), grads.dx.len(), ws.high_water()))
+//!         let schedule = layer.schedule(comm, &inputs.routing)?;
+//!         let y = layer.forward(comm, &schedule, &inputs)?;
+//!         let grads = layer.backward(comm, &schedule, &inputs, &y)?; // dY = y
+//!         let transfers = schedule.assignment().transfers().len();
+//!         Ok((schedule.rounds(), transfers, grads.dx.len(), layer.high_water(), layer.workspace_bytes()))
 //!     };
 //!     Ok(run())
 //! });
 //! for r in results {
-//!     let (rounds, transfers, dx_len, used) = r??;
-//!     assert!(rounds >= 1 && transfers == 3 && dx_len == 64 * 32 && used == bytes);
+//!     let (rounds, transfers, dx_len, used, reserved) = r??;
+//!     assert!(rounds >= 1 && transfers == 3 && dx_len == 64 * 32 && used == bytes && reserved == bytes);
 //! }
 //! # Ok::<(), llep::Error>(())
 //! ```
 //!
 //! Modules: [`config`] (shape and options), [`assign`] (least-loaded assignment, pure),
 //! [`plan`] (launch sizing: the pair cap and every buffer, pure), [`schedule`] (one call's
-//! rounds from its routing, pure), [`cpu`] (executor over a `Communicator`, and the f64
-//! reference), [`paper`] (the LLEP harness's routing profiles, the peak model fitted to the
-//! paper's figures and its plan-only rows). With feature `cuda` or `cuda-emu`, `device` runs
-//! the same round schedule on device buffers over a small set of device operations, implemented
-//! by `cuda::CudaOps` (cudarc, NVRTC kernels, cuBLAS, NCCL) and by `device::emu_ops::EmuOps`
-//! (the kernels under the SIMT emulator), which tests it against [`cpu`] without a GPU.
+//! rounds from its routing, pure), [`device`] (the round schedule over [`device::DeviceOps`],
+//! written once), [`executor`] (the [`Executor`]), [`cpu`] (the call's schedule over a
+//! `Communicator`, the host backend, the saved-activation store and the f64 reference),
+//! [`paper`] (the LLEP harness's routing profiles, the peak model fitted to the paper's figures
+//! and its plan-only rows). With feature `cuda`, `cuda::CudaOps` runs the schedule on a GPU;
+//! with `cuda-emu`, `device::emu_ops::EmuOps` runs it with the kernels under the SIMT emulator,
+//! which tests them against the CPU without a GPU.
 
 pub mod assign;
 pub mod config;
@@ -80,13 +91,12 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
-#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "cuda", feature = "cuda-emu"))))]
 pub mod device;
 #[cfg(feature = "cuda-emu")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
 pub mod emu;
 pub mod error;
+pub mod executor;
 pub mod kernels;
 pub mod layer;
 pub mod paper;
@@ -96,6 +106,7 @@ pub mod schedule;
 pub use assign::{Assignment, Piece, RouteCounts, RouteMapper, Transfer, local_counts};
 pub use config::{Chunking, Config, Mode, PairCap, Scheme, Shape, SpillSplit};
 pub use error::{Error, Result};
+pub use executor::Executor;
 pub use flatpeak_common::{Budget, Communicator, DType, Device, LocalGroup, LocalGroupOptions, Workspace};
 pub use layer::{ExpertWeights, Gradients, RankInputs, Routing};
 pub use plan::{Buffers, Pass, Plan};

@@ -130,13 +130,15 @@ impl Plan {
     }
 }
 
-/// The buffers one rank carves from its workspace, in elements of rows (all sizes fixed before
-/// the call). Per pipeline copy: a send buffer of `send_rows` rows (also the combine's receive
-/// buffer), a receive buffer and an output buffer of `recv_rows` rows, each H wide, with k
-/// metadata entries per row; backward adds dY send/receive buffers and d(weights) buffers.
-/// Once: expert inputs and outputs (G×H), SwiGLU intermediates (G×I, two in forward, three in
-/// backward), F foreign weight slots (3·H·I each; backward adds their gradients and one H·I
-/// return buffer), and N·k-entry route tables.
+/// The buffers one rank reserves for one pass, in rows (all sizes fixed before the call): what
+/// the round schedule ([`crate::device`]) reserves, on every backend. Per pipeline copy: a send
+/// buffer of `send_rows` rows (also the combine's receive buffer) with its token list, a receive
+/// buffer and an output buffer of `recv_rows` rows, each H wide, with k metadata entries per
+/// row; backward adds dY send/receive buffers and d(weights) buffers. Once: the expert scratch
+/// (X, Y and SwiGLU intermediates of G rows; backward adds dY, h and the routes' dot products),
+/// one expert group's index lists, F foreign weight slots (3·H·I each; backward adds their
+/// gradients and one H·I return buffer), and on the host the N·k-entry route tables, the
+/// received metadata's staging and the grouping arrays. [`Buffers::regions`] lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Buffers {
     pub(crate) shape: Shape,
@@ -165,13 +167,13 @@ impl Buffers {
     }
 
     /// Dispatch bytes per row of one pipeline copy: send, receive and output rows with their
-    /// metadata (backward: also dY rows and d(weights)).
+    /// metadata and the send row's token index (backward: also dY rows and d(weights)).
     pub fn dispatch_bytes_per_row(shape: &Shape, pass: Pass) -> usize {
         let (h, k, b) = (shape.hidden, shape.top_k, shape.elem_bytes());
         let meta = std::mem::size_of::<RouteMeta>() * k;
         match pass {
-            Pass::Forward => 3 * h * b + 2 * meta,
-            Pass::Backward => 5 * h * b + 2 * meta + 2 * 4 * k,
+            Pass::Forward => 3 * h * b + 2 * meta + 4,
+            Pass::Backward => 5 * h * b + 2 * meta + 4 + 2 * 4 * k,
         }
     }
 
@@ -208,8 +210,9 @@ impl Buffers {
         self.shape.local_experts() + self.foreign_slots
     }
 
-    /// Every region in carve order, in bytes, computed in u128 so no product overflows.
-    fn regions_wide(&self) -> Vec<u128> {
+    /// Every region in reservation order, in bytes, computed in u128 so no product overflows,
+    /// with whether it lives on the host (`true`) or the device.
+    fn regions_wide(&self) -> Vec<(u128, bool)> {
         let s = &self.shape;
         let w = |x: usize| x as u128;
         let (n, h, i, k, b) = (w(s.tokens), w(s.hidden), w(s.intermediate), w(s.top_k), w(s.elem_bytes()));
@@ -219,34 +222,54 @@ impl Buffers {
             (w(self.send_rows), w(self.recv_rows), w(self.expert_rows), w(self.foreign_slots));
         let expert = 3 * h * i;
         let bwd = self.pass == Pass::Backward;
-        let mut out = vec![4 * n * k, 4 * n * k, 4 * (w(s.ranks) + 1), slots * expert * b];
+        let (host, dev) = (|r| (r, true), |r| (r, false));
+        let mut out =
+            vec![host(4 * n * k), host(4 * n * k), host(4 * (w(s.ranks) + 1)), dev(slots * expert * b)];
         if bwd {
-            out.extend([slots * expert * 4, h * i * 4]);
+            out.extend([dev(slots * expert * 4), dev(h * i * 4)]);
         }
         for _ in 0..self.depth {
-            out.extend([send * h * b, recv * h * b, recv * h * b, send * k * meta, recv * k * meta]);
+            out.extend(
+                [send * 4, send * h * b, recv * h * b, recv * h * b, send * k * meta, recv * k * meta]
+                    .map(dev),
+            );
             if bwd {
-                out.extend([send * h * b, recv * h * b, recv * k * 4, send * k * 4]);
+                out.extend([send * h * b, recv * h * b, recv * k * 4, send * k * 4].map(dev));
             }
         }
-        out.extend([
-            recv * k * group,
-            4 * (w(s.local_experts()) + slots + 1),
-            g * h * b,
-            g * h * b,
-            g * i * b,
-            g * i * b,
-        ]);
+        let staging = w(crate::device::staging_slots(self.depth)) * recv * k * meta;
+        out.extend([staging, recv * k * group, 4 * (w(s.local_experts()) + slots + 1)].map(host));
+        out.extend([g * 4, g * 4].map(dev));
         if bwd {
-            out.extend([g * h * b, g * i * b]);
+            out.extend([g * 4, send * k * 4, send * k * 4, send * k * 4, 4].map(dev));
         }
+        out.extend([g * h * b, g * h.max(i) * b, g * i * b, g * i * b].map(dev));
+        if bwd {
+            out.extend([g * h * b, g * i * b, g * 4].map(dev));
+        }
+        // An empty buffer takes no region (a baseline rank may receive nothing).
+        out.retain(|&(bytes, _)| bytes > 0);
         out
     }
 
-    /// Every region in carve order, in bytes (the CPU executor carves exactly these). A region
-    /// past `usize` reads `usize::MAX`; a [`Plan`] never has one.
+    /// Every non-empty region in reservation order, in bytes: what the round schedule reserves,
+    /// and what the CPU executor carves from its workspace, exactly. A region past `usize` reads
+    /// `usize::MAX`; a [`Plan`] never has one.
     pub fn regions(&self) -> Vec<usize> {
-        self.regions_wide().into_iter().map(|r| usize::try_from(r).unwrap_or(usize::MAX)).collect()
+        self.regions_wide().into_iter().map(|(r, _)| usize::try_from(r).unwrap_or(usize::MAX)).collect()
+    }
+
+    /// Bytes of the regions that live on the host whatever the backend (route tables, received
+    /// metadata's staging, grouping arrays), alignment included: a device executor's host
+    /// workspace.
+    pub fn host_workspace_bytes(&self) -> usize {
+        let host: Vec<usize> = self
+            .regions_wide()
+            .into_iter()
+            .filter(|&(_, on_host)| on_host)
+            .map(|(r, _)| usize::try_from(r).unwrap_or(usize::MAX))
+            .collect();
+        Arena::bytes_for(&host).unwrap_or(usize::MAX)
     }
 
     /// Bytes of the whole reservation, alignment included, or [`SizeOverflow`] when they do
@@ -259,7 +282,7 @@ impl Buffers {
         let regions: Vec<usize> = self
             .regions_wide()
             .into_iter()
-            .map(usize::try_from)
+            .map(|(r, _)| usize::try_from(r))
             .collect::<Result<_, _>>()
             .map_err(|_| overflow())?;
         Ok(Arena::bytes_for(&regions)?)
@@ -270,12 +293,13 @@ impl Buffers {
     pub fn workspace_bytes(&self) -> usize {
         self.checked_workspace_bytes().unwrap_or(usize::MAX)
     }
-    /// Send-side dispatch bytes (all copies): x rows (and dY rows) with their metadata.
+    /// Send-side dispatch bytes (all copies): x rows (and dY rows) with their metadata and
+    /// token index.
     pub fn send_bytes(&self) -> usize {
         let (h, k, b) = (self.shape.hidden, self.shape.top_k, self.shape.elem_bytes());
         let per_row = match self.pass {
-            Pass::Forward => h * b + 8 * k,
-            Pass::Backward => 2 * h * b + 12 * k,
+            Pass::Forward => h * b + 8 * k + 4,
+            Pass::Backward => 2 * h * b + 12 * k + 4,
         };
         self.depth * self.send_rows * per_row
     }
@@ -288,13 +312,14 @@ impl Buffers {
         };
         self.depth * self.recv_rows * per_row
     }
-    /// Expert GEMM inputs, outputs and SwiGLU intermediates (G rows).
+    /// Expert GEMM inputs, outputs and SwiGLU intermediates (G rows): X, Y (H or I wide,
+    /// whichever is wider: forward keeps h there), gate and up; backward adds dY and h.
     pub fn expert_intermediate_bytes(&self) -> usize {
         let (h, i, b) = (self.shape.hidden, self.shape.intermediate, self.shape.elem_bytes());
         let g = self.expert_rows;
         match self.pass {
-            Pass::Forward => g * (2 * h + 2 * i) * b,
-            Pass::Backward => g * (3 * h + 3 * i) * b,
+            Pass::Forward => g * (h + h.max(i) + 2 * i) * b,
+            Pass::Backward => g * (2 * h + h.max(i) + 3 * i) * b,
         }
     }
     /// Foreign expert weights (and, in backward, their fp32 gradients and one return buffer).
@@ -306,8 +331,8 @@ impl Buffers {
             Pass::Backward => w + self.foreign_slots * s.expert_elems() * 4 + s.hidden * s.intermediate * 4,
         }
     }
-    /// The fp32 N×H accumulator the combine scatter-adds into (forward: y; backward: dX). The
-    /// CPU executor accumulates straight into the returned output, so it is not in the workspace.
+    /// The fp32 N×H accumulator the combine scatter-adds into (forward: y; backward: dX). Every
+    /// executor accumulates straight into the returned output, so it is not in the workspace.
     pub fn accumulator_bytes(&self) -> usize {
         self.shape.tokens * self.shape.hidden * 4
     }

@@ -104,8 +104,8 @@ fn saved_activations_match_reference_and_stay_in_their_bound() {
 
 #[test]
 fn saved_activations_misuse_is_a_typed_error() {
-    use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, Workspace};
-    use llep::Error;
+    use flatpeak_common::{Communicator, Device, LocalGroup, LocalGroupOptions};
+    use llep::{Error, Executor};
     let problem = Problem::new(shape(2, 2), Ids::Random, 11);
     let out = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
         let me = comm.rank();
@@ -124,12 +124,12 @@ fn saved_activations_misuse_is_a_typed_error() {
             &inputs.routing,
         )
         .unwrap();
-        let mut ws = Workspace::new(plan.buffers(me, Pass::Backward).workspace_bytes());
+        let launch = llep::Plan::new(&saving, problem.shape, llep::Budget::Unlimited).expect("plan");
+        let mut layer = Executor::new(launch, Device::Cpu).unwrap();
         let store_for_checkpointed = llep::cpu::SavedActivations::new(&plain, me).map(|_| ());
         let mut saved = llep::cpu::SavedActivations::new(&plan, me).unwrap();
-        let unfilled =
-            llep::cpu::backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut saved, &mut ws).map(|_| ());
-        let recompute = llep::cpu::backward(comm, &plan, &inputs, &problem.dy[me], &mut ws).map(|_| ());
+        let unfilled = layer.backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut saved).map(|_| ());
+        let recompute = layer.backward(comm, &plan, &inputs, &problem.dy[me]).map(|_| ());
         Ok((store_for_checkpointed, unfilled, recompute))
     });
     for r in out {
@@ -203,7 +203,7 @@ type Edit = dyn Fn(&mut Vec<i64>, &mut Vec<f32>, &mut Vec<f32>, &mut Vec<f32>) +
 /// Runs plan + forward + backward on every rank, letting `edit` corrupt rank 1's ids, weights,
 /// x or dY first; returns each rank's outcome.
 fn run_edited(problem: &Problem, edit: &Edit) -> Vec<llep::Result<()>> {
-    use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, Workspace};
+    use flatpeak_common::{Communicator, Device, LocalGroup, LocalGroupOptions};
     LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
         let me = comm.rank();
         let base = problem.inputs(me);
@@ -219,14 +219,11 @@ fn run_edited(problem: &Problem, edit: &Edit) -> Vec<llep::Result<()>> {
         let inputs = llep::RankInputs { x: &x, routing: llep::Routing { ids: &ids, weights: &w }, ..base };
         Ok((|| {
             let config = small_config(Scheme::PipelinedLlep);
-            let plan = llep::cpu::schedule(
-                comm,
-                &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan"),
-                &inputs.routing,
-            )?;
-            let mut ws = Workspace::new(plan.buffers(me, llep::Pass::Backward).workspace_bytes());
-            llep::cpu::forward(comm, &plan, &inputs, &mut ws)?;
-            llep::cpu::backward(comm, &plan, &inputs, &dy, &mut ws)?;
+            let launch = llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan");
+            let mut layer = llep::Executor::new(launch, Device::Cpu)?;
+            let plan = layer.schedule(comm, &inputs.routing)?;
+            layer.forward(comm, &plan, &inputs)?;
+            layer.backward(comm, &plan, &inputs, &dy)?;
             Ok(())
         })())
     })
@@ -301,40 +298,36 @@ fn bad_input_is_a_typed_error_on_its_rank_and_fails_the_group() {
 
 #[test]
 fn misuse_is_a_typed_error() {
-    use flatpeak_common::{LocalGroup, LocalGroupOptions, Workspace};
-    use llep::{Config, Error, Pass, Schedule};
+    use flatpeak_common::{Device, LocalGroup, LocalGroupOptions};
+    use llep::{Config, Error, Executor, PairCap, Schedule};
     let problem = Problem::new(shape(2, 2), Ids::Random, 9);
     let other = Problem::new(shape(2, 2), Ids::Profile(Profile::Hot { ratio: 1.0, experts: 1 }), 9);
     let config = small_config(Scheme::PipelinedLlep);
+    let launch = llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan");
+    let wider = llep::Plan::new(&config.pair_cap(PairCap::Rows(5)), problem.shape, llep::Budget::Unlimited);
+    let wider = wider.expect("plan");
     let views: Vec<&[i64]> = other.ids.iter().map(Vec::as_slice).collect();
-    let stale = Schedule::from_top_k(
-        &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan"),
-        &views,
-    )
-    .unwrap();
+    let stale = Schedule::from_top_k(&launch, &views).unwrap();
     let out = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
         use flatpeak_common::Communicator;
-        let me = comm.rank();
-        let inputs = problem.inputs(me);
-        let mut ws = Workspace::new(stale.buffers(me, Pass::Backward).workspace_bytes());
-        let stale_run = llep::cpu::forward(comm, &stale, &inputs, &mut ws).map(|_| ());
-        let plan = llep::cpu::schedule(
-            comm,
-            &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan"),
-            &inputs.routing,
-        )
-        .unwrap();
-        let mut tiny = Workspace::new(1024);
-        let tiny_run = llep::cpu::forward(comm, &plan, &inputs, &mut tiny).map(|_| ());
-        Ok((stale_run, tiny_run))
+        let inputs = problem.inputs(comm.rank());
+        let mut layer = Executor::new(launch, Device::Cpu).unwrap();
+        let stale_run = layer.forward(comm, &stale, &inputs).map(|_| ());
+        let plan = layer.schedule(comm, &inputs.routing).unwrap();
+        let mut tiny = Executor::with_workspace_bytes(launch, Device::Cpu, 1024).unwrap();
+        let tiny_run = tiny.forward(comm, &plan, &inputs).map(|_| ());
+        let other_plan = Executor::new(wider, Device::Cpu).unwrap().schedule(comm, &inputs.routing).unwrap();
+        let foreign_run = layer.forward(comm, &other_plan, &inputs).map(|_| ());
+        Ok((stale_run, tiny_run, foreign_run))
     });
     for r in out {
-        let (stale_run, tiny_run) = r.unwrap();
+        let (stale_run, tiny_run, foreign_run) = r.unwrap();
         assert!(matches!(stale_run, Err(Error::ScheduleMismatch { .. })), "{stale_run:?}");
         assert!(
             matches!(tiny_run, Err(Error::Common(flatpeak_common::Error::WorkspaceExhausted { .. }))),
             "{tiny_run:?}"
         );
+        assert!(matches!(foreign_run, Err(Error::ScheduleMismatch { .. })), "{foreign_run:?}");
     }
     // A plan for another group size, an uneven expert split, a dtype the CPU does not run.
     let one = LocalGroup::run(1, LocalGroupOptions::default(), |comm| {
@@ -357,8 +350,9 @@ fn misuse_is_a_typed_error() {
     .unwrap();
     let run = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
         use flatpeak_common::Communicator;
-        let mut ws = Workspace::new(1 << 20);
-        Ok(llep::cpu::forward(comm, &plan, &problem.inputs(comm.rank()), &mut ws).map(|_| ()))
+        let launch = llep::Plan::new(&Config::default(), bf16, llep::Budget::Unlimited).expect("plan");
+        let mut layer = Executor::new(launch, Device::Cpu).unwrap();
+        Ok(layer.forward(comm, &plan, &problem.inputs(comm.rank())).map(|_| ()))
     });
     assert!(run.iter().all(|r| matches!(r, Ok(Err(Error::UnsupportedDtype { dtype: DType::Bf16 })))));
 }

@@ -1,4 +1,5 @@
-//! The device schedule (`llep::device`) against the CPU executor (`llep::cpu`): with
+//! The round schedule (`llep::device`) on the emulated and CUDA backends against the CPU
+//! executor (the same schedule on host memory): with
 //! `--features cuda-emu`, on a `LocalGroup` of P ∈ {1, 2, 4} ranks with balanced, fully skewed
 //! (every slot on one expert: spills, foreign weights, several rounds) and random routing (a
 //! token's duplicate routes to one expert), the kernels under the SIMT emulator; with `--features cuda`, an ignored test on one GPU (P = 1).
@@ -43,13 +44,26 @@ fn compare(what: &str, device: &[(Vec<f32>, Gradients)], cpu: &[RankRun]) {
 #[cfg(feature = "cuda-emu")]
 mod emulated {
     use super::*;
-    use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions};
-    use llep::Config;
+    use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, Workspace};
     use llep::device::emu_ops::EmuOps;
-    use llep::device::{self, DeviceInputs, DeviceOps};
+    use llep::device::{self, DeviceInputs, DeviceOps, Store};
+    use llep::plan::RouteMeta;
+    use llep::{Config, Pass, Schedule};
 
-    /// Plans on every rank (host), then runs the device forward and backward on the emulator.
-    fn run_device(problem: &Problem, config: &Config) -> Vec<(Vec<f32>, Gradients, usize, usize)> {
+    /// The host side of the device schedule's reservation (route tables, metadata staging,
+    /// grouping arrays) for both passes of `plan` on rank `me`.
+    fn host_workspace(plan: &Schedule, me: usize) -> Workspace {
+        let bytes = [Pass::Forward, Pass::Backward].map(|p| plan.buffers(me, p).host_workspace_bytes());
+        Workspace::new(bytes[0].max(bytes[1]))
+    }
+
+    /// Plans on every rank (host), then runs the device forward and backward on the emulator
+    /// (with `saving`, the saving forward and the backward from its store).
+    fn run_device(
+        problem: &Problem,
+        config: &Config,
+        saving: bool,
+    ) -> Vec<(Vec<f32>, Gradients, usize, usize)> {
         LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
             Ok((|| -> llep::Result<_> {
                 let me = comm.rank();
@@ -64,11 +78,35 @@ mod emulated {
                 let (x, gate, up, down) =
                     (ops.upload(inputs.x)?, ops.upload(w.gate)?, ops.upload(w.up)?, ops.upload(w.down)?);
                 let dev = DeviceInputs { x: &x, routing: inputs.routing, gate: &gate, up: &up, down: &down };
-                let y = device::forward(&ops, &plan, &dev)?;
-                let y = ops.download(&y, problem.shape.tokens * problem.shape.hidden)?;
                 let dy = ops.upload(&problem.dy[me])?;
-                let grads = device::backward(&ops, &plan, &dev, &dy)?.download(&ops)?;
-                Ok((y, grads, plan.rounds(), plan.assignment().transfers().len()))
+                let mut host = host_workspace(&plan, me);
+                let (y, grads) = if saving {
+                    let s = problem.shape;
+                    let (rows, routes) = (plan.recv_rows_total(me), plan.assignment().rank_load(me));
+                    let (mut sx, mut sg, mut su) = (
+                        ops.alloc(rows * s.hidden)?,
+                        ops.alloc(routes * s.intermediate)?,
+                        ops.alloc(routes * s.intermediate)?,
+                    );
+                    let (mut meta, mut starts) =
+                        (vec![RouteMeta::EMPTY; rows * s.top_k], vec![0u32; plan.rounds() + 1]);
+                    let mut store = Store {
+                        x: &mut sx,
+                        meta: &mut meta,
+                        gate: &mut sg,
+                        up: &mut su,
+                        route_start: &mut starts,
+                    };
+                    let y = device::forward_saving(&ops, &host, &plan, &dev, &mut store)?;
+                    host.reset();
+                    (y, device::backward_saved(&ops, &host, &plan, &dev, &dy, &mut store)?)
+                } else {
+                    let y = device::forward(&ops, &host, &plan, &dev)?;
+                    host.reset();
+                    (y, device::backward(&ops, &host, &plan, &dev, &dy)?)
+                };
+                let y = ops.download(&y, problem.shape.tokens * problem.shape.hidden)?;
+                Ok((y, grads.download(&ops)?, plan.rounds(), plan.assignment().transfers().len()))
             })())
         })
         .into_iter()
@@ -92,7 +130,7 @@ mod emulated {
                 let config = small_config(Scheme::PipelinedLlep).pipeline_depth(depth);
                 let cpu: Vec<RankRun> =
                     common::run(&problem, &config).into_iter().map(|r| r.unwrap()).collect();
-                let device = run_device(&problem, &config);
+                let device = run_device(&problem, &config, false);
                 let (rounds, transfers) = (device[0].2, device[0].3);
                 assert_eq!(rounds, cpu[0].plan.rounds(), "{what}: rounds");
                 if matches!(ids, Ids::Profile(Profile::Hot { .. })) {
@@ -105,6 +143,28 @@ mod emulated {
                 }
                 let results: Vec<_> = device.into_iter().map(|(y, g, _, _)| (y, g)).collect();
                 compare(&what, &results, &cpu);
+            }
+        }
+    }
+
+    /// Saved activations on the device schedule: the saving forward and the backward from its
+    /// store (copies in and out of the store, six GEMMs per group) against the CPU executor's.
+    #[test]
+    fn saved_activations_on_the_device_match_the_cpu_executor() {
+        for (p, depth) in [(1, 2), (2, 1), (4, 2), (4, 3)] {
+            for (seed, ids) in
+                [Ids::Profile(Profile::Hot { ratio: 1.0, experts: 1 }), Ids::Random].into_iter().enumerate()
+            {
+                let what = format!("saved P={p} depth {depth} {ids:?}");
+                let problem = Problem::new(shape(p), ids, (p * 10 + seed + 5) as u64);
+                let config = small_config(Scheme::PipelinedLlep)
+                    .pipeline_depth(depth)
+                    .mode(llep::Mode::SaveActivations);
+                let cpu: Vec<RankRun> =
+                    common::run_saved(&problem, &config).into_iter().map(|r| r.unwrap()).collect();
+                let device: Vec<_> =
+                    run_device(&problem, &config, true).into_iter().map(|(y, g, _, _)| (y, g)).collect();
+                compare(&what, &device, &cpu);
             }
         }
     }
@@ -130,7 +190,7 @@ mod emulated {
                 ops.upload(w.down).unwrap(),
             );
             let dev = DeviceInputs { x: &x, routing: inputs.routing, gate: &gate, up: &up, down: &down };
-            Ok(device::forward(&ops, &plan, &dev).map(|_| ()))
+            Ok(device::forward(&ops, &host_workspace(&plan, 0), &plan, &dev).map(|_| ()))
         });
         let n = problem.shape.tokens * problem.shape.hidden;
         assert!(
@@ -145,10 +205,11 @@ mod emulated {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
+    use flatpeak_common::Device;
     use flatpeak_common::nccl::NcclComm;
     use llep::cuda::CudaOps;
-    use llep::device::{self, DeviceInputs, DeviceOps};
-    use llep::{Config, Schedule};
+    use llep::device::{DeviceInputs, DeviceOps};
+    use llep::{Config, Executor, Schedule};
 
     /// One GPU (P = 1): the device schedule with NVRTC kernels, cuBLAS and NCCL against the CPU
     /// executor, balanced and skewed, on the tiny shape and on one whose rounds (4 of 512
@@ -181,19 +242,17 @@ mod gpu {
             let problem = Problem::new(shape, Ids::Profile(profile), 40 + seed as u64);
             let cpu: Vec<RankRun> = common::run(&problem, &config).into_iter().map(|r| r.unwrap()).collect();
             let inputs = problem.inputs(0);
-            let plan = Schedule::from_top_k(
-                &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan"),
-                &[inputs.routing.ids],
-            )
-            .unwrap();
+            let launch = llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan");
+            let mut layer = Executor::new(launch, Device::Cuda(0)).expect("a CUDA executor");
+            let plan = Schedule::from_top_k(&launch, &[inputs.routing.ids]).unwrap();
             let w = &inputs.experts;
             let up = |v: &[f32]| ops.upload(v).unwrap();
             let (x, gate, w_up, down, dy) =
                 (up(inputs.x), up(w.gate), up(w.up), up(w.down), up(&problem.dy[0]));
             let dev = DeviceInputs { x: &x, routing: inputs.routing, gate: &gate, up: &w_up, down: &down };
-            let y = device::forward(&ops, &plan, &dev).unwrap();
+            let y = layer.forward_cuda(&ops, &plan, &dev).unwrap();
             let y = ops.download(&y, problem.shape.tokens * problem.shape.hidden).unwrap();
-            let grads = device::backward(&ops, &plan, &dev, &dy).unwrap().download(&ops).unwrap();
+            let grads = layer.backward_cuda(&ops, &plan, &dev, &dy).unwrap().download(&ops).unwrap();
             compare(&what, &[(y, grads)], &cpu);
         }
         ops.synchronize().expect("synchronize before the communicator drops");

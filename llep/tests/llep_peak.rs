@@ -8,33 +8,33 @@ mod common;
 
 use common::{Ids, Problem, launch_bytes, small_config};
 use flatpeak_common::{
-    Communicator, CountingAllocator, DType, LocalGroup, LocalGroupOptions, PeakMeter, Workspace,
+    Communicator, CountingAllocator, DType, Device, LocalGroup, LocalGroupOptions, PeakMeter,
 };
-use llep::{Config, Pass, Scheme, Shape, cpu};
+use llep::{Config, Executor, Pass, Scheme, Shape};
 
 use llep::paper::Profile;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
-/// Runs plan + forward + backward on every rank from a workspace reserved at `bytes(plan)`;
-/// returns the measured transient peak (outputs excluded) and each rank's reservation.
+/// Runs plan + forward + backward on every rank on a CPU executor (its workspace reserved at
+/// the launch plan's bytes, a baseline's at its routing's); returns the measured transient peak
+/// (outputs excluded) and each rank's reservation.
 fn measure(problem: &Problem, config: &Config) -> (usize, Vec<usize>) {
     let m = PeakMeter::measure(|| {
         LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
             let me = comm.rank();
             let inputs = problem.inputs(me);
             let run = || -> llep::Result<(Vec<f32>, llep::Gradients, usize)> {
-                let plan = cpu::schedule(
-                    comm,
-                    &llep::Plan::new(config, problem.shape, llep::Budget::Unlimited)?,
-                    &inputs.routing,
-                )?;
-                let bytes = plan.buffers(me, Pass::Backward).workspace_bytes();
-                let mut ws = Workspace::new(bytes);
-                let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
-                let g = cpu::backward(comm, &plan, &inputs, &problem.dy[me], &mut ws)?;
-                Ok((y, g, bytes))
+                let launch = llep::Plan::new(config, problem.shape, llep::Budget::Unlimited)?;
+                let mut layer = Executor::new(launch, Device::Cpu)?;
+                let plan = layer.schedule(comm, &inputs.routing)?;
+                // A baseline's reservation follows the routing: made before the step, as
+                // PipelinedLLEP's is at launch.
+                layer.reserve(plan.buffers(me, Pass::Backward).workspace_bytes());
+                let y = layer.forward(comm, &plan, &inputs)?;
+                let g = layer.backward(comm, &plan, &inputs, &problem.dy[me])?;
+                Ok((y, g, layer.workspace_bytes()))
             };
             run().map_err(|e| flatpeak_common::Error::ShapeMismatch {
                 what: "llep run",

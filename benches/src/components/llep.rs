@@ -5,7 +5,7 @@
 //! plan-only row at the paper's shape (P = 8, N = 65,536, k = 8, E = 128, H = 7168, I = 2048,
 //! bf16) from the DESIGN peak model.
 //!
-//! Every scheme runs the same executor (`llep::cpu`) on the same inputs, each rank's expert
+//! Every scheme runs the same executor (`llep::Executor` on the CPU) on the same inputs, each rank's expert
 //! GEMMs single-threaded on its own thread ([`Threads::Single`]). After one untimed warm-up
 //! step, PipelinedLLEP and LLEP run interleaved for [`ROUNDS`] rounds ([`FORWARD_ROUNDS`] for
 //! the shorter forward-only rows; alternating which goes first): wall times are medians, each
@@ -32,11 +32,11 @@
 //!
 //! **What `peak_bytes` counts (per rank, max over ranks).** The ranks share one process
 //! allocator, so the counting allocator sees the group, not a rank. A rank's transient working
-//! set is taken as (1) the rank's [`Workspace`] reservation, from which the executor carves
-//! every buffer it uses — send, receive, output and metadata buffers of every pipeline copy,
-//! the expert GEMM scratch, the foreign-expert slots and their gradients, the route tables — and
-//! which it cannot exceed (a carve past it is an error, never growth; the tests check the
-//! carves fill it exactly). PipelinedLLEP reserves its launch [`llep::Plan`]'s buffers for the pass, the
+//! set is taken as (1) the rank's [`Executor`]'s workspace reservation, from which it carves
+//! every buffer it uses — send, receive, output, index and metadata buffers of every pipeline
+//! copy, the expert GEMM scratch, the foreign-expert slots and their gradients, the route
+//! tables — and which it cannot exceed (a carve past it is an error, never growth; the tests
+//! check the carves fill it exactly). PipelinedLLEP reserves its launch [`llep::Plan`]'s buffers for the pass, the
 //! baselines what their plan sizes to this routing ([`Schedule::buffers`]). Plus (2) the rank's share, 1/P, of
 //! everything else the group allocates during the step beyond its outputs (y, dX, d(weights),
 //! dW), measured by the counting allocator around the whole group step with the workspaces
@@ -58,13 +58,12 @@ use std::time::Instant;
 
 use flatpeak_common::gemm::Threads;
 use flatpeak_common::{
-    Communicator, DType, Device, HeapSize, LocalGroup, LocalGroupOptions, PeakMeter, Workspace,
-    relative_error,
+    Communicator, DType, Device, HeapSize, LocalGroup, LocalGroupOptions, PeakMeter, relative_error,
 };
-use llep::cpu::{self, reference};
+use llep::cpu::reference;
 use llep::{
-    Config as LlepConfig, ExpertWeights, Gradients, PairCap, Pass, RankInputs, Routing, Schedule, Scheme,
-    Shape, SpillSplit,
+    Config as LlepConfig, Executor, ExpertWeights, Gradients, PairCap, Pass, RankInputs, Routing, Schedule,
+    Scheme, Shape, SpillSplit,
 };
 
 use llep::paper::{PAPER_SHAPE, PeakModel, Profile, crate_pair_cap, model_row};
@@ -236,25 +235,22 @@ fn run_step(
     config: &LlepConfig,
     ids: &[i64],
     phase: Phase,
-    workspaces: &[Mutex<Workspace>],
+    executors: &[Mutex<Executor>],
 ) -> Result<Step, String> {
     let d = data();
     let measured = PeakMeter::measure(|| {
         LocalGroup::run(SHAPE.ranks, LocalGroupOptions::default(), |comm| {
             let me = comm.rank();
             let inputs = d.inputs(&SHAPE, me, ids);
-            let mut ws = workspaces[me].lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut layer = executors[me].lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             comm.barrier()?;
             let (t0, c0) = (Instant::now(), thread_cpu_ms());
             let mut step = || -> llep::Result<RankOut> {
-                let plan = cpu::schedule(
-                    comm,
-                    &llep::Plan::new(config, SHAPE, llep::Budget::Unlimited)?,
-                    &inputs.routing,
-                )?;
-                let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
+                debug_assert_eq!(layer.plan().config(), config);
+                let plan = layer.schedule(comm, &inputs.routing)?;
+                let y = layer.forward(comm, &plan, &inputs)?;
                 let grads = match phase {
-                    Phase::TrainingStep => Some(cpu::backward(comm, &plan, &inputs, d.dy(me), &mut ws)?),
+                    Phase::TrainingStep => Some(layer.backward(comm, &plan, &inputs, d.dy(me))?),
                     Phase::ForwardOnly => None,
                 };
                 Ok(RankOut { y, grads, span: (t0, Instant::now()), cpu_ms: thread_cpu_ms() - c0, plan })
@@ -278,9 +274,9 @@ fn run_step(
     })
 }
 
-/// Each rank's workspace for `config` on this routing, pages touched: PipelinedLLEP's launch
-/// size, the baselines' plan for this routing.
-fn workspaces(config: &LlepConfig, ids: &[i64], pass: Pass) -> Result<Vec<Mutex<Workspace>>, String> {
+/// Each rank's CPU executor for `config`, its workspace reserved for this routing (pages
+/// touched): PipelinedLLEP's launch size for the pass, the baselines' plan for this routing.
+fn executors(config: &LlepConfig, ids: &[i64], pass: Pass) -> Result<Vec<Mutex<Executor>>, String> {
     let views: Vec<&[i64]> = (0..SHAPE.ranks).map(|_| ids).collect();
     let bytes: Vec<usize> = match config.scheme {
         Scheme::PipelinedLlep => {
@@ -296,12 +292,12 @@ fn workspaces(config: &LlepConfig, ids: &[i64], pass: Pass) -> Result<Vec<Mutex<
             (0..SHAPE.ranks).map(|d| plan.buffers(d, pass).workspace_bytes()).collect()
         }
     };
+    let plan = llep::Plan::new(config, SHAPE, llep::Budget::Unlimited).map_err(|e| e.to_string())?;
     let mut out = Vec::with_capacity(bytes.len());
     for b in bytes {
-        let mut ws = Workspace::new(b);
-        ws.take::<u8>(b).map_err(|e| e.to_string())?.fill(0);
-        ws.reset();
-        out.push(Mutex::new(ws));
+        // The reservation is written once when made (`Workspace::new`): its pages are touched.
+        let layer = Executor::with_workspace_bytes(plan, Device::Cpu, b).map_err(|e| e.to_string())?;
+        out.push(Mutex::new(layer));
     }
     Ok(out)
 }
@@ -321,9 +317,9 @@ struct Summary {
     last: Vec<RankOut>,
 }
 
-fn summarize(steps: Vec<Step>, workspaces: &[Mutex<Workspace>]) -> Result<Summary, String> {
+fn summarize(steps: Vec<Step>, executors: &[Mutex<Executor>]) -> Result<Summary, String> {
     let high: Vec<usize> =
-        workspaces.iter().map(|w| w.lock().map(|w| w.capacity()).unwrap_or(usize::MAX)).collect();
+        executors.iter().map(|w| w.lock().map(|w| w.workspace_bytes()).unwrap_or(usize::MAX)).collect();
     let extra = steps.iter().map(|s| s.extra_bytes).max().unwrap_or(0);
     let round_wall_ms: Vec<f64> = steps.iter().map(|s| s.wall_ms).collect();
     let round_makespan_ms: Vec<f64> =
@@ -429,8 +425,8 @@ impl LlepComponent {
         let configs = configs();
         let mut summaries = Vec::with_capacity(configs.len());
         let mut steps: Vec<Vec<Step>> = configs.iter().map(|_| Vec::new()).collect();
-        let spaces: Vec<Vec<Mutex<Workspace>>> =
-            configs.iter().map(|(_, c)| workspaces(c, &ids, pass)).collect::<Result<_, _>>()?;
+        let spaces: Vec<Vec<Mutex<Executor>>> =
+            configs.iter().map(|(_, c)| executors(c, &ids, pass)).collect::<Result<_, _>>()?;
         // One untimed step first: the allocator's mmap threshold adapts after the first large
         // free, so whichever scheme ran first would otherwise pay extra page faults.
         run_step(&configs[0].1, &ids, phase, &spaces[0])?;

@@ -7,8 +7,8 @@
 //! Outputs: `y` [P, N, H]; with `dy` also `dx` [P, N, H], `d_weights` [P, N, k] and the expert
 //! gradients `d_gate`, `d_up` [E, H, I] and `d_down` [E, I, H], all F32.
 
-use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, Workspace};
-use llep::{Config as LlepConfig, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape, cpu};
+use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions};
+use llep::{Config as LlepConfig, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape};
 use serde::Deserialize;
 
 use super::{Dim, Outputs, RunError, TensorFile};
@@ -115,12 +115,13 @@ pub fn run(t: &TensorFile, cfg: &LlepRunConfig) -> Result<Outputs, RunError> {
             },
         };
         let layer = || -> llep::Result<RankResult> {
-            let plan = llep::Plan::new(&config, shape, llep::Budget::Bytes(cfg.budget_bytes))?;
-            let plan = cpu::schedule(comm, &plan, &inputs.routing)?;
-            let mut ws = Workspace::new(plan.max_workspace_bytes(Pass::Backward));
-            let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
+            let launch = llep::Plan::new(&config, shape, llep::Budget::Bytes(cfg.budget_bytes))?;
+            let mut layer = llep::Executor::new(launch, llep::Device::Cpu)?;
+            let plan = layer.schedule(comm, &inputs.routing)?;
+            layer.reserve(plan.max_workspace_bytes(Pass::Backward));
+            let y = layer.forward(comm, &plan, &inputs)?;
             let grads = match &dy {
-                Some(dy) => Some(cpu::backward(comm, &plan, &inputs, &dy[rows], &mut ws)?),
+                Some(dy) => Some(layer.backward(comm, &plan, &inputs, &dy[rows])?),
                 None => None,
             };
             Ok((y, grads))

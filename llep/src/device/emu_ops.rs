@@ -1,16 +1,17 @@
-//! [`DeviceOps`] on the host (feature `cuda-emu`): buffers are `Vec`s, the kernels run under
+//! [`DeviceOps`] on the host (feature `cuda-emu`): buffers are zeroed `Vec`s, the kernels run under
 //! the SIMT emulator ([`crate::emu`]: the same `.cu` source, both thread schedules, a race is an
 //! error), the GEMM is the CPU one ([`flatpeak_common::gemm::matmul`], bitwise identical for any
 //! thread count) and all-to-all goes through a host [`Communicator`] (e.g. a
 //! [`flatpeak_common::LocalGroup`] rank). It runs the device schedule exactly as a GPU would,
 //! so the schedule is tested without one.
 
-use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, matmul};
+use flatpeak_common::gemm::{Accumulate, Threads};
 use flatpeak_common::{Communicator, CommunicatorExt};
 
-use super::{DeviceOps, GemmDims, Operand, Orientation, need};
+use super::{DeviceOps, GemmDims, Operand, need};
+use crate::cpu::{host_gemm, span, span_mut};
 use crate::emu;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// The emulated device of one rank of a host communicator group.
 #[derive(Debug)]
@@ -23,32 +24,6 @@ impl<'c, C: Communicator + ?Sized> EmuOps<'c, C> {
     pub fn new(comm: &'c C) -> Self {
         Self { comm }
     }
-}
-
-/// `v[at..at + len]`, or [`Error::ShapeMismatch`].
-fn span<'a, T>(what: &'static str, v: &'a [T], at: usize, len: usize) -> Result<&'a [T]> {
-    v.get(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: v.len() })
-}
-
-/// `v[at..at + len]` mutably, or [`Error::ShapeMismatch`].
-fn span_mut<'a, T>(what: &'static str, v: &'a mut [T], at: usize, len: usize) -> Result<&'a mut [T]> {
-    let found = v.len();
-    v.get_mut(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: found })
-}
-
-/// A GEMM operand of `rows × cols` (as op(·) sees it) as a CPU matrix view.
-fn operand<'a>(
-    what: &'static str,
-    o: &Operand<'a, Vec<f32>>,
-    rows: usize,
-    cols: usize,
-) -> Result<MatRef<'a, f32>> {
-    let data = span(what, o.buf, o.offset, rows * cols)?;
-    Ok(if o.orientation == Orientation::Transposed {
-        MatRef::row_major(data, cols, rows)?.t()
-    } else {
-        MatRef::row_major(data, rows, cols)?
-    })
 }
 
 impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
@@ -99,6 +74,17 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
 
     fn zero(&self, dst: &mut Vec<f32>, len: usize) -> Result<()> {
         span_mut("zero fill", dst, 0, len)?.fill(0.0);
+        Ok(())
+    }
+
+    fn copy(
+        &self,
+        (src, src_at): (&Vec<f32>, usize),
+        (dst, dst_at): (&mut Vec<f32>, usize),
+        len: usize,
+    ) -> Result<()> {
+        let from = span("copy source", src, src_at, len)?;
+        span_mut("copy destination", dst, dst_at, len)?.copy_from_slice(from);
         Ok(())
     }
 
@@ -164,25 +150,16 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
 
     fn gemm(
         &self,
-        GemmDims { m, n, k }: GemmDims,
+        dims: GemmDims,
         a: Operand<'_, Vec<f32>>,
         b: Operand<'_, Vec<f32>>,
         c: &mut Vec<f32>,
         c_offset: usize,
         accumulate: Accumulate,
     ) -> Result<()> {
-        let c = span_mut("gemm C (m·n)", c, c_offset, m * n)?;
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        if k == 0 {
-            if accumulate == Accumulate::Replace {
-                c.fill(0.0);
-            }
-            return Ok(());
-        }
-        let (a, b) = (operand("gemm A (m·k)", &a, m, k)?, operand("gemm B (k·n)", &b, k, n)?);
-        Ok(matmul(MatMut::row_major(c, m, n)?, a, b, MatmulOptions::with_accumulate(accumulate))?)
+        let (a, b) =
+            ((a.buf.as_slice(), a.offset, a.orientation), (b.buf.as_slice(), b.offset, b.orientation));
+        host_gemm(dims, (a, b), (c, c_offset), accumulate, Threads::All)
     }
 
     fn all_to_all_v(

@@ -1,49 +1,53 @@
-//! The device executor (features `cuda` or `cuda-emu`): the CPU executor's round schedule
-//! written once over [`DeviceOps`], the primitive operations a device offers — buffers,
-//! the five kernels of `kernels/llep.cu`, a strided SGEMM and all-to-all.
+//! The round schedule, written once over [`DeviceOps`] — buffers, the five kernels of
+//! `kernels/llep.cu`, a strided SGEMM, copies and all-to-all — and run by every backend: the CPU
+//! ([`crate::cpu::HostOps`]: host memory carved from the executor's [`Workspace`](crate::Workspace)), a CUDA device
+//! (`crate::cuda::CudaOps`, feature `cuda`) and the SIMT emulator (`emu_ops::EmuOps`, feature
+//! `cuda-emu`). [`crate::Executor`] picks the backend from a [`Device`](crate::Device).
 //!
-//! The host plans ([`crate::cpu::schedule`] or [`crate::Schedule::from_top_k`]) and keeps the routing
-//! (N×k ids and weights) and the route tables (8·N·k bytes) as the CPU executor does; per round
-//! it builds the round's index lists (tokens in send order, and per expert group the received
-//! rows, their routing weights and metadata entries) and writes them into index buffers fixed
-//! at launch. Everything N×H, every dispatch buffer and every expert buffer lives on the device:
-//! per round the send rows are gathered straight from the un-expanded N×H input
+//! The host plans ([`crate::cpu::schedule`] or [`crate::Schedule::from_top_k`]) and keeps the
+//! routing (N×k ids and weights) and the route tables (8·N·k bytes). Per round it writes the
+//! round's index lists (tokens in send order, each sent row's routes, and per expert group the
+//! received rows, their routing weights and metadata entries) into index buffers fixed at
+//! launch. Per round the send rows are gathered straight from the un-expanded N×H input
 //! (`llep_gather_rows`), all-to-all'd into the fixed receive buffer, grouped by local expert, and
 //! each group of ≤ G routes runs `gate = X·W_gate`, `up = X·W_up`, `h = silu(gate) ⊙ up`
 //! (`llep_swiglu`), `y = h·W_down`; `out[row_t] += w_t·y_t` (`llep_scatter_add_rows`); the rows go
 //! back and are scatter-added into the fp32 N×H output in send order. Backward runs the rounds
 //! in reverse, recomputing each group and running its backward at once (`dw_t = ⟨dY_t, y_t⟩` by
 //! `llep_row_dot`, `llep_swiglu_backward`, six more GEMMs); foreign experts' gradients return to
-//! their owners once at the end. The received route metadata (8 bytes per route) is read back
-//! to the host each round to form the groups: the one host round trip per round.
+//! their owners once at the end. In [`Mode::SaveActivations`](crate::Mode::SaveActivations),
+//! [`forward_saving`] also keeps every round's received rows, routes and pre-activations in a
+//! [`Store`], and [`backward_saved`] dispatches dY only and runs six GEMMs per group from it. The
+//! received route metadata (8 bytes per route) is read back to the host each round to form the
+//! groups: the one host round trip per round.
 //!
-//! Device memory per rank, fixed at launch whatever the routing: [`Buffers`](crate::Buffers)'
-//! regions for the pass (D copies of the send, receive and output rows with their metadata —
-//! backward adds dY rows and d(weights) — the expert scratch of G rows, F_max foreign slots and
-//! their gradients), one more G×I buffer (h, so SwiGLU never writes in place), G routing
-//! weights, and u32 index buffers of `send_rows + G + 1` entries (backward adds
-//! `G + 2·send_rows·k` entries, G dot products and `send_rows·k` f32 for the d(weights)
-//! return). The host holds
-//! the route tables (8·N·k bytes) and one round's lists. Inputs, the N×H output and the returned
-//! gradients are the caller's. The results match [`crate::cpu::forward`] and
-//! [`crate::cpu::backward`] (same orders of every sum; the GEMM is the only difference on a GPU).
-//!
-//! Implementations: `emu_ops::EmuOps` (feature `cuda-emu`: host vectors, the emulated
-//! kernels, the CPU GEMM and a host [`flatpeak_common::Communicator`]) and
-//! `crate::cuda::CudaOps` (feature `cuda`: cudarc, NVRTC kernels, cuBLAS, NCCL).
+//! Memory per rank, fixed at launch whatever the routing: exactly the regions of
+//! [`Buffers::regions`](crate::Buffers::regions) for the pass, in that order — on the host the
+//! route tables, the received metadata's staging and the grouping arrays
+//! ([`Buffers::host_workspace_bytes`](crate::Buffers::host_workspace_bytes)); on the device the D
+//! copies of the send, receive and output rows with their index and metadata buffers (backward
+//! adds dY rows and d(weights)), the group lists, the expert scratch of G rows and the F_max
+//! foreign slots (backward adds their gradients). Inputs, the N×H output and the returned
+//! gradients are the caller's. Every backend runs the same operations in the same order; the
+//! GEMM and the reduction order of `row_dot` are the only differences between them.
 
 #[cfg(feature = "cuda-emu")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
 pub mod emu_ops;
+mod expert;
 mod host;
 mod pipeline;
+mod reserve;
 mod schedule;
 
 use flatpeak_common::gemm::Accumulate;
 
 use crate::error::{Error, Result};
 use crate::layer::{Gradients, Routing};
+use crate::plan::RouteMeta;
 
-pub use schedule::{backward, forward};
+pub(crate) use reserve::staging_slots;
+pub use schedule::{backward, backward_saved, forward, forward_saving};
 
 /// How a GEMM operand is read from its storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -89,13 +93,18 @@ pub struct GemmDims {
     pub k: usize,
 }
 
-/// The primitive operations of the device schedule. `Buf` holds f32, `Index` u32; every length
+/// The primitive operations of the round schedule. `Buf` holds f32, `Index` u32; every length
 /// argument is in elements and every implementation checks that the buffers hold what an
 /// operation touches before running it (a short buffer is [`Error::ShapeMismatch`]). Operations
 /// on zero rows or elements do nothing. Every operation sees the effects of the operations
 /// issued before it on the buffers it touches, and its own effects are complete before a later
 /// one touches them; operations on disjoint buffers may run concurrently (CUDA: the all-to-alls
 /// on the communicator's stream, the rest on a compute stream).
+///
+/// The schedule reserves every buffer of a call up front, in the order of
+/// [`Buffers::regions`](crate::Buffers::regions), with [`alloc`](DeviceOps::alloc) and
+/// [`alloc_index`](DeviceOps::alloc_index) (a host backend carves them from its workspace), and
+/// its outputs with [`alloc_output`](DeviceOps::alloc_output).
 pub trait DeviceOps {
     /// A device buffer of f32.
     type Buf: std::fmt::Debug;
@@ -107,10 +116,16 @@ pub trait DeviceOps {
     /// Ranks in the device group.
     fn world_size(&self) -> usize;
 
-    /// A zeroed buffer of `len` f32 (at least one element is reserved).
+    /// A scratch buffer of `len` f32 for this call; its contents are unspecified (the schedule
+    /// writes every element before reading it). A device may reserve one element for `len = 0`.
     fn alloc(&self, len: usize) -> Result<Self::Buf>;
-    /// A zeroed buffer of `len` u32 (at least one element is reserved).
+    /// A scratch buffer of `len` u32 for this call, as [`alloc`](DeviceOps::alloc).
     fn alloc_index(&self, len: usize) -> Result<Self::Index>;
+    /// A zeroed buffer of `len` f32 that outlives the call (the output, the gradients). The
+    /// default is [`alloc`](DeviceOps::alloc), for implementations whose `alloc` zeroes.
+    fn alloc_output(&self, len: usize) -> Result<Self::Buf> {
+        self.alloc(len)
+    }
     /// Elements `buf` holds.
     fn buf_len(&self, buf: &Self::Buf) -> usize;
     /// A new buffer holding `host`.
@@ -123,8 +138,50 @@ pub trait DeviceOps {
     fn download(&self, src: &Self::Buf, len: usize) -> Result<Vec<f32>>;
     /// `src[..len]` on the host.
     fn download_index(&self, src: &Self::Index, len: usize) -> Result<Vec<u32>>;
+    /// `dst = src[..dst.len()]` on the host, into memory the caller reserved. The default goes
+    /// through [`download_index`](DeviceOps::download_index).
+    fn download_index_into(&self, src: &Self::Index, dst: &mut [u32]) -> Result<()> {
+        let v = self.download_index(src, dst.len())?;
+        need("index download", dst.len(), v.len())?;
+        dst.copy_from_slice(&v[..dst.len()]);
+        Ok(())
+    }
+    /// Fills `dst[..written]` from the host: `fill` gets `len` host elements to write and
+    /// returns how many it wrote (at most `len`). A host backend hands it the buffer itself; the
+    /// default stages it and [`write_index`](DeviceOps::write_index)s what was written.
+    fn fill_index<F>(&self, dst: &mut Self::Index, len: usize, fill: F) -> Result<usize>
+    where
+        F: FnOnce(&mut [u32]) -> Result<usize>,
+    {
+        let mut staging = vec![0u32; len];
+        let written = fill(&mut staging)?;
+        let staged = staging.get(..written).ok_or(Error::ShapeMismatch {
+            what: "index entries written (at most the length filled)",
+            expected: len,
+            got: written,
+        })?;
+        self.write_index(staged, dst)?;
+        Ok(written)
+    }
+    /// [`fill_index`](DeviceOps::fill_index) of f32.
+    fn fill<F>(&self, dst: &mut Self::Buf, len: usize, fill: F) -> Result<usize>
+    where
+        F: FnOnce(&mut [f32]) -> Result<usize>,
+    {
+        let mut staging = vec![0f32; len];
+        let written = fill(&mut staging)?;
+        let staged = staging.get(..written).ok_or(Error::ShapeMismatch {
+            what: "elements written (at most the length filled)",
+            expected: len,
+            got: written,
+        })?;
+        self.write(staged, dst)?;
+        Ok(written)
+    }
     /// `dst[..len] = 0`.
     fn zero(&self, dst: &mut Self::Buf, len: usize) -> Result<()>;
+    /// `dst[dst_at..dst_at + len] = src[src_at..src_at + len]` (device to device).
+    fn copy(&self, src: (&Self::Buf, usize), dst: (&mut Self::Buf, usize), len: usize) -> Result<()>;
 
     /// `dst[r] = scale_r·src[index[r]]` for `r < rows`, rows of `width` (`llep_gather_rows`;
     /// no scale: 1). Every index must be a row of `src`.
@@ -223,7 +280,7 @@ pub struct DeviceInputs<'a, B> {
     pub down: &'a B,
 }
 
-/// What [`backward`] returns, on the device (see [`Gradients`]).
+/// What [`backward`] and [`backward_saved`] return, on the device (see [`Gradients`]).
 #[derive(Debug)]
 pub struct DeviceGradients<B> {
     /// dL/dx, N×H.
@@ -250,6 +307,27 @@ impl<B> DeviceGradients<B> {
             d_down: all(&self.d_down)?,
         })
     }
+}
+
+/// What [`forward_saving`] keeps for [`backward_saved`] in
+/// [`Mode::SaveActivations`](crate::Mode::SaveActivations), as the regions of
+/// [`Schedule::saved_regions`](crate::Schedule::saved_regions) (`Σ_s R[s][d]` received rows,
+/// `L_d` computed routes, K rounds): received x rows (rows × H) on the device, their route
+/// metadata (rows × k) on the host, every computed route's pre-activations `x·W_gate` and
+/// `x·W_up` (routes × I each, round and group order) on the device, and each round's first route
+/// (K + 1) on the host. [`crate::cpu::SavedActivations`] carves one from host memory.
+#[derive(Debug)]
+pub struct Store<'s, B> {
+    /// Received x rows of every round, in round order.
+    pub x: &'s mut B,
+    /// Their route metadata, k entries per row.
+    pub meta: &'s mut [RouteMeta],
+    /// `x·W_gate` of every computed route.
+    pub gate: &'s mut B,
+    /// `x·W_up` of every computed route.
+    pub up: &'s mut B,
+    /// Round j's routes start at `route_start[j]`.
+    pub route_start: &'s mut [u32],
 }
 
 /// `found ≥ expected`, or [`Error::ShapeMismatch`] naming `what`: the length check every

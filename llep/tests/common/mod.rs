@@ -2,9 +2,11 @@
 //! `LocalGroup`, and the dense f64 reference over the concatenated tokens.
 #![allow(dead_code)]
 
-use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, SplitMix64, Workspace};
+use flatpeak_common::{Communicator, Device, LocalGroup, LocalGroupOptions, SplitMix64};
 use llep::cpu::reference::{self, ReferenceGrads};
-use llep::{Config, ExpertWeights, Gradients, Pass, RankInputs, Routing, Schedule, Scheme, Shape, cpu};
+use llep::{
+    Config, Executor, ExpertWeights, Gradients, Pass, RankInputs, Routing, Schedule, Scheme, Shape, cpu,
+};
 
 use llep::paper::Profile;
 
@@ -92,24 +94,22 @@ pub struct RankRun {
     pub high_water: usize,
 }
 
-/// Plans on every rank, reserves the plan's backward workspace, runs forward and backward.
+/// Plans on every rank, runs forward and backward on a CPU [`Executor`] (its workspace
+/// reserved once from the launch plan; a baseline's follows the routing).
 pub fn run(problem: &Problem, config: &Config) -> Vec<llep::Result<RankRun>> {
     LocalGroup::run(problem.shape.ranks, LocalGroupOptions::default(), |comm| {
         Ok((|| {
             let me = comm.rank();
             let inputs = problem.inputs(me);
-            let plan = cpu::schedule(
-                comm,
-                &llep::Plan::new(config, problem.shape, llep::Budget::Unlimited)?,
-                &inputs.routing,
-            )?;
+            let launch = llep::Plan::new(config, problem.shape, llep::Budget::Unlimited)?;
+            let mut layer = Executor::new(launch, Device::Cpu)?;
+            let plan = layer.schedule(comm, &inputs.routing)?;
             let bufs = plan.buffers(me, Pass::Backward);
-            let mut ws = Workspace::new(bufs.workspace_bytes());
-            let y = cpu::forward(comm, &plan, &inputs, &mut ws)?;
-            let grads = cpu::backward(comm, &plan, &inputs, &problem.dy[me], &mut ws)?;
+            let y = layer.forward(comm, &plan, &inputs)?;
+            let grads = layer.backward(comm, &plan, &inputs, &problem.dy[me])?;
             Ok(RankRun {
                 workspace_bytes: bufs.workspace_bytes(),
-                high_water: ws.high_water(),
+                high_water: layer.high_water(),
                 plan,
                 y,
                 grads,
@@ -130,19 +130,16 @@ pub fn run_saved(problem: &Problem, config: &Config) -> Vec<llep::Result<RankRun
         Ok((|| {
             let me = comm.rank();
             let inputs = problem.inputs(me);
-            let plan = cpu::schedule(
-                comm,
-                &llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited)?,
-                &inputs.routing,
-            )?;
+            let launch = llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited)?;
+            let mut layer = Executor::new(launch, Device::Cpu)?;
+            let plan = layer.schedule(comm, &inputs.routing)?;
             let bufs = plan.buffers(me, Pass::Backward);
-            let mut ws = Workspace::new(bufs.workspace_bytes());
             let mut saved = cpu::SavedActivations::new(&plan, me)?;
-            let y = cpu::forward_saving(comm, &plan, &inputs, &mut ws, &mut saved)?;
-            let grads = cpu::backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut saved, &mut ws)?;
+            let y = layer.forward_saving(comm, &plan, &inputs, &mut saved)?;
+            let grads = layer.backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut saved)?;
             Ok(RankRun {
                 workspace_bytes: bufs.workspace_bytes() + plan.saved_bytes(me),
-                high_water: ws.high_water() + saved.bytes(),
+                high_water: layer.high_water() + saved.bytes(),
                 plan,
                 y,
                 grads,

@@ -9,17 +9,17 @@
 //! replicated (its gradients all-reduced). One step per rank:
 //!
 //! - forward: each block's input is a checkpoint boundary ([`Checkpoints`]: kept on the device,
-//!   or offloaded by [`sco::CheckpointOffloader`]); the MoE layer runs `llep::cpu::forward`
+//!   or offloaded by [`sco::CheckpointOffloader`]); the MoE layer runs `llep::Executor::forward`
 //!   (standard EP or PipelinedLLEP) and keeps nothing;
 //! - loss: materialized logits ([`ops::materialized_loss`]) or `ring_dtp::ring::forward_backward`;
-//! - backward: blocks in reverse, each recomputed from its boundary (`llep::cpu::backward`
+//! - backward: blocks in reverse, each recomputed from its boundary (`llep::Executor::backward`
 //!   recomputes its rounds), router and RMSNorm backward by hand;
 //! - optimizer: one flat `stream_adamw::StreamAdamW` per rank, serial or pipelined.
 
 pub mod ops;
 
 use flatpeak::common::gemm::Accumulate;
-use flatpeak::common::{Communicator, DType, LocalGroup, LocalGroupOptions, ReduceOp, SplitMix64, Workspace};
+use flatpeak::common::{Communicator, DType, LocalGroup, LocalGroupOptions, ReduceOp, SplitMix64};
 use flatpeak::llep::{
     Config as LlepConfig, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape,
 };
@@ -350,11 +350,12 @@ impl<C: Communicator> Rank<'_, C> {
     fn block_forward(&self, b: &Block, x: &[f32]) -> Result<(Vec<f32>, usize)> {
         let (u, _, ids, w) = self.route(b, x)?;
         let inputs = self.moe_inputs(b, &u, &ids, &w);
-        let plan =
-            llep::cpu::schedule(self.comm, &self.llep_plan()?, &inputs.routing).map_err(err("llep plan"))?;
+        let launch = self.llep_plan()?;
+        let plan = llep::cpu::schedule(self.comm, &launch, &inputs.routing).map_err(err("llep plan"))?;
         let bytes = plan.max_workspace_bytes(Pass::Backward);
-        let mut ws = Workspace::new(bytes);
-        let y = llep::cpu::forward(self.comm, &plan, &inputs, &mut ws).map_err(err("llep forward"))?;
+        let mut layer = llep::Executor::with_workspace_bytes(launch, llep::Device::Cpu, bytes)
+            .map_err(err("llep executor"))?;
+        let y = layer.forward(self.comm, &plan, &inputs).map_err(err("llep forward"))?;
         Ok((x.iter().zip(&y).map(|(a, b)| a + b).collect(), bytes))
     }
 
@@ -363,11 +364,12 @@ impl<C: Communicator> Rank<'_, C> {
         let (n, h, e, k) = (self.c.tokens, self.c.hidden, self.c.experts, self.c.top_k);
         let (u, inv, ids, w) = self.route(b, x)?;
         let inputs = self.moe_inputs(b, &u, &ids, &w);
-        let plan =
-            llep::cpu::schedule(self.comm, &self.llep_plan()?, &inputs.routing).map_err(err("llep plan"))?;
-        let mut ws = Workspace::new(plan.max_workspace_bytes(Pass::Backward));
-        let moe =
-            llep::cpu::backward(self.comm, &plan, &inputs, dy, &mut ws).map_err(err("llep backward"))?;
+        let launch = self.llep_plan()?;
+        let plan = llep::cpu::schedule(self.comm, &launch, &inputs.routing).map_err(err("llep plan"))?;
+        let bytes = plan.max_workspace_bytes(Pass::Backward);
+        let mut layer = llep::Executor::with_workspace_bytes(launch, llep::Device::Cpu, bytes)
+            .map_err(err("llep executor"))?;
+        let moe = layer.backward(self.comm, &plan, &inputs, dy).map_err(err("llep backward"))?;
         let add = |acc: &mut Vec<f32>, d: &[f32]| acc.iter_mut().zip(d).for_each(|(a, b)| *a += b);
         add(&mut g.gate, &moe.d_gate);
         add(&mut g.up, &moe.d_up);

@@ -1,0 +1,236 @@
+//! One expert over one group of n ≤ G received routes, as [`DeviceOps`]: its SwiGLU forward,
+//! its backward with the forward recomputed, and its backward from saved pre-activations. The
+//! group's X rows are in the scratch and its lists (rows, weights, metadata entries) in the
+//! group buffers when these run.
+//!
+//! Forward: `g = X·W_gate`, `u = X·W_up`, `h = silu(g) ⊙ u`, `y = h·W_down`. Backward, with
+//! `δ_t = w_t·dY_t`: `dw_t = ⟨dY_t, y_t⟩`, `dW_down += hᵀ·δ`, `dh = δ·W_downᵀ`,
+//! `dg = dh ⊙ u ⊙ silu'(g)`, `du = dh ⊙ silu(g)`, `dW_gate += Xᵀ·dg`, `dW_up += Xᵀ·du`,
+//! `dX_t = dg·W_gateᵀ + du·W_upᵀ`. From saved g and u: `r = dY·W_downᵀ`, `dw_t = ⟨r_t, h_t⟩`
+//! (= ⟨dY_t, y_t⟩ since `y = h·W_down`) and `dh_t = w_t·r_t`: six GEMMs instead of nine.
+
+use flatpeak_common::gemm::Accumulate;
+
+use super::reserve::{GroupBufs, Scratch};
+use super::{DeviceGradients, DeviceInputs, DeviceOps, GemmDims, Operand};
+use crate::config::Shape;
+use crate::error::Result;
+
+/// Local expert `slot`'s weights: (buffer, offset) of W_gate, W_up (H×I) and W_down (I×H).
+#[derive(Debug)]
+pub(super) struct ExpertAt<'a, B> {
+    gate: (&'a B, usize),
+    up: (&'a B, usize),
+    down: (&'a B, usize),
+}
+
+impl<B> Clone for ExpertAt<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for ExpertAt<'_, B> {}
+
+/// Native slots from the inputs, foreign ones from the fetched slots.
+pub(super) fn expert_at<'a, B>(
+    s: &Shape,
+    inputs: &DeviceInputs<'a, B>,
+    foreign: &'a B,
+    slot: usize,
+) -> ExpertAt<'a, B> {
+    let hi = s.hidden * s.intermediate;
+    let m = s.local_experts();
+    if slot < m {
+        ExpertAt {
+            gate: (inputs.gate, slot * hi),
+            up: (inputs.up, slot * hi),
+            down: (inputs.down, slot * hi),
+        }
+    } else {
+        let o = (slot - m) * 3 * hi;
+        ExpertAt { gate: (foreign, o), up: (foreign, o + hi), down: (foreign, o + 2 * hi) }
+    }
+}
+
+/// Where local expert `slot`'s weight gradients accumulate: the native gradients or the
+/// foreign slot's gradient buffer (returned home at the end).
+pub(super) enum GradAt<'a, B> {
+    Native { parts: [&'a mut B; 3], offset: usize },
+    Foreign { buf: &'a mut B, offset: usize, hi: usize },
+}
+
+impl<B> GradAt<'_, B> {
+    /// Part 0 (W_gate), 1 (W_up) or 2 (W_down): buffer and offset.
+    fn part(&mut self, part: usize) -> (&mut B, usize) {
+        match self {
+            GradAt::Native { parts, offset } => (&mut *parts[part], *offset),
+            GradAt::Foreign { buf, offset, hi } => (&mut **buf, *offset + part * *hi),
+        }
+    }
+}
+
+pub(super) fn grad_at<'a, B>(
+    s: &Shape,
+    g: &'a mut DeviceGradients<B>,
+    foreign_grad: &'a mut B,
+    slot: usize,
+) -> GradAt<'a, B> {
+    let hi = s.hidden * s.intermediate;
+    let m = s.local_experts();
+    if slot < m {
+        GradAt::Native { parts: [&mut g.d_gate, &mut g.d_up, &mut g.d_down], offset: slot * hi }
+    } else {
+        GradAt::Foreign { buf: foreign_grad, offset: (slot - m) * 3 * hi, hi }
+    }
+}
+
+/// `C (m×n) ← A·B` or `+=`, C from (buffer, offset).
+fn mm<O: DeviceOps>(
+    ops: &O,
+    (m, n, k): (usize, usize, usize),
+    a: Operand<'_, O::Buf>,
+    b: Operand<'_, O::Buf>,
+    (c, at): (&mut O::Buf, usize),
+    acc: Accumulate,
+) -> Result<()> {
+    ops.gemm(GemmDims { m, n, k }, a, b, c, at, acc)
+}
+
+/// `gate ← X·W_gate`, `up ← X·W_up` for `n` rows of the scratch.
+fn project<O: DeviceOps>(
+    ops: &O,
+    w: ExpertAt<'_, O::Buf>,
+    (h, i): (usize, usize),
+    n: usize,
+    sc: &mut Scratch<O::Buf>,
+) -> Result<()> {
+    let x = || Operand::plain(&sc.x, 0);
+    let (g, u) = (Operand::plain(w.gate.0, w.gate.1), Operand::plain(w.up.0, w.up.1));
+    mm(ops, (n, i, h), x(), g, (&mut sc.gate, 0), Accumulate::Replace)?;
+    mm(ops, (n, i, h), x(), u, (&mut sc.up, 0), Accumulate::Replace)
+}
+
+/// Where the saving forward keeps a group's pre-activations: the store's gate and up buffers,
+/// from route `cursor`.
+pub(super) struct KeepPre<'a, B> {
+    pub(super) gate: &'a mut B,
+    pub(super) up: &'a mut B,
+    pub(super) cursor: usize,
+}
+
+/// Forward of one group: the expert's output rows land in the scratch's X (h in its Y, so no
+/// G×I buffer beyond gate and up); with `keep`, `x·W_gate` and `x·W_up` are copied out first.
+pub(super) fn forward<O: DeviceOps>(
+    ops: &O,
+    w: ExpertAt<'_, O::Buf>,
+    (h, i): (usize, usize),
+    n: usize,
+    sc: &mut Scratch<O::Buf>,
+    keep: Option<KeepPre<'_, O::Buf>>,
+) -> Result<()> {
+    project(ops, w, (h, i), n, sc)?;
+    if let Some(k) = keep {
+        ops.copy((&sc.gate, 0), (k.gate, k.cursor * i), n * i)?;
+        ops.copy((&sc.up, 0), (k.up, k.cursor * i), n * i)?;
+    }
+    ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.y)?;
+    mm(
+        ops,
+        (n, h, i),
+        Operand::plain(&sc.y, 0),
+        Operand::plain(w.down.0, w.down.1),
+        (&mut sc.x, 0),
+        Accumulate::Replace,
+    )
+}
+
+/// The round buffers and group lists one expert group's backward reads and fills.
+pub(super) struct GroupIo<'a, O: DeviceOps> {
+    pub(super) recv_dy: &'a O::Buf,
+    pub(super) dx_rows: &'a mut O::Buf,
+    pub(super) dw: &'a mut O::Buf,
+    pub(super) lists: &'a mut GroupBufs<O::Buf, O::Index>,
+}
+
+/// The shared end of both backwards, with dg and du in the scratch's gate and up and X in its
+/// x: `dW_gate += Xᵀ·dg`, `dW_up += Xᵀ·du`, `dX_t = dg·W_gateᵀ + du·W_upᵀ` added to row t.
+fn input_grads<O: DeviceOps>(
+    ops: &O,
+    w: ExpertAt<'_, O::Buf>,
+    mut grad: GradAt<'_, O::Buf>,
+    (h, i, n): (usize, usize, usize),
+    io: GroupIo<'_, O>,
+    sc: &mut Scratch<O::Buf>,
+) -> Result<()> {
+    let xt = || Operand::t(&sc.x, 0);
+    mm(ops, (h, i, n), xt(), Operand::plain(&sc.gate, 0), grad.part(0), Accumulate::Add)?;
+    mm(ops, (h, i, n), xt(), Operand::plain(&sc.up, 0), grad.part(1), Accumulate::Add)?;
+    let dg = Operand::plain(&sc.gate, 0);
+    mm(ops, (n, h, i), dg, Operand::t(w.gate.0, w.gate.1), (&mut sc.y, 0), Accumulate::Replace)?;
+    mm(
+        ops,
+        (n, h, i),
+        Operand::plain(&sc.up, 0),
+        Operand::t(w.up.0, w.up.1),
+        (&mut sc.y, 0),
+        Accumulate::Add,
+    )?;
+    ops.scatter_add_rows(&sc.y, &io.lists.rows, n, None, h, io.dx_rows)
+}
+
+/// Backward of one group, recomputing its forward: `dw_t = ⟨dY_t, y_t⟩` added to the route's
+/// d(weights) entry, then the module's backward.
+pub(super) fn backward<O: DeviceOps>(
+    ops: &O,
+    w: ExpertAt<'_, O::Buf>,
+    mut grad: GradAt<'_, O::Buf>,
+    (h, i): (usize, usize),
+    n: usize,
+    io: GroupIo<'_, O>,
+    sc: &mut Scratch<O::Buf>,
+) -> Result<()> {
+    ops.gather_rows(io.recv_dy, &io.lists.rows, n, None, h, &mut sc.dy)?;
+    project(ops, w, (h, i), n, sc)?;
+    ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.h)?;
+    let down = Operand::plain(w.down.0, w.down.1);
+    mm(ops, (n, h, i), Operand::plain(&sc.h, 0), down, (&mut sc.y, 0), Accumulate::Replace)?;
+    ops.row_dot(&sc.dy, &sc.y, n, h, &mut sc.dots)?;
+    ops.scatter_add_rows(&sc.dots, &io.lists.meta, n, None, 1, io.dw)?;
+    ops.gather_rows(io.recv_dy, &io.lists.rows, n, Some(&io.lists.weights), h, &mut sc.dy)?;
+    mm(ops, (i, h, n), Operand::t(&sc.h, 0), Operand::plain(&sc.dy, 0), grad.part(2), Accumulate::Add)?;
+    let down_t = Operand::t(w.down.0, w.down.1);
+    mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.h, 0), Accumulate::Replace)?;
+    ops.swiglu_backward(&mut sc.gate, &mut sc.up, &sc.h, n * i)?;
+    input_grads(ops, w, grad, (h, i, n), io, sc)
+}
+
+/// Backward of one group from the pre-activations the saving forward kept (`pre`: the store's
+/// gate and up buffers, this group from route `cursor`), without recompute (see the module).
+/// The group's metadata-entry list is rewritten to `0..n` once the d(weights) are out.
+#[allow(clippy::too_many_arguments)] // the operands of one group, as in `backward`
+pub(super) fn backward_saved<O: DeviceOps>(
+    ops: &O,
+    w: ExpertAt<'_, O::Buf>,
+    mut grad: GradAt<'_, O::Buf>,
+    (h, i): (usize, usize),
+    (n, cursor): (usize, usize),
+    pre: (&O::Buf, &O::Buf),
+    io: GroupIo<'_, O>,
+    sc: &mut Scratch<O::Buf>,
+) -> Result<()> {
+    ops.gather_rows(io.recv_dy, &io.lists.rows, n, None, h, &mut sc.dy)?;
+    ops.copy((pre.0, cursor * i), (&mut sc.gate, 0), n * i)?;
+    ops.copy((pre.1, cursor * i), (&mut sc.up, 0), n * i)?;
+    ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.h)?;
+    let down_t = Operand::t(w.down.0, w.down.1);
+    mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.y, 0), Accumulate::Replace)?;
+    ops.row_dot(&sc.y, &sc.h, n, i, &mut sc.dots)?;
+    ops.scatter_add_rows(&sc.dots, &io.lists.meta, n, None, 1, io.dw)?;
+    ops.gather_rows(io.recv_dy, &io.lists.rows, n, Some(&io.lists.weights), h, &mut sc.dy)?;
+    mm(ops, (i, h, n), Operand::t(&sc.h, 0), Operand::plain(&sc.dy, 0), grad.part(2), Accumulate::Add)?;
+    super::host::iota(ops, &mut io.lists.meta, n)?;
+    ops.gather_rows(&sc.y, &io.lists.meta, n, Some(&io.lists.weights), i, &mut sc.h)?;
+    ops.swiglu_backward(&mut sc.gate, &mut sc.up, &sc.h, n * i)?;
+    input_grads(ops, w, grad, (h, i, n), io, sc)
+}

@@ -1,0 +1,130 @@
+//! Every buffer of one call, reserved up front in the order of
+//! [`Buffers::regions`](crate::Buffers::regions): the device buffers through [`DeviceOps`], the
+//! host arrays (the received metadata's staging, the grouping arrays) from the host workspace
+//! (the route tables, the first regions, are carved just before: `host::tables`).
+
+use flatpeak_common::Workspace;
+
+use super::DeviceOps;
+use super::pipeline::RoundSet;
+use crate::error::Result;
+use crate::plan::{Buffers, GroupEntry, Pass, RouteMeta};
+
+/// The expert scratch of G rows: X and dY G×H; Y G×max(H, I) (forward: h, then backward: the
+/// pre-activations' gradient r); gate, up and h G×I; the G routes' dot products.
+#[derive(Debug)]
+pub(super) struct Scratch<B> {
+    pub(super) x: B,
+    pub(super) y: B,
+    pub(super) gate: B,
+    pub(super) up: B,
+    pub(super) dy: B,
+    pub(super) h: B,
+    pub(super) dots: B,
+}
+
+/// One expert group's index lists: received rows, routing weights, metadata entries.
+#[derive(Debug)]
+pub(super) struct GroupBufs<B, I> {
+    pub(super) rows: I,
+    pub(super) weights: B,
+    pub(super) meta: I,
+}
+
+/// Every buffer of one call.
+#[derive(Debug)]
+pub(super) struct Reserved<'h, B, I> {
+    pub(super) foreign: B,
+    pub(super) foreign_grad: B,
+    pub(super) grad_return: B,
+    pub(super) sets: Vec<RoundSet<B, I>>,
+    /// Host staging of received metadata: `staging_slots` × `recv_rows·k` entries.
+    pub(super) staging: &'h mut [RouteMeta],
+    pub(super) staging_slots: usize,
+    pub(super) groups: &'h mut [GroupEntry],
+    pub(super) offsets: &'h mut [u32],
+    pub(super) lists: GroupBufs<B, I>,
+    pub(super) dw_src: I,
+    pub(super) dw_dst: I,
+    pub(super) dw_gathered: B,
+    pub(super) one: I,
+    pub(super) scratch: Scratch<B>,
+}
+
+/// `len` elements from the host workspace; an empty buffer takes no region (as
+/// [`Buffers::regions`] counts them).
+pub(super) fn host_take<T: bytemuck::Pod>(host: &Workspace, len: usize) -> Result<&mut [T]> {
+    if len == 0 { Ok(Default::default()) } else { Ok(host.take(len)?) }
+}
+
+/// Staging slots of received metadata: two when the next round is fetched ahead.
+pub(crate) fn staging_slots(depth: usize) -> usize {
+    depth.clamp(1, 2)
+}
+
+impl<'h, B, I> Reserved<'h, B, I> {
+    /// Reserves `b`'s regions after the route tables: device buffers by `ops`, host arrays
+    /// from `host`. Backward-only buffers are empty in forward.
+    pub(super) fn new<O: DeviceOps<Buf = B, Index = I>>(
+        ops: &O,
+        host: &'h Workspace,
+        b: &Buffers,
+    ) -> Result<Self> {
+        let s = b.shape();
+        let (h, i, k) = (s.hidden, s.intermediate, s.top_k);
+        let bwd = b.pass() == Pass::Backward;
+        let maybe = |len: usize| ops.alloc(if bwd { len } else { 0 });
+        let maybe_index = |len: usize| ops.alloc_index(if bwd { len } else { 0 });
+        let (sr, rr, g) = (b.send_rows(), b.recv_rows(), b.expert_rows());
+        let foreign = ops.alloc(b.foreign_slots() * s.expert_elems())?;
+        let foreign_grad = maybe(b.foreign_slots() * s.expert_elems())?;
+        let grad_return = maybe(h * i)?;
+        let mut sets = Vec::with_capacity(b.depth());
+        for _ in 0..b.depth() {
+            sets.push(RoundSet {
+                send_tokens: ops.alloc_index(sr)?,
+                send_x: ops.alloc(sr * h)?,
+                recv_x: ops.alloc(rr * h)?,
+                out: ops.alloc(rr * h)?,
+                send_meta: ops.alloc_index(sr * k * 2)?,
+                recv_meta: ops.alloc_index(rr * k * 2)?,
+                send_dy: maybe(sr * h)?,
+                recv_dy: maybe(rr * h)?,
+                dw_out: maybe(rr * k)?,
+                dw_back: maybe(sr * k)?,
+            });
+        }
+        let staging_slots = staging_slots(b.depth());
+        let staging = host_take(host, staging_slots * rr * k)?;
+        let groups = host_take(host, rr * k)?;
+        let offsets = host_take(host, b.local_slots() + 1)?;
+        let lists = GroupBufs { rows: ops.alloc_index(g)?, weights: ops.alloc(g)?, meta: maybe_index(g)? };
+        let (dw_src, dw_dst) = (maybe_index(sr * k)?, maybe_index(sr * k)?);
+        let (dw_gathered, one) = (maybe(sr * k)?, maybe_index(1)?);
+        let scratch = Scratch {
+            x: ops.alloc(g * h)?,
+            y: ops.alloc(g * h.max(i))?,
+            gate: ops.alloc(g * i)?,
+            up: ops.alloc(g * i)?,
+            dy: maybe(g * h)?,
+            h: maybe(g * i)?,
+            dots: maybe(g)?,
+        };
+        Ok(Self {
+            foreign,
+            foreign_grad,
+            grad_return,
+            sets,
+            staging,
+            staging_slots,
+            groups,
+            offsets,
+            lists,
+            dw_src,
+            dw_dst,
+            dw_gathered,
+            one,
+            scratch,
+        })
+    }
+}
