@@ -192,47 +192,88 @@ impl ModelSpec {
             let expected = "at least 1 when dense_layers > 0";
             return Err(PlanError::InvalidSpec { field: "dense_intermediate", value: 0, expected });
         }
+        if self.checked_params().and_then(|p| p.checked_mul(16)).is_none() {
+            let expected = "small enough that the parameter count (and its 16 B of optimizer state each) fits in 64 bits";
+            return Err(PlanError::InvalidSpec { field: "hidden", value: self.hidden, expected });
+        }
         Ok(())
     }
 
     /// Attention parameters of one layer: the override, else `H·(heads + 2·kv_heads)·d_h`
-    /// (Q, K, V) `+ heads·d_h·H` (output).
+    /// (Q, K, V) `+ heads·d_h·H` (output). Counts saturate at `u64::MAX` for a spec
+    /// [`validate`](Self::validate) refuses (one whose parameter count overflows 64 bits).
     pub fn attention_params(&self) -> u64 {
-        self.attention_params_per_layer.unwrap_or_else(|| {
-            let (h, d) = (self.hidden, self.head_dim);
-            h * (self.attention_heads + 2 * self.kv_heads) * d + self.attention_heads * d * h
-        })
+        self.checked_attention_params().unwrap_or(u64::MAX)
     }
 
     /// MoE layers.
     pub fn moe_layers(&self) -> u64 {
-        self.layers - self.dense_layers
+        self.layers.saturating_sub(self.dense_layers)
     }
 
     /// Routed-expert parameters of the whole model: `L_moe·E·3·H·I`.
     pub fn expert_params(&self) -> u64 {
-        self.moe_layers() * self.experts * 3 * self.hidden * self.expert_intermediate
+        self.checked_expert_params().unwrap_or(u64::MAX)
     }
 
     /// Non-expert parameters of the largest layer: attention, two norms, and the router with the
     /// shared experts (MoE layer) or the dense FFN.
     pub fn window_layer_params(&self) -> u64 {
-        let h = self.hidden;
-        let moe = h * self.experts + self.shared_experts * 3 * h * self.expert_intermediate;
-        let dense = if self.dense_layers > 0 { 3 * h * self.dense_intermediate } else { 0 };
-        self.attention_params() + 2 * h + moe.max(dense)
+        self.checked_window_layer_params().unwrap_or(u64::MAX)
     }
 
     /// Every parameter: experts, attention, norms, routers, shared experts, dense FFNs and the
     /// untied embedding and output projection.
     pub fn params(&self) -> u64 {
-        let h = self.hidden;
-        let per_layer = self.attention_params() + 2 * h;
-        let moe =
-            self.moe_layers() * (h * self.experts + self.shared_experts * 3 * h * self.expert_intermediate);
-        let dense = self.dense_layers * 3 * h * self.dense_intermediate;
-        self.expert_params() + self.layers * per_layer + moe + dense + 2 * self.vocab * h + h
+        self.checked_params().unwrap_or(u64::MAX)
     }
+
+    fn checked_attention_params(&self) -> Option<u64> {
+        if let Some(p) = self.attention_params_per_layer {
+            return Some(p);
+        }
+        let (h, d) = (self.hidden, self.head_dim);
+        let heads = self.attention_heads.checked_add(self.kv_heads.checked_mul(2)?)?;
+        let qkv = product(&[h, heads, d])?;
+        qkv.checked_add(product(&[self.attention_heads, d, h])?)
+    }
+
+    fn checked_expert_params(&self) -> Option<u64> {
+        product(&[self.moe_layers(), self.experts, 3, self.hidden, self.expert_intermediate])
+    }
+
+    /// Router and shared experts of one MoE layer.
+    fn checked_moe_layer_params(&self) -> Option<u64> {
+        let h = self.hidden;
+        let shared = product(&[self.shared_experts, 3, h, self.expert_intermediate])?;
+        h.checked_mul(self.experts)?.checked_add(shared)
+    }
+
+    fn checked_window_layer_params(&self) -> Option<u64> {
+        let h = self.hidden;
+        let dense = if self.dense_layers > 0 { product(&[3, h, self.dense_intermediate])? } else { 0 };
+        let widest = self.checked_moe_layer_params()?.max(dense);
+        self.checked_attention_params()?.checked_add(h.checked_mul(2)?)?.checked_add(widest)
+    }
+
+    fn checked_params(&self) -> Option<u64> {
+        let h = self.hidden;
+        let per_layer = self.checked_attention_params()?.checked_add(h.checked_mul(2)?)?;
+        let terms = [
+            self.checked_expert_params()?,
+            self.layers.checked_mul(per_layer)?,
+            self.moe_layers().checked_mul(self.checked_moe_layer_params()?)?,
+            product(&[self.dense_layers, 3, h, self.dense_intermediate])?,
+            product(&[2, self.vocab, h])?,
+            h,
+        ];
+        terms.iter().try_fold(0u64, |sum, &t| sum.checked_add(t))
+    }
+}
+
+/// The product of `factors`; `None` on overflow.
+fn product(factors: &[u64]) -> Option<u64> {
+    factors.iter().try_fold(1u64, |p, &f| p.checked_mul(f))
 }
 
 /// Which set of schedules a column of the model describes.
@@ -301,9 +342,12 @@ pub fn estimate(
     }
     let n = context.div_ceil(gpus).max(1);
     let (h, v, k) = (spec.hidden, spec.vocab, spec.top_k);
+    // Every byte count below is checked: a context too long for 64-bit sizes is an error.
+    let too_long = || setup_error("context", context, "short enough that per-GPU byte counts fit in 64 bits");
+    let checked = |bytes: Option<u64>| bytes.ok_or_else(too_long);
     let params = spec.params();
     let shard = params.div_ceil(gpus);
-    let window = 2 * ELEM * spec.window_layer_params();
+    let window = checked(product(&[2, ELEM, spec.window_layer_params()]))?;
     let flat = schedules == Schedules::Flattened;
 
     let shape = Shape {
@@ -319,7 +363,7 @@ pub fn estimate(
         launch_plan(&shape)?.buffers(Pass::Backward).workspace_bytes() as u64
     } else {
         let model = PeakModel::paper_fit();
-        let rows = (k * n) as f64;
+        let rows = k as f64 * n as f64;
         let terms = PeakTerms { send_rows: rows, recv_rows: rows, expert_rows: 0.0, foreign_experts: 0.0 };
         (model.peak(&shape, terms) - model.m0_bytes).ceil() as u64
     };
@@ -334,18 +378,18 @@ pub fn estimate(
             ring_dtp::Shape { tokens: context_rows, hidden, vocab: vocab_rows, dtype: DType::Bf16 };
         let options = RingOptions::default().ranks(shape.ranks);
         let ring = RingPlan::new(&Config::default(), shape_all, RING_BUDGET, options)?;
-        (RING_BUDGET.bytes() + ring.per_token_bytes()) as u64
+        checked((RING_BUDGET.bytes() as u64).checked_add(ring.per_token_bytes() as u64))?
     } else {
         PaperPeaks::at(context_rows, hidden, vocab_rows, shape.ranks).naive.ceil() as u64
     };
     let sco_shape = sco::Shape {
         layers: to_usize("layers", spec.layers)?,
-        boundary_elems: to_usize("boundary elements", n * h)?,
+        boundary_elems: to_usize("boundary elements", checked(n.checked_mul(h))?)?,
         element_bytes: ELEM as usize,
     };
     let sco_plan = sco::Plan::new(&sco::Config::default(), sco_shape, sco::Budget::Unlimited)?;
     let checkpoints = if flat {
-        (sco_plan.peak_slots() * sco_plan.boundary_bytes()) as u64
+        checked((sco_plan.peak_slots() as u64).checked_mul(sco_plan.boundary_bytes() as u64))?
     } else {
         sco_plan.plain_device_bytes() as u64
     };
@@ -361,20 +405,21 @@ pub fn estimate(
     )?
     .staging_bytes() as u64;
 
+    let sharded = checked(product(&[ELEM, shard]).and_then(|b| b.checked_add(window)))?;
     let peaks = BTreeMap::from([
-        ("weights".to_string(), ELEM * shard + window),
-        ("gradients".to_string(), ELEM * shard + window),
-        ("activations".to_string(), ACTIVATION_BYTES_PER_TOKEN_HIDDEN * n * h),
+        ("weights".to_string(), sharded),
+        ("gradients".to_string(), sharded),
+        ("activations".to_string(), checked(product(&[ACTIVATION_BYTES_PER_TOKEN_HIDDEN, n, h]))?),
         ("dispatch".to_string(), dispatch),
         ("vocab".to_string(), vocab),
         ("checkpoints".to_string(), checkpoints),
     ]);
     let host = BTreeMap::from([
-        ("optimizer_state".to_string(), 12 * shard),
+        ("optimizer_state".to_string(), checked(shard.checked_mul(12))?),
         ("optimizer_staging".to_string(), optimizer_staging),
         ("checkpoint_arena".to_string(), if flat { sco_plan.host_arena_bytes() as u64 } else { 0 }),
     ]);
-    let total = peaks.values().sum();
+    let total = checked(peaks.values().try_fold(0u64, |sum, &b| sum.checked_add(b)))?;
     let binding = DEVICE_PEAKS
         .iter()
         .max_by_key(|key| peaks.get(**key).copied().unwrap_or(0))

@@ -102,6 +102,23 @@ fn bad_specs_and_setups_are_typed_errors() {
     ));
     assert!(matches!(plan(&spec, 0, 8, GIB), Err(PlanError::InvalidSetup { what: "context", .. })));
     assert!(matches!(ModelSpec::load("/nonexistent/model.json"), Err(PlanError::UnknownModel { .. })));
+    // Sizes past 64 bits are errors, never a wrapped total that "fits" (this printed a
+    // fitting baseline at context 2⁶⁴ − 1) or a debug panic.
+    for schedules in [Schedules::Baseline, Schedules::Flattened] {
+        match estimate(&spec, u64::MAX, 8, schedules) {
+            Err(PlanError::InvalidSetup { what, .. }) => {
+                assert!(what == "context" || what.contains("tokens"), "{what}")
+            }
+            Err(
+                PlanError::RingDtp(_) | PlanError::Sco(_) | PlanError::Llep(_) | PlanError::StreamAdamW(_),
+            ) => {}
+            other => panic!("{schedules:?}: {other:?}"),
+        }
+    }
+    assert!(plan(&spec, u64::MAX, 8, 80 * GIB).is_err());
+    let huge = ModelSpec { hidden: 1 << 40, expert_intermediate: 1 << 40, ..spec.clone() };
+    assert!(matches!(huge.validate(), Err(PlanError::InvalidSpec { field: "hidden", .. })));
+    assert_eq!(huge.params(), u64::MAX);
 }
 
 #[test]
@@ -139,6 +156,29 @@ fn every_term_is_non_decreasing_token_by_token_at_short_contexts() {
                 }
                 last = e;
             }
+        }
+    }
+}
+
+/// The presets as seeds of the `model_json` fuzz target (`[context: u64 LE][gpus: u8][gpu
+/// memory: u64 LE][model JSON]`), each planned as the target would; with
+/// `FLATPEAK_WRITE_FUZZ_SEEDS=<dir>` also written there.
+#[test]
+fn fuzz_seeds_plan() {
+    let out_dir = std::env::var_os("FLATPEAK_WRITE_FUZZ_SEEDS").map(std::path::PathBuf::from);
+    for (i, name) in PRESET_NAMES.iter().enumerate() {
+        let spec = preset(name).expect("preset");
+        let json = serde_json::to_vec(&spec).expect("json");
+        let back: ModelSpec = serde_json::from_slice(&json).expect("round trip");
+        let (context, gpus, gpu_mem) = (131_072u64 << (i % 3), 8u8, 80 * GIB);
+        plan(&back, context, u64::from(gpus), gpu_mem).expect("plan");
+        if let Some(dir) = &out_dir {
+            let mut seed = context.to_le_bytes().to_vec();
+            seed.push(gpus - 1); // the target plans on (byte % 16) + 1 GPUs
+            seed.extend_from_slice(&gpu_mem.to_le_bytes());
+            seed.extend_from_slice(&json);
+            std::fs::create_dir_all(dir).expect("seed dir");
+            std::fs::write(dir.join(format!("seed-{name}")), seed).expect("write seed");
         }
     }
 }

@@ -89,12 +89,10 @@ pub enum RunError {
     Common(#[from] flatpeak_common::Error),
 }
 
-/// Reads a component's JSON config; an absent path gives the defaults.
-pub fn read_config<T: DeserializeOwned + Default>(path: Option<&Path>) -> Result<T, RunError> {
-    let Some(path) = path else { return Ok(T::default()) };
-    let config = |message: String| RunError::Config { path: path.display().to_string(), message };
-    let text = std::fs::read_to_string(path).map_err(|e| config(e.to_string()))?;
-    serde_json::from_str(&text).map_err(|e| config(e.to_string()))
+/// Parses a component's JSON config; `path` names it in errors.
+pub fn parse_config<T: DeserializeOwned>(text: &str, path: &Path) -> Result<T, RunError> {
+    serde_json::from_str(text)
+        .map_err(|e| RunError::Config { path: path.display().to_string(), message: e.to_string() })
 }
 
 /// Runs `component` on the tensors of `inputs` with the config at `config` (defaults when
@@ -106,15 +104,34 @@ pub fn run(
     outputs: &Path,
 ) -> Result<Vec<String>, RunError> {
     let tensors = TensorFile::read(inputs)?;
-    let out = match component {
-        "ring-dtp" => ring_dtp::run(&tensors, &read_config(config)?)?,
-        "llep" => llep::run(&tensors, &read_config(config)?)?,
-        "sco" => sco::run(&tensors, &read_config(config)?)?,
-        "stream-adamw" => stream_adamw::run(&tensors, &read_config(config)?)?,
-        other => return Err(RunError::UnknownComponent(other.to_string())),
-    };
+    let text = config
+        .map(|path| {
+            std::fs::read_to_string(path)
+                .map_err(|e| RunError::Config { path: path.display().to_string(), message: e.to_string() })
+        })
+        .transpose()?;
+    let out = run_parsed(component, &tensors, text.as_deref().zip(config))?;
     out.write(outputs)?;
     Ok(out.names().into_iter().map(String::from).collect())
+}
+
+/// Runs `component` on parsed `tensors` with a config given as JSON text and the path that
+/// names it (defaults when `None`): what [`run`] does between reading and writing files.
+pub fn run_parsed(
+    component: &str,
+    tensors: &TensorFile,
+    config: Option<(&str, &Path)>,
+) -> Result<Outputs, RunError> {
+    fn config_of<T: DeserializeOwned + Default>(config: Option<(&str, &Path)>) -> Result<T, RunError> {
+        config.map_or_else(|| Ok(T::default()), |(text, path)| parse_config(text, path))
+    }
+    match component {
+        "ring-dtp" => ring_dtp::run(tensors, &config_of(config)?),
+        "llep" => llep::run(tensors, &config_of(config)?),
+        "sco" => sco::run(tensors, &config_of(config)?),
+        "stream-adamw" => stream_adamw::run(tensors, &config_of(config)?),
+        other => Err(RunError::UnknownComponent(other.to_string())),
+    }
 }
 
 #[cfg(test)]

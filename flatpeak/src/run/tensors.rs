@@ -68,8 +68,14 @@ impl TensorFile {
     pub fn read(path: &Path) -> Result<Self, RunError> {
         let io = |message: String| RunError::Io { path: path.display().to_string(), message };
         let bytes = std::fs::read(path).map_err(|e| io(e.to_string()))?;
+        Self::parse(&bytes, path)
+    }
+
+    /// Parses the bytes of a safetensors file; `path` names it in errors.
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, RunError> {
+        let io = |message: String| RunError::Io { path: path.display().to_string(), message };
         let parsed =
-            SafeTensors::deserialize(&bytes).map_err(|e| io(format!("not a safetensors file: {e}")))?;
+            SafeTensors::deserialize(bytes).map_err(|e| io(format!("not a safetensors file: {e}")))?;
         let tensors = parsed
             .iter()
             .map(|(name, view)| {
@@ -201,6 +207,13 @@ impl Outputs {
     }
     /// Writes the file.
     pub fn write(&self, path: &Path) -> Result<(), RunError> {
+        let bytes = self.to_bytes(path)?;
+        std::fs::write(path, bytes)
+            .map_err(|e| RunError::Io { path: path.display().to_string(), message: e.to_string() })
+    }
+
+    /// The tensors as the bytes of a safetensors file; `path` names it in errors.
+    pub fn to_bytes(&self, path: &Path) -> Result<Vec<u8>, RunError> {
         let io = |message: String| RunError::Io { path: path.display().to_string(), message };
         let views = self
             .tensors
@@ -211,6 +224,6 @@ impl Outputs {
                     .map_err(|e| io(e.to_string()))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        safetensors::serialize_to_file(views, None, path).map_err(|e| io(e.to_string()))
+        safetensors::serialize(views, None).map_err(|e| io(e.to_string()))
     }
 }

@@ -306,3 +306,56 @@ fn bad_inputs_name_the_tensor_and_what_was_expected() {
     let err = run_with(&dir, "ring-dtp", &bad_target, None).expect_err("target");
     assert!(matches!(err, RunError::RingDtp(::ring_dtp::Error::TargetOutOfRange { token: 3, .. })), "{err}");
 }
+
+/// One small valid run per component, laid out as the `run_inputs` fuzz target reads its input
+/// (`[component][config length: u16 LE][config JSON][safetensors]`): each must run. With
+/// `FLATPEAK_WRITE_FUZZ_SEEDS=<dir>` they are also written there as the fuzzer's seed corpus.
+#[test]
+fn fuzz_seeds_run() {
+    let mut rng = SplitMix64::new(11);
+    let mut seeds: Vec<(u8, &str, Outputs)> = Vec::new();
+    let (ring, ..) = ring_inputs(DType::F32);
+    seeds.push((0, r#"{"label_smoothing": 0.1, "budget_bytes": 65536}"#, ring));
+    let (p, n, h, i, e, k) = (2, 3, 4, 2, 4, 2);
+    let mut llep = Outputs::default();
+    llep.f32("x", &[p, n, h], &rng.normal_f32(p * n * h, 0.0, 1.0));
+    let ids: Vec<i64> = (0..p * n * k).map(|r| (r % e) as i64).collect();
+    llep.i64("ids", &[p, n, k], &ids);
+    llep.f32("weights", &[p, n, k], &rng.uniform_f32(p * n * k, 0.1, 1.0));
+    llep.f32("gate", &[e, h, i], &rng.normal_f32(e * h * i, 0.0, 0.3));
+    llep.f32("up", &[e, h, i], &rng.normal_f32(e * h * i, 0.0, 0.3));
+    llep.f32("down", &[e, i, h], &rng.normal_f32(e * i * h, 0.0, 0.3));
+    llep.f32("dy", &[p, n, h], &rng.normal_f32(p * n * h, 0.0, 1.0));
+    seeds.push((1, "", llep));
+    let (s, h, i, l) = (3, 2, 3, 2);
+    let mut sco = Outputs::default();
+    sco.f32("x", &[s, h], &rng.normal_f32(s * h, 0.0, 1.0));
+    sco.f32("w1", &[l, h, i], &rng.normal_f32(l * h * i, 0.0, 0.5));
+    sco.f32("w2", &[l, i, h], &rng.normal_f32(l * i * h, 0.0, 0.5));
+    sco.f32("dy", &[s, h], &rng.normal_f32(s * h, 0.0, 1.0));
+    seeds.push((2, "", sco));
+    let n = 100;
+    let mut adam = Outputs::default();
+    adam.f32("param", &[n], &rng.normal_f32(n, 0.0, 1.0));
+    adam.f32("grad", &[n], &rng.normal_f32(n, 0.0, 0.1));
+    adam.f32("exp_avg", &[n], &rng.normal_f32(n, 0.0, 0.01));
+    adam.f32("exp_avg_sq", &[n], &rng.uniform_f32(n, 0.0, 0.01));
+    adam.i64("step", &[], &[4]);
+    seeds.push((3, r#"{"lr": 0.01, "bucket_elems": 64}"#, adam));
+    let out_dir = std::env::var_os("FLATPEAK_WRITE_FUZZ_SEEDS").map(PathBuf::from);
+    for (component, config, tensors) in seeds {
+        let name = ["ring-dtp", "llep", "sco", "stream-adamw"][usize::from(component)];
+        let bytes = tensors.to_bytes(Path::new("seed")).expect("serialize");
+        let parsed = TensorFile::parse(&bytes, Path::new("seed")).expect("parse");
+        let cfg = (!config.is_empty()).then_some((config, Path::new("config.json")));
+        run_parsed(name, &parsed, cfg).unwrap_or_else(|e| panic!("{name}: {e}"));
+        if let Some(dir) = &out_dir {
+            let mut seed = vec![component];
+            seed.extend_from_slice(&(config.len() as u16).to_le_bytes());
+            seed.extend_from_slice(config.as_bytes());
+            seed.extend_from_slice(&bytes);
+            std::fs::create_dir_all(dir).expect("seed dir");
+            std::fs::write(dir.join(format!("seed-{name}")), seed).expect("write seed");
+        }
+    }
+}

@@ -100,6 +100,12 @@ pub struct Shape {
     pub dtype: DType,
 }
 
+/// The largest power of two below `x` (0 for x ≤ 1): where halving from a size that is not a
+/// power of two starts. `x.next_power_of_two() / 2`, without its overflow above 2⁶³.
+pub(crate) fn power_of_two_below(x: usize) -> usize {
+    if x <= 1 { 0 } else { 1 << (usize::BITS - 1 - (x - 1).leading_zeros()) }
+}
+
 /// Checks that the inputs' sizes and the per-token statistics of `shape` are representable, so
 /// that no size derived from them overflows.
 fn check_input_sizes(Shape { tokens: n, hidden: d, vocab: v, .. }: Shape) -> Result<()> {
@@ -161,7 +167,7 @@ impl Plan {
                     let schedule = if vb == v1 { Schedule::FullVocab } else { Schedule::VocabBlocked };
                     return Ok(plan(c, vb, schedule));
                 }
-                let next = if vb == v1 { v1.next_power_of_two() / 2 } else { vb / 2 };
+                let next = if vb == v1 { power_of_two_below(v1) } else { vb / 2 };
                 if next < MIN_VOCAB_BLOCK.min(v1) || next == 0 || next >= vb {
                     break;
                 }
@@ -340,6 +346,14 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, Error::BudgetTooSmall { budget: 1000, .. }));
+    }
+
+    #[test]
+    fn powers_of_two_below() {
+        for x in [0usize, 1, 2, 3, 8, 9, 1000, usize::MAX / 2 + 2, usize::MAX] {
+            let want = x.checked_next_power_of_two().map_or(1 << (usize::BITS - 1), |p| p / 2);
+            assert_eq!(power_of_two_below(x), if x <= 1 { 0 } else { want }, "{x}");
+        }
     }
 
     #[test]

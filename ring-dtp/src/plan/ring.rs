@@ -159,7 +159,7 @@ impl RingPlan {
         };
         let vocab_blocks = || {
             std::iter::successors(Some(shard), |&vb| {
-                let next = if vb == shard { shard.next_power_of_two() / 2 } else { vb / 2 };
+                let next = if vb == shard { crate::plan::power_of_two_below(shard) } else { vb / 2 };
                 (next >= MIN_VOCAB_BLOCK.min(shard) && next > 0 && next < vb).then_some(next)
             })
         };
@@ -242,27 +242,27 @@ impl RingPlan {
     /// The tokens rank `rank` owns (empty past the end).
     pub fn tokens(&self, rank: usize) -> Range<usize> {
         let r = self.rows_per_rank();
-        (rank * r).min(self.n)..((rank + 1) * r).min(self.n)
+        rank.saturating_mul(r).min(self.n)..rank.saturating_add(1).saturating_mul(r).min(self.n)
     }
     /// The vocabulary rows rank `rank` owns (empty past the end).
     pub fn shard(&self, rank: usize) -> Range<usize> {
         let s = self.shard_rows();
-        (rank * s).min(self.v)..((rank + 1) * s).min(self.v)
+        rank.saturating_mul(s).min(self.v)..rank.saturating_add(1).saturating_mul(s).min(self.v)
     }
     /// Global vocabulary rows of sub-block `j` of rank `s`'s shard (the weight ring's travelling
     /// unit; empty past the shard's end).
     pub fn vocab_sub_block(&self, s: usize, j: usize) -> Range<usize> {
         let shard = self.shard(s);
-        let start = (shard.start + j * self.vocab_block).min(shard.end);
-        start..(start + self.vocab_block).min(shard.end)
+        let start = shard.start.saturating_add(j.saturating_mul(self.vocab_block)).min(shard.end);
+        start..start.saturating_add(self.vocab_block).min(shard.end)
     }
 
     /// Rows of token block `b` of rank `o`, relative to that rank's first token (the activation
     /// ring's travelling unit; empty past the rank's last token).
     pub fn token_sub_block(&self, o: usize, b: usize) -> Range<usize> {
         let n = self.tokens(o).len();
-        let start = (b * self.token_block).min(n);
-        start..(start + self.token_block).min(n)
+        let start = b.saturating_mul(self.token_block).min(n);
+        start..start.saturating_add(self.token_block).min(n)
     }
 
     /// Ring passes per call direction: token blocks (activation ring) or vocabulary sub-blocks
