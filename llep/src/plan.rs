@@ -215,37 +215,51 @@ impl Buffers {
     fn regions_wide(&self) -> Vec<(u128, bool)> {
         let s = &self.shape;
         let w = |x: usize| x as u128;
+        // Products saturate: a region past `usize` is an overflow whatever its exact size.
+        let p = |factors: &[u128]| factors.iter().fold(1u128, |acc, &f| acc.saturating_mul(f));
         let (n, h, i, k, b) = (w(s.tokens), w(s.hidden), w(s.intermediate), w(s.top_k), w(s.elem_bytes()));
         let meta = w(std::mem::size_of::<RouteMeta>());
         let group = w(std::mem::size_of::<GroupEntry>());
         let (send, recv, g, slots) =
             (w(self.send_rows), w(self.recv_rows), w(self.expert_rows), w(self.foreign_slots));
-        let expert = 3 * h * i;
+        let expert = p(&[3, h, i]);
         let bwd = self.pass == Pass::Backward;
         let (host, dev) = (|r| (r, true), |r| (r, false));
-        let mut out =
-            vec![host(4 * n * k), host(4 * n * k), host(4 * (w(s.ranks) + 1)), dev(slots * expert * b)];
+        let mut out = vec![
+            host(p(&[4, n, k])),
+            host(p(&[4, n, k])),
+            host(p(&[4, w(s.ranks).saturating_add(1)])),
+            dev(p(&[slots, expert, b])),
+        ];
         if bwd {
-            out.extend([dev(slots * expert * 4), dev(h * i * 4)]);
+            out.extend([dev(p(&[slots, expert, 4])), dev(p(&[h, i, 4]))]);
         }
         for _ in 0..self.depth {
             out.extend(
-                [send * 4, send * h * b, recv * h * b, recv * h * b, send * k * meta, recv * k * meta]
-                    .map(dev),
+                [
+                    p(&[send, 4]),
+                    p(&[send, h, b]),
+                    p(&[recv, h, b]),
+                    p(&[recv, h, b]),
+                    p(&[send, k, meta]),
+                    p(&[recv, k, meta]),
+                ]
+                .map(dev),
             );
             if bwd {
-                out.extend([send * h * b, recv * h * b, recv * k * 4, send * k * 4].map(dev));
+                out.extend([p(&[send, h, b]), p(&[recv, h, b]), p(&[recv, k, 4]), p(&[send, k, 4])].map(dev));
             }
         }
-        let staging = w(crate::device::staging_slots(self.depth)) * recv * k * meta;
-        out.extend([staging, recv * k * group, 4 * (w(s.local_experts()) + slots + 1)].map(host));
-        out.extend([g * 4, g * 4].map(dev));
+        let staging = p(&[w(crate::device::staging_slots(self.depth)), recv, k, meta]);
+        let grouping = p(&[4, w(s.local_experts()).saturating_add(slots).saturating_add(1)]);
+        out.extend([staging, p(&[recv, k, group]), grouping].map(host));
+        out.extend([p(&[g, 4]), p(&[g, 4])].map(dev));
         if bwd {
-            out.extend([g * 4, send * k * 4, send * k * 4, send * k * 4, 4].map(dev));
+            out.extend([p(&[g, 4]), p(&[send, k, 4]), p(&[send, k, 4]), p(&[send, k, 4]), 4].map(dev));
         }
-        out.extend([g * h * b, g * h.max(i) * b, g * i * b, g * i * b].map(dev));
+        out.extend([p(&[g, h, b]), p(&[g, h.max(i), b]), p(&[g, i, b]), p(&[g, i, b])].map(dev));
         if bwd {
-            out.extend([g * h * b, g * i * b, g * 4].map(dev));
+            out.extend([p(&[g, h, b]), p(&[g, i, b]), p(&[g, 4])].map(dev));
         }
         // An empty buffer takes no region (a baseline rank may receive nothing).
         out.retain(|&(bytes, _)| bytes > 0);
