@@ -15,19 +15,18 @@ use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{DType, Workspace};
 
-use super::schedule::{RingOps, Step, run_ring};
-use super::{LinkCredit, Pass, Rank, as_matrix, elem_bytes, raw_rows};
-use crate::config::Config;
+use super::schedule::{RingOps, Step};
+use super::{Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
 use crate::cpu::{
-    BlockGrads, ColumnGrads, StatsMut, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold,
-    form_logits, gradient, resolve_targets, w_rows,
+    BlockGrads, StatsMut, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits,
+    gradient, resolve_targets, w_rows,
 };
 use crate::error::Result;
 use crate::plan::RingPlan;
 
 /// One travelling packet: C token rows in their input dtype and their targets, then the
 /// forward statistics or the backward row data and dX accumulator.
-struct Packet<'w> {
+pub(super) struct Packet<'w> {
     x: &'w mut [u8],
     targets: &'w mut [u32],
     max: &'w mut [f32],
@@ -41,7 +40,7 @@ struct Packet<'w> {
 }
 
 impl<'w> Packet<'w> {
-    fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
+    pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
         let (c, d) = (plan.token_block(), plan.d());
         Ok(Self {
             x: ws.take(elem_bytes(plan.dtype()) * c * d)?,
@@ -67,51 +66,27 @@ impl<'w> Packet<'w> {
     }
 }
 
-/// Runs one pass of the activation ring on the CPU, with its buffers carved from a workspace of
-/// the plan's size.
-pub(super) fn run<C: Communicator + ?Sized>(
-    comm: &C,
-    config: &Config,
-    plan: &RingPlan,
-    rank: &Rank<'_>,
-    pass: Pass<'_>,
-) -> Result<()> {
-    let (cb, vbmax, d) = (plan.token_block(), plan.vocab_block(), plan.d());
-    let bf16 = plan.dtype() != DType::F32;
-    let backward = matches!(pass, Pass::Grad { .. });
-    let ws = Workspace::new(plan.workspace_bytes());
-    let mut ops = ActivationRing {
-        comm,
-        config,
-        plan,
-        rank,
-        pass,
-        logits: ws.take::<f32>(cb * vbmax)?,
-        x_up: ws.take::<f32>(if bf16 { cb * d } else { 0 })?,
-        w_up: ws.take::<f32>(if bf16 { vbmax * d } else { 0 })?,
-        cur: Packet::carve(&ws, plan)?,
-        inc: Packet::carve(&ws, plan)?,
-        cols: ColumnGrads::with_capacity(cb),
-        credit: LinkCredit::default(),
-    };
-    run_ring(&mut ops, plan, rank.rank, backward)
-}
-
-/// The activation ring's CPU backend: two [`Packet`]s and the vocabulary-block buffers.
-struct ActivationRing<'a, 'w, C: ?Sized> {
-    comm: &'a C,
-    config: &'a Config,
-    plan: &'a RingPlan,
-    rank: &'a Rank<'a>,
-    pass: Pass<'a>,
+/// The activation ring's block scratch: a packet's logits against one vocabulary block, and
+/// the bf16 X rows and W block widened.
+pub(super) struct Scratch<'w> {
     logits: &'w mut [f32],
     x_up: &'w mut [f32],
     w_up: &'w mut [f32],
-    cur: Packet<'w>,
-    inc: Packet<'w>,
-    cols: ColumnGrads,
-    credit: LinkCredit,
 }
+
+impl<'w> Scratch<'w> {
+    pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
+        let (cb, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
+        let bf16 = plan.dtype() != DType::F32;
+        Ok(Self {
+            logits: ws.take::<f32>(cb * vb)?,
+            x_up: ws.take::<f32>(if bf16 { cb * d } else { 0 })?,
+            w_up: ws.take::<f32>(if bf16 { vb * d } else { 0 })?,
+        })
+    }
+}
+
+type ActivationRing<'a, 'w, C> = RingBackend<'a, C, Packet<'w>, Scratch<'w>>;
 
 impl<C: Communicator + ?Sized> ActivationRing<'_, '_, C> {
     /// Bytes of one X row on the wire, and D.
@@ -177,7 +152,7 @@ impl<C: Communicator + ?Sized> RingOps for ActivationRing<'_, '_, C> {
     }
 
     fn compute(&mut self, step: &Step) -> Result<()> {
-        let Self { config, plan, rank, pass, logits, x_up, w_up, cur, cols, .. } = self;
+        let Self { config, plan, rank, pass, scratch: Scratch { logits, x_up, w_up }, cur, cols, .. } = self;
         let (d, vbmax, c) = (plan.d(), plan.vocab_block(), step.unit.len());
         let e = elem_bytes(plan.dtype());
         let (inputs, shard) = (&rank.local, plan.shard(rank.rank));

@@ -51,14 +51,15 @@ mod activation;
 mod schedule;
 mod weight;
 
+pub(crate) use schedule::run_ring;
 #[cfg(feature = "cuda")]
-pub(crate) use schedule::{RingOps, Step, run_ring};
+pub(crate) use schedule::{RingOps, Step};
 
-use flatpeak_common::DType;
 use flatpeak_common::comm::{Communicator, CommunicatorExt};
+use flatpeak_common::{DType, Workspace};
 
 use crate::config::Config;
-use crate::cpu::{self, Stats};
+use crate::cpu::{self, ColumnGrads, Stats};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
 use crate::plan::{RingKind, RingPlan};
@@ -181,10 +182,46 @@ fn run_pass<C: Communicator + ?Sized>(
     rank: &Rank<'_>,
     pass: Pass<'_>,
 ) -> Result<()> {
-    match plan.kind() {
-        RingKind::Weight => weight::run(comm, config, plan, rank, pass),
-        RingKind::Activation => activation::run(comm, config, plan, rank, pass),
+    let ws = Workspace::new(plan.workspace_bytes());
+    let backward = matches!(pass, Pass::Grad { .. });
+    // One backend per ring, the same call; only the buffers and the block scratch differ.
+    macro_rules! drive {
+        ($buffer:ty, $scratch:ty) => {{
+            let mut ops = RingBackend {
+                comm,
+                config,
+                plan,
+                rank,
+                pass,
+                scratch: <$scratch>::carve(&ws, plan)?,
+                cur: <$buffer>::carve(&ws, plan)?,
+                inc: <$buffer>::carve(&ws, plan)?,
+                cols: ColumnGrads::with_capacity(plan.token_block()),
+                credit: LinkCredit::default(),
+            };
+            run_ring(&mut ops, plan, rank.rank, backward)
+        }};
     }
+    match plan.kind() {
+        RingKind::Weight => drive!(weight::Slot<'_>, weight::Scratch<'_>),
+        RingKind::Activation => drive!(activation::Packet<'_>, activation::Scratch<'_>),
+    }
+}
+
+/// A ring's CPU backend ([`RingOps`](schedule::RingOps)): the call, the two buffers `B` of its ring (the weight
+/// ring's slots, the activation ring's packets) and its block scratch `S`, all carved from one
+/// workspace of the plan's size, and the flow control of its links.
+struct RingBackend<'a, C: ?Sized, B, S> {
+    comm: &'a C,
+    config: &'a Config,
+    plan: &'a RingPlan,
+    rank: &'a Rank<'a>,
+    pass: Pass<'a>,
+    scratch: S,
+    cur: B,
+    inc: B,
+    cols: ColumnGrads,
+    credit: LinkCredit,
 }
 
 /// The loss (over all ranks' tokens: the same scalar on every rank, or this rank's per-token

@@ -13,18 +13,17 @@ use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::{DType, Workspace};
 
-use super::schedule::{RingOps, Step, run_ring};
-use super::{LinkCredit, Pass, Rank, as_matrix, elem_bytes, raw_rows};
-use crate::config::Config;
+use super::schedule::{RingOps, Step};
+use super::{Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
 use crate::cpu::{
-    BlockGrads, ColumnGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits,
-    gradient, resolve_targets, w_rows,
+    BlockGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits, gradient,
+    resolve_targets, w_rows,
 };
 use crate::error::Result;
 use crate::plan::RingPlan;
 
 /// One ring buffer: a W sub-block in its input dtype, its bias, and the travelling dW/dbias.
-struct Slot<'w> {
+pub(super) struct Slot<'w> {
     w: &'w mut [u8],
     bias: &'w mut [f32],
     dw: &'w mut [f32],
@@ -32,7 +31,7 @@ struct Slot<'w> {
 }
 
 impl<'w> Slot<'w> {
-    fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
+    pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
         let (vb, d) = (plan.vocab_block(), plan.d());
         Ok(Self {
             w: ws.take(elem_bytes(plan.dtype()) * vb * d)?,
@@ -43,52 +42,28 @@ impl<'w> Slot<'w> {
     }
 }
 
-/// Runs one pass of the weight ring on the CPU, with its buffers carved from a workspace of the
-/// plan's size.
-pub(super) fn run<C: Communicator + ?Sized>(
-    comm: &C,
-    config: &Config,
-    plan: &RingPlan,
-    rank: &Rank<'_>,
-    pass: Pass<'_>,
-) -> Result<()> {
-    let (cb, d) = (plan.token_block(), plan.d());
-    let ws = Workspace::new(plan.workspace_bytes());
-    let backward = matches!(pass, Pass::Grad { .. });
-    let mut ops = WeightRing {
-        comm,
-        config,
-        plan,
-        rank,
-        pass,
-        logits: ws.take::<f32>(cb * plan.vocab_block())?,
-        targets: ws.take::<u32>(cb)?,
-        xblk: ws.take::<f32>(cb * d)?,
-        w_up: ws.take::<f32>(if plan.dtype() == DType::F32 { 0 } else { plan.vocab_block() * d })?,
-        cur: Slot::carve(&ws, plan)?,
-        inc: Slot::carve(&ws, plan)?,
-        cols: ColumnGrads::with_capacity(cb),
-        credit: LinkCredit::default(),
-    };
-    run_ring(&mut ops, plan, rank.rank, backward)
-}
-
-/// The weight ring's CPU backend: two [`Slot`]s and the token-block buffers.
-struct WeightRing<'a, 'w, C: ?Sized> {
-    comm: &'a C,
-    config: &'a Config,
-    plan: &'a RingPlan,
-    rank: &'a Rank<'a>,
-    pass: Pass<'a>,
+/// The weight ring's block scratch: one token block's logits against a sub-block, its targets
+/// and X rows in f32, and the bf16 sub-block widened.
+pub(super) struct Scratch<'w> {
     logits: &'w mut [f32],
     targets: &'w mut [u32],
     xblk: &'w mut [f32],
     w_up: &'w mut [f32],
-    cur: Slot<'w>,
-    inc: Slot<'w>,
-    cols: ColumnGrads,
-    credit: LinkCredit,
 }
+
+impl<'w> Scratch<'w> {
+    pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
+        let (cb, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
+        Ok(Self {
+            logits: ws.take::<f32>(cb * vb)?,
+            targets: ws.take::<u32>(cb)?,
+            xblk: ws.take::<f32>(cb * d)?,
+            w_up: ws.take::<f32>(if plan.dtype() == DType::F32 { 0 } else { vb * d })?,
+        })
+    }
+}
+
+type WeightRing<'a, 'w, C> = RingBackend<'a, C, Slot<'w>, Scratch<'w>>;
 
 impl<C: Communicator + ?Sized> WeightRing<'_, '_, C> {
     /// Bytes of one W row on the wire, and D.
@@ -130,7 +105,16 @@ impl<C: Communicator + ?Sized> RingOps for WeightRing<'_, '_, C> {
     }
 
     fn compute(&mut self, step: &Step) -> Result<()> {
-        let Self { config, plan, rank, pass, logits, targets, xblk, w_up, cur, cols, .. } = self;
+        let Self {
+            config,
+            plan,
+            rank,
+            pass,
+            scratch: Scratch { logits, targets, xblk, w_up },
+            cur,
+            cols,
+            ..
+        } = self;
         let (d, cb, vb, rows) = (plan.d(), plan.token_block(), step.unit.len(), &step.unit);
         let e = elem_bytes(plan.dtype());
         let inputs = &rank.local;

@@ -3,34 +3,15 @@
 
 use std::ops::Range;
 
-use flatpeak_common::cuda::cudarc::driver::CudaSlice;
 use flatpeak_common::nccl::DeviceCommunicator;
 
-use super::{DeviceRankInputs, Packet, Pass, dtod, exchange_raw, ring_peers, zero};
-use crate::config::Config;
-use crate::cuda::engine::{Engine, LogitsBlock, RowViews, StatsViews};
+use super::{Packet, Pass, RingBackend, dtod, exchange_raw, ring_peers, zero};
+use crate::cuda::engine::{LogitsBlock, RowViews, StatsViews};
 use crate::cuda::rows_f32;
 use crate::error::Result;
-use crate::plan::RingPlan;
 use crate::ring::{RingOps, Step};
 
-/// The activation ring's CUDA backend: two [`Packet`]s of the ring's reserved buffers.
-pub(super) struct ActivationRing<'a, C: DeviceCommunicator> {
-    pub config: &'a Config,
-    pub plan: &'a RingPlan,
-    pub comm: &'a C,
-    pub e: &'a Engine,
-    pub logits: &'a mut CudaSlice<f32>,
-    pub x_wide: &'a mut CudaSlice<f32>,
-    pub w_wide: &'a mut CudaSlice<f32>,
-    pub cur: &'a mut Packet,
-    pub inc: &'a mut Packet,
-    pub inputs: &'a DeviceRankInputs<'a>,
-    pub resolved: &'a CudaSlice<u32>,
-    pub pass: Pass<'a>,
-}
-
-impl<C: DeviceCommunicator> ActivationRing<'_, C> {
+impl<C: DeviceCommunicator> RingBackend<'_, C, Packet> {
     /// Sends the current packet's statistics (forward) or dX (backward) on, and receives the
     /// previous rank's into the incoming packet.
     fn exchange_result(&mut self, c: usize, c_in: usize) -> Result<()> {
@@ -51,7 +32,7 @@ impl<C: DeviceCommunicator> ActivationRing<'_, C> {
     }
 }
 
-impl<C: DeviceCommunicator> RingOps for ActivationRing<'_, C> {
+impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, Packet> {
     fn enter(&mut self, own: &Step) -> Result<()> {
         let (e, d, c, rows) = (self.e, self.plan.d(), own.unit.len(), own.unit.clone());
         let cur = &mut *self.cur;

@@ -367,43 +367,30 @@ impl<C: DeviceCommunicator> CudaRing<C> {
     ) -> Result<()> {
         let Self { config, plan, comm, engine: e, logits, x_wide, w_wide, buffers } = self;
         let (rank, backward) = (comm.rank(), matches!(pass, Pass::Grad { .. }));
+        // One backend per ring, the same call context; only the buffer pair differs.
+        macro_rules! drive {
+            ($pair:expr) => {{
+                let [cur, inc] = &mut **$pair;
+                let mut ops = RingBackend {
+                    config,
+                    plan,
+                    comm,
+                    e,
+                    logits,
+                    x_wide,
+                    w_wide,
+                    cur,
+                    inc,
+                    inputs,
+                    resolved,
+                    pass,
+                };
+                run_ring(&mut ops, plan, rank, backward)
+            }};
+        }
         let ran = match buffers {
-            Buffers::Weight(slots) => {
-                let [cur, inc] = &mut **slots;
-                let mut ops = WeightRing {
-                    config,
-                    plan,
-                    comm,
-                    e,
-                    logits,
-                    x_wide,
-                    w_wide,
-                    cur,
-                    inc,
-                    inputs,
-                    resolved,
-                    pass,
-                };
-                run_ring(&mut ops, plan, rank, backward)
-            }
-            Buffers::Activation(packets) => {
-                let [cur, inc] = &mut **packets;
-                let mut ops = ActivationRing {
-                    config,
-                    plan,
-                    comm,
-                    e,
-                    logits,
-                    x_wide,
-                    w_wide,
-                    cur,
-                    inc,
-                    inputs,
-                    resolved,
-                    pass,
-                };
-                run_ring(&mut ops, plan, rank, backward)
-            }
+            Buffers::Weight(slots) => drive!(slots),
+            Buffers::Activation(packets) => drive!(packets),
         };
         // The last hops land on the communicator's stream: compute (the downloads that follow)
         // waits for them, and the caller's stream for the compute stream's outputs.
@@ -444,5 +431,19 @@ fn zero<
 mod activation;
 mod weight;
 
-use activation::ActivationRing;
-use weight::WeightRing;
+/// A ring's CUDA backend ([`RingOps`](crate::ring::RingOps)): the call's context and the two
+/// buffers `B` of its ring — [`WeightSlot`]s (`weight.rs`) or [`Packet`]s (`activation.rs`).
+struct RingBackend<'a, C: DeviceCommunicator, B> {
+    config: &'a Config,
+    plan: &'a RingPlan,
+    comm: &'a C,
+    e: &'a Engine,
+    logits: &'a mut CudaSlice<f32>,
+    x_wide: &'a mut CudaSlice<f32>,
+    w_wide: &'a mut CudaSlice<f32>,
+    cur: &'a mut B,
+    inc: &'a mut B,
+    inputs: &'a DeviceRankInputs<'a>,
+    resolved: &'a CudaSlice<u32>,
+    pass: Pass<'a>,
+}

@@ -3,34 +3,15 @@
 
 use std::ops::Range;
 
-use flatpeak_common::cuda::cudarc::driver::CudaSlice;
 use flatpeak_common::nccl::DeviceCommunicator;
 
-use super::{DeviceRankInputs, Pass, WeightSlot, dtod, exchange_raw, ring_peers, zero};
-use crate::config::Config;
-use crate::cuda::engine::{Engine, LogitsBlock, RowViews};
+use super::{Pass, RingBackend, WeightSlot, dtod, exchange_raw, ring_peers, zero};
+use crate::cuda::engine::{LogitsBlock, RowViews};
 use crate::cuda::rows_f32;
 use crate::error::Result;
-use crate::plan::RingPlan;
 use crate::ring::{RingOps, Step};
 
-/// The weight ring's CUDA backend: two [`WeightSlot`]s of the ring's reserved buffers.
-pub(super) struct WeightRing<'a, C: DeviceCommunicator> {
-    pub config: &'a Config,
-    pub plan: &'a RingPlan,
-    pub comm: &'a C,
-    pub e: &'a Engine,
-    pub logits: &'a mut CudaSlice<f32>,
-    pub x_wide: &'a mut CudaSlice<f32>,
-    pub w_wide: &'a mut CudaSlice<f32>,
-    pub cur: &'a mut WeightSlot,
-    pub inc: &'a mut WeightSlot,
-    pub inputs: &'a DeviceRankInputs<'a>,
-    pub resolved: &'a CudaSlice<u32>,
-    pub pass: Pass<'a>,
-}
-
-impl<C: DeviceCommunicator> WeightRing<'_, C> {
+impl<C: DeviceCommunicator> RingBackend<'_, C, WeightSlot> {
     /// The rows `rows` (global vocabulary rows) within this rank's shard.
     fn local(&self, rows: &Range<usize>) -> Range<usize> {
         let own = self.plan.shard(self.comm.rank());
@@ -38,7 +19,7 @@ impl<C: DeviceCommunicator> WeightRing<'_, C> {
     }
 }
 
-impl<C: DeviceCommunicator> RingOps for WeightRing<'_, C> {
+impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
     fn enter(&mut self, own: &Step) -> Result<()> {
         let (e, d, vb, local) = (self.e, self.plan.d(), own.unit.len(), self.local(&own.unit));
         self.cur.w.load(e, &self.inputs.w_shard, local.start * d..local.end * d)?;
