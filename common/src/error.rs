@@ -19,6 +19,15 @@ pub enum Error {
         /// Total bytes reserved at launch.
         capacity: usize,
     },
+    /// The system refused a reservation made at launch (a workspace, a ring, an arena): the
+    /// plan asked for more host memory than there is. Nothing was reserved.
+    #[error("could not reserve {bytes} B of host memory for {what}")]
+    HostAlloc {
+        /// What the reservation was for.
+        what: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
+    },
     /// A size computation overflowed `usize`.
     #[error("size overflow while computing {what}")]
     SizeOverflow {

@@ -22,7 +22,7 @@
 //! // Four ranks pass a block around a ring and all-reduce a sum; scratch comes from a workspace
 //! // reserved once per rank.
 //! let sums = LocalGroup::run(4, LocalGroupOptions::default(), |comm| {
-//!     let ws = Workspace::new(1 << 12);
+//!     let ws = Workspace::new(1 << 12)?;
 //!     let (block, incoming) = (ws.take::<f32>(8)?, ws.take::<f32>(8)?);
 //!     block.fill(comm.rank() as f32);
 //!     comm.ring_shift(block, incoming)?;

@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use flatpeak_common::Workspace;
-//! let mut ws = Workspace::new(1 << 20);
+//! let mut ws = Workspace::new(1 << 20)?;
 //! let (a, b) = (ws.take::<f32>(1000)?, ws.take_zeroed::<u64>(10)?);
 //! a.fill(1.0);
 //! assert_eq!(b.iter().sum::<u64>(), 0);
@@ -50,12 +50,28 @@ impl std::fmt::Debug for Workspace {
 }
 
 impl Workspace {
-    /// Reserves `capacity` bytes (zero-filled, rounded up to whole cache lines) now, once.
-    pub fn new(capacity: usize) -> Self {
+    /// Reserves `capacity` bytes (zero-filled, rounded up to whole cache lines) now, once. A
+    /// reservation the system refuses (or one past `isize::MAX`) is
+    /// [`Error::HostAlloc`](crate::Error::HostAlloc) with the size asked for, never an abort.
+    pub fn new(capacity: usize) -> Result<Self> {
         let n_lines = capacity.div_ceil(REGION_ALIGN);
-        let boxed: Box<[CacheLine]> = vec![CacheLine([0; REGION_ALIGN]); n_lines].into_boxed_slice();
+        let refused = crate::Error::HostAlloc { what: "a workspace", bytes: capacity };
+        let boxed: Box<[CacheLine]> = if n_lines == 0 {
+            Box::new([])
+        } else {
+            let layout = std::alloc::Layout::array::<CacheLine>(n_lines).map_err(|_| refused.clone())?;
+            // SAFETY: `layout` has a non-zero size (n_lines ≥ 1 lines of 64 B).
+            let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut CacheLine;
+            if ptr.is_null() {
+                return Err(refused);
+            }
+            // SAFETY: `ptr` is a fresh allocation of exactly `Layout::array::<CacheLine>(n_lines)`
+            // (the layout `Box<[CacheLine]>` frees with), zero-filled, and all-zero bytes are a
+            // valid `CacheLine`; the box takes sole ownership.
+            unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, n_lines)) }
+        };
         let lines = NonNull::from(Box::leak(boxed));
-        Self { lines, arena: RefCell::new(Arena::new(capacity)) }
+        Ok(Self { lines, arena: RefCell::new(Arena::new(capacity)) })
     }
 
     /// Carves `len` elements of `T`. Their contents are whatever the last user of those bytes
@@ -117,7 +133,7 @@ mod tests {
 
     #[test]
     fn carves_are_disjoint_and_aligned() {
-        let ws = Workspace::new(4096);
+        let ws = Workspace::new(4096).unwrap();
         let a = ws.take::<f32>(17).unwrap();
         let b = ws.take::<u16>(9).unwrap();
         a.fill(3.0);
@@ -131,7 +147,7 @@ mod tests {
 
     #[test]
     fn exhaustion_carries_the_numbers() {
-        let ws = Workspace::new(256);
+        let ws = Workspace::new(256).unwrap();
         ws.take::<u8>(200).unwrap();
         match ws.take::<f32>(10) {
             Err(Error::WorkspaceExhausted { requested, used, capacity }) => {
@@ -143,7 +159,7 @@ mod tests {
 
     #[test]
     fn reset_reuses_memory_and_keeps_high_water() {
-        let mut ws = Workspace::new(1 << 16);
+        let mut ws = Workspace::new(1 << 16).unwrap();
         let first = ws.take_zeroed::<u32>(1000).unwrap().as_ptr() as usize;
         ws.reset();
         let again = ws.take::<u32>(10).unwrap();
@@ -154,8 +170,18 @@ mod tests {
 
     #[test]
     fn zero_capacity_allows_only_empty_carves() {
-        let ws = Workspace::new(0);
+        let ws = Workspace::new(0).unwrap();
         assert!(ws.take::<f64>(0).unwrap().is_empty());
         assert!(ws.take::<f64>(1).is_err());
+    }
+
+    #[test]
+    fn a_reservation_the_system_refuses_is_a_typed_error_not_an_abort() {
+        for bytes in [usize::MAX, 1 << 62, 1 << 50] {
+            match Workspace::new(bytes) {
+                Err(Error::HostAlloc { bytes: asked, .. }) => assert_eq!(asked, bytes),
+                other => panic!("{bytes} B: expected HostAlloc, got {other:?}"),
+            }
+        }
     }
 }

@@ -58,7 +58,7 @@ fn known_allocations() {
 
     // A workspace reserved inside the call is its working set; carving adds nothing.
     let m = PeakMeter::measure(|| {
-        let ws = Workspace::new(64 * 1000);
+        let ws = Workspace::new(64 * 1000).expect("workspace");
         let a = ws.take::<f32>(1000).unwrap();
         let b = ws.take::<f32>(1000).unwrap();
         a.fill(1.0);

@@ -62,7 +62,7 @@ impl Executor {
         if let Device::Cuda(ordinal) = device {
             cuda_available(ordinal)?;
         }
-        Ok(Self { plan, device, workspace: Workspace::new(bytes) })
+        Ok(Self { plan, device, workspace: Workspace::new(bytes)? })
     }
 
     /// The launch plan.
@@ -83,13 +83,15 @@ impl Executor {
     }
 
     /// Reserves at least `bytes` now (a baseline's buffers for a routing about to run, so the
-    /// reservation is not made inside a timed call). Keeps a larger reservation.
-    pub fn reserve(&mut self, bytes: usize) {
+    /// reservation is not made inside a timed call). Keeps a larger reservation. A reservation
+    /// the system refuses is `Common(HostAlloc)`, leaving an empty workspace.
+    pub fn reserve(&mut self, bytes: usize) -> Result<()> {
         if bytes > self.workspace.capacity() {
             // The old reservation goes first: the two are never held at once.
-            self.workspace = Workspace::new(0);
-            self.workspace = Workspace::new(bytes);
+            self.workspace = Workspace::new(0)?;
+            self.workspace = Workspace::new(bytes)?;
         }
+        Ok(())
     }
 
     /// This call's rounds within the plan, from this rank's routing (all-gathers the route and
@@ -119,7 +121,7 @@ impl Executor {
             }
         } else {
             let b: Buffers = schedule.buffers(rank, pass);
-            self.reserve(if on == Device::Cpu { b.workspace_bytes() } else { b.host_workspace_bytes() });
+            self.reserve(if on == Device::Cpu { b.workspace_bytes() } else { b.host_workspace_bytes() })?;
         }
         self.workspace.reset();
         Ok(&self.workspace)

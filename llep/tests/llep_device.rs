@@ -54,7 +54,7 @@ mod emulated {
     /// grouping arrays) for both passes of `plan` on rank `me`.
     fn host_workspace(plan: &Schedule, me: usize) -> Workspace {
         let bytes = [Pass::Forward, Pass::Backward].map(|p| plan.buffers(me, p).host_workspace_bytes());
-        Workspace::new(bytes[0].max(bytes[1]))
+        Workspace::new(bytes[0].max(bytes[1])).expect("workspace")
     }
 
     /// Plans on every rank (host), then runs the device forward and backward on the emulator

@@ -31,7 +31,7 @@ fn measure(problem: &Problem, config: &Config) -> (usize, Vec<usize>) {
                 let plan = layer.schedule(comm, &inputs.routing)?;
                 // A baseline's reservation follows the routing: made before the step, as
                 // PipelinedLLEP's is at launch.
-                layer.reserve(plan.buffers(me, Pass::Backward).workspace_bytes());
+                layer.reserve(plan.buffers(me, Pass::Backward).workspace_bytes()).expect("reserve");
                 let y = layer.forward(comm, &plan, &inputs)?;
                 let g = layer.backward(comm, &plan, &inputs, &problem.dy[me])?;
                 Ok((y, g, layer.workspace_bytes()))

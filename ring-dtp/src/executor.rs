@@ -11,7 +11,7 @@ use flatpeak_common::{Device, Workspace};
 use crate::config::Config;
 use crate::cpu;
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, Inputs};
+use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs};
 use crate::plan::Plan;
 
 /// Where an executor runs, with what it reserved there.
@@ -38,7 +38,7 @@ impl LinearCrossEntropy {
     pub fn new(config: Config, plan: Plan, device: Device) -> Result<Self> {
         config.validate()?;
         let backend = match device {
-            Device::Cpu => Backend::Cpu(Workspace::new(plan.workspace_bytes())),
+            Device::Cpu => Backend::Cpu(Workspace::new(plan.workspace_bytes())?),
             Device::Cuda(ordinal) => {
                 device.ensure_available()?;
                 cuda_backend(config, plan, ordinal)?
@@ -88,7 +88,21 @@ impl LinearCrossEntropy {
         dlse: Option<&[f32]>,
     ) -> Result<Gradients> {
         let (config, plan) = (self.config, self.plan);
-        cpu::backward_in(self.host_workspace()?, (&config, &plan, inputs), forward, grad, dlse)
+        cpu::backward_in(self.host_workspace()?, (&config, &plan, inputs), &forward.lse, grad, dlse)
+    }
+
+    /// [`backward`](Self::backward) from forward's per-row `lse`, writing dX, dW (and dbias)
+    /// into `out`, which is overwritten: the caller owns the gradient buffers (a binding's own
+    /// tensors), so nothing is allocated or copied per call beyond the plan's working set.
+    pub fn backward_into(
+        &mut self,
+        inputs: &Inputs<'_>,
+        lse: &[f32],
+        (grad, dlse): (GradOutput<'_>, Option<&[f32]>),
+        out: GradientsMut<'_>,
+    ) -> Result<()> {
+        let (config, plan) = (self.config, self.plan);
+        cpu::backward_into(self.host_workspace()?, (&config, &plan, inputs), (lse, grad, dlse), out)
     }
 
     /// Forward and backward of host `inputs` in one pass when the loss is the last op (3 GEMMs
@@ -160,7 +174,7 @@ mod tests {
     use flatpeak_common::{Budget, DType};
 
     use super::*;
-    use crate::inputs::{Loss, Matrix};
+    use crate::inputs::{GradientsMut, Loss, Matrix};
     use crate::plan::Shape;
 
     #[test]
@@ -185,6 +199,49 @@ mod tests {
             cpu::backward(&config, &plan, &inputs, &fwd, GradOutput::Scalar(1.0), None).unwrap()
         );
         assert_eq!((lce.device(), lce.workspace_bytes()), (Device::Cpu, plan.workspace_bytes()));
+    }
+
+    #[test]
+    fn backward_into_overwrites_caller_buffers_with_backwards_gradients() {
+        let shape = Shape { tokens: 23, hidden: 6, vocab: 57, dtype: DType::F32 };
+        let config = Config::default().reduction(crate::Reduction::Sum);
+        let plan = Plan::new(&config, shape, Budget::Bytes(8 << 10)).unwrap();
+        let x: Vec<f32> = (0..23 * 6).map(|i| (i as f32 * 0.29).sin()).collect();
+        let w: Vec<f32> = (0..57 * 6).map(|i| (i as f32 * 0.13).cos() * 0.4).collect();
+        let bias: Vec<f32> = (0..57).map(|i| i as f32 * 0.01).collect();
+        let targets: Vec<i64> = (0..23).map(|i| if i % 4 == 0 { -100 } else { i * 3 % 57 }).collect();
+        let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, 6).with_bias(&bias);
+        let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu).unwrap();
+        let fwd = lce.forward(&inputs).unwrap();
+        let dlse: Vec<f32> = (0..23).map(|i| (i as f32 * 0.7).cos()).collect();
+        let want = lce.backward(&inputs, &fwd, GradOutput::Scalar(0.5), Some(&dlse)).unwrap();
+        // Stale values in the caller's buffers must not leak into the result.
+        let (mut dx, mut dw, mut db) = (vec![f32::NAN; 23 * 6], vec![7.0; 57 * 6], vec![-1.0; 57]);
+        let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: Some(&mut db) };
+        lce.backward_into(&inputs, &fwd.lse, (GradOutput::Scalar(0.5), Some(&dlse)), out).unwrap();
+        assert_eq!((dx, dw, Some(db)), (want.dx, want.dw, want.dbias));
+
+        let (mut dx, mut dw) = (vec![0.0; 23 * 6], vec![0.0; 57 * 6 - 1]);
+        let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: None };
+        let err = lce.backward_into(&inputs, &fwd.lse, (GradOutput::Scalar(1.0), None), out).unwrap_err();
+        assert!(matches!(err, Error::ShapeMismatch { what: "dw (v·d)", expected: 342, got: 341 }), "{err:?}");
+    }
+
+    #[test]
+    fn a_working_set_the_system_refuses_is_a_typed_error_not_an_abort() {
+        // The materialized shape N = V = 2^20: 4 TiB of logits.
+        let shape = Shape { tokens: 1 << 20, hidden: 1, vocab: 1 << 20, dtype: DType::F32 };
+        let plan = Plan::with_blocks(&Config::default(), shape, (1 << 20, 1 << 20)).unwrap();
+        let refused = |r: Result<()>| match r {
+            Err(Error::Common(flatpeak_common::Error::HostAlloc { bytes, .. })) => {
+                assert!(bytes >= 1 << 42, "{bytes}")
+            }
+            other => panic!("expected HostAlloc, got {other:?}"),
+        };
+        refused(LinearCrossEntropy::new(Config::default(), plan, Device::Cpu).map(drop));
+        let (x, w, targets) = (vec![0f32; 1 << 20], vec![0f32; 1 << 20], vec![0i64; 1 << 20]);
+        let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, 1);
+        refused(cpu::forward(&Config::default(), &plan, &inputs).map(drop));
     }
 
     #[test]

@@ -207,6 +207,58 @@ pub struct Gradients {
     pub dbias: Option<Vec<f32>>,
 }
 
+impl Gradients {
+    /// Zeroed gradients for `inputs` (dX N×D, dW V×D, dbias V when there is a bias).
+    pub fn zeros(inputs: &Inputs<'_>) -> Self {
+        let (n, d, v) = (inputs.n, inputs.d, inputs.v);
+        Self { dx: vec![0.0; n * d], dw: vec![0.0; v * d], dbias: inputs.bias.map(|_| vec![0.0; v]) }
+    }
+
+    /// Borrowed views of these gradients, to write into.
+    pub fn as_mut(&mut self) -> GradientsMut<'_> {
+        GradientsMut { dx: &mut self.dx, dw: &mut self.dw, dbias: self.dbias.as_deref_mut() }
+    }
+}
+
+/// Caller-owned fp32 gradient buffers a backward writes into (overwriting them): a binding's
+/// own tensors, so no gradient is copied out of the crate.
+#[derive(Debug)]
+pub struct GradientsMut<'a> {
+    /// dX, N×D.
+    pub dx: &'a mut [f32],
+    /// dW, V×D.
+    pub dw: &'a mut [f32],
+    /// d(bias), V: present exactly when the inputs have a bias.
+    pub dbias: Option<&'a mut [f32]>,
+}
+
+impl GradientsMut<'_> {
+    /// Checks each buffer's length (and dbias's presence) against `inputs`.
+    pub fn check(&self, inputs: &Inputs<'_>) -> Result<()> {
+        let check = |what, expected: usize, got: usize| {
+            if expected == got { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got }) }
+        };
+        check("dx (n·d)", inputs.n * inputs.d, self.dx.len())?;
+        check("dw (v·d)", inputs.v * inputs.d, self.dw.len())?;
+        match (&self.dbias, inputs.bias) {
+            (Some(b), Some(_)) => check("dbias (v)", inputs.v, b.len()),
+            (None, None) => Ok(()),
+            (got, _) => {
+                check("dbias (v, present exactly with a bias)", inputs.v, got.as_ref().map_or(0, |b| b.len()))
+            }
+        }
+    }
+
+    /// Sets every element to 0.
+    pub(crate) fn fill_zero(&mut self) {
+        self.dx.fill(0.0);
+        self.dw.fill(0.0);
+        if let Some(b) = self.dbias.as_deref_mut() {
+            b.fill(0.0);
+        }
+    }
+}
+
 impl flatpeak_common::HeapSize for Gradients {
     fn heap_bytes(&self) -> usize {
         self.dx.heap_bytes() + self.dw.heap_bytes() + self.dbias.heap_bytes()

@@ -61,6 +61,6 @@ pub use error::{Error, Result};
 pub use executor::LinearCrossEntropy;
 pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use half::bf16;
-pub use inputs::{Forward, GradOutput, Gradients, Inputs, Loss, Matrix};
+pub use inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix};
 pub use plan::{Plan, RingChoice, RingKind, RingOptions, RingPlan, Schedule, Shape};
 pub use ring::RankInputs;

@@ -47,6 +47,15 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A wait of the offloader (for a copy to land or a slot to free) took longer than the
+    /// config's `wait_timeout`: a copy engine is stuck. The offloader is failed from then on.
+    #[error("waited {waited:?} for {what} (the config's wait_timeout): a copy engine is stuck")]
+    Timeout {
+        /// What was waited for.
+        what: &'static str,
+        /// How long.
+        waited: std::time::Duration,
+    },
     /// The OS refused page-locked memory for the host arena.
     #[error(
         "could not pin {bytes} B of host memory for the arena ({reason}); check the memlock limit (`ulimit -l`)"

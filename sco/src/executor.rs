@@ -59,7 +59,7 @@ impl<T: Element> Offloader<T> {
     /// feature: never a silent fallback to the CPU.
     pub fn new(plan: Plan, device: Device) -> Result<Self> {
         match device {
-            Device::Cpu => Ok(Self::Host(CheckpointOffloader::new(plan, Link::Memcpy))),
+            Device::Cpu => Ok(Self::Host(CheckpointOffloader::new(plan, Link::Memcpy)?)),
             Device::Cuda(ordinal) => cuda(plan, ordinal),
         }
     }

@@ -55,7 +55,7 @@ pub use executor::{Element, Offloader};
 pub use flatpeak_common::Link;
 pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use offloader::{CheckpointOffloader, SlotReader, SlotWriter};
-pub use plan::{Config, Plan, Shape, hide_ratio};
+pub use plan::{Config, MAX_RING_OPTION, Plan, Shape, hide_ratio};
 pub use ring::SlotRing;
 pub use stack::{CheckpointedStack, Checkpointing, Layer, StepOutput};
 pub use store::{CheckpointStore, Host, Tensors};

@@ -17,6 +17,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
 use flatpeak_common::Link;
@@ -50,12 +51,20 @@ struct Shared<T> {
     arena: Vec<RwLock<Vec<T>>>,
     table: Mutex<Table>,
     changed: Condvar,
+    /// The longest one wait may take (the config's `wait_timeout`).
+    timeout: Duration,
 }
 
 impl<T> Shared<T> {
     /// Runs `step` on the table until it returns `Some`, waiting for a copy to land in between;
-    /// fails when an engine stopped.
-    fn wait_for<R>(&self, mut step: impl FnMut(&mut Table) -> Result<Option<R>>) -> Result<R> {
+    /// fails when an engine stopped, and with [`Error::Timeout`] (failing the offloader) when
+    /// no copy lands within the timeout.
+    fn wait_for<R>(
+        &self,
+        what: &'static str,
+        mut step: impl FnMut(&mut Table) -> Result<Option<R>>,
+    ) -> Result<R> {
+        let start = Instant::now();
         let mut table = lock(&self.table);
         loop {
             if let Some((engine, reason)) = &table.failed {
@@ -64,7 +73,13 @@ impl<T> Shared<T> {
             if let Some(done) = step(&mut table)? {
                 return Ok(done);
             }
-            table = self.changed.wait(table).unwrap_or_else(|p| p.into_inner());
+            let waited = start.elapsed();
+            let Some(left) = self.timeout.checked_sub(waited).filter(|left| !left.is_zero()) else {
+                table.failed = Some(("offloader", format!("a wait for {what} timed out after {waited:?}")));
+                self.changed.notify_all();
+                return Err(Error::Timeout { what, waited });
+            };
+            table = self.changed.wait_timeout(table, left).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
 
@@ -129,13 +144,29 @@ fn engine<T: Pod + Send + Sync + 'static>(
 
 impl<T: Pod + Send + Sync + 'static> CheckpointOffloader<T> {
     /// Reserves the device ring and the host arena of `plan` now, and starts the copy engines.
-    pub fn new(plan: Plan, link: Link) -> Self {
+    /// A reservation the system refuses is `Common(HostAlloc)` with its size (never an abort);
+    /// a bad link bandwidth is `Common(InvalidConfig)`.
+    pub fn new(plan: Plan, link: Link) -> Result<Self> {
+        link.validate()?;
         let s = plan.boundary_elems();
+        let buffers = |what: &'static str, count: usize| -> Result<Vec<RwLock<Vec<T>>>> {
+            let refused = || flatpeak_common::Error::HostAlloc { what, bytes: plan.boundary_bytes() };
+            let mut all = Vec::new();
+            all.try_reserve_exact(count).map_err(|_| refused())?;
+            for _ in 0..count {
+                let mut buffer = Vec::new();
+                buffer.try_reserve_exact(s).map_err(|_| refused())?;
+                buffer.resize(s, T::zeroed());
+                all.push(RwLock::new(buffer));
+            }
+            Ok(all)
+        };
         let shared = Arc::new(Shared {
-            slots: (0..plan.slots()).map(|_| RwLock::new(vec![T::zeroed(); s])).collect(),
-            arena: (0..plan.layers()).map(|_| RwLock::new(vec![T::zeroed(); s])).collect(),
+            slots: buffers("a device-ring slot", plan.slots())?,
+            arena: buffers("a host-arena slot", plan.layers())?,
             table: Mutex::new(Table { ring: SlotRing::new(&plan), failed: None }),
             changed: Condvar::new(),
+            timeout: plan.config().wait_timeout,
         });
         let (d2h_tx, d2h_rx) = channel::<Job>();
         let (h2d_tx, h2d_rx) = channel::<Job>();
@@ -143,7 +174,7 @@ impl<T: Pod + Send + Sync + 'static> CheckpointOffloader<T> {
             engine(Arc::clone(&shared), false, link, d2h_rx),
             engine(Arc::clone(&shared), true, link, h2d_rx),
         ];
-        Self { plan, shared, d2h: Some(d2h_tx), h2d: Some(h2d_tx), engines }
+        Ok(Self { plan, shared, d2h: Some(d2h_tx), h2d: Some(h2d_tx), engines })
     }
 
     /// The plan.
@@ -162,7 +193,7 @@ impl<T: Pod + Send + Sync + 'static> CheckpointOffloader<T> {
     /// Reserves a free device slot, waiting for an in-flight copy to free one;
     /// [`Error::RingFull`] when no copy in flight ever will.
     fn reserve(&self) -> Result<Reserved> {
-        self.shared.wait_for(|table| match table.ring.reserve()? {
+        self.shared.wait_for("a free device slot", |table| match table.ring.reserve()? {
             Reservation::Slot(reserved) => Ok(Some(reserved)),
             Reservation::AwaitD2h(_) => Ok(None),
         })
@@ -213,10 +244,11 @@ impl<T: Pod + Send + Sync + 'static> CheckpointOffloader<T> {
     /// then stays there as after [`prefetch`](Self::prefetch).
     pub fn fetch(&self, layer: usize) -> Result<SlotReader<'_, T>> {
         self.prefetch(layer)?;
-        let slot = self.shared.wait_for(|table| match table.ring.lend(layer)? {
-            Lend::Ready(slot) => Ok(Some(slot)),
-            Lend::AwaitH2d => Ok(None),
-        })?;
+        let slot =
+            self.shared.wait_for("a boundary's H2D copy", |table| match table.ring.lend(layer)? {
+                Lend::Ready(slot) => Ok(Some(slot)),
+                Lend::AwaitH2d => Ok(None),
+            })?;
         Ok(SlotReader { offloader: self, layer, data: read(&self.shared.slots[slot]) })
     }
 
@@ -228,7 +260,7 @@ impl<T: Pod + Send + Sync + 'static> CheckpointOffloader<T> {
     /// Waits for every copy in flight, then forgets this step's boundaries (the ring and the
     /// arena stay reserved for the next step).
     pub fn finish_step(&mut self) -> Result<()> {
-        self.shared.wait_for(|table| {
+        self.shared.wait_for("every copy in flight", |table| {
             let done = !table.ring.copies_in_flight();
             if done {
                 table.ring.finish_step();

@@ -11,6 +11,9 @@ use flatpeak_common::Budget;
 
 use crate::error::{Error, Result};
 
+/// The largest `keep_resident`, `in_flight` or `prefetch_distance` a plan accepts.
+pub const MAX_RING_OPTION: usize = 1024;
+
 /// SCO's ring parameters. Defaults: k_keep = 1, m = 2, d = 1 (3 slots).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -21,11 +24,19 @@ pub struct Config {
     pub in_flight: usize,
     /// Backward prefetch distance d (≥ 0): H2D of boundary i−d starts when layer i's backward does.
     pub prefetch_distance: usize,
+    /// The longest any wait of the offloader (for a copy to land, for a slot to free) may take
+    /// before it is [`Error::Timeout`]: a stuck copy engine is an error, never a hang. > 0.
+    pub wait_timeout: std::time::Duration,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Self { keep_resident: 1, in_flight: 2, prefetch_distance: 1 }
+        Self {
+            keep_resident: 1,
+            in_flight: 2,
+            prefetch_distance: 1,
+            wait_timeout: std::time::Duration::from_secs(120),
+        }
     }
 }
 
@@ -43,8 +54,16 @@ impl Config {
         Self { prefetch_distance: d, ..self }
     }
 
-    /// Checks every field's domain: `keep_resident ≥ 1`, `in_flight ≥ 1`.
+    /// This config failing any offloader wait that takes longer than `timeout`.
+    pub fn wait_timeout(self, timeout: std::time::Duration) -> Self {
+        Self { wait_timeout: timeout, ..self }
+    }
+
+    /// Checks every field's domain: `keep_resident ≥ 1`, `in_flight ≥ 1`, `wait_timeout > 0`.
     pub fn validate(&self) -> Result<()> {
+        if self.wait_timeout.is_zero() {
+            return Err(Error::invalid_config("wait_timeout", self.wait_timeout, "longer than zero"));
+        }
         if self.keep_resident == 0 {
             return Err(Error::invalid_config("keep_resident", self.keep_resident, "at least 1"));
         }
@@ -88,6 +107,18 @@ impl Plan {
         config.validate()?;
         if shape.layers == 0 {
             return Err(Error::invalid_config("layers", shape.layers, "at least 1"));
+        }
+        // Bounded so an absurd option (in_flight = 10^7) is a typed error, not a reservation of
+        // 10^7 slots: no schedule keeps more boundaries resident, in flight or prefetched.
+        let most = MAX_RING_OPTION;
+        for (field, value) in [
+            ("keep_resident", config.keep_resident),
+            ("in_flight", config.in_flight),
+            ("prefetch_distance", config.prefetch_distance),
+        ] {
+            if value > most {
+                return Err(Error::invalid_config(field, value, "at most MAX_RING_OPTION = 1024"));
+            }
         }
         let plan = Self { shape, config: *config };
         let overflow = |what| Error::Common(flatpeak_common::Error::SizeOverflow { what });
@@ -195,6 +226,11 @@ mod tests {
         let zero = Config::default().keep_resident(0);
         assert!(matches!(plan(4, 1, zero), Err(Error::InvalidConfig { field: "keep_resident", .. })));
         assert!(matches!(plan(0, 1, Config::default()), Err(Error::InvalidConfig { field: "layers", .. })));
+        let deep = Config::default().in_flight(10_000_000);
+        assert!(matches!(plan(4, 1, deep), Err(Error::InvalidConfig { field: "in_flight", .. })));
+        assert!(
+            plan(4, 1, Config::default().in_flight(1024).prefetch_distance(1024).keep_resident(1024)).is_ok()
+        );
         let shape = Shape::of::<f32>(4, 1000);
         assert!(Plan::new(&Config::default(), shape, Budget::Bytes(12_000)).is_ok());
         assert_eq!(

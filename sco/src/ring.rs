@@ -32,8 +32,9 @@ struct LayerState {
     slot: Option<usize>,
     d2h: Transfer,
     h2d: Transfer,
-    /// Lent to a reader ([`SlotRing::lend`]).
-    lent: bool,
+    /// Readers it is lent to ([`SlotRing::lend`]): a boundary fetched twice stays on the device
+    /// until both readers are done.
+    lent: usize,
     /// Among the k_keep newest: stays resident after its D2H copy lands.
     kept: bool,
     /// Wanted in backward ([`SlotRing::want`]): stays resident until released.
@@ -43,7 +44,11 @@ struct LayerState {
 impl LayerState {
     /// Nothing needs the slot once its copy lands.
     fn evictable_after_d2h(&self) -> bool {
-        self.slot.is_some() && !self.kept && !self.lent && !self.returned && self.h2d != Transfer::InFlight
+        self.slot.is_some()
+            && !self.kept
+            && self.lent == 0
+            && !self.returned
+            && self.h2d != Transfer::InFlight
     }
 }
 
@@ -279,15 +284,15 @@ impl SlotRing {
     pub fn lend(&mut self, layer: usize) -> Result<Lend> {
         let found = self.resident(layer)?;
         if let Lend::Ready(_) = found {
-            self.layers[layer].lent = true;
+            self.layers[layer].lent += 1;
         }
         Ok(found)
     }
 
-    /// The reader of `layer`'s boundary is done.
+    /// One reader of `layer`'s boundary is done (its slot may be freed once the last one is).
     pub fn unlend(&mut self, layer: usize) {
         if let Some(st) = self.layers.get_mut(layer) {
-            st.lent = false;
+            st.lent = st.lent.saturating_sub(1);
             self.maybe_evict(layer);
         }
     }

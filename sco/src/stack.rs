@@ -93,8 +93,10 @@ impl<L: Layer> CheckpointedStack<L> {
     /// and reused by every step; `link` sets the copy engines' speed.
     pub fn new(layers: Vec<L>, mode: Checkpointing, config: &Config, link: Link) -> Result<Self> {
         let width = common_width(&layers)?;
+        link.validate()?;
         let plan = Plan::new(config, Shape::of::<f32>(layers.len(), width), Budget::Unlimited)?;
-        let offloader = (mode == Checkpointing::Offload).then(|| CheckpointOffloader::new(plan, link));
+        let offloader =
+            (mode == Checkpointing::Offload).then(|| CheckpointOffloader::new(plan, link)).transpose()?;
         let resident = match mode {
             Checkpointing::Offload => Vec::new(),
             _ => vec![vec![0f32; width]; layers.len()],

@@ -191,6 +191,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     /// gradients skip the step and touch nothing.
     pub fn step_host(&mut self, device: &mut HostDevice<G, P>, options: StepOptions) -> Result<StepReport> {
         self.check_lengths(device.grads.len(), device.params.len())?;
+        device.link.validate()?;
         self.backend.host()?;
         let start = Instant::now();
         let mut times = StageTimes::default();

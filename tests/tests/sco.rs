@@ -120,7 +120,7 @@ fn deeper_prefetch_and_more_resident_boundaries_keep_their_bound() {
 #[test]
 fn misuse_is_a_typed_error() {
     let plan = Plan::new(&Config::default(), Shape::of::<f32>(4, 10), Budget::Unlimited).expect("plan");
-    let off = CheckpointOffloader::<f32>::new(plan, Link::Memcpy);
+    let off = CheckpointOffloader::<f32>::new(plan, Link::Memcpy).expect("offloader");
     assert_eq!(off.fetch(1).err(), Some(Error::NotOffloaded { layer: 1 }));
     assert_eq!(off.prefetch(2).err(), Some(Error::NotOffloaded { layer: 2 }));
     assert_eq!(off.release(0).err(), Some(Error::NotOffloaded { layer: 0 }));
@@ -239,7 +239,10 @@ fn the_stack_drives_any_store_with_the_same_schedule() {
     let config = Config::default().prefetch_distance(d);
     let plan =
         Plan::new(&config, Shape::of::<f32>(layers, TOKENS * HIDDEN), Budget::Unlimited).expect("plan");
-    let store = Recording { inner: CheckpointOffloader::new(plan, Link::Memcpy), calls: Vec::new() };
+    let store = Recording {
+        inner: CheckpointOffloader::new(plan, Link::Memcpy).expect("offloader"),
+        calls: Vec::new(),
+    };
     let mut stack = CheckpointedStack::with_store(mlp_layers(layers), store).expect("stack");
     let reference = mlp_stack(layers, Checkpointing::OnDevice).step(&input, loss_grad).expect("step");
     for _ in 0..2 {
@@ -267,7 +270,7 @@ fn the_stack_drives_any_store_with_the_same_schedule() {
     assert_eq!(calls[expected.len()..], expected[..], "the same schedule every step");
 
     // The store must be planned for the stack it drives.
-    let fresh = || CheckpointOffloader::<f32>::new(plan, Link::Memcpy);
+    let fresh = || CheckpointOffloader::<f32>::new(plan, Link::Memcpy).expect("offloader");
     assert_eq!(
         CheckpointedStack::with_store(mlp_layers(layers + 1), fresh()).err(),
         Some(Error::ShapeMismatch { what: "stack depth (the store's plan)", expected: 6, got: 7 })
@@ -281,9 +284,21 @@ fn the_stack_drives_any_store_with_the_same_schedule() {
 
 /// `AddOne` whose backward fails once, on one layer.
 #[derive(Debug)]
+/// A layer that fails its next forward or backward once (fault injection).
 struct FailsOnce {
     inner: AddOne,
     armed: AtomicBool,
+    forward_armed: AtomicBool,
+}
+
+impl FailsOnce {
+    fn new(width: usize, layer: usize, fail_forward: bool, fail_backward: bool) -> Self {
+        Self {
+            inner: AddOne::new(width, layer),
+            armed: AtomicBool::new(fail_backward),
+            forward_armed: AtomicBool::new(fail_forward),
+        }
+    }
 }
 
 impl Layer for FailsOnce {
@@ -294,6 +309,9 @@ impl Layer for FailsOnce {
         self.inner.param_count()
     }
     fn forward(&self, x: &[f32], y: &mut [f32]) -> sco::Result<()> {
+        if self.forward_armed.swap(false, Ordering::Relaxed) {
+            return Err(Error::invalid_config("armed", "forward", "a layer that does not fail"));
+        }
         self.inner.forward(x, y)
     }
     fn forward_saving(&self, x: &[f32], y: &mut [f32]) -> sco::Result<Vec<f32>> {
@@ -324,9 +342,7 @@ fn a_failed_step_leaves_the_store_ready_for_the_next() {
     let Offloader::Host(offloader) = Offloader::<f32>::new(plan, Device::Cpu).expect("cpu") else {
         panic!("Device::Cpu gives the host offloader");
     };
-    let stack_layers: Vec<_> = (0..layers)
-        .map(|l| FailsOnce { inner: AddOne::new(width, l), armed: AtomicBool::new(l == 2) })
-        .collect();
+    let stack_layers: Vec<_> = (0..layers).map(|l| FailsOnce::new(width, l, false, l == 2)).collect();
     let mut stack = CheckpointedStack::with_store(stack_layers, offloader).expect("stack");
     assert!(matches!(
         stack.step(&input, |y| vec![1.0; y.len()]),
@@ -337,6 +353,94 @@ fn a_failed_step_leaves_the_store_ready_for_the_next() {
         assert_eq!(out.param_grads.iter().map(|g| g[0]).sum::<f32>(), 0.0, "every boundary intact");
         assert_eq!(out.output[3], 3.0 + layers as f32);
     }
+}
+
+#[test]
+fn an_error_injected_at_every_layer_in_either_pass_leaves_the_stack_usable() {
+    let (width, layers) = (32, 5);
+    let input: Vec<f32> = (0..width).map(|j| j as f32).collect();
+    for failing in 0..layers {
+        for (fail_forward, fail_backward) in [(true, false), (false, true)] {
+            let stack_layers: Vec<_> = (0..layers)
+                .map(|l| {
+                    FailsOnce::new(width, l, fail_forward && l == failing, fail_backward && l == failing)
+                })
+                .collect();
+            let mut stack = CheckpointedStack::new(
+                stack_layers,
+                Checkpointing::Offload,
+                &Config::default(),
+                Link::Memcpy,
+            )
+            .expect("stack");
+            let what = format!("layer {failing}, forward {fail_forward}");
+            assert!(
+                matches!(
+                    stack.step(&input, |y| vec![1.0; y.len()]),
+                    Err(Error::InvalidConfig { field: "armed", .. })
+                ),
+                "{what}"
+            );
+            for _ in 0..2 {
+                let out = stack.step(&input, |y| vec![1.0; y.len()]).expect(&what);
+                assert_eq!(out.output[3], 3.0 + layers as f32, "{what}");
+                assert_eq!(out.grad_input, vec![1.0; width], "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_boundary_fetched_twice_stays_on_the_device_until_both_readers_are_done() {
+    // Before the fix, dropping one of two readers freed the slot the other still read: the next
+    // writer then waited forever on it. Run under a timeout so a regression fails, not hangs.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let plan = Plan::new(&Config::default(), Shape::of::<f32>(4, 10), Budget::Unlimited).expect("plan");
+        let off = CheckpointOffloader::<f32>::new(plan, Link::Memcpy).expect("offloader");
+        for l in 0..4 {
+            off.offload_copy(l, &[l as f32; 10]).expect("offload");
+        }
+        let first = off.fetch(3).expect("fetch");
+        let second = off.fetch(3).expect("fetch again");
+        off.release(3).expect("release");
+        drop(first);
+        // Take every slot a writer can get: none may be the one `second` still reads.
+        let mut writers = Vec::new();
+        while let Ok(mut w) = off.writer() {
+            w.fill(9.0);
+            writers.push(w);
+        }
+        assert_eq!(&*second, &[3.0; 10][..], "the boundary under the second reader is intact");
+        assert_eq!(writers.len(), plan.slots() - 1, "the second reader's slot stayed held");
+        drop(second);
+        drop(writers);
+        assert!(off.writer().is_ok(), "its slot is free once the last reader is done");
+        done.send(()).expect("report");
+    });
+    finished.recv_timeout(std::time::Duration::from_secs(60)).expect("no hang");
+}
+
+#[test]
+fn a_stuck_copy_is_a_timeout_error_not_a_hang() {
+    // A 10 B/s link: one 40 B boundary takes 4 s to copy; every wait gives up after 50 ms.
+    let config = Config::default().wait_timeout(std::time::Duration::from_millis(50));
+    let plan = Plan::new(&config, Shape::of::<f32>(4, 10), Budget::Unlimited).expect("plan");
+    let mut off = CheckpointOffloader::<f32>::new(plan, Link::Simulated { gbps: 1e-8 }).expect("offloader");
+    off.offload_copy(0, &[1.0; 10]).expect("offload");
+    let start = std::time::Instant::now();
+    assert!(matches!(off.finish_step(), Err(Error::Timeout { what: "every copy in flight", .. })));
+    assert!(start.elapsed() < std::time::Duration::from_secs(2));
+    // The offloader is failed from then on: every later wait says so at once.
+    assert!(matches!(off.fetch(0), Err(Error::EngineStopped { engine: "offloader", .. })));
+    assert!(matches!(
+        Plan::new(
+            &Config::default().wait_timeout(std::time::Duration::ZERO),
+            Shape::of::<f32>(4, 10),
+            Budget::Unlimited
+        ),
+        Err(Error::InvalidConfig { field: "wait_timeout", .. })
+    ));
 }
 
 /// On a GPU: boundaries offloaded through the CUDA ring and fetched back in backward order are

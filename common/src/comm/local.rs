@@ -79,6 +79,11 @@ struct Message {
 
 const NO_CAUSE: usize = usize::MAX;
 
+/// The most ranks one [`LocalGroup`] runs: each is a thread of this process and each pair a
+/// channel (P² of them), so P is bounded where a larger one would exhaust threads or memory
+/// instead of failing cleanly.
+pub const MAX_LOCAL_WORLD: usize = 256;
+
 /// Namespace for building groups of thread ranks.
 #[derive(Debug, Clone, Copy)]
 pub struct LocalGroup;
@@ -86,9 +91,16 @@ pub struct LocalGroup;
 impl LocalGroup {
     /// Endpoints of a new group of `world_size` ranks, endpoint `r` for rank `r`. Hand each to
     /// its own thread (or use [`LocalGroup::run`]). [`Error::InvalidConfig`] for invalid
-    /// options.
+    /// options or more than [`MAX_LOCAL_WORLD`] ranks.
     pub fn endpoints(world_size: usize, options: LocalGroupOptions) -> Result<Vec<LocalComm>> {
         options.validate()?;
+        if world_size > MAX_LOCAL_WORLD {
+            return Err(Error::invalid_config(
+                "world_size",
+                world_size,
+                "at most MAX_LOCAL_WORLD = 256 thread ranks",
+            ));
+        }
         let mut senders: Vec<Vec<Option<Sender<Message>>>> =
             (0..world_size).map(|_| vec![None; world_size]).collect();
         let mut receivers: Vec<Vec<Option<Receiver<Message>>>> =
@@ -411,5 +423,13 @@ mod tests {
         let _b = peer.join().unwrap().unwrap(); // kept alive until the spare is checked
         let spare = a.spares[1].try_recv().expect("the barrier did not consume the spare");
         assert!(spare.capacity() >= 256);
+    }
+
+    #[test]
+    fn a_world_too_large_for_threads_is_a_typed_error_not_an_abort() {
+        let err = LocalGroup::endpoints(4096, LocalGroupOptions::default()).err();
+        assert!(matches!(err, Some(Error::InvalidConfig { field: "world_size", .. })), "{err:?}");
+        let ranks = LocalGroup::run(MAX_LOCAL_WORLD + 1, LocalGroupOptions::default(), |_| Ok(()));
+        assert!(ranks.iter().all(|r| matches!(r, Err(Error::InvalidConfig { field: "world_size", .. }))));
     }
 }

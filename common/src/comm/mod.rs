@@ -10,7 +10,7 @@
 
 mod local;
 
-pub use local::{LocalComm, LocalGroup, LocalGroupOptions};
+pub use local::{LocalComm, LocalGroup, LocalGroupOptions, MAX_LOCAL_WORLD};
 
 use bytemuck::Pod;
 

@@ -7,7 +7,7 @@
 //! Outputs: `y` [P, N, H]; with `dy` also `dx` [P, N, H], `d_weights` [P, N, k] and the expert
 //! gradients `d_gate`, `d_up` [E, H, I] and `d_down` [E, I, H], all F32.
 
-use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions};
+use flatpeak_common::{Communicator, DType, Error as CommonError, LocalGroup, LocalGroupOptions};
 use llep::{Config as LlepConfig, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape};
 use serde::Deserialize;
 
@@ -80,6 +80,33 @@ impl LlepRunConfig {
 /// One rank's results: y, and the gradients when `dy` was given.
 type RankResult = (Vec<f32>, Option<llep::Gradients>);
 
+/// Every rank's result, or the error of the rank that failed first. A rank whose peer failed
+/// sees only the consequence — `PeerLost` or a timeout from its next collective — so an error
+/// of any other kind, on whichever rank, is the cause; consequences are reported only when
+/// nothing else failed.
+fn first_failure<R>(results: Vec<flatpeak_common::Result<llep::Result<R>>>) -> Result<Vec<R>, RunError> {
+    let consequence = |e: &RunError| {
+        matches!(
+            e,
+            RunError::Common(CommonError::PeerLost { .. } | CommonError::Timeout { .. })
+                | RunError::Llep(llep::Error::Common(
+                    CommonError::PeerLost { .. } | CommonError::Timeout { .. }
+                ))
+        )
+    };
+    let (mut ok, mut errors) = (Vec::with_capacity(results.len()), Vec::new());
+    for result in results {
+        match result.map_err(RunError::from).and_then(|r| r.map_err(RunError::from)) {
+            Ok(r) => ok.push(r),
+            Err(e) => errors.push(e),
+        }
+    }
+    match errors.iter().position(|e| !consequence(e)) {
+        Some(cause) => Err(errors.swap_remove(cause)),
+        None => errors.into_iter().next().map_or(Ok(ok), Err),
+    }
+}
+
 /// Runs the layer on the tensors of `t`.
 pub fn run(t: &TensorFile, cfg: &LlepRunConfig) -> Result<Outputs, RunError> {
     let xs = t.shape("x", "F32", &[Dim::Any, Dim::Any, Dim::Any])?;
@@ -118,7 +145,7 @@ pub fn run(t: &TensorFile, cfg: &LlepRunConfig) -> Result<Outputs, RunError> {
             let launch = llep::Plan::new(&config, shape, llep::Budget::Bytes(cfg.budget_bytes))?;
             let mut layer = llep::Executor::new(launch, llep::Device::Cpu)?;
             let plan = layer.schedule(comm, &inputs.routing)?;
-            layer.reserve(plan.max_workspace_bytes(Pass::Backward));
+            layer.reserve(plan.max_workspace_bytes(Pass::Backward))?;
             let y = layer.forward(comm, &plan, &inputs)?;
             let grads = match &dy {
                 Some(dy) => Some(layer.backward(comm, &plan, &inputs, &dy[rows])?),
@@ -128,10 +155,7 @@ pub fn run(t: &TensorFile, cfg: &LlepRunConfig) -> Result<Outputs, RunError> {
         };
         Ok(layer())
     });
-    let mut per_rank = Vec::with_capacity(p);
-    for r in results {
-        per_rank.push(r??);
-    }
+    let per_rank = first_failure(results)?;
     let mut out = Outputs::default();
     let concat = |f: &dyn Fn(&RankResult) -> Option<&[f32]>| -> Vec<f32> {
         per_rank.iter().filter_map(f).flat_map(|s| s.iter().copied()).collect()

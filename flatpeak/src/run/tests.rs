@@ -181,6 +181,26 @@ fn llep_matches_the_dense_reference_and_every_scheme_agrees() {
 }
 
 #[test]
+fn llep_reports_the_error_of_the_rank_that_failed_not_its_peers_loss() {
+    let dir = TempDir::new("llep-bad-rank");
+    let (p, n, h, i, e, k) = (4, 5, 8, 4, 8, 2);
+    let mut rng = SplitMix64::new(6);
+    let mut ids: Vec<i64> = (0..p * n * k).map(|_| rng.below(e as u64) as i64).collect();
+    ids[n * k + 3] = e as i64; // one bad expert id, on rank 1
+    let mut inputs = Outputs::default();
+    inputs.f32("x", &[p, n, h], &rng.normal_f32(p * n * h, 0.0, 1.0));
+    inputs.i64("ids", &[p, n, k], &ids);
+    inputs.f32("weights", &[p, n, k], &rng.uniform_f32(p * n * k, 0.1, 1.0));
+    inputs.f32("gate", &[e, h, i], &rng.normal_f32(e * h * i, 0.0, 0.3));
+    inputs.f32("up", &[e, h, i], &rng.normal_f32(e * h * i, 0.0, 0.3));
+    inputs.f32("down", &[e, i, h], &rng.normal_f32(e * i * h, 0.0, 0.3));
+    let err = run_with(&dir, "llep", &inputs, None).expect_err("a bad expert id");
+    let message = err.to_string();
+    assert!(!message.contains("was lost"), "{message}");
+    assert!(message.contains(&e.to_string()), "names the bad id: {message}");
+}
+
+#[test]
 fn sco_offload_equals_no_checkpointing_bitwise_and_matches_the_formula() {
     let dir = TempDir::new("sco");
     let (s, h, i, l) = (6, 4, 5, 3);

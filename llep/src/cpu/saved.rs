@@ -38,7 +38,7 @@ impl SavedActivations {
     /// Reserves rank `rank`'s store for `plan` (a plan in [`Mode::SaveActivations`]).
     pub fn new(plan: &Schedule, rank: usize) -> Result<Self> {
         check_mode(plan)?;
-        Ok(Self { store: Workspace::new(plan.saved_bytes(rank)), filled: None })
+        Ok(Self { store: Workspace::new(plan.saved_bytes(rank))?, filled: None })
     }
 
     /// Bytes reserved.

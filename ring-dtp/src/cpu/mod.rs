@@ -34,7 +34,7 @@ use flatpeak_common::gemm::{Accumulate, Threads};
 use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::{Config, Reduction, Softcap};
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Loss, Matrix};
+use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix};
 use crate::plan::{Plan, Schedule, WIDEN_ROWS, splits_dx};
 
 fn check_plan(plan: &Plan, inputs: &Inputs<'_>) -> Result<()> {
@@ -128,7 +128,7 @@ fn missing(expected: &'static str) -> Error {
 /// The CPU backend of the block schedule ([`crate::blocks`]): blocks in a workspace reserved at
 /// the plan's size, an f32 W read in place and a bf16 W widened `WIDEN_ROWS` rows at a time
 /// inside the GEMMs.
-struct CpuBlocks<'a, 'w> {
+struct CpuBlocks<'a, 'w, 'g> {
     config: &'a Config,
     inputs: &'a Inputs<'a>,
     scratch: Scratch<'w>,
@@ -138,21 +138,21 @@ struct CpuBlocks<'a, 'w> {
     /// and the gradient reuses it (one exponential per logit instead of two).
     keep_exp: bool,
     stats: Option<Stats>,
-    grads: Option<Gradients>,
+    grads: Option<GradientsMut<'g>>,
     gradient: Option<GradientInputs<'a>>,
     cols: ColumnGrads,
     /// The fused pass's lse of the current token block.
     lse_block: Vec<f32>,
 }
 
-impl<'a, 'w> CpuBlocks<'a, 'w> {
+impl<'a, 'w, 'g> CpuBlocks<'a, 'w, 'g> {
     fn new(
         (config, plan, inputs): (&'a Config, &Plan, &'a Inputs<'a>),
         ws: &'w Workspace,
-        pass: Pass,
-        gradient: Option<GradientInputs<'a>>,
+        (pass, gradient): (Pass, Option<GradientInputs<'a>>),
+        grads: Option<GradientsMut<'g>>,
     ) -> Result<Self> {
-        let (n, d, v, cb) = (inputs.n, inputs.d, inputs.v, plan.token_block());
+        let (n, cb) = (inputs.n, plan.token_block());
         let keep_exp =
             pass == Pass::Fused && plan.schedule() == Schedule::FullVocab && config.softcap == Softcap::Off;
         Ok(Self {
@@ -162,11 +162,7 @@ impl<'a, 'w> CpuBlocks<'a, 'w> {
             targets: vec![NO_TARGET; cb],
             keep_exp,
             stats: (pass != Pass::Backward).then(|| Stats::new(n)),
-            grads: (pass != Pass::Forward).then(|| Gradients {
-                dx: vec![0.0; n * d],
-                dw: vec![0.0; v * d],
-                dbias: inputs.bias.map(|_| vec![0.0; v]),
-            }),
+            grads,
             gradient,
             cols: ColumnGrads::with_capacity(cb),
             lse_block: vec![0f32; cb],
@@ -187,7 +183,7 @@ impl<'a, 'w> CpuBlocks<'a, 'w> {
     }
 }
 
-impl BlockOps for CpuBlocks<'_, '_> {
+impl BlockOps for CpuBlocks<'_, '_, '_> {
     fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
         self.inputs.x.rows_f32(t0..t0 + c, self.inputs.d, self.scratch.xblk);
         resolve_targets(self.config, self.inputs, t0, &mut self.targets[..c]);
@@ -278,18 +274,24 @@ impl BlockOps for CpuBlocks<'_, '_> {
     }
 }
 
-/// Runs `pass` of the block schedule on the CPU: the statistics (forward, fused) and the
-/// gradients (backward, fused).
+/// Runs `pass` of the block schedule on the CPU: the statistics (forward, fused; returned) and
+/// the gradients (backward, fused; written into `grads`, zeroed first).
 fn run(
     ws: &mut Workspace,
     (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
-    pass: Pass,
-    gradient: Option<GradientInputs<'_>>,
-) -> Result<(Option<Stats>, Option<Gradients>)> {
+    (pass, gradient): (Pass, Option<GradientInputs<'_>>),
+    mut grads: Option<GradientsMut<'_>>,
+) -> Result<Option<Stats>> {
     ws.reset();
-    let mut ops = CpuBlocks::new((config, plan, inputs), ws, pass, gradient)?;
+    if pass != Pass::Forward {
+        let g = grads.as_mut().ok_or_else(|| missing("gradients"))?;
+        // Every block writes its first touch without reading, but a shape with no block (N = 0
+        // or V = 0) touches nothing: the caller's buffers start at zero either way.
+        g.fill_zero();
+    }
+    let mut ops = CpuBlocks::new((config, plan, inputs), ws, (pass, gradient), grads)?;
     run_blocks(&mut ops, plan, pass)?;
-    Ok((ops.stats, ops.grads))
+    Ok(ops.stats)
 }
 
 /// Per-token losses `ℓ_i = ω_i·(lse − (1−α)·z_y − (α/V)·Σz + λ·lse²)` (0 for ignored rows) and
@@ -340,13 +342,13 @@ fn finish_forward(config: &Config, inputs: &Inputs<'_>, stats: &Stats) -> Forwar
 
 /// A workspace of the plan's size, reserved for one call of the free functions below (the
 /// [`LinearCrossEntropy`](crate::LinearCrossEntropy) executor reserves one for all its calls).
-fn call_workspace(plan: &Plan) -> Workspace {
-    Workspace::new(plan.workspace_bytes())
+fn call_workspace(plan: &Plan) -> Result<Workspace> {
+    Ok(Workspace::new(plan.workspace_bytes())?)
 }
 
 /// The loss and per-row lse, one GEMM per block.
 pub fn forward(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
-    forward_in(&mut call_workspace(plan), config, plan, inputs)
+    forward_in(&mut call_workspace(plan)?, config, plan, inputs)
 }
 
 /// [`forward`] with the blocks carved from `ws` (at least the plan's bytes).
@@ -358,7 +360,7 @@ pub(crate) fn forward_in(
 ) -> Result<Forward> {
     inputs.validate(config)?;
     check_plan(plan, inputs)?;
-    let (stats, _) = run(ws, (config, plan, inputs), Pass::Forward, None)?;
+    let stats = run(ws, (config, plan, inputs), (Pass::Forward, None), None)?;
     let stats = stats.ok_or_else(|| missing("fold stats"))?;
     Ok(finish_forward(config, inputs, &stats))
 }
@@ -373,29 +375,43 @@ pub fn backward(
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
-    backward_in(&mut call_workspace(plan), (config, plan, inputs), forward, grad, dlse)
+    backward_in(&mut call_workspace(plan)?, (config, plan, inputs), &forward.lse, grad, dlse)
 }
 
 /// [`backward`] with the blocks carved from `ws` (at least the plan's bytes).
 pub(crate) fn backward_in(
     ws: &mut Workspace,
     (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
-    forward: &Forward,
+    lse: &[f32],
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
+    let mut grads = Gradients::zeros(inputs);
+    backward_into(ws, (config, plan, inputs), (lse, grad, dlse), grads.as_mut())?;
+    Ok(grads)
+}
+
+/// [`backward`] into caller-owned gradient buffers (overwritten; checked against the shapes),
+/// with the blocks carved from `ws`.
+pub(crate) fn backward_into(
+    ws: &mut Workspace,
+    (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
+    (lse, grad, dlse): (&[f32], GradOutput<'_>, Option<&[f32]>),
+    out: GradientsMut<'_>,
+) -> Result<()> {
     inputs.validate(config)?;
     check_plan(plan, inputs)?;
-    if forward.lse.len() != inputs.n {
-        return Err(Error::ShapeMismatch { what: "lse (n)", expected: inputs.n, got: forward.lse.len() });
+    out.check(inputs)?;
+    if lse.len() != inputs.n {
+        return Err(Error::ShapeMismatch { what: "lse (n)", expected: inputs.n, got: lse.len() });
     }
     if let Some(g) = dlse.filter(|g| g.len() != inputs.n) {
         return Err(Error::ShapeMismatch { what: "dlse (n)", expected: inputs.n, got: g.len() });
     }
     let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;
-    let gradient = GradientInputs { coef: &coef, saved_lse: &forward.lse, dlse };
-    let (_, grads) = run(ws, (config, plan, inputs), Pass::Backward, Some(gradient))?;
-    grads.ok_or_else(|| missing("gradients"))
+    let gradient = GradientInputs { coef: &coef, saved_lse: lse, dlse };
+    run(ws, (config, plan, inputs), (Pass::Backward, Some(gradient)), Some(out))?;
+    Ok(())
 }
 
 /// Forward and backward in one pass when the loss is the last op (its upstream gradient is
@@ -407,7 +423,7 @@ pub fn forward_backward(
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
-    forward_backward_in(&mut call_workspace(plan), (config, plan, inputs), grad)
+    forward_backward_in(&mut call_workspace(plan)?, (config, plan, inputs), grad)
 }
 
 /// [`forward_backward`] with the blocks carved from `ws` (at least the plan's bytes).
@@ -422,12 +438,12 @@ pub(crate) fn forward_backward_in(
     let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;
     if plan.schedule() == Schedule::VocabBlocked {
         let fwd = forward_in(ws, config, plan, inputs)?;
-        let grads = backward_in(ws, (config, plan, inputs), &fwd, grad, None)?;
+        let grads = backward_in(ws, (config, plan, inputs), &fwd.lse, grad, None)?;
         return Ok((fwd, grads));
     }
     let gradient = GradientInputs { coef: &coef, saved_lse: &[], dlse: None };
-    let (stats, grads) = run(ws, (config, plan, inputs), Pass::Fused, Some(gradient))?;
+    let mut grads = Gradients::zeros(inputs);
+    let stats = run(ws, (config, plan, inputs), (Pass::Fused, Some(gradient)), Some(grads.as_mut()))?;
     let stats = stats.ok_or_else(|| missing("fold stats"))?;
-    let grads = grads.ok_or_else(|| missing("gradients"))?;
     Ok((finish_forward(config, inputs, &stats), grads))
 }

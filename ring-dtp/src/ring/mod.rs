@@ -182,7 +182,7 @@ fn run_pass<C: Communicator + ?Sized>(
     rank: &Rank<'_>,
     pass: Pass<'_>,
 ) -> Result<()> {
-    let ws = Workspace::new(plan.workspace_bytes());
+    let ws = Workspace::new(plan.workspace_bytes())?;
     let backward = matches!(pass, Pass::Grad { .. });
     // One backend per ring, the same call; only the buffers and the block scratch differ.
     macro_rules! drive {

@@ -498,7 +498,9 @@ pub fn train(c: &MoeConfig, s: Schedules, steps: usize) -> Result<Run> {
                         sco::Budget::Unlimited,
                     )
                     .map_err(err("sco plan"))?;
-                    Store::Offload(CheckpointOffloader::new(plan, Link::Memcpy))
+                    Store::Offload(
+                        CheckpointOffloader::new(plan, Link::Memcpy).map_err(err("sco offloader"))?,
+                    )
                 }
             };
             let span = ring.tokens(r);
