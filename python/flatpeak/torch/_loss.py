@@ -1,0 +1,244 @@
+"""``linear_cross_entropy``: exact ``cross_entropy(input @ weight.T + bias, target)`` whose added
+memory is a working set fixed before any data is read.
+
+Two ``torch.library.custom_op`` ops carry it -- ``flatpeak::linear_cross_entropy_forward`` and
+``flatpeak::linear_cross_entropy_backward`` -- each with a fake (meta) implementation, wired
+together with ``register_autograd``, so ``torch.compile(fullgraph=True)`` traces the loss
+without a graph break and autograd sees gradients for ``input``, ``weight`` and ``bias``.
+
+Forward saves the per-row log-sum-exp (4 bytes a token); backward recomputes each block of
+logits from it (4 GEMMs in all, against the materialized path's 3), never holding more than
+one block of ``tokens x vocab``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import _flatpeak as _ext
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes):
+    return _ext.LossOptions(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        budget_bytes=budget_bytes,
+    )
+
+
+def _as_f32(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.to(torch.float32)
+
+
+@torch.library.custom_op("flatpeak::linear_cross_entropy_forward", mutates_args=())
+def _forward(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    token_weights: Optional[Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: Optional[float],
+    budget_bytes: Optional[int],
+) -> Tuple[Tensor, Tensor]:
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes)
+    n = input.shape[0]
+    loss = torch.empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    lse = torch.empty((n,), dtype=torch.float32)
+    _ext.lce_forward(options, (input, weight, target, bias, token_weights), (loss, lse))
+    return loss.to(input.dtype), lse
+
+
+@_forward.register_fake
+def _forward_fake(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing,
+                  z_loss, softcap, budget_bytes):
+    n = input.shape[0]
+    loss = input.new_empty((n,) if reduction == "none" else ())
+    return loss, input.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.custom_op("flatpeak::linear_cross_entropy_backward", mutates_args=())
+def _backward(
+    grad_loss: Tensor,
+    grad_lse: Optional[Tensor],
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    token_weights: Optional[Tensor],
+    lse: Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: Optional[float],
+    budget_bytes: Optional[int],
+) -> Tuple[Tensor, Tensor, Tensor]:
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes)
+    dx = torch.empty(input.shape, dtype=torch.float32)
+    dw = torch.empty(weight.shape, dtype=torch.float32)
+    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    # Upstream gradients are [N] or scalars, often expanded (stride 0) by autograd: made dense.
+    upstream = (grad_loss.to(torch.float32).contiguous(),
+                None if grad_lse is None else grad_lse.to(torch.float32).contiguous())
+    _ext.lce_backward(options, (input, weight, target, bias, token_weights), lse, upstream,
+                      (dx, dw, dbias if bias is not None else None))
+    # Narrowed one at a time, each fp32 buffer freed before the next is narrowed: the peak is
+    # the fp32 dW plus the narrowed dX and dW, not both fp32 buffers plus both narrowed ones.
+    dx = dx.to(input.dtype)
+    return dx, dw.to(weight.dtype), dbias
+
+
+@_backward.register_fake
+def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse, ignore_index,
+                   reduction, label_smoothing, z_loss, softcap, budget_bytes):
+    dbias = input.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    return torch.empty_like(input), torch.empty_like(weight), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    input, weight, target, bias, token_weights, *options = inputs
+    _, lse = output
+    ctx.save_for_backward(input, weight, target, bias, token_weights, lse)
+    ctx.options = options
+
+
+def _backward_autograd(ctx, grad_loss, grad_lse):
+    input, weight, target, bias, token_weights, lse = ctx.saved_tensors
+    dx, dw, dbias = _backward(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse,
+                              *ctx.options)
+    dbias = None if bias is None else dbias
+    return (dx, dw, None, dbias, None) + (None,) * len(ctx.options)
+
+
+_forward.register_autograd(_backward_autograd, setup_context=_setup_context)
+
+
+def _flatten_leading(name: str, t: Tensor, trailing: int) -> Tensor:
+    """``t`` with every dimension but the last ``trailing`` flattened, without a copy."""
+    if t.dim() <= trailing + 1:
+        return t
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}")
+    return t.reshape(-1, *t.shape[t.dim() - trailing:]) if trailing else t.reshape(-1)
+
+
+def linear_cross_entropy(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    token_weights: Optional[Tensor] = None,
+    return_lse: bool = False,
+    budget_bytes: Optional[int] = None,
+):
+    r"""Cross-entropy of the linear projection ``input @ weight.T + bias`` against ``target``,
+    exact, without materializing the ``tokens x vocab`` logits.
+
+    For a token ``i`` with target ``y != ignore_index`` and logits
+    ``z = softcap * tanh((x_i W^T + b) / softcap)`` (or ``x_i W^T + b`` without a softcap),
+    ``lse = log sum_j exp(z_j)`` and
+
+    ``loss_i = w_i * (lse - (1 - a) z_y - (a / V) sum_j z_j + z_loss * lse^2)``
+
+    (``a``: label smoothing in PyTorch's convention, ``w_i``: ``token_weights``, 1 by default).
+    Ignored tokens contribute 0. ``mean`` divides the sum by the sum of the non-ignored tokens'
+    weights (their count without weights), as ``F.cross_entropy`` does. **Unlike torch**, a batch
+    whose tokens are all ignored has loss 0 and zero gradients under ``mean`` (torch gives NaN).
+
+    Args:
+        input: ``[tokens, hidden]`` or ``[batch, seq, hidden]`` (flattened), float32 or bfloat16,
+            contiguous (never copied: a non-contiguous one is a ``ValueError``).
+        weight: ``[vocab, hidden]``, the dtype of ``input`` (the projection, not class weights),
+            contiguous.
+        target: int64 class ids, ``[tokens]`` or ``[batch, seq]``.
+        bias: optional ``[vocab]`` bias, the dtype of ``input``.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-token losses, shaped like ``target``).
+        ignore_index: targets equal to it are skipped.
+        label_smoothing: in ``[0, 1)``.
+        z_loss: coefficient of ``lse^2`` (PaLM's z-loss), ``>= 0``.
+        softcap: logit soft-capping ``cap * tanh(z / cap)`` (Gemma 2), ``None`` for off.
+        token_weights: optional float32 per-token weights (finite, ``>= 0``), shaped like
+            ``target``.
+        return_lse: also return the per-token log-sum-exp (float32, differentiable).
+        budget_bytes: bound of the working set (default 64 MiB); the plan picks its blocks
+            within it before any data is read.
+
+    Accumulation is float32 for both dtypes; the loss has the dtype of ``input``, the lse is
+    float32.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    if not isinstance(input, Tensor) or not isinstance(target, Tensor):
+        raise TypeError(f"input and target must be tensors, got {type(input).__name__} and {type(target).__name__}")
+    lead_shape, batched = target.shape, input.dim() == 3
+    if batched:
+        if target.dim() != 2:
+            raise ValueError(f"target: expected [batch, seq] for input {list(input.shape)}, got {list(target.shape)}")
+        input = _flatten_leading("input", input, 1)
+    # Targets and token weights are N elements: a shifted (sliced) target is copied, as torch
+    # would. input and weight are never copied -- that copy is the memory this call saves.
+    if batched:
+        target = target.reshape(-1)
+        token_weights = None if token_weights is None else token_weights.reshape(-1)
+    else:
+        target = target.contiguous()
+        token_weights = None if token_weights is None else token_weights.contiguous()
+    if bias is not None and isinstance(bias, Tensor) and bias.dtype != input.dtype:
+        raise TypeError(f"bias: expected dtype {input.dtype} (the dtype of input), got {bias.dtype}")
+    loss, lse = torch.ops.flatpeak.linear_cross_entropy_forward(
+        input, weight, target, _as_f32(bias), token_weights, int(ignore_index), reduction,
+        float(label_smoothing), float(z_loss), None if softcap is None else float(softcap), budget_bytes,
+    )
+    if reduction == "none":
+        loss = loss.reshape(lead_shape)
+    lse = lse.reshape(lead_shape)
+    return (loss, lse) if return_lse else loss
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """:func:`linear_cross_entropy` as a module: the options at construction,
+    ``forward(input, weight, target, bias=None, token_weights=None)``."""
+
+    def __init__(self, *, reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, softcap: Optional[float] = None, return_lse: bool = False,
+                 budget_bytes: Optional[int] = None):
+        super().__init__()
+        # Checked here, once: a bad option fails at construction, not at the first batch.
+        _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes)
+        self.reduction = reduction
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.return_lse = return_lse
+        self.budget_bytes = budget_bytes
+
+    def forward(self, input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
+                token_weights: Optional[Tensor] = None):
+        return linear_cross_entropy(
+            input, weight, target, bias, reduction=self.reduction, ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+            token_weights=token_weights, return_lse=self.return_lse, budget_bytes=self.budget_bytes,
+        )
+
+    def extra_repr(self) -> str:
+        return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")

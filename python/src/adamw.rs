@@ -1,0 +1,168 @@
+//! AdamW on torch tensors: stream-adamw's SIMD CPU update, in place on the parameter and on the
+//! state tensors the Python optimizer keeps under torch's names (`exp_avg`, `exp_avg_sq`,
+//! `max_exp_avg_sq`), so `state_dict()` is torch's own.
+//!
+//! The update is `torch.optim.AdamW`'s (decoupled decay, bias corrections in f64, AMSGrad on the
+//! raw second moment, maximize) — see the `stream-adamw` crate for the exact order of
+//! operations. The GIL is released while it runs.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use stream_adamw::config::StepScalars;
+use stream_adamw::cpu::{ParamSink, StateMut, adamw_update, grad_sq_sum};
+use stream_adamw::{Hyperparameters, Objective, Variant};
+
+use crate::tensor::{Span, TensorDevice, TensorRef, check_disjoint, cuda_not_built, device_of, shape_of};
+
+/// One param group's hyperparameters, checked (`flatpeak._flatpeak.AdamWOptions`).
+#[pyclass(frozen, module = "flatpeak._flatpeak")]
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWOptions {
+    hyperparameters: Hyperparameters,
+}
+
+#[pymethods]
+impl AdamWOptions {
+    /// torch.optim.AdamW's hyperparameters.
+    #[new]
+    #[pyo3(signature = (*, lr, betas, eps, weight_decay, amsgrad, maximize))]
+    fn new(
+        lr: f64,
+        betas: (f64, f64),
+        eps: f64,
+        weight_decay: f64,
+        amsgrad: bool,
+        maximize: bool,
+    ) -> PyResult<Self> {
+        let hyperparameters = Hyperparameters::default()
+            .lr(lr)
+            .betas(betas.0, betas.1)
+            .eps(eps)
+            .weight_decay(weight_decay)
+            .variant(if amsgrad { Variant::AmsGrad } else { Variant::Adam })
+            .objective(if maximize { Objective::Maximize } else { Objective::Minimize });
+        hyperparameters.validate().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Self { hyperparameters })
+    }
+}
+
+/// One parameter's tensors: `(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step)`, `step`
+/// being the step this update makes (≥ 1).
+#[derive(FromPyObject)]
+pub struct ParamState<'py> {
+    #[pyo3(item(0))]
+    param: Bound<'py, PyAny>,
+    #[pyo3(item(1))]
+    grad: Bound<'py, PyAny>,
+    #[pyo3(item(2))]
+    exp_avg: Bound<'py, PyAny>,
+    #[pyo3(item(3))]
+    exp_avg_sq: Bound<'py, PyAny>,
+    #[pyo3(item(4))]
+    max_exp_avg_sq: Option<Bound<'py, PyAny>>,
+    #[pyo3(item(5))]
+    step: u64,
+}
+
+/// A parameter's checked tensors.
+struct Checked {
+    param: TensorRef<f32>,
+    grad: TensorRef<f32>,
+    exp_avg: TensorRef<f32>,
+    exp_avg_sq: TensorRef<f32>,
+    max_exp_avg_sq: Option<TensorRef<f32>>,
+    step: u64,
+}
+
+fn cpu_only(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
+    match device_of(name, tensor)? {
+        TensorDevice::Cpu => Ok(()),
+        TensorDevice::Cuda(_) => Err(cuda_not_built(name)),
+    }
+}
+
+/// Any tensor's shape, as an expected shape: the other tensors of a parameter must match it.
+fn expected_shape(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<Vec<Option<usize>>> {
+    Ok(shape_of(name, tensor)?.into_iter().map(Some).collect())
+}
+
+impl Checked {
+    fn new(p: &ParamState<'_>, amsgrad: bool) -> PyResult<Self> {
+        cpu_only("param", &p.param)?;
+        let shape = expected_shape("param", &p.param)?;
+        let param = TensorRef::new("param", &p.param, &shape)?;
+        let grad = TensorRef::new("grad", &p.grad, &shape)?;
+        let exp_avg = TensorRef::new("exp_avg", &p.exp_avg, &shape)?;
+        let exp_avg_sq = TensorRef::new("exp_avg_sq", &p.exp_avg_sq, &shape)?;
+        let max_exp_avg_sq = match (&p.max_exp_avg_sq, amsgrad) {
+            (Some(m), true) => Some(TensorRef::new("max_exp_avg_sq", m, &shape)?),
+            (None, false) => None,
+            (Some(_), false) => return Err(PyValueError::new_err("max_exp_avg_sq: given without amsgrad")),
+            (None, true) => return Err(PyValueError::new_err("max_exp_avg_sq: amsgrad needs it")),
+        };
+        if p.step == 0 {
+            return Err(PyValueError::new_err("step: the step an update makes counts from 1, got 0"));
+        }
+        let mut outputs: Vec<Span> = vec![(&param).into(), (&exp_avg).into(), (&exp_avg_sq).into()];
+        outputs.extend(max_exp_avg_sq.iter().map(Span::from));
+        check_disjoint(&outputs, &[(&grad).into()])?;
+        Ok(Self { param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step: p.step })
+    }
+}
+
+/// Σ g² over every gradient, in f64 (non-finite when any element is NaN or ±∞: the step's
+/// skip check). Each tensor must be a contiguous fp32 CPU tensor.
+#[pyfunction]
+pub fn grad_sq_sum_all(py: Python<'_>, grads: Vec<Bound<'_, PyAny>>) -> PyResult<f64> {
+    let mut checked = Vec::with_capacity(grads.len());
+    for g in &grads {
+        cpu_only("grad", g)?;
+        checked.push(TensorRef::<f32>::new("grad", g, &expected_shape("grad", g)?)?);
+    }
+    Ok(py.detach(|| {
+        checked
+            .iter()
+            // SAFETY: each tensor is held by the caller's list for the call and only read.
+            .map(|g| grad_sq_sum(unsafe { g.as_slice() }))
+            .sum()
+    }))
+}
+
+/// One AdamW step of every parameter of every group, in place: `groups` is a list of
+/// `(options, params)`. Every tensor of every group is checked before any is written, so a bad
+/// one leaves all parameters and state untouched.
+#[pyfunction]
+pub fn adamw_step(
+    py: Python<'_>,
+    groups: Vec<(Bound<'_, AdamWOptions>, Vec<ParamState<'_>>)>,
+) -> PyResult<()> {
+    let mut checked = Vec::with_capacity(groups.len());
+    for (options, params) in &groups {
+        let hyperparameters = options.get().hyperparameters;
+        let amsgrad = hyperparameters.variant == Variant::AmsGrad;
+        let params = params.iter().map(|p| Checked::new(p, amsgrad)).collect::<PyResult<Vec<_>>>()?;
+        checked.push((hyperparameters, params));
+    }
+    py.detach(|| {
+        for (hyperparameters, params) in &checked {
+            for p in params {
+                let scalars = StepScalars::new(hyperparameters, p.step, 1.0);
+                // SAFETY: the caller holds every tensor for the call; `Checked::new` proved the
+                // four written tensors disjoint from each other and from the gradient, so the
+                // `&mut` are exclusive. Parameters are updated one after another: no two
+                // parameters' borrows coexist.
+                let (state, grad) = unsafe {
+                    let state = StateMut {
+                        param: p.param.as_mut_slice(),
+                        exp_avg: p.exp_avg.as_mut_slice(),
+                        exp_avg_sq: p.exp_avg_sq.as_mut_slice(),
+                        max_exp_avg_sq: p.max_exp_avg_sq.map_or(&mut [][..], |m| m.as_mut_slice()),
+                    };
+                    (state, p.grad.as_slice())
+                };
+                adamw_update::<f32, f32>(state, grad, ParamSink::None, &scalars);
+            }
+        }
+    });
+    Ok(())
+}

@@ -1,0 +1,29 @@
+//! # flatpeak-py — flatpeak for PyTorch
+//!
+//! The extension module `flatpeak._flatpeak` behind the `flatpeak` Python package
+//! (`flatpeak.torch.linear_cross_entropy`, `flatpeak.torch.StreamAdamW`). It reads torch
+//! tensors in place — each checked for device, dtype, shape, contiguity and alignment
+//! (`tensor.rs`), a wrong one a `TypeError`/`ValueError` naming the argument — and runs
+//! ring-dtp and stream-adamw on their storage with the GIL released. The autograd wiring
+//! (`torch.library.custom_op`) and the optimizer live in Python (`flatpeak/torch/`).
+//!
+//! Built by maturin (`pip install ./python`); its tests are `python/tests` (pytest).
+
+mod adamw;
+mod loss;
+mod tensor;
+
+use pyo3::prelude::*;
+
+/// The extension module.
+#[pymodule]
+fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<loss::LossOptions>()?;
+    m.add_function(wrap_pyfunction!(loss::lce_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(loss::lce_backward, m)?)?;
+    m.add("DEFAULT_BUDGET_BYTES", loss::DEFAULT_BUDGET_BYTES)?;
+    m.add_class::<adamw::AdamWOptions>()?;
+    m.add_function(wrap_pyfunction!(adamw::adamw_step, m)?)?;
+    m.add_function(wrap_pyfunction!(adamw::grad_sq_sum_all, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,286 @@
+//! `linear_cross_entropy` on torch tensors: ring-dtp's executor over the tensors' own storage.
+//!
+//! Forward writes the loss and the per-row lse into tensors the Python side allocated; backward
+//! writes dX, dW (and dbias) into fp32 tensors it allocated ([`ring_dtp::GradientsMut`]), so the
+//! only memory the call adds is the plan's working set, fixed by `budget_bytes` before any data
+//! is read. The GIL is released while the blocks run.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use ring_dtp::{
+    Budget, Config, DType, Device, GradOutput, GradientsMut, Inputs, LinearCrossEntropy, Loss, Matrix, Plan,
+    Reduction, Shape, Softcap, bf16,
+};
+
+use crate::tensor::{Span, TensorDevice, TensorRef, check_disjoint, cuda_not_built, device_of, shape_of};
+
+/// The default working-set budget: 64 MiB, ample for the GEMM-sized blocks at any shape.
+pub const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
+
+/// The loss's options, checked once (`flatpeak._flatpeak.LossOptions`).
+#[pyclass(frozen, module = "flatpeak._flatpeak")]
+#[derive(Debug, Clone, Copy)]
+pub struct LossOptions {
+    config: Config,
+    budget: Budget,
+}
+
+#[pymethods]
+impl LossOptions {
+    /// Options with torch's names and conventions; `softcap=None` is off.
+    #[new]
+    #[pyo3(signature = (*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None, budget_bytes=None))]
+    fn new(
+        ignore_index: i64,
+        reduction: &str,
+        label_smoothing: f64,
+        z_loss: f64,
+        softcap: Option<f64>,
+        budget_bytes: Option<usize>,
+    ) -> PyResult<Self> {
+        let reduction = match reduction {
+            "mean" => Reduction::Mean,
+            "sum" => Reduction::Sum,
+            "none" => Reduction::None,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "reduction: expected 'mean', 'sum' or 'none', got {other:?}"
+                )));
+            }
+        };
+        let softcap = softcap.map_or(Softcap::Off, |cap| Softcap::Tanh { cap: cap as f32 });
+        let config = Config::default()
+            .ignore_index(ignore_index)
+            .reduction(reduction)
+            .label_smoothing(label_smoothing as f32)
+            .z_loss(z_loss as f32)
+            .softcap(softcap);
+        config.validate().map_err(to_py)?;
+        if budget_bytes == Some(0) {
+            return Err(PyValueError::new_err("budget_bytes: expected a positive number of bytes, got 0"));
+        }
+        Ok(Self { config, budget: Budget::Bytes(budget_bytes.unwrap_or(DEFAULT_BUDGET_BYTES)) })
+    }
+
+    /// Bytes of the working set the plan reserves for this shape (`torch.float32` or
+    /// `torch.bfloat16` inputs), the bound the call's added memory keeps under.
+    fn workspace_bytes(&self, tokens: usize, hidden: usize, vocab: usize, bf16: bool) -> PyResult<usize> {
+        let dtype = if bf16 { DType::Bf16 } else { DType::F32 };
+        let shape = Shape { tokens, hidden, vocab, dtype };
+        Ok(Plan::new(&self.config, shape, self.budget).map_err(to_py)?.workspace_bytes())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("LossOptions({:?}, budget_bytes={})", self.config, self.budget.bytes())
+    }
+}
+
+/// ring-dtp's errors as Python's: every one a `ValueError` naming the offending values.
+pub fn to_py(e: ring_dtp::Error) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// X and W as one dtype, read in place.
+enum Operands {
+    F32(TensorRef<f32>, TensorRef<f32>),
+    Bf16(TensorRef<bf16>, TensorRef<bf16>),
+}
+
+/// One call's checked tensors: `(input, weight, target, bias, token_weights)`.
+struct Checked {
+    operands: Operands,
+    target: TensorRef<i64>,
+    bias: Option<TensorRef<f32>>,
+    weights: Option<TensorRef<f32>>,
+    shape: Shape,
+}
+
+impl Checked {
+    fn new(args: &TensorArgs<'_>) -> PyResult<Self> {
+        match device_of("input", &args.input)? {
+            TensorDevice::Cpu => {}
+            TensorDevice::Cuda(_) => return Err(cuda_not_built("input")),
+        }
+        let x_shape = shape_of("input", &args.input)?;
+        let w_shape = shape_of("weight", &args.weight)?;
+        let (&[n, d], &[v, dw]) = (x_shape.as_slice(), w_shape.as_slice()) else {
+            return Err(PyValueError::new_err(format!(
+                "input must be [tokens, hidden] and weight [vocab, hidden]: got {x_shape:?} and {w_shape:?}"
+            )));
+        };
+        if d != dw {
+            return Err(PyValueError::new_err(format!(
+                "hidden sizes differ: input is [{n}, {d}], weight is [{v}, {dw}]"
+            )));
+        }
+        let dtype: String = args.input.getattr("dtype")?.str()?.to_string();
+        let (operands, dtype) = match dtype.as_str() {
+            "torch.bfloat16" => (
+                Operands::Bf16(
+                    TensorRef::new("input", &args.input, &[Some(n), Some(d)])?,
+                    TensorRef::new("weight", &args.weight, &[Some(v), Some(d)])?,
+                ),
+                DType::Bf16,
+            ),
+            _ => (
+                Operands::F32(
+                    TensorRef::new("input", &args.input, &[Some(n), Some(d)])?,
+                    TensorRef::new("weight", &args.weight, &[Some(v), Some(d)])?,
+                ),
+                DType::F32,
+            ),
+        };
+        let target = TensorRef::new("target", &args.target, &[Some(n)])?;
+        let bias = args.bias.as_ref().map(|b| TensorRef::new("bias", b, &[Some(v)])).transpose()?;
+        let weights = args
+            .token_weights
+            .as_ref()
+            .map(|w| TensorRef::new("token_weights", w, &[Some(n)]))
+            .transpose()?;
+        Ok(Self { operands, target, bias, weights, shape: Shape { tokens: n, hidden: d, vocab: v, dtype } })
+    }
+
+    fn spans(&self) -> Vec<Span> {
+        let mut spans: Vec<Span> = match &self.operands {
+            Operands::F32(x, w) => vec![x.into(), w.into()],
+            Operands::Bf16(x, w) => vec![x.into(), w.into()],
+        };
+        spans.push((&self.target).into());
+        spans.extend(self.bias.iter().map(Span::from));
+        spans.extend(self.weights.iter().map(Span::from));
+        spans
+    }
+
+    /// The crate's inputs over the tensors' storage.
+    ///
+    /// # Safety
+    /// The tensors must outlive the returned borrow, and nothing may write them meanwhile (the
+    /// outputs were checked disjoint from them).
+    unsafe fn inputs(&self) -> Inputs<'_> {
+        // SAFETY: the caller keeps the tensors alive and unwritten for the borrow; each
+        // `TensorRef` was checked (CPU, contiguous, dtype, shape, alignment) in `new`.
+        let (x, w) = unsafe {
+            match &self.operands {
+                Operands::F32(x, w) => (Matrix::F32(x.as_slice()), Matrix::F32(w.as_slice())),
+                Operands::Bf16(x, w) => (Matrix::Bf16(x.as_slice()), Matrix::Bf16(w.as_slice())),
+            }
+        };
+        // SAFETY: as above.
+        let (targets, bias, weights) = unsafe {
+            (self.target.as_slice(), self.bias.map(|b| b.as_slice()), self.weights.map(|w| w.as_slice()))
+        };
+        let mut inputs = Inputs::new(x, w, targets, self.shape.hidden);
+        inputs.v = self.shape.vocab;
+        inputs.bias = bias;
+        inputs.weights = weights;
+        inputs
+    }
+}
+
+/// The tensors of one call, as Python passes them: `(input, weight, target, bias,
+/// token_weights)`.
+#[derive(FromPyObject)]
+pub struct TensorArgs<'py> {
+    #[pyo3(item(0))]
+    input: Bound<'py, PyAny>,
+    #[pyo3(item(1))]
+    weight: Bound<'py, PyAny>,
+    #[pyo3(item(2))]
+    target: Bound<'py, PyAny>,
+    #[pyo3(item(3))]
+    bias: Option<Bound<'py, PyAny>>,
+    #[pyo3(item(4))]
+    token_weights: Option<Bound<'py, PyAny>>,
+}
+
+fn executor(options: &LossOptions, shape: Shape) -> PyResult<LinearCrossEntropy> {
+    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
+    LinearCrossEntropy::new(options.config, plan, Device::Cpu).map_err(to_py)
+}
+
+/// Forward: writes the loss (a 0-dim fp32 tensor for mean and sum, `[N]` for none) and the
+/// per-row lse (`[N]` fp32) into `loss_out` and `lse_out`.
+#[pyfunction]
+pub fn lce_forward(
+    py: Python<'_>,
+    options: &LossOptions,
+    args: TensorArgs<'_>,
+    outputs: (Bound<'_, PyAny>, Bound<'_, PyAny>),
+) -> PyResult<()> {
+    let (loss_out, lse_out) = outputs;
+    let checked = Checked::new(&args)?;
+    let n = checked.shape.tokens;
+    let loss_shape: &[Option<usize>] =
+        if options.config.reduction == Reduction::None { &[Some(n)] } else { &[] };
+    let loss_out = TensorRef::<f32>::new("loss_out", &loss_out, loss_shape)?;
+    let lse_out = TensorRef::<f32>::new("lse_out", &lse_out, &[Some(n)])?;
+    check_disjoint(&[(&loss_out).into(), (&lse_out).into()], &checked.spans())?;
+    let mut lce = executor(options, checked.shape)?;
+    let forward = py.detach(|| {
+        // SAFETY: the caller's frame holds every tensor for this call; the outputs were checked
+        // disjoint from the inputs, so nothing writes what `inputs` reads.
+        let inputs = unsafe { checked.inputs() };
+        lce.forward(&inputs)
+    });
+    let forward = forward.map_err(to_py)?;
+    // SAFETY: `loss_out`/`lse_out` are checked fp32 CPU tensors of the right shape, alive in the
+    // caller's frame, disjoint from every other tensor of the call.
+    let (loss, lse) = unsafe { (loss_out.as_mut_slice(), lse_out.as_mut_slice()) };
+    lse.copy_from_slice(&forward.lse);
+    match forward.loss {
+        Loss::Scalar(l) => loss[0] = l as f32,
+        Loss::PerToken(per_token) => loss.copy_from_slice(&per_token),
+    }
+    Ok(())
+}
+
+/// Backward from forward's `lse`: `grad_loss` is the upstream gradient of the loss (0-dim for
+/// mean and sum, `[N]` for none) and `grad_lse` that of the lse output, if any; dX, dW (and
+/// dbias) are written into the fp32 tensors `grads_out`.
+#[pyfunction]
+#[pyo3(signature = (options, args, lse, upstream, grads_out))]
+pub fn lce_backward(
+    py: Python<'_>,
+    options: &LossOptions,
+    args: TensorArgs<'_>,
+    lse: Bound<'_, PyAny>,
+    upstream: (Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
+    grads_out: (Bound<'_, PyAny>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
+) -> PyResult<()> {
+    let checked = Checked::new(&args)?;
+    let Shape { tokens: n, hidden: d, vocab: v, .. } = checked.shape;
+    let lse = TensorRef::<f32>::new("lse", &lse, &[Some(n)])?;
+    let per_token = options.config.reduction == Reduction::None;
+    let grad_shape: &[Option<usize>] = if per_token { &[Some(n)] } else { &[] };
+    let grad_loss = TensorRef::<f32>::new("grad_output", &upstream.0, grad_shape)?;
+    let grad_lse =
+        upstream.1.as_ref().map(|g| TensorRef::<f32>::new("grad_lse", g, &[Some(n)])).transpose()?;
+    let dx = TensorRef::<f32>::new("dx", &grads_out.0, &[Some(n), Some(d)])?;
+    let dw = TensorRef::<f32>::new("dw", &grads_out.1, &[Some(v), Some(d)])?;
+    let dbias = grads_out.2.as_ref().map(|b| TensorRef::<f32>::new("dbias", b, &[Some(v)])).transpose()?;
+    if dbias.is_some() != checked.bias.is_some() {
+        return Err(PyValueError::new_err("dbias: expected exactly when there is a bias"));
+    }
+    let mut inputs_spans = checked.spans();
+    inputs_spans.extend([(&lse).into(), (&grad_loss).into()]);
+    inputs_spans.extend(grad_lse.iter().map(Span::from));
+    let mut out_spans = vec![(&dx).into(), (&dw).into()];
+    out_spans.extend(dbias.iter().map(Span::from));
+    check_disjoint(&out_spans, &inputs_spans)?;
+    let mut lce = executor(options, checked.shape)?;
+    let result = py.detach(|| {
+        // SAFETY: every tensor is held by the caller's frame for this call; the outputs were
+        // checked disjoint from each other and from every input, so the `&mut` are exclusive.
+        let (inputs, lse, grad_loss, grad_lse, out) = unsafe {
+            let out = GradientsMut {
+                dx: dx.as_mut_slice(),
+                dw: dw.as_mut_slice(),
+                dbias: dbias.map(|b| b.as_mut_slice()),
+            };
+            (checked.inputs(), lse.as_slice(), grad_loss.as_slice(), grad_lse.map(|g| g.as_slice()), out)
+        };
+        let grad = if per_token { GradOutput::PerToken(grad_loss) } else { GradOutput::Scalar(grad_loss[0]) };
+        lce.backward_into(&inputs, lse, (grad, grad_lse), out)
+    });
+    result.map_err(to_py)
+}

@@ -1,0 +1,195 @@
+//! The torch-tensor boundary: a tensor's storage read in place, after checking everything the
+//! borrow relies on.
+//!
+//! A [`TensorRef`] is taken from a live `torch.Tensor` only when it is on the CPU, contiguous,
+//! of the expected dtype and shape, and its data pointer is aligned for the element type. Its
+//! elements are then borrowed as a slice for the duration of one call, while the caller's frame
+//! holds the tensor (so its storage cannot be freed). Mutable borrows are taken only of tensors
+//! checked not to overlap any other tensor of the call ([`check_disjoint`]), so no `&mut`
+//! aliases another borrow.
+//!
+//! What cannot be checked from here — another Python thread resizing the tensor's storage
+//! during the call while the GIL is released — is the same contract every torch op has.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+/// An element type a tensor may hold, with torch's name for it.
+pub trait Element: Copy + Send + Sync + 'static {
+    /// `str(tensor.dtype)`.
+    const TORCH: &'static str;
+}
+
+impl Element for f32 {
+    const TORCH: &'static str = "torch.float32";
+}
+impl Element for half::bf16 {
+    const TORCH: &'static str = "torch.bfloat16";
+}
+impl Element for i64 {
+    const TORCH: &'static str = "torch.int64";
+}
+
+/// Where a tensor lives, as torch reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorDevice {
+    /// `device.type == "cpu"`.
+    Cpu,
+    /// `device.type == "cuda"`, with its index.
+    Cuda(usize),
+}
+
+/// The device of `tensor` (`name` for the error): CPU or CUDA, anything else a `ValueError`.
+pub fn device_of(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<TensorDevice> {
+    let device = tensor.getattr("device")?;
+    let kind: String = device.getattr("type")?.extract()?;
+    match kind.as_str() {
+        "cpu" => Ok(TensorDevice::Cpu),
+        "cuda" => Ok(TensorDevice::Cuda(device.getattr("index")?.extract::<Option<usize>>()?.unwrap_or(0))),
+        other => Err(PyValueError::new_err(format!(
+            "{name}: a tensor on `{other}`; flatpeak runs on cpu (and on cuda when built with the `cuda` feature)"
+        ))),
+    }
+}
+
+/// The error for a CUDA tensor: this build of the package runs CPU tensors only.
+pub fn cuda_not_built(name: &str) -> PyErr {
+    PyValueError::new_err(format!(
+        "{name} is a CUDA tensor, but this build of flatpeak's PyTorch package runs CPU tensors \
+         only (the CUDA path of the Rust crates is not bound to torch tensors yet); move the \
+         tensors to the CPU, or call the crates' CUDA executors from Rust"
+    ))
+}
+
+/// The shape of `tensor` (argument `name`), which must be a `torch.Tensor` (else `TypeError`).
+pub fn shape_of(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let torch_tensor = tensor.py().import("torch")?.getattr("Tensor")?;
+    if !tensor.is_instance(&torch_tensor)? {
+        let kind = tensor.get_type().name()?;
+        return Err(PyTypeError::new_err(format!("{name}: expected a torch.Tensor, got {kind}")));
+    }
+    tensor.getattr("shape")?.extract()
+}
+
+/// A checked CPU tensor's element range: start pointer and element count.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorRef<T> {
+    ptr: *mut T,
+    len: usize,
+    name: &'static str,
+}
+
+// SAFETY: a `TensorRef` is a pointer into a tensor's storage that the caller's frame keeps alive
+// for the call; sending it to the threads of the call (with the GIL released) moves no
+// ownership, and every access goes through `as_slice`/`as_mut_slice`, whose contracts hold on
+// any thread.
+unsafe impl<T: Send> Send for TensorRef<T> {}
+// SAFETY: a shared `&TensorRef` hands out nothing but the pointer behind the `unsafe` accessors,
+// whose callers uphold the aliasing rules whichever thread they run on.
+unsafe impl<T: Sync> Sync for TensorRef<T> {}
+
+impl<T: Element> TensorRef<T> {
+    /// Checks `tensor` (a `torch.Tensor`, argument `name`) is a contiguous CPU tensor of `T`
+    /// whose shape is `shape` (`None` for a dimension: any size), and returns its storage.
+    pub fn new(name: &'static str, tensor: &Bound<'_, PyAny>, shape: &[Option<usize>]) -> PyResult<Self> {
+        let sizes = shape_of(name, tensor)?;
+        let dtype = tensor.getattr("dtype")?.str()?.to_string();
+        if dtype != T::TORCH {
+            return Err(PyTypeError::new_err(format!("{name}: expected dtype {}, got {dtype}", T::TORCH)));
+        }
+        match device_of(name, tensor)? {
+            TensorDevice::Cpu => {}
+            TensorDevice::Cuda(_) => {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: expected a cpu tensor (the other arguments are on the cpu), got a cuda one"
+                )));
+            }
+        }
+        let matches =
+            sizes.len() == shape.len() && sizes.iter().zip(shape).all(|(&s, e)| e.is_none_or(|e| e == s));
+        if !matches {
+            let want: Vec<String> =
+                shape.iter().map(|e| e.map_or("*".to_owned(), |e| e.to_string())).collect();
+            return Err(PyValueError::new_err(format!(
+                "{name}: expected shape [{}], got {sizes:?}",
+                want.join(", ")
+            )));
+        }
+        if !tensor.call_method0("is_contiguous")?.extract::<bool>()? {
+            return Err(PyValueError::new_err(format!(
+                "{name}: expected a contiguous tensor (call .contiguous()), got strides {:?}",
+                tensor.call_method0("stride")?.extract::<Vec<isize>>()?
+            )));
+        }
+        let len: usize = sizes.iter().product();
+        let address: usize = tensor.call_method0("data_ptr")?.extract()?;
+        if len > 0 && (address == 0 || !address.is_multiple_of(std::mem::align_of::<T>())) {
+            return Err(PyValueError::new_err(format!(
+                "{name}: data pointer {address:#x} is not aligned for {}",
+                T::TORCH
+            )));
+        }
+        // An empty tensor may have a null data pointer: its slice is the empty one.
+        let ptr = if len == 0 { std::ptr::NonNull::<T>::dangling().as_ptr() } else { address as *mut T };
+        Ok(Self { ptr, len, name })
+    }
+
+    /// The byte range of the storage, for overlap checks.
+    fn bytes(&self) -> std::ops::Range<usize> {
+        let start = self.ptr as usize;
+        start..start + self.len * std::mem::size_of::<T>()
+    }
+
+    /// The elements, read.
+    ///
+    /// # Safety
+    /// The tensor this was taken from must stay alive and unresized for the slice's lifetime,
+    /// and no `&mut` to an overlapping range may exist meanwhile.
+    pub unsafe fn as_slice<'a>(&self) -> &'a [T] {
+        // SAFETY: `new` checked the pointer is non-null (or dangling for 0 elements) and aligned
+        // for `T`, and that the tensor is contiguous with `len` elements of `T` from it; the
+        // caller guarantees the storage lives and is not written through another borrow.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The elements, written.
+    ///
+    /// # Safety
+    /// As [`as_slice`](Self::as_slice), and no other borrow of an overlapping range may exist:
+    /// [`check_disjoint`] must have passed for every tensor of the call.
+    pub unsafe fn as_mut_slice<'a>(&self) -> &'a mut [T] {
+        // SAFETY: as in `as_slice`; exclusivity is the caller's `check_disjoint`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// A named byte range, for [`check_disjoint`].
+#[derive(Debug, Clone)]
+pub struct Span {
+    name: &'static str,
+    bytes: std::ops::Range<usize>,
+}
+
+impl<T: Element> From<&TensorRef<T>> for Span {
+    fn from(t: &TensorRef<T>) -> Self {
+        Span { name: t.name, bytes: t.bytes() }
+    }
+}
+
+/// Checks that each output overlaps no other tensor of the call (input or output): the
+/// condition for its `&mut` slice to be exclusive.
+pub fn check_disjoint(outputs: &[Span], inputs: &[Span]) -> PyResult<()> {
+    for (i, out) in outputs.iter().enumerate() {
+        let others = outputs.iter().skip(i + 1).chain(inputs);
+        for other in others {
+            let overlap = out.bytes.start < other.bytes.end && other.bytes.start < out.bytes.end;
+            if overlap && !out.bytes.is_empty() && !other.bytes.is_empty() {
+                return Err(PyValueError::new_err(format!(
+                    "{} shares memory with {}: an output must not alias another tensor",
+                    out.name, other.name
+                )));
+            }
+        }
+    }
+    Ok(())
+}

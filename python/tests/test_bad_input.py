@@ -1,0 +1,130 @@
+"""Bad input is a Python exception naming the offending values; nothing crashes the interpreter."""
+
+import pytest
+import torch
+
+from flatpeak import _flatpeak as ext
+from flatpeak.torch import StreamAdamW, linear_cross_entropy
+
+N, D, V = 9, 4, 11
+
+
+def inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, D, generator=g).to(dtype)
+    w = torch.randn(V, D, generator=g).to(dtype)
+    t = torch.randint(0, V, (N,), generator=g)
+    return x, w, t
+
+
+def test_wrong_dtypes_are_type_errors_naming_the_argument():
+    x, w, t = inputs()
+    with pytest.raises(TypeError, match=r"weight: expected dtype torch.float32, got torch.bfloat16"):
+        linear_cross_entropy(x, w.bfloat16(), t)
+    with pytest.raises(TypeError, match=r"input: expected dtype torch.float32, got torch.float64"):
+        linear_cross_entropy(x.double(), w, t)
+    with pytest.raises(TypeError, match=r"target: expected dtype torch.int64, got torch.int32"):
+        linear_cross_entropy(x, w, t.int())
+    with pytest.raises(TypeError, match=r"bias: expected dtype torch.float32"):
+        linear_cross_entropy(x, w, t, torch.zeros(V, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"token_weights: expected dtype torch.float32"):
+        linear_cross_entropy(x, w, t, token_weights=torch.ones(N, dtype=torch.float64))
+
+
+def test_non_contiguous_is_a_value_error():
+    x, w, t = inputs()
+    with pytest.raises(ValueError, match=r"weight: expected a contiguous tensor"):
+        linear_cross_entropy(x, w.t().contiguous().t(), t)
+    with pytest.raises(ValueError, match=r"input: expected a contiguous tensor"):
+        linear_cross_entropy(torch.randn(D, N).t(), w, t)
+    with pytest.raises(ValueError, match=r"input: expected a contiguous tensor"):
+        linear_cross_entropy(torch.randn(3, D, 3).transpose(1, 2), w, t[:9].reshape(3, 3))
+
+
+def test_targets_out_of_range_name_the_token_and_value():
+    x, w, t = inputs()
+    t[5] = V
+    with pytest.raises(ValueError, match=rf"target {V} of token 5 is outside 0..{V}"):
+        linear_cross_entropy(x, w, t)
+    t[5] = -7
+    with pytest.raises(ValueError, match=r"target -7 of token 5"):
+        linear_cross_entropy(x, w, t)
+
+
+def test_shape_mismatches_are_value_errors():
+    x, w, t = inputs()
+    with pytest.raises(ValueError, match=r"hidden sizes differ"):
+        linear_cross_entropy(x, torch.randn(V, D + 1), t)
+    with pytest.raises(ValueError, match=r"target: expected shape \[9\], got \[8\]"):
+        linear_cross_entropy(x, w, t[:8])
+    with pytest.raises(ValueError, match=r"bias: expected shape \[11\], got \[10\]"):
+        linear_cross_entropy(x, w, t, torch.zeros(V - 1))
+    with pytest.raises(ValueError, match=r"input must be \[tokens, hidden\]"):
+        linear_cross_entropy(x.reshape(-1), w, t)
+
+
+def test_bad_options_and_weights_are_value_errors():
+    x, w, t = inputs()
+    with pytest.raises(ValueError, match=r"reduction"):
+        linear_cross_entropy(x, w, t, reduction="avg")
+    with pytest.raises(ValueError, match=r"label_smoothing"):
+        linear_cross_entropy(x, w, t, label_smoothing=-0.1)
+    with pytest.raises(ValueError, match=r"softcap"):
+        linear_cross_entropy(x, w, t, softcap=0.0)
+    tw = torch.ones(N)
+    tw[3] = float("nan")
+    with pytest.raises(ValueError, match=r"weight NaN of token 3"):
+        linear_cross_entropy(x, w, t, token_weights=tw)
+
+
+def test_a_tensor_on_another_device_is_a_value_error():
+    x, w, t = inputs()
+    options = ext.LossOptions()
+    loss, lse = torch.empty(()), torch.empty(N)
+    with pytest.raises(ValueError, match=r"weight: .*on `meta`|weight: a tensor on `meta`"):
+        ext.lce_forward(options, (x, w.to("meta"), t, None, None), (loss, lse))
+    with pytest.raises(TypeError, match=r"expected a torch.Tensor, got list"):
+        ext.lce_forward(options, (x, [1.0], t, None, None), (loss, lse))
+
+
+def test_cuda_tensors_are_a_clear_error():
+    x, w, t = inputs()
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the message is checked where one exists")
+    with pytest.raises(ValueError, match=r"input is a CUDA tensor.*CPU tensors only"):
+        linear_cross_entropy(x.cuda(), w.cuda(), t.cuda())
+
+
+def test_outputs_aliasing_inputs_are_refused():
+    x, w, t = inputs()
+    lse_is_x = x.reshape(-1)[:N]
+    with pytest.raises(ValueError, match=r"lse_out shares memory with input"):
+        ext.lce_forward(ext.LossOptions(), (x, w, t, None, None), (torch.empty(()), lse_is_x))
+
+
+def test_stream_adamw_bad_parameters():
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt = StreamAdamW([p])
+    p.grad = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"(param|grad): expected dtype torch.float32, got torch.float64"):
+        opt.step()
+    q = torch.nn.Parameter(torch.ones(4, 4))
+    opt = StreamAdamW([q])
+    q.grad = torch.ones(4, 4).t()  # non-contiguous gradient
+    with pytest.raises(ValueError, match=r"grad: expected a contiguous tensor"):
+        opt.step()
+    assert torch.equal(q.detach(), torch.ones(4, 4))
+
+
+def test_stream_adamw_checks_every_group_before_writing_any():
+    good = torch.nn.Parameter(torch.ones(5))
+    bad = torch.nn.Parameter(torch.ones(5))
+    opt = StreamAdamW([{"params": [good]}, {"params": [bad]}], lr=0.1)
+    good.grad, bad.grad = torch.ones(5), torch.ones(5)
+    opt.step()
+    before = good.detach().clone()
+    opt.state[bad]["exp_avg"] = torch.zeros(6)  # a corrupt state tensor, in the second group
+    with pytest.raises(ValueError, match=r"exp_avg: expected shape \[5\], got \[6\]"):
+        opt.step()
+    assert torch.equal(good.detach(), before)
+    assert int(opt.state[good]["step"].item()) == 1

@@ -1,0 +1,220 @@
+"""flatpeak.torch.linear_cross_entropy against torch itself: loss and gradients against
+``F.cross_entropy(F.linear(...))`` in float64 (or the formula composed in torch ops where torch
+has no such option), opcheck, and torch.compile."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flatpeak.torch import LinearCrossEntropyLoss, linear_cross_entropy
+
+# V is not a multiple of any block; N and D odd-sized too.
+N, D, V = 67, 48, 1003
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def rel(a, b):
+    """Normwise relative error max|a - b| / max|b| (b nonzero) or max|a| (b all zero)."""
+    a, b = a.double(), b.double()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def make(seed, dtype=torch.float32, ignore="some", bias=False, weights=False, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g) * 1.5
+    w = torch.randn(V, D, generator=g) * 0.2
+    b = torch.randn(V, generator=g) * 0.5 if bias else None
+    t = torch.randint(0, V, (N,), generator=g)
+    if ignore == "some":
+        t[::4] = -100
+    elif ignore == "all":
+        t[:] = -100
+    tw = torch.rand(N, generator=g) + 0.25 if weights else None
+    cast = lambda v: None if v is None else v.to(dtype).to(device)  # noqa: E731
+    return cast(x), cast(w), t.to(device), cast(b), None if tw is None else tw.to(device)
+
+
+def reference(x, w, t, b, *, reduction, label_smoothing=0.0, z_loss=0.0, softcap=None, token_weights=None,
+              ignore_index=-100):
+    """The loss in float64 torch ops: F.cross_entropy(F.linear(...)) itself when torch has every
+    option, else the formula composed from F.cross_entropy(reduction='none') and logsumexp."""
+    logits = F.linear(x, w, b)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    valid = t != ignore_index
+    plain = z_loss == 0 and token_weights is None
+    if plain and (reduction != "mean" or valid.any()):
+        return F.cross_entropy(logits, t, reduction=reduction, ignore_index=ignore_index,
+                               label_smoothing=label_smoothing)
+    per = F.cross_entropy(logits, t, reduction="none", ignore_index=ignore_index, label_smoothing=label_smoothing)
+    per = per + z_loss * torch.logsumexp(logits, -1) ** 2 * valid
+    tw = torch.ones_like(per) if token_weights is None else token_weights.double()
+    per = per * tw
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return per.sum()
+    denom = (tw * valid).sum()
+    return per.sum() / denom if denom > 0 else per.sum() * 0.0
+
+
+def grads_of(loss_fn, tensors, upstream=None):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    loss = loss_fn(*leaves)
+    (loss if upstream is None else (loss * upstream).sum()).backward()
+    return loss.detach(), [leaf.grad for leaf in leaves]
+
+
+CASES = list(itertools.product(["mean", "sum", "none"], ["none", "some", "all"], [0.0, 0.1], [False, True],
+                               [False, True]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction,ignore,label_smoothing,bias,weights", CASES)
+def test_f32_matches_torch_f64(device, reduction, ignore, label_smoothing, bias, weights):
+    x, w, t, b, tw = make(1, ignore=ignore, bias=bias, weights=weights, device=device)
+    params = [x, w] + ([b] if bias else [])
+    # A non-uniform upstream gradient for reduction none (a known bug class of fused losses).
+    up = torch.linspace(-1.0, 2.0, N, device=device) if reduction == "none" else None
+
+    def ours(x, w, b=None):
+        return linear_cross_entropy(x, w, t, b, reduction=reduction, label_smoothing=label_smoothing,
+                                    token_weights=tw)
+
+    def theirs(x, w, b=None):
+        return reference(x, w, t, b, reduction=reduction, label_smoothing=label_smoothing, token_weights=tw)
+
+    loss, grads = grads_of(ours, params, up)
+    ref_loss, ref_grads = grads_of(theirs, [p.double() for p in params], None if up is None else up.double())
+    assert loss.dtype == torch.float32
+    assert rel(loss, ref_loss) <= 1e-5
+    assert rel(grads[0], ref_grads[0]) <= 1e-5  # dx
+    for g, r in zip(grads[1:], ref_grads[1:]):  # dw, dbias
+        assert rel(g, r) <= 1e-4
+    if ignore == "all":
+        assert loss.abs().max() == 0 and all(g.abs().max() == 0 for g in grads)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("softcap,z_loss", [(None, 1e-3), (15.0, 0.0), (5.0, 1e-2)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_softcap_and_z_loss_match_the_composed_formula(device, softcap, z_loss, reduction):
+    x, w, t, b, tw = make(2, bias=True, weights=True, device=device)
+    up = torch.linspace(0.5, -1.5, N, device=device) if reduction == "none" else None
+    kw = dict(reduction=reduction, label_smoothing=0.05, z_loss=z_loss, softcap=softcap, token_weights=tw)
+    loss, grads = grads_of(lambda x, w, b: linear_cross_entropy(x, w, t, b, **kw), [x, w, b], up)
+    ref, ref_grads = grads_of(lambda x, w, b: reference(x, w, t, b, **kw), [x.double(), w.double(), b.double()],
+                              None if up is None else up.double())
+    assert rel(loss, ref) <= 1e-5
+    assert rel(grads[0], ref_grads[0]) <= 1e-5
+    assert max(rel(grads[1], ref_grads[1]), rel(grads[2], ref_grads[2])) <= 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_return_lse_and_its_gradient(device):
+    x, w, t, b, _ = make(3, bias=True, device=device)
+    h = torch.linspace(-0.3, 0.7, N, device=device)
+
+    def ours(x, w, b):
+        loss, lse = linear_cross_entropy(x, w, t, b, return_lse=True, z_loss=1e-3)
+        return loss + (lse * h).sum()
+
+    def theirs(x, w, b):
+        lse = torch.logsumexp(F.linear(x, w, b), -1)
+        return reference(x, w, t, b, reduction="mean", z_loss=1e-3) + (lse * h.double()).sum()
+
+    loss, grads = grads_of(ours, [x, w, b])
+    ref, ref_grads = grads_of(theirs, [x.double(), w.double(), b.double()])
+    assert rel(loss, ref) <= 1e-5
+    assert rel(grads[0], ref_grads[0]) <= 1e-5
+    assert max(rel(grads[1], ref_grads[1]), rel(grads[2], ref_grads[2])) <= 1e-4
+    _, lse = linear_cross_entropy(x, w, t, b, return_lse=True)
+    assert lse.dtype == torch.float32 and rel(lse, torch.logsumexp(F.linear(x, w, b).double(), -1)) <= 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_no_worse_than_torch_bf16(device, reduction, bias):
+    x, w, t, b, _ = make(4, dtype=torch.bfloat16, bias=bias, device=device)
+    params = [x, w] + ([b] if bias else [])
+    up = torch.linspace(-1.0, 1.0, N, device=device) if reduction == "none" else None
+
+    def ours(x, w, b=None):
+        return linear_cross_entropy(x, w, t, b, reduction=reduction, label_smoothing=0.1)
+
+    def theirs(x, w, b=None):
+        return F.cross_entropy(F.linear(x, w, b), t, reduction=reduction, label_smoothing=0.1)
+
+    loss, grads = grads_of(ours, params, None if up is None else up.bfloat16())
+    torch_loss, torch_grads = grads_of(theirs, params, None if up is None else up.bfloat16())
+    ref, ref_grads = grads_of(theirs, [p.double() for p in params], None if up is None else up.double())
+    assert loss.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    assert rel(loss, ref) <= rel(torch_loss, ref) + 1e-2
+    for g, tg, r in zip(grads, torch_grads, ref_grads):
+        assert rel(g, r) <= rel(tg, r) + 1e-2
+
+
+def test_batch_seq_input_is_flattened():
+    x, w, t, b, tw = make(5, bias=True, weights=True)
+    x3, t3, tw3 = x[:66].reshape(6, 11, D), t[:66].reshape(6, 11), tw[:66].reshape(6, 11)
+    flat = linear_cross_entropy(x[:66], w, t[:66], b, reduction="none", token_weights=tw[:66])
+    per = linear_cross_entropy(x3, w, t3, b, reduction="none", token_weights=tw3)
+    assert per.shape == (6, 11) and torch.equal(per.reshape(-1), flat)
+    loss, lse = linear_cross_entropy(x3, w, t3, b, return_lse=True)
+    assert loss.shape == () and lse.shape == (6, 11)
+
+
+def test_module_wraps_the_function():
+    x, w, t, b, _ = make(6, bias=True)
+    module = LinearCrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4)
+    assert torch.equal(module(x, w, t, b), linear_cross_entropy(x, w, t, b, label_smoothing=0.1, z_loss=1e-4))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        LinearCrossEntropyLoss(label_smoothing=1.5)
+
+
+def test_budget_bounds_the_working_set_and_not_the_result():
+    x, w, t, b, _ = make(7, bias=True)
+    small = linear_cross_entropy(x, w, t, b, budget_bytes=64 << 10)
+    large = linear_cross_entropy(x, w, t, b, budget_bytes=1 << 30)
+    assert rel(small, large) <= 1e-6
+    with pytest.raises(ValueError, match="budget"):
+        linear_cross_entropy(x, w, t, b, budget_bytes=256)
+
+
+def _op_args(bias=True, weights=True, reduction="mean"):
+    x, w, t, b, tw = make(8, bias=bias, weights=weights)
+    return x.requires_grad_(), w.requires_grad_(), t, None if b is None else b.requires_grad_(), tw, \
+        -100, reduction, 0.1, 1e-3, None, None
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck_both_ops(reduction, bias):
+    args = _op_args(bias=bias, reduction=reduction)
+    torch.library.opcheck(torch.ops.flatpeak.linear_cross_entropy_forward.default, args)
+    x, w, t, b, tw, *opts = args
+    loss, lse = torch.ops.flatpeak.linear_cross_entropy_forward(*args)
+    grad = torch.linspace(-1, 1, N) if reduction == "none" else torch.tensor(1.0)
+    back = (grad, torch.linspace(0, 1, N), x.detach(), w.detach(), t, None if b is None else b.detach(), tw,
+            lse.detach(), *opts)
+    torch.library.opcheck(torch.ops.flatpeak.linear_cross_entropy_backward.default, back)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    x, w, t, b, tw = make(9, bias=True, weights=True)  # ignored targets present
+
+    def step(x, w, b):
+        loss, lse = linear_cross_entropy(x, w, t, b, label_smoothing=0.1, z_loss=1e-3, token_weights=tw,
+                                         return_lse=True)
+        return loss + 1e-2 * lse.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    eager_loss, eager_grads = grads_of(step, [x, w, b])
+    compiled_loss, compiled_grads = grads_of(compiled, [x, w, b])
+    assert torch.equal(eager_loss, compiled_loss)
+    for e, c in zip(eager_grads, compiled_grads):
+        assert torch.equal(e, c)

@@ -1,0 +1,167 @@
+"""flatpeak.torch.StreamAdamW against torch.optim.AdamW(foreach=False) itself."""
+
+import copy
+
+import pytest
+import torch
+
+from flatpeak.torch import StreamAdamW
+
+STEPS = 20
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def make_params(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(37, 29, generator=g), torch.randn(1003, generator=g), torch.randn(5, 3, 7, generator=g)]
+
+
+def groups_of(params, amsgrad, maximize):
+    return [
+        {"params": params[:2], "weight_decay": 0.05, "amsgrad": amsgrad, "maximize": maximize},
+        {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0,
+         "amsgrad": amsgrad, "maximize": maximize},
+    ]
+
+
+def set_grads(params, step, seed=100):
+    g = torch.Generator().manual_seed(seed + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * (0.1 + step * 0.05)
+
+
+def compare_state(ours, theirs, params_ours, params_theirs):
+    """Max relative error over parameters and every state tensor; also whether all are bitwise equal."""
+    worst, bitwise = 0.0, True
+    for po, pt in zip(params_ours, params_theirs):
+        worst = max(worst, rel(po, pt))
+        bitwise &= torch.equal(po, pt)
+        so, st = ours.state[po], theirs.state[pt]
+        assert so["step"].item() == st["step"].item()
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert (key in so) == (key in st), key
+            if key in so:
+                worst = max(worst, rel(so[key], st[key]))
+                bitwise &= torch.equal(so[key], st[key])
+    return worst, bitwise
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_matches_torch_adamw_over_20_steps_with_a_schedule(amsgrad, maximize):
+    ours_p, theirs_p = make_params(0), make_params(0)
+    ours = StreamAdamW(groups_of(ours_p, amsgrad, maximize), lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(groups_of(theirs_p, amsgrad, maximize), lr=1e-2, weight_decay=0.1, foreach=False)
+    schedule = lambda step: 1.0 / (1 + 0.3 * step)  # noqa: E731
+    sched_ours = torch.optim.lr_scheduler.LambdaLR(ours, schedule)
+    sched_theirs = torch.optim.lr_scheduler.LambdaLR(theirs, schedule)
+    for step in range(STEPS):
+        set_grads(ours_p, step)
+        set_grads(theirs_p, step)
+        result = ours.step()
+        theirs.step()
+        sched_ours.step()
+        sched_theirs.step()
+        assert not result.skipped
+        # Not bitwise: torch's CPU kernels fuse some multiply-adds (see stream-adamw's cpu.rs);
+        # python/bench/bench_torch.py measures how far apart the two end up.
+        worst, _ = compare_state(ours, theirs, ours_p, theirs_p)
+        assert worst <= 1e-6, f"step {step}: {worst}"
+    assert ours.param_groups[1]["lr"] == theirs.param_groups[1]["lr"]
+
+
+def test_one_cycle_lr_drives_it():
+    params = make_params(1)
+    opt = StreamAdamW(params, lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    lrs = []
+    for step in range(10):
+        set_grads(params, step)
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert len(set(lrs)) > 5
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_state_dict_round_trips_both_ways(amsgrad):
+    # torch -> flatpeak: load torch's state after 5 steps, continue both 5 more.
+    ours_p, theirs_p = make_params(2), make_params(2)
+    theirs = torch.optim.AdamW(groups_of(theirs_p, amsgrad, False), lr=1e-2, foreach=False)
+    for step in range(5):
+        set_grads(theirs_p, step)
+        theirs.step()
+    with torch.no_grad():
+        for po, pt in zip(ours_p, theirs_p):
+            po.copy_(pt)
+    ours = StreamAdamW(groups_of(ours_p, amsgrad, False), lr=1e-2)
+    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    for step in range(5, 10):
+        set_grads(ours_p, step)
+        set_grads(theirs_p, step)
+        ours.step()
+        theirs.step()
+    worst, _ = compare_state(ours, theirs, ours_p, theirs_p)
+    assert worst <= 1e-6
+
+    # flatpeak -> torch: a fresh torch AdamW loads ours and continues identically.
+    again_p = [p.detach().clone() for p in ours_p]
+    again = torch.optim.AdamW(groups_of(again_p, amsgrad, False), lr=1e-2, foreach=False)
+    again.load_state_dict(copy.deepcopy(ours.state_dict()))
+    for step in range(10, 13):
+        set_grads(ours_p, step)
+        set_grads(again_p, step)
+        ours.step()
+        again.step()
+    worst, _ = compare_state(ours, again, ours_p, again_p)
+    assert worst <= 1e-6
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_gradient_skips_the_step_and_touches_nothing(bad):
+    params = make_params(3)
+    opt = StreamAdamW(groups_of(params, True, False), lr=1e-2)
+    for step in range(3):
+        set_grads(params, step)
+        opt.step()
+    before_params = [p.detach().clone() for p in params]
+    before_state = copy.deepcopy(opt.state_dict())
+    set_grads(params, 3)
+    params[2].grad[1, 2, 3] = bad  # in the second group: the first must not have moved either
+    result = opt.step()
+    assert result.skipped and opt.skipped_steps == 1
+    assert all(torch.equal(p, b) for p, b in zip(params, before_params))
+    after = opt.state_dict()
+    for key, state in before_state["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, after["state"][key][name]), name
+    set_grads(params, 4)
+    assert not opt.step().skipped
+
+
+def test_closure_loss_is_returned():
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = StreamAdamW([w])
+
+    def closure():
+        opt.zero_grad()
+        loss = (w * w).sum()
+        loss.backward()
+        return loss
+
+    result = opt.step(closure)
+    assert result.loss.item() == 4.0 and not result.skipped
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"lr": -1.0}, "lr"), ({"betas": (1.0, 0.999)}, "beta1"), ({"eps": 0.0}, "eps"),
+    ({"weight_decay": float("nan")}, "weight_decay"),
+])
+def test_bad_hyperparameters_are_value_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StreamAdamW([torch.nn.Parameter(torch.ones(3))], **kwargs)
