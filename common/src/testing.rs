@@ -138,3 +138,73 @@ mod tests {
         assert_eq!(proptest_config(7).cases, expected);
     }
 }
+
+/// A communicator that fails its `fail_at`-th operation (counting from 0) and every one after
+/// with a typed error: fault injection for the schedules that run over a [`Communicator`] (a
+/// rank dying at a chosen step of a ring or a dispatch round). Dropping it drops the wrapped
+/// endpoint, so the peers learn at once that this rank is gone.
+#[derive(Debug)]
+pub struct FaultyComm<C> {
+    inner: C,
+    ops: std::sync::atomic::AtomicUsize,
+    fail_at: usize,
+}
+
+impl<C: crate::Communicator> FaultyComm<C> {
+    /// `inner`, failing from its `fail_at`-th operation on (`usize::MAX`: never).
+    pub fn new(inner: C, fail_at: usize) -> Self {
+        Self { inner, ops: std::sync::atomic::AtomicUsize::new(0), fail_at }
+    }
+
+    /// Operations attempted so far (failed ones included).
+    pub fn ops(&self) -> usize {
+        self.ops.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn next(&self) -> crate::Result<()> {
+        let op = self.ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if op >= self.fail_at {
+            return Err(crate::Error::invalid_config(
+                "injected fault",
+                op,
+                "a communicator operation that succeeds",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl<C: crate::Communicator> crate::Communicator for FaultyComm<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn send_bytes(&self, peer: usize, data: &[u8]) -> crate::Result<()> {
+        self.next()?;
+        self.inner.send_bytes(peer, data)
+    }
+    fn recv_bytes(&self, peer: usize, out: &mut [u8]) -> crate::Result<()> {
+        self.next()?;
+        self.inner.recv_bytes(peer, out)
+    }
+    fn all_to_all_v_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> crate::Result<()> {
+        self.next()?;
+        self.inner.all_to_all_v_bytes(send, send_counts, recv, recv_counts)
+    }
+    fn all_reduce_f32(&self, buf: &mut [f32], op: crate::ReduceOp) -> crate::Result<()> {
+        self.next()?;
+        self.inner.all_reduce_f32(buf, op)
+    }
+    fn barrier(&self) -> crate::Result<()> {
+        self.next()?;
+        self.inner.barrier()
+    }
+}

@@ -356,3 +356,64 @@ fn misuse_is_a_typed_error() {
     });
     assert!(run.iter().all(|r| matches!(r, Ok(Err(Error::UnsupportedDtype { dtype: DType::Bf16 })))));
 }
+
+/// Fault injection: one rank's communicator fails at each of its operations in turn (routing
+/// exchange, dispatch rounds, combine, backward). The failing rank returns the injected error,
+/// every rank returns (a short group timeout fails a hang), and a run on a fresh group
+/// afterwards matches the reference.
+#[test]
+fn a_rank_failing_at_any_dispatch_step_fails_promptly_and_the_next_run_is_exact() {
+    use flatpeak_common::testing::FaultyComm;
+    use flatpeak_common::{Communicator, Device, LocalGroup, LocalGroupOptions};
+    let problem = Problem::new(shape(4, 2), Ids::Random, 41);
+    let config = small_config(Scheme::PipelinedLlep);
+    let options = LocalGroupOptions::with_timeout(std::time::Duration::from_secs(20));
+    for failing in 0..4 {
+        let mut fail_at = 0;
+        loop {
+            let endpoints = LocalGroup::endpoints(4, options).expect("group");
+            let results: Vec<llep::Result<usize>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = endpoints
+                    .into_iter()
+                    .map(|comm| {
+                        let (problem, config) = (&problem, &config);
+                        scope.spawn(move || {
+                            let me = comm.rank();
+                            let comm =
+                                FaultyComm::new(comm, if me == failing { fail_at } else { usize::MAX });
+                            let inputs = problem.inputs(me);
+                            let launch = llep::Plan::new(config, problem.shape, llep::Budget::Unlimited)?;
+                            let mut layer = llep::Executor::new(launch, Device::Cpu)?;
+                            let plan = layer.schedule(&comm, &inputs.routing)?;
+                            layer.forward(&comm, &plan, &inputs)?;
+                            layer.backward(&comm, &plan, &inputs, &problem.dy[me])?;
+                            Ok(comm.ops())
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+            });
+            let what = format!("rank {failing} failing at operation {fail_at}");
+            match &results[failing] {
+                Ok(ops) => {
+                    assert!(*ops <= fail_at && fail_at > 2, "{what}");
+                    assert!(results.iter().all(|r| r.is_ok()), "{what}");
+                    break;
+                }
+                Err(e) => assert!(
+                    matches!(
+                        e,
+                        llep::Error::Common(flatpeak_common::Error::InvalidConfig {
+                            field: "injected fault",
+                            ..
+                        })
+                    ),
+                    "{what}: {e:?}"
+                ),
+            }
+            fail_at += 1;
+            assert!(fail_at < 10_000, "{what}: the run never ends");
+        }
+    }
+    check(&problem, Scheme::PipelinedLlep, "after the injected faults");
+}

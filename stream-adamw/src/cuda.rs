@@ -122,7 +122,7 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
     pub(crate) fn run(
         &mut self,
         plan: &Plan,
-        state: &mut OptimizerState,
+        state: (&mut OptimizerState, &mut usize),
         device: &mut CudaDevice<G, P>,
         scalars: &StepScalars,
         times: &mut StageTimes,

@@ -40,6 +40,20 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// A failed step had already updated some buckets (the pipeline stopped partway): the
+    /// master state, and the device parameters of those buckets, are a mix of two steps, so the
+    /// optimizer refuses to step again until a consistent state is imported.
+    #[error(
+        "a failed step updated {applied} of {buckets} buckets before it stopped (at step {step}); import_state a consistent state (a checkpoint) before stepping again"
+    )]
+    Poisoned {
+        /// The step count before the failed step (it was not advanced).
+        step: u64,
+        /// Buckets whose update ran.
+        applied: usize,
+        /// Buckets of the step.
+        buckets: usize,
+    },
     /// The step was called on the wrong backend for this optimizer's staging.
     #[error("wrong backend: call {expected}")]
     WrongBackend {

@@ -12,6 +12,7 @@ use crate::cpu::grad_sq_sum;
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
+use crate::pipeline::Fault;
 use crate::plan::{Config, Plan, Shape};
 use crate::schedule::{StageTimes, Staging, run_host};
 use crate::state::{OptimizerState, StateDict};
@@ -98,6 +99,11 @@ pub struct StreamAdamW<G: GradElement, P: ParamElement> {
     state: OptimizerState,
     device: Device,
     backend: Backend<G, P>,
+    /// Set when a failed step had updated some buckets: `(step, applied)`; cleared by a
+    /// successful `import_state`.
+    poisoned: Option<(u64, usize)>,
+    /// A failure to inject into the next step (feature `testing`).
+    fault: Option<Fault>,
     _types: PhantomData<fn(G) -> P>,
 }
 
@@ -135,6 +141,8 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
             plan,
             device,
             backend,
+            poisoned: None,
+            fault: None,
             _types: PhantomData,
         })
     }
@@ -165,9 +173,42 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     pub fn export_state(&self) -> StateDict {
         self.state.export()
     }
-    /// Replaces the state; on error nothing changes.
+    /// Replaces the state; on error nothing changes. A successful import also lifts the
+    /// refusal to step after a partly applied step ([`Error::Poisoned`]).
     pub fn import_state(&mut self, dict: StateDict) -> Result<()> {
-        self.state.import(dict, self.config.variant)
+        self.state.import(dict, self.config.variant)?;
+        self.poisoned = None;
+        Ok(())
+    }
+
+    /// Makes the next step fail at `fault` (feature `testing`: fault injection for tests).
+    #[cfg(feature = "testing")]
+    pub fn inject_fault(&mut self, fault: Fault) {
+        self.fault = Some(fault);
+    }
+
+    /// Whether a failed step left the state partly updated ([`Error::Poisoned`] until a
+    /// consistent state is imported).
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.is_some()
+    }
+
+    /// [`Error::Poisoned`] when a failed step left the state partly updated.
+    fn check_not_poisoned(&self) -> Result<()> {
+        match self.poisoned {
+            Some((step, applied)) => Err(Error::Poisoned { step, applied, buckets: self.plan.n_buckets() }),
+            None => Ok(()),
+        }
+    }
+
+    /// The outcome of a step's pipeline: on an error after some buckets' update ran, the
+    /// optimizer is poisoned (the error is returned either way; with no bucket applied, nothing
+    /// changed and the next step may run).
+    fn settle(&mut self, ran: Result<()>, applied: usize) -> Result<()> {
+        if ran.is_err() && applied > 0 {
+            self.poisoned = Some((self.state.step, applied));
+        }
+        ran
     }
 
     /// Gradient statistics and the step's scalars with its step number, or `None` when the step
@@ -190,6 +231,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     /// then the plan's schedule of D2H copies, AdamW updates and H2D copies. Non-finite
     /// gradients skip the step and touch nothing.
     pub fn step_host(&mut self, device: &mut HostDevice<G, P>, options: StepOptions) -> Result<StepReport> {
+        self.check_not_poisoned()?;
         self.check_lengths(device.grads.len(), device.params.len())?;
         device.link.validate()?;
         self.backend.host()?;
@@ -202,7 +244,16 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
             return Ok(self.skipped(grad_norm, times, start));
         };
         let staging = self.backend.host()?;
-        run_host(&self.plan, &mut self.state, staging, device, &scalars, &mut times)?;
+        let (mut applied, fault) = (0, self.fault.take());
+        let ran = run_host(
+            (&self.plan, fault),
+            (&mut self.state, &mut applied),
+            staging,
+            device,
+            &scalars,
+            &mut times,
+        );
+        self.settle(ran, applied)?;
         self.state.step = step;
         times.total = start.elapsed();
         Ok(StepReport { outcome: StepOutcome::Applied, step: self.state.step, grad_norm, clip_coef, times })
@@ -266,6 +317,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         device: &mut crate::cuda::CudaDevice<G, P>,
         options: StepOptions,
     ) -> Result<StepReport> {
+        self.check_not_poisoned()?;
         self.check_lengths(device.grads.len(), device.params.len())?;
         let wrong_backend =
             || Error::WrongBackend { expected: "step_host (this optimizer stages on the host)" };
@@ -279,7 +331,9 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
             return Ok(self.skipped(grad_norm, times, start));
         };
         let Backend::Cuda(offload) = &mut self.backend else { return Err(wrong_backend()) };
-        offload.run(&self.plan, &mut self.state, device, &scalars, &mut times)?;
+        let mut applied = 0;
+        let ran = offload.run(&self.plan, (&mut self.state, &mut applied), device, &scalars, &mut times);
+        self.settle(ran, applied)?;
         self.state.step = step;
         times.total = start.elapsed();
         Ok(StepReport { outcome: StepOutcome::Applied, step: self.state.step, grad_norm, clip_coef, times })

@@ -19,6 +19,27 @@ use crate::plan::{Plan, Schedule};
 use crate::schedule::StageTimes;
 use crate::state::OptimizerState;
 
+/// A stage of the offloaded step (fault injection names the one to fail).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The D2H copy of a bucket's gradients.
+    D2h,
+    /// The CPU AdamW of a bucket.
+    Adam,
+    /// The H2D copy of a bucket's parameters.
+    H2d,
+}
+
+/// A failure to inject (feature `testing`): `stage` fails at bucket `bucket` (on the CPU
+/// fallback, a copy stage fails inside its engine thread, as a dying copy thread would).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// The stage that fails.
+    pub stage: Stage,
+    /// The bucket it fails at.
+    pub bucket: usize,
+}
+
 /// A backend's copy engines and staging slots. Copies are issued in order and complete in
 /// order within a direction; the waits name the copy most recently issued for a slot.
 pub(crate) trait CopyEngines {
@@ -43,11 +64,12 @@ pub(crate) trait CopyEngines {
     fn finish(&mut self) -> Result<(Duration, Duration)>;
 }
 
-/// Runs `plan`'s schedule on `engines`.
+/// Runs `plan`'s schedule on `engines`, counting in `applied` the buckets whose update ran (on
+/// an error, 0 means the state is untouched).
 pub(crate) fn run_step<E: CopyEngines>(
     engines: &mut E,
     plan: &Plan,
-    state: &mut OptimizerState,
+    (state, applied): (&mut OptimizerState, &mut usize),
     scalars: &StepScalars,
     times: &mut StageTimes,
 ) -> Result<()> {
@@ -57,6 +79,7 @@ pub(crate) fn run_step<E: CopyEngines>(
             engines.start_d2h(0..n, 0)?;
             engines.wait_d2h(0)?;
             times.adam += engines.adam(state, 0..n, 0, scalars)?;
+            *applied += 1;
             engines.start_h2d(0..n, 0)?;
         }
         Schedule::Pipelined => {
@@ -72,6 +95,7 @@ pub(crate) fn run_step<E: CopyEngines>(
                 engines.wait_d2h(slot)?;
                 engines.wait_h2d(slot)?;
                 times.adam += engines.adam(state, plan.bucket(j), slot, scalars)?;
+                *applied += 1;
                 engines.start_h2d(plan.bucket(j), slot)?;
             }
         }
@@ -159,7 +183,7 @@ mod tests {
         };
         let mut state = OptimizerState::new(vec![0.0; 256], Default::default());
         let scalars = StepScalars::new(&Default::default(), 1, 1.0);
-        run_step(&mut t, &plan, &mut state, &scalars, &mut StageTimes::default()).unwrap();
+        run_step(&mut t, &plan, (&mut state, &mut 0), &scalars, &mut StageTimes::default()).unwrap();
         t.ops.join(" ")
     }
 

@@ -13,7 +13,7 @@ use crate::cpu::{ParamSink, adamw_update};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
-use crate::pipeline::{CopyEngines, run_step};
+use crate::pipeline::{CopyEngines, Fault, Stage, run_step};
 use crate::plan::Plan;
 use crate::state::OptimizerState;
 
@@ -137,6 +137,18 @@ struct HostEngines<'scope, 'a, G, P> {
     /// Jobs issued per direction, and per slot the count up to its latest job (0: none yet).
     issued: [usize; 2],
     slot_job: [Vec<usize>; 2],
+    /// The first element of the bucket whose Adam an injected fault fails.
+    adam_fault: Option<usize>,
+}
+
+/// An injected failure of `stage` when it reaches the bucket starting at `fails_at`.
+fn injected(stage: &'static str, fails_at: Option<usize>, range: &Range<usize>) -> Result<()> {
+    match fails_at {
+        Some(start) if start == range.start => {
+            Err(Error::PipelineStage { stage, reason: format!("injected fault at element {start}") })
+        }
+        _ => Ok(()),
+    }
 }
 
 const D2H: usize = 0;
@@ -181,6 +193,7 @@ impl<G: GradElement, P: ParamElement> CopyEngines for HostEngines<'_, '_, G, P> 
         slot: usize,
         scalars: &StepScalars,
     ) -> Result<Duration> {
+        injected("adam", self.adam_fault, &range)?;
         let (grads, mut params) = (lock(&self.staging.grads[slot]), lock(&self.staging.params[slot]));
         let len = range.len();
         let start = Instant::now();
@@ -208,12 +221,14 @@ fn engine(
     stage: &'static str,
     jobs: Receiver<Job>,
     progress: &Progress,
-    mut copy: impl FnMut(Range<usize>, usize) -> Duration,
+    mut copy: impl FnMut(Range<usize>, usize) -> Result<Duration>,
 ) -> Result<Duration> {
     let guard = StageGuard::new(progress, stage);
     let mut busy = Duration::ZERO;
     for (range, slot) in jobs {
-        busy += copy(range, slot);
+        // A failing copy ends the engine: the guard marks the stage failed and every wait on it
+        // returns an error instead of hanging.
+        busy += copy(range, slot)?;
         progress.advance(|c| if stage == "d2h" { c.d2h += 1 } else { c.h2d += 1 });
     }
     guard.finish(busy)
@@ -222,8 +237,8 @@ fn engine(
 /// Runs `plan`'s schedule ([`run_step`]) on the CPU fallback's device: the copy engines are two
 /// threads for the length of the step.
 pub(crate) fn run_host<G: GradElement, P: ParamElement>(
-    plan: &Plan,
-    state: &mut OptimizerState,
+    (plan, fault): (&Plan, Option<Fault>),
+    state: (&mut OptimizerState, &mut usize),
     staging: &Staging<G, P>,
     device: &mut HostDevice<G, P>,
     scalars: &StepScalars,
@@ -231,6 +246,10 @@ pub(crate) fn run_host<G: GradElement, P: ParamElement>(
 ) -> Result<()> {
     let progress = Progress::default();
     let link = device.link;
+    // The first element of the bucket an injected fault fails at, per stage.
+    let fails_at = |stage: Stage| fault.filter(|f| f.stage == stage).map(|f| plan.bucket(f.bucket).start);
+    let (d2h_fault, h2d_fault, adam_fault) =
+        (fails_at(Stage::D2h), fails_at(Stage::H2d), fails_at(Stage::Adam));
     let (device_grads, device_params) = (&device.grads, &mut device.params);
     let slots = staging.grads.len();
     std::thread::scope(|scope| {
@@ -239,16 +258,18 @@ pub(crate) fn run_host<G: GradElement, P: ParamElement>(
         let progress = &progress;
         let d2h = scope.spawn(move || {
             engine("d2h", d2h_rx, progress, |range, slot| {
+                injected("d2h", d2h_fault, &range)?;
                 let mut dst = lock(&staging.grads[slot]);
                 let len = range.len();
-                link.copy(&device_grads[range], &mut dst[..len])
+                Ok(link.copy(&device_grads[range], &mut dst[..len]))
             })
         });
         let h2d = scope.spawn(move || {
             engine("h2d", h2d_rx, progress, |range, slot| {
+                injected("h2d", h2d_fault, &range)?;
                 let src = lock(&staging.params[slot]);
                 let len = range.len();
-                link.copy(&src[..len], &mut device_params[range])
+                Ok(link.copy(&src[..len], &mut device_params[range]))
             })
         });
         let mut engines = HostEngines {
@@ -259,6 +280,7 @@ pub(crate) fn run_host<G: GradElement, P: ParamElement>(
             threads: Some([d2h, h2d]),
             issued: [0, 0],
             slot_job: [vec![0; slots], vec![0; slots]],
+            adam_fault,
         };
         let ran = run_step(&mut engines, plan, state, scalars, times);
         // On an error the engines still end (their channels close) before the scope joins them.

@@ -540,3 +540,98 @@ fn executors_revalidate_the_config_they_are_given() {
         assert!(matches!(r, Err(Error::InvalidConfig { field: "label_smoothing", .. })), "{r:?}");
     }
 }
+
+/// Fault injection: one rank's communicator fails at each of its operations in turn, on both
+/// rings. The failing rank returns the injected error, every rank returns (under a short group
+/// timeout, so a hang fails the test), and a pass on a fresh group afterwards matches the
+/// reference: nothing global is left broken.
+#[test]
+fn a_rank_failing_at_any_ring_step_fails_promptly_and_the_next_pass_runs() {
+    use flatpeak_common::comm::Communicator;
+    use flatpeak_common::testing::FaultyComm;
+    let c = make_case(24, 8, 40, 12);
+    let p = 3;
+    let options = LocalGroupOptions::with_timeout(std::time::Duration::from_secs(20));
+    for kind in [RingKind::Weight, RingKind::Activation] {
+        let config = Config::default();
+        let shape = Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype: DType::F32 };
+        let plan = RingPlan::new(
+            &config,
+            shape,
+            Budget::Bytes(64 << 10),
+            RingOptions::default().ring(kind).ranks(p),
+        )
+        .expect("plan");
+        let (x, w) = c.matrices(DType::F32);
+        let d = c.d;
+        for failing in 0..p {
+            let mut fail_at = 0;
+            loop {
+                let endpoints = LocalGroup::endpoints(p, options).expect("group");
+                let results: Vec<ring_dtp::Result<usize>> = std::thread::scope(|scope| {
+                    let handles: Vec<_> = endpoints
+                        .into_iter()
+                        .map(|comm| {
+                            let (plan, config, targets) = (&plan, &config, &c.targets);
+                            scope.spawn(move || {
+                                let r = comm.rank();
+                                let comm =
+                                    FaultyComm::new(comm, if r == failing { fail_at } else { usize::MAX });
+                                let (t, s) = (plan.tokens(r), plan.shard(r));
+                                let inputs = RankInputs::new(
+                                    slice(x, t.clone(), d),
+                                    slice(w, s.clone(), d),
+                                    &targets[t],
+                                );
+                                let fwd = ring::forward(&comm, config, plan, &inputs)?;
+                                ring::backward(
+                                    &comm,
+                                    config,
+                                    plan,
+                                    &inputs,
+                                    &fwd,
+                                    GradOutput::Scalar(1.0),
+                                    None,
+                                )?;
+                                Ok(comm.ops())
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+                });
+                let what = format!("{kind:?}: rank {failing} failing at operation {fail_at}");
+                match &results[failing] {
+                    // The fault lay past this rank's last operation: every rank passed.
+                    Ok(ops) => {
+                        assert!(
+                            *ops <= fail_at && fail_at > 4,
+                            "{what}: every operation before it was failed once"
+                        );
+                        assert!(results.iter().all(|r| r.is_ok()), "{what}");
+                        break;
+                    }
+                    Err(e) => assert!(
+                        matches!(
+                            e,
+                            Error::Common(flatpeak_common::Error::InvalidConfig {
+                                field: "injected fault",
+                                ..
+                            })
+                        ),
+                        "{what}: {e:?}"
+                    ),
+                }
+                fail_at += 1;
+                assert!(fail_at < 10_000, "{what}: the pass never ends");
+            }
+        }
+        // A fresh group afterwards runs the pass exactly.
+        check_against_reference(
+            &c,
+            &config,
+            DType::F32,
+            p,
+            (Budget::Bytes(64 << 10), RingOptions::default().ring(kind)),
+        );
+    }
+}
