@@ -22,7 +22,7 @@ use crate::cpu::{ParamSink, adamw_update};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::kernels::{STATS_THREADS, STREAM_ADAMW, grad_sq_entry};
-use crate::pipeline::{CopyEngines, run_step};
+use crate::pipeline::{CopyEngines, StepState, run_step};
 use crate::plan::Plan;
 use crate::schedule::StageTimes;
 use crate::state::OptimizerState;
@@ -122,7 +122,7 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
     pub(crate) fn run(
         &mut self,
         plan: &Plan,
-        state: (&mut OptimizerState, &mut usize),
+        state: StepState<'_>,
         device: &mut CudaDevice<G, P>,
         scalars: &StepScalars,
         times: &mut StageTimes,

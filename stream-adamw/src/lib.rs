@@ -62,6 +62,6 @@ pub use half::bf16;
 pub use host::{HostDevice, Link};
 pub use optimizer::{StepOptions, StepOutcome, StepReport, StreamAdamW};
 pub use pipeline::{Fault, Stage};
-pub use plan::{Config, Plan, Schedule, Shape, ideal_speedup, pipelined_time};
+pub use plan::{Config, OnFailure, Plan, Schedule, Shape, ideal_speedup, pipelined_time};
 pub use schedule::StageTimes;
 pub use state::{OptimizerState, StateDict};

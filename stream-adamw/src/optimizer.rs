@@ -3,6 +3,7 @@
 //! into updated device parameters with the plan's schedule.
 
 use std::marker::PhantomData;
+use std::ops::Range;
 use std::time::Instant;
 
 use flatpeak_common::{Budget, Device};
@@ -12,8 +13,8 @@ use crate::cpu::grad_sq_sum;
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
-use crate::pipeline::Fault;
-use crate::plan::{Config, Plan, Shape};
+use crate::pipeline::{Fault, StepState};
+use crate::plan::{Config, OnFailure, Plan, Schedule, Shape};
 use crate::schedule::{StageTimes, Staging, run_host};
 use crate::state::{OptimizerState, StateDict};
 
@@ -104,6 +105,8 @@ pub struct StreamAdamW<G: GradElement, P: ParamElement> {
     poisoned: Option<(u64, usize)>,
     /// A failure to inject into the next step (feature `testing`).
     fault: Option<Fault>,
+    /// [`OnFailure::Rollback`]'s journal: each bucket's old values, saved before its update.
+    journal: Option<OptimizerState>,
     _types: PhantomData<fn(G) -> P>,
 }
 
@@ -135,7 +138,12 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
                 cuda_backend(&plan, ordinal)?
             }
         };
+        let journal = match options.on_failure {
+            OnFailure::Poison => None,
+            OnFailure::Rollback => Some(journal_like(param.len(), config.variant)?),
+        };
         Ok(Self {
+            journal,
             state: OptimizerState::new(param, config.variant),
             config,
             plan,
@@ -201,14 +209,37 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         }
     }
 
-    /// The outcome of a step's pipeline: on an error after some buckets' update ran, the
-    /// optimizer is poisoned (the error is returned either way; with no bucket applied, nothing
-    /// changed and the next step may run).
-    fn settle(&mut self, ran: Result<()>, applied: usize) -> Result<()> {
-        if ran.is_err() && applied > 0 {
-            self.poisoned = Some((self.state.step, applied));
+    /// The outcome of a step's pipeline. On an error after some buckets' update ran: with a
+    /// journal, the state of those buckets is restored and their master parameters, narrowed,
+    /// are handed to `restore_params` to rewrite on the device; without one, the optimizer is
+    /// poisoned. The error is returned either way (with no bucket applied nothing changed).
+    fn settle(
+        &mut self,
+        ran: Result<()>,
+        applied: usize,
+        mut restore_params: impl FnMut(Range<usize>, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let Err(error) = ran else { return Ok(()) };
+        if applied == 0 {
+            return Err(error);
         }
-        ran
+        let Some(journal) = self.journal.as_ref() else {
+            self.poisoned = Some((self.state.step, applied));
+            return Err(error);
+        };
+        let ranges: Vec<Range<usize>> = match self.plan.schedule() {
+            Schedule::Serial => std::iter::once(0..self.plan.n_params()).collect(),
+            Schedule::Pipelined => (0..applied).map(|k| self.plan.bucket(k)).collect(),
+        };
+        for range in ranges {
+            self.state.copy_range_from(journal, range.clone());
+            if let Err(restore) = restore_params(range.clone(), &self.state.param[range]) {
+                // The master state is whole again but the device copy is not: say so.
+                self.poisoned = Some((self.state.step, applied));
+                return Err(restore);
+            }
+        }
+        Err(error)
     }
 
     /// Gradient statistics and the step's scalars with its step number, or `None` when the step
@@ -245,15 +276,14 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         };
         let staging = self.backend.host()?;
         let (mut applied, fault) = (0, self.fault.take());
-        let ran = run_host(
-            (&self.plan, fault),
-            (&mut self.state, &mut applied),
-            staging,
-            device,
-            &scalars,
-            &mut times,
-        );
-        self.settle(ran, applied)?;
+        let step_state =
+            StepState { state: &mut self.state, applied: &mut applied, journal: self.journal.as_mut() };
+        let ran = run_host((&self.plan, fault), step_state, staging, device, &scalars, &mut times);
+        let params = &mut device.params;
+        self.settle(ran, applied, |range, master| {
+            P::narrow(master, &mut params[range]);
+            Ok(())
+        })?;
         self.state.step = step;
         times.total = start.elapsed();
         Ok(StepReport { outcome: StepOutcome::Applied, step: self.state.step, grad_norm, clip_coef, times })
@@ -279,6 +309,29 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
             times,
         }
     }
+}
+
+/// A zeroed journal for `n` parameters of `variant`, the state's size, reserved fallibly.
+fn journal_like(n: usize, variant: crate::config::Variant) -> Result<OptimizerState> {
+    let buffers = if variant == crate::config::Variant::AmsGrad { 4 } else { 3 };
+    let refused = || flatpeak_common::Error::HostAlloc {
+        what: "the rollback journal",
+        bytes: n.saturating_mul(4 * buffers),
+    };
+    let zeros = |len: usize| -> Result<Vec<f32>> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(len).map_err(|_| refused())?;
+        v.resize(len, 0.0);
+        Ok(v)
+    };
+    let max_len = if buffers == 4 { n } else { 0 };
+    Ok(OptimizerState {
+        param: zeros(n)?,
+        exp_avg: zeros(n)?,
+        exp_avg_sq: zeros(n)?,
+        max_exp_avg_sq: zeros(max_len)?,
+        step: 0,
+    })
 }
 
 /// The scalars of the step about to run, and its number (committed once it ran).
@@ -332,8 +385,21 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         };
         let Backend::Cuda(offload) = &mut self.backend else { return Err(wrong_backend()) };
         let mut applied = 0;
-        let ran = offload.run(&self.plan, (&mut self.state, &mut applied), device, &scalars, &mut times);
-        self.settle(ran, applied)?;
+        let step_state =
+            StepState { state: &mut self.state, applied: &mut applied, journal: self.journal.as_mut() };
+        let ran = offload.run(&self.plan, step_state, device, &scalars, &mut times);
+        let stream = offload.compute_stream().clone();
+        self.settle(ran, applied, |range, master| {
+            let mut narrowed = vec![P::zeroed(); range.len()];
+            P::narrow(master, &mut narrowed);
+            stream
+                .memcpy_htod(&narrowed, &mut device.params.slice_mut(range))
+                .map_err(flatpeak_common::cuda::cuda_error("cuMemcpyHtoD (rollback)"))?;
+            stream
+                .synchronize()
+                .map_err(flatpeak_common::cuda::cuda_error("cuStreamSynchronize (rollback)"))?;
+            Ok(())
+        })?;
         self.state.step = step;
         times.total = start.elapsed();
         Ok(StepReport { outcome: StepOutcome::Applied, step: self.state.step, grad_norm, clip_coef, times })

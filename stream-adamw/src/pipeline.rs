@@ -40,6 +40,14 @@ pub struct Fault {
     pub bucket: usize,
 }
 
+/// What one step updates: the state, the count of buckets whose update ran (on an error, 0
+/// means the state is untouched), and the rollback journal, if any.
+pub(crate) struct StepState<'a> {
+    pub state: &'a mut OptimizerState,
+    pub applied: &'a mut usize,
+    pub journal: Option<&'a mut OptimizerState>,
+}
+
 /// A backend's copy engines and staging slots. Copies are issued in order and complete in
 /// order within a direction; the waits name the copy most recently issued for a slot.
 pub(crate) trait CopyEngines {
@@ -69,15 +77,23 @@ pub(crate) trait CopyEngines {
 pub(crate) fn run_step<E: CopyEngines>(
     engines: &mut E,
     plan: &Plan,
-    (state, applied): (&mut OptimizerState, &mut usize),
+    step: StepState<'_>,
     scalars: &StepScalars,
     times: &mut StageTimes,
 ) -> Result<()> {
+    let StepState { state, applied, mut journal } = step;
+    // Journals a bucket's old values before its update ([`OnFailure::Rollback`]).
+    let mut save = |state: &OptimizerState, range: Range<usize>| {
+        if let Some(journal) = journal.as_deref_mut() {
+            journal.copy_range_from(state, range);
+        }
+    };
     match plan.schedule() {
         Schedule::Serial => {
             let n = plan.n_params();
             engines.start_d2h(0..n, 0)?;
             engines.wait_d2h(0)?;
+            save(state, 0..n);
             times.adam += engines.adam(state, 0..n, 0, scalars)?;
             *applied += 1;
             engines.start_h2d(0..n, 0)?;
@@ -94,6 +110,7 @@ pub(crate) fn run_step<E: CopyEngines>(
                 let slot = j % slots;
                 engines.wait_d2h(slot)?;
                 engines.wait_h2d(slot)?;
+                save(state, plan.bucket(j));
                 times.adam += engines.adam(state, plan.bucket(j), slot, scalars)?;
                 *applied += 1;
                 engines.start_h2d(plan.bucket(j), slot)?;
@@ -183,7 +200,8 @@ mod tests {
         };
         let mut state = OptimizerState::new(vec![0.0; 256], Default::default());
         let scalars = StepScalars::new(&Default::default(), 1, 1.0);
-        run_step(&mut t, &plan, (&mut state, &mut 0), &scalars, &mut StageTimes::default()).unwrap();
+        let step = StepState { state: &mut state, applied: &mut 0, journal: None };
+        run_step(&mut t, &plan, step, &scalars, &mut StageTimes::default()).unwrap();
         t.ops.join(" ")
     }
 

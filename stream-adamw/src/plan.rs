@@ -29,6 +29,22 @@ pub enum Schedule {
     Pipelined,
 }
 
+/// What a step that fails partway (a copy engine or the device failing after some buckets'
+/// update ran) leaves behind. Errors found before any update (bad input, non-finite gradients)
+/// change nothing either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnFailure {
+    /// The optimizer refuses to step ([`Error::Poisoned`](crate::Error::Poisoned)) until a
+    /// consistent state is imported. Costs nothing.
+    #[default]
+    Poison,
+    /// The step is all or nothing: the old values of each bucket are journaled before its
+    /// update, and a failed step restores them (master state, moments, and the device
+    /// parameters as the master's narrowing). Costs a journal the size of the state (12 B/param,
+    /// 16 with AMSGrad) of host memory, reserved at construction.
+    Rollback,
+}
+
 /// How the offloaded step is scheduled: the launch-time sizing of the pipeline. (The update's
 /// hyperparameters, which may change every step, are [`Hyperparameters`](crate::Hyperparameters).)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,11 +57,13 @@ pub struct Config {
     /// Staging slots per direction, R ≥ 1 (2 already overlaps all three stages; 3 lets the copy
     /// engines run a bucket ahead).
     pub slots: usize,
+    /// What a step failing partway leaves behind.
+    pub on_failure: OnFailure,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Self { schedule: Schedule::Pipelined, bucket_elems: 1 << 22, slots: 3 }
+        Self { schedule: Schedule::Pipelined, bucket_elems: 1 << 22, slots: 3, on_failure: OnFailure::Poison }
     }
 }
 
@@ -61,6 +79,10 @@ impl Config {
     /// This config with `slots` staging slots per direction.
     pub fn slots(self, slots: usize) -> Self {
         Self { slots, ..self }
+    }
+    /// This config leaving `on_failure` behind a step that fails partway.
+    pub fn on_failure(self, on_failure: OnFailure) -> Self {
+        Self { on_failure, ..self }
     }
 
     /// Checks every field's domain: `bucket_elems` a positive multiple of [`BUCKET_ALIGN`],

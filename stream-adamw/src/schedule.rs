@@ -13,7 +13,7 @@ use crate::cpu::{ParamSink, adamw_update};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
-use crate::pipeline::{CopyEngines, Fault, Stage, run_step};
+use crate::pipeline::{CopyEngines, Fault, Stage, StepState, run_step};
 use crate::plan::Plan;
 use crate::state::OptimizerState;
 
@@ -238,7 +238,7 @@ fn engine(
 /// threads for the length of the step.
 pub(crate) fn run_host<G: GradElement, P: ParamElement>(
     (plan, fault): (&Plan, Option<Fault>),
-    state: (&mut OptimizerState, &mut usize),
+    state: StepState<'_>,
     staging: &Staging<G, P>,
     device: &mut HostDevice<G, P>,
     scalars: &StepScalars,

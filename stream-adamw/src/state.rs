@@ -86,6 +86,17 @@ impl OptimizerState {
         }
     }
 
+    /// Copies elements `range` of every buffer of `from` into this state (a journal's save, or
+    /// its restore); the two have the same length and variant.
+    pub(crate) fn copy_range_from(&mut self, from: &OptimizerState, range: std::ops::Range<usize>) {
+        self.param[range.clone()].copy_from_slice(&from.param[range.clone()]);
+        self.exp_avg[range.clone()].copy_from_slice(&from.exp_avg[range.clone()]);
+        self.exp_avg_sq[range.clone()].copy_from_slice(&from.exp_avg_sq[range.clone()]);
+        if !self.max_exp_avg_sq.is_empty() {
+            self.max_exp_avg_sq[range.clone()].copy_from_slice(&from.max_exp_avg_sq[range]);
+        }
+    }
+
     /// A copy of the state.
     pub fn export(&self) -> StateDict {
         StateDict {

@@ -398,64 +398,68 @@ fn cuda_step_equals_the_cpu_step_bitwise() {
     }
 }
 
-/// Fault injection: each stage fails at each bucket. The error is typed and returns (every
-/// stage under a watchdog); a failure before any bucket's update leaves everything untouched;
-/// one after some updates poisons the optimizer (`Error::Poisoned`) until a consistent state is
-/// imported, after which the steps are those of a run that never failed.
+/// Fault injection: each stage fails at each bucket, under both failure policies. The error is
+/// typed and returns (under a watchdog); `step` never moves. A failure before any bucket's
+/// update leaves everything untouched. After some updates: `Poison` refuses to step until a
+/// consistent state is imported; `Rollback` restores the state and the device parameters
+/// exactly. Either way the next step is the clean run's, bit for bit.
 #[test]
 fn an_injected_failure_at_every_stage_and_bucket_is_typed_and_leaves_a_known_state() {
-    use stream_adamw::{Fault, Stage};
+    use stream_adamw::{Fault, OnFailure, Stage};
     let (done, finished) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let n = 4 * 256 + 17; // 5 buckets, the last one short
-        let options = Config::default().bucket_elems(256).slots(2);
         let master = grads_f32(n, 1, 1.0);
         let config = cfg(|c| c.lr = 1e-2);
-        let fresh = || {
-            StreamAdamW::<f32, bf16>::new(master.clone(), config, &options, stream_adamw::Device::Cpu)
-                .unwrap()
-        };
-        // The run that never fails: two steps.
         let (g1, g2) = (grads_f32(n, 2, 0.1), grads_f32(n, 3, 0.1));
-        let mut clean = fresh();
-        let mut clean_device = HostDevice::new(g1.clone(), vec![bf16::ZERO; n], Link::Memcpy);
-        clean.step_host(&mut clean_device, StepOptions::default()).unwrap();
-        let after_one = (clean.export_state(), clean_device.params.clone());
-        clean_device.grads.copy_from_slice(&g2);
-        clean.step_host(&mut clean_device, StepOptions::default()).unwrap();
-        let buckets = clean.plan().n_buckets();
-        assert_eq!(buckets, 5);
-        for stage in [Stage::D2h, Stage::Adam, Stage::H2d] {
-            for bucket in 0..buckets {
-                let what = format!("{stage:?} at bucket {bucket}");
-                let mut opt = fresh();
-                let mut device = HostDevice::new(g1.clone(), vec![bf16::ZERO; n], Link::Memcpy);
-                opt.step_host(&mut device, StepOptions::default()).unwrap();
-                let before = (opt.export_state(), device.params.clone());
-                assert_eq!(before, after_one, "{what}");
-                device.grads.copy_from_slice(&g2);
-                opt.inject_fault(Fault { stage, bucket });
-                let err = opt.step_host(&mut device, StepOptions::default()).unwrap_err();
-                assert!(matches!(err, Error::PipelineStage { .. }), "{what}: {err:?}");
-                assert_eq!(opt.state().step(), 1, "{what}: the step count never moves on a failure");
-                // Nothing was updated when the fault came before bucket 0's update.
-                let untouched = bucket == 0 && stage != Stage::H2d;
-                assert_eq!(!opt.is_poisoned(), untouched, "{what}");
-                if untouched {
-                    assert_eq!(opt.export_state(), before.0, "{what}");
-                } else {
-                    let refused = opt.step_host(&mut device, StepOptions::default()).unwrap_err();
-                    assert!(
-                        matches!(refused, Error::Poisoned { step: 1, buckets: 5, .. }),
-                        "{what}: {refused:?}"
-                    );
-                    opt.import_state(before.0.clone()).unwrap();
-                    device.params.copy_from_slice(&before.1);
+        for on_failure in [OnFailure::Poison, OnFailure::Rollback] {
+            let options = Config::default().bucket_elems(256).slots(2).on_failure(on_failure);
+            let fresh = || {
+                StreamAdamW::<f32, bf16>::new(master.clone(), config, &options, stream_adamw::Device::Cpu)
+                    .unwrap()
+            };
+            // The run that never fails: two steps.
+            let mut clean = fresh();
+            let mut clean_device = HostDevice::new(g1.clone(), vec![bf16::ZERO; n], Link::Memcpy);
+            clean.step_host(&mut clean_device, StepOptions::default()).unwrap();
+            let after_one = (clean.export_state(), clean_device.params.clone());
+            clean_device.grads.copy_from_slice(&g2);
+            clean.step_host(&mut clean_device, StepOptions::default()).unwrap();
+            let buckets = clean.plan().n_buckets();
+            assert_eq!(buckets, 5);
+            for stage in [Stage::D2h, Stage::Adam, Stage::H2d] {
+                for bucket in 0..buckets {
+                    let what = format!("{on_failure:?}: {stage:?} at bucket {bucket}");
+                    let mut opt = fresh();
+                    let mut device = HostDevice::new(g1.clone(), vec![bf16::ZERO; n], Link::Memcpy);
+                    opt.step_host(&mut device, StepOptions::default()).unwrap();
+                    let before = (opt.export_state(), device.params.clone());
+                    assert_eq!(before, after_one, "{what}");
+                    device.grads.copy_from_slice(&g2);
+                    opt.inject_fault(Fault { stage, bucket });
+                    let err = opt.step_host(&mut device, StepOptions::default()).unwrap_err();
+                    assert!(matches!(err, Error::PipelineStage { .. }), "{what}: {err:?}");
+                    assert_eq!(opt.state().step(), 1, "{what}: the step count never moves on a failure");
+                    let untouched = bucket == 0 && stage != Stage::H2d;
+                    if untouched || on_failure == OnFailure::Rollback {
+                        assert!(!opt.is_poisoned(), "{what}");
+                        assert_eq!(opt.export_state(), before.0, "{what}: the state is as before");
+                        assert_eq!(device.params, before.1, "{what}: the device parameters are as before");
+                    } else {
+                        assert!(opt.is_poisoned(), "{what}");
+                        let refused = opt.step_host(&mut device, StepOptions::default()).unwrap_err();
+                        assert!(
+                            matches!(refused, Error::Poisoned { step: 1, buckets: 5, .. }),
+                            "{what}: {refused:?}"
+                        );
+                        opt.import_state(before.0.clone()).unwrap();
+                        device.params.copy_from_slice(&before.1);
+                    }
+                    // The next step is the clean run's second step, bit for bit.
+                    opt.step_host(&mut device, StepOptions::default()).unwrap();
+                    assert_eq!(opt.export_state(), clean.export_state(), "{what}");
+                    assert_eq!(device.params, clean_device.params, "{what}");
                 }
-                // The next step is the clean run's second step, bit for bit.
-                opt.step_host(&mut device, StepOptions::default()).unwrap();
-                assert_eq!(opt.export_state(), clean.export_state(), "{what}");
-                assert_eq!(device.params, clean_device.params, "{what}");
             }
         }
         done.send(()).unwrap();
