@@ -87,6 +87,14 @@ else
   run_stage nvrtc-compile cargo test --release -p flatpeak-tests --features cuda --test nvrtc_compile
   cat "$out/nvrtc-compile.log" >>"$out/gpu-tests.log"
   run_stage gpu-benches cargo bench -p flatpeak-bench --features cuda -- cuda "${bench_flags[@]}"
+  # The PyTorch package's CUDA path, where the machine has torch and maturin (the device
+  # machine reaches no registry): built with `cuda`, the same pytest file on CUDA tensors.
+  if python3 -c "import torch, maturin, pytest; assert torch.cuda.is_available()" 2>/dev/null; then
+    run_stage py-build env MATURIN_PEP517_ARGS="--features cuda" python3 -m pip install --no-build-isolation ./python
+    run_stage py-tests python3 -m pytest -q -p no:cacheprovider python/tests
+  else
+    status+=("py-tests|skipped (no torch+maturin+pytest with CUDA here)|0 s")
+  fi
 fi
 
 echo
@@ -100,6 +108,9 @@ grep -E "^test .* FAILED|panicked at|^Error|error:" "$out/gpu-tests.log" | head 
 echo
 echo "== GPU benches"
 grep -E "^cuda|time:|thrpt:|GEMMs|per .*M bucket" "$out/gpu-benches.log" | sed 's/  */ /g'
+echo
+echo "== PyTorch package on CUDA"
+tail -n 3 "$out/py-tests.log" 2>/dev/null
 echo
 echo "== stages"
 printf '%s\n' "${status[@]}" | table -t -s '|'

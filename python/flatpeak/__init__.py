@@ -15,4 +15,9 @@ The Rust core is the ``flatpeak._flatpeak`` extension (crates ``ring-dtp`` and
 
 from . import _flatpeak
 
-__all__ = ["torch"]
+__all__ = ["torch", "cuda_built"]
+
+
+def cuda_built() -> bool:
+    """Whether this build carries the CUDA path (the ``cuda`` cargo feature)."""
+    return bool(_flatpeak.CUDA)

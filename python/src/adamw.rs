@@ -12,7 +12,7 @@ use stream_adamw::config::StepScalars;
 use stream_adamw::cpu::{ParamSink, StateMut, adamw_update, grad_sq_sum};
 use stream_adamw::{Hyperparameters, Objective, Variant};
 
-use crate::tensor::{Span, TensorDevice, TensorRef, check_disjoint, cuda_not_built, device_of, shape_of};
+use crate::tensor::{Span, TensorDevice, TensorRef, check_disjoint, device_of, shape_of};
 
 /// One param group's hyperparameters, checked (`flatpeak._flatpeak.AdamWOptions`).
 #[pyclass(frozen, module = "flatpeak._flatpeak")]
@@ -74,10 +74,15 @@ struct Checked {
     step: u64,
 }
 
+/// Parameters on the CPU run here; a CUDA one is refused, saying what to do instead.
 fn cpu_only(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
     match device_of(name, tensor)? {
         TensorDevice::Cpu => Ok(()),
-        TensorDevice::Cuda(_) => Err(cuda_not_built(name)),
+        TensorDevice::Cuda(_) => Err(PyValueError::new_err(format!(
+            "{name} is a CUDA tensor: this package's StreamAdamW steps fp32 CPU parameters only (the \
+             offloaded CUDA step of the stream-adamw crate is not bound to torch yet); keep the fp32 \
+             master parameters on the CPU and copy them to the device after each step"
+        ))),
     }
 }
 

@@ -10,6 +10,8 @@
 //! Built by maturin (`pip install ./python`); its tests are `python/tests` (pytest).
 
 mod adamw;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod loss;
 mod tensor;
 
@@ -25,5 +27,11 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<adamw::AdamWOptions>()?;
     m.add_function(wrap_pyfunction!(adamw::adamw_step, m)?)?;
     m.add_function(wrap_pyfunction!(adamw::grad_sq_sum_all, m)?)?;
+    #[cfg(feature = "cuda")]
+    {
+        m.add_function(wrap_pyfunction!(cuda::lce_forward_cuda, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::lce_backward_cuda, m)?)?;
+    }
+    m.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())
 }

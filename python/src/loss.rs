@@ -12,7 +12,9 @@ use ring_dtp::{
     Reduction, Shape, Softcap, bf16,
 };
 
-use crate::tensor::{Span, TensorDevice, TensorRef, check_disjoint, cuda_not_built, device_of, shape_of};
+use crate::tensor::{Span, TensorRef, check_disjoint, shape_of};
+#[cfg(not(feature = "cuda"))]
+use crate::tensor::{TensorDevice, device_of};
 
 /// The default working-set budget: 64 MiB, ample for the GEMM-sized blocks at any shape.
 pub const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
@@ -21,8 +23,8 @@ pub const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
 #[pyclass(frozen, module = "flatpeak._flatpeak")]
 #[derive(Debug, Clone, Copy)]
 pub struct LossOptions {
-    config: Config,
-    budget: Budget,
+    pub(crate) config: Config,
+    pub(crate) budget: Budget,
 }
 
 #[pymethods]
@@ -70,6 +72,20 @@ impl LossOptions {
         Ok(Plan::new(&self.config, shape, self.budget).map_err(to_py)?.workspace_bytes())
     }
 
+    /// Bytes of the `uint8` CUDA tensor the CUDA path carves its block buffers from (the plan's
+    /// working set, each buffer 256-byte aligned).
+    #[cfg(feature = "cuda")]
+    fn cuda_workspace_bytes(
+        &self,
+        tokens: usize,
+        hidden: usize,
+        vocab: usize,
+        bf16: bool,
+    ) -> PyResult<usize> {
+        let dtype = if bf16 { DType::Bf16 } else { DType::F32 };
+        crate::cuda::workspace_bytes(self, Shape { tokens, hidden, vocab, dtype })
+    }
+
     fn __repr__(&self) -> String {
         format!("LossOptions({:?}, budget_bytes={})", self.config, self.budget.bytes())
     }
@@ -97,25 +113,13 @@ struct Checked {
 
 impl Checked {
     fn new(args: &TensorArgs<'_>) -> PyResult<Self> {
-        match device_of("input", &args.input)? {
-            TensorDevice::Cpu => {}
-            TensorDevice::Cuda(_) => return Err(cuda_not_built("input")),
+        #[cfg(not(feature = "cuda"))]
+        if let TensorDevice::Cuda(_) = device_of("input", &args.input)? {
+            return Err(crate::tensor::cuda_not_built("input"));
         }
-        let x_shape = shape_of("input", &args.input)?;
-        let w_shape = shape_of("weight", &args.weight)?;
-        let (&[n, d], &[v, dw]) = (x_shape.as_slice(), w_shape.as_slice()) else {
-            return Err(PyValueError::new_err(format!(
-                "input must be [tokens, hidden] and weight [vocab, hidden]: got {x_shape:?} and {w_shape:?}"
-            )));
-        };
-        if d != dw {
-            return Err(PyValueError::new_err(format!(
-                "hidden sizes differ: input is [{n}, {d}], weight is [{v}, {dw}]"
-            )));
-        }
-        let dtype: String = args.input.getattr("dtype")?.str()?.to_string();
-        let (operands, dtype) = match dtype.as_str() {
-            "torch.bfloat16" => (
+        let Shape { tokens: n, hidden: d, vocab: v, dtype } = args.shape()?;
+        let (operands, dtype) = match dtype {
+            DType::Bf16 => (
                 Operands::Bf16(
                     TensorRef::new("input", &args.input, &[Some(n), Some(d)])?,
                     TensorRef::new("weight", &args.weight, &[Some(v), Some(d)])?,
@@ -182,15 +186,37 @@ impl Checked {
 #[derive(FromPyObject)]
 pub struct TensorArgs<'py> {
     #[pyo3(item(0))]
-    input: Bound<'py, PyAny>,
+    pub(crate) input: Bound<'py, PyAny>,
     #[pyo3(item(1))]
-    weight: Bound<'py, PyAny>,
+    pub(crate) weight: Bound<'py, PyAny>,
     #[pyo3(item(2))]
-    target: Bound<'py, PyAny>,
+    pub(crate) target: Bound<'py, PyAny>,
     #[pyo3(item(3))]
-    bias: Option<Bound<'py, PyAny>>,
+    pub(crate) bias: Option<Bound<'py, PyAny>>,
     #[pyo3(item(4))]
-    token_weights: Option<Bound<'py, PyAny>>,
+    pub(crate) token_weights: Option<Bound<'py, PyAny>>,
+}
+
+impl TensorArgs<'_> {
+    /// N, D, V from the shapes of input `[N, D]` and weight `[V, D]`, and the dtype of input
+    /// (bf16, else f32: a wrong one is named when the tensor is read).
+    pub(crate) fn shape(&self) -> PyResult<Shape> {
+        let x_shape = shape_of("input", &self.input)?;
+        let w_shape = shape_of("weight", &self.weight)?;
+        let (&[n, d], &[v, dw]) = (x_shape.as_slice(), w_shape.as_slice()) else {
+            return Err(PyValueError::new_err(format!(
+                "input must be [tokens, hidden] and weight [vocab, hidden]: got {x_shape:?} and {w_shape:?}"
+            )));
+        };
+        if d != dw {
+            return Err(PyValueError::new_err(format!(
+                "hidden sizes differ: input is [{n}, {d}], weight is [{v}, {dw}]"
+            )));
+        }
+        let dtype: String = self.input.getattr("dtype")?.str()?.to_string();
+        let dtype = if dtype == "torch.bfloat16" { DType::Bf16 } else { DType::F32 };
+        Ok(Shape { tokens: n, hidden: d, vocab: v, dtype })
+    }
 }
 
 fn executor(options: &LossOptions, shape: Shape) -> PyResult<LinearCrossEntropy> {

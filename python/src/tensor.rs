@@ -29,6 +29,9 @@ impl Element for half::bf16 {
 impl Element for i64 {
     const TORCH: &'static str = "torch.int64";
 }
+impl Element for u8 {
+    const TORCH: &'static str = "torch.uint8";
+}
 
 /// Where a tensor lives, as torch reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,13 +55,69 @@ pub fn device_of(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<TensorDevice
     }
 }
 
-/// The error for a CUDA tensor: this build of the package runs CPU tensors only.
+/// The error for a CUDA tensor handed to a build without the `cuda` feature, saying how to
+/// build with it.
+#[cfg(not(feature = "cuda"))]
 pub fn cuda_not_built(name: &str) -> PyErr {
     PyValueError::new_err(format!(
-        "{name} is a CUDA tensor, but this build of flatpeak's PyTorch package runs CPU tensors \
-         only (the CUDA path of the Rust crates is not bound to torch tensors yet); move the \
-         tensors to the CPU, or call the crates' CUDA executors from Rust"
+        "{name} is a CUDA tensor, but this flatpeak was built without the `cuda` feature; build it \
+         with: MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python"
     ))
+}
+
+impl std::fmt::Display for TensorDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TensorDevice::Cpu => write!(f, "cpu"),
+            TensorDevice::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// Checks `tensor` (a `torch.Tensor`, argument `name`) is a contiguous tensor of `T` on
+/// `device` whose shape is `shape` (`None` for a dimension: any size), with a data pointer
+/// aligned for `T`; returns its data address and element count.
+pub fn checked<T: Element>(
+    name: &'static str,
+    tensor: &Bound<'_, PyAny>,
+    shape: &[Option<usize>],
+    device: TensorDevice,
+) -> PyResult<(usize, usize)> {
+    let sizes = shape_of(name, tensor)?;
+    let dtype = tensor.getattr("dtype")?.str()?.to_string();
+    if dtype != T::TORCH {
+        return Err(PyTypeError::new_err(format!("{name}: expected dtype {}, got {dtype}", T::TORCH)));
+    }
+    let found = device_of(name, tensor)?;
+    if found != device {
+        return Err(PyValueError::new_err(format!(
+            "{name}: expected a tensor on {device} (where the other arguments are), got one on {found}"
+        )));
+    }
+    let matches =
+        sizes.len() == shape.len() && sizes.iter().zip(shape).all(|(&s, e)| e.is_none_or(|e| e == s));
+    if !matches {
+        let want: Vec<String> = shape.iter().map(|e| e.map_or("*".to_owned(), |e| e.to_string())).collect();
+        return Err(PyValueError::new_err(format!(
+            "{name}: expected shape [{}], got {sizes:?}",
+            want.join(", ")
+        )));
+    }
+    if !tensor.call_method0("is_contiguous")?.extract::<bool>()? {
+        return Err(PyValueError::new_err(format!(
+            "{name}: expected a contiguous tensor (call .contiguous()), got strides {:?}",
+            tensor.call_method0("stride")?.extract::<Vec<isize>>()?
+        )));
+    }
+    let len: usize = sizes.iter().product();
+    let address: usize = tensor.call_method0("data_ptr")?.extract()?;
+    if len > 0 && (address == 0 || !address.is_multiple_of(std::mem::align_of::<T>())) {
+        return Err(PyValueError::new_err(format!(
+            "{name}: data pointer {address:#x} is not aligned for {}",
+            T::TORCH
+        )));
+    }
+    Ok((address, len))
 }
 
 /// The shape of `tensor` (argument `name`), which must be a `torch.Tensor` (else `TypeError`).
@@ -92,43 +151,7 @@ impl<T: Element> TensorRef<T> {
     /// Checks `tensor` (a `torch.Tensor`, argument `name`) is a contiguous CPU tensor of `T`
     /// whose shape is `shape` (`None` for a dimension: any size), and returns its storage.
     pub fn new(name: &'static str, tensor: &Bound<'_, PyAny>, shape: &[Option<usize>]) -> PyResult<Self> {
-        let sizes = shape_of(name, tensor)?;
-        let dtype = tensor.getattr("dtype")?.str()?.to_string();
-        if dtype != T::TORCH {
-            return Err(PyTypeError::new_err(format!("{name}: expected dtype {}, got {dtype}", T::TORCH)));
-        }
-        match device_of(name, tensor)? {
-            TensorDevice::Cpu => {}
-            TensorDevice::Cuda(_) => {
-                return Err(PyValueError::new_err(format!(
-                    "{name}: expected a cpu tensor (the other arguments are on the cpu), got a cuda one"
-                )));
-            }
-        }
-        let matches =
-            sizes.len() == shape.len() && sizes.iter().zip(shape).all(|(&s, e)| e.is_none_or(|e| e == s));
-        if !matches {
-            let want: Vec<String> =
-                shape.iter().map(|e| e.map_or("*".to_owned(), |e| e.to_string())).collect();
-            return Err(PyValueError::new_err(format!(
-                "{name}: expected shape [{}], got {sizes:?}",
-                want.join(", ")
-            )));
-        }
-        if !tensor.call_method0("is_contiguous")?.extract::<bool>()? {
-            return Err(PyValueError::new_err(format!(
-                "{name}: expected a contiguous tensor (call .contiguous()), got strides {:?}",
-                tensor.call_method0("stride")?.extract::<Vec<isize>>()?
-            )));
-        }
-        let len: usize = sizes.iter().product();
-        let address: usize = tensor.call_method0("data_ptr")?.extract()?;
-        if len > 0 && (address == 0 || !address.is_multiple_of(std::mem::align_of::<T>())) {
-            return Err(PyValueError::new_err(format!(
-                "{name}: data pointer {address:#x} is not aligned for {}",
-                T::TORCH
-            )));
-        }
+        let (address, len) = checked::<T>(name, tensor, shape, TensorDevice::Cpu)?;
         // An empty tensor may have a null data pointer: its slice is the empty one.
         let ptr = if len == 0 { std::ptr::NonNull::<T>::dangling().as_ptr() } else { address as *mut T };
         Ok(Self { ptr, len, name })
@@ -168,6 +191,14 @@ impl<T: Element> TensorRef<T> {
 pub struct Span {
     name: &'static str,
     bytes: std::ops::Range<usize>,
+}
+
+#[cfg(feature = "cuda")]
+impl Span {
+    /// The `bytes` bytes from `address` (a device tensor's, for the CUDA path's overlap checks).
+    pub fn raw(name: &'static str, address: usize, bytes: usize) -> Self {
+        Span { name, bytes: address..address.saturating_add(bytes) }
+    }
 }
 
 impl<T: Element> From<&TensorRef<T>> for Span {

@@ -8,11 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import flatpeak
 from flatpeak.torch import LinearCrossEntropyLoss, linear_cross_entropy
 
 # V is not a multiple of any block; N and D odd-sized too.
 N, D, V = 67, 48, 1003
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The CUDA cases run where a GPU is and the package was built with `--features cuda`.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and flatpeak.cuda_built() else [])
 
 
 def rel(a, b):
@@ -218,3 +220,30 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(eager_loss, compiled_loss)
     for e, c in zip(eager_grads, compiled_grads):
         assert torch.equal(e, c)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the cuda build")
+def test_cuda_working_set_is_torchs_and_within_the_plan():
+    """The CUDA path allocates its working set through torch's caching allocator: the peak
+    above the inputs covers the plan's workspace and stays within workspace + gradients."""
+    from flatpeak import _flatpeak
+    n, d, v = 4096, 512, 32000
+    g = torch.Generator().manual_seed(10)
+    x = (torch.randn(n, d, generator=g) * 0.5).cuda().requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 0.05).cuda().requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g).cuda()
+    budget = 32 << 20
+    workspace = _flatpeak.LossOptions(budget_bytes=budget).cuda_workspace_bytes(n, d, v, False)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = linear_cross_entropy(x, w, t, budget_bytes=budget)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    grads = (n * d + v * d) * 4
+    assert workspace <= budget
+    assert peak >= workspace, (peak, workspace)
+    assert peak <= workspace + grads + (8 << 20), (peak, workspace, grads)
+    ref = torch.nn.functional.cross_entropy(x.detach().double() @ w.detach().double().T, t)
+    assert rel(loss.detach(), ref) <= 1e-5

@@ -34,6 +34,19 @@ def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_b
     )
 
 
+def _cuda_path(input: Tensor) -> bool:
+    """CUDA inputs with the CUDA build; without it the CPU entry refuses them, saying how to build."""
+    return input.is_cuda and hasattr(_ext, "lce_forward_cuda")
+
+
+def _workspace(options, input: Tensor, weight: Tensor) -> Tensor:
+    """The CUDA path's working set, from torch's caching allocator (so
+    ``torch.cuda.max_memory_allocated()`` sees it), on the input's device."""
+    (n, d), v = input.shape, weight.shape[0]
+    nbytes = options.cuda_workspace_bytes(n, d, v, input.dtype == torch.bfloat16)
+    return torch.empty(nbytes, dtype=torch.uint8, device=input.device)
+
+
 def _as_f32(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.to(torch.float32)
 
@@ -54,9 +67,14 @@ def _forward(
 ) -> Tuple[Tensor, Tensor]:
     options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes)
     n = input.shape[0]
+    # The loss is finished on the host (per-token statistics, O(N)) on either path.
     loss = torch.empty((n,) if reduction == "none" else (), dtype=torch.float32)
     lse = torch.empty((n,), dtype=torch.float32)
-    _ext.lce_forward(options, (input, weight, target, bias, token_weights), (loss, lse))
+    args = (input, weight, target, bias, token_weights)
+    if _cuda_path(input):
+        _ext.lce_forward_cuda(options, args, _workspace(options, input, weight), (loss, lse))
+        return loss.to(input.device).to(input.dtype), lse.to(input.device)
+    _ext.lce_forward(options, args, (loss, lse))
     return loss.to(input.dtype), lse
 
 
@@ -86,14 +104,21 @@ def _backward(
     budget_bytes: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes)
-    dx = torch.empty(input.shape, dtype=torch.float32)
-    dw = torch.empty(weight.shape, dtype=torch.float32)
-    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
-    # Upstream gradients are [N] or scalars, often expanded (stride 0) by autograd: made dense.
-    upstream = (grad_loss.to(torch.float32).contiguous(),
-                None if grad_lse is None else grad_lse.to(torch.float32).contiguous())
-    _ext.lce_backward(options, (input, weight, target, bias, token_weights), lse, upstream,
-                      (dx, dw, dbias if bias is not None else None))
+    device = input.device
+    dx = torch.empty(input.shape, dtype=torch.float32, device=device)
+    dw = torch.empty(weight.shape, dtype=torch.float32, device=device)
+    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32, device=device)
+    # Upstream gradients are [N] or scalars, often expanded (stride 0) by autograd: made dense
+    # (and, on the CUDA path, brought to the host, where the crate forms the row scales).
+    upstream = (grad_loss.to("cpu", torch.float32).contiguous(),
+                None if grad_lse is None else grad_lse.to("cpu", torch.float32).contiguous())
+    args = (input, weight, target, bias, token_weights)
+    grads = (dx, dw, dbias if bias is not None else None)
+    if _cuda_path(input):
+        _ext.lce_backward_cuda(options, args, lse.to("cpu").contiguous(), upstream, _workspace(options, input, weight),
+                               grads)
+    else:
+        _ext.lce_backward(options, args, lse, upstream, grads)
     # Narrowed one at a time, each fp32 buffer freed before the next is narrowed: the peak is
     # the fp32 dW plus the narrowed dX and dW, not both fp32 buffers plus both narrowed ones.
     dx = dx.to(input.dtype)

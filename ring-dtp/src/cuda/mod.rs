@@ -16,8 +16,8 @@
 mod engine;
 pub mod ring;
 
-use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView};
-use flatpeak_common::cuda::{KernelCache, context};
+use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView};
+use flatpeak_common::cuda::{KernelCache, context, cuda_error};
 use half::bf16;
 
 use crate::blocks::{BlockAt, BlockOps, Pass, run_blocks};
@@ -96,6 +96,61 @@ pub struct DeviceInputs<'a> {
     pub d: usize,
     /// Vocabulary V.
     pub v: usize,
+}
+
+/// Caller-owned device gradient buffers a backward writes into (overwriting them): a binding's
+/// own tensors, so no gradient is copied out of the crate.
+#[derive(Debug)]
+pub struct DeviceGradientsMut<'a> {
+    /// dX, N×D.
+    pub dx: &'a mut CudaSlice<f32>,
+    /// dW, V×D.
+    pub dw: &'a mut CudaSlice<f32>,
+    /// dbias, V: present exactly when the inputs have a bias.
+    pub dbias: Option<&'a mut CudaSlice<f32>>,
+}
+
+/// The plan's block buffers on a device: the logits block (`C·Vb` f32) and, for bf16 inputs,
+/// the widened X and W blocks (`C·D` and `Vb·D` f32). [`CudaLinearCrossEntropy::new`] reserves
+/// its own; a caller with its own allocator (a framework's caching allocator) passes them to
+/// the `*_with` methods instead, sized by [`BlockBuffers::lens`].
+#[derive(Debug)]
+pub struct BlockBuffers {
+    /// The logits block.
+    pub logits: CudaSlice<f32>,
+    /// The widened X block (bf16 inputs).
+    pub x_wide: CudaSlice<f32>,
+    /// The widened W block (bf16 inputs).
+    pub w_wide: CudaSlice<f32>,
+}
+
+impl BlockBuffers {
+    /// Elements each buffer needs for `plan`: `[logits, x_wide, w_wide]` (0 where unused).
+    pub fn lens(plan: &Plan) -> [usize; 3] {
+        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
+        let wide = plan.dtype() != flatpeak_common::DType::F32;
+        [c * vb, if wide { c * d } else { 0 }, if wide { vb * d } else { 0 }]
+    }
+
+    fn zeros(e: &Engine, plan: &Plan) -> Result<Self> {
+        let [logits, x_wide, w_wide] = Self::lens(plan);
+        Ok(Self { logits: e.zeros(logits)?, x_wide: e.zeros(x_wide)?, w_wide: e.zeros(w_wide)? })
+    }
+
+    /// Each buffer holds at least what `plan` needs.
+    fn check(&self, plan: &Plan) -> Result<()> {
+        let [logits, x_wide, w_wide] = Self::lens(plan);
+        for (what, expected, got) in [
+            ("logits block buffer", logits, self.logits.len()),
+            ("widened x block buffer", x_wide, self.x_wide.len()),
+            ("widened w block buffer", w_wide, self.w_wide.len()),
+        ] {
+            if got < expected {
+                return Err(Error::ShapeMismatch { what, expected, got });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Device gradients, f32.
@@ -177,15 +232,16 @@ impl DeviceStats {
     }
 }
 
-/// Linear cross-entropy on one CUDA device with the plan's block buffers reserved at launch.
+/// Linear cross-entropy on one CUDA device with the plan's block buffers reserved at launch
+/// ([`new`](Self::new)), or handed in by the caller per call ([`on_stream`](Self::on_stream)
+/// and the `*_with` methods).
 #[derive(Debug)]
 pub struct CudaLinearCrossEntropy {
     config: Config,
     plan: Plan,
     engine: Engine,
-    logits: CudaSlice<f32>,
-    x_wide: CudaSlice<f32>,
-    w_wide: CudaSlice<f32>,
+    /// Its own block buffers (empty for [`on_stream`](Self::on_stream)).
+    buffers: BlockBuffers,
 }
 
 impl CudaLinearCrossEntropy {
@@ -194,16 +250,26 @@ impl CudaLinearCrossEntropy {
         config.validate()?;
         let ctx = context(ordinal)?;
         let engine = Engine::new(KernelCache::new(ctx.clone())?, ctx.default_stream())?;
-        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
-        let wide = plan.dtype() != flatpeak_common::DType::F32;
-        Ok(Self {
-            logits: engine.zeros(c * vb)?,
-            x_wide: engine.zeros(if wide { c * d } else { 0 })?,
-            w_wide: engine.zeros(if wide { vb * d } else { 0 })?,
-            engine,
-            config,
-            plan,
-        })
+        let buffers = BlockBuffers::zeros(&engine, &plan)?;
+        Ok(Self { buffers, engine, config, plan })
+    }
+
+    /// An executor that runs on `stream` (a framework's current stream: its work is ordered
+    /// with the framework's, no synchronisation added) and reserves no block buffers: calls
+    /// pass them ([`forward_with`](Self::forward_with), [`backward_into_with`](Self::backward_into_with)),
+    /// so the working set comes from the caller's allocator. Kernels compile once per executor.
+    pub fn on_stream(config: Config, plan: Plan, stream: std::sync::Arc<CudaStream>) -> Result<Self> {
+        config.validate()?;
+        let engine = Engine::new(KernelCache::new(stream.context().clone())?, stream)?;
+        let empty = |e: &Engine| e.zeros::<f32>(0);
+        let buffers =
+            BlockBuffers { logits: empty(&engine)?, x_wide: empty(&engine)?, w_wide: empty(&engine)? };
+        Ok(Self { buffers, engine, config, plan })
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
     }
 
     /// The stream every launch and copy of this object runs on.
@@ -211,66 +277,30 @@ impl CudaLinearCrossEntropy {
         &self.engine.stream
     }
 
-    fn check(&self, inputs: &DeviceInputs<'_>) -> Result<()> {
-        let p = &self.plan;
-        for (what, expected, found) in [
-            ("n", p.n(), inputs.n),
-            ("d", p.d(), inputs.d),
-            ("v", p.v(), inputs.v),
-            ("x (n·d)", inputs.n * inputs.d, inputs.x.len()),
-            ("w (v·d)", inputs.v * inputs.d, inputs.w.len()),
-            ("targets (n)", inputs.n, inputs.targets.len()),
-        ] {
-            if expected != found {
-                return Err(Error::ShapeMismatch { what, expected, got: found });
-            }
-        }
-        if inputs.x.dtype() != inputs.w.dtype() || inputs.x.dtype() != p.dtype() {
-            return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w.dtype() });
-        }
-        if let Some(b) = inputs.bias.filter(|b| b.len() != inputs.v) {
-            return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, got: b.len() });
-        }
-        if let Some(w) = inputs.weights.filter(|w| w.len() != inputs.n) {
-            return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, got: w.len() });
-        }
-        Ok(())
-    }
-
-    /// The backend of one call: targets resolved on the device (checked against 0..V) and the
-    /// per-token inputs copied down for the loss and the gradient scales.
-    fn blocks<'s, 'i>(
-        &'s mut self,
-        inputs: &'s DeviceInputs<'i>,
-        pass: Pass,
-    ) -> Result<(CudaBlocks<'s, 'i>, HostRows)> {
-        self.check(inputs)?;
-        let Self { config, engine: e, logits, x_wide, w_wide, .. } = self;
-        let (n, v) = (inputs.n, inputs.v);
-        let mut resolved = e.zeros::<u32>(n)?;
-        let host = HostRows::resolve(e, config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;
-        let ops = CudaBlocks {
-            e,
-            config,
-            inputs,
-            logits,
-            x_wide,
-            w_wide,
-            resolved,
-            stats: (pass != Pass::Backward).then(|| DeviceStats::new(e, n)).transpose()?,
-            lse: (pass == Pass::Fused).then(|| e.zeros::<f32>(n)).transpose()?,
-            grads: (pass != Pass::Forward).then(|| DeviceGradients::zeros(e, inputs)).transpose()?,
-            gradient: None,
-        };
-        Ok((ops, host))
-    }
-
     /// The loss and per-row lse (on the host): per block, the logits SGEMM and `lce_fold`.
     pub fn forward(&mut self, inputs: &DeviceInputs<'_>) -> Result<Forward> {
-        let plan = self.plan;
-        let (mut ops, host) = self.blocks(inputs, Pass::Forward)?;
-        run_blocks(&mut ops, &plan, Pass::Forward)?;
-        ops.finish_forward(&host)
+        let Self { config, plan, engine, buffers } = self;
+        forward_in(engine, (config, plan, buffers), inputs)
+    }
+
+    /// [`forward`](Self::forward) with the caller's block buffers (at least
+    /// [`BlockBuffers::lens`] each).
+    pub fn forward_with(&mut self, buffers: &mut BlockBuffers, inputs: &DeviceInputs<'_>) -> Result<Forward> {
+        let Self { config, plan, engine, .. } = self;
+        forward_in(engine, (config, plan, buffers), inputs)
+    }
+
+    /// [`backward`](Self::backward) from forward's per-row `lse` with the caller's block
+    /// buffers, writing dX, dW (and dbias) into the caller's device buffers `out` (overwritten).
+    pub fn backward_into_with(
+        &mut self,
+        buffers: &mut BlockBuffers,
+        inputs: &DeviceInputs<'_>,
+        (lse, grad, dlse): (&[f32], GradOutput<'_>, Option<&[f32]>),
+        out: DeviceGradientsMut<'_>,
+    ) -> Result<()> {
+        let Self { config, plan, engine, .. } = self;
+        backward_in(engine, (config, plan, buffers), inputs, (lse, grad, dlse), out)
     }
 
     /// dX, dW (and dbias) on the device from forward's lse: per block, the logits SGEMM again,
@@ -282,18 +312,10 @@ impl CudaLinearCrossEntropy {
         grad: GradOutput<'_>,
         dlse: Option<&[f32]>,
     ) -> Result<DeviceGradients> {
-        let n = inputs.n;
-        if forward.lse.len() != n {
-            return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, got: forward.lse.len() });
-        }
-        if let Some(g) = dlse.filter(|g| g.len() != n) {
-            return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, got: g.len() });
-        }
-        let plan = self.plan;
-        let (mut ops, host) = self.blocks(inputs, Pass::Backward)?;
-        ops.set_gradient(&host, grad, Some(&forward.lse), dlse)?;
-        run_blocks(&mut ops, &plan, Pass::Backward)?;
-        ops.grads.ok_or_else(|| missing("gradients"))
+        let Self { config, plan, engine, buffers } = self;
+        let mut grads = DeviceGradients::zeros(engine, inputs)?;
+        backward_in(engine, (config, plan, buffers), inputs, (&forward.lse, grad, dlse), grads.as_mut())?;
+        Ok(grads)
     }
 
     /// Forward and backward in one pass when the loss is the last op (its upstream gradient is
@@ -312,16 +334,146 @@ impl CudaLinearCrossEntropy {
             let grads = self.backward(inputs, &forward, grad, None)?;
             return Ok((forward, grads));
         }
-        let plan = self.plan;
-        let (mut ops, host) = self.blocks(inputs, Pass::Fused)?;
+        let Self { config, plan, engine, buffers } = self;
+        let mut grads = DeviceGradients::zeros(engine, inputs)?;
+        let (mut ops, host) =
+            blocks(engine, (config, plan, buffers), inputs, Pass::Fused, Some(grads.as_mut()))?;
         ops.set_gradient(&host, grad, None, None)?;
-        run_blocks(&mut ops, &plan, Pass::Fused)?;
+        run_blocks(&mut ops, plan, Pass::Fused)?;
         let forward = ops.finish_forward(&host)?;
-        Ok((forward, ops.grads.ok_or_else(|| missing("gradients"))?))
+        drop(ops);
+        Ok((forward, grads))
+    }
+}
+
+/// The executor's fixed parts for one call: its config, its plan and the block buffers.
+type Fixed<'s> = (&'s Config, &'s Plan, &'s mut BlockBuffers);
+
+fn check_inputs(plan: &Plan, inputs: &DeviceInputs<'_>) -> Result<()> {
+    let p = plan;
+    for (what, expected, found) in [
+        ("n", p.n(), inputs.n),
+        ("d", p.d(), inputs.d),
+        ("v", p.v(), inputs.v),
+        ("x (n·d)", inputs.n * inputs.d, inputs.x.len()),
+        ("w (v·d)", inputs.v * inputs.d, inputs.w.len()),
+        ("targets (n)", inputs.n, inputs.targets.len()),
+    ] {
+        if expected != found {
+            return Err(Error::ShapeMismatch { what, expected, got: found });
+        }
+    }
+    if inputs.x.dtype() != inputs.w.dtype() || inputs.x.dtype() != p.dtype() {
+        return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w.dtype() });
+    }
+    if let Some(b) = inputs.bias.filter(|b| b.len() != inputs.v) {
+        return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, got: b.len() });
+    }
+    if let Some(w) = inputs.weights.filter(|w| w.len() != inputs.n) {
+        return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, got: w.len() });
+    }
+    Ok(())
+}
+
+/// The backend of one call: targets resolved on the device (checked against 0..V) and the
+/// per-token inputs copied down for the loss and the gradient scales; `grads` (zeroed here)
+/// receives the gradients of a backward or fused pass.
+fn blocks<'s, 'i>(
+    e: &'s Engine,
+    (config, plan, buffers): Fixed<'s>,
+    inputs: &'s DeviceInputs<'i>,
+    pass: Pass,
+    mut grads: Option<DeviceGradientsMut<'s>>,
+) -> Result<(CudaBlocks<'s, 'i>, HostRows)> {
+    check_inputs(plan, inputs)?;
+    buffers.check(plan)?;
+    if let Some(g) = grads.as_mut() {
+        g.check(inputs)?;
+        g.fill_zero(e)?;
+    } else if pass != Pass::Forward {
+        return Err(missing("gradients"));
+    }
+    let (n, v) = (inputs.n, inputs.v);
+    let mut resolved = e.zeros::<u32>(n)?;
+    let host = HostRows::resolve(e, config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;
+    let BlockBuffers { logits, x_wide, w_wide } = buffers;
+    let ops = CudaBlocks {
+        e,
+        config,
+        inputs,
+        logits,
+        x_wide,
+        w_wide,
+        resolved,
+        stats: (pass != Pass::Backward).then(|| DeviceStats::new(e, n)).transpose()?,
+        lse: (pass == Pass::Fused).then(|| e.zeros::<f32>(n)).transpose()?,
+        grads,
+        gradient: None,
+    };
+    Ok((ops, host))
+}
+
+fn forward_in(e: &Engine, fixed: Fixed<'_>, inputs: &DeviceInputs<'_>) -> Result<Forward> {
+    let plan = *fixed.1;
+    let (mut ops, host) = blocks(e, fixed, inputs, Pass::Forward, None)?;
+    run_blocks(&mut ops, &plan, Pass::Forward)?;
+    ops.finish_forward(&host)
+}
+
+fn backward_in(
+    e: &Engine,
+    fixed: Fixed<'_>,
+    inputs: &DeviceInputs<'_>,
+    (lse, grad, dlse): (&[f32], GradOutput<'_>, Option<&[f32]>),
+    out: DeviceGradientsMut<'_>,
+) -> Result<()> {
+    let n = inputs.n;
+    if lse.len() != n {
+        return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, got: lse.len() });
+    }
+    if let Some(g) = dlse.filter(|g| g.len() != n) {
+        return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, got: g.len() });
+    }
+    let plan = *fixed.1;
+    let (mut ops, host) = blocks(e, fixed, inputs, Pass::Backward, Some(out))?;
+    ops.set_gradient(&host, grad, Some(lse), dlse)?;
+    run_blocks(&mut ops, &plan, Pass::Backward)
+}
+
+impl DeviceGradientsMut<'_> {
+    /// Checks each buffer's length (and dbias's presence) against `inputs`.
+    fn check(&self, inputs: &DeviceInputs<'_>) -> Result<()> {
+        let check = |what, expected: usize, got: usize| {
+            if expected == got { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got }) }
+        };
+        check("dx (n·d)", inputs.n * inputs.d, self.dx.len())?;
+        check("dw (v·d)", inputs.v * inputs.d, self.dw.len())?;
+        match (&self.dbias, inputs.bias) {
+            (Some(b), Some(_)) => check("dbias (v)", inputs.v, b.len()),
+            (None, None) => Ok(()),
+            (got, _) => {
+                check("dbias (v, present exactly with a bias)", inputs.v, got.as_ref().map_or(0, |b| b.len()))
+            }
+        }
+    }
+
+    fn fill_zero(&mut self, e: &Engine) -> Result<()> {
+        let zero = |s: &mut CudaSlice<f32>| e.stream.memset_zeros(s).map_err(cuda_error("cuMemsetD8"));
+        zero(self.dx)?;
+        zero(self.dw)?;
+        if let Some(b) = self.dbias.as_deref_mut() {
+            zero(b)?;
+        }
+        Ok(())
     }
 }
 
 impl DeviceGradients {
+    /// Borrowed views of these gradients, to write into.
+    pub fn as_mut(&mut self) -> DeviceGradientsMut<'_> {
+        DeviceGradientsMut { dx: &mut self.dx, dw: &mut self.dw, dbias: self.dbias.as_mut() }
+    }
+
     fn zeros(e: &Engine, inputs: &DeviceInputs<'_>) -> Result<Self> {
         Ok(Self {
             dx: e.zeros(inputs.n * inputs.d)?,
@@ -357,7 +509,7 @@ struct CudaBlocks<'s, 'i> {
     stats: Option<DeviceStats>,
     /// The fused pass's lse of every row.
     lse: Option<CudaSlice<f32>>,
-    grads: Option<DeviceGradients>,
+    grads: Option<DeviceGradientsMut<'s>>,
     gradient: Option<DeviceGradientInputs>,
 }
 
