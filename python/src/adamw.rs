@@ -21,6 +21,13 @@ pub struct AdamWOptions {
     hyperparameters: Hyperparameters,
 }
 
+impl AdamWOptions {
+    /// The checked hyperparameters.
+    pub(crate) fn hyperparameters(&self) -> Hyperparameters {
+        self.hyperparameters
+    }
+}
+
 #[pymethods]
 impl AdamWOptions {
     /// torch.optim.AdamW's hyperparameters.
@@ -74,14 +81,16 @@ struct Checked {
     step: u64,
 }
 
-/// Parameters on the CPU run here; a CUDA one is refused, saying what to do instead.
+/// Parameters on the CPU run here. A CUDA one takes the offloaded path (`CudaAdamW`, feature
+/// `cuda`); without the feature it is refused, saying how to build with it.
 fn cpu_only(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
     match device_of(name, tensor)? {
         TensorDevice::Cpu => Ok(()),
+        #[cfg(not(feature = "cuda"))]
+        TensorDevice::Cuda(_) => Err(crate::tensor::cuda_not_built(name)),
+        #[cfg(feature = "cuda")]
         TensorDevice::Cuda(_) => Err(PyValueError::new_err(format!(
-            "{name} is a CUDA tensor: this package's StreamAdamW steps fp32 CPU parameters only (the \
-             offloaded CUDA step of the stream-adamw crate is not bound to torch yet); keep the fp32 \
-             master parameters on the CPU and copy them to the device after each step"
+            "{name}: a CUDA tensor handed to the CPU update (CUDA parameters take CudaAdamW)"
         ))),
     }
 }
@@ -143,7 +152,7 @@ pub fn adamw_step(
 ) -> PyResult<()> {
     let mut checked = Vec::with_capacity(groups.len());
     for (options, params) in &groups {
-        let hyperparameters = options.get().hyperparameters;
+        let hyperparameters = options.get().hyperparameters();
         let amsgrad = hyperparameters.variant == Variant::AmsGrad;
         let params = params.iter().map(|p| Checked::new(p, amsgrad)).collect::<PyResult<Vec<_>>>()?;
         checked.push((hyperparameters, params));

@@ -39,7 +39,7 @@ const CARVE_ALIGN: usize = 256;
 
 /// A torch CUDA tensor's memory as a cudarc slice for one call. cudarc never frees it: dropping
 /// a `Borrowed` leaks the slice back (`CudaSlice::leak`), the tensor keeps owning the memory.
-struct Borrowed<T> {
+pub(crate) struct Borrowed<T> {
     slice: ManuallyDrop<CudaSlice<T>>,
     name: &'static str,
     address: usize,
@@ -59,7 +59,7 @@ impl<T: DeviceRepr> Borrowed<T> {
         Self { slice: ManuallyDrop::new(slice), name, address }
     }
 
-    fn span(&self) -> Span {
+    pub(crate) fn span(&self) -> Span {
         Span::raw(self.name, self.address, self.slice.len() * std::mem::size_of::<T>())
     }
 }
@@ -91,7 +91,7 @@ impl<T> Drop for Borrowed<T> {
 /// # Safety
 /// The tensor must outlive the returned value and nothing else may write it during the call
 /// (the Python frame holds every tensor of the call; outputs are checked disjoint).
-unsafe fn borrow<T: Element + DeviceRepr>(
+pub(crate) unsafe fn borrow_on<T: Element + DeviceRepr>(
     stream: &Arc<CudaStream>,
     (name, tensor): (&'static str, &Bound<'_, PyAny>),
     shape: &[Option<usize>],
@@ -196,7 +196,7 @@ impl Operand {
 
 impl DeviceArgs {
     /// # Safety
-    /// As [`borrow`]: every tensor of `args` outlives the result and is not written meanwhile.
+    /// As [`borrow_on`]: every tensor of `args` outlives the result and is not written meanwhile.
     unsafe fn new(stream: &Arc<CudaStream>, args: &TensorArgs<'_>, ordinal: usize) -> PyResult<Self> {
         let shape = args.shape()?;
         let Shape { tokens: n, hidden: d, vocab: v, dtype } = shape;
@@ -205,25 +205,25 @@ impl DeviceArgs {
         let (x, w) = unsafe {
             match dtype {
                 DType::Bf16 => (
-                    Operand::Bf16(borrow(stream, ("input", &args.input), &x_shape, ordinal)?),
-                    Operand::Bf16(borrow(stream, ("weight", &args.weight), &w_shape, ordinal)?),
+                    Operand::Bf16(borrow_on(stream, ("input", &args.input), &x_shape, ordinal)?),
+                    Operand::Bf16(borrow_on(stream, ("weight", &args.weight), &w_shape, ordinal)?),
                 ),
                 _ => (
-                    Operand::F32(borrow(stream, ("input", &args.input), &x_shape, ordinal)?),
-                    Operand::F32(borrow(stream, ("weight", &args.weight), &w_shape, ordinal)?),
+                    Operand::F32(borrow_on(stream, ("input", &args.input), &x_shape, ordinal)?),
+                    Operand::F32(borrow_on(stream, ("weight", &args.weight), &w_shape, ordinal)?),
                 ),
             }
         };
         // SAFETY: as above.
-        let targets = unsafe { borrow(stream, ("target", &args.target), &[Some(n)], ordinal)? };
+        let targets = unsafe { borrow_on(stream, ("target", &args.target), &[Some(n)], ordinal)? };
         let bias = match &args.bias {
             // SAFETY: as above.
-            Some(b) => Some(unsafe { borrow(stream, ("bias", b), &[Some(v)], ordinal)? }),
+            Some(b) => Some(unsafe { borrow_on(stream, ("bias", b), &[Some(v)], ordinal)? }),
             None => None,
         };
         let weights = match &args.token_weights {
             // SAFETY: as above.
-            Some(t) => Some(unsafe { borrow(stream, ("token_weights", t), &[Some(n)], ordinal)? }),
+            Some(t) => Some(unsafe { borrow_on(stream, ("token_weights", t), &[Some(n)], ordinal)? }),
             None => None,
         };
         Ok(Self { x, w, targets, bias, weights, shape })
@@ -273,7 +273,7 @@ impl Drop for Carved {
 /// The block buffers carved from the workspace tensor, and the tensor's byte range.
 ///
 /// # Safety
-/// As [`borrow`] for `workspace`.
+/// As [`borrow_on`] for `workspace`.
 unsafe fn block_buffers(
     stream: &Arc<CudaStream>,
     workspace: &Bound<'_, PyAny>,
@@ -301,8 +301,9 @@ unsafe fn block_buffers(
     ))
 }
 
-/// The slice of a `Borrowed`, moved into a [`Carved`] (which leaks it, never frees it).
-fn take<T>(b: Borrowed<T>) -> CudaSlice<T> {
+/// The slice of a `Borrowed`, moved into an owner that leaks it (never frees it): a [`Carved`],
+/// or a step's `CudaDevice`.
+pub(crate) fn take<T>(b: Borrowed<T>) -> CudaSlice<T> {
     let mut b = ManuallyDrop::new(b);
     // SAFETY: `b` is never dropped (ManuallyDrop), so its slice is taken out exactly once.
     unsafe { ManuallyDrop::take(&mut b.slice) }
@@ -378,12 +379,12 @@ pub fn lce_backward_cuda(
     let grad_lse =
         upstream.1.as_ref().map(|g| TensorRef::<f32>::new("grad_lse", g, &[Some(n)])).transpose()?;
     // SAFETY: the Python frame holds the fresh output tensors (checked disjoint below).
-    let mut dx = unsafe { borrow::<f32>(&stream, ("dx", &grads_out.0), &[Some(n), Some(d)], ordinal)? };
+    let mut dx = unsafe { borrow_on::<f32>(&stream, ("dx", &grads_out.0), &[Some(n), Some(d)], ordinal)? };
     // SAFETY: as above.
-    let mut dw = unsafe { borrow::<f32>(&stream, ("dw", &grads_out.1), &[Some(v), Some(d)], ordinal)? };
+    let mut dw = unsafe { borrow_on::<f32>(&stream, ("dw", &grads_out.1), &[Some(v), Some(d)], ordinal)? };
     let mut dbias = match &grads_out.2 {
         // SAFETY: as above.
-        Some(b) => Some(unsafe { borrow::<f32>(&stream, ("dbias", b), &[Some(v)], ordinal)? }),
+        Some(b) => Some(unsafe { borrow_on::<f32>(&stream, ("dbias", b), &[Some(v)], ordinal)? }),
         None => None,
     };
     let plan = Plan::new(&options.config, device.shape, options.budget).map_err(to_py)?;

@@ -12,6 +12,8 @@
 mod adamw;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_adamw;
 mod loss;
 mod tensor;
 
@@ -31,6 +33,7 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
     {
         m.add_function(wrap_pyfunction!(cuda::lce_forward_cuda, m)?)?;
         m.add_function(wrap_pyfunction!(cuda::lce_backward_cuda, m)?)?;
+        m.add_class::<cuda_adamw::CudaAdamW>()?;
     }
     m.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())

@@ -195,6 +195,11 @@ pub struct Span {
 
 #[cfg(feature = "cuda")]
 impl Span {
+    /// Whether the two byte ranges share a byte.
+    pub fn overlaps(&self, other: &Span) -> bool {
+        self.bytes.start < other.bytes.end && other.bytes.start < self.bytes.end
+    }
+
     /// The `bytes` bytes from `address` (a device tensor's, for the CUDA path's overlap checks).
     pub fn raw(name: &'static str, address: usize, bytes: usize) -> Self {
         Span { name, bytes: address..address.saturating_add(bytes) }

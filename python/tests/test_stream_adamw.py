@@ -165,3 +165,39 @@ def test_closure_loss_is_returned():
 def test_bad_hyperparameters_are_value_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StreamAdamW([torch.nn.Parameter(torch.ones(3))], **kwargs)
+
+
+CUDA = torch.cuda.is_available() and __import__("flatpeak").cuda_built()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU and the cuda build")
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_offloaded_cuda_step_matches_torch_adamw_on_the_gpu(amsgrad):
+    ours_p = [p.cuda() for p in make_params(4)]
+    theirs_p = [p.cuda() for p in make_params(4)]
+    ours = StreamAdamW(groups_of(ours_p, amsgrad, False), lr=1e-2, weight_decay=0.1)
+    ours.bucket_elems = 256  # several buckets per parameter
+    theirs = torch.optim.AdamW(groups_of(theirs_p, amsgrad, False), lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(STEPS):
+        set_grads(ours_p, step)
+        set_grads(theirs_p, step)
+        for p in ours_p + theirs_p:
+            p.grad = p.grad.cuda()
+        assert not ours.step().skipped
+        theirs.step()
+        for po, pt in zip(ours_p, theirs_p):
+            assert rel(po, pt) <= 1e-6, step
+    # state_dict round-trips into torch's AdamW.
+    again_p = [p.detach().clone() for p in ours_p]
+    again = torch.optim.AdamW(groups_of(again_p, amsgrad, False), lr=1e-2, foreach=False)
+    again.load_state_dict(copy.deepcopy(ours.state_dict()))
+    for p, q in zip(ours_p, again_p):
+        assert rel(again.state[q]["exp_avg"], theirs.state[theirs_p[ours_p.index(p)]]["exp_avg"]) <= 1e-6
+    # A non-finite gradient skips the step on the device too.
+    before = [p.detach().clone() for p in ours_p]
+    set_grads(ours_p, 99)
+    for p in ours_p:
+        p.grad = p.grad.cuda()
+    ours_p[0].grad[0, 0] = float("nan")
+    assert ours.step().skipped
+    assert all(torch.equal(p, b) for p, b in zip(ours_p, before))

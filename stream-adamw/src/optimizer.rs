@@ -173,6 +173,21 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     pub fn config(&self) -> &Hyperparameters {
         &self.config
     }
+    /// Replaces the hyperparameters for the next steps (an LR schedule's), after checking them;
+    /// the variant (Adam or AMSGrad) is the state's and cannot change. On error nothing changes.
+    pub fn set_hyperparameters(&mut self, config: Hyperparameters) -> Result<()> {
+        config.validate()?;
+        if config.variant != self.config.variant {
+            return Err(Error::StateMismatch {
+                reason: format!(
+                    "the variant is the state's ({:?}), not {:?}",
+                    self.config.variant, config.variant
+                ),
+            });
+        }
+        self.config = config;
+        Ok(())
+    }
     /// The state (fp32 master parameters, moments, step).
     pub fn state(&self) -> &OptimizerState {
         &self.state

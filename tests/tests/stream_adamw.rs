@@ -466,3 +466,26 @@ fn an_injected_failure_at_every_stage_and_bucket_is_typed_and_leaves_a_known_sta
     });
     finished.recv_timeout(std::time::Duration::from_secs(120)).expect("no hang");
 }
+
+#[test]
+fn hyperparameters_change_between_steps_but_not_the_variant() {
+    let n = 300;
+    let mut opt = StreamAdamW::<f32, bf16>::new(
+        grads_f32(n, 1, 1.0),
+        cfg(|_| ()),
+        &Config::default(),
+        stream_adamw::Device::Cpu,
+    )
+    .unwrap();
+    opt.set_hyperparameters(cfg(|c| c.lr = 5e-3)).unwrap();
+    assert_eq!(opt.config().lr, 5e-3);
+    assert!(matches!(
+        opt.set_hyperparameters(cfg(|c| c.lr = -1.0)),
+        Err(Error::InvalidConfig { field: "lr", .. })
+    ));
+    assert!(matches!(
+        opt.set_hyperparameters(cfg(|c| c.variant = Variant::AmsGrad)),
+        Err(Error::StateMismatch { .. })
+    ));
+    assert_eq!(opt.config().lr, 5e-3, "a refused change changes nothing");
+}

@@ -50,8 +50,11 @@ class StreamAdamW(torch.optim.Optimizer):
     skipped -- parameters, moments and step counts are left exactly as they were -- and
     :meth:`step` returns ``StepResult(skipped=True, ...)``.
 
-    Parameters must be contiguous float32 CPU tensors with dense float32 gradients (CUDA
-    parameters need the package built with the ``cuda`` feature).
+    CPU parameters must be contiguous float32 tensors with dense float32 gradients. CUDA
+    parameters (float32 or bfloat16; the ``cuda`` build) are offloaded: each keeps an fp32 master
+    copy and its moments in host memory, and its step is stream-adamw's bucket pipeline (D2H of
+    gradients, CPU AdamW, H2D of parameters, through pinned staging). ``state_dict()`` carries
+    their state under torch's names plus ``master_param``.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -62,9 +65,14 @@ class StreamAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         #: Steps skipped for non-finite gradients so far.
         self.skipped_steps = 0
+        #: Elements per bucket of the offloaded step of a CUDA parameter.
+        self.bucket_elems = 1 << 22
+        self._cuda = {}
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("bucket_elems", 1 << 22)
+        self.__dict__.setdefault("_cuda", {})
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -79,6 +87,19 @@ class StreamAdamW(torch.optim.Optimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
+    def _offloaded(self, p: torch.Tensor, group):
+        """The offloaded optimizer of CUDA parameter ``p`` (the ``cuda`` build), made at its first
+        step with the fp32 master copy taken from ``p``."""
+        if not hasattr(_ext, "CudaAdamW"):
+            # The CPU entry refuses it, saying what to do.
+            _ext.grad_sq_sum_all([p])
+        opt = self._cuda.get(p)
+        if opt is None:
+            master = p.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+            opt = _ext.CudaAdamW(p, master, _hyperparameters(group), self.bucket_elems)
+            self._cuda[p] = opt
+        return opt
+
     @torch.no_grad()
     def step(self, closure=None) -> StepResult:
         """One AdamW step of every parameter with a gradient; see the class docs for the skip."""
@@ -86,16 +107,26 @@ class StreamAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = []
+        host_grads, device = [], []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     if p.grad.is_sparse:
                         raise TypeError("StreamAdamW does not support sparse gradients")
-                    grads.append(p.grad)
-        if not grads:
+                    if p.is_cuda:
+                        device.append((p, group))
+                    else:
+                        host_grads.append(p.grad)
+        if not host_grads and not device:
             return StepResult(False, loss)
-        if not math.isfinite(_ext.grad_sq_sum_all(grads)):
+        # The offloaded step copies gradients on its own streams: torch's work that produced them
+        # must be done first (a wait on each device's current stream, not on the whole device).
+        for dev in {p.device for p, _ in device}:
+            torch.cuda.current_stream(dev).synchronize()
+        offloaded = [(p, group, self._offloaded(p, group)) for p, group in device]
+        total = _ext.grad_sq_sum_all(host_grads) if host_grads else 0.0
+        total += sum(opt.grad_sq_sum(p.grad) for p, _, opt in offloaded)
+        if not math.isfinite(total):
             self.skipped_steps += 1
             return StepResult(True, loss)
         batches, counters = [], []
@@ -103,7 +134,7 @@ class StreamAdamW(torch.optim.Optimizer):
             amsgrad = bool(group["amsgrad"])
             params = []
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or p.is_cuda:
                     continue
                 state = self._state_of(p, amsgrad)
                 step = int(state["step"].item()) + 1
@@ -115,4 +146,48 @@ class StreamAdamW(torch.optim.Optimizer):
         _ext.adamw_step(batches)
         for step in counters:
             step += 1
+        for p, group, opt in offloaded:
+            if opt.step(p, p.grad, _hyperparameters(group)):
+                state = self.state[p]
+                state.setdefault("step", torch.tensor(0.0, dtype=_get_scalar_dtype()))
+                state["step"] += 1
         return StepResult(False, loss)
+
+    def state_dict(self):
+        """torch's state dict; a CUDA parameter's offloaded state appears under torch's names
+        (CPU fp32 tensors shaped like the parameter) plus ``master_param``, its fp32 master copy."""
+        for p, opt in self._cuda.items():
+            amsgrad = any(p is q and g["amsgrad"] for g in self.param_groups for q in g["params"])
+            shape = p.shape
+            fresh = lambda: torch.empty(shape, dtype=torch.float32)  # noqa: E731
+            master, exp_avg, exp_avg_sq = fresh(), fresh(), fresh()
+            max_sq = fresh() if amsgrad else None
+            step = opt.export_into(master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1),
+                                   None if max_sq is None else max_sq.view(-1))
+            state = self.state[p]
+            state.update(step=torch.tensor(float(step), dtype=_get_scalar_dtype()), exp_avg=exp_avg,
+                         exp_avg_sq=exp_avg_sq, master_param=master)
+            if max_sq is not None:
+                state["max_exp_avg_sq"] = max_sq
+        sd = super().state_dict()
+        for p in self._cuda:  # the snapshot lives on in `sd` only
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                self.state[p].pop(key, None)
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """torch's ``load_state_dict``; a CUDA parameter's state goes into its offloaded optimizer
+        (the master copy from ``master_param`` when present, else from the parameter)."""
+        super().load_state_dict(state_dict)
+        self._cuda.clear()
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if not p.is_cuda or "exp_avg" not in state:
+                    continue
+                opt = self._offloaded(p, group)
+                flat = lambda t: t.detach().to("cpu", torch.float32).reshape(-1).contiguous()  # noqa: E731
+                master = state.pop("master_param", p)
+                max_sq = state.pop("max_exp_avg_sq", None)
+                opt.import_from(int(state["step"].item()), flat(master), flat(state.pop("exp_avg")),
+                                flat(state.pop("exp_avg_sq")), None if max_sq is None else flat(max_sq))
