@@ -235,18 +235,8 @@ pub struct GradientsMut<'a> {
 impl GradientsMut<'_> {
     /// Checks each buffer's length (and dbias's presence) against `inputs`.
     pub fn check(&self, inputs: &Inputs<'_>) -> Result<()> {
-        let check = |what, expected: usize, got: usize| {
-            if expected == got { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got }) }
-        };
-        check("dx (n·d)", inputs.n * inputs.d, self.dx.len())?;
-        check("dw (v·d)", inputs.v * inputs.d, self.dw.len())?;
-        match (&self.dbias, inputs.bias) {
-            (Some(b), Some(_)) => check("dbias (v)", inputs.v, b.len()),
-            (None, None) => Ok(()),
-            (got, _) => {
-                check("dbias (v, present exactly with a bias)", inputs.v, got.as_ref().map_or(0, |b| b.len()))
-            }
-        }
+        let lens = (self.dx.len(), self.dw.len(), self.dbias.as_ref().map(|b| b.len()));
+        check_gradient_lens((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), lens)
     }
 
     /// Sets every element to 0.
@@ -256,6 +246,25 @@ impl GradientsMut<'_> {
         if let Some(b) = self.dbias.as_deref_mut() {
             b.fill(0.0);
         }
+    }
+}
+
+/// Checks gradient buffers of lengths `(dx, dw, dbias)` against N, D, V: dX N·D, dW V·D, and
+/// dbias V present exactly when there is a bias (host and device buffers alike).
+pub(crate) fn check_gradient_lens(
+    (n, d, v): (usize, usize, usize),
+    has_bias: bool,
+    (dx, dw, dbias): (usize, usize, Option<usize>),
+) -> Result<()> {
+    let check = |what, expected: usize, got: usize| {
+        if expected == got { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got }) }
+    };
+    check("dx (n·d)", n * d, dx)?;
+    check("dw (v·d)", v * d, dw)?;
+    match (dbias, has_bias) {
+        (Some(b), true) => check("dbias (v)", v, b),
+        (None, false) => Ok(()),
+        (got, _) => check("dbias (v, present exactly with a bias)", v, got.unwrap_or(0)),
     }
 }
 

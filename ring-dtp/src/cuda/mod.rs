@@ -443,18 +443,8 @@ fn backward_in(
 impl DeviceGradientsMut<'_> {
     /// Checks each buffer's length (and dbias's presence) against `inputs`.
     fn check(&self, inputs: &DeviceInputs<'_>) -> Result<()> {
-        let check = |what, expected: usize, got: usize| {
-            if expected == got { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got }) }
-        };
-        check("dx (n·d)", inputs.n * inputs.d, self.dx.len())?;
-        check("dw (v·d)", inputs.v * inputs.d, self.dw.len())?;
-        match (&self.dbias, inputs.bias) {
-            (Some(b), Some(_)) => check("dbias (v)", inputs.v, b.len()),
-            (None, None) => Ok(()),
-            (got, _) => {
-                check("dbias (v, present exactly with a bias)", inputs.v, got.as_ref().map_or(0, |b| b.len()))
-            }
-        }
+        let lens = (self.dx.len(), self.dw.len(), self.dbias.as_ref().map(|b| b.len()));
+        crate::inputs::check_gradient_lens((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), lens)
     }
 
     fn fill_zero(&mut self, e: &Engine) -> Result<()> {
