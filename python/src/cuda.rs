@@ -27,9 +27,9 @@ use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, s
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ring_dtp::cuda::{BlockBuffers, CudaLinearCrossEntropy, DeviceGradientsMut, DeviceInputs, DeviceMatrix};
-use ring_dtp::{DType, GradOutput, Loss, Plan, Reduction, Shape, bf16};
+use ring_dtp::{DType, GradOutput, Plan, Reduction, Shape, bf16};
 
-use crate::loss::{LossOptions, TensorArgs, to_py};
+use crate::loss::{LossOptions, TensorArgs, to_py, write_forward};
 use crate::tensor::{Element, Span, TensorDevice, TensorRef, check_disjoint, checked, device_of};
 
 /// Executors kept at most (a training loop uses a handful of shapes).
@@ -340,14 +340,7 @@ pub fn lce_forward_cuda(
         with_executor((ordinal, &stream), options, plan, |lce| lce.forward_with(carved.buffers(), &inputs))
     });
     drop(carved);
-    let forward = forward.map_err(to_py)?;
-    // SAFETY: CPU fp32 tensors of the checked shapes, held by the Python frame, disjoint.
-    let (loss, lse) = unsafe { (loss_out.as_mut_slice(), lse_out.as_mut_slice()) };
-    lse.copy_from_slice(&forward.lse);
-    match forward.loss {
-        Loss::Scalar(l) => loss[0] = l as f32,
-        Loss::PerToken(per_token) => loss.copy_from_slice(&per_token),
-    }
+    write_forward(forward.map_err(to_py)?, (&loss_out, &lse_out));
     Ok(())
 }
 

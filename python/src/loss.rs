@@ -8,8 +8,8 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ring_dtp::{
-    Budget, Config, DType, Device, GradOutput, GradientsMut, Inputs, LinearCrossEntropy, Loss, Matrix, Plan,
-    Reduction, Shape, Softcap, bf16,
+    Budget, Config, DType, Device, Forward, GradOutput, GradientsMut, Inputs, LinearCrossEntropy, Loss,
+    Matrix, Plan, Reduction, Shape, Softcap, bf16,
 };
 
 use crate::tensor::{Span, TensorRef, check_disjoint, shape_of};
@@ -248,16 +248,21 @@ pub fn lce_forward(
         let inputs = unsafe { checked.inputs() };
         lce.forward(&inputs)
     });
-    let forward = forward.map_err(to_py)?;
-    // SAFETY: `loss_out`/`lse_out` are checked fp32 CPU tensors of the right shape, alive in the
-    // caller's frame, disjoint from every other tensor of the call.
+    write_forward(forward.map_err(to_py)?, (&loss_out, &lse_out));
+    Ok(())
+}
+
+/// Writes forward's loss (one value, or one per token) and lse into the checked CPU fp32
+/// tensors `loss_out` and `lse_out` (their shapes checked against the reduction and N).
+pub(crate) fn write_forward(forward: Forward, (loss_out, lse_out): (&TensorRef<f32>, &TensorRef<f32>)) {
+    // SAFETY: the callers checked both as fp32 CPU tensors of the loss's and lse's shapes, alive
+    // in the Python frame and disjoint from each other and from every tensor of the call.
     let (loss, lse) = unsafe { (loss_out.as_mut_slice(), lse_out.as_mut_slice()) };
     lse.copy_from_slice(&forward.lse);
     match forward.loss {
         Loss::Scalar(l) => loss[0] = l as f32,
         Loss::PerToken(per_token) => loss.copy_from_slice(&per_token),
     }
-    Ok(())
 }
 
 /// Backward from forward's `lse`: `grad_loss` is the upstream gradient of the loss (0-dim for
