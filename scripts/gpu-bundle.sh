@@ -27,7 +27,7 @@ for line in sys.stdin:
 '
 }
 
-cargo test --release --workspace --features cuda --no-run --message-format=json \
+cargo test --release --workspace --exclude flatpeak-candle --features cuda --no-run --message-format=json \
   | executables | while read -r kind name path; do
     # Plain-`main` test binaries (harness = false) measure host peaks and take no libtest flags.
     # Examples are programs, not test harnesses.

@@ -82,11 +82,19 @@ if [[ "${FLATPEAK_GPU_BUNDLE:-}" == 1 ]] || ! command -v cargo >/dev/null; then
     cat "$out/bench.$(basename "$b").log" >>"$out/gpu-benches.log"
   done
 else
-  run_stage build cargo build --release --workspace --all-targets --features cuda
-  run_stage gpu-tests cargo test --release --workspace --features cuda -- --ignored --test-threads 1
+  # flatpeak-candle's `cuda` builds candle's own kernels with nvcc and links the CUDA libraries
+  # (candle's choice): it is built apart, below, where the machine has a CUDA toolkit.
+  run_stage build cargo build --release --workspace --exclude flatpeak-candle --all-targets --features cuda
+  run_stage gpu-tests cargo test --release --workspace --exclude flatpeak-candle --features cuda -- --ignored --test-threads 1
   run_stage nvrtc-compile cargo test --release -p flatpeak-tests --features cuda --test nvrtc_compile
   cat "$out/nvrtc-compile.log" >>"$out/gpu-tests.log"
   run_stage gpu-benches cargo bench -p flatpeak-bench --features cuda -- cuda "${bench_flags[@]}"
+  if command -v nvcc >/dev/null; then
+    run_stage candle-cuda cargo test --release -p flatpeak-candle --features cuda --test loss -- --nocapture
+    cat "$out/candle-cuda.log" >>"$out/gpu-tests.log"
+  else
+    status+=("candle-cuda|skipped (no nvcc: candle's kernels need a CUDA toolkit)|0 s")
+  fi
   # The PyTorch package's CUDA path, where the machine has torch and maturin (the device
   # machine reaches no registry): built with `cuda`, the same pytest file on CUDA tensors.
   if python3 -c "import torch, maturin, pytest; assert torch.cuda.is_available()" 2>/dev/null; then

@@ -82,10 +82,21 @@ pub fn nvrtc_available() -> bool {
 mod imp {
     use super::*;
 
-    pub fn cuda_device_count() -> Result<usize> {
+    /// Whether the CUDA driver library can be used: a dlopen probe when cudarc loads the
+    /// libraries at run time; always true when they are linked (`cuda-linked`), since the
+    /// program would not have started without them.
+    fn driver_present() -> bool {
+        #[cfg(not(feature = "cuda-linked"))]
         // SAFETY: `is_culib_present` only tries to dlopen the library names cudarc would use;
         // it runs no CUDA code and has no preconditions.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        let present = unsafe { cudarc::driver::sys::is_culib_present() };
+        #[cfg(feature = "cuda-linked")]
+        let present = true;
+        present
+    }
+
+    pub fn cuda_device_count() -> Result<usize> {
+        if !driver_present() {
             return Err(Error::CudaUnavailable {
                 reason: "the CUDA driver library (libcuda.so) is not installed or not on the \
                          loader path"
@@ -100,8 +111,12 @@ mod imp {
     }
 
     pub fn nvrtc_available() -> bool {
+        #[cfg(not(feature = "cuda-linked"))]
         // SAFETY: as above, a dlopen probe with no preconditions.
-        unsafe { cudarc::nvrtc::sys::is_culib_present() }
+        let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+        #[cfg(feature = "cuda-linked")]
+        let present = true;
+        present
     }
 }
 

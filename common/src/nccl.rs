@@ -20,13 +20,18 @@ fn nccl_error(op: &'static str) -> impl Fn(cudarc::nccl::result::NcclError) -> E
     move |e| Error::Cuda { op, message: format!("{:?}", e.0) }
 }
 
-/// Whether the NCCL library can be loaded (a dlopen probe over the names cudarc would try).
+/// Whether the NCCL library can be loaded (a dlopen probe over the names cudarc would try;
+/// always true when cudarc links it, feature `cuda-linked`).
 pub fn nccl_available() -> bool {
-    cudarc::get_lib_name_candidates("nccl").iter().any(|name| {
+    #[cfg(not(feature = "cuda-linked"))]
+    let present = cudarc::get_lib_name_candidates("nccl").iter().any(|name| {
         // SAFETY: loading libnccl runs its initializers, which have no preconditions; the handle
         // is dropped at once and no symbol is called.
         unsafe { libloading::Library::new(name) }.is_ok()
-    })
+    });
+    #[cfg(feature = "cuda-linked")]
+    let present = true;
+    present
 }
 
 fn ensure_nccl() -> Result<()> {
