@@ -209,6 +209,10 @@ impl<'a, T> MatMut<'a, T> {
     pub fn col_major(data: &'a mut [T], rows: usize, cols: usize) -> Result<Self> {
         Self::strided(data, rows, cols, 1, rows)
     }
+    /// The checked view's parts: `(data, rows, cols, row_stride, col_stride)`.
+    pub(crate) fn into_parts(self) -> (&'a mut [T], usize, usize, usize, usize) {
+        (self.data, self.rows, self.cols, self.row_stride, self.col_stride)
+    }
 }
 
 /// `dst ← scale·lhs·rhs` or `dst += scale·lhs·rhs` (see [`MatmulOptions`]).

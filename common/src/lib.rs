@@ -42,6 +42,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod gemm;
+pub mod gemm_bf16;
 pub mod kernels;
 pub mod link;
 pub mod numerics;

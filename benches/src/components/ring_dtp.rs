@@ -37,8 +37,14 @@ pub struct Workload {
 
 impl Workload {
     /// The report's workload string.
+    /// The row's label; bf16 rows name the kernel their logits GEMMs ran on (this CPU's).
     pub fn describe(&self) -> String {
-        format!("N={} D={} V={} P=1 {} fwd+bwd", self.n, self.d, self.v, self.dtype)
+        let kernel = match (self.dtype, cpu::bf16_path()) {
+            (DType::Bf16, cpu::Bf16Path::DotProducts) => " (logits GEMMs: bf16 dot products)",
+            (DType::Bf16, cpu::Bf16Path::Widened) => " (logits GEMMs: widened to f32)",
+            _ => "",
+        };
+        format!("N={} D={} V={} P=1 {} fwd+bwd{kernel}", self.n, self.d, self.v, self.dtype)
     }
 }
 

@@ -13,6 +13,8 @@
 //! thread count.
 
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, Threads, matmul};
+use flatpeak_common::gemm_bf16::Bf16Gemm;
+use half::bf16;
 use rayon::prelude::*;
 
 use crate::config::{Config, Softcap};
@@ -140,6 +142,29 @@ pub(crate) fn form_logits_widening(
         let w_sub = MatRef::row_major(&w_buf[..(j1 - j0) * d], j1 - j0, d)?;
         gemm(MatMut::row_major(&mut logits[j0 * c..j1 * c], j1 - j0, c)?, w_sub, x_t, Accumulate::Replace)?;
     }
+    epilogue(config, bias, logits, (vb, c));
+    Ok(())
+}
+
+/// [`form_logits`] for bf16 X and W on the CPU's bf16 dot products ([`Bf16Gemm`]): the block's
+/// rows of both are read in place, nothing is widened, and every product is exact in f32 with
+/// f32 sums, as in the widened GEMM (only the order of the additions differs).
+pub(crate) fn form_logits_bf16(
+    config: &Config,
+    d: usize,
+    (x, c): (&[bf16], usize),
+    (w, vb, bias): (&[bf16], usize, Option<&[f32]>),
+    logits: &mut [f32],
+    gemm: Bf16Gemm,
+) -> Result<()> {
+    let logits = &mut logits[..vb * c];
+    gemm.matmul_nt(
+        MatMut::row_major(logits, vb, c)?,
+        &w[..vb * d],
+        &x[..c * d],
+        d,
+        MatmulOptions::default(),
+    )?;
     epilogue(config, bias, logits, (vb, c));
     Ok(())
 }

@@ -24,18 +24,40 @@ mod rows;
 pub(crate) use block::gemm;
 pub(crate) use block::{
     BlockGrads, ColumnGrads, DxPartial, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads,
-    accumulate_grads_widening, column_grads, fold, form_logits, form_logits_widening, gradient,
-    resolve_targets,
+    accumulate_grads_widening, column_grads, fold, form_logits, form_logits_bf16, form_logits_widening,
+    gradient, resolve_targets,
 };
 
 use flatpeak_common::Workspace;
 use flatpeak_common::gemm::{Accumulate, Threads};
+use flatpeak_common::gemm_bf16::Bf16Gemm;
 
 use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::{Config, Reduction, Softcap};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix};
 use crate::plan::{Plan, Schedule, WIDEN_ROWS, splits_dx};
+
+/// The kernel that forms the logits blocks of bf16 inputs on this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// bf16 dot products (AVX512-BF16 `vdpbf16ps`) on the rows in place, f32 sums.
+    DotProducts,
+    /// The rows widened to f32 a sub-block at a time, then the f32 GEMM.
+    Widened,
+}
+
+/// Which kernel this CPU runs the logits GEMMs of bf16 inputs on (detected at run time).
+pub fn bf16_path() -> Bf16Path {
+    if Bf16Gemm::detect().is_some() { Bf16Path::DotProducts } else { Bf16Path::Widened }
+}
+
+fn bf16_kernel(inputs: &Inputs<'_>) -> Option<Bf16Gemm> {
+    match (inputs.x, inputs.w) {
+        (Matrix::Bf16(_), Matrix::Bf16(_)) => Bf16Gemm::detect(),
+        _ => None,
+    }
+}
 
 fn check_plan(plan: &Plan, inputs: &Inputs<'_>) -> Result<()> {
     for (what, expected, found) in
@@ -143,6 +165,8 @@ struct CpuBlocks<'a, 'w, 'g> {
     cols: ColumnGrads,
     /// The fused pass's lse of the current token block.
     lse_block: Vec<f32>,
+    /// The bf16 dot-product GEMM, for bf16 inputs on a CPU that has it.
+    bf16_gemm: Option<Bf16Gemm>,
 }
 
 impl<'a, 'w, 'g> CpuBlocks<'a, 'w, 'g> {
@@ -166,6 +190,7 @@ impl<'a, 'w, 'g> CpuBlocks<'a, 'w, 'g> {
             gradient,
             cols: ColumnGrads::with_capacity(cb),
             lse_block: vec![0f32; cb],
+            bf16_gemm: bf16_kernel(inputs),
         })
     }
 
@@ -200,11 +225,19 @@ impl BlockOps for CpuBlocks<'_, '_, '_> {
         let (bias, w_f32) = (self.bias(at), self.w_f32(at));
         let Scratch { logits, xblk, wblk, .. } = &mut self.scratch;
         let tokens = TokenBlock { x: &xblk[..c * d], targets: &self.targets[..c] };
-        match w_f32 {
-            Some(w) => {
+        match (w_f32, self.inputs.x, self.inputs.w, self.bf16_gemm) {
+            (Some(w), ..) => {
                 form_logits(self.config, d, tokens, VocabBlock { w, bias, vb: at.vb }, logits, Threads::All)
             }
-            None => form_logits_widening(
+            (None, Matrix::Bf16(x), Matrix::Bf16(w), Some(gemm)) => form_logits_bf16(
+                self.config,
+                d,
+                (&x[at.t0 * d..], c),
+                (&w[at.v0 * d..], at.vb, bias),
+                logits,
+                gemm,
+            ),
+            (None, ..) => form_logits_widening(
                 self.config,
                 d,
                 tokens,

@@ -252,7 +252,12 @@ impl Plan {
         } else {
             0
         };
-        CPU_GEMM_SCRATCH_PER_THREAD * rayon::current_num_threads() + split
+        // bf16 inputs: the bf16 GEMM's packed panel per task, besides the f32 GEMM's buffers.
+        let bf16_panel = match self.dtype {
+            DType::Bf16 => flatpeak_common::gemm_bf16::Bf16Gemm::scratch_bytes_per_thread(self.d),
+            _ => 0,
+        };
+        (CPU_GEMM_SCRATCH_PER_THREAD + bf16_panel) * rayon::current_num_threads() + split
     }
     /// Scratch besides the workspace that scales with the token block (not with N):
     /// `ROW_SCRATCH_BYTES·C`.
