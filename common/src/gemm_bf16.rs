@@ -68,9 +68,10 @@ impl Bf16Gemm {
         None
     }
 
-    /// Bytes one task allocates: a packed panel of [`NR`] rows of `b`, k rounded up to even.
+    /// Bytes one task allocates: a packed panel of [`NR`] rows of `b`, k rounded up to even
+    /// (saturating: a size past `usize` is `usize::MAX`, which no budget admits).
     pub fn scratch_bytes_per_thread(k: usize) -> usize {
-        NR * k.div_ceil(2) * 4
+        k.div_ceil(2).saturating_mul(NR * 4)
     }
 
     /// `dst ← [dst +] scale·(a · bᵀ)`: `a` is m×k and `b` n×k, both row-major bf16, `dst` an
@@ -321,6 +322,12 @@ mod tests {
         let single = run(Threads::Single);
         assert_eq!(single, run(Threads::All));
         assert_eq!(single, run(Threads::Exactly(3)));
+    }
+
+    #[test]
+    fn scratch_size_saturates() {
+        assert_eq!(Bf16Gemm::scratch_bytes_per_thread(1024), NR * 512 * 4);
+        assert_eq!(Bf16Gemm::scratch_bytes_per_thread(usize::MAX), usize::MAX);
     }
 
     #[test]

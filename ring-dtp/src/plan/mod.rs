@@ -257,7 +257,11 @@ impl Plan {
             DType::Bf16 => flatpeak_common::gemm_bf16::Bf16Gemm::scratch_bytes_per_thread(self.d),
             _ => 0,
         };
-        (CPU_GEMM_SCRATCH_PER_THREAD + bf16_panel) * rayon::current_num_threads() + split
+        // Saturating: a plan's sizes are checked, but `d` alone may be any usize (fuzzed).
+        CPU_GEMM_SCRATCH_PER_THREAD
+            .saturating_add(bf16_panel)
+            .saturating_mul(rayon::current_num_threads())
+            .saturating_add(split)
     }
     /// Scratch besides the workspace that scales with the token block (not with N):
     /// `ROW_SCRATCH_BYTES·C`.
