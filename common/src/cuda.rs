@@ -96,6 +96,79 @@ where
     unsafe { blas.gemm(cfg, a, b, c) }.map_err(cuda_error("cublasSgemm"))
 }
 
+/// bf16 operands of a [`gemm_bf16`]: cuBLAS `GemmEx` with `CUDA_R_16BF` A and B, an f32 C and
+/// `CUBLAS_COMPUTE_32F` (tensor cores; each bf16 product exact, sums in f32).
+///
+/// Column-major, as [`sgemm`]: `C (m×n, f32) = op_a(A)·op_b(B) + beta·C`, α = 1; a no-op when `m`
+/// or `n` is 0; [`Error::ShapeMismatch`] when a dimension does not fit cuBLAS's `i32`.
+///
+/// # Safety
+///
+/// As [`sgemm`] (extents, context, non-aliasing), with `A` and `B` bf16; besides, `blas` must
+/// be bound to `stream` (every operand is ordered on it).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_bf16<A, B, C>(
+    blas: &cudarc::cublas::CudaBlas,
+    stream: &CudaStream,
+    (op_a, op_b): (cudarc::cublas::sys::cublasOperation_t, cudarc::cublas::sys::cublasOperation_t),
+    (m, n, k): (usize, usize, usize),
+    (a, lda): (&A, usize),
+    (b, ldb): (&B, usize),
+    (c, ldc): (&mut C, usize),
+    beta: f32,
+) -> Result<()>
+where
+    A: cudarc::driver::DevicePtr<half::bf16>,
+    B: cudarc::driver::DevicePtr<half::bf16>,
+    C: cudarc::driver::DevicePtrMut<f32>,
+{
+    use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let (m, n, k) =
+        (gemm_dim("gemm m (i32)", m)?, gemm_dim("gemm n (i32)", n)?, gemm_dim("gemm k (i32)", k)?);
+    let (lda, ldb, ldc) = (
+        gemm_dim("gemm lda (i32)", lda.max(1))?,
+        gemm_dim("gemm ldb (i32)", ldb.max(1))?,
+        gemm_dim("gemm ldc (i32)", ldc.max(1))?,
+    );
+    let (alpha, beta) = (1.0f32, beta);
+    // The guards order each operand on `stream` (cudarc's per-buffer events) until they drop,
+    // after the call.
+    let (a, _a) = a.device_ptr(stream);
+    let (b, _b) = b.device_ptr(stream);
+    let (c, _c) = c.device_ptr_mut(stream);
+    // SAFETY: the caller guarantees the extents, context, stream binding, order and
+    // non-aliasing this GEMM needs (this function's `# Safety`); every dimension fits i32, the
+    // pointers are live device addresses held by the guards above, and α, β are f32 as
+    // `CUBLAS_COMPUTE_32F` reads them.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            op_a,
+            op_b,
+            m,
+            n,
+            k,
+            (&alpha as *const f32).cast(),
+            a as *const std::ffi::c_void,
+            cudaDataType_t::CUDA_R_16BF,
+            lda,
+            b as *const std::ffi::c_void,
+            cudaDataType_t::CUDA_R_16BF,
+            ldb,
+            (&beta as *const f32).cast(),
+            c as *mut std::ffi::c_void,
+            cudaDataType_t::CUDA_R_32F,
+            ldc,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(cuda_error("cublasGemmEx(bf16)"))
+}
+
 /// Opens the primary context of CUDA device `ordinal`, after checking (without panicking) that
 /// the driver and the device exist.
 pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {

@@ -171,6 +171,10 @@ impl<'a, T> MatRef<'a, T> {
     pub fn cols(&self) -> usize {
         self.cols
     }
+    /// The checked view's parts: `(data, rows, cols, row_stride, col_stride)`.
+    pub(crate) fn parts(&self) -> (&'a [T], usize, usize, usize, usize) {
+        (self.data, self.rows, self.cols, self.row_stride, self.col_stride)
+    }
 }
 
 impl<'a, T> MatMut<'a, T> {
@@ -208,6 +212,10 @@ impl<'a, T> MatMut<'a, T> {
     /// A dense column-major `rows × cols` view.
     pub fn col_major(data: &'a mut [T], rows: usize, cols: usize) -> Result<Self> {
         Self::strided(data, rows, cols, 1, rows)
+    }
+    /// `(rows, cols)`.
+    pub(crate) fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
     }
     /// The checked view's parts: `(data, rows, cols, row_stride, col_stride)`.
     pub(crate) fn into_parts(self) -> (&'a mut [T], usize, usize, usize, usize) {

@@ -1,25 +1,27 @@
-//! The bf16 GEMM of the CPU paths: `dst (m×n, f32) ← [dst +] scale·(a · bᵀ)` for row-major bf16
-//! `a` (m×k) and `b` (n×k), on the CPU's bf16 dot-product instruction (AVX512-BF16
-//! `vdpbf16ps`), detected at run time.
+//! The bf16 GEMM of the CPU paths: `dst (m×n, f32) ← [dst +] scale·(a · b)` for bf16 views
+//! `a` (m×k) and `b` (k×n) of any strides, on the CPU's bf16 dot-product instruction
+//! (AVX512-BF16 `vdpbf16ps`), detected at run time.
 //!
-//! Both operands are read along k, the layout of a logits block (`W_blk · X_blkᵀ`: vocabulary
-//! rows against token rows). Each product of two bf16 values is exact in f32 and every sum is
-//! an f32 sum, so the result is the widened f32 GEMM's up to the order of the additions: exact
-//! in the same sense, at twice the multiply-adds per instruction and half the bytes read.
+//! Each product of two bf16 values is exact in f32 and every sum is an f32 sum, so the result is
+//! the widened f32 GEMM's up to the order of the additions: exact in the same sense, at twice the
+//! multiply-adds per instruction and half the bytes read.
 //!
 //! [`Bf16Gemm::detect`] returns a handle only on a CPU with the instructions; callers keep their
 //! widening path for the others. The handle is the proof the instructions exist, so its
-//! [`matmul_nt`](Bf16Gemm::matmul_nt) is safe.
+//! [`matmul`](Bf16Gemm::matmul) is safe.
 //!
-//! Schedule: rows of `a` are split into blocks of [`ROW_BLOCK`] across threads; a task packs `b`
-//! one panel of [`NR`] rows at a time into pair-interleaved form (`[k/2][NR]` of `u32`, each
-//! holding `b[j][2p], b[j][2p+1]`), then runs an [`MR`]×[`NR`] micro-kernel over its rows: per
-//! pair of k, two panel loads, `MR` broadcasts of `a`'s pair and `2·MR` `vdpbf16ps`. Every
-//! output element is summed by one task in one order, so the result is bitwise identical for
-//! every thread count. Scratch: one panel per task, [`Bf16Gemm::scratch_bytes_per_thread`].
+//! Schedule: columns of `b` in blocks of [`NC`], k in chunks of [`KC`]. Per (block, chunk) `b` is
+//! packed once into panels of [`NR`] columns, shared by every thread; rows of `a` are split
+//! into tasks of [`ROW_BLOCK`], and a task packs its rows of `a` for the chunk. Both are
+//! pair-interleaved (a u32 holds the bf16 of k = 2p and 2p + 1), whatever the operands'
+//! strides. An [`MR`]×[`NR`] micro-kernel then runs per pair of k two panel loads, `MR`
+//! broadcasts of `a`'s pair and `2·MR` `vdpbf16ps`, and adds its tile into `dst`. Every output
+//! element is summed by one task, chunk after chunk, so the result is bitwise identical for
+//! every thread count. Scratch: at most [`SCRATCH_BYTES_PER_THREAD`] per thread, whatever the
+//! shapes.
 //!
 //! ```
-//! use flatpeak_common::gemm::{MatMut, MatmulOptions};
+//! use flatpeak_common::gemm::{MatMut, MatRef, MatmulOptions};
 //! use flatpeak_common::gemm_bf16::Bf16Gemm;
 //! use half::bf16;
 //!
@@ -27,7 +29,9 @@
 //! let b: Vec<bf16> = [1.0f32, 0.0, 1.0, 0.0, 1.0, 0.0].map(bf16::from_f32).to_vec(); // 2×3
 //! let mut c = [0.0f32; 4];
 //! if let Some(gemm) = Bf16Gemm::detect() {
-//!     gemm.matmul_nt(MatMut::row_major(&mut c, 2, 2)?, &a, &b, 3, MatmulOptions::default())?;
+//!     // c = a · bᵀ
+//!     let (a, bt) = (MatRef::row_major(&a, 2, 3)?, MatRef::row_major(&b, 2, 3)?.t());
+//!     gemm.matmul(MatMut::row_major(&mut c, 2, 2)?, a, bt, MatmulOptions::default())?;
 //!     assert_eq!(c, [4.0, 2.0, 10.0, 5.0]);
 //! }
 //! # Ok::<(), flatpeak_common::Error>(())
@@ -37,14 +41,24 @@ use half::bf16;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::gemm::{Accumulate, MatMut, MatmulOptions, Threads};
+use crate::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, Threads};
 
 /// Rows of `a` per micro-kernel call.
 pub const MR: usize = 8;
-/// Rows of `b` (columns of the output) per packed panel: two 16-lane registers.
+/// Columns of `b` (of the output) per packed panel: two 16-lane registers.
 pub const NR: usize = 32;
 /// Rows of `a` per task.
 pub const ROW_BLOCK: usize = 128;
+/// k per packed chunk (even).
+pub const KC: usize = 256;
+/// Pairs of k per packed chunk.
+const KP: usize = KC / 2;
+/// Columns of `b` per packed block (a multiple of [`NR`]).
+pub const NC: usize = 1024;
+/// Bytes a call allocates per thread, an upper bound: a task's rows of `a` packed for one chunk
+/// of k, plus (counted per thread, though one copy is shared) one packed chunk of `b`'s column
+/// block.
+pub const SCRATCH_BYTES_PER_THREAD: usize = (ROW_BLOCK * KP + KP * NC) * 4;
 
 /// The AVX512-BF16 GEMM, available on CPUs that have the instructions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,15 +82,8 @@ impl Bf16Gemm {
         None
     }
 
-    /// Bytes one task allocates: a packed panel of [`NR`] rows of `b`, k rounded up to even
-    /// (saturating: a size past `usize` is `usize::MAX`, which no budget admits).
-    pub fn scratch_bytes_per_thread(k: usize) -> usize {
-        k.div_ceil(2).saturating_mul(NR * 4)
-    }
-
-    /// `dst ← [dst +] scale·(a · bᵀ)`: `a` is m×k and `b` n×k, both row-major bf16, `dst` an
-    /// m×n view with unit column stride. Shapes are checked before any work: a mismatch is a
-    /// typed error.
+    /// `dst ← [dst +] scale·(a · bᵀ)` for row-major bf16 `a` (m×k) and `b` (n×k): the layout
+    /// of a logits block, vocabulary rows against token rows.
     pub fn matmul_nt(
         self,
         dst: MatMut<'_, f32>,
@@ -85,10 +92,33 @@ impl Bf16Gemm {
         k: usize,
         options: MatmulOptions<f32>,
     ) -> Result<()> {
+        let (m, n) = dst.shape();
+        for (what, expected, got) in [("a (m·k)", m * k, a.len()), ("b (n·k)", n * k, b.len())] {
+            if expected != got {
+                return Err(Error::ShapeMismatch { what, expected, got });
+            }
+        }
+        self.matmul(dst, MatRef::row_major(a, m, k)?, MatRef::row_major(b, n, k)?.t(), options)
+    }
+
+    /// `dst ← [dst +] scale·(a · b)`: `a` is an m×k and `b` a k×n view of bf16 with any strides,
+    /// `dst` an m×n view with unit column stride. Shapes are checked before any work: a
+    /// mismatch is a typed error.
+    pub fn matmul(
+        self,
+        dst: MatMut<'_, f32>,
+        a: MatRef<'_, bf16>,
+        b: MatRef<'_, bf16>,
+        options: MatmulOptions<f32>,
+    ) -> Result<()> {
         let (data, m, n, row_stride, col_stride) = dst.into_parts();
-        for (what, expected, got) in
-            [("a (m·k)", m * k, a.len()), ("b (n·k)", n * k, b.len()), ("dst column stride", 1, col_stride)]
-        {
+        let k = a.cols();
+        for (what, expected, got) in [
+            ("a rows (m)", m, a.rows()),
+            ("b rows (k)", k, b.rows()),
+            ("b columns (n)", n, b.cols()),
+            ("dst column stride", 1, col_stride),
+        ] {
             if expected != got {
                 return Err(Error::ShapeMismatch { what, expected, got });
             }
@@ -105,13 +135,56 @@ impl Bf16Gemm {
         if data.len() < needed {
             return Err(Error::ShapeMismatch { what: "dst elements", expected: needed, got: data.len() });
         }
-        let tile =
-            Tile { k, n, row_stride, scale: options.scale, add: options.accumulate == Accumulate::Add };
-        let row_blocks = data[..needed].chunks_mut(ROW_BLOCK * row_stride).zip(a.chunks(ROW_BLOCK * k));
-        let run = |(dst_rows, a_rows): (&mut [f32], &[bf16])| tile.rows(dst_rows, a_rows, b);
-        match options.threads {
-            Threads::Single | Threads::Exactly(0 | 1) => row_blocks.for_each(run),
-            Threads::All | Threads::Exactly(_) => row_blocks.par_bridge().for_each(run),
+        let tile = Tile { n, row_stride, scale: options.scale, add: options.accumulate == Accumulate::Add };
+        let parallel = !matches!(options.threads, Threads::Single | Threads::Exactly(0 | 1));
+        let data = &mut data[..needed];
+        if k == 0 {
+            tile.zero_unless_adding(data, m);
+            return Ok(());
+        }
+        // B is packed once per (column block, chunk of k) and shared; each task packs its rows
+        // of A. Tasks own disjoint rows, so the parallel loop needs no synchronisation, and each
+        // output element is summed by one task, chunk after chunk, in a fixed order.
+        let mut b_pack = vec![0u32; KP * NC];
+        let mut a_packs: Vec<Vec<u32>> = Vec::new();
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            for k0 in (0..k).step_by(KC) {
+                let kc = KC.min(k - k0);
+                let panels = b_pack.chunks_mut(KP * NR).zip((jc..jc + nc).step_by(NR));
+                let pack =
+                    |(panel, j0): (&mut [u32], usize)| pack_b(b, (k0, kc), (j0, NR.min(jc + nc - j0)), panel);
+                if parallel {
+                    panels.par_bridge().for_each(pack);
+                } else {
+                    panels.for_each(pack);
+                }
+                let chunk = Chunk { k0, kc, jc, nc, b_pack: &b_pack };
+                let tasks = data.chunks_mut(ROW_BLOCK * row_stride).enumerate();
+                if parallel {
+                    tasks.par_bridge().for_each(|(t, rows)| {
+                        let mut a_pack = vec![0u32; ROW_BLOCK * KP];
+                        tile.rows(
+                            rows,
+                            (t * ROW_BLOCK, ROW_BLOCK.min(m - t * ROW_BLOCK)),
+                            a,
+                            chunk,
+                            &mut a_pack,
+                        );
+                    });
+                } else {
+                    let a_pack = match a_packs.first_mut() {
+                        Some(buf) => buf,
+                        None => {
+                            a_packs.push(vec![0u32; ROW_BLOCK * KP]);
+                            &mut a_packs[0]
+                        }
+                    };
+                    for (t, rows) in tasks {
+                        tile.rows(rows, (t * ROW_BLOCK, ROW_BLOCK.min(m - t * ROW_BLOCK)), a, chunk, a_pack);
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -120,73 +193,178 @@ impl Bf16Gemm {
 /// One call's shape and epilogue.
 #[derive(Debug, Clone, Copy)]
 struct Tile {
-    k: usize,
     n: usize,
     row_stride: usize,
     scale: f32,
     add: bool,
 }
 
+/// One (column block, chunk of k) of B, packed: panels of [`NR`] columns, `KP·NR` u32 each.
+#[derive(Debug, Clone, Copy)]
+struct Chunk<'p> {
+    k0: usize,
+    kc: usize,
+    jc: usize,
+    nc: usize,
+    b_pack: &'p [u32],
+}
+
 impl Tile {
-    /// The output rows of one task (`a_rows.len() / k` rows of `dst`, the last possibly short).
-    fn rows(&self, dst: &mut [f32], a_rows: &[bf16], b: &[bf16]) {
-        let (k, pairs) = (self.k, self.k.div_ceil(2));
-        let m = a_rows.len() / k.max(1);
-        let mut panel = vec![0u32; NR * pairs];
-        for j0 in (0..self.n).step_by(NR) {
-            let nr = NR.min(self.n - j0);
-            pack_panel(&b[j0 * k..(j0 + nr) * k], k, &mut panel);
-            for i0 in (0..m).step_by(MR) {
-                let mr = MR.min(m - i0);
+    /// `dst ← 0` for an empty reduction (k = 0), unless adding.
+    fn zero_unless_adding(&self, dst: &mut [f32], m: usize) {
+        if !self.add {
+            for i in 0..m {
+                dst[i * self.row_stride..i * self.row_stride + self.n].fill(0.0);
+            }
+        }
+    }
+
+    /// The `mt` output rows from `r0` of one task (`dst` starts at row `r0`), for one chunk:
+    /// packs the task's rows of `a` into `a_pack`, then runs the micro-kernel over every panel.
+    fn rows(
+        &self,
+        dst: &mut [f32],
+        (r0, mt): (usize, usize),
+        a: MatRef<'_, bf16>,
+        chunk: Chunk<'_>,
+        a_pack: &mut [u32],
+    ) {
+        let Chunk { k0, kc, jc, nc, b_pack } = chunk;
+        pack_a(a, (r0, mt), (k0, kc), a_pack);
+        let step = Step {
+            pairs: kc.div_ceil(2),
+            row_stride: self.row_stride,
+            scale: self.scale,
+            add: self.add || k0 > 0,
+        };
+        for (panel, j0) in b_pack.chunks(KP * NR).zip((jc..jc + nc).step_by(NR)) {
+            let nr = NR.min(jc + nc - j0);
+            for i0 in (0..mt).step_by(MR) {
+                let mr = MR.min(mt - i0);
                 let out = &mut dst[i0 * self.row_stride..];
                 // SAFETY: `Bf16Gemm` exists only where `detect` found AVX512F and AVX512-BF16.
-                // `a_rows[i0·k..]` holds `mr` rows of k; `panel` holds `pairs·NR` u32; `out`
-                // holds `mr` rows of stride `row_stride ≥ nr` from column j0 (the caller
-                // checked `(m−1)·row_stride + n` elements and j0 + nr ≤ n).
-                unsafe { kernel(self, &a_rows[i0 * k..(i0 + mr) * k], &panel, (mr, nr, j0), out) };
+                // `a_pack[i0·KP..]` holds `mr` packed rows of `KP` pairs and `panel` `KP·NR`
+                // u32, with `step.pairs ≤ KP`; `out` holds `mr` rows of stride
+                // `row_stride ≥ n ≥ j0 + nr` from row i0 (the caller checked
+                // `(m−1)·row_stride + n` elements, and this task's slice starts at row r0).
+                unsafe { kernel_rows(step, &a_pack[i0 * KP..(i0 + mr) * KP], panel, (mr, nr, j0), out) };
             }
         }
     }
 }
 
-/// Packs `nr ≤ NR` rows of b (`nr×k`) as `[pairs][NR]` u32, each `b[j][2p] | b[j][2p+1] << 16`
-/// (0 past k and past nr).
-fn pack_panel(b: &[bf16], k: usize, panel: &mut [u32]) {
-    let nr = b.len() / k.max(1);
-    panel.fill(0);
-    for j in 0..nr {
-        let row = &b[j * k..(j + 1) * k];
-        for (p, pair) in row.chunks(2).enumerate() {
-            let lo = pair[0].to_bits() as u32;
-            let hi = pair.get(1).map_or(0, |h| h.to_bits() as u32);
-            panel[p * NR + j] = lo | (hi << 16);
+/// One chunk's micro-kernel parameters.
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    /// Pairs of k in the chunk (≤ [`KP`]).
+    pairs: usize,
+    row_stride: usize,
+    scale: f32,
+    /// Add into `dst` (else overwrite).
+    add: bool,
+}
+
+/// Packs rows `r0..r0+mt`, columns `k0..k0+kc` of `a` as `[mt][KP]` u32, each holding
+/// `a[i][2p] | a[i][2p+1] << 16` (0 past kc), walking whichever of a's dimensions is
+/// contiguous innermost.
+fn pack_a(a: MatRef<'_, bf16>, (r0, mt): (usize, usize), (k0, kc): (usize, usize), out: &mut [u32]) {
+    let (data, _, _, rs, cs) = a.parts();
+    let el = |i: usize, p: usize| {
+        if p < kc { u32::from(data[(r0 + i) * rs + (k0 + p) * cs].to_bits()) } else { 0 }
+    };
+    let pairs = kc.div_ceil(2);
+    if cs <= rs {
+        for i in 0..mt {
+            for (p2, o) in out[i * KP..i * KP + pairs].iter_mut().enumerate() {
+                *o = el(i, 2 * p2) | (el(i, 2 * p2 + 1) << 16);
+            }
+        }
+    } else {
+        for p2 in 0..pairs {
+            for i in 0..mt {
+                out[i * KP + p2] = el(i, 2 * p2) | (el(i, 2 * p2 + 1) << 16);
+            }
         }
     }
 }
 
-/// The `mr × nr` micro-kernel at output column `j0`.
+/// Packs rows `k0..k0+kc`, columns `j0..j0+nr` (nr ≤ NR) of `b` as `[KP][NR]` u32, each
+/// holding `b[2p][j] | b[2p+1][j] << 16` (0 past kc and past nr), walking whichever of b's
+/// dimensions is contiguous innermost.
+fn pack_b(b: MatRef<'_, bf16>, (k0, kc): (usize, usize), (j0, nr): (usize, usize), panel: &mut [u32]) {
+    let (data, _, _, rs, cs) = b.parts();
+    let el = |p: usize, j: usize| {
+        if p < kc { u32::from(data[(k0 + p) * rs + (j0 + j) * cs].to_bits()) } else { 0 }
+    };
+    let pairs = kc.div_ceil(2);
+    if rs <= cs {
+        for j in 0..nr {
+            for p2 in 0..pairs {
+                panel[p2 * NR + j] = el(2 * p2, j) | (el(2 * p2 + 1, j) << 16);
+            }
+        }
+    } else {
+        for p2 in 0..pairs {
+            for (j, o) in panel[p2 * NR..p2 * NR + nr].iter_mut().enumerate() {
+                *o = el(2 * p2, j) | (el(2 * p2 + 1, j) << 16);
+            }
+        }
+    }
+    if nr < NR {
+        for p2 in 0..pairs {
+            panel[p2 * NR + nr..(p2 + 1) * NR].fill(0);
+        }
+    }
+}
+
+/// The `M × nr` micro-kernel at output column `j0`, adding or writing one chunk of k.
 ///
 /// # Safety
-/// The CPU must have AVX512F and AVX512-BF16; `a` is `mr` rows of `k`, `panel` is
-/// `⌈k/2⌉·NR` u32, and `out` holds `mr` rows of `row_stride` floats starting at column `j0`,
-/// each with at least `j0 + nr` columns.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn kernel(
-    tile: &Tile,
-    a: &[bf16],
+/// The CPU must have AVX512F and AVX512-BF16; `a` is `M` packed rows of [`KP`] u32, `panel`
+/// is `KP·NR` u32, `step.pairs ≤ KP`, and `out` holds `M` rows of `step.row_stride` floats
+/// starting at column `j0`, each with at least `j0 + nr` columns.
+/// [`kernel`] with the row count `mr` as a constant, so its accumulators stay in registers.
+///
+/// # Safety
+/// As [`kernel`].
+unsafe fn kernel_rows(
+    step: Step,
+    a: &[u32],
     panel: &[u32],
     (mr, nr, j0): (usize, usize, usize),
     out: &mut [f32],
 ) {
+    // SAFETY: the caller's contract is `kernel`'s, for every row count.
+    unsafe {
+        match mr {
+            8 => kernel::<8>(step, a, panel, (nr, j0), out),
+            7 => kernel::<7>(step, a, panel, (nr, j0), out),
+            6 => kernel::<6>(step, a, panel, (nr, j0), out),
+            5 => kernel::<5>(step, a, panel, (nr, j0), out),
+            4 => kernel::<4>(step, a, panel, (nr, j0), out),
+            3 => kernel::<3>(step, a, panel, (nr, j0), out),
+            2 => kernel::<2>(step, a, panel, (nr, j0), out),
+            _ => kernel::<1>(step, a, panel, (nr, j0), out),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn kernel<const M: usize>(
+    step: Step,
+    a: &[u32],
+    panel: &[u32],
+    (nr, j0): (usize, usize),
+    out: &mut [f32],
+) {
     use std::arch::x86_64::*;
-    let (k, full_pairs) = (tile.k, tile.k / 2);
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let mut acc = [[_mm512_setzero_ps(); 2]; M];
     let a_ptr = a.as_ptr();
     let p_ptr = panel.as_ptr();
-    for p in 0..tile.k.div_ceil(2) {
-        // SAFETY: p < ⌈k/2⌉, so the panel's row p (NR u32 = two 512-bit loads) is in bounds;
-        // the transmutes reinterpret 64 bytes of vector data, valid as either type.
+    for p in 0..step.pairs {
+        // SAFETY: p < pairs ≤ KP, so the panel's row p (NR u32 = two 512-bit loads) is in
+        // bounds; the transmutes reinterpret 64 bytes of vector data, valid as either type.
         let (b0, b1) = unsafe {
             let row = p_ptr.add(p * NR) as *const __m512i;
             (
@@ -194,14 +372,9 @@ unsafe fn kernel(
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(row.add(1))),
             )
         };
-        for (i, acc_i) in acc.iter_mut().enumerate().take(mr) {
-            let pair = if p < full_pairs {
-                // SAFETY: row i < mr and 2p + 1 < k: both bf16 of the pair are in `a`.
-                unsafe { (a_ptr.add(i * k + 2 * p) as *const u32).read_unaligned() }
-            } else {
-                // The odd last element of k, paired with zero.
-                a[i * k + 2 * p].to_bits() as u32
-            };
+        for (i, acc_i) in acc.iter_mut().enumerate() {
+            // SAFETY: i < M = mr and p < KP: the pair is inside `a`'s `mr·KP` u32.
+            let pair = unsafe { *a_ptr.add(i * KP + p) };
             // SAFETY: __m512i and __m512bh are both 64 bytes of plain vector data; every bit
             // pattern is a valid value of either.
             let broadcast =
@@ -210,8 +383,8 @@ unsafe fn kernel(
             acc_i[1] = _mm512_dpbf16_ps(acc_i[1], broadcast, b1);
         }
     }
-    let scale = _mm512_set1_ps(tile.scale);
-    for (i, acc_i) in acc.iter().enumerate().take(mr) {
+    let scale = _mm512_set1_ps(step.scale);
+    for (i, acc_i) in acc.iter().enumerate() {
         for (half, acc_h) in acc_i.iter().enumerate() {
             let c0 = half * 16;
             if c0 >= nr {
@@ -222,9 +395,9 @@ unsafe fn kernel(
             // SAFETY: row i < mr and columns j0 + c0 .. j0 + c0 + lanes ≤ j0 + nr lie in `out`
             // (the caller's contract); masked lanes are neither read nor written.
             unsafe {
-                let ptr = out.as_mut_ptr().add(i * tile.row_stride + j0 + c0);
+                let ptr = out.as_mut_ptr().add(i * step.row_stride + j0 + c0);
                 let mut value = _mm512_mul_ps(*acc_h, scale);
-                if tile.add {
+                if step.add {
                     value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, ptr));
                 }
                 _mm512_mask_storeu_ps(ptr, mask, value);
@@ -235,7 +408,7 @@ unsafe fn kernel(
 
 /// Never called: [`Bf16Gemm::detect`] returns `None` off x86-64.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel(_: &Tile, _: &[bf16], _: &[u32], _: (usize, usize, usize), _: &mut [f32]) {}
+unsafe fn kernel<const M: usize>(_: Step, _: &[u32], _: &[u32], _: (usize, usize), _: &mut [f32]) {}
 
 #[cfg(test)]
 mod tests {
@@ -272,7 +445,7 @@ mod tests {
         let mut seed = 0;
         for &m in &dims {
             for &n in &[1, 15, 16, 17, 32, 33, 64, 70] {
-                for &k in &[1, 2, 3, 16, 17, 128, 129] {
+                for &k in &[1, 2, 3, 16, 17, 128, 129, 300] {
                     seed += 1;
                     let (a, b) = (data(m * k, seed), data(n * k, seed + 1000));
                     let (reference, abs) = naive(m, n, k, &a, &b);
@@ -324,10 +497,65 @@ mod tests {
         assert_eq!(single, run(Threads::Exactly(3)));
     }
 
+    /// `a · b` for strided views, in f64, and `Σ|a||b|` per element.
+    fn naive_views(a: MatRef<'_, bf16>, b: MatRef<'_, bf16>) -> (Vec<f64>, Vec<f64>) {
+        let ((ad, m, k, ars, acs), (bd, _, n, brs, bcs)) = (a.parts(), b.parts());
+        let mut c = vec![0.0; m * n];
+        let mut abs = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                for p in 0..k {
+                    let prod = ad[i * ars + p * acs].to_f64() * bd[p * brs + j * bcs].to_f64();
+                    c[i * n + j] += prod;
+                    abs[i * n + j] += prod.abs();
+                }
+            }
+        }
+        (c, abs)
+    }
+
+    /// Every layout of the two operands (the backward GEMMs read a transposed gradient and a
+    /// transposed weight block), with k crossing the packed chunk.
     #[test]
-    fn scratch_size_saturates() {
-        assert_eq!(Bf16Gemm::scratch_bytes_per_thread(1024), NR * 512 * 4);
-        assert_eq!(Bf16Gemm::scratch_bytes_per_thread(usize::MAX), usize::MAX);
+    fn strided_operands_match_naive() {
+        let Some(gemm) = Bf16Gemm::detect() else { return };
+        let mut seed = 50_000;
+        for &(m, n, k) in
+            &[(1, 1, 1), (9, 33, 255), (130, 17, 256), (33, 70, 257), (7, 40, 600), (129, 65, 0)]
+        {
+            seed += 1;
+            let (a_data, b_data) = (data(m * k, seed), data(k * n, seed + 1));
+            for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+                let a = if a_t {
+                    MatRef::row_major(&a_data, k, m).unwrap().t()
+                } else {
+                    MatRef::row_major(&a_data, m, k).unwrap()
+                };
+                let b = if b_t {
+                    MatRef::row_major(&b_data, n, k).unwrap().t()
+                } else {
+                    MatRef::row_major(&b_data, k, n).unwrap()
+                };
+                let (reference, abs) = naive_views(a, b);
+                let mut c = vec![7.0f32; m * n];
+                let options = MatmulOptions::default().scale(2.0);
+                gemm.matmul(MatMut::row_major(&mut c, m, n).unwrap(), a, b, options).unwrap();
+                for (idx, (&got, (&r, &s))) in c.iter().zip(reference.iter().zip(&abs)).enumerate() {
+                    let tol = 2e-6 * (k as f64) * s + 1e-6;
+                    assert!(
+                        (got as f64 - 2.0 * r).abs() <= tol,
+                        "m={m} n={n} k={k} a_t={a_t} b_t={b_t} at {idx}: {got} vs {}",
+                        2.0 * r
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scratch_is_independent_of_the_shapes() {
+        assert_eq!(SCRATCH_BYTES_PER_THREAD, (ROW_BLOCK * KC / 2 + KC / 2 * NC) * 4);
+        assert_eq!(NC % NR, 0);
     }
 
     #[test]
@@ -343,6 +571,16 @@ mod tests {
             MatmulOptions::default(),
         );
         assert!(matches!(err, Err(Error::ShapeMismatch { what: "b (n·k)", expected: 6, got: 5 })), "{err:?}");
+        let err = gemm.matmul(
+            MatMut::row_major(&mut c, 2, 2).unwrap(),
+            MatRef::row_major(&a, 2, 3).unwrap(),
+            MatRef::row_major(&a, 3, 2).unwrap().t(),
+            MatmulOptions::default(),
+        );
+        assert!(
+            matches!(err, Err(Error::ShapeMismatch { what: "b rows (k)", expected: 3, got: 2 })),
+            "{err:?}"
+        );
         let err =
             gemm.matmul_nt(MatMut::col_major(&mut c, 2, 2).unwrap(), &a, &a, 3, MatmulOptions::default());
         assert!(matches!(err, Err(Error::ShapeMismatch { what: "dst column stride", .. })), "{err:?}");

@@ -47,6 +47,7 @@ pub mod kernels;
 pub mod link;
 pub mod numerics;
 pub mod peak;
+pub mod precision;
 pub mod rng;
 pub mod workspace;
 
@@ -75,5 +76,6 @@ pub use error::{Error, Result};
 pub use link::Link;
 pub use numerics::relative_error;
 pub use peak::{CountingAllocator, HeapSize, Measured, PeakMeter};
+pub use precision::Precision;
 pub use rng::SplitMix64;
 pub use workspace::Workspace;

@@ -163,3 +163,30 @@ extern "C" __global__ void lce_widen_bf16(const __nv_bfloat16* __restrict__ x, f
         out[i] = __bfloat162float(x[i]);
     }
 }
+
+// g[i] = f32(bf16_rn(g[i])) in place: the logit gradient rounded to bf16 before the dX/dW GEMMs
+// of bf16 inputs (Precision::Native), as autograd of a bf16 matmul rounds its incoming gradient.
+extern "C" __global__ void lce_round_bf16(float* __restrict__ g, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        g[i] = __bfloat162float(__float2bfloat16_rn(g[i]));
+    }
+}
+
+// Each row of a rows×vb gradient block G rounded to bf16 in place (round to nearest even):
+// bf16 j of a row lands in the row's j-th 16-bit slot, so the first half of the row's bytes
+// holds it as bf16 (row stride 2·vb bf16), the operand of the bf16 dX/dW GEMMs. One block per
+// row. Per chunk of blockDim.x elements every thread reads its element before any writes
+// (barrier); a chunk's slots [b, b + T) are f32 elements [b/2, (b + T)/2), all read by then,
+// and no later chunk's element is written.
+extern "C" __global__ void lce_narrow_rows_bf16(float* __restrict__ g, unsigned vb) {
+    float* row = g + (unsigned long long)blockIdx.x * vb;
+    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(row);
+    for (unsigned base = 0; base < vb; base += blockDim.x) {
+        unsigned j = base + threadIdx.x;
+        float v = j < vb ? row[j] : 0.0f;
+        __syncthreads();
+        if (j < vb) out[j] = __float2bfloat16_rn(v);
+        __syncthreads();
+    }
+}

@@ -7,6 +7,8 @@
 //! ω per-token weight, 1 by default); ignored tokens contribute 0. Mean divides Σℓ by the sum of
 //! the valid tokens' weights (0 when there is none: an all-ignored batch has loss 0, no NaN).
 
+use flatpeak_common::Precision;
+
 use crate::error::{Error, Result};
 
 /// How per-token losses are combined.
@@ -35,7 +37,7 @@ pub enum Softcap {
 }
 
 /// The loss's options. Defaults: ignore_index −100, mean, no smoothing, no z-loss, no softcap,
-/// no shift.
+/// no shift, GEMMs in the inputs' dtype ([`Precision::Native`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct Config {
@@ -52,6 +54,10 @@ pub struct Config {
     /// Row i predicts `targets[i + shift]` (the last `shift` rows predict nothing), without
     /// copying X: a causal LM's shift.
     pub shift: usize,
+    /// The GEMMs' arithmetic ([`Precision`]): by default the inputs' dtype with f32
+    /// accumulation; with bf16 inputs, backward rounds the logit gradient G to bf16 before
+    /// its two GEMMs (as autograd of a bf16 matmul), [`Precision::F32`] keeps it f32.
+    pub precision: Precision,
 }
 
 impl Default for Config {
@@ -63,6 +69,7 @@ impl Default for Config {
             z_loss: 0.0,
             softcap: Softcap::Off,
             shift: 0,
+            precision: Precision::Native,
         }
     }
 }
@@ -91,6 +98,10 @@ impl Config {
     /// This config predicting `targets[i + shift]` from row i.
     pub fn shift(self, shift: usize) -> Self {
         Self { shift, ..self }
+    }
+    /// This config with these GEMMs ([`Precision`]).
+    pub fn precision(self, precision: Precision) -> Self {
+        Self { precision, ..self }
     }
 
     /// Checks every option's domain (NaN is never valid).

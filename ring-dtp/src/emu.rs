@@ -58,6 +58,7 @@ mod ffi {
         pub fn lce_row_lse(row_max: *const f32, row_sum: *const f64, lse: *mut f32, rows: u32);
         pub fn lce_bias_grad(g: *const f32, rows: u32, vb: u32, dbias: *mut f32);
         pub fn lce_widen_bf16(x: *const half::bf16, out: *mut f32, n: u64);
+        pub fn lce_narrow_rows_bf16(g: *mut f32, vb: u32);
     }
 }
 
@@ -449,7 +450,9 @@ impl BlockOps for EmuBlocks<'_> {
 
     fn project(&mut self, at: BlockAt) -> Result<()> {
         let grads = self.grads.as_mut().ok_or_else(|| missing("gradients"))?;
-        project_block(&self.buf, (at.t0, at.c, at.v0, at.vb, self.inputs.d), grads)
+        let (x, w) = (self.inputs.x.dtype(), self.inputs.w.dtype());
+        let round = x == w && cpu::rounds_gradient(self.config, x);
+        project_block(&mut self.buf, (at.t0, at.c, at.v0, at.vb, self.inputs.d), grads, round)
     }
 }
 
@@ -489,18 +492,52 @@ pub fn backward(
 /// `dX_rows += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel, G being the
 /// gradient block in `buf.logits`.
 fn project_block(
-    buf: &Buffers,
+    buf: &mut Buffers,
     (t0, c, v0, vb, d): (usize, usize, usize, usize, usize),
     grads: &mut Gradients,
+    round: bool,
 ) -> Result<()> {
+    // dbias sums the f32 G; bf16 inputs then narrow G to bf16 (unless Precision::F32), as the
+    // CUDA path does before its bf16 GEMMs.
+    if let Some(db) = grads.dbias.as_mut() {
+        bias_grad(&buf.logits, (c, vb), &mut db[v0..v0 + vb])?;
+    }
+    if round {
+        narrow_rows(&mut buf.logits, (c, vb))?;
+    }
     let g = MatRef::row_major(&buf.logits[..c * vb], c, vb)?;
     let w_blk = MatRef::row_major(&buf.w[..vb * d], vb, d)?;
     gemm(MatMut::row_major(&mut grads.dx[t0 * d..(t0 + c) * d], c, d)?, g, w_blk, Accumulate::Add)?;
     let x_blk = MatRef::row_major(&buf.x[..c * d], c, d)?;
     let dw = MatMut::row_major(&mut grads.dw[v0 * d..(v0 + vb) * d], vb, d)?;
     gemm(dw, g.t(), x_blk, Accumulate::Add)?;
-    if let Some(db) = grads.dbias.as_mut() {
-        bias_grad(&buf.logits, (c, vb), &mut db[v0..v0 + vb])?;
+    Ok(())
+}
+
+/// Rounds each row of the `c×vb` gradient block to bf16 in place by `lce_narrow_rows_bf16`
+/// (row r's bf16 at bf16 element `2·vb·r`), then widens it back into the block's f32 layout:
+/// the values the CUDA path's bf16 GEMMs read, for the CPU GEMM standing in for them (each
+/// bf16 product is exact in f32 either way).
+fn narrow_rows(g: &mut [f32], (c, vb): (usize, usize)) -> Result<()> {
+    let cfg = EmuLaunchConfig::linear(c as u32, EMU_ROW_THREADS);
+    let mut state = g[..c * vb].to_vec();
+    race_checked_state(
+        "lce_narrow_rows_bf16",
+        &mut state,
+        |s| bytes_of(&[s]),
+        |schedule, data| {
+            let data = data.as_mut_ptr();
+            // SAFETY: `data` holds c×vb floats; block r rewrites row r only.
+            let call = || unsafe { ffi::lce_narrow_rows_bf16(data, vb as u32) };
+            // SAFETY: see `call`.
+            unsafe { launch("lce_narrow_rows_bf16", &cfg, schedule, &call) }.map_err(Error::from)
+        },
+    )?;
+    let narrowed: &[half::bf16] = bytemuck::cast_slice(&state);
+    for (r, row) in g[..c * vb].chunks_exact_mut(vb).enumerate() {
+        for (out, v) in row.iter_mut().zip(&narrowed[2 * vb * r..2 * vb * r + vb]) {
+            *out = v.to_f32();
+        }
     }
     Ok(())
 }

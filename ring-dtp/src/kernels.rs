@@ -4,7 +4,7 @@
 use flatpeak_common::kernels::{BLOCK_REDUCE, KernelSource};
 
 /// `kernels/ring_dtp.cu`: target resolution, the fold, the gradient formation, the bias
-/// gradient and the bf16 upcast (everything between one step's GEMMs).
+/// gradient, the bf16 upcast and the logit gradient's rounding to bf16 (everything between one step's GEMMs).
 pub const RING_DTP: KernelSource = KernelSource {
     name: "ring_dtp",
     source: include_str!("../kernels/ring_dtp.cu"),
@@ -15,6 +15,8 @@ pub const RING_DTP: KernelSource = KernelSource {
         "lce_gradient",
         "lce_bias_grad",
         "lce_widen_bf16",
+        "lce_round_bf16",
+        "lce_narrow_rows_bf16",
     ],
     headers: &[BLOCK_REDUCE],
 };

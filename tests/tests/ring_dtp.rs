@@ -3,9 +3,10 @@
 //! and bf16 inputs, both schedules (budget-driven); bitwise reproducibility; typed errors.
 
 use flatpeak_common::testing::{Backend, SplitMix64, proptest_config};
-use flatpeak_common::{DType, relative_error};
+use flatpeak_common::{DType, Precision, relative_error};
 use half::bf16;
 use proptest::prelude::*;
+use ring_dtp::cpu::reference::Rounding;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::{
     Budget, Config, Error, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Schedule, Shape, Softcap,
@@ -119,6 +120,11 @@ fn run_case(c: &Case, config: &Config, dtype: DType, budget: usize) -> Result<Sc
         _ => (Matrix::F32(&c.x), Matrix::F32(&c.w)),
     };
     let inp = inputs(c, x, w);
+    if dtype == DType::Bf16 {
+        run_case_bf16_native(c, &inp, config, budget)?;
+    }
+    // bf16 inputs at f32's bound: every GEMM in f32, the logit gradient unrounded.
+    let config = &config.precision(Precision::F32);
     let plan =
         Plan::new(config, Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype }, Budget::Bytes(budget))
             .expect("budget holds the smallest schedule");
@@ -140,6 +146,75 @@ fn run_case(c: &Case, config: &Config, dtype: DType, budget: usize) -> Result<Sc
     check_scaled("fused dx", &g2.dx, &r0.dx, &r0.dx_scale)?;
     check_scaled("fused dw", &g2.dw, &r0.dw, &r0.dw_scale)?;
     Ok(plan.schedule())
+}
+
+/// [`run_case`] for bf16 inputs under [`Precision::Native`] (forward on the CPU's bf16 dot
+/// products where it has them), checked by [`check_bf16_native`].
+fn run_case_bf16_native(
+    c: &Case,
+    inp: &Inputs<'_>,
+    config: &Config,
+    budget: usize,
+) -> Result<(), TestCaseError> {
+    let config = &config.precision(Precision::Native);
+    let plan = Plan::new(
+        config,
+        Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype: DType::Bf16 },
+        Budget::Bytes(budget),
+    )
+    .expect("budget holds the smallest schedule");
+    let grad = grad_of(config, c);
+    let fwd = cpu::forward(config, &plan, inp).expect("forward");
+    let g = cpu::backward(config, &plan, inp, &fwd, grad, c.dlse.as_deref()).expect("backward");
+    check_bf16_native(config, inp, (grad, c.dlse.as_deref()), &(fwd, g))?;
+    let fused = cpu::forward_backward(config, &plan, inp, grad).expect("fused");
+    check_bf16_native(config, inp, (grad, None), &fused)
+}
+
+/// ‖a − b‖ / ‖b‖ (0 when both vanish).
+fn norm_error(a: impl Iterator<Item = f64>, b: &[f64]) -> f64 {
+    let diff: f64 = a.zip(b).map(|(x, y)| (x - y).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt();
+    if diff == 0.0 { 0.0 } else { diff / norm }
+}
+
+/// bf16 inputs under [`Precision::Native`]: the loss and lse at f32's bound (products of bf16
+/// values are exact in f32, the sums f32); dbias (summed from the unrounded G) too. dX and dW
+/// model the logit gradient rounded to bf16 ([`Rounding::Bf16Gradient`]): against that
+/// reference their error is within 1e-3 and at most a quarter of their error against the exact
+/// one (an f32 G would sit closer to the exact one), and against the exact f64 result it is at
+/// most twice the naive bf16 computation's ([`Rounding::NaiveBf16`]) plus 1e-2.
+fn check_bf16_native(
+    config: &Config,
+    inp: &Inputs<'_>,
+    (grad, dlse): (GradOutput<'_>, Option<&[f32]>),
+    (f, g): &(ring_dtp::Forward, ring_dtp::Gradients),
+) -> Result<(), TestCaseError> {
+    let exact = reference::run_rounded(inp, config, (grad, dlse), Rounding::Exact).expect("reference");
+    let rounded =
+        reference::run_rounded(inp, config, (grad, dlse), Rounding::Bf16Gradient).expect("reference");
+    let naive = reference::run_rounded(inp, config, (grad, dlse), Rounding::NaiveBf16).expect("reference");
+    check_loss(config, &f.loss, &exact)?;
+    check("lse", &f.lse, &exact.lse)?;
+    if let Some(db) = &g.dbias {
+        check_scaled("dbias", db, &exact.dbias, &exact.dbias_scale)?;
+    }
+    for (what, got, e, r, nv) in
+        [("dx", &g.dx, &exact.dx, &rounded.dx, &naive.dx), ("dw", &g.dw, &exact.dw, &rounded.dw, &naive.dw)]
+    {
+        let got64 = || got.iter().map(|&v| v as f64);
+        let (vs_exact, vs_rounded) = (norm_error(got64(), e), norm_error(got64(), r));
+        let naive_err = norm_error(nv.iter().copied(), e);
+        prop_assert!(
+            vs_rounded <= 1e-3 && vs_rounded <= 0.25 * vs_exact + TOL,
+            "bf16 {what}: error {vs_rounded:e} against the rounded-gradient reference, {vs_exact:e} against the exact one"
+        );
+        prop_assert!(
+            vs_exact <= 2.0 * naive_err + 1e-2,
+            "bf16 {what}: error {vs_exact:e}, naive bf16 {naive_err:e}"
+        );
+    }
+    Ok(())
 }
 
 fn config_strategy() -> impl Strategy<Value = Config> {
@@ -192,6 +267,28 @@ fn ragged_prime_shapes_and_both_schedules() {
             }
         }
         assert!(seen.contains(&Schedule::FullVocab) && seen.contains(&Schedule::VocabBlocked), "{seen:?}");
+    }
+}
+
+/// bf16 inputs under the default [`Precision::Native`], both schedules, dX's split reduction,
+/// every feature on and off: [`check_bf16_native`].
+#[test]
+fn bf16_native_rounds_the_logit_gradient() {
+    let split = 2 * ring_dtp::plan::SPLIT_K_MIN_ROWS + 3;
+    for (n, v, d, seed) in [(252usize, 507usize, 123usize, 11u64), (40, 4501, 16, 12), (37, split, 24, 13)] {
+        let c = make_case(n, d, v, seed, 0.2, (true, true, true));
+        let (xb, wb): (Vec<bf16>, Vec<bf16>) = (
+            c.x.iter().map(|&a| bf16::from_f32(a)).collect(),
+            c.w.iter().map(|&a| bf16::from_f32(a)).collect(),
+        );
+        let inp = inputs(&c, Matrix::Bf16(&xb), Matrix::Bf16(&wb));
+        let mut all = Config::default().reduction(Reduction::None);
+        (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
+        for config in [all, Config::default()] {
+            for budget in [1usize << 30, 300 << 10] {
+                run_case_bf16_native(&c, &inp, &config, budget).expect("bf16 within its bounds");
+            }
+        }
     }
 }
 
@@ -560,7 +657,9 @@ fn for_every_config_and_dtype(c: &Case, mut body: impl FnMut(&Config, DType, &In
                 DType::Bf16 => (Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
                 _ => (Matrix::F32(&c.x), Matrix::F32(&c.w)),
             };
-            body(&config, dtype, &inputs(c, x, w));
+            // bf16 at f32's bound: f32 GEMMs ([`bf16_native_rounds_the_logit_gradient`] runs
+            // the default bf16 arithmetic).
+            body(&config.precision(Precision::F32), dtype, &inputs(c, x, w));
         }
     }
 }

@@ -6,9 +6,10 @@
 use flatpeak_common::comm::{LocalComm, LocalGroup, LocalGroupOptions};
 use flatpeak_common::gemm::Threads;
 use flatpeak_common::testing::{SplitMix64, proptest_config};
-use flatpeak_common::{DType, relative_error};
+use flatpeak_common::{DType, Precision, relative_error};
 use half::bf16;
 use proptest::prelude::*;
+use ring_dtp::cpu::reference::Rounding;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{
@@ -128,6 +129,18 @@ fn run_ring(
     (plan, results.into_iter().map(|r| r.expect("rank succeeds")).collect())
 }
 
+/// bf16 inputs under [`Precision::Native`] round the logit gradient to bf16 before dX and dW
+/// (`tests/ring_dtp.rs` checks that choice against the naive bf16 computation): the reference
+/// models it, and a value of G rounded the other way than the f64 reference's (near a rounding
+/// boundary) moves dX and dW by up to one bf16 ulp of a term, hence the looser bound.
+fn gradient_check(config: &Config, dtype: DType) -> (Rounding, f64) {
+    if dtype == DType::Bf16 && config.precision != Precision::F32 {
+        (Rounding::Bf16Gradient, 1e-3)
+    } else {
+        (Rounding::Exact, TOL)
+    }
+}
+
 fn scaled_error(got: &[f32], want: &[f64], scale: &[f64]) -> f64 {
     let diff: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).powi(2)).sum::<f64>().sqrt();
     let norm: f64 = scale.iter().map(|s| s * s).sum::<f64>().sqrt();
@@ -150,7 +163,9 @@ fn compare(c: &Case, config: &Config, dtype: DType, plan: &RingPlan, ranks: &[(F
     let p = plan.world();
     let (x, w) = c.matrices(dtype);
     let full = Inputs::new(x, w, &c.targets, c.d).with_bias(&c.bias).with_weights(&c.weights);
-    let r = reference::run(&full, config, grad_of(config, &c.grad_tokens), Some(&c.dlse)).expect("reference");
+    let (rounding, grad_tol) = gradient_check(config, dtype);
+    let grad = grad_of(config, &c.grad_tokens);
+    let r = reference::run_rounded(&full, config, (grad, Some(&c.dlse)), rounding).expect("reference");
     let what = format!("P={p} {:?} {dtype} C={} Vb={}", plan.kind(), plan.token_block(), plan.vocab_block());
     let (mut lse, mut dx, mut dw, mut db, mut per_token) = (vec![], vec![], vec![], vec![], vec![]);
     for (fwd, g) in ranks {
@@ -173,13 +188,13 @@ fn compare(c: &Case, config: &Config, dtype: DType, plan: &RingPlan, ranks: &[(F
     }
     let e = relative_error(&lse, &r.lse);
     assert!(e <= TOL, "{what}: lse error {e:e}");
-    for (name, got, want, scale) in [
-        ("dx", &dx, &r.dx, &r.dx_scale),
-        ("dw", &dw, &r.dw, &r.dw_scale),
-        ("dbias", &db, &r.dbias, &r.dbias_scale),
+    for (name, got, want, scale, tol) in [
+        ("dx", &dx, &r.dx, &r.dx_scale, grad_tol),
+        ("dw", &dw, &r.dw, &r.dw_scale, grad_tol),
+        ("dbias", &db, &r.dbias, &r.dbias_scale, TOL),
     ] {
         let e = scaled_error(got, want, scale);
-        assert!(e <= TOL, "{what}: {name} error {e:e}");
+        assert!(e <= tol, "{what}: {name} error {e:e}");
     }
 }
 
@@ -238,11 +253,13 @@ fn compare_single_device(c: &Case, config: &Config, dtype: DType, ranks: &[(Forw
         ("dw", cat(|r| &r.1.dw), wide(&g.dw), r.dw_scale.clone()),
         ("dbias", ranks.iter().flat_map(|(_, g)| bias(g)).collect(), wide(&bias(&g)), r.dbias_scale.clone()),
     ];
+    let grad_tol = gradient_check(config, dtype).1;
     for (name, got, want, scale) in pieces {
         let lengths = (got.len(), want.len(), scale.len());
         assert!(lengths.0 == lengths.1 && lengths.1 == lengths.2, "{what}: {name} lengths {lengths:?}");
         let e = scaled_error(&got, &want, &scale);
-        assert!(e <= 2.0 * TOL, "{what}: {name} error {e:e}");
+        let tol = if name == "dbias" { TOL } else { grad_tol };
+        assert!(e <= 2.0 * tol, "{what}: {name} error {e:e}");
     }
     match (&fwd.loss, &ranks[0].0.loss) {
         (Loss::Scalar(a), Loss::Scalar(b)) => {

@@ -25,6 +25,17 @@ pub enum ReductionName {
     None,
 }
 
+/// The GEMMs' arithmetic in a config file (see [`flatpeak_common::Precision`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrecisionName {
+    /// The inputs' dtype with f32 accumulation; bf16 inputs round the logit gradient to bf16.
+    #[default]
+    Native,
+    /// Every GEMM in f32 (bf16 widened, the logit gradient kept f32).
+    F32,
+}
+
 /// The config file of `flatpeak run ring-dtp` (every field optional).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -43,6 +54,8 @@ pub struct RingDtpConfig {
     pub shift: usize,
     /// Working-set budget of the plan in bytes (default 256 MiB).
     pub budget_bytes: usize,
+    /// `"native"` (default) or `"f32"` GEMMs.
+    pub precision: PrecisionName,
 }
 
 impl Default for RingDtpConfig {
@@ -55,6 +68,7 @@ impl Default for RingDtpConfig {
             softcap: None,
             shift: 0,
             budget_bytes: 256 << 20,
+            precision: PrecisionName::Native,
         }
     }
 }
@@ -73,6 +87,10 @@ impl RingDtpConfig {
         c.z_loss = self.z_loss;
         c.softcap = self.softcap.map_or(Softcap::Off, |cap| Softcap::Tanh { cap });
         c.shift = self.shift;
+        c.precision = match self.precision {
+            PrecisionName::Native => flatpeak_common::Precision::Native,
+            PrecisionName::F32 => flatpeak_common::Precision::F32,
+        };
         c
     }
 }

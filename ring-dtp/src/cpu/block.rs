@@ -536,6 +536,74 @@ pub(crate) fn accumulate_grads_widening(
     Ok(())
 }
 
+/// [`accumulate_grads`] for bf16 X and W under [`Precision::Native`](flatpeak_common::Precision):
+/// dbias from the f32 G, then G rounded to bf16 in place ([`round_rows_to_bf16`]) and
+/// `dX += Gᵀ·W_blk`, `dW = G·X_blk` on bf16 operands with f32 accumulation — on the CPU's bf16
+/// dot products when `gemm` is given, else with G's rounded values kept in f32 and W widened
+/// (the same products, as the GEMMs of autograd on a bf16 matmul).
+pub(crate) fn accumulate_grads_bf16(
+    d: usize,
+    g: &mut [f32],
+    (tokens, x): (TokenBlock<'_>, &[bf16]),
+    (w, v0, vb): (&Matrix<'_>, usize, usize),
+    (w_buf, mut out): (&mut [f32], BlockGrads<'_>),
+    gemm: Option<Bf16Gemm>,
+) -> Result<()> {
+    let c = tokens.rows();
+    if c == 0 || vb == 0 {
+        return Ok(());
+    }
+    let g = &mut g[..vb * c];
+    let (Some(gemm), Matrix::Bf16(w)) = (gemm, w) else {
+        round_gradient_to_bf16(g, c, &mut out);
+        return accumulate_grads_widening(d, g, tokens, (w, v0, vb), w_buf, out);
+    };
+    if let Some(db) = out.dbias_blk.take() {
+        row_sums(g, c, &mut db[..vb]);
+    }
+    g.par_chunks_mut(c).for_each(round_rows_to_bf16);
+    // Row j of the bf16 G is the first half of f32 row j's bytes: row stride 2c.
+    let g16 =
+        MatRef::strided(&bytemuck::cast_slice::<f32, bf16>(g)[..(2 * vb - 1) * c + c], vb, c, 2 * c, 1)?;
+    let w_blk = MatRef::row_major(&w[v0 * d..(v0 + vb) * d], vb, d)?;
+    let x_blk = MatRef::row_major(&x[..c * d], c, d)?;
+    let options = |mode| MatmulOptions::with_accumulate(mode).threads(Threads::All);
+    gemm.matmul(MatMut::row_major(&mut out.dx_rows[..c * d], c, d)?, g16.t(), w_blk, options(out.dx_mode))?;
+    gemm.matmul(MatMut::row_major(&mut out.dw_blk[..vb * d], vb, d)?, g16, x_blk, options(out.dw_mode))?;
+    Ok(())
+}
+
+/// Whether backward rounds the logit gradient to bf16 before its GEMMs: bf16 inputs under
+/// any precision but [`Precision::F32`](flatpeak_common::Precision::F32).
+pub(crate) fn rounds_gradient(config: &Config, dtype: flatpeak_common::DType) -> bool {
+    dtype != flatpeak_common::DType::F32 && config.precision != flatpeak_common::Precision::F32
+}
+
+/// Prepares a `vb×c` gradient block of bf16 inputs for f32 GEMMs that compute what bf16 GEMMs
+/// would: dbias (taken out of `out`) is summed from the f32 G first, then every element of G is
+/// rounded to its nearest bf16 value (kept as f32).
+pub(crate) fn round_gradient_to_bf16(g: &mut [f32], c: usize, out: &mut BlockGrads<'_>) {
+    if c == 0 || g.is_empty() {
+        return;
+    }
+    if let Some(db) = out.dbias_blk.take() {
+        row_sums(g, c, &mut db[..g.len() / c.max(1)]);
+    }
+    g.par_iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32());
+}
+
+/// Rounds a row of f32 to bf16 (to nearest even), in place: bf16 value i lands in the row's
+/// i-th 16-bit slot, so the row's first half of bytes holds it as bf16. Slot i is written
+/// after slots 2i and 2i + 1 (f32 value i) were read, and i ≤ 2i: nothing unread is overwritten.
+pub(crate) fn round_rows_to_bf16(row: &mut [f32]) {
+    let halves: &mut [u16] = bytemuck::cast_slice_mut(row);
+    let (lo, hi) = if cfg!(target_endian = "little") { (0, 1) } else { (1, 0) };
+    for i in 0..halves.len() / 2 {
+        let bits = u32::from(halves[2 * i + lo]) | (u32::from(halves[2 * i + hi]) << 16);
+        halves[i] = bf16::from_f32(f32::from_bits(bits)).to_bits();
+    }
+}
+
 /// `dbias[j] += Σ_k G[j, k]`, each row summed in token order.
 fn row_sums(g: &[f32], c: usize, db: &mut [f32]) {
     db.par_iter_mut().zip(g.par_chunks(c)).for_each(|(b, row)| *b += row.iter().sum::<f32>());

@@ -24,10 +24,11 @@ mod rows;
 pub(crate) use block::gemm;
 pub(crate) use block::{
     BlockGrads, ColumnGrads, DxPartial, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads,
-    accumulate_grads_widening, column_grads, fold, form_logits, form_logits_bf16, form_logits_widening,
-    gradient, resolve_targets,
+    accumulate_grads_bf16, accumulate_grads_widening, column_grads, fold, form_logits, form_logits_bf16,
+    form_logits_widening, gradient, resolve_targets, round_gradient_to_bf16, rounds_gradient,
 };
 
+use flatpeak_common::Precision;
 use flatpeak_common::Workspace;
 use flatpeak_common::gemm::{Accumulate, Threads};
 use flatpeak_common::gemm_bf16::Bf16Gemm;
@@ -52,9 +53,11 @@ pub fn bf16_path() -> Bf16Path {
     if Bf16Gemm::detect().is_some() { Bf16Path::DotProducts } else { Bf16Path::Widened }
 }
 
-fn bf16_kernel(inputs: &Inputs<'_>) -> Option<Bf16Gemm> {
-    match (inputs.x, inputs.w) {
-        (Matrix::Bf16(_), Matrix::Bf16(_)) => Bf16Gemm::detect(),
+/// The bf16 GEMM for bf16 X and W, unless the config asks for f32 GEMMs ([`Precision::F32`]).
+fn bf16_kernel(config: &Config, inputs: &Inputs<'_>) -> Option<Bf16Gemm> {
+    match (inputs.x, inputs.w, config.precision) {
+        (_, _, Precision::F32) => None,
+        (Matrix::Bf16(_), Matrix::Bf16(_), _) => Bf16Gemm::detect(),
         _ => None,
     }
 }
@@ -190,7 +193,7 @@ impl<'a, 'w, 'g> CpuBlocks<'a, 'w, 'g> {
             gradient,
             cols: ColumnGrads::with_capacity(cb),
             lse_block: vec![0f32; cb],
-            bf16_gemm: bf16_kernel(inputs),
+            bf16_gemm: bf16_kernel(config, inputs),
         })
     }
 
@@ -300,9 +303,19 @@ impl BlockOps for CpuBlocks<'_, '_, '_> {
             dbias_blk: g.dbias.as_mut().map(|b| &mut b[v0..v0 + vb]),
             dx_partial: (!dx_part.is_empty()).then(|| DxPartial::new(&mut dx_part[..])),
         };
-        match w_f32 {
-            Some(w) => accumulate_grads(d, logits, tokens, VocabBlock { w, bias, vb }, out, Threads::All),
-            None => accumulate_grads_widening(d, logits, tokens, (&self.inputs.w, v0, vb), wblk, out),
+        match (w_f32, self.inputs.x, self.config.precision) {
+            (Some(w), ..) => {
+                accumulate_grads(d, logits, tokens, VocabBlock { w, bias, vb }, out, Threads::All)
+            }
+            (None, Matrix::Bf16(x), p) if p != Precision::F32 => accumulate_grads_bf16(
+                d,
+                logits,
+                (tokens, &x[t0 * d..(t0 + c) * d]),
+                (&self.inputs.w, v0, vb),
+                (wblk, out),
+                self.bf16_gemm,
+            ),
+            (None, ..) => accumulate_grads_widening(d, logits, tokens, (&self.inputs.w, v0, vb), wblk, out),
         }
     }
 }

@@ -35,6 +35,25 @@ pub struct Reference {
     pub dbias_scale: Vec<f64>,
 }
 
+/// Which arithmetic the reference models (each in f64 but for the roundings it names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Rounding {
+    /// f64 throughout.
+    #[default]
+    Exact,
+    /// The logit gradient G rounded to bf16 before it is multiplied into dX and dW (dbias sums
+    /// the unrounded G): what ring-dtp computes for bf16 inputs under
+    /// [`Precision::Native`](flatpeak_common::Precision::Native), up to f32 rounding.
+    Bf16Gradient,
+    /// The naive same-dtype computation of a bf16 model: logits stored in bf16 after their
+    /// GEMM, the loss from them, G rounded to bf16, and dX, dW and dbias stored in bf16.
+    NaiveBf16,
+}
+
+fn to_bf16(x: f64) -> f64 {
+    half::bf16::from_f64(x).to_f64()
+}
+
 fn to_f64(m: &Matrix<'_>) -> Vec<f64> {
     match m {
         Matrix::F32(v) => v.iter().map(|&x| x as f64).collect(),
@@ -52,6 +71,21 @@ pub fn run(
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Reference> {
+    run_rounded(inputs, config, (grad, dlse), Rounding::Exact)
+}
+
+/// [`run`] with the roundings of `rounding` (the magnitudes are the exact run's).
+pub fn run_rounded(
+    inputs: &Inputs<'_>,
+    config: &Config,
+    (grad, dlse): (GradOutput<'_>, Option<&[f32]>),
+    rounding: Rounding,
+) -> Result<Reference> {
+    let (round_logits, round_grad) = match rounding {
+        Rounding::Exact => (false, false),
+        Rounding::Bf16Gradient => (false, true),
+        Rounding::NaiveBf16 => (true, true),
+    };
     inputs.validate(config)?;
     if let Some(g) = dlse.filter(|g| g.len() != inputs.n) {
         return Err(Error::ShapeMismatch { what: "dlse (n)", expected: inputs.n, got: g.len() });
@@ -94,6 +128,9 @@ pub fn run(
         for j in 0..v {
             u[j] = (0..d).map(|k| x[i * d + k] * w[j * d + k]).sum::<f64>()
                 + inputs.bias.map_or(0.0, |b| b[j] as f64);
+            if round_logits {
+                u[j] = to_bf16(u[j]);
+            }
             z[j] = match config.softcap {
                 Softcap::Off => u[j],
                 Softcap::Tanh { cap } => cap as f64 * (u[j] / cap as f64).tanh(),
@@ -133,8 +170,11 @@ pub fn run(
                 g *= 1.0 - t * t;
                 mag *= (1.0 - t * t).abs();
             }
-            r.dbias[j] += g;
+            r.dbias[j] += if round_logits { to_bf16(g) } else { g };
             r.dbias_scale[j] += mag;
+            if round_grad {
+                g = to_bf16(g);
+            }
             for k in 0..d {
                 r.dx[i * d + k] += g * w[j * d + k];
                 r.dw[j * d + k] += g * x[i * d + k];
@@ -151,6 +191,11 @@ pub fn run(
             Reduction::Sum | Reduction::None => total,
         }
     };
+    if round_logits {
+        for out in [&mut r.dx, &mut r.dw, &mut r.dbias] {
+            out.iter_mut().for_each(|v| *v = to_bf16(*v));
+        }
+    }
     r.loss = reduce(&r.per_token);
     r.loss_scale = reduce(&r.per_token_scale);
     Ok(r)

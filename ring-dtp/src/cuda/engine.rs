@@ -10,7 +10,9 @@ use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
 use flatpeak_common::cuda::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
-use flatpeak_common::cuda::{KernelCache, cuda_error, fill_f32, linear_launch, per_row_launch, sgemm};
+use flatpeak_common::cuda::{
+    KernelCache, cuda_error, fill_f32, gemm_bf16, linear_launch, per_row_launch, sgemm,
+};
 use half::bf16;
 
 use crate::config::Config;
@@ -161,6 +163,23 @@ impl Engine {
         Ok(())
     }
 
+    /// `g[..len] = f32(bf16(g))` in place (round to nearest even): the logit gradient of bf16
+    /// inputs before its GEMMs under [`Precision::Native`](flatpeak_common::Precision::Native).
+    pub fn round_bf16(&self, g: &mut CudaSlice<f32>, len: usize) -> Result<()> {
+        need("gradient block", len, g.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        let f = self.cache.function(&RING_DTP, "lce_round_bf16")?;
+        let len64 = len as u64;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&mut *g).arg(&len64);
+        // SAFETY: `lce_round_bf16(float*, u64)` matches; it rewrites `g[0..len)` element by
+        // element (no element read by another thread), and `g` holds at least `len` (checked).
+        unsafe { l.launch(linear(len, 4096)) }.map_err(cuda_error("cuLaunchKernel(lce_round_bf16)"))?;
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn sgemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
         &self,
@@ -223,6 +242,102 @@ impl Engine {
         need("dw rows (vb·d)", vb * d, dw.len())?;
         let (n, t) = (cublasOperation_t::CUBLAS_OP_N, cublasOperation_t::CUBLAS_OP_T);
         self.sgemm((n, t), (d, vb, c), (x, d), (g, vb), (dw, d), 1.0)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_bf16<A: DevicePtr<bf16>, B: DevicePtr<bf16>, C: DevicePtrMut<f32>>(
+        &self,
+        ops: (cublasOperation_t, cublasOperation_t),
+        dims: (usize, usize, usize),
+        (a, lda): (&A, usize),
+        (b, ldb): (&B, usize),
+        (c, ldc): (&mut C, usize),
+        beta: f32,
+    ) -> Result<()> {
+        // SAFETY: as in `sgemm`: every caller checks the operands' column-major extents and
+        // passes a `c` distinct from a and b; `self.blas` was created on `self.stream`, the
+        // stream every operand is ordered on.
+        Ok(unsafe { gemm_bf16(&self.blas, &self.stream, ops, dims, (a, lda), (b, ldb), (c, ldc), beta) }?)
+    }
+
+    /// [`logits`](Self::logits) of bf16 X and W on the tensor cores (f32 accumulation and
+    /// output), the operands read in place.
+    pub fn logits_bf16(
+        &self,
+        w: &CudaView<'_, bf16>,
+        x: &CudaView<'_, bf16>,
+        (c, vb, d): (usize, usize, usize),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        need("w block (vb·d)", vb * d, w.len())?;
+        need("x block (c·d)", c * d, x.len())?;
+        need("logits block (c·vb)", c * vb, out.len())?;
+        let (t, n) = (cublasOperation_t::CUBLAS_OP_T, cublasOperation_t::CUBLAS_OP_N);
+        self.gemm_bf16((t, n), (vb, c, d), (w, d), (x, d), (out, vb), 0.0)
+    }
+
+    /// Rounds each row of the `rows×vb` gradient block `g` to bf16 in place
+    /// (`lce_narrow_rows_bf16`): row r's bf16 then starts at bf16 element `2·vb·r` of the buffer.
+    pub fn narrow_rows(&self, g: &mut CudaSlice<f32>, (rows, vb): (usize, usize)) -> Result<()> {
+        need("gradient block (c·vb)", rows * vb, g.len())?;
+        if rows == 0 || vb == 0 {
+            return Ok(());
+        }
+        let vb32 = u32::try_from(vb).map_err(|_| Error::ShapeMismatch {
+            what: "vocab block (u32)",
+            expected: u32::MAX as usize,
+            got: vb,
+        })?;
+        let f = self.cache.function(&RING_DTP, "lce_narrow_rows_bf16")?;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&mut *g).arg(&vb32);
+        // SAFETY: `lce_narrow_rows_bf16(float*, u32)` matches; block r rewrites only row r of
+        // `g` (`vb` floats from `r·vb`), and `g` holds `rows·vb` (checked above).
+        unsafe { l.launch(per_row(rows)?) }.map_err(cuda_error("cuLaunchKernel(lce_narrow_rows_bf16)"))?;
+        Ok(())
+    }
+
+    /// The bf16 view of a gradient block narrowed by [`narrow_rows`](Self::narrow_rows):
+    /// `2·c·vb` bf16, row r's values at `2·vb·r..2·vb·r + vb`.
+    fn narrowed<'g>(g: &'g CudaSlice<f32>, (c, vb): (usize, usize)) -> Result<CudaView<'g, bf16>> {
+        need("gradient block (c·vb)", c * vb, g.len())?;
+        // SAFETY: every bit pattern is a valid bf16, and 2·c·vb bf16 are the bytes of the
+        // c·vb floats checked above.
+        unsafe { g.transmute::<bf16>(2 * c * vb) }.ok_or(Error::ShapeMismatch {
+            what: "narrowed gradient block (2·c·vb bf16)",
+            expected: 2 * c * vb,
+            got: 2 * g.len(),
+        })
+    }
+
+    /// [`dx`](Self::dx) from bf16 W and the narrowed G (leading dimension `2·vb`).
+    pub fn dx_bf16(
+        &self,
+        w: &CudaView<'_, bf16>,
+        g: &CudaSlice<f32>,
+        (c, vb, d): (usize, usize, usize),
+        dx: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        need("w block (vb·d)", vb * d, w.len())?;
+        need("dx rows (c·d)", c * d, dx.len())?;
+        let g = Self::narrowed(g, (c, vb))?;
+        let n = cublasOperation_t::CUBLAS_OP_N;
+        self.gemm_bf16((n, n), (d, c, vb), (w, d), (&g, 2 * vb), (dx, d), 1.0)
+    }
+
+    /// [`dw`](Self::dw) from bf16 X and the narrowed G (leading dimension `2·vb`).
+    pub fn dw_bf16(
+        &self,
+        x: &CudaView<'_, bf16>,
+        g: &CudaSlice<f32>,
+        (c, vb, d): (usize, usize, usize),
+        dw: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        need("x block (c·d)", c * d, x.len())?;
+        need("dw rows (vb·d)", vb * d, dw.len())?;
+        let g = Self::narrowed(g, (c, vb))?;
+        let (n, t) = (cublasOperation_t::CUBLAS_OP_N, cublasOperation_t::CUBLAS_OP_T);
+        self.gemm_bf16((n, t), (d, vb, c), (x, d), (&g, 2 * vb), (dw, d), 1.0)
     }
 
     fn check_block(b: &LogitsBlock<'_, '_>) -> Result<()> {

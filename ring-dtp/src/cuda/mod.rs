@@ -1,21 +1,27 @@
 //! The CUDA path (feature `cuda`). Per (token block, vocabulary block): one cuBLAS SGEMM forms
 //! the raw logits block in a buffer reserved at launch, then `lce_fold` (forward) or
 //! `lce_gradient` (backward) applies bias and softcap and folds or differentiates in place, and
-//! two SGEMMs project G into dX and dW (`lce_bias_grad` into dbias). bf16 inputs are widened per
-//! block by `lce_widen_bf16` (exact), so every GEMM is f32 with f32 accumulation (cuBLAS's default
-//! math mode: no TF32). Forward then backward is 4 GEMMs per block pair; `forward_backward`
+//! two SGEMMs project G into dX and dW (`lce_bias_grad` into dbias). f32 inputs run SGEMM with
+//! f32 accumulation (cuBLAS's default math mode: no TF32). bf16 inputs under
+//! [`Precision::Native`](flatpeak_common::Precision::Native) run every GEMM on the tensor cores
+//! (`cublasGemmEx`, bf16 operands read in place, f32 accumulation and output): after dbias is
+//! summed from the f32 G, `lce_narrow_rows_bf16` rounds G to bf16 in place, as on the CPU. Under
+//! [`Precision::F32`](flatpeak_common::Precision::F32) they are widened per block by
+//! `lce_widen_bf16` (exact) and run SGEMM with G in f32. Forward then backward is 4 GEMMs per block pair; `forward_backward`
 //! on the full-vocabulary schedule is 3 (each token block's logits folded, finished by
 //! `lce_row_lse` and turned into G in place).
 //!
 //! [`CudaLinearCrossEntropy`] runs the blocked schedule on one device; [`ring`] runs the weight
 //! and activation rings over P devices through NCCL. Device memory besides inputs and outputs:
-//! the logits block `4·C·Vb`, the widened X and W blocks (bf16 only: `4·C·D + 4·Vb·D`), and
+//! the logits block `4·C·Vb`, the widened X and W blocks (bf16 under `Precision::F32` only:
+//! `4·C·D + 4·Vb·D`), and
 //! per-token state (`PER_TOKEN_BYTES` per token plus the resolved targets); cuBLAS's own
 //! workspace comes on top. Launches and cuBLAS calls live in `engine.rs` only.
 
 mod engine;
 pub mod ring;
 
+use flatpeak_common::Precision;
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use flatpeak_common::cuda::{KernelCache, context, cuda_error};
 use half::bf16;
@@ -33,7 +39,8 @@ use engine::{Engine, LogitsBlock, RowViews, StatsViews};
 pub enum DeviceMatrix<'a> {
     /// f32 elements.
     F32(&'a CudaSlice<f32>),
-    /// bf16 elements, widened per block.
+    /// bf16 elements, read in place by the tensor-core GEMMs (widened per block under
+    /// [`Precision::F32`]).
     Bf16(&'a CudaSlice<bf16>),
 }
 
@@ -110,8 +117,8 @@ pub struct DeviceGradientsMut<'a> {
     pub dbias: Option<&'a mut CudaSlice<f32>>,
 }
 
-/// The plan's block buffers on a device: the logits block (`C·Vb` f32) and, for bf16 inputs,
-/// the widened X and W blocks (`C·D` and `Vb·D` f32). [`CudaLinearCrossEntropy::new`] reserves
+/// The plan's block buffers on a device: the logits block (`C·Vb` f32) and, for bf16 inputs
+/// under [`Precision::F32`], the widened X and W blocks (`C·D` and `Vb·D` f32). [`CudaLinearCrossEntropy::new`] reserves
 /// its own; a caller with its own allocator (a framework's caching allocator) passes them to
 /// the `*_with` methods instead, sized by [`BlockBuffers::lens`].
 #[derive(Debug)]
@@ -128,7 +135,8 @@ impl BlockBuffers {
     /// Elements each buffer needs for `plan`: `[logits, x_wide, w_wide]` (0 where unused).
     pub fn lens(plan: &Plan) -> [usize; 3] {
         let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
-        let wide = plan.dtype() != flatpeak_common::DType::F32;
+        // bf16 inputs are widened only for f32 GEMMs (Precision::F32).
+        let wide = plan.dtype() != flatpeak_common::DType::F32 && plan.precision() == Precision::F32;
         [c * vb, if wide { c * d } else { 0 }, if wide { vb * d } else { 0 }]
     }
 
@@ -404,6 +412,7 @@ fn blocks<'s, 'i>(
         logits,
         x_wide,
         w_wide,
+        native_bf16: native_bf16(config, inputs.x.dtype()),
         resolved,
         stats: (pass != Pass::Backward).then(|| DeviceStats::new(e, n)).transpose()?,
         lse: (pass == Pass::Fused).then(|| e.zeros::<f32>(n)).transpose()?,
@@ -477,6 +486,12 @@ fn missing(what: &'static str) -> Error {
     Error::invalid_config("pass", "incomplete", what)
 }
 
+/// Whether a call on inputs of `dtype` runs its GEMMs on bf16 operands (tensor cores) rather
+/// than widened f32 ones: bf16 inputs under any precision but [`Precision::F32`].
+fn native_bf16(config: &Config, dtype: flatpeak_common::DType) -> bool {
+    cpu::rounds_gradient(config, dtype)
+}
+
 /// What the gradient kernel of every block reads besides its logits, on the device: each row's
 /// gradient scale, and the saved lse with its optional upstream gradient (backward; the fused
 /// pass finishes its own lse).
@@ -495,6 +510,9 @@ struct CudaBlocks<'s, 'i> {
     logits: &'s mut CudaSlice<f32>,
     x_wide: &'s mut CudaSlice<f32>,
     w_wide: &'s mut CudaSlice<f32>,
+    /// bf16 inputs under [`Precision::Native`]: every GEMM on the tensor cores with the inputs
+    /// read in place, G narrowed to bf16 in place (nothing is widened).
+    native_bf16: bool,
     resolved: CudaSlice<u32>,
     stats: Option<DeviceStats>,
     /// The fused pass's lse of every row.
@@ -571,21 +589,31 @@ impl BlockOps for CudaBlocks<'_, '_> {
     fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
         let d = self.inputs.d;
         match self.inputs.x {
-            DeviceMatrix::F32(_) => Ok(()),
-            DeviceMatrix::Bf16(s) => self.e.widen(&s.slice(t0 * d..(t0 + c) * d), self.x_wide),
+            DeviceMatrix::Bf16(s) if !self.native_bf16 => {
+                self.e.widen(&s.slice(t0 * d..(t0 + c) * d), self.x_wide)
+            }
+            _ => Ok(()),
         }
     }
 
     fn load_vocab(&mut self, v0: usize, vb: usize) -> Result<()> {
         let d = self.inputs.d;
         match self.inputs.w {
-            DeviceMatrix::F32(_) => Ok(()),
-            DeviceMatrix::Bf16(s) => self.e.widen(&s.slice(v0 * d..(v0 + vb) * d), self.w_wide),
+            DeviceMatrix::Bf16(s) if !self.native_bf16 => {
+                self.e.widen(&s.slice(v0 * d..(v0 + vb) * d), self.w_wide)
+            }
+            _ => Ok(()),
         }
     }
 
     fn logits(&mut self, at: BlockAt) -> Result<()> {
         let d = self.inputs.d;
+        if let (true, DeviceMatrix::Bf16(x), DeviceMatrix::Bf16(w)) =
+            (self.native_bf16, self.inputs.x, self.inputs.w)
+        {
+            let (x, w) = (x.slice(at.t0 * d..(at.t0 + at.c) * d), w.slice(at.v0 * d..(at.v0 + at.vb) * d));
+            return self.e.logits_bf16(&w, &x, (at.c, at.vb, d), self.logits);
+        }
         let x = block_rows(&self.inputs.x, self.x_wide, at.t0, at.c, d);
         let w = block_rows(&self.inputs.w, self.w_wide, at.v0, at.vb, d);
         self.e.logits(&w, &x, (at.c, at.vb, d), self.logits)
@@ -629,13 +657,27 @@ impl BlockOps for CudaBlocks<'_, '_> {
         let BlockAt { t0, c, v0, vb } = at;
         let d = self.inputs.d;
         let grads = self.grads.as_mut().ok_or_else(|| missing("gradients"))?;
+        // dbias sums the f32 G, before bf16 inputs narrow it.
+        if let Some(db) = grads.dbias.as_mut() {
+            self.e.bias_grad(self.logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
+        }
+        if let (true, DeviceMatrix::Bf16(x), DeviceMatrix::Bf16(w)) =
+            (self.native_bf16, self.inputs.x, self.inputs.w)
+        {
+            self.e.narrow_rows(self.logits, (c, vb))?;
+            let (x, w) = (x.slice(t0 * d..(t0 + c) * d), w.slice(v0 * d..(v0 + vb) * d));
+            self.e.dx_bf16(&w, self.logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
+            return self.e.dw_bf16(
+                &x,
+                self.logits,
+                (c, vb, d),
+                &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d),
+            );
+        }
         let x = block_rows(&self.inputs.x, self.x_wide, t0, c, d);
         let w = block_rows(&self.inputs.w, self.w_wide, v0, vb, d);
         self.e.dx(&w, self.logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
         self.e.dw(&x, self.logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
-        if let Some(db) = grads.dbias.as_mut() {
-            self.e.bias_grad(self.logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
-        }
         Ok(())
     }
 }

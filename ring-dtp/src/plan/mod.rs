@@ -15,7 +15,7 @@ mod ring;
 pub use ring::{RingChoice, RingKind, RingOptions, RingPlan};
 
 use flatpeak_common::arena::REGION_ALIGN;
-use flatpeak_common::{Budget, DType};
+use flatpeak_common::{Budget, DType, Precision};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -85,6 +85,7 @@ pub struct Plan {
     token_block: usize,
     vocab_block: usize,
     schedule: Schedule,
+    precision: Precision,
 }
 
 /// The sizes of one call: N tokens of hidden size D against a vocabulary of V rows.
@@ -148,6 +149,7 @@ impl Plan {
             token_block,
             vocab_block,
             schedule,
+            precision: config.precision,
         };
         let cap = |c: usize| c.min(n.max(1));
         // First the full-vocabulary schedule with wide token blocks (one GEMM fewer, and a bf16
@@ -202,7 +204,7 @@ impl Plan {
             return Err(Error::Common(flatpeak_common::Error::SizeOverflow { what: "ring-dtp block bytes" }));
         }
         let schedule = if vb >= v { Schedule::FullVocab } else { Schedule::VocabBlocked };
-        Ok(Self { n, d, v, dtype, token_block: c, vocab_block: vb, schedule })
+        Ok(Self { n, d, v, dtype, token_block: c, vocab_block: vb, schedule, precision: config.precision })
     }
 
     /// The shape planned for.
@@ -233,6 +235,11 @@ impl Plan {
     pub fn vocab_block(&self) -> usize {
         self.vocab_block
     }
+    /// The GEMMs' arithmetic (the config's), which decides whether the CUDA path widens bf16
+    /// blocks ([`Precision::F32`]) or reads them in place.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
     /// The schedule.
     pub fn schedule(&self) -> Schedule {
         self.schedule
@@ -254,7 +261,7 @@ impl Plan {
         };
         // bf16 inputs: the bf16 GEMM's packed panel per task, besides the f32 GEMM's buffers.
         let bf16_panel = match self.dtype {
-            DType::Bf16 => flatpeak_common::gemm_bf16::Bf16Gemm::scratch_bytes_per_thread(self.d),
+            DType::Bf16 => flatpeak_common::gemm_bf16::SCRATCH_BYTES_PER_THREAD,
             _ => 0,
         };
         // Saturating: a plan's sizes are checked, but `d` alone may be any usize (fuzzed).

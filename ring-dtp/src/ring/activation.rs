@@ -19,7 +19,7 @@ use super::schedule::{RingOps, Step};
 use super::{Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
 use crate::cpu::{
     BlockGrads, StatsMut, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits,
-    gradient, resolve_targets, w_rows,
+    gradient, resolve_targets, round_gradient_to_bf16, rounds_gradient, w_rows,
 };
 use crate::error::Result;
 use crate::plan::RingPlan;
@@ -195,6 +195,10 @@ impl<C: Communicator + ?Sized> RingOps for ActivationRing<'_, '_, C> {
                         dbias_blk: grads.dbias.as_mut().map(|db| &mut db[v0..v0 + vb]),
                         dx_partial: None,
                     };
+                    let mut out = out;
+                    if rounds_gradient(config, plan.dtype()) {
+                        round_gradient_to_bf16(&mut logits[..vb * c], c, &mut out);
+                    }
                     accumulate_grads(d, logits, tokens, vocab, out, plan.gemm_threads())?;
                 }
             }

@@ -17,7 +17,7 @@ use super::schedule::{RingOps, Step};
 use super::{Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
 use crate::cpu::{
     BlockGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits, gradient,
-    resolve_targets, w_rows,
+    resolve_targets, round_gradient_to_bf16, rounds_gradient, w_rows,
 };
 use crate::error::Result;
 use crate::plan::RingPlan;
@@ -145,6 +145,10 @@ impl<C: Communicator + ?Sized> RingOps for WeightRing<'_, '_, C> {
                         dbias_blk: has_bias.then_some(&mut cur.dbias[..vb]),
                         dx_partial: None,
                     };
+                    let mut out = out;
+                    if rounds_gradient(config, plan.dtype()) {
+                        round_gradient_to_bf16(&mut logits[..vb * c], c, &mut out);
+                    }
                     accumulate_grads(d, logits, tokens, vocab, out, plan.gemm_threads())?;
                 }
             }

@@ -108,11 +108,15 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, Packet> {
                         dlse: Some(cur.dlse.slice(..c)),
                     };
                     e.gradient(config, plan.v(), block, rv)?;
-                    e.dx(&w, logits, (c, vb, d), &mut cur.dx.slice_mut(..c * d))?;
-                    e.dw(&x, logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
+                    // dbias sums the f32 G; bf16 inputs then round G to bf16 (as on the CPU).
                     if let Some(db) = grads.dbias.as_mut() {
                         e.bias_grad(logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
                     }
+                    if crate::cpu::rounds_gradient(config, plan.dtype()) {
+                        e.round_bf16(logits, c * vb)?;
+                    }
+                    e.dx(&w, logits, (c, vb, d), &mut cur.dx.slice_mut(..c * d))?;
+                    e.dw(&x, logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
                 }
             }
         }

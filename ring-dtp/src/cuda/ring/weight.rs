@@ -71,11 +71,15 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
                         dlse: dlse.map(|g| g.slice(t0..t0 + c)),
                     };
                     e.gradient(config, plan.v(), block, rv)?;
-                    e.dx(&w, logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
-                    e.dw(&x, logits, (c, vb, d), &mut cur.dw.slice_mut(..vb * d))?;
+                    // dbias sums the f32 G; bf16 inputs then round G to bf16 (as on the CPU).
                     if has_bias {
                         e.bias_grad(logits, (c, vb), &mut cur.dbias.slice_mut(..vb))?;
                     }
+                    if crate::cpu::rounds_gradient(config, plan.dtype()) {
+                        e.round_bf16(logits, c * vb)?;
+                    }
+                    e.dx(&w, logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
+                    e.dw(&x, logits, (c, vb, d), &mut cur.dw.slice_mut(..vb * d))?;
                 }
             }
         }
