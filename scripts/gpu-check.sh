@@ -117,6 +117,25 @@ echo
 echo "== GPU benches"
 grep -E "^cuda|time:|thrpt:|GEMMs|per .*M bucket" "$out/gpu-benches.log" | sed 's/  */ /g'
 echo
+echo "== gemm_efficiency: ring-dtp rows against their dtype's GEMM probe (target >= 0.7 for bf16)"
+# Criterion prints a bench's name, then `thrpt: [low mid high]`; rates are GEMM FLOPs per second.
+awk '
+  /^cuda\// { name = $1 }
+  /thrpt:/ {
+    gsub(/[\[\]]/, ""); v = $4; u = $5
+    m = (u ~ /^T/) ? 1e12 : (u ~ /^G/) ? 1e9 : (u ~ /^M/) ? 1e6 : (u ~ /^K/) ? 1e3 : 1
+    rate[name] = v * m
+  }
+  END {
+    for (n in rate) {
+      probe = ""
+      if (n ~ /ring_dtp.*\/f32_/) probe = "cuda/sgemm_probe/sgemm_8192"
+      if (n ~ /ring_dtp.*\/bf16_native/) probe = "cuda/gemm_bf16_probe/gemm_bf16_8192"
+      if (n ~ /ring_dtp.*\/bf16_f32gemms/) probe = "cuda/sgemm_probe/sgemm_8192"
+      if (probe != "" && rate[probe] > 0) printf "%s %.3f of %s\n", n, rate[n] / rate[probe], probe
+    }
+  }' "$out/gpu-benches.log" | sort
+echo
 echo "== PyTorch package on CUDA"
 tail -n 3 "$out/py-tests.log" 2>/dev/null
 echo

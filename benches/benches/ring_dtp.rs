@@ -103,17 +103,20 @@ fn rings(c: &mut Criterion) {
     group.finish();
 }
 
-/// On a GPU host, at N = 8192, D = 1024, V = 32768: cuBLAS SGEMM at 8192³ (the device's GEMM
-/// ceiling), then forward + backward through the device schedule at several block shapes — all
-/// 8192 tokens over the whole vocabulary (the materialized-logits shape, 1 GiB, gradient in
-/// place), 1024 and 256 tokens over the whole vocabulary (fused: 3 GEMMs; also 1024 called as
-/// forward then backward: 4 GEMMs; and with bf16 inputs), and vocabulary blocks within an 8 MiB
-/// budget (4 GEMMs). Throughput is in GEMM FLOPs per second, so each row's ratio to the probe is
-/// its `gemm_efficiency` on this device; each row prints its plan's block bytes.
+/// On a GPU host, at N = 8192, D = 1024, V = 32768: cuBLAS SGEMM and the bf16 tensor-core GEMM
+/// (`gemm_bf16`) at 8192³ (the device's two GEMM ceilings), then forward + backward through the
+/// device schedule at several block shapes — all 8192 tokens over the whole vocabulary (the
+/// materialized-logits shape, gradient in place), 1024 and 256 tokens over the whole vocabulary
+/// (fused: 3 GEMMs; also 1024 called as forward then backward: 4 GEMMs), vocabulary blocks
+/// within an 8 MiB budget (4 GEMMs); bf16 inputs under the default precision (tensor cores) and
+/// under `Precision::F32` (widened, SGEMM). Throughput is in GEMM FLOPs per second, so an f32
+/// row's ratio to the SGEMM probe, and a `bf16_native` row's to the bf16 probe, is its
+/// `gemm_efficiency` on this device; each row prints its plan's block bytes.
 #[cfg(feature = "cuda")]
 fn cuda_blocked_vs_one_block(c: &mut Criterion) {
     use criterion::Throughput;
     use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
+    use ring_dtp::Precision;
     use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
     if !flatpeak_common::cuda_available() {
         eprintln!("cuda_blocked_vs_one_block: skipped, no CUDA device");
@@ -124,13 +127,27 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
         let ctx = flatpeak_common::cuda::context(0).expect("device");
         let s = ctx.default_stream();
         let blas = CudaBlas::new(s.clone()).expect("cublas");
-        let a = s.clone_htod(&SplitMix64::new(9).normal_f32(probe * probe, 0.0, 1.0)).expect("a");
+        let host = SplitMix64::new(9).normal_f32(probe * probe, 0.0, 1.0);
+        let a = s.clone_htod(&host).expect("a");
         let mut out = s.alloc_zeros::<f32>(probe * probe).expect("c");
         let mut group = c.benchmark_group("cuda/sgemm_probe");
         group.sample_size(10).throughput(Throughput::Elements(2 * (probe as u64).pow(3)));
         group.bench_function("sgemm_8192", |b| {
             b.iter(|| {
                 flatpeak_common::cuda::sgemm_square(&blas, probe, (&a, &a), &mut out).expect("sgemm");
+                s.synchronize().expect("sync");
+            })
+        });
+        group.finish();
+        // The bf16 ceiling: bf16 operands on the tensor cores, f32 accumulation and output.
+        let a16 = s.clone_htod(&host.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()).expect("a bf16");
+        let mut group = c.benchmark_group("cuda/gemm_bf16_probe");
+        group.sample_size(10).throughput(Throughput::Elements(2 * (probe as u64).pow(3)));
+        group.bench_function("gemm_bf16_8192", |b| {
+            b.iter(|| {
+                // SAFETY: `blas` was created on `s`, and every buffer is on `s`'s context.
+                unsafe { flatpeak_common::cuda::gemm_bf16_square(&blas, &s, probe, (&a16, &a16), &mut out) }
+                    .expect("gemm bf16");
                 s.synchronize().expect("sync");
             })
         });
@@ -155,6 +172,12 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
     let blocks = |c: usize, vb: usize, dtype| {
         Plan::with_blocks(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, (c, vb)).expect("plan")
     };
+    // bf16 with every GEMM in f32 (operands widened, G kept f32): the exact path's cost.
+    let f32_gemms = config.precision(Precision::F32);
+    let widened = |c: usize| {
+        Plan::with_blocks(&f32_gemms, Shape { tokens: n, hidden: d, vocab: v, dtype: DType::Bf16 }, (c, v))
+            .expect("plan")
+    };
     let budget = |bytes: usize| {
         Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 }, Budget::Bytes(bytes))
             .expect("plan")
@@ -165,8 +188,12 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
         ("f32_1024_tokens_separate", blocks(1024, v, DType::F32), Call::Separate),
         ("f32_256_tokens_fused", blocks(256, v, DType::F32), Call::Fused),
         ("f32_budget_8MiB_separate", budget(8 << 20), Call::Separate),
-        ("bf16_1024_tokens_fused", blocks(1024, v, DType::Bf16), Call::Fused),
+        ("bf16_native_materialized_8192_tokens_fused", blocks(n, v, DType::Bf16), Call::Fused),
+        ("bf16_native_1024_tokens_fused", blocks(1024, v, DType::Bf16), Call::Fused),
+        ("bf16_native_1024_tokens_separate", blocks(1024, v, DType::Bf16), Call::Separate),
+        ("bf16_f32gemms_1024_tokens_fused", widened(1024), Call::Fused),
     ] {
+        let config = if name.contains("f32gemms") { f32_gemms } else { config };
         let mut lce = CudaLinearCrossEntropy::new(config, plan, 0).expect("device");
         let s = lce.stream().clone();
         let td = s.clone_htod(&targets).expect("t");

@@ -354,6 +354,32 @@ pub fn cast_f32_to_bf16(
     Ok(())
 }
 
+/// `c = a·b` for `n×n` bf16 matrices `a`, `b` into an f32 `c` with [`gemm_bf16`] (tensor
+/// cores, f32 accumulation): the bf16 counterpart of [`sgemm_square`], the ceiling a bf16 path's
+/// `gemm_efficiency` is measured against on a GPU (2n³ FLOPs per call).
+///
+/// # Safety
+///
+/// `blas` must be bound to `stream` (created on it), and the three buffers belong to its context.
+pub unsafe fn gemm_bf16_square(
+    blas: &cudarc::cublas::CudaBlas,
+    stream: &CudaStream,
+    n: usize,
+    (a, b): (&CudaSlice<half::bf16>, &CudaSlice<half::bf16>),
+    c: &mut CudaSlice<f32>,
+) -> Result<()> {
+    use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
+    for (what, len) in [("gemm a (n·n)", a.len()), ("gemm b (n·n)", b.len()), ("gemm c (n·n)", c.len())] {
+        if len != n * n {
+            return Err(Error::ShapeMismatch { what, expected: n * n, got: len });
+        }
+    }
+    // SAFETY: a, b and c each hold exactly n·n elements (checked above), the column-major
+    // extents of an n×n×n product with leading dimensions n; `c` is a `&mut` borrow distinct
+    // from `a` and `b`; the binding of `blas` to `stream` and the context are the caller's.
+    unsafe { gemm_bf16(blas, stream, (CUBLAS_OP_N, CUBLAS_OP_N), (n, n, n), (a, n), (b, n), (c, n), 0.0) }
+}
+
 /// `c = a·b` for `n×n` f32 matrices with cuBLAS SGEMM on `blas`'s stream, in cuBLAS's default
 /// math mode (true f32, no TF32): the device's GEMM rate probe, the ceiling `gemm_efficiency`
 /// is measured against on a GPU (2n³ FLOPs per call).

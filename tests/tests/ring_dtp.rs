@@ -579,6 +579,14 @@ fn device_schedule_matches_the_reference(backend: Backend) {
             let r = reference::run(inp, config, grad, c.dlse.as_deref()).expect("reference");
             let out = run_on(backend, config, &plan, inp, grad, c.dlse.as_deref()).expect("runs");
             check_against_reference(config, &out, &r);
+            if dtype == DType::Bf16 {
+                // The default bf16 arithmetic: bf16 GEMMs, G narrowed to bf16 (on CUDA in place
+                // by `lce_narrow_rows_bf16`, run here by the emulator or the GPU).
+                let native = config.precision(Precision::Native);
+                let plan = Plan::new(&native, plan.shape(), Budget::Bytes(budget)).expect("plan");
+                let out = run_on(backend, &native, &plan, inp, grad, c.dlse.as_deref()).expect("runs");
+                check_bf16_native(&native, inp, (grad, c.dlse.as_deref()), &out).unwrap();
+            }
         });
     }
     let c = make_case(10, 4, 20, 5, 0.0, (false, false, false));
@@ -636,9 +644,17 @@ fn fused_schedule_matches_the_reference(backend: Backend) {
             assert_eq!(explicit.schedule(), Schedule::FullVocab);
             let grad = grad_of(config, &c);
             let r = reference::run(inp, config, grad, None).expect("reference");
+            let native = config.precision(Precision::Native);
             for plan in [plan, explicit] {
                 let out = run_pass_on(backend, (config, &plan), inp, grad, Pass::Fused).expect("runs");
                 check_against_reference(config, &out, &r);
+                if dtype == DType::Bf16 {
+                    // The default bf16 arithmetic on the same blocks.
+                    let blocks = (plan.token_block(), plan.vocab_block());
+                    let plan = Plan::with_blocks(&native, plan.shape(), blocks).expect("plan");
+                    let out = run_pass_on(backend, (&native, &plan), inp, grad, Pass::Fused).expect("runs");
+                    check_bf16_native(&native, inp, (grad, None), &out).unwrap();
+                }
             }
         });
     }
