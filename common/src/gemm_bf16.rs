@@ -379,8 +379,8 @@ unsafe fn kernel<const M: usize>(
             // pattern is a valid value of either.
             let broadcast =
                 unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair as i32)) };
-            acc_i[0] = _mm512_dpbf16_ps(acc_i[0], broadcast, b0);
-            acc_i[1] = _mm512_dpbf16_ps(acc_i[1], broadcast, b1);
+            acc_i[0] = _mm512_dpbf16_ps(acc_i[0], b0, broadcast);
+            acc_i[1] = _mm512_dpbf16_ps(acc_i[1], b1, broadcast);
         }
     }
     let scale = _mm512_set1_ps(step.scale);
