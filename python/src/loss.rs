@@ -9,7 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ring_dtp::{
     Budget, Config, DType, Device, Forward, GradOutput, GradientsMut, Inputs, LinearCrossEntropy, Loss,
-    Matrix, Plan, Reduction, Shape, Softcap, bf16,
+    Matrix, Plan, Precision, Reduction, Shape, Softcap, bf16,
 };
 
 use crate::tensor::{Span, TensorRef, check_disjoint, shape_of};
@@ -29,9 +29,11 @@ pub struct LossOptions {
 
 #[pymethods]
 impl LossOptions {
-    /// Options with torch's names and conventions; `softcap=None` is off.
+    /// Options with torch's names and conventions; `softcap=None` is off; `precision` is
+    /// `"native"` (GEMMs in the inputs' dtype, a bf16 call's logit gradient rounded to bf16 as
+    /// autograd of a bf16 matmul does) or `"f32"` (every GEMM in f32).
     #[new]
-    #[pyo3(signature = (*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None, budget_bytes=None))]
+    #[pyo3(signature = (*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None, budget_bytes=None, precision="native"))]
     fn new(
         ignore_index: i64,
         reduction: &str,
@@ -39,7 +41,17 @@ impl LossOptions {
         z_loss: f64,
         softcap: Option<f64>,
         budget_bytes: Option<usize>,
+        precision: &str,
     ) -> PyResult<Self> {
+        let precision = match precision {
+            "native" => Precision::Native,
+            "f32" => Precision::F32,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "precision: expected 'native' or 'f32', got {other:?}"
+                )));
+            }
+        };
         let reduction = match reduction {
             "mean" => Reduction::Mean,
             "sum" => Reduction::Sum,
@@ -56,7 +68,8 @@ impl LossOptions {
             .reduction(reduction)
             .label_smoothing(label_smoothing as f32)
             .z_loss(z_loss as f32)
-            .softcap(softcap);
+            .softcap(softcap)
+            .precision(precision);
         config.validate().map_err(to_py)?;
         if budget_bytes == Some(0) {
             return Err(PyValueError::new_err("budget_bytes: expected a positive number of bytes, got 0"));

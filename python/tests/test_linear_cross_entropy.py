@@ -160,6 +160,28 @@ def test_bf16_no_worse_than_torch_bf16(device, reduction, bias):
         assert rel(g, r) <= rel(tg, r) + 1e-2
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_precision_option(device):
+    """``precision="f32"`` keeps a bf16 call's logit gradient in float32: its gradients are the
+    float64 ones up to their final rounding to bfloat16 (half an ulp, 2**-9 relative, plus the
+    float32 sums); ``"native"`` rounds the logit gradient too, within torch's own bf16 error."""
+    x, w, t, _, _ = make(8, dtype=torch.bfloat16, device=device)
+    ref_loss, ref_grads = grads_of(lambda x, w: F.cross_entropy(F.linear(x, w), t), [x.double(), w.double()])
+    _, torch_grads = grads_of(lambda x, w: F.cross_entropy(F.linear(x, w), t), [x, w])
+    for precision in ("f32", "native"):
+        loss, grads = grads_of(lambda x, w: linear_cross_entropy(x, w, t, precision=precision), [x, w])
+        assert rel(loss, ref_loss) <= 2.0 ** -8
+        for g, tg, r in zip(grads, torch_grads, ref_grads):
+            assert g.dtype == torch.bfloat16
+            if precision == "f32":
+                assert rel(g, r) <= 2.0 ** -8, precision
+            else:
+                assert rel(g, r) <= rel(tg, r) + 1e-2, precision
+    with pytest.raises(ValueError, match=r"precision: expected 'native' or 'f32', got \"tf32\""):
+        linear_cross_entropy(x, w, t, precision="tf32")
+    assert "precision='f32'" in repr(LinearCrossEntropyLoss(precision="f32"))
+
+
 def test_batch_seq_input_is_flattened():
     x, w, t, b, tw = make(5, bias=True, weights=True)
     x3, t3, tw3 = x[:66].reshape(6, 11, D), t[:66].reshape(6, 11), tw[:66].reshape(6, 11)
@@ -190,7 +212,7 @@ def test_budget_bounds_the_working_set_and_not_the_result():
 def _op_args(bias=True, weights=True, reduction="mean"):
     x, w, t, b, tw = make(8, bias=bias, weights=weights)
     return x.requires_grad_(), w.requires_grad_(), t, None if b is None else b.requires_grad_(), tw, \
-        -100, reduction, 0.1, 1e-3, None, None
+        -100, reduction, 0.1, 1e-3, None, None, "native"
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

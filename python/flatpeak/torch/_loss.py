@@ -23,7 +23,7 @@ from .. import _flatpeak as _ext
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes):
+def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision):
     return _ext.LossOptions(
         ignore_index=ignore_index,
         reduction=reduction,
@@ -31,6 +31,7 @@ def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_b
         z_loss=z_loss,
         softcap=softcap,
         budget_bytes=budget_bytes,
+        precision=precision,
     )
 
 
@@ -64,8 +65,9 @@ def _forward(
     z_loss: float,
     softcap: Optional[float],
     budget_bytes: Optional[int],
+    precision: str,
 ) -> Tuple[Tensor, Tensor]:
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes)
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
     n = input.shape[0]
     # The loss is finished on the host (per-token statistics, O(N)) on either path.
     loss = torch.empty((n,) if reduction == "none" else (), dtype=torch.float32)
@@ -80,7 +82,7 @@ def _forward(
 
 @_forward.register_fake
 def _forward_fake(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing,
-                  z_loss, softcap, budget_bytes):
+                  z_loss, softcap, budget_bytes, precision):
     n = input.shape[0]
     loss = input.new_empty((n,) if reduction == "none" else ())
     return loss, input.new_empty((n,), dtype=torch.float32)
@@ -102,8 +104,9 @@ def _backward(
     z_loss: float,
     softcap: Optional[float],
     budget_bytes: Optional[int],
+    precision: str,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes)
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
     device = input.device
     dx = torch.empty(input.shape, dtype=torch.float32, device=device)
     dw = torch.empty(weight.shape, dtype=torch.float32, device=device)
@@ -127,7 +130,7 @@ def _backward(
 
 @_backward.register_fake
 def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse, ignore_index,
-                   reduction, label_smoothing, z_loss, softcap, budget_bytes):
+                   reduction, label_smoothing, z_loss, softcap, budget_bytes, precision):
     dbias = input.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
     return torch.empty_like(input), torch.empty_like(weight), dbias
 
@@ -173,6 +176,7 @@ def linear_cross_entropy(
     token_weights: Optional[Tensor] = None,
     return_lse: bool = False,
     budget_bytes: Optional[int] = None,
+    precision: str = "native",
 ):
     r"""Cross-entropy of the linear projection ``input @ weight.T + bias`` against ``target``,
     exact, without materializing the ``tokens x vocab`` logits.
@@ -205,6 +209,10 @@ def linear_cross_entropy(
         return_lse: also return the per-token log-sum-exp (float32, differentiable).
         budget_bytes: bound of the working set (default 64 MiB); the plan picks its blocks
             within it before any data is read.
+        precision: ``"native"`` (GEMMs in the dtype of ``input``: bf16 dot products or tensor
+            cores for bfloat16, the logit gradient rounded to bfloat16 before the two gradient
+            GEMMs, as autograd of a bfloat16 matmul does) or ``"f32"`` (every GEMM in float32,
+            the logit gradient kept float32; the same as ``"native"`` for float32 inputs).
 
     Accumulation is float32 for both dtypes; the loss has the dtype of ``input``, the lse is
     float32.
@@ -231,6 +239,7 @@ def linear_cross_entropy(
     loss, lse = torch.ops.flatpeak.linear_cross_entropy_forward(
         input, weight, target, _as_f32(bias), token_weights, int(ignore_index), reduction,
         float(label_smoothing), float(z_loss), None if softcap is None else float(softcap), budget_bytes,
+        str(precision),
     )
     if reduction == "none":
         loss = loss.reshape(lead_shape)
@@ -244,10 +253,10 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, *, reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                  z_loss: float = 0.0, softcap: Optional[float] = None, return_lse: bool = False,
-                 budget_bytes: Optional[int] = None):
+                 budget_bytes: Optional[int] = None, precision: str = "native"):
         super().__init__()
         # Checked here, once: a bad option fails at construction, not at the first batch.
-        _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes)
+        _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
         self.reduction = reduction
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
@@ -255,6 +264,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.softcap = softcap
         self.return_lse = return_lse
         self.budget_bytes = budget_bytes
+        self.precision = precision
 
     def forward(self, input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
                 token_weights: Optional[Tensor] = None):
@@ -262,8 +272,10 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             input, weight, target, bias, reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
             token_weights=token_weights, return_lse=self.return_lse, budget_bytes=self.budget_bytes,
+            precision=self.precision,
         )
 
     def extra_repr(self) -> str:
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
-                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
+                f"precision={self.precision!r}")
