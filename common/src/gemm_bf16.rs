@@ -50,7 +50,7 @@ pub const NR: usize = 32;
 /// Rows of `a` per task.
 pub const ROW_BLOCK: usize = 128;
 /// k per packed chunk (even).
-pub const KC: usize = 256;
+pub const KC: usize = 1024;
 /// Pairs of k per packed chunk.
 const KP: usize = KC / 2;
 /// Columns of `b` per packed block (a multiple of [`NR`]).
@@ -145,7 +145,7 @@ impl Bf16Gemm {
         // B is packed once per (column block, chunk of k) and shared; each task packs its rows
         // of A. Tasks own disjoint rows, so the parallel loop needs no synchronisation, and each
         // output element is summed by one task, chunk after chunk, in a fixed order.
-        let mut b_pack = vec![0u32; KP * NC];
+        let mut b_pack = vec![0u32; KP * NC.min(n.next_multiple_of(NR))];
         let mut a_packs: Vec<Vec<u32>> = Vec::new();
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
@@ -515,14 +515,20 @@ mod tests {
     }
 
     /// Every layout of the two operands (the backward GEMMs read a transposed gradient and a
-    /// transposed weight block), with k crossing the packed chunk.
+    /// transposed weight block), with k within one packed chunk and across three.
     #[test]
     fn strided_operands_match_naive() {
         let Some(gemm) = Bf16Gemm::detect() else { return };
         let mut seed = 50_000;
-        for &(m, n, k) in
-            &[(1, 1, 1), (9, 33, 255), (130, 17, 256), (33, 70, 257), (7, 40, 600), (129, 65, 0)]
-        {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (9, 33, 255),
+            (130, 17, 256),
+            (33, 70, 257),
+            (7, 40, 1023),
+            (5, 33, 2 * KC + 3),
+            (129, 65, 0),
+        ] {
             seed += 1;
             let (a_data, b_data) = (data(m * k, seed), data(k * n, seed + 1));
             for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {

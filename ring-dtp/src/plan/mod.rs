@@ -259,12 +259,13 @@ impl Plan {
         } else {
             0
         };
-        // bf16 inputs: the bf16 GEMM's packed panel per task, besides the f32 GEMM's buffers.
+        // bf16 inputs: the bf16 GEMM's packed operands (a fixed size per thread), besides the
+        // f32 GEMM's buffers.
         let bf16_panel = match self.dtype {
             DType::Bf16 => flatpeak_common::gemm_bf16::SCRATCH_BYTES_PER_THREAD,
             _ => 0,
         };
-        // Saturating: a plan's sizes are checked, but `d` alone may be any usize (fuzzed).
+        // Saturating: a plan's sizes are checked, but a fuzzed plan may hold any usize.
         CPU_GEMM_SCRATCH_PER_THREAD
             .saturating_add(bf16_panel)
             .saturating_mul(rayon::current_num_threads())
