@@ -149,13 +149,13 @@ fn run_case(c: &Case, config: &Config, dtype: DType, budget: usize) -> Result<Sc
 }
 
 /// [`run_case`] for bf16 inputs under [`Precision::Native`] (forward on the CPU's bf16 dot
-/// products where it has them), checked by [`check_bf16_native`].
+/// products where it has them), checked by [`check_bf16_native`]; the errors of dX and dW, separate then fused.
 fn run_case_bf16_native(
     c: &Case,
     inp: &Inputs<'_>,
     config: &Config,
     budget: usize,
-) -> Result<(), TestCaseError> {
+) -> Result<Vec<Bf16Errors>, TestCaseError> {
     let config = &config.precision(Precision::Native);
     let plan = Plan::new(
         config,
@@ -166,9 +166,10 @@ fn run_case_bf16_native(
     let grad = grad_of(config, c);
     let fwd = cpu::forward(config, &plan, inp).expect("forward");
     let g = cpu::backward(config, &plan, inp, &fwd, grad, c.dlse.as_deref()).expect("backward");
-    check_bf16_native(config, inp, (grad, c.dlse.as_deref()), &(fwd, g))?;
+    let separate = check_bf16_native(config, inp, (grad, c.dlse.as_deref()), &(fwd, g))?;
     let fused = cpu::forward_backward(config, &plan, inp, grad).expect("fused");
-    check_bf16_native(config, inp, (grad, None), &fused)
+    let fused = check_bf16_native(config, inp, (grad, None), &fused)?;
+    Ok([separate, fused].concat())
 }
 
 /// ‖a − b‖ / ‖b‖ (0 when both vanish).
@@ -178,18 +179,27 @@ fn norm_error(a: impl Iterator<Item = f64>, b: &[f64]) -> f64 {
     if diff == 0.0 { 0.0 } else { diff / norm }
 }
 
+/// Errors of a bf16 run's dX or dW (norm-wise, relative): against the exact f64 result and
+/// against the reference whose logit gradient is rounded to bf16.
+#[derive(Debug, Clone, Copy)]
+struct Bf16Errors {
+    vs_exact: f64,
+    vs_rounded: f64,
+}
+
 /// bf16 inputs under [`Precision::Native`]: the loss and lse at f32's bound (products of bf16
-/// values are exact in f32, the sums f32); dbias (summed from the unrounded G) too. dX and dW
-/// model the logit gradient rounded to bf16 ([`Rounding::Bf16Gradient`]): against that
-/// reference their error is within 1e-3 and at most a quarter of their error against the exact
-/// one (an f32 G would sit closer to the exact one), and against the exact f64 result it is at
-/// most twice the naive bf16 computation's ([`Rounding::NaiveBf16`]) plus 1e-2.
+/// values are exact in f32, the sums f32); dbias (summed from the unrounded G) too. dX and dW,
+/// against the exact f64 result, within twice the naive bf16 computation's error
+/// ([`Rounding::NaiveBf16`]) plus 1e-2, and within 2⁻⁸ of the reference that rounds G to bf16
+/// ([`Rounding::Bf16Gradient`]): a value of G near a rounding boundary may round the other way
+/// in f32 than in f64 (most of all a confident token's `p − 1`, which cancels), moving a few
+/// elements by one bf16 ulp. Returns dX's and dW's errors.
 fn check_bf16_native(
     config: &Config,
     inp: &Inputs<'_>,
     (grad, dlse): (GradOutput<'_>, Option<&[f32]>),
     (f, g): &(ring_dtp::Forward, ring_dtp::Gradients),
-) -> Result<(), TestCaseError> {
+) -> Result<[Bf16Errors; 2], TestCaseError> {
     let exact = reference::run_rounded(inp, config, (grad, dlse), Rounding::Exact).expect("reference");
     let rounded =
         reference::run_rounded(inp, config, (grad, dlse), Rounding::Bf16Gradient).expect("reference");
@@ -199,22 +209,25 @@ fn check_bf16_native(
     if let Some(db) = &g.dbias {
         check_scaled("dbias", db, &exact.dbias, &exact.dbias_scale)?;
     }
-    for (what, got, e, r, nv) in
-        [("dx", &g.dx, &exact.dx, &rounded.dx, &naive.dx), ("dw", &g.dw, &exact.dw, &rounded.dw, &naive.dw)]
-    {
+    let mut errors = [Bf16Errors { vs_exact: 0.0, vs_rounded: 0.0 }; 2];
+    for (out, (what, got, e, r, nv)) in errors.iter_mut().zip([
+        ("dx", &g.dx, &exact.dx, &rounded.dx, &naive.dx),
+        ("dw", &g.dw, &exact.dw, &rounded.dw, &naive.dw),
+    ]) {
         let got64 = || got.iter().map(|&v| v as f64);
         let (vs_exact, vs_rounded) = (norm_error(got64(), e), norm_error(got64(), r));
         let naive_err = norm_error(nv.iter().copied(), e);
         prop_assert!(
-            vs_rounded <= 1e-3 && vs_rounded <= 0.25 * vs_exact + TOL,
-            "bf16 {what}: error {vs_rounded:e} against the rounded-gradient reference, {vs_exact:e} against the exact one"
+            vs_rounded <= 2f64.powi(-8),
+            "bf16 {what}: error {vs_rounded:e} against the rounded-gradient reference"
         );
         prop_assert!(
             vs_exact <= 2.0 * naive_err + 1e-2,
             "bf16 {what}: error {vs_exact:e}, naive bf16 {naive_err:e}"
         );
+        *out = Bf16Errors { vs_exact, vs_rounded };
     }
-    Ok(())
+    Ok(errors)
 }
 
 fn config_strategy() -> impl Strategy<Value = Config> {
@@ -286,7 +299,12 @@ fn bf16_native_rounds_the_logit_gradient() {
         (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
         for config in [all, Config::default()] {
             for budget in [1usize << 30, 300 << 10] {
-                run_case_bf16_native(&c, &inp, &config, budget).expect("bf16 within its bounds");
+                // On these cases G's rounding is what separates the result from the exact one:
+                // it sits at most a quarter as far from the reference that rounds G (an f32 G
+                // fails this, by about 1e-3 against 1e-6).
+                for e in run_case_bf16_native(&c, &inp, &config, budget).expect("bf16 within its bounds") {
+                    assert!(e.vs_rounded <= 0.25 * e.vs_exact + TOL, "{n}x{v}x{d}: {e:?}");
+                }
             }
         }
     }
