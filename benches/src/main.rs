@@ -6,10 +6,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use flatpeak::memory_model::{ModelSpec, plan, render_text as render_plan};
-use flatpeak_bench::components::{ReportError, select};
+use flatpeak_bench::components::{ReportError, WorkloadSet, select};
 use flatpeak_bench::machine::{MachineOptions, measure};
-use flatpeak_bench::report::{Report, SCHEMA_VERSION, machine_line, render_markdown, render_text};
-use flatpeak_common::{CountingAllocator, Device};
+use flatpeak_bench::report::{Provenance, Report, SCHEMA_VERSION, machine_line, render_results, render_text};
+use flatpeak_common::CountingAllocator;
 use indicatif::{ProgressBar, ProgressStyle};
 
 // Components measure peak_bytes with the counting allocator.
@@ -36,18 +36,20 @@ enum Command {
         /// Only these components (repeatable): llep, ring-dtp, sco, stream-adamw.
         #[arg(long = "component", value_name = "NAME")]
         components: Vec<String>,
-        /// Also write the report as JSON (schema version 1) to this file.
+        /// Also write the report as JSON (schema version 2) to this file.
         #[arg(long, value_name = "PATH")]
         json: Option<PathBuf>,
-        /// Print the table as Markdown.
-        #[arg(long)]
-        markdown: bool,
+        /// Also write the results document (command, commit, machine, summary, every row) as
+        /// Markdown to this file, e.g. docs/results.md.
+        #[arg(long, value_name = "PATH")]
+        markdown: Option<PathBuf>,
         /// Also write the plot of each peak against its growing dimension (SVG) to this file.
         #[arg(long, value_name = "PATH")]
         svg: Option<PathBuf>,
-        /// Device to run the bounded schedules on.
-        #[arg(long, default_value = "cpu", value_parser = parse_device)]
-        device: Device,
+        /// Run the quick set (one or two rows per component, same shapes) instead of every
+        /// workload: CI's check that the report runs.
+        #[arg(long)]
+        quick: bool,
     },
     /// Per-GPU memory of a long-context MoE training step: a tuned FSDP2 baseline against the
     /// flattened schedules, every peak, which is largest, and the longest context that fits.
@@ -71,7 +73,7 @@ enum Command {
     },
     /// Run one primitive (forward and backward, or one optimizer step) on tensors from a
     /// safetensors file and write its outputs and gradients to another (tensor names and
-    /// config fields: README § flatpeak run).
+    /// config fields: docs/cli.md).
     Run {
         /// llep, ring-dtp, sco or stream-adamw.
         component: String,
@@ -140,25 +142,37 @@ fn memory_plan(model: &str, context: u64, gpus: u64, gpu_mem: u64, json: bool) -
     Ok(())
 }
 
-fn parse_device(spec: &str) -> Result<Device, String> {
-    spec.parse().map_err(|e: flatpeak_common::Error| e.to_string())
-}
-
 /// Where the report's optional files go.
 struct ReportFiles {
     json: Option<PathBuf>,
+    markdown: Option<PathBuf>,
     svg: Option<PathBuf>,
 }
 
-fn report(components: &[String], files: ReportFiles, markdown: bool, device: Device) -> Result<(), String> {
-    let ReportFiles { json, svg } = files;
+/// The command line that ran this report, as `cargo run` from the repository, and the commit.
+fn provenance() -> Provenance {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let command = format!("cargo run --release -p flatpeak-bench -- {}", args.join(" "));
+    let commit = std::process::Command::new("git")
+        .args(["describe", "--always", "--dirty", "--abbrev=12"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown (not run from a git checkout)".to_string());
+    Provenance { command, commit }
+}
+
+fn report(components: &[String], files: ReportFiles, set: WorkloadSet) -> Result<(), String> {
+    let ReportFiles { json, markdown, svg } = files;
     if let Some(path) = &svg {
         let panels = flatpeak_bench::figure::panels()?;
         std::fs::write(path, flatpeak_bench::figure::render_svg(&panels))
             .map_err(|e| format!("writing {}: {e}", path.display()))?;
         eprintln!("wrote the peak plot to {}", path.display());
     }
-    device.ensure_available().map_err(|e| e.to_string())?;
     let selection = select(components).map_err(|e| e.to_string())?;
     let chosen = &selection.run;
     eprintln!("measuring machine ceilings (1 GiB copy, 2048³ GEMM)…");
@@ -167,7 +181,7 @@ fn report(components: &[String], files: ReportFiles, markdown: bool, device: Dev
     let jobs: Vec<(usize, usize)> = chosen
         .iter()
         .enumerate()
-        .flat_map(|(c, comp)| (0..comp.workloads().len()).map(move |w| (c, w)))
+        .flat_map(|(c, comp)| comp.workloads_in(set).into_iter().map(move |w| (c, w)))
         .collect();
     let bar = ProgressBar::new(jobs.len() as u64);
     if let Ok(style) = ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}") {
@@ -177,7 +191,7 @@ fn report(components: &[String], files: ReportFiles, markdown: bool, device: Dev
     for (c, w) in jobs {
         let comp = &chosen[c];
         bar.set_message(format!("{} {}", comp.name(), comp.workloads()[w]));
-        rows.push(comp.run(w, device, &machine).map_err(|e: ReportError| e.to_string())?);
+        rows.push(comp.run(w, &machine).map_err(|e: ReportError| e.to_string())?);
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -187,7 +201,12 @@ fn report(components: &[String], files: ReportFiles, markdown: bool, device: Dev
         let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
         std::fs::write(&path, text + "\n").map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
-    print!("{}", if markdown { render_markdown(&report) } else { render_text(&report) });
+    if let Some(path) = markdown {
+        std::fs::write(&path, render_results(&report, &provenance()))
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        eprintln!("wrote the results document to {}", path.display());
+    }
+    print!("{}", render_text(&report));
     if !selection.not_available.is_empty() {
         println!("not available: {} (not built yet in this workspace)", selection.not_available.join(", "));
     }
@@ -231,8 +250,9 @@ fn main() -> ExitCode {
                 Ok(())
             }
         }
-        Command::Report { components, json, markdown, svg, device } => {
-            report(&components, ReportFiles { json, svg }, markdown, device)
+        Command::Report { components, json, markdown, svg, quick } => {
+            let set = if quick { WorkloadSet::Quick } else { WorkloadSet::Full };
+            report(&components, ReportFiles { json, markdown, svg }, set)
         }
         Command::Plan { model, context, gpus, gpu_mem, json } => {
             memory_plan(&model, context, gpus, gpu_mem, json)

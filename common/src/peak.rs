@@ -5,11 +5,17 @@
 //! (a caller holds its outputs under any schedule). It is the host analogue of the delta of
 //! torch's `max_memory_allocated`, without the outputs.
 //!
-//! The counters are process-wide, so allocations made on other threads (rayon workers,
-//! [`LocalGroup`](crate::LocalGroup) ranks) are counted. The flip side: a binary that measures
-//! must not run unrelated work concurrently. Measurements take a process-wide lock, and test
-//! binaries that assert exact byte counts keep them in one `#[test]` (as `tests/peak_meter.rs`
-//! does) so the test harness itself is idle while they run.
+//! The counters of [`PeakMeter::measure`] are process-wide, so allocations made on other threads
+//! (rayon workers, [`LocalGroup`](crate::LocalGroup) ranks) are counted. The flip side: a binary
+//! that measures must not run unrelated work concurrently. Measurements take a process-wide
+//! lock, and test binaries that assert exact byte counts keep them in one `#[test]` (as
+//! `tests/peak_meter.rs` does) so the test harness itself is idle while they run.
+//!
+//! [`PeakMeter::measure_thread`] counts the calling thread's own allocations and frees instead,
+//! so the P rank threads of a [`LocalGroup`](crate::LocalGroup) can each measure their share of
+//! a collective call at once (a process-wide measurement would serialise them and deadlock the
+//! collective). What another thread allocates for the call (a rayon worker's GEMM packing) is
+//! not counted, and a block this thread allocated but another freed stays counted.
 //!
 //! ```
 //! use flatpeak_common::{CountingAllocator, PeakMeter};
@@ -27,6 +33,7 @@
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -37,6 +44,14 @@ static HIGH: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 static MEASURING: Mutex<()> = Mutex::new(());
 
+thread_local! {
+    // Const-initialised and without a destructor: reading them allocates nothing and works at
+    // any point of a thread's life, as an allocator needs. Signed: a thread may free what
+    // another allocated.
+    static THREAD_LIVE: Cell<isize> = const { Cell::new(0) };
+    static THREAD_HIGH: Cell<isize> = const { Cell::new(0) };
+}
+
 /// A `#[global_allocator]` that counts live heap bytes and their high-water mark, then defers
 /// to the system allocator. Install it in a bench or test binary to use [`PeakMeter`].
 #[derive(Debug, Clone, Copy, Default)]
@@ -46,9 +61,15 @@ impl CountingAllocator {
     fn grew(bytes: usize) {
         let live = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
         HIGH.fetch_max(live, Ordering::Relaxed);
+        let _ = THREAD_LIVE.try_with(|live| {
+            let now = live.get().saturating_add_unsigned(bytes);
+            live.set(now);
+            let _ = THREAD_HIGH.try_with(|high| high.set(high.get().max(now)));
+        });
     }
     fn shrank(bytes: usize) {
         LIVE.fetch_sub(bytes, Ordering::Relaxed);
+        let _ = THREAD_LIVE.try_with(|live| live.set(live.get().saturating_sub_unsigned(bytes)));
     }
 }
 
@@ -180,6 +201,29 @@ impl PeakMeter {
         HIGH.store(before, Ordering::Relaxed);
         let value = f();
         let high_water_bytes = HIGH.load(Ordering::Relaxed).saturating_sub(before);
+        let output_bytes = value.heap_bytes();
+        Ok(Measured {
+            peak_bytes: high_water_bytes.saturating_sub(output_bytes),
+            high_water_bytes,
+            output_bytes,
+            value,
+        })
+    }
+
+    /// As [`measure`](PeakMeter::measure), counting only what the calling thread allocates and
+    /// frees during `f` (see the module docs): no lock, so concurrent threads — the ranks of a
+    /// collective — measure at once. Errors with [`Error::MeterNotInstalled`] when this binary's
+    /// global allocator is not [`CountingAllocator`].
+    pub fn measure_thread<R: HeapSize>(f: impl FnOnce() -> R) -> Result<Measured<R>> {
+        std::hint::black_box(Box::new(0u64)); // any allocation marks the counter installed
+        if !INSTALLED.load(Ordering::Relaxed) {
+            return Err(Error::MeterNotInstalled);
+        }
+        let before = THREAD_LIVE.with(Cell::get);
+        THREAD_HIGH.with(|high| high.set(before));
+        let value = f();
+        let high = THREAD_HIGH.with(Cell::get);
+        let high_water_bytes = usize::try_from(high.saturating_sub(before)).unwrap_or(0);
         let output_bytes = value.heap_bytes();
         Ok(Measured {
             peak_bytes: high_water_bytes.saturating_sub(output_bytes),

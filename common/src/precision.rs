@@ -12,7 +12,8 @@ pub enum Precision {
     /// GEMMs in the inputs' storage dtype with f32 accumulation and f32 outputs where the
     /// schedule folds (logits blocks, the online lse): SGEMM for f32 inputs; for bf16 inputs
     /// the CPU's bf16 dot products (AVX512-BF16 `vdpbf16ps`) where it has them, else the
-    /// operands widened block by block (the same products; the CUDA paths widen too).
+    /// operands widened block by block (the same products); on CUDA, cuBLAS `GemmEx` on the
+    /// bf16 operands in place with f32 accumulation (ring-dtp's single-device path).
     /// Where backward multiplies by a gradient it computed in f32 (ring-dtp's logit gradient),
     /// that gradient is rounded to bf16 first, as autograd of a bf16 matmul does.
     #[default]

@@ -58,7 +58,7 @@ pub struct Tolerance {
     pub reason: &'static str,
 }
 
-/// The per-dtype tolerance table (DESIGN.md, principle 3).
+/// The per-dtype tolerance table (`docs/design.md`, exactness).
 pub const TOLERANCES: &[(DType, Tolerance)] = &[
     (
         DType::F32,
@@ -86,7 +86,7 @@ pub const TOLERANCES: &[(DType, Tolerance)] = &[
 ];
 
 /// Tolerance for one weight gradient summed over ≥ 64k tokens in one f32 accumulator, whose
-/// error grows like u·√N (DESIGN.md, principle 3).
+/// error grows like u·√N (`docs/design.md`, exactness).
 pub const LARGE_SUM_F32: Tolerance = Tolerance {
     rel: 1e-4,
     reason: "f32 gradient summed over ≥ 64k tokens: one accumulator errs by about u·√N ≈ 1.5e-5, \

@@ -10,7 +10,10 @@ static ALLOC: CountingAllocator = CountingAllocator;
 const MIB: usize = 1 << 20;
 
 fn main() {
-    let checks: [(&str, fn()); 1] = [("peak_meter_matches_known_allocations", known_allocations)];
+    let checks: [(&str, fn()); 2] = [
+        ("peak_meter_matches_known_allocations", known_allocations),
+        ("per_thread_meters_count_their_own_thread", per_thread),
+    ];
     for (name, check) in checks {
         check();
         println!("test {name} ... ok");
@@ -82,4 +85,35 @@ fn known_allocations() {
     assert!(m.value.iter().all(Result::is_ok));
     assert!(m.peak_bytes >= 4 * MIB, "peak {} < 4 MiB", m.peak_bytes);
     assert!(m.peak_bytes < 4 * MIB + 256 * 1024, "thread bookkeeping {} too large", m.peak_bytes);
+}
+
+fn per_thread() {
+    // Each of 4 ranks measures its own call at once (a process-wide meter would serialise them
+    // and the barrier would never be reached): rank r holds (r + 1) MiB behind a barrier while
+    // its peers hold theirs, and returns 1 KiB.
+    let peaks = LocalGroup::run(4, LocalGroupOptions::default(), |comm| {
+        let rank = comm.rank();
+        let m = PeakMeter::measure_thread(|| -> flatpeak_common::Result<Vec<u8>> {
+            let buf = vec![3u8; (rank + 1) * MIB];
+            comm.barrier()?;
+            std::hint::black_box(&buf);
+            Ok(vec![0u8; 1024])
+        })?;
+        let value = m.value?;
+        assert_eq!(m.output_bytes, value.capacity());
+        Ok(m.peak_bytes)
+    });
+    for (rank, peak) in peaks.into_iter().enumerate() {
+        let peak = peak.expect("rank ran");
+        let want = (rank + 1) * MIB;
+        // The rank's own buffer, plus the transport's barrier messages and thread bookkeeping.
+        assert!(peak >= want && peak < want + 64 * 1024, "rank {rank}: {peak} for {want}");
+    }
+
+    // Blocks another thread allocates are not the caller's.
+    let m = PeakMeter::measure_thread(|| {
+        std::thread::scope(|s| s.spawn(|| std::hint::black_box(vec![0u8; 4 * MIB]).len()).join())
+    })
+    .unwrap();
+    assert!(m.peak_bytes < MIB, "counted another thread's 4 MiB: {}", m.peak_bytes);
 }

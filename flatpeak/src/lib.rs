@@ -39,3 +39,13 @@ pub use {llep, ring_dtp, sco, stream_adamw};
 
 pub mod memory_model;
 pub mod run;
+
+/// The README's Rust quick starts, compiled and run by `cargo test --doc -p flatpeak`.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
+
+/// CONTRIBUTING.md's worked example, compiled and run the same way.
+#[cfg(doctest)]
+#[doc = include_str!("../../CONTRIBUTING.md")]
+pub struct ContributingDoctests;

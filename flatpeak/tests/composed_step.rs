@@ -6,8 +6,8 @@
 //! optimizer step change no value); and each component's working set below the baseline's.
 
 use flatpeak::sco;
-use flatpeak_common::DType;
 use flatpeak_common::testing::tolerance;
+use flatpeak_common::{CountingAllocator, DType};
 
 // The model is the `moe_train` example's; this test runs it.
 #[path = "../examples/moe_train/model/mod.rs"]
@@ -15,6 +15,11 @@ use flatpeak_common::testing::tolerance;
 mod model;
 
 use model::{Checkpoints, MoeConfig, Schedules, train};
+
+// The model measures its dispatch and vocabulary working sets with the counting allocator
+// (each rank's own thread, so concurrent tests do not disturb the figures).
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
 
 const STEPS: usize = 20;
 
@@ -36,7 +41,8 @@ fn flattened_training_matches_the_baseline_at_every_step() {
     let p = &flat.params;
     let emb = c.vocab * c.hidden;
     assert!(p.iter().all(|r| r[..emb] == p[0][..emb]), "embedding diverged across ranks");
-    // The working sets: dispatch, vocabulary and optimizer staging below their baselines'. The
+    // The working sets: dispatch and vocabulary (measured) and optimizer staging below their
+    // baselines'. The
     // checkpoint ring holds at most the plan's slots (its bound, whatever the copies' timing),
     // which with L = 3 layers and 3 slots may equal the baseline's L boundaries: the strict
     // comparison, with more layers than slots, is the next test's.

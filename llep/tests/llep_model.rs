@@ -1,6 +1,9 @@
-//! The plan-only row at the paper's shape: the DESIGN peak model reproduces the paper's
-//! 52.66 → 21.43 GiB (LLEP → PipelinedLLEP, balanced) from its fitted multipliers, and the
-//! chunk send ratios of LLEP's plan under strided and contiguous chunking.
+//! The plan-only row at the paper's shape. The peak model's multipliers are *fitted* to the
+//! paper's balanced LLEP → PipelinedLLEP pair (52.66 → 21.43 GiB), so this test does not check
+//! them against those figures (that could not fail); it checks what the crate computes on its
+//! own: its plan's rounds, that its exact buffer bytes stay below the fitted model of the
+//! paper's pipelined schedule, and the chunk send ratios of LLEP's plan under strided and
+//! contiguous chunking.
 
 use llep::Config;
 
@@ -34,8 +37,6 @@ fn paper_row() {
             row.contiguous.max_chunk_recv,
         );
         if spec == "balanced" {
-            assert!((row.llep_gib - 52.66).abs() < 0.05, "{row:?}");
-            assert!((row.paper_pipelined_gib - 21.43).abs() < 0.05, "{row:?}");
             assert_eq!(row.crate_rounds, 10);
         }
         assert!(row.crate_buffers_gib < row.paper_pipelined_gib, "{row:?}");

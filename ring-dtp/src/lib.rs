@@ -5,7 +5,7 @@
 //! never does: logits exist one block at a time (a token block against a vocabulary block, in a
 //! buffer reserved at launch), folded into an online log-sum-exp, and in backward turned into
 //! the logit gradient in place and projected straight into dX and dW. Nothing in the working
-//! set grows with N but 24 bytes of per-token statistics. The loss and gradients are exact (no
+//! set grows with N but 28 bytes of per-token statistics (`PER_TOKEN_BYTES`). The loss and gradients are exact (no
 //! gradient filtering): every logit is formed and used.
 //!
 //! Features: ignore_index, reduction mean/sum/none (with a per-token backward), label

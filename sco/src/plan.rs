@@ -181,7 +181,7 @@ impl Plan {
 }
 
 /// Predicted ratio of a transformer layer's forward compute time to its boundary's D2H copy
-/// time (DESIGN.md): compute `(2·S·P + 2·S²·H)/F` against copy `S·H·b/BW`, i.e.
+/// time (`docs/design.md`, sco): compute `(2·S·P + 2·S²·H)/F` against copy `S·H·b/BW`, i.e.
 /// `2·BW·(P/H + S)/(b·F)` (= `BW·(P/H + S)/F` for bf16). ≥ 1: the copy hides behind the forward;
 /// it grows with S, so long context hides more easily.
 ///

@@ -12,7 +12,7 @@ use ring_dtp::{
     Budget, Config, Error, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Schedule, Shape, Softcap,
 };
 
-/// f32 bound (DESIGN.md principle 3), on norm-wise errors normalised by the magnitudes each
+/// f32 bound (`docs/design.md`, exactness), on norm-wise errors normalised by the magnitudes each
 /// quantity sums (identical to the plain relative error when nothing cancels).
 const TOL: f64 = 1e-5;
 

@@ -3,7 +3,7 @@
 //! harness's profiles `balanced`, `50%:4` and `95%:1`: a checkpointed training step (plan,
 //! forward, then recompute + backward) and a forward-only step (LLEP's own measurement); plus a
 //! plan-only row at the paper's shape (P = 8, N = 65,536, k = 8, E = 128, H = 7168, I = 2048,
-//! bf16) from the DESIGN peak model.
+//! bf16) from the peak model fitted to the paper's figures (`llep::paper`).
 //!
 //! Every scheme runs the same executor (`llep::Executor` on the CPU) on the same inputs, each rank's expert
 //! GEMMs single-threaded on its own thread ([`Threads::Single`]). After one untimed warm-up
@@ -69,7 +69,7 @@ use llep::{
 use llep::paper::{PAPER_SHAPE, PeakModel, Profile, crate_pair_cap, model_row};
 
 pub use super::llep_data::Data;
-use super::{Component, ReportError, cpu_workload};
+use super::{Component, ReportError, workload};
 use crate::machine::{MachineInfo, median};
 use crate::report::{Comparison, Row};
 
@@ -515,18 +515,9 @@ impl LlepComponent {
             ("max_chunk_recv_strided".to_string(), row.strided.max_chunk_recv as f64),
             ("max_chunk_recv_contiguous".to_string(), row.contiguous.max_chunk_recv as f64),
         ]);
-        let comparison = Comparison {
-            peak_bytes_baseline: (row.llep_gib * GIB) as u64,
-            peak_bytes: (row.crate_buffers_gib * GIB) as u64,
-            ms_baseline: 0.0,
-            ms: 0.0,
-            max_rel_err: 0.0,
-            exact: true,
-        };
-        let mut out =
-            Row::new(self.name(), &Workload::PaperPlan.describe(), "LLEP (peak model)", comparison, metrics);
-        out.speedup = 0.0; // no timing: a model row
-        Ok(out)
+        let peaks = ((row.llep_gib * GIB) as u64, (row.crate_buffers_gib * GIB) as u64);
+        let baseline = "LLEP (peak model fitted to the paper's figures)";
+        Ok(Row::formula(self.name(), &Workload::PaperPlan.describe(), baseline, peaks, metrics))
     }
 }
 
@@ -539,9 +530,20 @@ impl Component for LlepComponent {
         Workload::all().iter().map(Workload::describe).collect()
     }
 
-    fn run(&self, index: usize, device: Device, _machine: &MachineInfo) -> Result<Row, ReportError> {
+    /// The balanced training step and the formula row.
+    fn quick(&self) -> Vec<usize> {
         let all = Workload::all();
-        let w = *cpu_workload(self.name(), &all, index, device, Workload::describe)?;
+        let balanced_step = Workload::Measured { profile: 0, phase: Phase::TrainingStep };
+        all.iter()
+            .enumerate()
+            .filter(|(_, w)| matches!(w, Workload::PaperPlan) || **w == balanced_step)
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    fn run(&self, index: usize, _machine: &MachineInfo) -> Result<Row, ReportError> {
+        let all = Workload::all();
+        let w = *workload(self.name(), &all, index)?;
         let outcome = match w {
             Workload::Measured { profile, phase } => self.measured_row(profile, phase),
             Workload::PaperPlan => self.paper_row(),

@@ -9,8 +9,6 @@ pub mod ring_dtp_ring;
 pub mod sco;
 pub mod stream_adamw;
 
-use flatpeak_common::Device;
-
 use crate::machine::MachineInfo;
 use crate::report::{COMPONENTS, Row};
 
@@ -26,9 +24,6 @@ pub enum ReportError {
         /// The known names, comma-separated.
         known: String,
     },
-    /// The device cannot be used.
-    #[error(transparent)]
-    Device(#[from] flatpeak_common::Error),
     /// A component failed while measuring a workload.
     #[error("{component} failed on `{workload}`: {message}")]
     Workload {
@@ -52,35 +47,41 @@ impl ReportError {
     }
 }
 
-/// The workload `index` of `workloads`, on a device this component measures in the report.
-/// The CUDA paths are measured by `scripts/gpu-check.sh`, so `cuda:N` is an error here.
-pub fn cpu_workload<'w, W>(
-    component: &str,
-    workloads: &'w [W],
-    index: usize,
-    device: Device,
-    describe: impl Fn(&W) -> String,
-) -> Result<&'w W, ReportError> {
-    let w = workloads
+/// The workload `index` of `workloads`, or a [`ReportError::Workload`] saying there is none.
+pub fn workload<'w, W>(component: &str, workloads: &'w [W], index: usize) -> Result<&'w W, ReportError> {
+    workloads
         .get(index)
-        .ok_or_else(|| ReportError::workload(component, &format!("#{index}"), "no such workload"))?;
-    if device != Device::Cpu {
-        let why = format!(
-            "the report measures the CPU fallback; the CUDA path of {component} is measured by scripts/gpu-check.sh"
-        );
-        return Err(ReportError::workload(component, &describe(w), why));
-    }
-    Ok(w)
+        .ok_or_else(|| ReportError::workload(component, &format!("#{index}"), "no such workload"))
 }
 
-/// One primitive's measured comparison.
+/// Which workloads a report runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WorkloadSet {
+    /// Every workload (the README's results).
+    #[default]
+    Full,
+    /// One or two rows per component at the same shapes (CI's check that the report runs).
+    Quick,
+}
+
+/// One primitive's comparison on the CPU fallback (the CUDA paths are measured by the
+/// criterion benches that `scripts/gpu-check.sh` runs).
 pub trait Component: Sync {
     /// Crate name, one of [`COMPONENTS`].
     fn name(&self) -> &'static str;
     /// The workload descriptions it will measure, in order.
     fn workloads(&self) -> Vec<String>;
-    /// Measures workload `index` on `device`, with the machine's ceilings at hand.
-    fn run(&self, index: usize, device: Device, machine: &MachineInfo) -> Result<Row, ReportError>;
+    /// The indices of [`workloads`](Component::workloads) in the quick set.
+    fn quick(&self) -> Vec<usize>;
+    /// The indices a report of `set` runs, in order.
+    fn workloads_in(&self, set: WorkloadSet) -> Vec<usize> {
+        match set {
+            WorkloadSet::Full => (0..self.workloads().len()).collect(),
+            WorkloadSet::Quick => self.quick(),
+        }
+    }
+    /// Measures workload `index`, with the machine's ceilings at hand.
+    fn run(&self, index: usize, machine: &MachineInfo) -> Result<Row, ReportError>;
 }
 
 /// Every landed component, in the paper's order.
@@ -136,5 +137,14 @@ mod tests {
         assert_eq!(one.not_available.len() + one.run.len(), 1);
         let all = select(&[]).unwrap();
         assert_eq!(all.run.len() + all.not_available.len(), COMPONENTS.len());
+        let (mut quick_rows, mut full_rows) = (0, 0);
+        for c in &all.run {
+            let (n, quick) = (c.workloads().len(), c.workloads_in(WorkloadSet::Quick));
+            assert!(!quick.is_empty() && quick.iter().all(|&i| i < n), "{}", c.name());
+            assert!(quick.windows(2).all(|w| w[0] < w[1]), "{}: {quick:?}", c.name());
+            assert_eq!(c.workloads_in(WorkloadSet::Full), (0..n).collect::<Vec<_>>());
+            (quick_rows, full_rows) = (quick_rows + quick.len(), full_rows + n);
+        }
+        assert!(2 * quick_rows <= full_rows, "the quick set is {quick_rows} of {full_rows} rows");
     }
 }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use flatpeak_common::gemm::{MatMut, MatRef, MatmulOptions, matmul};
-use flatpeak_common::{DType, Device, PeakMeter, SplitMix64, relative_error};
+use flatpeak_common::{DType, PeakMeter, SplitMix64, relative_error};
 use half::bf16;
 use rayon::prelude::*;
 use ring_dtp::cpu::{self, reference};
@@ -15,7 +15,7 @@ use ring_dtp::paper::PaperPeaks;
 use ring_dtp::{Budget, Config, GradOutput, Gradients, Inputs, Loss, Matrix, Plan, Shape};
 
 use super::ring_dtp_ring::{RING_WORKLOADS, RingWorkload, ring_row};
-use super::{Component, ReportError, cpu_workload};
+use super::{Component, ReportError, workload};
 use crate::machine::{GemmProbe, MachineInfo, median};
 use crate::report::{Comparison, Row};
 
@@ -184,23 +184,13 @@ impl RingDtpComponent {
             ("megatron_reduction".to_string(), 1.0 - peaks.megatron / peaks.naive),
             ("cut_cross_entropy_reduction".to_string(), 1.0 - peaks.cut_cross_entropy / peaks.naive),
         ]);
-        let comparison = Comparison {
-            peak_bytes_baseline: peaks.naive as u64,
-            peak_bytes: peaks.ring_dtp as u64,
-            ms_baseline: 0.0,
-            ms: 0.0,
-            max_rel_err: 0.0,
-            exact: true,
-        };
-        let mut row = Row::new(
+        Row::formula(
             self.name(),
             &format!("N={n} D={d} V={v} P={p} bf16 (plan only, per rank)"),
             "materialized logits (8 B/logit)",
-            comparison,
+            (peaks.naive as u64, peaks.ring_dtp as u64),
             metrics,
-        );
-        row.speedup = 0.0; // no timing: a formula row
-        row
+        )
     }
 }
 
@@ -217,15 +207,20 @@ impl Component for RingDtpComponent {
         w
     }
 
-    fn run(&self, index: usize, device: Device, machine: &MachineInfo) -> Result<Row, ReportError> {
+    /// The bf16 fused row and the formula row.
+    fn quick(&self) -> Vec<usize> {
+        vec![1, WORKLOADS.len() + RING_WORKLOADS.len()]
+    }
+
+    fn run(&self, index: usize, machine: &MachineInfo) -> Result<Row, ReportError> {
         if index == WORKLOADS.len() + RING_WORKLOADS.len() {
             return Ok(self.paper_row());
         }
         if let Some(i) = index.checked_sub(WORKLOADS.len()) {
-            let ring = *cpu_workload(self.name(), &RING_WORKLOADS, i, device, RingWorkload::describe)?;
+            let ring = *workload(self.name(), &RING_WORKLOADS, i)?;
             return ring_row(self.name(), ring, machine);
         }
-        let w = *cpu_workload(self.name(), &WORKLOADS, index, device, Workload::describe)?;
+        let w = *workload(self.name(), &WORKLOADS, index)?;
         let fail = |message: String| ReportError::workload(self.name(), &w.describe(), message);
         let (n, d, v) = (w.n, w.d, w.v);
         let mut rng = SplitMix64::new(11);

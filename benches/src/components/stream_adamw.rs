@@ -5,14 +5,14 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use flatpeak_common::{DType, Device, PeakMeter, SplitMix64, relative_error};
+use flatpeak_common::{DType, PeakMeter, SplitMix64, relative_error};
 use half::bf16;
 use stream_adamw::cpu::{ParamSink, StateMut, adamw_update, reference};
 use stream_adamw::{
     Config, GradElement, HostDevice, Hyperparameters, Link, Schedule, StepOptions, StepScalars, StreamAdamW,
 };
 
-use super::{Component, ReportError, cpu_workload};
+use super::{Component, ReportError, workload};
 use crate::machine::{CopyProbe, MachineInfo, interleaved_ratio, median};
 use crate::report::{Comparison, Row};
 
@@ -246,8 +246,12 @@ impl Component for StreamAdamWComponent {
         WORKLOADS.iter().map(Workload::describe).collect()
     }
 
-    fn run(&self, index: usize, device: Device, _machine: &MachineInfo) -> Result<Row, ReportError> {
-        let w = *cpu_workload(self.name(), &WORKLOADS, index, device, Workload::describe)?;
+    fn quick(&self) -> Vec<usize> {
+        vec![0]
+    }
+
+    fn run(&self, index: usize, _machine: &MachineInfo) -> Result<Row, ReportError> {
+        let w = *workload(self.name(), &WORKLOADS, index)?;
         let fail = |message: String| ReportError::workload(self.name(), &w.describe(), message);
         let m = measure_pipeline(&w, 5).map_err(|e| fail(e.to_string()))?;
 

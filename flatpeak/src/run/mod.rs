@@ -2,7 +2,7 @@
 //! one primitive on tensors from any framework, so a PyTorch or JAX dump of the same inputs can
 //! be checked against flatpeak. Forward and backward (or one optimizer step) on the CPU path;
 //! tensor names, dtypes and shapes and each config's fields are documented per component
-//! ([`ring_dtp`], [`llep`], [`sco`], [`stream_adamw`]) and in the README. A missing tensor, a
+//! ([`ring_dtp`], [`llep`], [`sco`], [`stream_adamw`]) and in `docs/cli.md`. A missing tensor, a
 //! wrong dtype or shape, or an unknown config field is an error that names it.
 
 pub mod llep;

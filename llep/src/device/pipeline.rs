@@ -13,7 +13,7 @@
 //! On a device with concurrent queues (CUDA: NCCL's stream beside the compute stream), round j's
 //! GEMMs run while round j+1's rows arrive (two or more copies). With three or more, the compute
 //! queue also does not wait for round j−1's combine before round j's experts: that combine runs
-//! beside them, and its scatter follows them. This is the DESIGN's double-buffered round — "round
+//! beside them, and its scatter follows them. This is the double-buffered round of `docs/design.md` — "round
 //! j's expert GEMMs overlap round j+1's dispatch and j−1's combine" — which needs three copies:
 //! with two, round j+1's dispatch and round j−1's combine share one. On the host every operation
 //! runs when it is issued, in this order.

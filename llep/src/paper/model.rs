@@ -1,12 +1,13 @@
-//! The per-rank peak model of DESIGN.md § llep and the paper's plan-only row (P = 8,
+//! The per-rank peak model of `docs/design.md` (llep) and the paper's plan-only row (P = 8,
 //! N = 65,536, k = 8, E = 128, H = 7168, I = 2048, bf16).
 //!
 //! `Peak_d = M0 + b·H·(a_s·S_d + a_r·T_d) + a_i·b·I·n_d + F_d·w`, w = 3·H·I·b: S_d rows on the
 //! send side, T_d rows received in one dispatch, n_d the largest expert group, F_d foreign
 //! experts; a_s, a_r, a_i live-copy multipliers; M0 weights, input and output. The multipliers
-//! of [`PeakModel::paper_fit`] are fitted to the paper's balanced pair (research note §4.5), so
-//! the LLEP and paper-style pipelined rows reproduce 52.66 → 21.43 GiB by construction; the
-//! crate's own row is M0 plus the exact bytes of its buffers.
+//! of [`PeakModel::paper_fit`] are *fitted* to the paper's measured balanced pair, so the LLEP
+//! and paper-style pipelined rows reproduce its 52.66 → 21.43 GiB by construction (they are
+//! fitted figures, not predictions); the crate's own row is M0 plus the exact bytes of its
+//! buffers.
 
 use flatpeak_common::Budget;
 
@@ -136,7 +137,7 @@ pub struct ModelRow {
     pub llep_gib: f64,
     /// The paper's PipelinedLLEP: LLEP's plan, the receive side cut into K strided chunks, GiB.
     pub paper_pipelined_gib: f64,
-    /// This crate: the DESIGN formula with T_d = S_d = D·P·q and F_d = F_max, GiB.
+    /// This crate: the model's formula with T_d = S_d = D·P·q and F_d = F_max, GiB.
     pub crate_formula_gib: f64,
     /// This crate: M0 plus the exact bytes of its training-pass buffers, GiB.
     pub crate_buffers_gib: f64,

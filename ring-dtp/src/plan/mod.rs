@@ -184,7 +184,7 @@ impl Plan {
     /// Explicit blocks instead of a budget: `(token_block, vocab_block)` = (C, Vb), each capped
     /// at N and V; the full-vocabulary schedule when Vb ≥ V. For callers that know their
     /// device better than the CPU-oriented choice of [`Plan::new`] — on a GPU, wider blocks
-    /// keep every GEMM large enough to fill the SMs (README, "On a GPU"); `(N, V)` is the
+    /// keep every GEMM large enough to fill the SMs (`docs/gpu.md`); `(N, V)` is the
     /// materialized-logits shape. [`Error::InvalidConfig`] for a zero block.
     pub fn with_blocks(
         config: &Config,

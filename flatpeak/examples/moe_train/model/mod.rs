@@ -19,7 +19,9 @@
 pub mod ops;
 
 use flatpeak::common::gemm::Accumulate;
-use flatpeak::common::{Communicator, DType, LocalGroup, LocalGroupOptions, ReduceOp, SplitMix64};
+use flatpeak::common::{
+    Communicator, DType, HeapSize, LocalGroup, LocalGroupOptions, PeakMeter, ReduceOp, SplitMix64,
+};
 use flatpeak::llep::{
     Config as LlepConfig, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape,
 };
@@ -131,17 +133,31 @@ impl Schedules {
     }
 }
 
-/// Each component's reserved working set on one rank, bytes (max over steps and ranks).
+/// Each component's working set on one rank, bytes (max over ranks and the steps after the
+/// first). `dispatch` and
+/// `vocab` are measured: the counting allocator's high-water of what the rank's thread
+/// allocates during the call (plan, workspace and buffers included), less the call's outputs
+/// ([`PeakMeter::measure_thread`]; the binary must install `CountingAllocator`).
+/// `checkpoints` is counted by the store and `optimizer` is the staging its plan reserves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Peaks {
-    /// The MoE layer's dispatch workspace (llep plan).
+    /// The MoE layer's forward or backward (the larger), measured.
     pub dispatch: usize,
-    /// The loss's working set: 8·N·V + 2·V·H materialized, the ring plan's bound.
+    /// The loss's forward + backward, measured.
     pub vocab: usize,
-    /// Checkpoint boundaries on the device.
+    /// Most checkpoint-boundary bytes on the device at once, counted by the store.
     pub checkpoints: usize,
-    /// Pinned optimizer staging.
+    /// Pinned optimizer staging, from the optimizer's plan.
     pub optimizer: usize,
+}
+
+/// The loss's outputs on one rank: global mean loss, dL/d(final hidden states), dW_out shard.
+type LossOut = (f64, Vec<f32>, Vec<f32>);
+
+/// `f`'s value and its transient bytes on this rank's thread.
+fn measured<R: HeapSize>(what: &'static str, f: impl FnOnce() -> Result<R>) -> Result<(R, usize)> {
+    let m = PeakMeter::measure_thread(f).map_err(err(what))?;
+    Ok((m.value?, m.peak_bytes))
 }
 
 impl Peaks {
@@ -346,30 +362,35 @@ impl<C: Communicator> Rank<'_, C> {
         llep::Plan::new(&self.llep, self.shape, llep::Budget::Unlimited).map_err(err("llep plan"))
     }
 
-    /// `x + MoE(RMSNorm(x))`, and the dispatch workspace it reserved.
+    /// `x + MoE(RMSNorm(x))`, and the MoE layer's measured working set.
     fn block_forward(&self, b: &Block, x: &[f32]) -> Result<(Vec<f32>, usize)> {
         let (u, _, ids, w) = self.route(b, x)?;
         let inputs = self.moe_inputs(b, &u, &ids, &w);
-        let launch = self.llep_plan()?;
-        let plan = llep::cpu::schedule(self.comm, &launch, &inputs.routing).map_err(err("llep plan"))?;
-        let bytes = plan.max_workspace_bytes(Pass::Backward);
-        let mut layer = llep::Executor::with_workspace_bytes(launch, llep::Device::Cpu, bytes)
-            .map_err(err("llep executor"))?;
-        let y = layer.forward(self.comm, &plan, &inputs).map_err(err("llep forward"))?;
+        let (y, bytes) = measured("llep forward", || {
+            let launch = self.llep_plan()?;
+            let plan = llep::cpu::schedule(self.comm, &launch, &inputs.routing).map_err(err("llep plan"))?;
+            let bytes = plan.max_workspace_bytes(Pass::Backward);
+            let mut layer = llep::Executor::with_workspace_bytes(launch, llep::Device::Cpu, bytes)
+                .map_err(err("llep executor"))?;
+            layer.forward(self.comm, &plan, &inputs).map_err(err("llep forward"))
+        })?;
         Ok((x.iter().zip(&y).map(|(a, b)| a + b).collect(), bytes))
     }
 
-    /// The block's backward from its input x and dY: dX, and its gradients added to `g`.
-    fn block_backward(&self, b: &Block, x: &[f32], dy: &[f32], g: &mut Block) -> Result<Vec<f32>> {
+    /// The block's backward from its input x and dY: dX, and its gradients added to `g`; and
+    /// the MoE layer's measured working set.
+    fn block_backward(&self, b: &Block, x: &[f32], dy: &[f32], g: &mut Block) -> Result<(Vec<f32>, usize)> {
         let (n, h, e, k) = (self.c.tokens, self.c.hidden, self.c.experts, self.c.top_k);
         let (u, inv, ids, w) = self.route(b, x)?;
         let inputs = self.moe_inputs(b, &u, &ids, &w);
-        let launch = self.llep_plan()?;
-        let plan = llep::cpu::schedule(self.comm, &launch, &inputs.routing).map_err(err("llep plan"))?;
-        let bytes = plan.max_workspace_bytes(Pass::Backward);
-        let mut layer = llep::Executor::with_workspace_bytes(launch, llep::Device::Cpu, bytes)
-            .map_err(err("llep executor"))?;
-        let moe = layer.backward(self.comm, &plan, &inputs, dy).map_err(err("llep backward"))?;
+        let (moe, bytes) = measured("llep backward", || {
+            let launch = self.llep_plan()?;
+            let plan = llep::cpu::schedule(self.comm, &launch, &inputs.routing).map_err(err("llep plan"))?;
+            let bytes = plan.max_workspace_bytes(Pass::Backward);
+            let mut layer = llep::Executor::with_workspace_bytes(launch, llep::Device::Cpu, bytes)
+                .map_err(err("llep executor"))?;
+            layer.backward(self.comm, &plan, &inputs, dy).map_err(err("llep backward"))
+        })?;
         let add = |acc: &mut Vec<f32>, d: &[f32]| acc.iter_mut().zip(d).for_each(|(a, b)| *a += b);
         add(&mut g.gate, &moe.d_gate);
         add(&mut g.up, &moe.d_up);
@@ -381,18 +402,20 @@ impl<C: Communicator> Rank<'_, C> {
         gemm(&mut du, (n, h, e), (&dz, Trans::No), (&b.router, Trans::Yes), Accumulate::Add)
             .map_err(err("du"))?;
         let dx_norm = rmsnorm_backward(x, &b.gain, &inv, &du, h, &mut g.gain);
-        Ok(dy.iter().zip(&dx_norm).map(|(a, b)| a + b).collect())
+        Ok((dy.iter().zip(&dx_norm).map(|(a, b)| a + b).collect(), bytes))
     }
 
-    /// The loss of the final hidden states `hn`: (global mean loss, dhn, dW_out shard, bytes).
-    fn loss(&self, p: &Params, hn: &[f32], targets: &[i64]) -> Result<(f64, Vec<f32>, Vec<f32>, usize)> {
+    /// The loss of the final hidden states `hn`, and its measured working set.
+    fn loss(&self, p: &Params, hn: &[f32], targets: &[i64]) -> Result<(LossOut, usize)> {
+        measured("loss", || self.loss_of(p, hn, targets))
+    }
+
+    fn loss_of(&self, p: &Params, hn: &[f32], targets: &[i64]) -> Result<LossOut> {
         let (n, h, v) = (self.c.tokens, self.c.hidden, self.c.vocab);
         match self.s.loss {
             LossSchedule::Materialized => {
                 let shards: Vec<_> = (0..self.c.ranks).map(|r| self.ring.shard(r)).collect();
-                let (l, dx, dw) = materialized_loss(self.comm, hn, &p.w_out, &shards, targets, (n, h, v))
-                    .map_err(err("loss"))?;
-                Ok((l, dx, dw, 8 * n * v + 2 * 4 * v * h))
+                materialized_loss(self.comm, hn, &p.w_out, &shards, targets, (n, h, v)).map_err(err("loss"))
             }
             LossSchedule::Ring => {
                 let inputs = ring_dtp::RankInputs::new(Matrix::F32(hn), Matrix::F32(&p.w_out), targets);
@@ -406,7 +429,7 @@ impl<C: Communicator> Rank<'_, C> {
                 )
                 .map_err(err("ring-dtp"))?;
                 let Loss::Scalar(l) = fwd.loss else { return Err("ring-dtp: expected a scalar loss".into()) };
-                Ok((l, g.dx, g.dw, self.ring.bound_bytes() + self.ring.per_token_bytes()))
+                Ok((l, g.dx, g.dw))
             }
         }
     }
@@ -430,14 +453,16 @@ impl<C: Communicator> Rank<'_, C> {
             x = next;
         }
         let (hn, inv) = rmsnorm(&x, &p.final_gain, h);
-        let (loss, dhn, dw_out, vocab_bytes) = self.loss(p, &hn, targets)?;
+        let ((loss, dhn, dw_out), vocab_bytes) = self.loss(p, &hn, targets)?;
         peaks.vocab = vocab_bytes;
         let mut g = p.zeros_like();
         g.w_out = dw_out;
         let mut dx = rmsnorm_backward(&x, &p.final_gain, &inv, &dhn, h, &mut g.final_gain);
         for l in (0..layers).rev() {
             let x_l = store.load(l)?;
-            dx = self.block_backward(&p.blocks[l], &x_l, &dx, &mut g.blocks[l])?;
+            let (next, bytes) = self.block_backward(&p.blocks[l], &x_l, &dx, &mut g.blocks[l])?;
+            peaks.dispatch = peaks.dispatch.max(bytes);
+            dx = next;
         }
         peaks.checkpoints = store.finish()?;
         for (row, &t) in dx.chunks_exact(h).zip(tokens) {
@@ -506,10 +531,14 @@ pub fn train(c: &MoeConfig, s: Schedules, steps: usize) -> Result<Run> {
             let span = ring.tokens(r);
             let data = (&tokens[span.clone()], &targets[span]);
             let (mut losses, mut peaks) = (Vec::with_capacity(steps), Peaks::default());
-            for _ in 0..steps {
+            for step in 0..steps {
                 let (loss, step_peaks) = rank.step(&mut params, &mut opt, &mut store, data)?;
                 losses.push(loss);
-                peaks = peaks.max(step_peaks);
+                // The first step is a warm-up for the measured peaks: it also holds what the
+                // libraries allocate once and keep (the GEMM's per-thread packing buffers).
+                if step > 0 || steps == 1 {
+                    peaks = peaks.max(step_peaks);
+                }
             }
             Ok((losses, params.flatten(), peaks))
         };
