@@ -25,6 +25,7 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<loss::LossOptions>()?;
     m.add_function(wrap_pyfunction!(loss::lce_forward, m)?)?;
     m.add_function(wrap_pyfunction!(loss::lce_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(loss::lce_forward_backward, m)?)?;
     m.add("DEFAULT_BUDGET_BYTES", loss::DEFAULT_BUDGET_BYTES)?;
     m.add_class::<adamw::AdamWOptions>()?;
     m.add_function(wrap_pyfunction!(adamw::adamw_step, m)?)?;

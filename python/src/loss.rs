@@ -265,6 +265,55 @@ pub fn lce_forward(
     Ok(())
 }
 
+/// Forward and backward in one pass, for a loss that is the last op before `.backward()`:
+/// writes the loss and lse as [`lce_forward`] does and dX, dW (and dbias) for an upstream
+/// gradient of 1 into the fp32 `grads_out`, as [`lce_backward`] does. On the full-vocabulary
+/// schedule each block's logits serve both passes: 3 GEMMs per block instead of 4. Mean and
+/// sum only (a per-token upstream gradient is not known before backward).
+#[pyfunction]
+pub fn lce_forward_backward(
+    py: Python<'_>,
+    options: &LossOptions,
+    args: TensorArgs<'_>,
+    outputs: (Bound<'_, PyAny>, Bound<'_, PyAny>),
+    grads_out: (Bound<'_, PyAny>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
+) -> PyResult<()> {
+    if options.config.reduction == Reduction::None {
+        return Err(PyValueError::new_err(
+            "reduction: the fused call takes 'mean' or 'sum' (a per-token upstream gradient is known only in backward)",
+        ));
+    }
+    let checked = Checked::new(&args)?;
+    let Shape { tokens: n, hidden: d, vocab: v, .. } = checked.shape;
+    let loss_out = TensorRef::<f32>::new("loss_out", &outputs.0, &[])?;
+    let lse_out = TensorRef::<f32>::new("lse_out", &outputs.1, &[Some(n)])?;
+    let dx = TensorRef::<f32>::new("dx", &grads_out.0, &[Some(n), Some(d)])?;
+    let dw = TensorRef::<f32>::new("dw", &grads_out.1, &[Some(v), Some(d)])?;
+    let dbias = grads_out.2.as_ref().map(|b| TensorRef::<f32>::new("dbias", b, &[Some(v)])).transpose()?;
+    if dbias.is_some() != checked.bias.is_some() {
+        return Err(PyValueError::new_err("dbias: expected exactly when there is a bias"));
+    }
+    let mut out_spans = vec![(&loss_out).into(), (&lse_out).into(), (&dx).into(), (&dw).into()];
+    out_spans.extend(dbias.iter().map(Span::from));
+    check_disjoint(&out_spans, &checked.spans())?;
+    let mut lce = executor(options, checked.shape)?;
+    let forward = py.detach(|| {
+        // SAFETY: every tensor is held by the caller's frame for this call; the outputs were
+        // checked disjoint from each other and from every input, so the `&mut` are exclusive.
+        let (inputs, out) = unsafe {
+            let out = GradientsMut {
+                dx: dx.as_mut_slice(),
+                dw: dw.as_mut_slice(),
+                dbias: dbias.map(|b| b.as_mut_slice()),
+            };
+            (checked.inputs(), out)
+        };
+        lce.forward_backward_into(&inputs, GradOutput::Scalar(1.0), out)
+    });
+    write_forward(forward.map_err(to_py)?, (&loss_out, &lse_out));
+    Ok(())
+}
+
 /// Writes forward's loss (one value, or one per token) and lse into the checked CPU fp32
 /// tensors `loss_out` and `lse_out` (their shapes checked against the reduction and N).
 pub(crate) fn write_forward(forward: Forward, (loss_out, lse_out): (&TensorRef<f32>, &TensorRef<f32>)) {

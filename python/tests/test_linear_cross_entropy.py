@@ -228,6 +228,46 @@ def test_opcheck_both_ops(reduction, bias):
     torch.library.opcheck(torch.ops.flatpeak.linear_cross_entropy_backward.default, back)
 
 
+def test_opcheck_fused_op():
+    for bias in (False, True):
+        torch.library.opcheck(torch.ops.flatpeak.linear_cross_entropy_fused.default, _op_args(bias=bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_reduced_loss_fuses_forward_and_backward(monkeypatch, dtype, reduction):
+    """With gradients wanted, forward also runs backward (one pass, 3 GEMMs a block); backward
+    scales those gradients by the real upstream gradient. They match the two-pass call's."""
+    from flatpeak.torch import _loss
+
+    calls = []
+    fused = _loss._ext.lce_forward_backward
+    monkeypatch.setattr(_loss._ext, "lce_forward_backward", lambda *a: calls.append(1) or fused(*a))
+    x, w, t, b, tw = make(12, dtype=dtype, bias=True, weights=True)
+    params = [x, w, b]
+
+    def loss_of(x, w, b):
+        return linear_cross_entropy(x, w, t, b, reduction=reduction, label_smoothing=0.1, token_weights=tw)
+
+    def two_pass(x, w, b):  # return_lse keeps the lse's gradient open: forward, then backward
+        return linear_cross_entropy(x, w, t, b, reduction=reduction, label_smoothing=0.1, token_weights=tw,
+                                    return_lse=True)[0]
+
+    upstream = torch.tensor(-2.5)
+    loss, grads = grads_of(loss_of, params, upstream)
+    assert len(calls) == 1
+    ref_loss, ref_grads = grads_of(two_pass, params, upstream)
+    assert len(calls) == 1
+    assert torch.equal(loss, ref_loss)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == r.dtype and rel(g, r) <= tol
+    # Without gradients nothing is fused.
+    with torch.no_grad():
+        assert torch.equal(loss_of(x, w, b), loss)
+    assert len(calls) == 1
+
+
 def test_torch_compile_fullgraph_matches_eager():
     x, w, t, b, tw = make(9, bias=True, weights=True)  # ignored targets present
 
@@ -238,6 +278,16 @@ def test_torch_compile_fullgraph_matches_eager():
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     eager_loss, eager_grads = grads_of(step, [x, w, b])
+    compiled_loss, compiled_grads = grads_of(compiled, [x, w, b])
+    assert torch.equal(eager_loss, compiled_loss)
+    for e, c in zip(eager_grads, compiled_grads):
+        assert torch.equal(e, c)
+
+    def fused_step(x, w, b):  # a reduced loss without the lse: the fused op
+        return 3.0 * linear_cross_entropy(x, w, t, b, label_smoothing=0.1, token_weights=tw)
+
+    compiled = torch.compile(fused_step, fullgraph=True, backend="aot_eager")
+    eager_loss, eager_grads = grads_of(fused_step, [x, w, b])
     compiled_loss, compiled_grads = grads_of(compiled, [x, w, b])
     assert torch.equal(eager_loss, compiled_loss)
     for e, c in zip(eager_grads, compiled_grads):

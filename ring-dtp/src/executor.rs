@@ -115,6 +115,19 @@ impl LinearCrossEntropy {
         let (config, plan) = (self.config, self.plan);
         cpu::forward_backward_in(self.host_workspace()?, (&config, &plan, inputs), grad)
     }
+
+    /// [`forward_backward`](Self::forward_backward) writing dX, dW (and dbias) into `out`,
+    /// which is overwritten (a binding's own tensors, as in
+    /// [`backward_into`](Self::backward_into)); returns the loss and lse.
+    pub fn forward_backward_into(
+        &mut self,
+        inputs: &Inputs<'_>,
+        grad: GradOutput<'_>,
+        out: GradientsMut<'_>,
+    ) -> Result<Forward> {
+        let (config, plan) = (self.config, self.plan);
+        cpu::forward_backward_into(self.host_workspace()?, (&config, &plan, inputs), grad, out)
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -225,6 +238,29 @@ mod tests {
         let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: None };
         let err = lce.backward_into(&inputs, &fwd.lse, (GradOutput::Scalar(1.0), None), out).unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { what: "dw (v·d)", expected: 342, got: 341 }), "{err:?}");
+    }
+
+    #[test]
+    fn forward_backward_into_overwrites_caller_buffers_on_both_schedules() {
+        let shape = Shape { tokens: 23, hidden: 6, vocab: 57, dtype: DType::F32 };
+        let config = Config::default().label_smoothing(0.05);
+        let x: Vec<f32> = (0..23 * 6).map(|i| (i as f32 * 0.29).sin()).collect();
+        let w: Vec<f32> = (0..57 * 6).map(|i| (i as f32 * 0.13).cos() * 0.4).collect();
+        let bias: Vec<f32> = (0..57).map(|i| i as f32 * 0.01).collect();
+        let targets: Vec<i64> = (0..23).map(|i| if i % 4 == 0 { -100 } else { i * 3 % 57 }).collect();
+        let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, 6).with_bias(&bias);
+        // The whole vocabulary per token block (fused, 3 GEMMs) and vocabulary blocks (forward,
+        // then backward).
+        for blocks in [(8, 57), (8, 16)] {
+            let plan = Plan::with_blocks(&config, shape, blocks).unwrap();
+            let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu).unwrap();
+            let (want_fwd, want) = lce.forward_backward(&inputs, GradOutput::Scalar(0.5)).unwrap();
+            let (mut dx, mut dw, mut db) = (vec![f32::NAN; 23 * 6], vec![7.0; 57 * 6], vec![-1.0; 57]);
+            let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: Some(&mut db) };
+            let fwd = lce.forward_backward_into(&inputs, GradOutput::Scalar(0.5), out).unwrap();
+            assert_eq!(fwd, want_fwd, "{blocks:?}");
+            assert_eq!((dx, dw, Some(db)), (want.dx, want.dw, want.dbias), "{blocks:?}");
+        }
     }
 
     #[test]

@@ -9,6 +9,13 @@ without a graph break and autograd sees gradients for ``input``, ``weight`` and 
 Forward saves the per-row log-sum-exp (4 bytes a token); backward recomputes each block of
 logits from it (4 GEMMs in all, against the materialized path's 3), never holding more than
 one block of ``tokens x vocab``.
+
+When gradients are wanted from a reduced loss (``mean`` or ``sum``) without ``return_lse``, on
+the CPU, a third op, ``flatpeak::linear_cross_entropy_fused``, runs forward and backward in one
+pass instead (3 GEMMs per block: each block's logits serve both): it returns dX, dW and dbias
+for an upstream gradient of 1, held until backward multiplies them by the real one. A loss is
+usually the last op before ``.backward()``; the gradients it holds meanwhile are the size of
+``input`` and ``weight``.
 """
 
 from __future__ import annotations
@@ -153,6 +160,70 @@ def _backward_autograd(ctx, grad_loss, grad_lse):
 _forward.register_autograd(_backward_autograd, setup_context=_setup_context)
 
 
+@torch.library.custom_op("flatpeak::linear_cross_entropy_fused", mutates_args=())
+def _fused(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    token_weights: Optional[Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: Optional[float],
+    budget_bytes: Optional[int],
+    precision: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Forward and backward in one pass (CPU, ``mean`` or ``sum``): the loss, and dX, dW and
+    dbias for an upstream gradient of 1, which backward scales by the real one."""
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
+    n = input.shape[0]
+    loss = torch.empty((), dtype=torch.float32)
+    lse = torch.empty((n,), dtype=torch.float32)
+    dx = torch.empty(input.shape, dtype=torch.float32)
+    dw = torch.empty(weight.shape, dtype=torch.float32)
+    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    _ext.lce_forward_backward(options, (input, weight, target, bias, token_weights), (loss, lse),
+                              (dx, dw, dbias if bias is not None else None))
+    del lse
+    # Narrowed one at a time, as in backward.
+    dx = dx.to(input.dtype)
+    return loss.to(input.dtype), dx, dw.to(weight.dtype), dbias
+
+
+@_fused.register_fake
+def _fused_fake(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
+                softcap, budget_bytes, precision):
+    dbias = input.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    return input.new_empty(()), torch.empty_like(input), torch.empty_like(weight), dbias
+
+
+def _fused_setup_context(ctx, inputs, output):
+    _, dx, dw, dbias = output
+    ctx.save_for_backward(dx, dw, dbias)
+    ctx.has_bias = inputs[3] is not None
+    ctx.n_options = len(inputs) - 5
+
+
+def _fused_backward(ctx, grad_loss, _grad_dx, _grad_dw, _grad_dbias):
+    dx, dw, dbias = ctx.saved_tensors
+    scale = grad_loss.to(torch.float32)
+    dbias = (dbias * scale) if ctx.has_bias else None
+    return (dx * scale.to(dx.dtype), dw * scale.to(dw.dtype), None, dbias, None) + (None,) * ctx.n_options
+
+
+_fused.register_autograd(_fused_backward, setup_context=_fused_setup_context)
+
+
+def _fuses(input: Tensor, weight: Tensor, bias: Optional[Tensor], reduction: str, return_lse: bool) -> bool:
+    """Whether forward also runs backward: a reduced loss (its upstream gradient is a scalar that
+    backward applies), no lse output, gradients wanted, on the CPU."""
+    wanted = torch.is_grad_enabled() and (
+        input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    return wanted and reduction != "none" and not return_lse and not input.is_cuda
+
+
 def _flatten_leading(name: str, t: Tensor, trailing: int) -> Tensor:
     """``t`` with every dimension but the last ``trailing`` flattened, without a copy."""
     if t.dim() <= trailing + 1:
@@ -236,11 +307,12 @@ def linear_cross_entropy(
         token_weights = None if token_weights is None else token_weights.contiguous()
     if bias is not None and isinstance(bias, Tensor) and bias.dtype != input.dtype:
         raise TypeError(f"bias: expected dtype {input.dtype} (the dtype of input), got {bias.dtype}")
-    loss, lse = torch.ops.flatpeak.linear_cross_entropy_forward(
-        input, weight, target, _as_f32(bias), token_weights, int(ignore_index), reduction,
-        float(label_smoothing), float(z_loss), None if softcap is None else float(softcap), budget_bytes,
-        str(precision),
-    )
+    args = (input, weight, target, _as_f32(bias), token_weights, int(ignore_index), reduction,
+            float(label_smoothing), float(z_loss), None if softcap is None else float(softcap), budget_bytes,
+            str(precision))
+    if _fuses(input, weight, bias, reduction, return_lse):
+        return torch.ops.flatpeak.linear_cross_entropy_fused(*args)[0]
+    loss, lse = torch.ops.flatpeak.linear_cross_entropy_forward(*args)
     if reduction == "none":
         loss = loss.reshape(lead_shape)
     lse = lse.reshape(lead_shape)

@@ -479,17 +479,30 @@ pub(crate) fn forward_backward_in(
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
     inputs.validate(config)?;
+    let mut grads = Gradients::zeros(inputs);
+    let fwd = forward_backward_into(ws, (config, plan, inputs), grad, grads.as_mut())?;
+    Ok((fwd, grads))
+}
+
+/// [`forward_backward_in`] writing dX, dW (and dbias) into `out`, which is overwritten.
+pub(crate) fn forward_backward_into(
+    ws: &mut Workspace,
+    (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
+    grad: GradOutput<'_>,
+    out: GradientsMut<'_>,
+) -> Result<Forward> {
+    inputs.validate(config)?;
     check_plan(plan, inputs)?;
+    out.check(inputs)?;
     // The upstream gradient is checked before any block runs, on either schedule.
     let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;
     if plan.schedule() == Schedule::VocabBlocked {
         let fwd = forward_in(ws, config, plan, inputs)?;
-        let grads = backward_in(ws, (config, plan, inputs), &fwd.lse, grad, None)?;
-        return Ok((fwd, grads));
+        backward_into(ws, (config, plan, inputs), (&fwd.lse, grad, None), out)?;
+        return Ok(fwd);
     }
     let gradient = GradientInputs { coef: &coef, saved_lse: &[], dlse: None };
-    let mut grads = Gradients::zeros(inputs);
-    let stats = run(ws, (config, plan, inputs), (Pass::Fused, Some(gradient)), Some(grads.as_mut()))?;
+    let stats = run(ws, (config, plan, inputs), (Pass::Fused, Some(gradient)), Some(out))?;
     let stats = stats.ok_or_else(|| missing("fold stats"))?;
-    Ok((finish_forward(config, inputs, &stats), grads))
+    Ok(finish_forward(config, inputs, &stats))
 }
