@@ -268,6 +268,19 @@ def test_a_reduced_loss_fuses_forward_and_backward(monkeypatch, dtype, reduction
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_the_fused_gradients_survive_a_retained_graph(scale):
+    """A second backward through a retained graph adds the same gradients again."""
+    x, w, t, b, _ = make(13, bias=True)
+    params = [p.requires_grad_() for p in (x, w, b)]
+    loss = linear_cross_entropy(x, w, t, b) * scale
+    loss.backward(retain_graph=True)
+    once = [p.grad.clone() for p in params]
+    loss.backward()
+    for p, g in zip(params, once):
+        assert torch.equal(p.grad, 2 * g)
+
+
 def test_torch_compile_fullgraph_matches_eager():
     x, w, t, b, tw = make(9, bias=True, weights=True)  # ignored targets present
 

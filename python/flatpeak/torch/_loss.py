@@ -208,9 +208,15 @@ def _fused_setup_context(ctx, inputs, output):
 
 def _fused_backward(ctx, grad_loss, _grad_dx, _grad_dw, _grad_dbias):
     dx, dw, dbias = ctx.saved_tensors
-    scale = grad_loss.to(torch.float32)
-    dbias = (dbias * scale) if ctx.has_bias else None
-    return (dx * scale.to(dx.dtype), dw * scale.to(dw.dtype), None, dbias, None) + (None,) * ctx.n_options
+    # An upstream gradient of exactly 1 (the usual `loss.backward()`) in eager mode: the held
+    # gradients are returned as they are, and autograd takes them without a copy once this
+    # graph is freed. Otherwise (a scaled loss, or a traced graph, whose tensors are fake or
+    # functional) they are scaled out of place, leaving the held ones intact for a second
+    # backward through a retained graph.
+    eager_unit = type(grad_loss) is torch.Tensor and grad_loss.item() == 1.0
+    if not eager_unit:
+        dx, dw, dbias = (g * grad_loss for g in (dx, dw, dbias))
+    return (dx, dw, None, dbias if ctx.has_bias else None, None) + (None,) * ctx.n_options
 
 
 _fused.register_autograd(_fused_backward, setup_context=_fused_setup_context)
