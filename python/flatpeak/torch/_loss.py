@@ -160,6 +160,25 @@ def _backward_autograd(ctx, grad_loss, grad_lse):
 _forward.register_autograd(_backward_autograd, setup_context=_setup_context)
 
 
+def _fused_impl(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
+                softcap, budget_bytes, precision):
+    """The loss, and dX, dW and dbias for an upstream gradient of 1, in one pass (CPU, ``mean`` or
+    ``sum``)."""
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
+    n = input.shape[0]
+    loss = torch.empty((), dtype=torch.float32)
+    lse = torch.empty((n,), dtype=torch.float32)
+    dx = torch.empty(input.shape, dtype=torch.float32)
+    dw = torch.empty(weight.shape, dtype=torch.float32)
+    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    _ext.lce_forward_backward(options, (input, weight, target, bias, token_weights), (loss, lse),
+                              (dx, dw, dbias if bias is not None else None))
+    del lse
+    # Narrowed one at a time, as in backward.
+    dx = dx.to(input.dtype)
+    return loss.to(input.dtype), dx, dw.to(weight.dtype), dbias
+
+
 @torch.library.custom_op("flatpeak::linear_cross_entropy_fused", mutates_args=())
 def _fused(
     input: Tensor,
@@ -175,21 +194,10 @@ def _fused(
     budget_bytes: Optional[int],
     precision: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Forward and backward in one pass (CPU, ``mean`` or ``sum``): the loss, and dX, dW and
-    dbias for an upstream gradient of 1, which backward scales by the real one."""
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
-    n = input.shape[0]
-    loss = torch.empty((), dtype=torch.float32)
-    lse = torch.empty((n,), dtype=torch.float32)
-    dx = torch.empty(input.shape, dtype=torch.float32)
-    dw = torch.empty(weight.shape, dtype=torch.float32)
-    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
-    _ext.lce_forward_backward(options, (input, weight, target, bias, token_weights), (loss, lse),
-                              (dx, dw, dbias if bias is not None else None))
-    del lse
-    # Narrowed one at a time, as in backward.
-    dx = dx.to(input.dtype)
-    return loss.to(input.dtype), dx, dw.to(weight.dtype), dbias
+    """:func:`_fused_impl` as an op, for traced graphs (``torch.compile``); eager calls take
+    :class:`_EagerFused`."""
+    return _fused_impl(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing,
+                       z_loss, softcap, budget_bytes, precision)
 
 
 @_fused.register_fake
@@ -206,20 +214,40 @@ def _fused_setup_context(ctx, inputs, output):
     ctx.n_options = len(inputs) - 5
 
 
-def _fused_backward(ctx, grad_loss, _grad_dx, _grad_dw, _grad_dbias):
+def _scaled(ctx, grad_loss, eager):
+    """The held gradients times the upstream gradient, as backward's return value."""
     dx, dw, dbias = ctx.saved_tensors
     # An upstream gradient of exactly 1 (the usual `loss.backward()`) in eager mode: the held
-    # gradients are returned as they are, and autograd takes them without a copy once this
-    # graph is freed. Otherwise (a scaled loss, or a traced graph, whose tensors are fake or
-    # functional) they are scaled out of place, leaving the held ones intact for a second
-    # backward through a retained graph.
-    eager_unit = type(grad_loss) is torch.Tensor and grad_loss.item() == 1.0
-    if not eager_unit:
+    # gradients are handed over as they are (autograd takes them without a copy once the graph
+    # is freed, and copies them while a retained graph still holds them).
+    if not (eager and grad_loss.item() == 1.0):
         dx, dw, dbias = (g * grad_loss for g in (dx, dw, dbias))
     return (dx, dw, None, dbias if ctx.has_bias else None, None) + (None,) * ctx.n_options
 
 
+def _fused_backward(ctx, grad_loss, _grad_dx, _grad_dw, _grad_dbias):
+    return _scaled(ctx, grad_loss, eager=False)
+
+
 _fused.register_autograd(_fused_backward, setup_context=_fused_setup_context)
+
+
+class _EagerFused(torch.autograd.Function):
+    """The fused call in eager mode. The held gradients are not outputs of the op here: autograd
+    copies a gradient that is also a saved output of its node (measured: the f32 peak rose by
+    dW's size), and takes one that is not."""
+
+    @staticmethod
+    def forward(ctx, input, weight, target, bias, token_weights, *options):
+        loss, dx, dw, dbias = _fused_impl(input, weight, target, bias, token_weights, *options)
+        ctx.save_for_backward(dx, dw, dbias)
+        ctx.has_bias = bias is not None
+        ctx.n_options = len(options)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return _scaled(ctx, grad_loss, eager=True)
 
 
 def _fuses(input: Tensor, weight: Tensor, bias: Optional[Tensor], reduction: str, return_lse: bool) -> bool:
@@ -317,7 +345,9 @@ def linear_cross_entropy(
             float(label_smoothing), float(z_loss), None if softcap is None else float(softcap), budget_bytes,
             str(precision))
     if _fuses(input, weight, bias, reduction, return_lse):
-        return torch.ops.flatpeak.linear_cross_entropy_fused(*args)[0]
+        if torch.compiler.is_compiling():
+            return torch.ops.flatpeak.linear_cross_entropy_fused(*args)[0]
+        return _EagerFused.apply(*args)
     loss, lse = torch.ops.flatpeak.linear_cross_entropy_forward(*args)
     if reduction == "none":
         loss = loss.reshape(lead_shape)
