@@ -1,7 +1,7 @@
-//! Times ring-dtp called directly at one shape, doing what the Python binding does per call (an
-//! executor per call, forward, then backward into freshly allocated fp32 gradients: torch
-//! allocates them per call too), so the binding's own overhead can be measured against it
-//! (`python/bench/bench_torch.py`).
+//! Times ring-dtp called directly at one shape, doing what the Python binding does per call for
+//! a mean loss whose gradients are wanted (an executor per call, then forward and backward in
+//! one pass into freshly allocated fp32 gradients: torch allocates them per call too), so the
+//! binding's own overhead can be measured against it (`python/bench/bench_torch.py`).
 //!
 //! `cargo run --release -p ring-dtp --example direct_call -- N D V f32|bf16 REPS BUDGET_BYTES`
 //! prints the fastest repetition's seconds.
@@ -37,8 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let plan =
             Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, Budget::Bytes(budget))?;
         let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu)?;
-        let fwd = lce.forward(&inputs)?;
-        let grads = lce.backward(&inputs, &fwd, GradOutput::Scalar(1.0), None)?;
+        let (_, grads) = lce.forward_backward(&inputs, GradOutput::Scalar(1.0))?;
         best = best.min(start.elapsed().as_secs_f64());
         drop(std::hint::black_box(grads));
     }
