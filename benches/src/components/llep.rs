@@ -530,10 +530,11 @@ impl Component for LlepComponent {
         Workload::all().iter().map(Workload::describe).collect()
     }
 
-    /// The balanced training step and the formula row.
+    /// The balanced forward (the same executor and rounds as the training step, a quarter of
+    /// its time) and the formula row.
     fn quick(&self) -> Vec<usize> {
         let all = Workload::all();
-        let balanced_step = Workload::Measured { profile: 0, phase: Phase::TrainingStep };
+        let balanced_step = Workload::Measured { profile: 0, phase: Phase::ForwardOnly };
         all.iter()
             .enumerate()
             .filter(|(_, w)| matches!(w, Workload::PaperPlan) || **w == balanced_step)
