@@ -106,14 +106,19 @@ fn no_document_or_doc_comment_links_outside_the_repository() {
     }
     let mut sources = Vec::new();
     files(&root, &[".rs", ".md", ".cu", ".py", ".sh", ".toml"], &mut sources);
-    let outside = ["../shared", "shared/DESIGN", "DESIGN.md", "shared/research"];
+    // Spelled in pieces, so this file does not name them itself.
+    let shared = concat!("sha", "red");
+    let design = concat!("DES", "IGN");
+    let outside = [
+        format!("../{shared}"),
+        format!("{shared}/{design}"),
+        format!("{design}.md"),
+        format!("{shared}/research"),
+    ];
     for src in &sources {
-        if src.ends_with("tests/tests/docs.rs") {
-            continue; // the patterns themselves
-        }
         let text = read(src);
-        for pattern in outside {
-            if text.contains(pattern) {
+        for pattern in &outside {
+            if text.contains(pattern.as_str()) {
                 bad.push(format!("{}: names `{pattern}`, outside the repository", src.display()));
             }
         }
