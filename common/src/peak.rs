@@ -183,6 +183,19 @@ pub struct Measured<R> {
     pub output_bytes: usize,
 }
 
+impl<R: HeapSize> Measured<R> {
+    /// `value` with the high-water bytes seen while it was made, its own heap bytes subtracted.
+    fn of(value: R, high_water_bytes: usize) -> Self {
+        let output_bytes = value.heap_bytes();
+        Self {
+            peak_bytes: high_water_bytes.saturating_sub(output_bytes),
+            high_water_bytes,
+            output_bytes,
+            value,
+        }
+    }
+}
+
 /// Measures the transient heap working set of a closure (see the module docs for the rules).
 #[derive(Debug, Clone, Copy)]
 pub struct PeakMeter;
@@ -201,13 +214,7 @@ impl PeakMeter {
         HIGH.store(before, Ordering::Relaxed);
         let value = f();
         let high_water_bytes = HIGH.load(Ordering::Relaxed).saturating_sub(before);
-        let output_bytes = value.heap_bytes();
-        Ok(Measured {
-            peak_bytes: high_water_bytes.saturating_sub(output_bytes),
-            high_water_bytes,
-            output_bytes,
-            value,
-        })
+        Ok(Measured::of(value, high_water_bytes))
     }
 
     /// As [`measure`](PeakMeter::measure), counting only what the calling thread allocates and
@@ -224,13 +231,7 @@ impl PeakMeter {
         let value = f();
         let high = THREAD_HIGH.with(Cell::get);
         let high_water_bytes = usize::try_from(high.saturating_sub(before)).unwrap_or(0);
-        let output_bytes = value.heap_bytes();
-        Ok(Measured {
-            peak_bytes: high_water_bytes.saturating_sub(output_bytes),
-            high_water_bytes,
-            output_bytes,
-            value,
-        })
+        Ok(Measured::of(value, high_water_bytes))
     }
 
     /// Live heap bytes right now (0 when the counting allocator is not installed).
