@@ -26,7 +26,8 @@ pub struct Shape {
     pub experts: usize,
     /// k: routes per token.
     pub top_k: usize,
-    /// Storage type of tokens and weights (sizes buffers; the CPU executor takes f32).
+    /// Storage type of tokens, weights, dY, the dispatch rows and the expert scratch: f32 or bf16
+    /// (bf16 runs on the CPU backend; the output and the gradients are f32 either way).
     pub dtype: DType,
 }
 

@@ -37,6 +37,7 @@ use flatpeak_common::cuda::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
 };
 use flatpeak_common::cuda::{KernelCache, cuda_error, linear_launch, sgemm};
+use flatpeak_common::DType;
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::nccl::DeviceCommunicator;
 
@@ -148,7 +149,10 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         self.comm.world_size()
     }
 
-    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
+    fn alloc(&self, len: usize, dtype: DType) -> Result<CudaSlice<f32>> {
+        if dtype != DType::F32 {
+            return Err(Error::UnsupportedDtype { dtype, backend: "the CUDA device", supported: "f32" });
+        }
         self.stream.alloc_zeros::<f32>(len.max(1)).map_err(cuda_error("cuMemAlloc")).map_err(Error::from)
     }
 
@@ -161,9 +165,13 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         buf.len()
     }
 
+    fn buf_dtype(&self, _: &CudaSlice<f32>) -> DType {
+        DType::F32
+    }
+
     fn upload(&self, host: &[f32]) -> Result<CudaSlice<f32>> {
         if host.is_empty() {
-            return self.alloc(1);
+            return self.alloc(1, DType::F32);
         }
         self.stream.clone_htod(host).map_err(cuda_error("cuMemcpyHtoD")).map_err(Error::from)
     }

@@ -68,11 +68,26 @@ pub enum Error {
         /// The call's value.
         found: usize,
     },
-    /// The executors compute in f32 only.
-    #[error("the executors take f32 tensors; the shape says {dtype}")]
+    /// A storage type the backend does not run.
+    #[error("{backend} does not run {dtype} layers (it runs {supported})")]
     UnsupportedDtype {
-        /// The dtype of the shape.
+        /// The dtype asked for (the shape's).
         dtype: flatpeak_common::DType,
+        /// The backend.
+        backend: &'static str,
+        /// What it runs.
+        supported: &'static str,
+    },
+    /// A tensor or buffer of another element type than the one the plan or the operation
+    /// needs.
+    #[error("{what} is {found}, expected {expected}")]
+    DtypeMismatch {
+        /// Which tensor or operation.
+        what: &'static str,
+        /// The type needed.
+        expected: flatpeak_common::DType,
+        /// The type given.
+        found: flatpeak_common::DType,
     },
     /// Tensors on one device handed to an executor on another (nothing is copied silently).
     #[error("executor on {executor} was handed tensors on {inputs}")]

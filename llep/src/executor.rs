@@ -15,7 +15,7 @@ use flatpeak_common::{Communicator, Device, Workspace};
 use crate::config::Scheme;
 use crate::cpu::{self, SavedActivations};
 use crate::error::{Error, Result};
-use crate::layer::{Gradients, RankInputs, Routing};
+use crate::layer::{Element, Gradients, RankInputs, Routing};
 use crate::plan::{Buffers, Pass, Plan};
 use crate::schedule::Schedule;
 
@@ -129,11 +129,11 @@ impl Executor {
 
     /// The layer's forward on this rank: `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`, N×H, keeping nothing
     /// for backward. Every buffer comes from the reservation.
-    pub fn forward<C: Communicator + ?Sized>(
+    pub fn forward<C: Communicator + ?Sized, T: Element>(
         &mut self,
         comm: &C,
         schedule: &Schedule,
-        inputs: &RankInputs<'_>,
+        inputs: &RankInputs<'_, T>,
     ) -> Result<Vec<f32>> {
         let ws = self.workspace_for(schedule, (comm.rank(), Pass::Forward), Device::Cpu)?;
         cpu::forward(comm, ws, schedule, inputs)
@@ -143,12 +143,12 @@ impl Executor {
     /// x and dY rows and recomputing its expert forward before its backward. Returns dX, the
     /// routing weights' gradient and the native experts' weight gradients (foreign
     /// contributions included).
-    pub fn backward<C: Communicator + ?Sized>(
+    pub fn backward<C: Communicator + ?Sized, T: Element>(
         &mut self,
         comm: &C,
         schedule: &Schedule,
-        inputs: &RankInputs<'_>,
-        dy: &[f32],
+        inputs: &RankInputs<'_, T>,
+        dy: &[T],
     ) -> Result<Gradients> {
         let ws = self.workspace_for(schedule, (comm.rank(), Pass::Backward), Device::Cpu)?;
         cpu::backward(comm, ws, schedule, inputs, dy)
@@ -157,11 +157,11 @@ impl Executor {
     /// [`forward`](Executor::forward) in [`Mode::SaveActivations`](crate::Mode::SaveActivations),
     /// keeping its activations in `saved` (reserved with [`SavedActivations::new`] for this
     /// schedule and rank) for [`backward_saved`](Executor::backward_saved); bitwise the same y.
-    pub fn forward_saving<C: Communicator + ?Sized>(
+    pub fn forward_saving<C: Communicator + ?Sized, T: Element>(
         &mut self,
         comm: &C,
         schedule: &Schedule,
-        inputs: &RankInputs<'_>,
+        inputs: &RankInputs<'_, T>,
         saved: &mut SavedActivations,
     ) -> Result<Vec<f32>> {
         let ws = self.workspace_for(schedule, (comm.rank(), Pass::Forward), Device::Cpu)?;
@@ -171,12 +171,12 @@ impl Executor {
     /// The backward from the activations [`forward_saving`](Executor::forward_saving) kept:
     /// rounds in reverse, each dispatching dY rows only, then every group's backward from its
     /// saved pre-activations. Returns what [`backward`](Executor::backward) returns.
-    pub fn backward_saved<C: Communicator + ?Sized>(
+    pub fn backward_saved<C: Communicator + ?Sized, T: Element>(
         &mut self,
         comm: &C,
         schedule: &Schedule,
-        inputs: &RankInputs<'_>,
-        dy: &[f32],
+        inputs: &RankInputs<'_, T>,
+        dy: &[T],
         saved: &mut SavedActivations,
     ) -> Result<Gradients> {
         let ws = self.workspace_for(schedule, (comm.rank(), Pass::Backward), Device::Cpu)?;

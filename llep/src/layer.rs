@@ -1,7 +1,10 @@
 //! One rank's tensors of a layer call: tokens, routing, native expert weights; and the
-//! gradients backward returns. All row-major f32.
+//! gradients backward returns. All row-major. Tokens, expert weights and dY are of the layer's
+//! storage type ([`Element`]: f32 or bf16, the plan's [`Shape::dtype`]); routing weights, the
+//! output and every gradient are f32.
 
-use flatpeak_common::HeapSize;
+use flatpeak_common::{DType, HeapSize};
+use half::bf16;
 
 use crate::assign::expert_index;
 use crate::config::Shape;
@@ -32,19 +35,41 @@ impl Routing<'_> {
     }
 }
 
-/// The SwiGLU weights of one rank's M = E/P native experts, expert-major:
-/// W_gate and W_up `[M][H][I]`, W_down `[M][I][H]`.
-#[derive(Debug, Clone, Copy)]
-pub struct ExpertWeights<'a> {
-    /// W_gate, M·H·I.
-    pub gate: &'a [f32],
-    /// W_up, M·H·I.
-    pub up: &'a [f32],
-    /// W_down, M·I·H.
-    pub down: &'a [f32],
+/// The storage type of a layer's tokens, expert weights and dY: `f32`, or `bf16` (GEMMs in
+/// bf16 with f32 accumulation, the dispatch rows and the expert scratch in bf16, the output and
+/// the gradients f32). Sealed.
+pub trait Element: bytemuck::Pod + Send + Sync + std::fmt::Debug + sealed::Sealed {
+    /// The [`DType`] a plan's [`Shape::dtype`] names for it.
+    const DTYPE: DType;
 }
 
-impl ExpertWeights<'_> {
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::Bf16;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// The SwiGLU weights of one rank's M = E/P native experts, expert-major:
+/// W_gate and W_up `[M][H][I]`, W_down `[M][I][H]`, of the storage type `T`.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertWeights<'a, T = f32> {
+    /// W_gate, M·H·I.
+    pub gate: &'a [T],
+    /// W_up, M·H·I.
+    pub up: &'a [T],
+    /// W_down, M·I·H.
+    pub down: &'a [T],
+}
+
+impl<T> ExpertWeights<'_, T> {
     /// Checks the three lengths against M·H·I.
     pub fn validate(&self, shape: &Shape) -> Result<()> {
         let len = shape.local_experts() * shape.hidden * shape.intermediate;
@@ -54,20 +79,27 @@ impl ExpertWeights<'_> {
     }
 }
 
-/// Everything one rank brings to a layer call.
+/// Everything one rank brings to a layer call, tokens and weights of the storage type `T`.
 #[derive(Debug, Clone, Copy)]
-pub struct RankInputs<'a> {
+pub struct RankInputs<'a, T = f32> {
     /// Tokens x, N×H.
-    pub x: &'a [f32],
+    pub x: &'a [T],
     /// Top-k ids and weights.
     pub routing: Routing<'a>,
     /// The rank's native experts.
-    pub experts: ExpertWeights<'a>,
+    pub experts: ExpertWeights<'a, T>,
 }
 
-impl RankInputs<'_> {
-    /// Checks every length, id and weight.
+impl<T: Element> RankInputs<'_, T> {
+    /// Checks the storage type against the shape's, then every length, id and weight.
     pub fn validate(&self, shape: &Shape) -> Result<()> {
+        if T::DTYPE != shape.dtype {
+            return Err(Error::DtypeMismatch {
+                what: "tokens and weights",
+                expected: shape.dtype,
+                found: T::DTYPE,
+            });
+        }
         check_len("x (N·H)", shape.tokens * shape.hidden, self.x.len())?;
         self.routing.validate(shape)?;
         self.experts.validate(shape)

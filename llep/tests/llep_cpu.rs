@@ -342,19 +342,31 @@ fn misuse_is_a_typed_error() {
     assert!(matches!(one[0], Ok(Err(Error::ScheduleMismatch { what: "ranks", planned: 2, found: 1 }))));
     let uneven = Shape { ranks: 3, ..problem.shape };
     assert!(matches!(uneven.validate(), Err(Error::ExpertsNotDivisible { experts: 16, ranks: 3 })));
-    let bf16 = Shape { dtype: DType::Bf16, ..problem.shape };
-    let plan = Schedule::from_top_k(
-        &llep::Plan::new(&Config::default(), bf16, llep::Budget::Unlimited).expect("plan"),
-        &views,
-    )
-    .unwrap();
-    let run = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
-        use flatpeak_common::Communicator;
-        let launch = llep::Plan::new(&Config::default(), bf16, llep::Budget::Unlimited).expect("plan");
-        let mut layer = Executor::new(launch, Device::Cpu).unwrap();
-        Ok(layer.forward(comm, &plan, &problem.inputs(comm.rank())).map(|_| ()))
-    });
-    assert!(run.iter().all(|r| matches!(r, Ok(Err(Error::UnsupportedDtype { dtype: DType::Bf16 })))));
+    // f32 tensors handed to a bf16 plan, and an f16 plan (no backend runs f16).
+    for (dtype, want) in [(DType::Bf16, "mismatch"), (DType::F16, "unsupported")] {
+        let shape = Shape { dtype, ..problem.shape };
+        let plan = Schedule::from_top_k(
+            &llep::Plan::new(&Config::default(), shape, llep::Budget::Unlimited).expect("plan"),
+            &views,
+        )
+        .unwrap();
+        let run = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
+            use flatpeak_common::Communicator;
+            let launch = llep::Plan::new(&Config::default(), shape, llep::Budget::Unlimited).expect("plan");
+            let mut layer = Executor::new(launch, Device::Cpu).unwrap();
+            Ok(layer.forward(comm, &plan, &problem.inputs(comm.rank())).map(|_| ()))
+        });
+        for r in &run {
+            match (want, r) {
+                (
+                    "mismatch",
+                    Ok(Err(Error::DtypeMismatch { expected: DType::Bf16, found: DType::F32, .. })),
+                ) => {}
+                ("unsupported", Ok(Err(Error::UnsupportedDtype { dtype: DType::F16, .. }))) => {}
+                _ => panic!("{dtype}: expected a {want} error, got {r:?}"),
+            }
+        }
+    }
 }
 
 /// Fault injection: one rank's communicator fails at each of its operations in turn (routing

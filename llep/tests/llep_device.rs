@@ -84,9 +84,9 @@ mod emulated {
                     let s = problem.shape;
                     let (rows, routes) = (plan.recv_rows_total(me), plan.assignment().rank_load(me));
                     let (mut sx, mut sg, mut su) = (
-                        ops.alloc(rows * s.hidden)?,
-                        ops.alloc(routes * s.intermediate)?,
-                        ops.alloc(routes * s.intermediate)?,
+                        ops.alloc(rows * s.hidden, DType::F32)?,
+                        ops.alloc(routes * s.intermediate, DType::F32)?,
+                        ops.alloc(routes * s.intermediate, DType::F32)?,
                     );
                     let (mut meta, mut starts) =
                         (vec![RouteMeta::EMPTY; rows * s.top_k], vec![0u32; plan.rounds() + 1]);
@@ -167,6 +167,44 @@ mod emulated {
                 compare(&what, &device, &cpu);
             }
         }
+    }
+
+    /// bf16 runs on the CPU backend only so far: the emulated device names itself and what it
+    /// runs, and f32 buffers handed to a bf16 plan are a dtype mismatch, not a reinterpretation.
+    #[test]
+    fn a_bf16_layer_on_the_emulated_device_is_a_typed_error() {
+        let bf16_shape = Shape { dtype: DType::Bf16, ..shape(1) };
+        let problem = Problem::new(shape(1), Ids::Random, 4);
+        let out = LocalGroup::run(1, LocalGroupOptions::default(), |comm| {
+            let ops = EmuOps::new(comm);
+            let alloc = ops.alloc(8, DType::Bf16).map(|_| ());
+            let inputs = problem.inputs(0);
+            let plan = llep::cpu::schedule(
+                comm,
+                &llep::Plan::new(&small_config(Scheme::PipelinedLlep), bf16_shape, llep::Budget::Unlimited)
+                    .expect("plan"),
+                &inputs.routing,
+            )
+            .unwrap();
+            let w = &inputs.experts;
+            let up = |v: &[f32]| ops.upload(v).unwrap();
+            let (x, gate, upw, down) = (up(inputs.x), up(w.gate), up(w.up), up(w.down));
+            let dev = DeviceInputs { x: &x, routing: inputs.routing, gate: &gate, up: &upw, down: &down };
+            let forward = device::forward(&ops, &host_workspace(&plan, 0), &plan, &dev).map(|_| ());
+            Ok((alloc, forward))
+        });
+        let (alloc, forward) = out.into_iter().next().unwrap().unwrap();
+        assert!(
+            matches!(&alloc, Err(llep::Error::UnsupportedDtype { dtype: DType::Bf16, backend, .. }) if backend.contains("emulated")),
+            "{alloc:?}"
+        );
+        assert!(
+            matches!(
+                forward,
+                Err(llep::Error::DtypeMismatch { expected: DType::Bf16, found: DType::F32, .. })
+            ),
+            "{forward:?}"
+        );
     }
 
     #[test]

@@ -49,31 +49,37 @@
 //!
 //! **Exactness.** y, dX and d(weights) of 16 tokens of rank 0 (hot under the skewed profiles)
 //! and 16 of rank P−1 against the dense f64 reference; y (and in training the native experts'
-//! dW_gate, dW_up, dW_down of every rank) against LLEP's over all tokens. `exact` iff every
-//! relative error is ≤ 1e-5.
+//! dW_gate, dW_up, dW_down of every rank) against LLEP's over all tokens. An f32 row is `exact`
+//! iff every relative error is ≤ 1e-5.
+//!
+//! **bf16 rows.** Every row runs in f32 and again in bf16: tokens, expert weights and dY in
+//! bf16 (the f32 inputs rounded), the executors' dispatch rows and expert scratch in bf16, its
+//! GEMMs on the CPU's bf16 instruction (`gemm_path` says which path ran), outputs and gradients
+//! f32, LLEP in bf16 alike. A bf16 row meets its promise iff each error against the f64
+//! reference (of the rounded inputs) is ≤ 2 × the naive bf16 computation's + 1e-2
+//! (`llep::cpu::reference::naive_bf16_forward`); both are reported.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
 use flatpeak_common::gemm::Threads;
-use flatpeak_common::{
-    Communicator, DType, Device, HeapSize, LocalGroup, LocalGroupOptions, PeakMeter, relative_error,
-};
-use llep::cpu::reference;
+use flatpeak_common::{Communicator, DType, Device, HeapSize, LocalGroup, LocalGroupOptions, PeakMeter};
 use llep::{
-    Config as LlepConfig, Executor, ExpertWeights, Gradients, PairCap, Pass, RankInputs, Routing, Schedule,
-    Scheme, Shape, SpillSplit,
+    Config as LlepConfig, Executor, Gradients, PairCap, Pass, RankInputs, Schedule, Scheme, Shape, SpillSplit,
 };
 
 use llep::paper::{PAPER_SHAPE, PeakModel, Profile, crate_pair_cap, model_row};
 
+use super::llep_data::Bf16Data;
 pub use super::llep_data::Data;
+use super::llep_errors::errors;
 use super::{Component, ReportError, workload};
 use crate::machine::{MachineInfo, median};
 use crate::report::{Comparison, Row};
 
-/// The measured shape: P = 8 ranks, N = 4096 tokens per rank, H = 512, I = 256, E = 64, k = 8.
+/// The measured shape: P = 8 ranks, N = 4096 tokens per rank, H = 512, I = 256, E = 64, k = 8
+/// (f32; the bf16 rows run it with `dtype: Bf16`).
 pub const SHAPE: Shape = Shape {
     ranks: 8,
     tokens: 4096,
@@ -102,9 +108,6 @@ pub const ROUNDS: usize = 5;
 /// more rounds and a steadier median.
 pub const FORWARD_ROUNDS: usize = 9;
 
-/// Tokens taken from each end (rank 0's first, rank P−1's last) for the f64 reference.
-const SUBSET: usize = 16;
-
 /// What one measured row runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -117,12 +120,14 @@ pub enum Phase {
 /// One row of the component.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Workload {
-    /// A measured profile and phase at [`SHAPE`].
+    /// A measured profile and phase at [`SHAPE`], in f32 or bf16.
     Measured {
         /// Index into [`PROFILES`].
         profile: usize,
         /// What runs.
         phase: Phase,
+        /// The storage type.
+        dtype: DType,
     },
     /// The plan-only row at the paper's shape (balanced, K = 10).
     PaperPlan,
@@ -131,8 +136,14 @@ pub enum Workload {
 impl Workload {
     /// Every row, in report order.
     pub fn all() -> Vec<Workload> {
-        let measured = (0..PROFILES.len()).flat_map(|profile| {
-            [Phase::TrainingStep, Phase::ForwardOnly].map(|phase| Workload::Measured { profile, phase })
+        let measured = [DType::F32, DType::Bf16].into_iter().flat_map(|dtype| {
+            (0..PROFILES.len()).flat_map(move |profile| {
+                [Phase::TrainingStep, Phase::ForwardOnly].map(|phase| Workload::Measured {
+                    profile,
+                    phase,
+                    dtype,
+                })
+            })
         });
         measured.chain([Workload::PaperPlan]).collect()
     }
@@ -140,8 +151,8 @@ impl Workload {
     /// The report's workload string.
     pub fn describe(&self) -> String {
         match *self {
-            Workload::Measured { profile, phase } => {
-                let s = SHAPE;
+            Workload::Measured { profile, phase, dtype } => {
+                let s = shape(dtype);
                 let what = match phase {
                     Phase::TrainingStep => "fwd+bwd (checkpointed)",
                     Phase::ForwardOnly => "fwd",
@@ -182,9 +193,42 @@ pub fn configs() -> [(Scheme, LlepConfig); 3] {
     ]
 }
 
-fn data() -> &'static Data {
+/// [`SHAPE`] in this storage type.
+pub fn shape(dtype: DType) -> Shape {
+    Shape { dtype, ..SHAPE }
+}
+
+/// The f32 inputs, or for bf16 the same rounded to bf16 (the references' inputs).
+fn data(dtype: DType) -> &'static Data {
     static DATA: OnceLock<Data> = OnceLock::new();
-    DATA.get_or_init(|| Data::new(&SHAPE))
+    static ROUNDED: OnceLock<Data> = OnceLock::new();
+    let f32_data = DATA.get_or_init(|| Data::new(&SHAPE));
+    match dtype {
+        DType::Bf16 => ROUNDED.get_or_init(|| f32_data.rounded_to_bf16()),
+        _ => f32_data,
+    }
+}
+
+/// The bf16 tensors of the bf16 rows.
+fn bf16_data() -> &'static Bf16Data {
+    static DATA: OnceLock<Bf16Data> = OnceLock::new();
+    DATA.get_or_init(|| Bf16Data::new(data(DType::F32)))
+}
+
+/// One rank's step on inputs of the storage type `T`.
+fn rank_step<C: Communicator + ?Sized, T: llep::Element>(
+    layer: &mut Executor,
+    comm: &C,
+    (inputs, dy): (&RankInputs<'_, T>, &[T]),
+    phase: Phase,
+) -> llep::Result<(Schedule, Vec<f32>, Option<Gradients>)> {
+    let plan = layer.schedule(comm, &inputs.routing)?;
+    let y = layer.forward(comm, &plan, inputs)?;
+    let grads = match phase {
+        Phase::TrainingStep => Some(layer.backward(comm, &plan, inputs, dy)?),
+        Phase::ForwardOnly => None,
+    };
+    Ok((plan, y, grads))
 }
 
 /// CPU time of the calling thread, in ms (`CLOCK_THREAD_CPUTIME_ID`).
@@ -237,25 +281,28 @@ fn run_step(
     phase: Phase,
     executors: &[Mutex<Executor>],
 ) -> Result<Step, String> {
-    let d = data();
+    let (d, dtype) = (data(DType::F32), config_dtype(executors));
+    let b = (dtype == DType::Bf16).then(bf16_data);
     let measured = PeakMeter::measure(|| {
         LocalGroup::run(SHAPE.ranks, LocalGroupOptions::default(), |comm| {
             let me = comm.rank();
             let inputs = d.inputs(&SHAPE, me, ids);
+            let inputs_bf16 = b.map(|b| (b.inputs(&SHAPE, me, ids, &d.weights[me]), b.dy(me)));
             let mut layer = executors[me].lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             comm.barrier()?;
             let (t0, c0) = (Instant::now(), thread_cpu_ms());
-            let mut step = || -> llep::Result<RankOut> {
-                debug_assert_eq!(layer.plan().config(), config);
-                let plan = layer.schedule(comm, &inputs.routing)?;
-                let y = layer.forward(comm, &plan, &inputs)?;
-                let grads = match phase {
-                    Phase::TrainingStep => Some(layer.backward(comm, &plan, &inputs, d.dy(me))?),
-                    Phase::ForwardOnly => None,
-                };
-                Ok(RankOut { y, grads, span: (t0, Instant::now()), cpu_ms: thread_cpu_ms() - c0, plan })
+            debug_assert_eq!(layer.plan().config(), config);
+            let ran = match &inputs_bf16 {
+                Some((x, dy)) => rank_step(&mut layer, comm, (x, dy), phase),
+                None => rank_step(&mut layer, comm, (&inputs, d.dy(me)), phase),
             };
-            Ok(step())
+            Ok(ran.map(|(plan, y, grads)| RankOut {
+                y,
+                grads,
+                span: (t0, Instant::now()),
+                cpu_ms: thread_cpu_ms() - c0,
+                plan,
+            }))
         })
     })
     .map_err(|e| e.to_string())?;
@@ -274,25 +321,36 @@ fn run_step(
     })
 }
 
-/// Each rank's CPU executor for `config`, its workspace reserved for this routing (pages
-/// touched): PipelinedLLEP's launch size for the pass, the baselines' plan for this routing.
-fn executors(config: &LlepConfig, ids: &[i64], pass: Pass) -> Result<Vec<Mutex<Executor>>, String> {
+/// The storage type the executors were planned for.
+fn config_dtype(executors: &[Mutex<Executor>]) -> DType {
+    executors.first().and_then(|e| e.lock().ok().map(|e| e.plan().shape().dtype)).unwrap_or(DType::F32)
+}
+
+/// Each rank's CPU executor for `config` at `shape`, its workspace reserved for this routing
+/// (pages touched): PipelinedLLEP's launch size for the pass, the baselines' plan for this
+/// routing.
+fn executors(
+    config: &LlepConfig,
+    shape: Shape,
+    ids: &[i64],
+    pass: Pass,
+) -> Result<Vec<Mutex<Executor>>, String> {
     let views: Vec<&[i64]> = (0..SHAPE.ranks).map(|_| ids).collect();
     let bytes: Vec<usize> = match config.scheme {
         Scheme::PipelinedLlep => {
-            let b = llep::Plan::new(config, SHAPE, llep::Budget::Unlimited)
+            let b = llep::Plan::new(config, shape, llep::Budget::Unlimited)
                 .map(|plan| plan.buffers(pass))
                 .map_err(|e| e.to_string())?
                 .workspace_bytes();
             vec![b; SHAPE.ranks]
         }
         _ => {
-            let plan = llep::Plan::new(config, SHAPE, llep::Budget::Unlimited).map_err(|e| e.to_string())?;
+            let plan = llep::Plan::new(config, shape, llep::Budget::Unlimited).map_err(|e| e.to_string())?;
             let plan = Schedule::from_top_k(&plan, &views).map_err(|e| e.to_string())?;
             (0..SHAPE.ranks).map(|d| plan.buffers(d, pass).workspace_bytes()).collect()
         }
     };
-    let plan = llep::Plan::new(config, SHAPE, llep::Budget::Unlimited).map_err(|e| e.to_string())?;
+    let plan = llep::Plan::new(config, shape, llep::Budget::Unlimited).map_err(|e| e.to_string())?;
     let mut out = Vec::with_capacity(bytes.len());
     for b in bytes {
         // The reservation is written once when made (`Workspace::new`): its pages are touched.
@@ -352,70 +410,12 @@ pub fn paired_ratio(baseline: &[f64], ours: &[f64]) -> f64 {
     median(&mut r)
 }
 
-fn f64s(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&a| a as f64).collect()
-}
-
-/// Relative errors of PipelinedLLEP's outputs: against the f64 reference on the token subset,
-/// against LLEP's over everything. Named, for the metrics.
-fn errors(
-    ids: &[i64],
-    ours: &[RankOut],
-    llep: &[RankOut],
-    phase: Phase,
-) -> Result<Vec<(&'static str, f64)>, String> {
-    let d = data();
-    let (p, n, h, k) = (SHAPE.ranks, SHAPE.tokens, SHAPE.hidden, SHAPE.top_k);
-    let picks: Vec<(usize, usize)> =
-        (0..SUBSET).map(|t| (0, t)).chain((n - SUBSET..n).map(|t| (p - 1, t))).collect();
-    let gather =
-        |f: &dyn Fn(usize, usize) -> Vec<f32>| picks.iter().flat_map(|&(r, t)| f(r, t)).collect::<Vec<f32>>();
-    let x = gather(&|r, t| d.x[r][t * h..(t + 1) * h].to_vec());
-    let dy = gather(&|r, t| d.dy[r][t * h..(t + 1) * h].to_vec());
-    let w = gather(&|r, t| d.weights[r][t * k..(t + 1) * k].to_vec());
-    let sub_ids: Vec<i64> = picks.iter().flat_map(|&(_, t)| ids[t * k..(t + 1) * k].to_vec()).collect();
-    let shape = Shape { ranks: 1, tokens: picks.len(), ..SHAPE };
-    let inputs = RankInputs {
-        x: &x,
-        routing: Routing { ids: &sub_ids, weights: &w },
-        experts: ExpertWeights { gate: &d.gate, up: &d.up, down: &d.down },
-    };
-    let y_ref = reference::forward(&shape, &inputs).map_err(|e| e.to_string())?;
-    let y_sub = gather(&|r, t| ours[r].y[t * h..(t + 1) * h].to_vec());
-    let cat =
-        |outs: &[RankOut], f: &dyn Fn(&RankOut) -> Vec<f32>| outs.iter().flat_map(f).collect::<Vec<f32>>();
-    let mut out = vec![
-        ("rel_err_y_vs_f64", relative_error(&y_sub, &y_ref)),
-        (
-            "rel_err_y_vs_llep",
-            relative_error(&cat(ours, &|o| o.y.clone()), &f64s(&cat(llep, &|o| o.y.clone()))),
-        ),
-    ];
-    if phase == Phase::TrainingStep {
-        let g_ref = reference::backward(&shape, &inputs, &dy).map_err(|e| e.to_string())?;
-        let grads = |o: &RankOut| o.grads.clone().ok_or("training step without gradients".to_string());
-        let (mine, theirs): (Vec<Gradients>, Vec<Gradients>) = (
-            ours.iter().map(grads).collect::<Result<_, _>>()?,
-            llep.iter().map(grads).collect::<Result<_, _>>()?,
-        );
-        let dx_sub = gather(&|r, t| mine[r].dx[t * h..(t + 1) * h].to_vec());
-        let dw_sub = gather(&|r, t| mine[r].d_weights[t * k..(t + 1) * k].to_vec());
-        let weights = |g: &[Gradients]| -> Vec<f32> {
-            g.iter().flat_map(|g| g.d_gate.iter().chain(&g.d_up).chain(&g.d_down).copied()).collect()
-        };
-        out.push(("rel_err_dx_vs_f64", relative_error(&dx_sub, &g_ref.dx)));
-        out.push(("rel_err_d_routing_weights_vs_f64", relative_error(&dw_sub, &g_ref.d_weights)));
-        out.push(("rel_err_expert_grads_vs_llep", relative_error(&weights(&mine), &f64s(&weights(&theirs)))));
-    }
-    Ok(out)
-}
-
 /// The `flatpeak report` component.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LlepComponent;
 
 impl LlepComponent {
-    fn measured_row(&self, profile: usize, phase: Phase) -> Result<Row, String> {
+    fn measured_row(&self, profile: usize, phase: Phase, dtype: DType) -> Result<Row, String> {
         let spec: Profile = PROFILES[profile].parse().map_err(|e: llep::Error| e.to_string())?;
         let ids = spec.ids(&Shape { ranks: 1, ..SHAPE }).map_err(|e| e.to_string())?;
         let pass = match phase {
@@ -426,7 +426,7 @@ impl LlepComponent {
         let mut summaries = Vec::with_capacity(configs.len());
         let mut steps: Vec<Vec<Step>> = configs.iter().map(|_| Vec::new()).collect();
         let spaces: Vec<Vec<Mutex<Executor>>> =
-            configs.iter().map(|(_, c)| executors(c, &ids, pass)).collect::<Result<_, _>>()?;
+            configs.iter().map(|(_, c)| executors(c, shape(dtype), &ids, pass)).collect::<Result<_, _>>()?;
         // One untimed step first: the allocator's mmap threshold adapts after the first large
         // free, so whichever scheme ran first would otherwise pay extra page faults.
         run_step(&configs[0].1, &ids, phase, &spaces[0])?;
@@ -451,8 +451,8 @@ impl LlepComponent {
         drop(spaces);
         let [ours, llep, ep] =
             <[Summary; 3]>::try_from(summaries).map_err(|_| "three schemes".to_string())?;
-        let errs = errors(&ids, &ours.last, &llep.last, phase)?;
-        let max_rel_err = errs.iter().map(|e| e.1).fold(0.0, f64::max);
+        let (errs, within) = errors(data(dtype), &ids, (&ours.last, &llep.last), phase, dtype)?;
+        let max_rel_err = errs.iter().filter(|e| !e.0.starts_with("naive")).map(|e| e.1).fold(0.0, f64::max);
         let plan = &ours.last[0].plan;
         let mut metrics: BTreeMap<String, f64> = errs.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
         metrics.extend([
@@ -489,9 +489,13 @@ impl LlepComponent {
             ms_baseline: llep.ms,
             ms: ours.ms,
             max_rel_err,
-            exact: max_rel_err <= 1e-5,
+            exact: within,
         };
-        let w = Workload::Measured { profile, phase };
+        if dtype == DType::Bf16 {
+            let fast = flatpeak_common::gemm_bf16::Bf16Gemm::detect().is_some();
+            metrics.insert("gemm_path_avx512_bf16".to_string(), if fast { 1.0 } else { 0.0 });
+        }
+        let w = Workload::Measured { profile, phase, dtype };
         Ok(Row::new(self.name(), &w.describe(), "LLEP", comparison, metrics))
     }
 
@@ -534,7 +538,7 @@ impl Component for LlepComponent {
     /// its time) and the formula row.
     fn quick(&self) -> Vec<usize> {
         let all = Workload::all();
-        let balanced_step = Workload::Measured { profile: 0, phase: Phase::ForwardOnly };
+        let balanced_step = Workload::Measured { profile: 0, phase: Phase::ForwardOnly, dtype: DType::F32 };
         all.iter()
             .enumerate()
             .filter(|(_, w)| matches!(w, Workload::PaperPlan) || **w == balanced_step)
@@ -546,7 +550,7 @@ impl Component for LlepComponent {
         let all = Workload::all();
         let w = *workload(self.name(), &all, index)?;
         let outcome = match w {
-            Workload::Measured { profile, phase } => self.measured_row(profile, phase),
+            Workload::Measured { profile, phase, dtype } => self.measured_row(profile, phase, dtype),
             Workload::PaperPlan => self.paper_row(),
         };
         outcome.map_err(|message| ReportError::workload(self.name(), &w.describe(), message))

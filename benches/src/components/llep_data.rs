@@ -2,7 +2,7 @@
 //! and routing weights, and all E experts' weights, independent of the routing profile.
 
 use flatpeak_common::SplitMix64;
-use llep::{ExpertWeights, RankInputs, Routing, Shape};
+use llep::{ExpertWeights, RankInputs, Routing, Shape, bf16};
 
 /// Seeded inputs of every rank: tokens, dY, routing weights and all E experts' weights.
 #[derive(Debug)]
@@ -46,6 +46,71 @@ impl Data {
 
     /// rank s's dY.
     pub fn dy(&self, s: usize) -> &[f32] {
+        &self.dy[s]
+    }
+}
+
+impl Data {
+    /// These inputs with every tensor but the routing weights rounded to bf16 (kept as f32):
+    /// the references' inputs of the bf16 rows.
+    pub fn rounded_to_bf16(&self) -> Data {
+        let round = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect::<Vec<f32>>();
+        Data {
+            x: self.x.iter().map(|v| round(v)).collect(),
+            dy: self.dy.iter().map(|v| round(v)).collect(),
+            weights: self.weights.clone(),
+            gate: round(&self.gate),
+            up: round(&self.up),
+            down: round(&self.down),
+        }
+    }
+}
+
+/// The bf16 copies of [`Data`]'s tokens, dY and expert weights (routing weights stay f32).
+#[derive(Debug)]
+pub struct Bf16Data {
+    x: Vec<Vec<bf16>>,
+    dy: Vec<Vec<bf16>>,
+    gate: Vec<bf16>,
+    up: Vec<bf16>,
+    down: Vec<bf16>,
+}
+
+impl Bf16Data {
+    /// `data` rounded to bf16.
+    pub fn new(data: &Data) -> Self {
+        let narrow = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<bf16>>();
+        Self {
+            x: data.x.iter().map(|v| narrow(v)).collect(),
+            dy: data.dy.iter().map(|v| narrow(v)).collect(),
+            gate: narrow(&data.gate),
+            up: narrow(&data.up),
+            down: narrow(&data.down),
+        }
+    }
+
+    /// Rank s's bf16 inputs with these ids and `weights` (f32 routing weights).
+    pub fn inputs<'a>(
+        &'a self,
+        shape: &Shape,
+        s: usize,
+        ids: &'a [i64],
+        weights: &'a [f32],
+    ) -> RankInputs<'a, bf16> {
+        let len = shape.local_experts() * shape.hidden * shape.intermediate;
+        RankInputs {
+            x: &self.x[s],
+            routing: Routing { ids, weights },
+            experts: ExpertWeights {
+                gate: &self.gate[s * len..(s + 1) * len],
+                up: &self.up[s * len..(s + 1) * len],
+                down: &self.down[s * len..(s + 1) * len],
+            },
+        }
+    }
+
+    /// Rank s's dY in bf16.
+    pub fn dy(&self, s: usize) -> &[bf16] {
         &self.dy[s]
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod llep;
 mod llep_data;
+mod llep_errors;
 pub mod ring_dtp;
 pub mod ring_dtp_ring;
 pub mod sco;

@@ -13,6 +13,7 @@
 //! Reproducible: fixed round, destination, expert and row orders, and the CPU GEMM is bitwise
 //! identical for any thread count.
 
+mod elem;
 mod ops;
 pub mod reference;
 mod saved;
@@ -25,9 +26,10 @@ use crate::assign::{Assignment, RouteCounts, local_counts};
 use crate::config::Shape;
 use crate::device::{self, DeviceGradients, DeviceInputs};
 use crate::error::{Error, Result};
-use crate::layer::{Gradients, RankInputs, Routing, check_len};
+use crate::layer::{Element, Gradients, RankInputs, Routing, check_len};
 use crate::plan::Plan;
 use crate::schedule::{Schedule, pair_rows};
+pub use elem::STAGE_ROWS;
 pub use ops::{HostBuf, HostOps};
 #[cfg(feature = "cuda-emu")]
 pub(crate) use ops::{host_gemm, span, span_mut};
@@ -74,11 +76,11 @@ pub(crate) fn check_world_size(world: usize, shape: &Shape) -> Result<()> {
 
 /// Checks the call's shape and every input length exactly, then the host device of `comm`'s
 /// rank over `ws`.
-fn host_ops<'w, C: Communicator + ?Sized>(
+fn host_ops<'w, C: Communicator + ?Sized, T: Element>(
     comm: &'w C,
     ws: &'w Workspace,
     plan: &Schedule,
-    inputs: &RankInputs<'_>,
+    inputs: &RankInputs<'_, T>,
 ) -> Result<HostOps<'w, C>> {
     let s = check_call_shape(plan, comm.world_size())?;
     inputs.validate(&s)?;
@@ -86,13 +88,22 @@ fn host_ops<'w, C: Communicator + ?Sized>(
 }
 
 /// The caller's tensors, read in place: x, W_gate, W_up, W_down.
-fn host_inputs<'a>(inputs: &RankInputs<'a>) -> [HostBuf<'a>; 4] {
+fn host_inputs<'a, T: Element>(inputs: &RankInputs<'a, T>) -> [HostBuf<'a>; 4] {
     let w = &inputs.experts;
-    [inputs.x, w.gate, w.up, w.down].map(HostBuf::Input)
+    [inputs.x, w.gate, w.up, w.down].map(host_tensor)
 }
 
-fn host_device_inputs<'b, 'a: 'b>(
-    inputs: &RankInputs<'a>,
+/// A caller's tensor of the storage type, read in place.
+fn host_tensor<T: Element>(t: &[T]) -> HostBuf<'_> {
+    // `Element` is sealed to f32 and bf16, and DTYPE names which: each cast is to T itself.
+    match T::DTYPE {
+        flatpeak_common::DType::Bf16 => HostBuf::InputBf16(bytemuck::cast_slice(t)),
+        _ => HostBuf::Input(bytemuck::cast_slice(t)),
+    }
+}
+
+fn host_device_inputs<'b, 'a: 'b, T>(
+    inputs: &RankInputs<'a, T>,
     [x, gate, up, down]: [&'b HostBuf<'a>; 4],
 ) -> DeviceInputs<'b, HostBuf<'a>> {
     DeviceInputs { x, routing: inputs.routing, gate, up, down }
@@ -100,38 +111,38 @@ fn host_device_inputs<'b, 'a: 'b>(
 
 fn host_grads(g: DeviceGradients<HostBuf<'_>>) -> Result<Gradients> {
     Ok(Gradients {
-        dx: g.dx.into_vec(),
-        d_weights: g.d_weights.into_vec(),
-        d_gate: g.d_gate.into_vec(),
-        d_up: g.d_up.into_vec(),
-        d_down: g.d_down.into_vec(),
+        dx: g.dx.into_vec()?,
+        d_weights: g.d_weights.into_vec()?,
+        d_gate: g.d_gate.into_vec()?,
+        d_up: g.d_up.into_vec()?,
+        d_down: g.d_down.into_vec()?,
     })
 }
 
 /// The forward on the host, its buffers carved from `ws` (reset).
-pub(crate) fn forward<C: Communicator + ?Sized>(
+pub(crate) fn forward<C: Communicator + ?Sized, T: Element>(
     comm: &C,
     ws: &Workspace,
     plan: &Schedule,
-    inputs: &RankInputs<'_>,
+    inputs: &RankInputs<'_, T>,
 ) -> Result<Vec<f32>> {
     let ops = host_ops(comm, ws, plan, inputs)?;
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    Ok(device::forward(&ops, ws, plan, &dev)?.into_vec())
+    device::forward(&ops, ws, plan, &dev)?.into_vec()
 }
 
 /// The checkpointed backward on the host, its buffers carved from `ws` (reset).
-pub(crate) fn backward<C: Communicator + ?Sized>(
+pub(crate) fn backward<C: Communicator + ?Sized, T: Element>(
     comm: &C,
     ws: &Workspace,
     plan: &Schedule,
-    inputs: &RankInputs<'_>,
-    dy: &[f32],
+    inputs: &RankInputs<'_, T>,
+    dy: &[T],
 ) -> Result<Gradients> {
     let ops = host_ops(comm, ws, plan, inputs)?;
     check_len("dY (N·H)", plan.shape().tokens * plan.shape().hidden, dy.len())?;
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    host_grads(device::backward(&ops, ws, plan, &dev, &HostBuf::Input(dy))?)
+    host_grads(device::backward(&ops, ws, plan, &dev, &host_tensor(dy))?)
 }

@@ -12,61 +12,101 @@
 //! scatters and dot products, and a GEMM whose result does not depend on its threads.
 
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, Threads, matmul};
-use flatpeak_common::{Communicator, CommunicatorExt, Workspace};
+use flatpeak_common::{Communicator, CommunicatorExt, DType, Workspace};
+use half::bf16;
 
+use super::elem::{self, View, ViewMut, mismatch};
 use crate::device::{DeviceOps, GemmDims, Operand, Orientation, need};
 use crate::error::{Error, Result};
 
-/// A host buffer of the CPU backend.
+/// A host buffer of the CPU backend: f32, or bf16 (the storage type of a bf16 layer).
 pub enum HostBuf<'a> {
-    /// A caller's tensor, read in place (writing to it is an error).
+    /// A caller's f32 tensor, read in place (writing to it is an error).
     Input(&'a [f32]),
-    /// Scratch carved from the executor's workspace.
+    /// A caller's bf16 tensor, read in place.
+    InputBf16(&'a [bf16]),
+    /// f32 scratch carved from the executor's workspace.
     Carved(&'a mut [f32]),
-    /// An output the call returns (zeroed when made).
+    /// bf16 scratch carved from the executor's workspace.
+    CarvedBf16(&'a mut [bf16]),
+    /// An f32 output the call returns (zeroed when made).
     Output(Vec<f32>),
 }
 
 impl std::fmt::Debug for HostBuf<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self {
-            HostBuf::Input(_) => "Input",
-            HostBuf::Carved(_) => "Carved",
+            HostBuf::Input(_) | HostBuf::InputBf16(_) => "Input",
+            HostBuf::Carved(_) | HostBuf::CarvedBf16(_) => "Carved",
             HostBuf::Output(_) => "Output",
         };
-        write!(f, "HostBuf::{kind}({} f32)", self.as_slice().len())
+        write!(f, "HostBuf::{kind}({} {})", self.len(), self.dtype())
     }
 }
 
 impl HostBuf<'_> {
-    /// The elements.
-    pub fn as_slice(&self) -> &[f32] {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.view().dtype()
+    }
+
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        self.view().len()
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub(crate) fn view(&self) -> View<'_> {
         match self {
-            HostBuf::Input(s) => s,
-            HostBuf::Carved(s) => s,
-            HostBuf::Output(v) => v,
+            HostBuf::Input(s) => View::F32(s),
+            HostBuf::Carved(s) => View::F32(s),
+            HostBuf::Output(v) => View::F32(v),
+            HostBuf::InputBf16(s) => View::Bf16(s),
+            HostBuf::CarvedBf16(s) => View::Bf16(s),
         }
     }
 
-    /// The elements, writable: an [`HostBuf::Input`] is a [`Error::ShapeMismatch`] (no
-    /// writable element).
+    /// The elements, writable: a caller's input is a [`Error::ShapeMismatch`] (no writable
+    /// element).
+    pub(crate) fn view_mut(&mut self) -> Result<ViewMut<'_>> {
+        match self {
+            HostBuf::Input(_) | HostBuf::InputBf16(_) => {
+                let expected = self.len();
+                Err(Error::ShapeMismatch { what: "writable buffer (a caller's input)", expected, got: 0 })
+            }
+            HostBuf::Carved(s) => Ok(ViewMut::F32(s)),
+            HostBuf::CarvedBf16(s) => Ok(ViewMut::Bf16(s)),
+            HostBuf::Output(v) => Ok(ViewMut::F32(v)),
+        }
+    }
+
+    /// The f32 elements, or [`Error::DtypeMismatch`] for a bf16 buffer.
+    pub fn as_slice(&self) -> Result<&[f32]> {
+        match self.view() {
+            View::F32(s) => Ok(s),
+            View::Bf16(_) => Err(mismatch("f32 buffer", DType::F32, DType::Bf16)),
+        }
+    }
+
+    /// The f32 elements, writable: a caller's input is a [`Error::ShapeMismatch`], a bf16
+    /// buffer a [`Error::DtypeMismatch`].
     pub fn as_mut_slice(&mut self) -> Result<&mut [f32]> {
-        match self {
-            HostBuf::Input(s) => Err(Error::ShapeMismatch {
-                what: "writable buffer (a caller's input)",
-                expected: s.len(),
-                got: 0,
-            }),
-            HostBuf::Carved(s) => Ok(s),
-            HostBuf::Output(v) => Ok(v),
+        match self.view_mut()? {
+            ViewMut::F32(s) => Ok(s),
+            ViewMut::Bf16(_) => Err(mismatch("f32 buffer", DType::F32, DType::Bf16)),
         }
     }
 
-    /// The elements as an owned vector (an output's own, moved; otherwise copied).
-    pub fn into_vec(self) -> Vec<f32> {
+    /// The f32 elements as an owned vector (an output's own, moved; otherwise copied), or
+    /// [`Error::DtypeMismatch`] for a bf16 buffer.
+    pub fn into_vec(self) -> Result<Vec<f32>> {
         match self {
-            HostBuf::Output(v) => v,
-            other => other.as_slice().to_vec(),
+            HostBuf::Output(v) => Ok(v),
+            other => Ok(other.as_slice()?.to_vec()),
         }
     }
 }
@@ -156,10 +196,6 @@ fn check_index(index: &[u32], bound: usize) -> Result<()> {
     }
 }
 
-fn sigmoid(g: f32) -> f32 {
-    1.0 / (1.0 + (-g).exp())
-}
-
 /// `len` zeros written now. `vec![0.0; len]` asks the allocator for zeroed memory, whose fresh
 /// pages are first mapped to the shared zero page and then copied on the first write of an
 /// accumulation (`+=`): a second fault and a TLB shoot-down across the group's threads per
@@ -168,6 +204,71 @@ fn zeros(len: usize) -> Vec<f32> {
     let mut v = Vec::with_capacity(len);
     v.resize(len, 0.0);
     v
+}
+
+/// Dispatches `$body` on the element type shared by the views, binding each to its slice;
+/// views of different types are [`Error::DtypeMismatch`] naming `$what`.
+macro_rules! same_type {
+    ($what:expr; $($v:ident),+ => $body:expr) => {{
+        let found = [$($v.dtype()),+];
+        match ($($v),+) {
+            ($(ElemRef::F32($v)),+) => $body,
+            ($(ElemRef::Bf16($v)),+) => $body,
+            #[allow(unreachable_patterns)]
+            _ => {
+                let other = found.iter().copied().find(|&d| d != found[0]).unwrap_or(found[0]);
+                return Err(mismatch($what, found[0], other));
+            }
+        }
+    }};
+}
+
+/// A read-only or writable view, so [`same_type!`] matches both kinds at once.
+enum ElemRef<F, B> {
+    F32(F),
+    Bf16(B),
+}
+
+impl<F, B> ElemRef<F, B> {
+    fn dtype(&self) -> DType {
+        match self {
+            ElemRef::F32(_) => DType::F32,
+            ElemRef::Bf16(_) => DType::Bf16,
+        }
+    }
+}
+
+type ElemSlice<'a> = ElemRef<&'a [f32], &'a [bf16]>;
+type ElemSliceMut<'a> = ElemRef<&'a mut [f32], &'a mut [bf16]>;
+
+/// `buf[at..at + len]`, by type.
+fn slice<'a>(what: &'static str, buf: &'a HostBuf<'_>, at: usize, len: usize) -> Result<ElemSlice<'a>> {
+    Ok(match buf.view() {
+        View::F32(s) => ElemRef::F32(span(what, s, at, len)?),
+        View::Bf16(s) => ElemRef::Bf16(span(what, s, at, len)?),
+    })
+}
+
+/// `buf[at..at + len]` writable, by type.
+fn slice_mut<'a>(
+    what: &'static str,
+    buf: &'a mut HostBuf<'_>,
+    at: usize,
+    len: usize,
+) -> Result<ElemSliceMut<'a>> {
+    Ok(match buf.view_mut()? {
+        ViewMut::F32(s) => ElemRef::F32(span_mut(what, s, at, len)?),
+        ViewMut::Bf16(s) => ElemRef::Bf16(span_mut(what, s, at, len)?),
+    })
+}
+
+/// The routing-weight scale of a gather or scatter: f32, `rows` of them.
+fn scale_of<'a>(
+    what: &'static str,
+    scale: Option<&'a HostBuf<'_>>,
+    rows: usize,
+) -> Result<Option<&'a [f32]>> {
+    scale.map(|s| span(what, s.as_slice()?, 0, rows)).transpose()
 }
 
 impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
@@ -182,8 +283,20 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         self.comm.world_size()
     }
 
-    fn alloc(&self, len: usize) -> Result<HostBuf<'w>> {
-        Ok(HostBuf::Carved(if len == 0 { Default::default() } else { self.ws.take(len)? }))
+    fn alloc(&self, len: usize, dtype: DType) -> Result<HostBuf<'w>> {
+        Ok(match dtype {
+            DType::F32 => HostBuf::Carved(if len == 0 { Default::default() } else { self.ws.take(len)? }),
+            DType::Bf16 => {
+                HostBuf::CarvedBf16(if len == 0 { Default::default() } else { self.ws.take(len)? })
+            }
+            other => {
+                return Err(Error::UnsupportedDtype {
+                    dtype: other,
+                    backend: "the CPU",
+                    supported: "f32 and bf16",
+                });
+            }
+        })
     }
 
     fn alloc_index(&self, len: usize) -> Result<&'w mut [u32]> {
@@ -195,7 +308,11 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
     }
 
     fn buf_len(&self, buf: &HostBuf<'w>) -> usize {
-        buf.as_slice().len()
+        buf.len()
+    }
+
+    fn buf_dtype(&self, buf: &HostBuf<'w>) -> DType {
+        buf.dtype()
     }
 
     fn upload(&self, host: &[f32]) -> Result<HostBuf<'w>> {
@@ -213,7 +330,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
     }
 
     fn download(&self, src: &HostBuf<'w>, len: usize) -> Result<Vec<f32>> {
-        Ok(span("download", src.as_slice(), 0, len)?.to_vec())
+        Ok(span("download", src.as_slice()?, 0, len)?.to_vec())
     }
 
     fn download_index(&self, src: &&'w mut [u32], len: usize) -> Result<Vec<u32>> {
@@ -242,7 +359,10 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
     }
 
     fn zero(&self, dst: &mut HostBuf<'w>, len: usize) -> Result<()> {
-        span_mut("zero fill", dst.as_mut_slice()?, 0, len)?.fill(0.0);
+        match slice_mut("zero fill", dst, 0, len)? {
+            ElemRef::F32(d) => d.fill(0.0),
+            ElemRef::Bf16(d) => d.fill(bf16::ZERO),
+        }
         Ok(())
     }
 
@@ -252,8 +372,9 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         (dst, dst_at): (&mut HostBuf<'w>, usize),
         len: usize,
     ) -> Result<()> {
-        let from = span("copy source", src.as_slice(), src_at, len)?;
-        span_mut("copy destination", dst.as_mut_slice()?, dst_at, len)?.copy_from_slice(from);
+        let from = slice("copy source", src, src_at, len)?;
+        let to = slice_mut("copy destination", dst, dst_at, len)?;
+        same_type!("copy (source and destination)"; from, to => to.copy_from_slice(from));
         Ok(())
     }
 
@@ -269,20 +390,12 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         if rows == 0 || width == 0 {
             return Ok(());
         }
-        let (src, index) = (src.as_slice(), span("gather index (rows)", index, 0, rows)?);
+        let index = span("gather index (rows)", index, 0, rows)?;
         check_index(index, src.len() / width)?;
-        let dst = span_mut("gather dst (rows·width)", dst.as_mut_slice()?, 0, rows * width)?;
-        let scale = scale.map(|s| span("gather scale (rows)", s.as_slice(), 0, rows)).transpose()?;
-        for (r, (out, &i)) in dst.chunks_exact_mut(width).zip(index).enumerate() {
-            let row = &src[i as usize * width..][..width];
-            match scale {
-                None => out.copy_from_slice(row),
-                Some(s) => {
-                    let w = s[r];
-                    out.iter_mut().zip(row).for_each(|(o, v)| *o = w * v);
-                }
-            }
-        }
+        let src = slice("gather src", src, 0, src.len())?;
+        let dst = slice_mut("gather dst (rows·width)", dst, 0, rows * width)?;
+        let scale = scale_of("gather scale (rows)", scale, rows)?;
+        same_type!("gather_rows (src and dst)"; src, dst => elem::gather(src, index, scale, width, dst));
         Ok(())
     }
 
@@ -299,29 +412,30 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
             return Ok(());
         }
         let index = span("scatter index (rows)", index, 0, rows)?;
-        let src = span("scatter src (rows·width)", src.as_slice(), 0, rows * width)?;
-        let acc = acc.as_mut_slice()?;
         check_index(index, acc.len() / width)?;
-        let scale = scale.map(|s| span("scatter scale (rows)", s.as_slice(), 0, rows)).transpose()?;
-        for (r, (row, &i)) in src.chunks_exact(width).zip(index).enumerate() {
-            let out = &mut acc[i as usize * width..][..width];
-            match scale {
-                None => out.iter_mut().zip(row).for_each(|(o, v)| *o += v),
-                Some(s) => {
-                    let w = s[r];
-                    out.iter_mut().zip(row).for_each(|(o, v)| *o += w * v);
-                }
+        let src = slice("scatter src (rows·width)", src, 0, rows * width)?;
+        let acc_len = acc.len();
+        let acc = slice_mut("scatter acc", acc, 0, acc_len)?;
+        let scale = scale_of("scatter scale (rows)", scale, rows)?;
+        match (src, acc) {
+            (ElemRef::F32(s), ElemRef::F32(a)) => elem::scatter_add(s, index, scale, width, a),
+            (ElemRef::Bf16(s), ElemRef::F32(a)) => elem::scatter_add(s, index, scale, width, a),
+            (ElemRef::Bf16(s), ElemRef::Bf16(a)) => elem::scatter_add(s, index, scale, width, a),
+            (ElemRef::F32(_), ElemRef::Bf16(_)) => {
+                return Err(mismatch(
+                    "scatter_add_rows acc (at least as wide as src)",
+                    DType::F32,
+                    DType::Bf16,
+                ));
             }
         }
         Ok(())
     }
 
     fn swiglu(&self, gate: &HostBuf<'w>, up: &HostBuf<'w>, n: usize, h: &mut HostBuf<'w>) -> Result<()> {
-        let (g, u) = (span("swiglu gate", gate.as_slice(), 0, n)?, span("swiglu up", up.as_slice(), 0, n)?);
-        let h = span_mut("swiglu h", h.as_mut_slice()?, 0, n)?;
-        for ((o, &g), &u) in h.iter_mut().zip(g).zip(u) {
-            *o = g * sigmoid(g) * u;
-        }
+        let (g, u) = (slice("swiglu gate", gate, 0, n)?, slice("swiglu up", up, 0, n)?);
+        let h = slice_mut("swiglu h", h, 0, n)?;
+        same_type!("swiglu (gate, up and h)"; g, u, h => elem::swiglu(g, u, h));
         Ok(())
     }
 
@@ -332,15 +446,10 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         dh: &HostBuf<'w>,
         n: usize,
     ) -> Result<()> {
-        let dh = span("swiglu_backward dh", dh.as_slice(), 0, n)?;
-        let gate = span_mut("swiglu_backward gate", gate.as_mut_slice()?, 0, n)?;
-        let up = span_mut("swiglu_backward up", up.as_mut_slice()?, 0, n)?;
-        for ((g, u), &d) in gate.iter_mut().zip(up.iter_mut()).zip(dh) {
-            let (gv, uv) = (*g, *u);
-            let s = sigmoid(gv);
-            *g = d * uv * (s * (1.0 + gv * (1.0 - s)));
-            *u = d * (gv * s);
-        }
+        let dh = slice("swiglu_backward dh", dh, 0, n)?;
+        let g = slice_mut("swiglu_backward gate", gate, 0, n)?;
+        let u = slice_mut("swiglu_backward up", up, 0, n)?;
+        same_type!("swiglu_backward (gate, up and dh)"; g, u, dh => elem::swiglu_backward(g, u, dh));
         Ok(())
     }
 
@@ -355,14 +464,10 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         if rows == 0 {
             return Ok(());
         }
-        let a = span("row_dot a", a.as_slice(), 0, rows * width)?;
-        let b = span("row_dot b", b.as_slice(), 0, rows * width)?;
+        let a = slice("row_dot a", a, 0, rows * width)?;
+        let b = slice("row_dot b", b, 0, rows * width)?;
         let out = span_mut("row_dot out (rows)", out.as_mut_slice()?, 0, rows)?;
-        for (r, o) in out.iter_mut().enumerate() {
-            let (x, y) = (&a[r * width..][..width], &b[r * width..][..width]);
-            // f64 partials: one per route, cheap, and exact enough to compare against f64.
-            *o = x.iter().zip(y).map(|(p, q)| *p as f64 * *q as f64).sum::<f64>() as f32;
-        }
+        same_type!("row_dot (a and b)"; a, b => elem::row_dot(a, b, width, out));
         Ok(())
     }
 
@@ -375,9 +480,17 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         c_offset: usize,
         accumulate: Accumulate,
     ) -> Result<()> {
-        let (a, b) =
-            ((a.buf.as_slice(), a.offset, a.orientation), (b.buf.as_slice(), b.offset, b.orientation));
-        host_gemm(dims, (a, b), (c.as_mut_slice()?, c_offset), accumulate, self.threads)
+        match (a.buf.view(), b.buf.view()) {
+            (View::F32(x), View::F32(y)) => {
+                let (x, y) = ((x, a.offset, a.orientation), (y, b.offset, b.orientation));
+                host_gemm(dims, (x, y), (c.as_mut_slice()?, c_offset), accumulate, self.threads)
+            }
+            (View::Bf16(x), View::Bf16(y)) => {
+                let (x, y) = ((x, a.offset, a.orientation), (y, b.offset, b.orientation));
+                elem::gemm_bf16(dims, (x, y), (c.view_mut()?, c_offset), accumulate, self.threads)
+            }
+            (x, y) => Err(mismatch("gemm operands A and B", x.dtype(), y.dtype())),
+        }
     }
 
     fn all_to_all_v(
@@ -388,9 +501,11 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         recv_counts: &[usize],
     ) -> Result<()> {
         let (ns, nr) = (send_counts.iter().sum(), recv_counts.iter().sum());
-        let send = span("all_to_all_v send elements", send.as_slice(), send_at, ns)?;
-        let recv = span_mut("all_to_all_v recv elements", recv.as_mut_slice()?, recv_at, nr)?;
-        Ok(self.comm.all_to_all_v(send, send_counts, recv, recv_counts)?)
+        let send = slice("all_to_all_v send elements", send, send_at, ns)?;
+        let recv = slice_mut("all_to_all_v recv elements", recv, recv_at, nr)?;
+        same_type!("all_to_all_v (send and recv)"; send, recv =>
+            self.comm.all_to_all_v(send, send_counts, recv, recv_counts)?);
+        Ok(())
     }
 
     fn all_to_all_v_index(

@@ -4,6 +4,12 @@
 //! backward from dY gives dX, dW_gate, dW_up, dW_down of all E experts, and
 //! `dw_ij = ⟨dY_i, FFN_{e_ij}(x_i)⟩`. Pass a shape with `ranks: 1` holding every token and
 //! [`ExpertWeights`] of all E experts.
+//!
+//! [`naive_bf16_forward`] and [`naive_bf16_backward`] are the same computation as a bf16
+//! framework runs it, the yardstick of the bf16 layer: every tensor a GEMM or an elementwise
+//! op stores (x·W_gate, x·W_up, h, y, w·dY, dh, dg, du, each route's dX) is rounded to bf16,
+//! the sums and the gradients accumulate in wide precision. Their inputs are f32 slices holding
+//! bf16 values.
 
 // Index loops mirror the formulas term by term; that is the point of an oracle.
 #![allow(clippy::needless_range_loop)]
@@ -40,7 +46,18 @@ struct Route {
     y: Vec<f64>,
 }
 
-fn route(shape: &Shape, w: &ExpertWeights<'_>, e: usize, x: &[f32]) -> Route {
+/// Where the computation stores a tensor: unchanged (f64), or rounded to bf16.
+type Store = fn(f64) -> f64;
+
+fn exact(v: f64) -> f64 {
+    v
+}
+
+fn to_bf16(v: f64) -> f64 {
+    half::bf16::from_f64(v).to_f64()
+}
+
+fn route(shape: &Shape, w: &ExpertWeights<'_>, e: usize, x: &[f32], q: Store) -> Route {
     let (hd, id) = (shape.hidden, shape.intermediate);
     let base = e * hd * id;
     let x: Vec<f64> = x.iter().map(|&v| v as f64).collect();
@@ -52,14 +69,16 @@ fn route(shape: &Shape, w: &ExpertWeights<'_>, e: usize, x: &[f32]) -> Route {
             up[b] += xa * w.up[base + a * id + b] as f64;
         }
     }
-    let h: Vec<f64> = (0..id).map(|b| gate[b] * sigmoid(gate[b]) * up[b]).collect();
+    let (gate, up): (Vec<f64>, Vec<f64>) =
+        (gate.into_iter().map(q).collect(), up.into_iter().map(q).collect());
+    let h: Vec<f64> = (0..id).map(|b| q(gate[b] * sigmoid(gate[b]) * up[b])).collect();
     let mut y = vec![0.0; hd];
     for (b, &hb) in h.iter().enumerate() {
         for a in 0..hd {
             y[a] += hb * w.down[base + b * hd + a] as f64;
         }
     }
-    Route { x, gate, up, h, y }
+    Route { x, gate, up, h, y: y.into_iter().map(q).collect() }
 }
 
 fn check(shape: &Shape, inputs: &RankInputs<'_>) -> Result<()> {
@@ -76,6 +95,25 @@ fn check(shape: &Shape, inputs: &RankInputs<'_>) -> Result<()> {
 
 /// The dense forward, N×H.
 pub fn forward(shape: &Shape, inputs: &RankInputs<'_>) -> Result<Vec<f64>> {
+    forward_storing(shape, inputs, exact)
+}
+
+/// The dense forward as a bf16 framework runs it (see the module docs); `shape.dtype` is
+/// ignored, the inputs hold bf16 values as f32.
+pub fn naive_bf16_forward(shape: &Shape, inputs: &RankInputs<'_>) -> Result<Vec<f64>> {
+    forward_storing(&f32_shape(shape), inputs, to_bf16)
+}
+
+/// The dense backward as a bf16 framework runs it (see the module docs).
+pub fn naive_bf16_backward(shape: &Shape, inputs: &RankInputs<'_>, dy: &[f32]) -> Result<ReferenceGrads> {
+    backward_storing(&f32_shape(shape), inputs, dy, to_bf16)
+}
+
+fn f32_shape(shape: &Shape) -> Shape {
+    Shape { dtype: flatpeak_common::DType::F32, ..*shape }
+}
+
+fn forward_storing(shape: &Shape, inputs: &RankInputs<'_>, q: Store) -> Result<Vec<f64>> {
     check(shape, inputs)?;
     let (n, hd, k) = (shape.tokens, shape.hidden, shape.top_k);
     let mut y = vec![0.0; n * hd];
@@ -83,7 +121,7 @@ pub fn forward(shape: &Shape, inputs: &RankInputs<'_>) -> Result<Vec<f64>> {
         for j in 0..k {
             let e = inputs.routing.ids[i * k + j] as usize;
             let w = inputs.routing.weights[i * k + j] as f64;
-            let r = route(shape, &inputs.experts, e, &inputs.x[i * hd..(i + 1) * hd]);
+            let r = route(shape, &inputs.experts, e, &inputs.x[i * hd..(i + 1) * hd], q);
             for a in 0..hd {
                 y[i * hd + a] += w * r.y[a];
             }
@@ -94,6 +132,10 @@ pub fn forward(shape: &Shape, inputs: &RankInputs<'_>) -> Result<Vec<f64>> {
 
 /// The dense backward from dY (N×H).
 pub fn backward(shape: &Shape, inputs: &RankInputs<'_>, dy: &[f32]) -> Result<ReferenceGrads> {
+    backward_storing(shape, inputs, dy, exact)
+}
+
+fn backward_storing(shape: &Shape, inputs: &RankInputs<'_>, dy: &[f32], q: Store) -> Result<ReferenceGrads> {
     check(shape, inputs)?;
     let (n, hd, id, k, e_all) = (shape.tokens, shape.hidden, shape.intermediate, shape.top_k, shape.experts);
     check_len("dY (N·H)", n * hd, dy.len())?;
@@ -110,9 +152,9 @@ pub fn backward(shape: &Shape, inputs: &RankInputs<'_>, dy: &[f32]) -> Result<Re
         for j in 0..k {
             let e = inputs.routing.ids[i * k + j] as usize;
             let weight = inputs.routing.weights[i * k + j] as f64;
-            let r = route(shape, w, e, &inputs.x[i * hd..(i + 1) * hd]);
+            let r = route(shape, w, e, &inputs.x[i * hd..(i + 1) * hd], q);
             g.d_weights[i * k + j] = dyi.iter().zip(&r.y).map(|(a, b)| a * b).sum();
-            let delta: Vec<f64> = dyi.iter().map(|v| weight * v).collect();
+            let delta: Vec<f64> = dyi.iter().map(|v| q(weight * v)).collect();
             let base = e * hd * id;
             let mut dh = vec![0.0; id];
             for b in 0..id {
@@ -121,16 +163,19 @@ pub fn backward(shape: &Shape, inputs: &RankInputs<'_>, dy: &[f32]) -> Result<Re
                     dh[b] += delta[a] * w.down[base + b * hd + a] as f64;
                 }
             }
+            let mut dx = vec![0.0; hd];
             for b in 0..id {
-                let s = sigmoid(r.gate[b]);
-                let dg = dh[b] * r.up[b] * s * (1.0 + r.gate[b] * (1.0 - s));
-                let du = dh[b] * r.gate[b] * s;
+                let (s, dh) = (sigmoid(r.gate[b]), q(dh[b]));
+                let dg = q(dh * r.up[b] * s * (1.0 + r.gate[b] * (1.0 - s)));
+                let du = q(dh * r.gate[b] * s);
                 for a in 0..hd {
                     g.d_gate[base + a * id + b] += r.x[a] * dg;
                     g.d_up[base + a * id + b] += r.x[a] * du;
-                    g.dx[i * hd + a] +=
-                        dg * w.gate[base + a * id + b] as f64 + du * w.up[base + a * id + b] as f64;
+                    dx[a] += dg * w.gate[base + a * id + b] as f64 + du * w.up[base + a * id + b] as f64;
                 }
+            }
+            for a in 0..hd {
+                g.dx[i * hd + a] += q(dx[a]);
             }
         }
     }

@@ -5,21 +5,21 @@
 //! run each expert's backward from what was kept (six GEMMs per group, no recompute).
 //!
 //! Memory: the store of rank d is [`Schedule::saved_bytes`]`(d)` =
-//! `Σ_s R[s][d]·(H·4 + 8·k) + 2·L_d·I·4 + 4·(K + 1)` bytes (rows received over all rounds,
-//! routes computed there), reserved once per schedule and held from forward to backward; at
+//! `Σ_s R[s][d]·(H·b + 8·k) + 2·L_d·I·b + 4·(K + 1)` bytes (b bytes per element of the storage
+//! type; rows received over all rounds, routes computed there), reserved once per schedule and held from forward to backward; at
 //! most [`Buffers::saved_activation_bytes`](crate::Buffers::saved_activation_bytes) for this K.
 //! Unlike the dispatch buffers it grows with the routing: this is the larger bound the
 //! checkpointed mode avoids. The per-round workspace is the checkpointed one's
 //! ([`Schedule::buffers`]).
 
-use flatpeak_common::{Communicator, Workspace};
+use flatpeak_common::{Communicator, DType, Workspace};
 
 use super::ops::HostBuf;
 use super::{host_device_inputs, host_grads, host_inputs, host_ops};
 use crate::config::Mode;
 use crate::device::{self, Store};
 use crate::error::{Error, Result};
-use crate::layer::{Gradients, RankInputs};
+use crate::layer::{Element, Gradients, RankInputs};
 use crate::plan::RouteMeta;
 use crate::schedule::Schedule;
 
@@ -65,13 +65,17 @@ fn carve<'s>(store: &'s mut Workspace, plan: &Schedule, rank: usize) -> Result<S
     let store: &'s Workspace = store;
     let s = plan.shape();
     let [_, rounds, rows, routes] = SavedActivations::stamp(plan, rank);
-    Ok(StoreParts {
-        x: HostBuf::Carved(store.take(rows * s.hidden)?),
-        meta: store.take(rows * s.top_k)?,
-        gate: HostBuf::Carved(store.take(routes * s.intermediate)?),
-        up: HostBuf::Carved(store.take(routes * s.intermediate)?),
-        route_start: store.take(rounds + 1)?,
-    })
+    // Rows and pre-activations in the storage type, as `Schedule::saved_regions` sizes them.
+    let rows_of = |len: usize| -> Result<HostBuf<'s>> {
+        Ok(match s.dtype {
+            DType::Bf16 => HostBuf::CarvedBf16(store.take(len)?),
+            _ => HostBuf::Carved(store.take(len)?),
+        })
+    };
+    let x = rows_of(rows * s.hidden)?;
+    let meta = store.take(rows * s.top_k)?;
+    let (gate, up) = (rows_of(routes * s.intermediate)?, rows_of(routes * s.intermediate)?);
+    Ok(StoreParts { x, meta, gate, up, route_start: store.take(rounds + 1)? })
 }
 
 fn check_mode(plan: &Schedule) -> Result<()> {
@@ -87,11 +91,11 @@ fn check_mode(plan: &Schedule) -> Result<()> {
 }
 
 /// The saving forward on the host, its buffers from `ws` (reset), its store `saved`.
-pub(crate) fn forward_saving<C: Communicator + ?Sized>(
+pub(crate) fn forward_saving<C: Communicator + ?Sized, T: Element>(
     comm: &C,
     ws: &Workspace,
     plan: &Schedule,
-    inputs: &RankInputs<'_>,
+    inputs: &RankInputs<'_, T>,
     saved: &mut SavedActivations,
 ) -> Result<Vec<f32>> {
     check_mode(plan)?;
@@ -102,18 +106,18 @@ pub(crate) fn forward_saving<C: Communicator + ?Sized>(
     let mut store = Store { x: &mut x, meta, gate: &mut gate, up: &mut up, route_start };
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    let y = device::forward_saving(&ops, ws, plan, &dev, &mut store)?.into_vec();
+    let y = device::forward_saving(&ops, ws, plan, &dev, &mut store)?.into_vec()?;
     saved.filled = Some(SavedActivations::stamp(plan, me));
     Ok(y)
 }
 
 /// The backward from saved activations on the host, its buffers from `ws` (reset).
-pub(crate) fn backward_saved<C: Communicator + ?Sized>(
+pub(crate) fn backward_saved<C: Communicator + ?Sized, T: Element>(
     comm: &C,
     ws: &Workspace,
     plan: &Schedule,
-    inputs: &RankInputs<'_>,
-    dy: &[f32],
+    inputs: &RankInputs<'_, T>,
+    dy: &[T],
     saved: &mut SavedActivations,
 ) -> Result<Gradients> {
     check_mode(plan)?;
@@ -134,6 +138,6 @@ pub(crate) fn backward_saved<C: Communicator + ?Sized>(
     let mut store = Store { x: &mut x, meta, gate: &mut gate, up: &mut up, route_start };
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    let dy = HostBuf::Input(dy);
+    let dy = super::host_tensor(dy);
     host_grads(device::backward_saved(&ops, ws, plan, &dev, &dy, &mut store)?)
 }

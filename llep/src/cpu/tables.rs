@@ -22,12 +22,12 @@ pub(crate) struct Tables<'w> {
     pub(crate) row_start: &'w mut [u32],
 }
 
-/// Checks the plan's shape for a call on a group of `world` ranks (f32, the group size,
-/// N·k < 2³²) and returns it.
+/// Checks the plan's shape for a call on a group of `world` ranks (f32 or bf16, the group
+/// size, N·k < 2³²) and returns it.
 pub(crate) fn check_call_shape(plan: &Schedule, world: usize) -> Result<Shape> {
     let s = *plan.shape();
-    if s.dtype != DType::F32 {
-        return Err(Error::UnsupportedDtype { dtype: s.dtype });
+    if !matches!(s.dtype, DType::F32 | DType::Bf16) {
+        return Err(Error::UnsupportedDtype { dtype: s.dtype, backend: "llep", supported: "f32 and bf16" });
     }
     check_world_size(world, &s)?;
     if s.tokens.checked_mul(s.top_k).is_none_or(|v| v > u32::MAX as usize) {

@@ -6,12 +6,12 @@
 //! so the schedule is tested without one.
 
 use flatpeak_common::gemm::{Accumulate, Threads};
-use flatpeak_common::{Communicator, CommunicatorExt};
+use flatpeak_common::{Communicator, CommunicatorExt, DType};
 
 use super::{DeviceOps, GemmDims, Operand, need};
 use crate::cpu::{host_gemm, span, span_mut};
 use crate::emu;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The emulated device of one rank of a host communicator group.
 #[derive(Debug)]
@@ -38,7 +38,10 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
         self.comm.world_size()
     }
 
-    fn alloc(&self, len: usize) -> Result<Vec<f32>> {
+    fn alloc(&self, len: usize, dtype: DType) -> Result<Vec<f32>> {
+        if dtype != DType::F32 {
+            return Err(Error::UnsupportedDtype { dtype, backend: "the emulated device", supported: "f32" });
+        }
         Ok(vec![0.0; len.max(1)])
     }
 
@@ -48,6 +51,10 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
 
     fn buf_len(&self, buf: &Vec<f32>) -> usize {
         buf.len()
+    }
+
+    fn buf_dtype(&self, _: &Vec<f32>) -> DType {
+        DType::F32
     }
 
     fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {

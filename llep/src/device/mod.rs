@@ -40,6 +40,7 @@ mod pipeline;
 mod reserve;
 mod schedule;
 
+use flatpeak_common::DType;
 use flatpeak_common::gemm::Accumulate;
 
 use crate::error::{Error, Result};
@@ -93,7 +94,8 @@ pub struct GemmDims {
     pub k: usize,
 }
 
-/// The primitive operations of the round schedule. `Buf` holds f32, `Index` u32; every length
+/// The primitive operations of the round schedule. `Buf` holds f32 or the layer's storage type
+/// (bf16: tokens, weights, dispatch rows, the expert scratch), `Index` u32; every length
 /// argument is in elements and every implementation checks that the buffers hold what an
 /// operation touches before running it (a short buffer is [`Error::ShapeMismatch`]). Operations
 /// on zero rows or elements do nothing. Every operation sees the effects of the operations
@@ -106,7 +108,7 @@ pub struct GemmDims {
 /// [`alloc_index`](DeviceOps::alloc_index) (a host backend carves them from its workspace), and
 /// its outputs with [`alloc_output`](DeviceOps::alloc_output).
 pub trait DeviceOps {
-    /// A device buffer of f32.
+    /// A device buffer of f32 or of the storage type.
     type Buf: std::fmt::Debug;
     /// A device buffer of u32 (row indices, route metadata).
     type Index: std::fmt::Debug;
@@ -116,25 +118,29 @@ pub trait DeviceOps {
     /// Ranks in the device group.
     fn world_size(&self) -> usize;
 
-    /// A scratch buffer of `len` f32 for this call; its contents are unspecified (the schedule
-    /// writes every element before reading it). A device may reserve one element for `len = 0`.
-    fn alloc(&self, len: usize) -> Result<Self::Buf>;
+    /// A scratch buffer of `len` elements of `dtype` for this call; its contents are
+    /// unspecified (the schedule writes every element before reading it). A device may reserve
+    /// one element for `len = 0`. A dtype the backend does not run is
+    /// [`Error::UnsupportedDtype`].
+    fn alloc(&self, len: usize, dtype: DType) -> Result<Self::Buf>;
     /// A scratch buffer of `len` u32 for this call, as [`alloc`](DeviceOps::alloc).
     fn alloc_index(&self, len: usize) -> Result<Self::Index>;
     /// A zeroed buffer of `len` f32 that outlives the call (the output, the gradients). The
     /// default is [`alloc`](DeviceOps::alloc), for implementations whose `alloc` zeroes.
     fn alloc_output(&self, len: usize) -> Result<Self::Buf> {
-        self.alloc(len)
+        self.alloc(len, DType::F32)
     }
     /// Elements `buf` holds.
     fn buf_len(&self, buf: &Self::Buf) -> usize;
-    /// A new buffer holding `host`.
+    /// The element type of `buf`.
+    fn buf_dtype(&self, buf: &Self::Buf) -> DType;
+    /// A new f32 buffer holding `host`.
     fn upload(&self, host: &[f32]) -> Result<Self::Buf>;
     /// `dst[..host.len()] = host`.
     fn write_index(&self, host: &[u32], dst: &mut Self::Index) -> Result<()>;
-    /// `dst[..host.len()] = host`.
+    /// `dst[..host.len()] = host` (an f32 buffer).
     fn write(&self, host: &[f32], dst: &mut Self::Buf) -> Result<()>;
-    /// `src[..len]` on the host.
+    /// `src[..len]` of an f32 buffer on the host.
     fn download(&self, src: &Self::Buf, len: usize) -> Result<Vec<f32>>;
     /// `src[..len]` on the host.
     fn download_index(&self, src: &Self::Index, len: usize) -> Result<Vec<u32>>;
@@ -184,7 +190,8 @@ pub trait DeviceOps {
     fn copy(&self, src: (&Self::Buf, usize), dst: (&mut Self::Buf, usize), len: usize) -> Result<()>;
 
     /// `dst[r] = scale_r·src[index[r]]` for `r < rows`, rows of `width` (`llep_gather_rows`;
-    /// no scale: 1). Every index must be a row of `src`.
+    /// no scale: 1; `src` and `dst` of one type, `scale` f32). Every index must be a row of
+    /// `src`.
     fn gather_rows(
         &self,
         src: &Self::Buf,
@@ -195,7 +202,8 @@ pub trait DeviceOps {
         dst: &mut Self::Buf,
     ) -> Result<()>;
     /// `acc[index[r]] += scale_r·src[r]` for r = 0, 1, …, rows − 1 in order, rows of `width`
-    /// (`llep_scatter_add_rows`: duplicates accumulate in input order, reproducibly).
+    /// (`llep_scatter_add_rows`: duplicates accumulate in input order, reproducibly; `acc` f32
+    /// or of `src`'s type, `scale` f32).
     fn scatter_add_rows(
         &self,
         src: &Self::Buf,
@@ -205,7 +213,7 @@ pub trait DeviceOps {
         width: usize,
         acc: &mut Self::Buf,
     ) -> Result<()>;
-    /// `h[..n] = silu(gate) ⊙ up` (`llep_swiglu`).
+    /// `h[..n] = silu(gate) ⊙ up` (`llep_swiglu`; one type).
     fn swiglu(&self, gate: &Self::Buf, up: &Self::Buf, n: usize, h: &mut Self::Buf) -> Result<()>;
     /// In place over `n` elements, from `dh`: `gate ← dh ⊙ up ⊙ silu'(gate)`,
     /// `up ← dh ⊙ silu(gate)` (`llep_swiglu_backward`).
@@ -216,7 +224,8 @@ pub trait DeviceOps {
         dh: &Self::Buf,
         n: usize,
     ) -> Result<()>;
-    /// `out[r] = ⟨a_r, b_r⟩` for `r < rows`, rows of `width`, f64 partials (`llep_row_dot`).
+    /// `out[r] = ⟨a_r, b_r⟩` for `r < rows`, rows of `width`, f64 partials (`llep_row_dot`;
+    /// `a` and `b` of one type, `out` f32).
     fn row_dot(
         &self,
         a: &Self::Buf,
@@ -226,7 +235,8 @@ pub trait DeviceOps {
         out: &mut Self::Buf,
     ) -> Result<()>;
     /// `C = op(A)·op(B)` (or `C += …` with [`Accumulate::Add`]), C row-major `m×n` from element
-    /// `c_offset` of `c`; f32 with f32 accumulation (no TF32).
+    /// `c_offset` of `c`, with f32 accumulation (no TF32): A and B of one type, C f32 or of
+    /// theirs (a bf16 C is rounded once, from the f32 result).
     fn gemm(
         &self,
         dims: GemmDims,

@@ -3,6 +3,7 @@
 //! host arrays (the received metadata's staging, the grouping arrays) from the host workspace
 //! (the route tables, the first regions, are carved just before: `host::tables`).
 
+use flatpeak_common::DType::F32;
 use flatpeak_common::Workspace;
 
 use super::DeviceOps;
@@ -71,44 +72,47 @@ impl<'h, B, I> Reserved<'h, B, I> {
         b: &Buffers,
     ) -> Result<Self> {
         let s = b.shape();
-        let (h, i, k) = (s.hidden, s.intermediate, s.top_k);
+        let (h, i, k, dt) = (s.hidden, s.intermediate, s.top_k, s.dtype);
         let bwd = b.pass() == Pass::Backward;
-        let maybe = |len: usize| ops.alloc(if bwd { len } else { 0 });
+        // Rows, weights and the expert scratch in the storage type; gradients, routing weights
+        // and dot products in f32 (as `Buffers::regions` sizes them).
+        let maybe = |len: usize, dtype| ops.alloc(if bwd { len } else { 0 }, dtype);
         let maybe_index = |len: usize| ops.alloc_index(if bwd { len } else { 0 });
         let (sr, rr, g) = (b.send_rows(), b.recv_rows(), b.expert_rows());
-        let foreign = ops.alloc(b.foreign_slots() * s.expert_elems())?;
-        let foreign_grad = maybe(b.foreign_slots() * s.expert_elems())?;
-        let grad_return = maybe(h * i)?;
+        let foreign = ops.alloc(b.foreign_slots() * s.expert_elems(), dt)?;
+        let foreign_grad = maybe(b.foreign_slots() * s.expert_elems(), F32)?;
+        let grad_return = maybe(h * i, F32)?;
         let mut sets = Vec::with_capacity(b.depth());
         for _ in 0..b.depth() {
             sets.push(RoundSet {
                 send_tokens: ops.alloc_index(sr)?,
-                send_x: ops.alloc(sr * h)?,
-                recv_x: ops.alloc(rr * h)?,
-                out: ops.alloc(rr * h)?,
+                send_x: ops.alloc(sr * h, dt)?,
+                recv_x: ops.alloc(rr * h, dt)?,
+                out: ops.alloc(rr * h, dt)?,
                 send_meta: ops.alloc_index(sr * k * 2)?,
                 recv_meta: ops.alloc_index(rr * k * 2)?,
-                send_dy: maybe(sr * h)?,
-                recv_dy: maybe(rr * h)?,
-                dw_out: maybe(rr * k)?,
-                dw_back: maybe(sr * k)?,
+                send_dy: maybe(sr * h, dt)?,
+                recv_dy: maybe(rr * h, dt)?,
+                dw_out: maybe(rr * k, F32)?,
+                dw_back: maybe(sr * k, F32)?,
             });
         }
         let staging_slots = staging_slots(b.depth());
         let staging = host_take(host, staging_slots * rr * k)?;
         let groups = host_take(host, rr * k)?;
         let offsets = host_take(host, b.local_slots() + 1)?;
-        let lists = GroupBufs { rows: ops.alloc_index(g)?, weights: ops.alloc(g)?, meta: maybe_index(g)? };
+        let lists =
+            GroupBufs { rows: ops.alloc_index(g)?, weights: ops.alloc(g, F32)?, meta: maybe_index(g)? };
         let (dw_src, dw_dst) = (maybe_index(sr * k)?, maybe_index(sr * k)?);
-        let (dw_gathered, one) = (maybe(sr * k)?, maybe_index(1)?);
+        let (dw_gathered, one) = (maybe(sr * k, F32)?, maybe_index(1)?);
         let scratch = Scratch {
-            x: ops.alloc(g * h)?,
-            y: ops.alloc(g * h.max(i))?,
-            gate: ops.alloc(g * i)?,
-            up: ops.alloc(g * i)?,
-            dy: maybe(g * h)?,
-            h: maybe(g * i)?,
-            dots: maybe(g)?,
+            x: ops.alloc(g * h, dt)?,
+            y: ops.alloc(g * h.max(i), dt)?,
+            gate: ops.alloc(g * i, dt)?,
+            up: ops.alloc(g * i, dt)?,
+            dy: maybe(g * h, dt)?,
+            h: maybe(g * i, dt)?,
+            dots: maybe(g, F32)?,
         };
         Ok(Self {
             foreign,

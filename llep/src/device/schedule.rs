@@ -18,6 +18,14 @@ use crate::schedule::Schedule;
 
 fn check_inputs<O: DeviceOps>(ops: &O, s: &Shape, inputs: &DeviceInputs<'_, O::Buf>) -> Result<()> {
     let native = s.local_experts() * s.hidden * s.intermediate;
+    for (what, buf) in
+        [("x", inputs.x), ("W_gate", inputs.gate), ("W_up", inputs.up), ("W_down", inputs.down)]
+    {
+        let found = ops.buf_dtype(buf);
+        if found != s.dtype {
+            return Err(Error::DtypeMismatch { what, expected: s.dtype, found });
+        }
+    }
     need("x (N·H)", s.tokens * s.hidden, ops.buf_len(inputs.x))?;
     need("W_gate (M·H·I)", native, ops.buf_len(inputs.gate))?;
     need("W_up (M·H·I)", native, ops.buf_len(inputs.up))?;
