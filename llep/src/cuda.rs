@@ -31,13 +31,13 @@
 
 use std::sync::Arc;
 
+use flatpeak_common::DType;
 use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
 use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
 use flatpeak_common::cuda::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
 };
 use flatpeak_common::cuda::{KernelCache, cuda_error, linear_launch, sgemm};
-use flatpeak_common::DType;
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::nccl::DeviceCommunicator;
 
