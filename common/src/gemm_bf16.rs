@@ -66,14 +66,43 @@ pub struct Bf16Gemm {
     _proof: (),
 }
 
-impl Bf16Gemm {
-    /// The kernel, when this CPU has AVX512F and AVX512-BF16; `None` elsewhere, and when the
-    /// environment sets `FLATPEAK_BF16_GEMM=off` (to measure or test the widening fallback on a
-    /// CPU that has the instructions).
-    pub fn detect() -> Option<Self> {
-        if std::env::var_os("FLATPEAK_BF16_GEMM").is_some_and(|v| v == "off") {
-            return None;
+/// Which CPU kernel multiplies bf16 operands. Both form every product of two bf16 values exactly
+/// in f32 and sum in f32; they differ only in the order of those sums (and in speed).
+/// Default: [`Bf16Kernel::Detect`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Bf16Kernel {
+    /// [`Bf16Gemm`] where this CPU has AVX512F and AVX512-BF16, else [`Bf16Kernel::Widened`].
+    #[default]
+    Detect,
+    /// The operands widened to f32 block by block, then the f32 GEMM: what a CPU without the
+    /// bf16 instructions runs. Chosen on any CPU, it reproduces such a CPU's results bit for
+    /// bit, and tests or measures the fallback.
+    Widened,
+}
+
+impl Bf16Kernel {
+    /// The bf16 GEMM this choice runs on this CPU: `None` means the widening path.
+    pub fn select(self) -> Option<Bf16Gemm> {
+        match self {
+            Self::Detect => Bf16Gemm::detect(),
+            Self::Widened => None,
         }
+    }
+
+    /// A short name for reports: `detect` or `widened`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Detect => "detect",
+            Self::Widened => "widened",
+        }
+    }
+}
+
+impl Bf16Gemm {
+    /// The kernel, when this CPU has AVX512F and AVX512-BF16; `None` elsewhere (callers then
+    /// widen: [`Bf16Kernel`] chooses between the two).
+    pub fn detect() -> Option<Self> {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
         {

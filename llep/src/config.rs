@@ -8,6 +8,7 @@
 
 use flatpeak_common::DType;
 use flatpeak_common::gemm::Threads;
+use flatpeak_common::gemm_bf16::Bf16Kernel;
 
 use crate::error::{Error, Result};
 
@@ -139,7 +140,8 @@ pub const MAX_PIPELINE_DEPTH: usize = 16;
 
 /// The schedule's options. Defaults: the paper's α = 1.0, m = 1024, λ = 1.3; PipelinedLLEP
 /// with the largest pair cap the plan's budget holds, 4 foreign-expert slots per rank, proportional spill split,
-/// strided rounds, checkpointed training, double buffering, GEMMs on the whole rayon pool.
+/// strided rounds, checkpointed training, double buffering, GEMMs on the whole rayon pool (bf16
+/// ones on the CPU's bf16 instructions where it has them).
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct Config {
@@ -170,6 +172,10 @@ pub struct Config {
     /// thread (P ranks as threads already fill the cores, and the rank's thread CPU time is
     /// then its compute); results are bitwise identical for every choice.
     pub gemm_threads: Threads,
+    /// The CPU kernel of bf16 expert GEMMs ([`Bf16Kernel`]): by default AVX512-BF16 where the
+    /// CPU has it; [`Bf16Kernel::Widened`] runs the widening fallback on any CPU. The device
+    /// backends ignore it.
+    pub bf16_kernel: Bf16Kernel,
 }
 
 impl Default for Config {
@@ -186,6 +192,7 @@ impl Default for Config {
             mode: Mode::Checkpointed,
             pipeline_depth: 2,
             gemm_threads: Threads::All,
+            bf16_kernel: Bf16Kernel::Detect,
         }
     }
 }
@@ -239,6 +246,10 @@ impl Config {
     /// This config with expert GEMMs on these threads.
     pub fn gemm_threads(self, gemm_threads: Threads) -> Self {
         Self { gemm_threads, ..self }
+    }
+    /// This config with this CPU kernel for bf16 GEMMs ([`Bf16Kernel`]).
+    pub fn bf16_kernel(self, bf16_kernel: Bf16Kernel) -> Self {
+        Self { bf16_kernel, ..self }
     }
 
     /// Checks every option's domain (NaN is never valid).

@@ -113,6 +113,7 @@ pub use assign::{Assignment, Piece, RouteCounts, RouteMapper, Transfer, local_co
 pub use config::{Chunking, Config, Mode, PairCap, Scheme, Shape, SpillSplit};
 pub use error::{Error, Result};
 pub use executor::Executor;
+pub use flatpeak_common::gemm_bf16::Bf16Kernel;
 pub use flatpeak_common::{Budget, Communicator, DType, Device, LocalGroup, LocalGroupOptions, Workspace};
 pub use half::bf16;
 pub use layer::{Element, ExpertWeights, Gradients, RankInputs, Routing};

@@ -1,6 +1,6 @@
 //! The bf16 layer on the CPU: tokens, expert weights, dY, the dispatch rows and the expert
-//! scratch in bf16, GEMMs with f32 accumulation (on AVX512-BF16 where the CPU has it; CI also
-//! runs this file with `FLATPEAK_BF16_GEMM=off`, the widening fallback).
+//! scratch in bf16, GEMMs with f32 accumulation, on both CPU kernels: AVX512-BF16 where the CPU
+//! has it ([`Bf16Kernel::Detect`]) and the widening fallback ([`Bf16Kernel::Widened`]).
 //!
 //! Exactness, bf16: each output and gradient is compared with the f64 reference of the same
 //! (bf16-valued) inputs, and must be within twice the error of the naive bf16 computation
@@ -15,7 +15,8 @@ use flatpeak_common::{Communicator, DType, Device, LocalGroup, LocalGroupOptions
 use llep::cpu::reference;
 use llep::paper::Profile;
 use llep::{
-    Config, Executor, ExpertWeights, Gradients, Mode, Pass, RankInputs, Routing, Scheme, Shape, bf16, cpu,
+    Bf16Kernel, Config, Executor, ExpertWeights, Gradients, Mode, Pass, RankInputs, Routing, Scheme, Shape,
+    bf16, cpu,
 };
 use proptest::prelude::*;
 
@@ -158,14 +159,19 @@ fn shape(
 fn every_scheme_and_mode_is_within_twice_the_naive_bf16_error() {
     let s = shape(4, 48, (64, 32), 8, 2);
     let problem = Bf16Problem::new(s, Ids::Profile(Profile::Hot { ratio: 0.9, experts: 1 }), 7);
-    for scheme in [Scheme::PipelinedLlep, Scheme::Llep, Scheme::StandardEp] {
-        for mode in [Mode::Checkpointed, Mode::SaveActivations] {
-            let config = small_config(scheme).mode(mode);
-            let runs = run(&problem, &config);
-            let errors = check_exactness(&problem, &runs);
-            // The naive computation's own error is bf16's (≈ 2⁻⁸ relative), not zero: the test
-            // compares against something that can fail.
-            assert!(errors.iter().all(|&(_, _, naive)| naive > 1e-4), "{scheme:?} {mode:?}: {errors:?}");
+    for kernel in [Bf16Kernel::Detect, Bf16Kernel::Widened] {
+        for scheme in [Scheme::PipelinedLlep, Scheme::Llep, Scheme::StandardEp] {
+            for mode in [Mode::Checkpointed, Mode::SaveActivations] {
+                let config = small_config(scheme).mode(mode).bf16_kernel(kernel);
+                let runs = run(&problem, &config);
+                let errors = check_exactness(&problem, &runs);
+                // The naive computation's own error is bf16's (≈ 2⁻⁸ relative), not zero: the
+                // test compares against something that can fail.
+                assert!(
+                    errors.iter().all(|&(_, _, naive)| naive > 1e-4),
+                    "{kernel:?} {scheme:?} {mode:?}: {errors:?}"
+                );
+            }
         }
     }
 }
@@ -212,7 +218,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
 
     /// Edge shapes: odd H and I (the bf16 GEMM packs pairs of k), k up to 3, one rank or four,
-    /// random routing with duplicates, every scheme.
+    /// random routing with duplicates, every scheme, both CPU kernels.
     #[test]
     fn random_shapes_are_within_twice_the_naive_bf16_error(
         ranks in prop_oneof![Just(1usize), Just(2), Just(4)],
@@ -221,10 +227,11 @@ proptest! {
         intermediate in 1usize..24,
         top_k in 1usize..4,
         scheme in prop_oneof![Just(Scheme::PipelinedLlep), Just(Scheme::Llep), Just(Scheme::StandardEp)],
+        kernel in prop_oneof![Just(Bf16Kernel::Detect), Just(Bf16Kernel::Widened)],
         seed in any::<u64>(),
     ) {
         let s = shape(ranks, tokens, (hidden, intermediate), 4 * ranks, top_k);
         let problem = Bf16Problem::new(s, Ids::Random, seed);
-        check_exactness(&problem, &run(&problem, &small_config(scheme)));
+        check_exactness(&problem, &run(&problem, &small_config(scheme).bf16_kernel(kernel)));
     }
 }

@@ -8,6 +8,7 @@
 //! the valid tokens' weights (0 when there is none: an all-ignored batch has loss 0, no NaN).
 
 use flatpeak_common::Precision;
+use flatpeak_common::gemm_bf16::Bf16Kernel;
 
 use crate::error::{Error, Result};
 
@@ -37,7 +38,8 @@ pub enum Softcap {
 }
 
 /// The loss's options. Defaults: ignore_index −100, mean, no smoothing, no z-loss, no softcap,
-/// no shift, GEMMs in the inputs' dtype ([`Precision::Native`]).
+/// no shift, GEMMs in the inputs' dtype ([`Precision::Native`]) on the CPU's bf16 instructions where
+/// it has them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct Config {
@@ -58,6 +60,9 @@ pub struct Config {
     /// accumulation; with bf16 inputs, backward rounds the logit gradient G to bf16 before
     /// its two GEMMs (as autograd of a bf16 matmul), [`Precision::F32`] keeps it f32.
     pub precision: Precision,
+    /// The CPU kernel of bf16 GEMMs ([`Bf16Kernel`]): by default AVX512-BF16 where the CPU has
+    /// it; [`Bf16Kernel::Widened`] runs the widening fallback on any CPU. Device paths ignore it.
+    pub bf16_kernel: Bf16Kernel,
 }
 
 impl Default for Config {
@@ -70,6 +75,7 @@ impl Default for Config {
             softcap: Softcap::Off,
             shift: 0,
             precision: Precision::Native,
+            bf16_kernel: Bf16Kernel::Detect,
         }
     }
 }
@@ -102,6 +108,10 @@ impl Config {
     /// This config with these GEMMs ([`Precision`]).
     pub fn precision(self, precision: Precision) -> Self {
         Self { precision, ..self }
+    }
+    /// This config with this CPU kernel for bf16 GEMMs ([`Bf16Kernel`]).
+    pub fn bf16_kernel(self, bf16_kernel: Bf16Kernel) -> Self {
+        Self { bf16_kernel, ..self }
     }
 
     /// Checks every option's domain (NaN is never valid).

@@ -59,6 +59,7 @@ pub mod ring;
 pub use config::{Config, Reduction, Softcap};
 pub use error::{Error, Result};
 pub use executor::LinearCrossEntropy;
+pub use flatpeak_common::gemm_bf16::Bf16Kernel;
 pub use flatpeak_common::{Budget, DType, Device, Precision, Workspace};
 pub use half::bf16;
 pub use inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix};

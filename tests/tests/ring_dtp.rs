@@ -9,7 +9,8 @@ use proptest::prelude::*;
 use ring_dtp::cpu::reference::Rounding;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::{
-    Budget, Config, Error, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Schedule, Shape, Softcap,
+    Bf16Kernel, Budget, Config, Error, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Schedule, Shape,
+    Softcap,
 };
 
 /// f32 bound (`docs/design.md`, exactness), on norm-wise errors normalised by the magnitudes each
@@ -253,8 +254,10 @@ proptest! {
         n in 1usize..90, d in 1usize..40, v in 1usize..260, seed in any::<u64>(),
         config in config_strategy(), extras in (any::<bool>(), any::<bool>(), any::<bool>()),
         bf16_inputs in any::<bool>(), budget in prop_oneof![Just(1usize << 14), Just(1 << 16), Just(1 << 24)],
+        kernel in prop_oneof![Just(Bf16Kernel::Detect), Just(Bf16Kernel::Widened)],
     ) {
         let c = make_case(n, d, v, seed, 0.2, extras);
+        let config = config.bf16_kernel(kernel);
         let dtype = if bf16_inputs { DType::Bf16 } else { DType::F32 };
         // The smallest budgets force vocabulary blocks; raise one below the minimum to it.
         let budget = match Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, Budget::Bytes(budget)) {
@@ -284,7 +287,8 @@ fn ragged_prime_shapes_and_both_schedules() {
 }
 
 /// bf16 inputs under the default [`Precision::Native`], both schedules, dX's split reduction,
-/// every feature on and off: [`check_bf16_native`].
+/// every feature on and off, on both CPU kernels (bf16 dot products where this CPU has them,
+/// and the widening fallback): [`check_bf16_native`].
 #[test]
 fn bf16_native_rounds_the_logit_gradient() {
     let split = 2 * ring_dtp::plan::SPLIT_K_MIN_ROWS + 3;
@@ -297,7 +301,10 @@ fn bf16_native_rounds_the_logit_gradient() {
         let inp = inputs(&c, Matrix::Bf16(&xb), Matrix::Bf16(&wb));
         let mut all = Config::default().reduction(Reduction::None);
         (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
-        for config in [all, Config::default()] {
+        let configs = [all, Config::default()];
+        for config in
+            [Bf16Kernel::Detect, Bf16Kernel::Widened].map(|k| configs.map(|c| c.bf16_kernel(k))).concat()
+        {
             for budget in [1usize << 30, 300 << 10] {
                 // On these cases G's rounding is what separates the result from the exact one:
                 // it sits at most a quarter as far from the reference that rounds G (an f32 G

@@ -12,7 +12,7 @@ use half::bf16;
 use rayon::prelude::*;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::paper::PaperPeaks;
-use ring_dtp::{Budget, Config, GradOutput, Gradients, Inputs, Loss, Matrix, Plan, Shape};
+use ring_dtp::{Bf16Kernel, Budget, Config, GradOutput, Gradients, Inputs, Loss, Matrix, Plan, Shape};
 
 use super::ring_dtp_ring::{RING_WORKLOADS, RingWorkload, ring_row};
 use super::{Component, ReportError, workload};
@@ -39,7 +39,7 @@ impl Workload {
     /// The row's label; bf16 rows name the kernel their GEMMs ran on (this CPU's) and the
     /// default precision's rounding of the logit gradient G.
     pub fn describe(&self) -> String {
-        let kernel = match (self.dtype, cpu::bf16_path()) {
+        let kernel = match (self.dtype, cpu::bf16_path(Bf16Kernel::Detect)) {
             (DType::Bf16, cpu::Bf16Path::DotProducts) => " (GEMMs: bf16 dot products, G rounded to bf16)",
             (DType::Bf16, cpu::Bf16Path::Widened) => " (GEMMs: widened to f32, G rounded to bf16)",
             _ => "",

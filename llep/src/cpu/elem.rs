@@ -14,7 +14,7 @@
 
 use bytemuck::Pod;
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, Threads, matmul};
-use flatpeak_common::gemm_bf16::Bf16Gemm;
+use flatpeak_common::gemm_bf16::Bf16Kernel;
 use half::bf16;
 
 use crate::device::{GemmDims, Orientation};
@@ -196,13 +196,13 @@ fn widen_rows(
 }
 
 /// `C[c_offset..] (m×n) = op(A)·op(B)` (or `+=`) for bf16 `A`, `B`, C f32 or bf16, f32
-/// accumulation: see the module docs.
+/// accumulation, on `kernel`'s choice of bf16 GEMM: see the module docs.
 pub(crate) fn gemm_bf16(
     GemmDims { m, n, k }: GemmDims,
     (a, b): (Operand<'_, bf16>, Operand<'_, bf16>),
     (c, c_offset): (ViewMut<'_>, usize),
     accumulate: Accumulate,
-    threads: Threads,
+    (threads, kernel): (Threads, Bf16Kernel),
 ) -> Result<()> {
     if m == 0 || n == 0 {
         return Ok(());
@@ -210,7 +210,7 @@ pub(crate) fn gemm_bf16(
     let b_view = op_rows("gemm B (k·n)", b, (k, n), (0, k))?;
     op_rows("gemm A (m·k)", a, (m, k), (0, m))?;
     let options = MatmulOptions::with_accumulate(accumulate).threads(threads);
-    let fast = Bf16Gemm::detect();
+    let fast = kernel.select();
     // The fallback's f32 copy of B, made once per call.
     let b_wide: Vec<f32> = match fast {
         Some(_) => Vec::new(),

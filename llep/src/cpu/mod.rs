@@ -84,7 +84,8 @@ fn host_ops<'w, C: Communicator + ?Sized, T: Element>(
 ) -> Result<HostOps<'w, C>> {
     let s = check_call_shape(plan, comm.world_size())?;
     inputs.validate(&s)?;
-    Ok(HostOps::new(comm, ws, plan.config().gemm_threads))
+    let config = plan.config();
+    Ok(HostOps::new(comm, ws, config.gemm_threads).with_bf16_kernel(config.bf16_kernel))
 }
 
 /// The caller's tensors, read in place: x, W_gate, W_up, W_down.

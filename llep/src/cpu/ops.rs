@@ -12,6 +12,7 @@
 //! scatters and dot products, and a GEMM whose result does not depend on its threads.
 
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, Threads, matmul};
+use flatpeak_common::gemm_bf16::Bf16Kernel;
 use flatpeak_common::{Communicator, CommunicatorExt, DType, Workspace};
 use half::bf16;
 
@@ -117,13 +118,19 @@ pub struct HostOps<'w, C: ?Sized> {
     comm: &'w C,
     ws: &'w Workspace,
     threads: Threads,
+    bf16_kernel: Bf16Kernel,
 }
 
 impl<'w, C: Communicator + ?Sized> HostOps<'w, C> {
     /// The host device of `comm`'s rank: scratch from `ws` (reset it before each pass), GEMMs
-    /// on `threads`.
+    /// on `threads`, bf16 GEMMs on the CPU's bf16 instructions where it has them.
     pub fn new(comm: &'w C, ws: &'w Workspace, threads: Threads) -> Self {
-        Self { comm, ws, threads }
+        Self { comm, ws, threads, bf16_kernel: Bf16Kernel::Detect }
+    }
+
+    /// This device with its bf16 GEMMs on `bf16_kernel`.
+    pub fn with_bf16_kernel(self, bf16_kernel: Bf16Kernel) -> Self {
+        Self { bf16_kernel, ..self }
     }
 }
 
@@ -487,7 +494,13 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
             }
             (View::Bf16(x), View::Bf16(y)) => {
                 let (x, y) = ((x, a.offset, a.orientation), (y, b.offset, b.orientation));
-                elem::gemm_bf16(dims, (x, y), (c.view_mut()?, c_offset), accumulate, self.threads)
+                elem::gemm_bf16(
+                    dims,
+                    (x, y),
+                    (c.view_mut()?, c_offset),
+                    accumulate,
+                    (self.threads, self.bf16_kernel),
+                )
             }
             (x, y) => Err(mismatch("gemm operands A and B", x.dtype(), y.dtype())),
         }

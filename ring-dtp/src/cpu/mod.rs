@@ -31,7 +31,7 @@ pub(crate) use block::{
 use flatpeak_common::Precision;
 use flatpeak_common::Workspace;
 use flatpeak_common::gemm::{Accumulate, Threads};
-use flatpeak_common::gemm_bf16::Bf16Gemm;
+use flatpeak_common::gemm_bf16::{Bf16Gemm, Bf16Kernel};
 
 use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::{Config, Reduction, Softcap};
@@ -48,16 +48,17 @@ pub enum Bf16Path {
     Widened,
 }
 
-/// Which kernel this CPU runs the logits GEMMs of bf16 inputs on (detected at run time).
-pub fn bf16_path() -> Bf16Path {
-    if Bf16Gemm::detect().is_some() { Bf16Path::DotProducts } else { Bf16Path::Widened }
+/// Which kernel this CPU runs the logits GEMMs of bf16 inputs on under `kernel` (detected at
+/// run time for [`Bf16Kernel::Detect`]).
+pub fn bf16_path(kernel: Bf16Kernel) -> Bf16Path {
+    if kernel.select().is_some() { Bf16Path::DotProducts } else { Bf16Path::Widened }
 }
 
 /// The bf16 GEMM for bf16 X and W, unless the config asks for f32 GEMMs ([`Precision::F32`]).
 fn bf16_kernel(config: &Config, inputs: &Inputs<'_>) -> Option<Bf16Gemm> {
     match (inputs.x, inputs.w, config.precision) {
         (_, _, Precision::F32) => None,
-        (Matrix::Bf16(_), Matrix::Bf16(_), _) => Bf16Gemm::detect(),
+        (Matrix::Bf16(_), Matrix::Bf16(_), _) => config.bf16_kernel.select(),
         _ => None,
     }
 }
