@@ -6,9 +6,15 @@
 # line of this crate's CUDA code against candle's and cudarc's real CUDA APIs, but nothing is
 # linked or run, and candle's kernels are not compiled. On a machine with a CUDA toolkit, build
 # with the real nvcc instead (`cargo test -p flatpeak-candle --features cuda`).
+#
+# The check shares the workspace's target directory (everything but candle's CUDA side is
+# already checked there), so the stand-in's outputs must not outlive it: candle-kernels'
+# artifacts (its build script's PTX among them) are removed before and after, on failure too,
+# and a later real build runs that build script again with the real nvcc.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-shim="$root/target/candle-cuda-check/nvcc-shim"
+target_dir="${CARGO_TARGET_DIR:-$root/target}"
+shim="$target_dir/candle-cuda-check/nvcc-shim"
 mkdir -p "$shim/bin"
 cat >"$shim/bin/nvcc" <<'SHIM'
 #!/usr/bin/env bash
@@ -37,6 +43,8 @@ fi
 SHIM
 chmod +x "$shim/bin/nvcc"
 cd "$root"
-# A target directory of its own: the stand-in PTX must never reach a real build's cache.
-NVCC="$shim/bin/nvcc" CUDA_COMPUTE_CAP=90 CARGO_TARGET_DIR="$root/target/candle-cuda-check" \
+forget_stand_in() { cargo clean --quiet -p candle-kernels; }
+forget_stand_in
+trap forget_stand_in EXIT
+NVCC="$shim/bin/nvcc" CUDA_COMPUTE_CAP=90 \
   cargo clippy -p flatpeak-candle --all-targets --locked --features cuda -- -D warnings

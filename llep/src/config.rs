@@ -172,8 +172,8 @@ pub struct Config {
     /// thread (P ranks as threads already fill the cores, and the rank's thread CPU time is
     /// then its compute); results are bitwise identical for every choice.
     pub gemm_threads: Threads,
-    /// The CPU kernel of bf16 expert GEMMs ([`Bf16Kernel`]): by default AVX512-BF16 where the
-    /// CPU has it; [`Bf16Kernel::Widened`] runs the widening fallback on any CPU. The device
+    /// The CPU kernel of bf16 expert GEMMs ([`Bf16Kernel`]): by default AMX tiles or
+    /// AVX512-BF16, where the CPU has them; [`Bf16Kernel::Widened`] runs the widening fallback on any CPU. The device
     /// backends ignore it.
     pub bf16_kernel: Bf16Kernel,
 }

@@ -1,6 +1,8 @@
 //! The bf16 layer on the CPU: tokens, expert weights, dY, the dispatch rows and the expert
-//! scratch in bf16, GEMMs with f32 accumulation, on both CPU kernels: AVX512-BF16 where the CPU
-//! has it ([`Bf16Kernel::Detect`]) and the widening fallback ([`Bf16Kernel::Widened`]).
+//! scratch in bf16, GEMMs with f32 accumulation, on every CPU kernel: the fastest this CPU has
+//! ([`Bf16Kernel::Detect`]: AMX tiles or AVX512-BF16), the dot products
+//! ([`Bf16Kernel::Avx512Bf16`], in the proptest) and the widening fallback
+//! ([`Bf16Kernel::Widened`]).
 //!
 //! Exactness, bf16: each output and gradient is compared with the f64 reference of the same
 //! (bf16-valued) inputs, and must be within twice the error of the naive bf16 computation
@@ -218,7 +220,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
 
     /// Edge shapes: odd H and I (the bf16 GEMM packs pairs of k), k up to 3, one rank or four,
-    /// random routing with duplicates, every scheme, both CPU kernels.
+    /// random routing with duplicates, every scheme, every CPU kernel.
     #[test]
     fn random_shapes_are_within_twice_the_naive_bf16_error(
         ranks in prop_oneof![Just(1usize), Just(2), Just(4)],
@@ -227,7 +229,7 @@ proptest! {
         intermediate in 1usize..24,
         top_k in 1usize..4,
         scheme in prop_oneof![Just(Scheme::PipelinedLlep), Just(Scheme::Llep), Just(Scheme::StandardEp)],
-        kernel in prop_oneof![Just(Bf16Kernel::Detect), Just(Bf16Kernel::Widened)],
+        kernel in prop_oneof![Just(Bf16Kernel::Detect), Just(Bf16Kernel::Avx512Bf16), Just(Bf16Kernel::Widened)],
         seed in any::<u64>(),
     ) {
         let s = shape(ranks, tokens, (hidden, intermediate), 4 * ranks, top_k);

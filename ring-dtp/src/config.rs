@@ -60,8 +60,8 @@ pub struct Config {
     /// accumulation; with bf16 inputs, backward rounds the logit gradient G to bf16 before
     /// its two GEMMs (as autograd of a bf16 matmul), [`Precision::F32`] keeps it f32.
     pub precision: Precision,
-    /// The CPU kernel of bf16 GEMMs ([`Bf16Kernel`]): by default AVX512-BF16 where the CPU has
-    /// it; [`Bf16Kernel::Widened`] runs the widening fallback on any CPU. Device paths ignore it.
+    /// The CPU kernel of bf16 GEMMs ([`Bf16Kernel`]): by default AMX tiles or AVX512-BF16,
+    /// where the CPU has them; [`Bf16Kernel::Widened`] runs the widening fallback on any CPU. Device paths ignore it.
     pub bf16_kernel: Bf16Kernel,
 }
 

@@ -254,7 +254,7 @@ proptest! {
         n in 1usize..90, d in 1usize..40, v in 1usize..260, seed in any::<u64>(),
         config in config_strategy(), extras in (any::<bool>(), any::<bool>(), any::<bool>()),
         bf16_inputs in any::<bool>(), budget in prop_oneof![Just(1usize << 14), Just(1 << 16), Just(1 << 24)],
-        kernel in prop_oneof![Just(Bf16Kernel::Detect), Just(Bf16Kernel::Widened)],
+        kernel in prop_oneof![Just(Bf16Kernel::Detect), Just(Bf16Kernel::Avx512Bf16), Just(Bf16Kernel::Widened)],
     ) {
         let c = make_case(n, d, v, seed, 0.2, extras);
         let config = config.bf16_kernel(kernel);
@@ -287,8 +287,8 @@ fn ragged_prime_shapes_and_both_schedules() {
 }
 
 /// bf16 inputs under the default [`Precision::Native`], both schedules, dX's split reduction,
-/// every feature on and off, on both CPU kernels (bf16 dot products where this CPU has them,
-/// and the widening fallback): [`check_bf16_native`].
+/// every feature on and off, on the CPU's fastest bf16 kernel (AMX tiles or AVX512-BF16 dot
+/// products, where it has them) and on the widening fallback: [`check_bf16_native`].
 #[test]
 fn bf16_native_rounds_the_logit_gradient() {
     let split = 2 * ring_dtp::plan::SPLIT_K_MIN_ROWS + 3;

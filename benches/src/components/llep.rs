@@ -54,7 +54,8 @@
 //!
 //! **bf16 rows.** Every row runs in f32 and again in bf16: tokens, expert weights and dY in
 //! bf16 (the f32 inputs rounded), the executors' dispatch rows and expert scratch in bf16, its
-//! GEMMs on the CPU's bf16 instruction (`gemm_path` says which path ran), outputs and gradients
+//! GEMMs on the CPU's bf16 instructions (`gemm_path_amx`, `gemm_path_avx512_bf16` or
+//! `gemm_path_widened` is 1: the path that ran), outputs and gradients
 //! f32, LLEP in bf16 alike. A bf16 row meets its promise iff each error against the f64
 //! reference (of the rounded inputs) is ≤ 2 × the naive bf16 computation's + 1e-2
 //! (`llep::cpu::reference::naive_bf16_forward`); both are reported.
@@ -492,8 +493,12 @@ impl LlepComponent {
             exact: within,
         };
         if dtype == DType::Bf16 {
-            let fast = flatpeak_common::gemm_bf16::Bf16Gemm::detect().is_some();
-            metrics.insert("gemm_path_avx512_bf16".to_string(), if fast { 1.0 } else { 0.0 });
+            // Which kernel the bf16 GEMMs ran on: one of these is 1.
+            let path = flatpeak_common::gemm_bf16::Bf16Kernel::Detect.path_name();
+            for name in ["amx", "avx512-bf16", "widened"] {
+                let ran = if path == name { 1.0 } else { 0.0 };
+                metrics.insert(format!("gemm_path_{}", name.replace('-', "_")), ran);
+            }
         }
         let w = Workload::Measured { profile, phase, dtype };
         Ok(Row::new(self.name(), &w.describe(), "LLEP", comparison, metrics))

@@ -40,6 +40,7 @@ impl Workload {
     /// default precision's rounding of the logit gradient G.
     pub fn describe(&self) -> String {
         let kernel = match (self.dtype, cpu::bf16_path(Bf16Kernel::Detect)) {
+            (DType::Bf16, cpu::Bf16Path::Tiles) => " (GEMMs: AMX bf16 tiles, G rounded to bf16)",
             (DType::Bf16, cpu::Bf16Path::DotProducts) => " (GEMMs: bf16 dot products, G rounded to bf16)",
             (DType::Bf16, cpu::Bf16Path::Widened) => " (GEMMs: widened to f32, G rounded to bf16)",
             _ => "",

@@ -5,9 +5,10 @@
 //! (round to nearest even, as `__float2bfloat16_rn` on a GPU), so an f32 layer runs exactly the
 //! arithmetic it ran before bf16 existed.
 //!
-//! The GEMM of bf16 operands ([`gemm_bf16`]) multiplies on the CPU's bf16 dot-product
-//! instruction ([`Bf16Gemm`], AVX512-BF16) with f32 accumulation, or, on a CPU without it, on
-//! f32 copies of the operands (each product of two bf16 values is exact in f32, so both paths
+//! The GEMM of bf16 operands ([`gemm_bf16`]) multiplies on the CPU's bf16 instructions
+//! ([`Bf16Gemm`](flatpeak_common::gemm_bf16::Bf16Gemm): AMX tiles or AVX512-BF16 dot products)
+//! with f32 accumulation, or, on a CPU without them (or under [`Bf16Kernel::Widened`]), on f32
+//! copies of the operands (each product of two bf16 values is exact in f32, so both paths
 //! compute the same sums, in different orders). A bf16 C is computed in f32 in blocks of
 //! [`STAGE_ROWS`] rows and rounded once; with [`Accumulate::Add`] the block of C is widened and
 //! added before that one rounding.

@@ -42,7 +42,9 @@ use crate::plan::{Plan, Schedule, WIDEN_ROWS, splits_dx};
 /// The kernel that forms the logits blocks of bf16 inputs on this CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bf16Path {
-    /// bf16 dot products (AVX512-BF16 `vdpbf16ps`) on the rows in place, f32 sums.
+    /// AMX tiles (`tdpbf16ps`) on the packed rows, f32 sums.
+    Tiles,
+    /// bf16 dot products (AVX512-BF16 `vdpbf16ps`) on the packed rows, f32 sums.
     DotProducts,
     /// The rows widened to f32 a sub-block at a time, then the f32 GEMM.
     Widened,
@@ -51,7 +53,11 @@ pub enum Bf16Path {
 /// Which kernel this CPU runs the logits GEMMs of bf16 inputs on under `kernel` (detected at
 /// run time for [`Bf16Kernel::Detect`]).
 pub fn bf16_path(kernel: Bf16Kernel) -> Bf16Path {
-    if kernel.select().is_some() { Bf16Path::DotProducts } else { Bf16Path::Widened }
+    match kernel.select().map(Bf16Gemm::name) {
+        Some("amx") => Bf16Path::Tiles,
+        Some(_) => Bf16Path::DotProducts,
+        None => Bf16Path::Widened,
+    }
 }
 
 /// The bf16 GEMM for bf16 X and W, unless the config asks for f32 GEMMs ([`Precision::F32`]).
