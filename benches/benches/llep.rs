@@ -94,23 +94,30 @@ fn cuda_steps(c: &mut Criterion) {
         ("pipelined_llep_1_copy", pipelined.pipeline_depth(1)),
         ("llep", LlepConfig::with_scheme(Scheme::Llep).min_chunk(64)),
     ];
-    for spec in ["balanced", "95%:1"] {
+    // Each dtype's layer on its own buffers: f32 (SGEMM) and bf16 (GemmEx on tensor cores,
+    // the `_bf16` kernels), the same routing and values (bf16: rounded once on upload).
+    for (spec, dtype) in ["balanced", "95%:1"].into_iter().flat_map(|s| [(s, DType::F32), (s, DType::Bf16)]) {
         let ids = spec.parse::<Profile>().expect("profile").ids(&shape).expect("ids");
         let inputs = data.inputs(&shape, 0, &ids);
-        let up = |v: &[f32]| ops.upload(v).expect("upload");
+        let up = |v: &[f32]| match dtype {
+            DType::Bf16 => ops.upload_bf16(&v.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<_>>()),
+            _ => ops.upload(v),
+        };
+        let up = |v: &[f32]| up(v).expect("upload");
         let w = &inputs.experts;
         let (x, gate, w_up, down, dy) = (up(inputs.x), up(w.gate), up(w.up), up(w.down), up(data.dy(0)));
         let dev = DeviceInputs { x: &x, routing: inputs.routing, gate: &gate, up: &w_up, down: &down };
         let mut group = c.benchmark_group(format!(
-            "cuda/llep_P1_N4096_H512_I256_E64_k8_f32_{}",
+            "cuda/llep_P1_N4096_H512_I256_E64_k8_{dtype}_{}",
             spec.replace(['%', ':'], "_")
         ));
         group.sample_size(10);
+        let shape = Shape { dtype, ..shape };
         for (name, config) in &configs {
             let launch = llep::Plan::new(config, shape, llep::Budget::Unlimited).expect("plan");
             let mut layer = llep::Executor::new(launch, flatpeak_common::Device::Cuda(0)).expect("executor");
             let plan = Schedule::from_top_k(&launch, &[&ids]).expect("plan");
-            eprintln!("cuda/llep {spec} {name}: {} rounds", plan.rounds());
+            eprintln!("cuda/llep {dtype} {spec} {name}: {} rounds", plan.rounds());
             group.bench_function(format!("{name}_train"), |b| {
                 b.iter(|| {
                     let y = layer.forward_cuda(&ops, &plan, &dev).expect("forward");

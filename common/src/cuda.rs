@@ -96,10 +96,32 @@ where
     unsafe { blas.gemm(cfg, a, b, c) }.map_err(cuda_error("cublasSgemm"))
 }
 
-/// bf16 operands of a [`gemm_bf16`]: cuBLAS `GemmEx` with `CUDA_R_16BF` A and B, an f32 C and
-/// `CUBLAS_COMPUTE_32F` (tensor cores; each bf16 product exact, sums in f32).
+/// The element type of a [`gemm_bf16`]'s C: f32, or bf16 (the f32 result rounded once, to
+/// nearest even; with β = 1 the stored C is widened and added before that rounding). Sealed.
+pub trait Bf16GemmOutput: cudarc::driver::DeviceRepr + sealed::Sealed {
+    /// cuBLAS's name for it.
+    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t;
+}
+
+impl Bf16GemmOutput for f32 {
+    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+}
+
+impl Bf16GemmOutput for half::bf16 {
+    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// bf16 operands of a [`gemm_bf16`]: cuBLAS `GemmEx` with `CUDA_R_16BF` A and B, a C of f32 or
+/// bf16 ([`Bf16GemmOutput`]) and `CUBLAS_COMPUTE_32F` (tensor cores; each bf16 product exact,
+/// sums in f32).
 ///
-/// Column-major, as [`sgemm`]: `C (m×n, f32) = op_a(A)·op_b(B) + beta·C`, α = 1; a no-op when `m`
+/// Column-major, as [`sgemm`]: `C (m×n) = op_a(A)·op_b(B) + beta·C`, α = 1; a no-op when `m`
 /// or `n` is 0; [`Error::ShapeMismatch`] when a dimension does not fit cuBLAS's `i32`.
 ///
 /// # Safety
@@ -107,7 +129,7 @@ where
 /// As [`sgemm`] (extents, context, non-aliasing), with `A` and `B` bf16; besides, `blas` must
 /// be bound to `stream` (every operand is ordered on it).
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn gemm_bf16<A, B, C>(
+pub unsafe fn gemm_bf16<A, B, C, T>(
     blas: &cudarc::cublas::CudaBlas,
     stream: &CudaStream,
     (op_a, op_b): (cudarc::cublas::sys::cublasOperation_t, cudarc::cublas::sys::cublasOperation_t),
@@ -120,7 +142,8 @@ pub unsafe fn gemm_bf16<A, B, C>(
 where
     A: cudarc::driver::DevicePtr<half::bf16>,
     B: cudarc::driver::DevicePtr<half::bf16>,
-    C: cudarc::driver::DevicePtrMut<f32>,
+    C: cudarc::driver::DevicePtrMut<T>,
+    T: Bf16GemmOutput,
 {
     use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
     if m == 0 || n == 0 {
@@ -160,7 +183,7 @@ where
             ldb,
             (&beta as *const f32).cast(),
             c as *mut std::ffi::c_void,
-            cudaDataType_t::CUDA_R_32F,
+            T::CUDA_TYPE,
             ldc,
             cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

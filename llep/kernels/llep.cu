@@ -1,32 +1,54 @@
 // llep device kernels: the data movement and elementwise work between the expert GEMMs of a
-// dispatch round. Rows are H (or I) floats, row-major. Every kernel that accumulates into rows
+// dispatch round. Rows are H (or I) elements, row-major. Every kernel that accumulates into rows
 // that several inputs may share (duplicate token indices, one token's several routes to one
 // expert) gives each thread whole columns and walks the inputs in order, so results are
 // bitwise reproducible and race-free without atomics.
+//
+// Each kernel is written once over its element types and instantiated for an f32 layer (no
+// suffix) and a bf16 layer (`_bf16`; `llep_scatter_add_rows_bf16_bf16` accumulates into bf16
+// rows). Every kernel loads its inputs widened to f32, computes in f32 and rounds once when it
+// stores to bf16 (round to nearest even); routing weights, their gradients and the dot products
+// are f32 in both. An f32 instantiation runs exactly the arithmetic of an f32-only kernel.
+#include <cuda_bf16.h>
+
 #include "flatpeak/block_reduce.cuh"
 
-// dst[r][:] = scale_r · src[index[r]][:] for r < rows (scale null: 1). Grid-stride over rows×width.
-extern "C" __global__ void llep_gather_rows(const float* __restrict__ src, const unsigned* __restrict__ index,
-                                            const float* __restrict__ scale, unsigned rows, unsigned width,
-                                            float* __restrict__ dst) {
+__device__ __forceinline__ float llep_load(float v) { return v; }
+__device__ __forceinline__ float llep_load(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T llep_store(float v);
+template <> __device__ __forceinline__ float llep_store<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 llep_store<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// dst[r][:] = scale_r · src[index[r]][:] for r < rows (scale null: 1, a plain copy).
+// Grid-stride over rows×width.
+template <typename T>
+__device__ __forceinline__ void llep_gather_rows_impl(const T* __restrict__ src, const unsigned* __restrict__ index,
+                                                      const float* __restrict__ scale, unsigned rows,
+                                                      unsigned width, T* __restrict__ dst) {
     const unsigned long long total = (unsigned long long)rows * width;
     for (unsigned long long e = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; e < total;
          e += (unsigned long long)gridDim.x * blockDim.x) {
         const unsigned r = (unsigned)(e / width), c = (unsigned)(e % width);
-        const float v = src[(unsigned long long)index[r] * width + c];
-        dst[e] = scale ? scale[r] * v : v;
+        const T v = src[(unsigned long long)index[r] * width + c];
+        dst[e] = scale ? llep_store<T>(scale[r] * llep_load(v)) : v;
     }
 }
 
-// acc[index[r]][c] += scale_r · rows[r][c] for r = 0, 1, …, rows − 1 in order (scale null: 1).
+// acc[index[r]][c] += scale_r · src[r][c] for r = 0, 1, …, rows − 1 in order (scale null: 1).
 // One thread per column c: duplicate indices accumulate in input order.
-extern "C" __global__ void llep_scatter_add_rows(const float* __restrict__ src, const unsigned* __restrict__ index,
-                                                 const float* __restrict__ scale, unsigned rows, unsigned width,
-                                                 float* __restrict__ acc) {
+template <typename S, typename A>
+__device__ __forceinline__ void llep_scatter_add_rows_impl(const S* __restrict__ src,
+                                                           const unsigned* __restrict__ index,
+                                                           const float* __restrict__ scale, unsigned rows,
+                                                           unsigned width, A* __restrict__ acc) {
     for (unsigned c = blockIdx.x * blockDim.x + threadIdx.x; c < width; c += gridDim.x * blockDim.x) {
         for (unsigned r = 0; r < rows; ++r) {
-            const float v = src[(unsigned long long)r * width + c];
-            acc[(unsigned long long)index[r] * width + c] += scale ? scale[r] * v : v;
+            const float v = llep_load(src[(unsigned long long)r * width + c]);
+            A* out = &acc[(unsigned long long)index[r] * width + c];
+            *out = llep_store<A>(llep_load(*out) + (scale ? scale[r] * v : v));
         }
     }
 }
@@ -34,37 +56,95 @@ extern "C" __global__ void llep_scatter_add_rows(const float* __restrict__ src, 
 __device__ __forceinline__ float llep_sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 // h = silu(g) ⊙ u, silu(g) = g·σ(g), over n elements.
-extern "C" __global__ void llep_swiglu(const float* __restrict__ gate, const float* __restrict__ up,
-                                       unsigned long long n, float* __restrict__ h) {
+template <typename T>
+__device__ __forceinline__ void llep_swiglu_impl(const T* __restrict__ gate, const T* __restrict__ up,
+                                                 unsigned long long n, T* __restrict__ h) {
     for (unsigned long long e = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; e < n;
          e += (unsigned long long)gridDim.x * blockDim.x) {
-        const float g = gate[e];
-        h[e] = g * llep_sigmoid(g) * up[e];
+        const float g = llep_load(gate[e]);
+        h[e] = llep_store<T>(g * llep_sigmoid(g) * llep_load(up[e]));
     }
 }
 
 // From dh: dg = dh ⊙ u ⊙ silu'(g), silu'(g) = σ(g)·(1 + g·(1 − σ(g))); du = dh ⊙ silu(g).
 // Written in place: gate ← dg, up ← du.
-extern "C" __global__ void llep_swiglu_backward(float* __restrict__ gate, float* __restrict__ up,
-                                                const float* __restrict__ dh, unsigned long long n) {
+template <typename T>
+__device__ __forceinline__ void llep_swiglu_backward_impl(T* __restrict__ gate, T* __restrict__ up,
+                                                          const T* __restrict__ dh, unsigned long long n) {
     for (unsigned long long e = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; e < n;
          e += (unsigned long long)gridDim.x * blockDim.x) {
-        const float g = gate[e], u = up[e], d = dh[e];
+        const float g = llep_load(gate[e]), u = llep_load(up[e]), d = llep_load(dh[e]);
         const float s = llep_sigmoid(g);
-        gate[e] = d * u * (s * (1.0f + g * (1.0f - s)));
-        up[e] = d * (g * s);
+        gate[e] = llep_store<T>(d * u * (s * (1.0f + g * (1.0f - s))));
+        up[e] = llep_store<T>(d * (g * s));
     }
 }
 
-// out[r] = Σ_c a[r][c]·b[r][c] (one block per row; f64 partials in a fixed order).
+// out[r] = Σ_c a[r][c]·b[r][c] (one block per row; f64 partials in a fixed order; out f32).
 // blockDim.x a multiple of 32, at most 1024.
-extern "C" __global__ void llep_row_dot(const float* __restrict__ a, const float* __restrict__ b, unsigned width,
-                                        float* __restrict__ out) {
+template <typename T>
+__device__ __forceinline__ void llep_row_dot_impl(const T* __restrict__ a, const T* __restrict__ b, unsigned width,
+                                                  float* __restrict__ out) {
     const unsigned r = blockIdx.x;
     double acc = 0.0;
     for (unsigned c = threadIdx.x; c < width; c += blockDim.x) {
-        acc += (double)a[(unsigned long long)r * width + c] * (double)b[(unsigned long long)r * width + c];
+        acc += (double)llep_load(a[(unsigned long long)r * width + c]) *
+               (double)llep_load(b[(unsigned long long)r * width + c]);
     }
     acc = flatpeak_block_sum(acc);
     if (threadIdx.x == 0) out[r] = (float)acc;
+}
+
+// The entry points, one per instantiation (C linkage: NVRTC and the emulator look them up by
+// name). An f32 layer: no suffix; a bf16 layer: `_bf16` (scatter-add of bf16 rows into f32
+// accumulators) and `_bf16_bf16` (into bf16 rows).
+extern "C" __global__ void llep_gather_rows(const float* __restrict__ src, const unsigned* __restrict__ index,
+                                        const float* __restrict__ scale, unsigned rows, unsigned width,
+                                        float* __restrict__ dst) {
+    llep_gather_rows_impl(src, index, scale, rows, width, dst);
+}
+extern "C" __global__ void llep_swiglu(const float* __restrict__ gate, const float* __restrict__ up,
+                                   unsigned long long n, float* __restrict__ h) {
+    llep_swiglu_impl(gate, up, n, h);
+}
+extern "C" __global__ void llep_swiglu_backward(float* __restrict__ gate, float* __restrict__ up,
+                                            const float* __restrict__ dh, unsigned long long n) {
+    llep_swiglu_backward_impl(gate, up, dh, n);
+}
+extern "C" __global__ void llep_row_dot(const float* __restrict__ a, const float* __restrict__ b, unsigned width,
+                                    float* __restrict__ out) {
+    llep_row_dot_impl(a, b, width, out);
+}
+extern "C" __global__ void llep_scatter_add_rows(const float* __restrict__ src, const unsigned* __restrict__ index,
+                                             const float* __restrict__ scale, unsigned rows, unsigned width,
+                                             float* __restrict__ acc) {
+    llep_scatter_add_rows_impl(src, index, scale, rows, width, acc);
+}
+
+extern "C" __global__ void llep_gather_rows_bf16(const __nv_bfloat16* __restrict__ src, const unsigned* __restrict__ index,
+                                        const float* __restrict__ scale, unsigned rows, unsigned width,
+                                        __nv_bfloat16* __restrict__ dst) {
+    llep_gather_rows_impl(src, index, scale, rows, width, dst);
+}
+extern "C" __global__ void llep_swiglu_bf16(const __nv_bfloat16* __restrict__ gate, const __nv_bfloat16* __restrict__ up,
+                                   unsigned long long n, __nv_bfloat16* __restrict__ h) {
+    llep_swiglu_impl(gate, up, n, h);
+}
+extern "C" __global__ void llep_swiglu_backward_bf16(__nv_bfloat16* __restrict__ gate, __nv_bfloat16* __restrict__ up,
+                                            const __nv_bfloat16* __restrict__ dh, unsigned long long n) {
+    llep_swiglu_backward_impl(gate, up, dh, n);
+}
+extern "C" __global__ void llep_row_dot_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b, unsigned width,
+                                    float* __restrict__ out) {
+    llep_row_dot_impl(a, b, width, out);
+}
+extern "C" __global__ void llep_scatter_add_rows_bf16(const __nv_bfloat16* __restrict__ src, const unsigned* __restrict__ index,
+                                             const float* __restrict__ scale, unsigned rows, unsigned width,
+                                             float* __restrict__ acc) {
+    llep_scatter_add_rows_impl(src, index, scale, rows, width, acc);
+}
+extern "C" __global__ void llep_scatter_add_rows_bf16_bf16(const __nv_bfloat16* __restrict__ src, const unsigned* __restrict__ index,
+                                             const float* __restrict__ scale, unsigned rows, unsigned width,
+                                             __nv_bfloat16* __restrict__ acc) {
+    llep_scatter_add_rows_impl(src, index, scale, rows, width, acc);
 }

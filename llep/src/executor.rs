@@ -200,11 +200,10 @@ fn cuda_available(ordinal: usize) -> Result<()> {
 #[cfg(feature = "cuda")]
 mod on_cuda {
     use flatpeak_common::Device;
-    use flatpeak_common::cuda::cudarc::driver::CudaSlice;
     use flatpeak_common::nccl::DeviceCommunicator;
 
     use super::Executor;
-    use crate::cuda::CudaOps;
+    use crate::cuda::{CudaBuf, CudaOps};
     use crate::device::{self, DeviceGradients, DeviceInputs};
     use crate::error::Result;
     use crate::plan::Pass;
@@ -222,25 +221,27 @@ mod on_cuda {
         }
 
         /// [`forward`](Executor::forward) of device tensors on this executor's CUDA device
-        /// (`ops` on the rank's NCCL communicator); y stays on the device.
+        /// (`ops` on the rank's NCCL communicator): x and the expert weights in the plan's
+        /// dtype (f32 or bf16, [`CudaBuf`]); y (f32) stays on the device.
         pub fn forward_cuda<C: DeviceCommunicator>(
             &mut self,
             ops: &CudaOps<'_, C>,
             schedule: &Schedule,
-            inputs: &DeviceInputs<'_, CudaSlice<f32>>,
-        ) -> Result<CudaSlice<f32>> {
+            inputs: &DeviceInputs<'_, CudaBuf>,
+        ) -> Result<CudaBuf> {
             let ws = self.cuda_workspace(ops, schedule, Pass::Forward)?;
             device::forward(ops, ws, schedule, inputs)
         }
 
-        /// [`backward`](Executor::backward) of device tensors; the gradients stay on the device.
+        /// [`backward`](Executor::backward) of device tensors (dY in the plan's dtype); the
+        /// gradients (f32) stay on the device.
         pub fn backward_cuda<C: DeviceCommunicator>(
             &mut self,
             ops: &CudaOps<'_, C>,
             schedule: &Schedule,
-            inputs: &DeviceInputs<'_, CudaSlice<f32>>,
-            dy: &CudaSlice<f32>,
-        ) -> Result<DeviceGradients<CudaSlice<f32>>> {
+            inputs: &DeviceInputs<'_, CudaBuf>,
+            dy: &CudaBuf,
+        ) -> Result<DeviceGradients<CudaBuf>> {
             let ws = self.cuda_workspace(ops, schedule, Pass::Backward)?;
             device::backward(ops, ws, schedule, inputs, dy)
         }

@@ -4,16 +4,23 @@
 use flatpeak_common::kernels::{BLOCK_REDUCE, KernelSource};
 
 /// `kernels/llep.cu`: row gather (pack, expand, δ = w·dY), ordered scatter-add (combine, return),
-/// SwiGLU forward and backward, and per-row dot products (routing-weight gradients).
+/// SwiGLU forward and backward, and per-row dot products (routing-weight gradients), each for
+/// an f32 layer and (suffix `_bf16`) a bf16 one.
 pub const LLEP: KernelSource = KernelSource {
     name: "llep",
     source: include_str!("../kernels/llep.cu"),
     entry_points: &[
         "llep_gather_rows",
-        "llep_scatter_add_rows",
         "llep_swiglu",
         "llep_swiglu_backward",
         "llep_row_dot",
+        "llep_scatter_add_rows",
+        "llep_gather_rows_bf16",
+        "llep_swiglu_bf16",
+        "llep_swiglu_backward_bf16",
+        "llep_row_dot_bf16",
+        "llep_scatter_add_rows_bf16",
+        "llep_scatter_add_rows_bf16_bf16",
     ],
     headers: &[BLOCK_REDUCE],
 };

@@ -31,8 +31,10 @@
 //! A plan with `dtype: DType::Bf16` runs on bf16 tokens, weights and dY ([`Element`]): the
 //! dispatch rows and the expert scratch are bf16 (their bytes halve), the GEMMs multiply bf16
 //! with f32 accumulation, and the output and every gradient are f32; its errors stay within
-//! twice those of the naive bf16 layer ([`cpu::reference::naive_bf16_forward`]) + 1e-2. The
-//! CPU backend runs it; the emulated and CUDA backends return [`Error::UnsupportedDtype`].
+//! twice those of the naive bf16 layer ([`cpu::reference::naive_bf16_forward`]) + 1e-2. Every
+//! backend runs it: the CPU (AMX or AVX512-BF16 GEMMs where the CPU has them), the emulator
+//! (the `_bf16` instantiations of `kernels/llep.cu`) and CUDA (those kernels and cuBLAS
+//! `GemmEx` on the bf16 buffers in place, tensor cores with f32 accumulation).
 //!
 //! The round schedule is written once ([`device`], over the [`device::DeviceOps`] a backend
 //! offers) and an [`Executor`] runs it on the backend its [`Device`] names: [`Device::Cpu`] —

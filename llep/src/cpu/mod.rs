@@ -13,7 +13,7 @@
 //! Reproducible: fixed round, destination, expert and row orders, and the CPU GEMM is bitwise
 //! identical for any thread count.
 
-mod elem;
+pub(crate) mod elem;
 mod ops;
 pub mod reference;
 mod saved;

@@ -17,7 +17,7 @@ use flatpeak_common::{Communicator, CommunicatorExt, DType, Workspace};
 use half::bf16;
 
 use super::elem::{self, View, ViewMut, mismatch};
-use crate::device::{DeviceOps, GemmDims, Operand, Orientation, need};
+use crate::device::{DeviceOps, GemmDims, Operand, Orientation, need, same_type};
 use crate::error::{Error, Result};
 
 /// A host buffer of the CPU backend: f32, or bf16 (the storage type of a bf16 layer).
@@ -213,24 +213,7 @@ fn zeros(len: usize) -> Vec<f32> {
     v
 }
 
-/// Dispatches `$body` on the element type shared by the views, binding each to its slice;
-/// views of different types are [`Error::DtypeMismatch`] naming `$what`.
-macro_rules! same_type {
-    ($what:expr; $($v:ident),+ => $body:expr) => {{
-        let found = [$($v.dtype()),+];
-        match ($($v),+) {
-            ($(ElemRef::F32($v)),+) => $body,
-            ($(ElemRef::Bf16($v)),+) => $body,
-            #[allow(unreachable_patterns)]
-            _ => {
-                let other = found.iter().copied().find(|&d| d != found[0]).unwrap_or(found[0]);
-                return Err(mismatch($what, found[0], other));
-            }
-        }
-    }};
-}
-
-/// A read-only or writable view, so [`same_type!`] matches both kinds at once.
+/// A read-only or writable view, so `same_type!` matches both kinds at once.
 enum ElemRef<F, B> {
     F32(F),
     Bf16(B),
@@ -381,7 +364,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
     ) -> Result<()> {
         let from = slice("copy source", src, src_at, len)?;
         let to = slice_mut("copy destination", dst, dst_at, len)?;
-        same_type!("copy (source and destination)"; from, to => to.copy_from_slice(from));
+        same_type!(ElemRef, "copy (source and destination)"; from, to => to.copy_from_slice(from));
         Ok(())
     }
 
@@ -402,7 +385,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         let src = slice("gather src", src, 0, src.len())?;
         let dst = slice_mut("gather dst (rows·width)", dst, 0, rows * width)?;
         let scale = scale_of("gather scale (rows)", scale, rows)?;
-        same_type!("gather_rows (src and dst)"; src, dst => elem::gather(src, index, scale, width, dst));
+        same_type!(ElemRef, "gather_rows (src and dst)"; src, dst => elem::gather(src, index, scale, width, dst));
         Ok(())
     }
 
@@ -442,7 +425,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
     fn swiglu(&self, gate: &HostBuf<'w>, up: &HostBuf<'w>, n: usize, h: &mut HostBuf<'w>) -> Result<()> {
         let (g, u) = (slice("swiglu gate", gate, 0, n)?, slice("swiglu up", up, 0, n)?);
         let h = slice_mut("swiglu h", h, 0, n)?;
-        same_type!("swiglu (gate, up and h)"; g, u, h => elem::swiglu(g, u, h));
+        same_type!(ElemRef, "swiglu (gate, up and h)"; g, u, h => elem::swiglu(g, u, h));
         Ok(())
     }
 
@@ -456,7 +439,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         let dh = slice("swiglu_backward dh", dh, 0, n)?;
         let g = slice_mut("swiglu_backward gate", gate, 0, n)?;
         let u = slice_mut("swiglu_backward up", up, 0, n)?;
-        same_type!("swiglu_backward (gate, up and dh)"; g, u, dh => elem::swiglu_backward(g, u, dh));
+        same_type!(ElemRef, "swiglu_backward (gate, up and dh)"; g, u, dh => elem::swiglu_backward(g, u, dh));
         Ok(())
     }
 
@@ -474,7 +457,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         let a = slice("row_dot a", a, 0, rows * width)?;
         let b = slice("row_dot b", b, 0, rows * width)?;
         let out = span_mut("row_dot out (rows)", out.as_mut_slice()?, 0, rows)?;
-        same_type!("row_dot (a and b)"; a, b => elem::row_dot(a, b, width, out));
+        same_type!(ElemRef, "row_dot (a and b)"; a, b => elem::row_dot(a, b, width, out));
         Ok(())
     }
 
@@ -516,7 +499,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         let (ns, nr) = (send_counts.iter().sum(), recv_counts.iter().sum());
         let send = slice("all_to_all_v send elements", send, send_at, ns)?;
         let recv = slice_mut("all_to_all_v recv elements", recv, recv_at, nr)?;
-        same_type!("all_to_all_v (send and recv)"; send, recv =>
+        same_type!(ElemRef, "all_to_all_v (send and recv)"; send, recv =>
             self.comm.all_to_all_v(send, send_counts, recv, recv_counts)?);
         Ok(())
     }

@@ -1,14 +1,18 @@
-//! [`DeviceOps`] on the host (feature `cuda-emu`): buffers are zeroed `Vec`s, the kernels run under
-//! the SIMT emulator ([`crate::emu`]: the same `.cu` source, both thread schedules, a race is an
-//! error), the GEMM is the CPU one ([`flatpeak_common::gemm::matmul`], bitwise identical for any
-//! thread count) and all-to-all goes through a host [`Communicator`] (e.g. a
-//! [`flatpeak_common::LocalGroup`] rank). It runs the device schedule exactly as a GPU would,
-//! so the schedule is tested without one.
+//! [`DeviceOps`] on the host (feature `cuda-emu`): buffers are zeroed `Vec`s of f32 or bf16
+//! ([`EmuBuf`]), the kernels run under the SIMT emulator ([`crate::emu`]: the same `.cu` source
+//! and instantiations, both thread schedules, a race is an error), the GEMM is the CPU one
+//! ([`flatpeak_common::gemm::matmul`], bitwise identical for any thread count; for bf16 operands
+//! the CPU's bf16 GEMM with f32 accumulation, as [`crate::cpu::HostOps`] runs it) and all-to-all
+//! goes through a host [`Communicator`] (e.g. a [`flatpeak_common::LocalGroup`] rank). It runs
+//! the device schedule exactly as a GPU would, so the schedule is tested without one.
 
 use flatpeak_common::gemm::{Accumulate, Threads};
+use flatpeak_common::gemm_bf16::Bf16Kernel;
 use flatpeak_common::{Communicator, CommunicatorExt, DType};
+use half::bf16;
 
-use super::{DeviceOps, GemmDims, Operand, need};
+use super::{DeviceOps, GemmDims, Operand, need, same_type};
+use crate::cpu::elem::{ViewMut, gemm_bf16, mismatch};
 use crate::cpu::{host_gemm, span, span_mut};
 use crate::emu;
 use crate::error::{Error, Result};
@@ -24,10 +28,64 @@ impl<'c, C: Communicator + ?Sized> EmuOps<'c, C> {
     pub fn new(comm: &'c C) -> Self {
         Self { comm }
     }
+
+    /// A new bf16 buffer holding `host` (a bf16 layer's tokens, expert weights and dY).
+    pub fn upload_bf16(&self, host: &[bf16]) -> Result<EmuBuf> {
+        Ok(EmuBuf::Bf16(if host.is_empty() { vec![bf16::ZERO] } else { host.to_vec() }))
+    }
+}
+
+/// A buffer of the emulated device: f32 or bf16 elements.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EmuBuf {
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// bf16 elements.
+    Bf16(Vec<bf16>),
+}
+
+impl EmuBuf {
+    /// Elements it holds.
+    pub fn len(&self) -> usize {
+        match self {
+            EmuBuf::F32(v) => v.len(),
+            EmuBuf::Bf16(v) => v.len(),
+        }
+    }
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Its element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            EmuBuf::F32(_) => DType::F32,
+            EmuBuf::Bf16(_) => DType::Bf16,
+        }
+    }
+    /// Its f32 elements, or [`Error::DtypeMismatch`] naming `what`.
+    fn f32s(&self, what: &'static str) -> Result<&[f32]> {
+        match self {
+            EmuBuf::F32(v) => Ok(v),
+            EmuBuf::Bf16(_) => Err(mismatch(what, DType::F32, DType::Bf16)),
+        }
+    }
+    /// Its f32 elements, writable, or [`Error::DtypeMismatch`] naming `what`.
+    fn f32s_mut(&mut self, what: &'static str) -> Result<&mut [f32]> {
+        match self {
+            EmuBuf::F32(v) => Ok(v),
+            EmuBuf::Bf16(_) => Err(mismatch(what, DType::F32, DType::Bf16)),
+        }
+    }
+}
+
+/// The routing-weight scale of a gather or scatter: f32.
+fn scale_of<'a>(what: &'static str, scale: Option<&'a EmuBuf>) -> Result<Option<&'a [f32]>> {
+    scale.map(|s| s.f32s(what)).transpose()
 }
 
 impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
-    type Buf = Vec<f32>;
+    type Buf = EmuBuf;
     type Index = Vec<u32>;
 
     fn rank(&self) -> usize {
@@ -38,27 +96,32 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
         self.comm.world_size()
     }
 
-    fn alloc(&self, len: usize, dtype: DType) -> Result<Vec<f32>> {
-        if dtype != DType::F32 {
-            return Err(Error::UnsupportedDtype { dtype, backend: "the emulated device", supported: "f32" });
+    fn alloc(&self, len: usize, dtype: DType) -> Result<EmuBuf> {
+        match dtype {
+            DType::F32 => Ok(EmuBuf::F32(vec![0.0; len.max(1)])),
+            DType::Bf16 => Ok(EmuBuf::Bf16(vec![bf16::ZERO; len.max(1)])),
+            other => Err(Error::UnsupportedDtype {
+                dtype: other,
+                backend: "the emulated device",
+                supported: "f32, bf16",
+            }),
         }
-        Ok(vec![0.0; len.max(1)])
     }
 
     fn alloc_index(&self, len: usize) -> Result<Vec<u32>> {
         Ok(vec![0; len.max(1)])
     }
 
-    fn buf_len(&self, buf: &Vec<f32>) -> usize {
+    fn buf_len(&self, buf: &EmuBuf) -> usize {
         buf.len()
     }
 
-    fn buf_dtype(&self, _: &Vec<f32>) -> DType {
-        DType::F32
+    fn buf_dtype(&self, buf: &EmuBuf) -> DType {
+        buf.dtype()
     }
 
-    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
-        Ok(if host.is_empty() { vec![0.0] } else { host.to_vec() })
+    fn upload(&self, host: &[f32]) -> Result<EmuBuf> {
+        Ok(EmuBuf::F32(if host.is_empty() { vec![0.0] } else { host.to_vec() }))
     }
 
     fn write_index(&self, host: &[u32], dst: &mut Vec<u32>) -> Result<()> {
@@ -66,120 +129,153 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
         Ok(())
     }
 
-    fn write(&self, host: &[f32], dst: &mut Vec<f32>) -> Result<()> {
-        span_mut("buffer", dst, 0, host.len())?.copy_from_slice(host);
+    fn write(&self, host: &[f32], dst: &mut EmuBuf) -> Result<()> {
+        span_mut("buffer", dst.f32s_mut("write (an f32 buffer)")?, 0, host.len())?.copy_from_slice(host);
         Ok(())
     }
 
-    fn download(&self, src: &Vec<f32>, len: usize) -> Result<Vec<f32>> {
-        Ok(span("download", src, 0, len)?.to_vec())
+    fn download(&self, src: &EmuBuf, len: usize) -> Result<Vec<f32>> {
+        Ok(span("download", src.f32s("download (an f32 buffer)")?, 0, len)?.to_vec())
     }
 
     fn download_index(&self, src: &Vec<u32>, len: usize) -> Result<Vec<u32>> {
         Ok(span("index download", src, 0, len)?.to_vec())
     }
 
-    fn zero(&self, dst: &mut Vec<f32>, len: usize) -> Result<()> {
-        span_mut("zero fill", dst, 0, len)?.fill(0.0);
+    fn zero(&self, dst: &mut EmuBuf, len: usize) -> Result<()> {
+        match dst {
+            EmuBuf::F32(v) => span_mut("zero fill", v, 0, len)?.fill(0.0),
+            EmuBuf::Bf16(v) => span_mut("zero fill", v, 0, len)?.fill(bf16::ZERO),
+        }
         Ok(())
     }
 
     fn copy(
         &self,
-        (src, src_at): (&Vec<f32>, usize),
-        (dst, dst_at): (&mut Vec<f32>, usize),
+        (src, src_at): (&EmuBuf, usize),
+        (dst, dst_at): (&mut EmuBuf, usize),
         len: usize,
     ) -> Result<()> {
-        let from = span("copy source", src, src_at, len)?;
-        span_mut("copy destination", dst, dst_at, len)?.copy_from_slice(from);
+        same_type!(EmuBuf, "copy (source and destination)"; src, dst => {
+            let from = span("copy source", src, src_at, len)?;
+            span_mut("copy destination", dst, dst_at, len)?.copy_from_slice(from);
+        });
         Ok(())
     }
 
     fn gather_rows(
         &self,
-        src: &Vec<f32>,
+        src: &EmuBuf,
         index: &Vec<u32>,
         rows: usize,
-        scale: Option<&Vec<f32>>,
+        scale: Option<&EmuBuf>,
         width: usize,
-        dst: &mut Vec<f32>,
+        dst: &mut EmuBuf,
     ) -> Result<()> {
         if rows == 0 || width == 0 {
             return Ok(());
         }
         let index = span("gather index (rows)", index, 0, rows)?;
-        emu::gather_rows(src, index, scale.map(Vec::as_slice), width, dst)
+        let scale = scale_of("gather scale (f32)", scale)?;
+        same_type!(EmuBuf, "gather_rows (src and dst)"; src, dst => emu::gather_rows(src, index, scale, width, dst))
     }
 
     fn scatter_add_rows(
         &self,
-        src: &Vec<f32>,
+        src: &EmuBuf,
         index: &Vec<u32>,
         rows: usize,
-        scale: Option<&Vec<f32>>,
+        scale: Option<&EmuBuf>,
         width: usize,
-        acc: &mut Vec<f32>,
+        acc: &mut EmuBuf,
     ) -> Result<()> {
         if rows == 0 || width == 0 {
             return Ok(());
         }
         let index = span("scatter index (rows)", index, 0, rows)?;
-        emu::scatter_add_rows(src, index, scale.map(Vec::as_slice), width, acc)
+        let scale = scale_of("scatter scale (f32)", scale)?;
+        match (src, acc) {
+            (EmuBuf::F32(s), EmuBuf::F32(a)) => emu::scatter_add_rows(s, index, scale, width, a),
+            (EmuBuf::Bf16(s), EmuBuf::F32(a)) => emu::scatter_add_rows(s, index, scale, width, a),
+            (EmuBuf::Bf16(s), EmuBuf::Bf16(a)) => emu::scatter_add_rows(s, index, scale, width, a),
+            (EmuBuf::F32(_), EmuBuf::Bf16(_)) => {
+                Err(mismatch("scatter_add_rows acc (at least as wide as src)", DType::F32, DType::Bf16))
+            }
+        }
     }
 
-    fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, n: usize, h: &mut Vec<f32>) -> Result<()> {
+    fn swiglu(&self, gate: &EmuBuf, up: &EmuBuf, n: usize, h: &mut EmuBuf) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        emu::swiglu(gate, up, span_mut("swiglu h", h, 0, n)?)
+        same_type!(EmuBuf, "swiglu (gate, up and h)"; gate, up, h =>
+            emu::swiglu(gate, up, span_mut("swiglu h", h, 0, n)?))
     }
 
-    fn swiglu_backward(&self, gate: &mut Vec<f32>, up: &mut Vec<f32>, dh: &Vec<f32>, n: usize) -> Result<()> {
+    fn swiglu_backward(&self, gate: &mut EmuBuf, up: &mut EmuBuf, dh: &EmuBuf, n: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        emu::swiglu_backward(gate, up, span("swiglu_backward dh", dh, 0, n)?)
+        same_type!(EmuBuf, "swiglu_backward (gate, up and dh)"; gate, up, dh =>
+            emu::swiglu_backward(gate, up, span("swiglu_backward dh", dh, 0, n)?))
     }
 
-    fn row_dot(
-        &self,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        rows: usize,
-        width: usize,
-        out: &mut Vec<f32>,
-    ) -> Result<()> {
+    fn row_dot(&self, a: &EmuBuf, b: &EmuBuf, rows: usize, width: usize, out: &mut EmuBuf) -> Result<()> {
         if rows == 0 {
             return Ok(());
         }
-        emu::row_dot(a, b, width, span_mut("row_dot out (rows)", out, 0, rows)?)
+        let out = span_mut("row_dot out (rows)", out.f32s_mut("row_dot out (f32)")?, 0, rows)?;
+        same_type!(EmuBuf, "row_dot (a and b)"; a, b => emu::row_dot(a, b, width, out))
     }
 
     fn gemm(
         &self,
         dims: GemmDims,
-        a: Operand<'_, Vec<f32>>,
-        b: Operand<'_, Vec<f32>>,
-        c: &mut Vec<f32>,
+        a: Operand<'_, EmuBuf>,
+        b: Operand<'_, EmuBuf>,
+        c: &mut EmuBuf,
         c_offset: usize,
         accumulate: Accumulate,
     ) -> Result<()> {
-        let (a, b) =
-            ((a.buf.as_slice(), a.offset, a.orientation), (b.buf.as_slice(), b.offset, b.orientation));
-        host_gemm(dims, (a, b), (c, c_offset), accumulate, Threads::All)
+        match (a.buf, b.buf) {
+            (EmuBuf::F32(x), EmuBuf::F32(y)) => {
+                let (x, y) =
+                    ((x.as_slice(), a.offset, a.orientation), (y.as_slice(), b.offset, b.orientation));
+                host_gemm(
+                    dims,
+                    (x, y),
+                    (c.f32s_mut("gemm C of f32 operands")?, c_offset),
+                    accumulate,
+                    Threads::All,
+                )
+            }
+            (EmuBuf::Bf16(x), EmuBuf::Bf16(y)) => {
+                let (x, y) =
+                    ((x.as_slice(), a.offset, a.orientation), (y.as_slice(), b.offset, b.orientation));
+                let c = match c {
+                    EmuBuf::F32(v) => ViewMut::F32(v),
+                    EmuBuf::Bf16(v) => ViewMut::Bf16(v),
+                };
+                gemm_bf16(dims, (x, y), (c, c_offset), accumulate, (Threads::All, Bf16Kernel::Detect))
+            }
+            (x, y) => Err(mismatch("gemm operands A and B", x.dtype(), y.dtype())),
+        }
     }
 
     fn all_to_all_v(
         &self,
-        (send, send_at): (&Vec<f32>, usize),
+        (send, send_at): (&EmuBuf, usize),
         send_counts: &[usize],
-        (recv, recv_at): (&mut Vec<f32>, usize),
+        (recv, recv_at): (&mut EmuBuf, usize),
         recv_counts: &[usize],
     ) -> Result<()> {
         let (ns, nr) = (send_counts.iter().sum(), recv_counts.iter().sum());
-        let send = span("all_to_all_v send elements", send, send_at, ns)?;
-        let recv = span_mut("all_to_all_v recv elements", recv, recv_at, nr)?;
-        Ok(self.comm.all_to_all_v(send, send_counts, recv, recv_counts)?)
+        same_type!(EmuBuf, "all_to_all_v (send and recv)"; send, recv => {
+            let send = span("all_to_all_v send elements", send, send_at, ns)?;
+            let recv = span_mut("all_to_all_v recv elements", recv, recv_at, nr)?;
+            self.comm.all_to_all_v(send, send_counts, recv, recv_counts)?
+        });
+        Ok(())
     }
 
     fn all_to_all_v_index(

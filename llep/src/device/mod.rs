@@ -340,6 +340,26 @@ pub struct Store<'s, B> {
     pub route_start: &'s mut [u32],
 }
 
+/// Runs `$body` with each named buffer — a value of `$ty`, an enum of one variant per element
+/// type (`F32`, `Bf16`) with a `dtype()` — bound to its elements when all hold one type; else
+/// returns [`Error::DtypeMismatch`] naming `$what` (never a reinterpretation). The dispatch of
+/// every backend's typed buffers.
+macro_rules! same_type {
+    ($ty:ident, $what:expr; $($v:ident),+ => $body:expr) => {{
+        let found = [$($v.dtype()),+];
+        match ($($v),+) {
+            ($($ty::F32($v)),+) => $body,
+            ($($ty::Bf16($v)),+) => $body,
+            #[allow(unreachable_patterns)]
+            _ => {
+                let other = found.iter().copied().find(|&d| d != found[0]).unwrap_or(found[0]);
+                return Err($crate::error::Error::DtypeMismatch { what: $what, expected: found[0], found: other });
+            }
+        }
+    }};
+}
+pub(crate) use same_type;
+
 /// `found ≥ expected`, or [`Error::ShapeMismatch`] naming `what`: the length check every
 /// implementation runs before touching a buffer.
 pub fn need(what: &'static str, expected: usize, found: usize) -> Result<()> {

@@ -163,3 +163,43 @@ pub fn launch_bytes(config: &Config, shape: &Shape) -> usize {
 pub fn small_config(scheme: Scheme) -> Config {
     Config::with_scheme(scheme).min_chunk(4).pair_cap(llep::PairCap::Rows(3)).foreign_slots(2)
 }
+
+/// One rank's forward and backward on a device backend (`ops`), y and the gradients
+/// downloaded: with `saving`, the saving forward and the backward from its store (kept in the
+/// inputs' dtype), else the checkpointed passes. Returns them with the host workspace's
+/// high-water mark.
+#[cfg(any(feature = "cuda-emu", feature = "cuda"))]
+pub fn device_pass<O: llep::device::DeviceOps>(
+    ops: &O,
+    (plan, me, shape): (&Schedule, usize, Shape),
+    dev: &llep::device::DeviceInputs<'_, O::Buf>,
+    dy: &O::Buf,
+    saving: bool,
+) -> llep::Result<(Vec<f32>, Gradients, usize)> {
+    use llep::device::{self, Store};
+    use llep::plan::RouteMeta;
+    let bytes = [Pass::Forward, Pass::Backward].map(|p| plan.buffers(me, p).host_workspace_bytes());
+    let mut host = flatpeak_common::Workspace::new(bytes[0].max(bytes[1]))?;
+    let (y, grads) = if saving {
+        let dtype = ops.buf_dtype(dev.x);
+        let (rows, routes) = (plan.recv_rows_total(me), plan.assignment().rank_load(me));
+        let (mut sx, mut sg, mut su) = (
+            ops.alloc(rows * shape.hidden, dtype)?,
+            ops.alloc(routes * shape.intermediate, dtype)?,
+            ops.alloc(routes * shape.intermediate, dtype)?,
+        );
+        let (mut meta, mut starts) =
+            (vec![RouteMeta::EMPTY; rows * shape.top_k], vec![0u32; plan.rounds() + 1]);
+        let mut store =
+            Store { x: &mut sx, meta: &mut meta, gate: &mut sg, up: &mut su, route_start: &mut starts };
+        let y = device::forward_saving(ops, &host, plan, dev, &mut store)?;
+        host.reset();
+        (y, device::backward_saved(ops, &host, plan, dev, dy, &mut store)?)
+    } else {
+        let y = device::forward(ops, &host, plan, dev)?;
+        host.reset();
+        (y, device::backward(ops, &host, plan, dev, dy)?)
+    };
+    let y = ops.download(&y, shape.tokens * shape.hidden)?;
+    Ok((y, grads.download(ops)?, host.high_water()))
+}

@@ -1,0 +1,133 @@
+//! The CUDA backend's buffers: [`CudaBuf`] (f32 or bf16 elements) and [`CudaIndex`] (u32 with
+//! a host mirror for the row-index checks), and the checked views every operation takes.
+
+use flatpeak_common::DType;
+use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use half::bf16;
+
+use crate::device::need;
+use crate::error::{Error, Result};
+
+pub(super) fn view<'a, T>(
+    what: &'static str,
+    s: &'a CudaSlice<T>,
+    at: usize,
+    len: usize,
+) -> Result<CudaView<'a, T>> {
+    need(what, at + len, s.len())?;
+    s.try_slice(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: s.len() })
+}
+
+pub(super) fn view_mut<'a, T>(
+    what: &'static str,
+    s: &'a mut CudaSlice<T>,
+    at: usize,
+    len: usize,
+) -> Result<CudaViewMut<'a, T>> {
+    let found = s.len();
+    need(what, at + len, found)?;
+    s.try_slice_mut(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: found })
+}
+
+/// A buffer on the CUDA device: f32 or bf16 elements (a bf16 layer's tokens, expert weights,
+/// dY, dispatch rows and expert scratch; everything else f32).
+#[derive(Debug)]
+pub enum CudaBuf {
+    /// f32 elements.
+    F32(CudaSlice<f32>),
+    /// bf16 elements.
+    Bf16(CudaSlice<bf16>),
+}
+
+impl CudaBuf {
+    /// Elements it holds.
+    pub fn len(&self) -> usize {
+        match self {
+            CudaBuf::F32(s) => s.len(),
+            CudaBuf::Bf16(s) => s.len(),
+        }
+    }
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Its element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            CudaBuf::F32(_) => DType::F32,
+            CudaBuf::Bf16(_) => DType::Bf16,
+        }
+    }
+    /// Its f32 slice, or [`Error::DtypeMismatch`] naming `what`.
+    pub fn as_f32(&self, what: &'static str) -> Result<&CudaSlice<f32>> {
+        match self {
+            CudaBuf::F32(s) => Ok(s),
+            CudaBuf::Bf16(_) => Err(Error::DtypeMismatch { what, expected: DType::F32, found: DType::Bf16 }),
+        }
+    }
+    /// Its f32 slice, writable, or [`Error::DtypeMismatch`] naming `what`.
+    pub fn as_f32_mut(&mut self, what: &'static str) -> Result<&mut CudaSlice<f32>> {
+        match self {
+            CudaBuf::F32(s) => Ok(s),
+            CudaBuf::Bf16(_) => Err(Error::DtypeMismatch { what, expected: DType::F32, found: DType::Bf16 }),
+        }
+    }
+}
+
+impl From<CudaSlice<f32>> for CudaBuf {
+    fn from(s: CudaSlice<f32>) -> Self {
+        CudaBuf::F32(s)
+    }
+}
+
+impl From<CudaSlice<bf16>> for CudaBuf {
+    fn from(s: CudaSlice<bf16>) -> Self {
+        CudaBuf::Bf16(s)
+    }
+}
+
+/// The routing-weight scale of a gather or scatter (f32), or none.
+pub(super) fn scale_of<'a>(
+    what: &'static str,
+    scale: Option<&'a CudaBuf>,
+    rows: usize,
+) -> Result<Option<&'a CudaSlice<f32>>> {
+    let Some(s) = scale else { return Ok(None) };
+    let s = s.as_f32(what)?;
+    need(what, rows, s.len())?;
+    Ok(Some(s))
+}
+
+/// The entry point of kernel `f32_name` for buffers of `dtype`: its `_bf16` instantiation for
+/// bf16.
+pub(super) fn entry(f32_name: &'static str, bf16_name: &'static str, dtype: DType) -> &'static str {
+    if dtype == DType::Bf16 { bf16_name } else { f32_name }
+}
+
+/// A device buffer of u32 with a host mirror of its entries while they are known on the host
+/// (written by [`DeviceOps::write_index`](crate::device::DeviceOps::write_index)); `None` after a device-side write (all-to-all).
+#[derive(Debug)]
+pub struct CudaIndex {
+    pub(super) dev: CudaSlice<u32>,
+    pub(super) host: Option<Vec<u32>>,
+}
+
+impl CudaIndex {
+    /// Checks that the first `rows` entries are known and each is below `bound`.
+    pub(super) fn check_rows(&self, rows: usize, bound: usize) -> Result<()> {
+        need("index buffer (rows)", rows, self.dev.len())?;
+        let host = self.host.as_ref().ok_or(Error::ScheduleMismatch {
+            what: "row indices written on the device (not checkable before a launch)",
+            planned: rows,
+            found: 0,
+        })?;
+        match host.get(..rows).and_then(|h| h.iter().find(|&&i| i as usize >= bound)) {
+            Some(&i) => Err(Error::ShapeMismatch {
+                what: "row index (rows of src)",
+                expected: bound,
+                got: i as usize + 1,
+            }),
+            None => need("index mirror (rows)", rows, host.len()),
+        }
+    }
+}
