@@ -109,7 +109,8 @@ fn rings(c: &mut Criterion) {
 /// materialized-logits shape, gradient in place), 1024 and 256 tokens over the whole vocabulary
 /// (fused: 3 GEMMs; also 1024 called as forward then backward: 4 GEMMs), vocabulary blocks
 /// within an 8 MiB budget (4 GEMMs); bf16 inputs under the default precision (tensor cores) and
-/// under `Precision::F32` (widened, SGEMM). Throughput is in GEMM FLOPs per second, so an f32
+/// under `Precision::F32` (widened, SGEMM); f32 inputs under `Precision::Tf32` (tensor cores,
+/// not exact: its ratio to the SGEMM probe shows what TF32 buys). Throughput is in GEMM FLOPs per second, so an f32
 /// row's ratio to the SGEMM probe, and a `bf16_native` row's to the bf16 probe, is its
 /// `gemm_efficiency` on this device; each row prints its plan's block bytes.
 #[cfg(feature = "cuda")]
@@ -192,8 +193,13 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
         ("bf16_native_1024_tokens_fused", blocks(1024, v, DType::Bf16), Call::Fused),
         ("bf16_native_1024_tokens_separate", blocks(1024, v, DType::Bf16), Call::Separate),
         ("bf16_f32gemms_1024_tokens_fused", widened(1024), Call::Fused),
+        ("f32_tf32_1024_tokens_fused", blocks(1024, v, DType::F32), Call::Fused),
     ] {
-        let config = if name.contains("f32gemms") { f32_gemms } else { config };
+        let config = match name {
+            n if n.contains("f32gemms") => f32_gemms,
+            n if n.contains("tf32") => config.precision(Precision::Tf32),
+            _ => config,
+        };
         let mut lce = CudaLinearCrossEntropy::new(config, plan, 0).expect("device");
         let s = lce.stream().clone();
         let td = s.clone_htod(&targets).expect("t");

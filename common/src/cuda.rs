@@ -96,6 +96,22 @@ where
     unsafe { blas.gemm(cfg, a, b, c) }.map_err(cuda_error("cublasSgemm"))
 }
 
+/// Puts `blas` in TF32 tensor-op math (`CUBLAS_TF32_TENSOR_OP_MATH`): its f32 GEMMs ([`sgemm`])
+/// then round their operands to TF32 and run on tensor cores, summing in f32 — faster and not
+/// exact ([`Precision::Tf32`](crate::Precision::Tf32)). For a handle of its own: the mode stays
+/// for every later GEMM on it.
+pub fn tf32_math(blas: &cudarc::cublas::CudaBlas) -> Result<()> {
+    use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode, cublasStatus_t};
+    // SAFETY: `blas.handle()` is a live cuBLAS handle (CudaBlas owns it until it drops, after
+    // this call); setting its math mode touches no memory of ours.
+    let status = unsafe { cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH) };
+    if status == cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda { op: "cublasSetMathMode(TF32)", message: format!("{status:?}") })
+    }
+}
+
 /// The element type of a [`gemm_bf16`]'s C: f32, or bf16 (the f32 result rounded once, to
 /// nearest even; with β = 1 the stored C is widened and added before that rounding). Sealed.
 pub trait Bf16GemmOutput: cudarc::driver::DeviceRepr + sealed::Sealed {

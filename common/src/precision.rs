@@ -22,14 +22,22 @@ pub enum Precision {
     /// gradients stay f32 — the slowest and most exact choice for bf16 inputs; for f32 inputs
     /// the same as `Native`.
     F32,
+    /// f32 inputs multiplied on tensor cores as TF32 (operands rounded to a 10-bit significand,
+    /// products summed in f32: cuBLAS's `CUBLAS_TF32_TENSOR_OP_MATH`). **Not exact**: each
+    /// product carries a relative error up to ~2⁻¹¹, so losses and gradients differ from f32's
+    /// at about 1e-3 relative. Opt-in, for speed on a GPU; a CUDA backend with f32 inputs only
+    /// — a CPU, the emulator or bf16 inputs answer it with a typed error, never silently
+    /// running something else.
+    Tf32,
 }
 
 impl Precision {
-    /// A short name for reports and row labels: `native` or `f32`.
+    /// A short name for reports and row labels: `native`, `f32` or `tf32`.
     pub fn name(self) -> &'static str {
         match self {
             Self::Native => "native",
             Self::F32 => "f32",
+            Self::Tf32 => "tf32",
         }
     }
 }

@@ -46,9 +46,10 @@ impl LossOptions {
         let precision = match precision {
             "native" => Precision::Native,
             "f32" => Precision::F32,
+            "tf32" => Precision::Tf32,
             other => {
                 return Err(PyValueError::new_err(format!(
-                    "precision: expected 'native' or 'f32', got {other:?}"
+                    "precision: expected 'native', 'f32' or 'tf32', got {other:?}"
                 )));
             }
         };

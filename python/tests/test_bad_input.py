@@ -72,6 +72,11 @@ def test_bad_options_and_weights_are_value_errors():
         linear_cross_entropy(x, w, t, label_smoothing=-0.1)
     with pytest.raises(ValueError, match=r"softcap"):
         linear_cross_entropy(x, w, t, softcap=0.0)
+    with pytest.raises(ValueError, match=r"precision"):
+        linear_cross_entropy(x, w, t, precision="fp8")
+    # TF32 is a tensor-core format: on CPU tensors it is refused, never run as something else.
+    with pytest.raises(ValueError, match=r"tf32 GEMMs are not offered for f32 inputs on the CPU"):
+        linear_cross_entropy(x, w, t, precision="tf32")
     tw = torch.ones(N)
     tw[3] = float("nan")
     with pytest.raises(ValueError, match=r"weight NaN of token 3"):

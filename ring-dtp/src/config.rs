@@ -58,7 +58,9 @@ pub struct Config {
     pub shift: usize,
     /// The GEMMs' arithmetic ([`Precision`]): by default the inputs' dtype with f32
     /// accumulation; with bf16 inputs, backward rounds the logit gradient G to bf16 before
-    /// its two GEMMs (as autograd of a bf16 matmul), [`Precision::F32`] keeps it f32.
+    /// its two GEMMs (as autograd of a bf16 matmul), [`Precision::F32`] keeps it f32;
+    /// [`Precision::Tf32`] (not exact) runs f32 inputs on a GPU's tensor cores and is
+    /// [`Error::UnsupportedPrecision`] anywhere else.
     pub precision: Precision,
     /// The CPU kernel of bf16 GEMMs ([`Bf16Kernel`]): by default AMX tiles or AVX512-BF16,
     /// where the CPU has them; [`Bf16Kernel::Widened`] runs the widening fallback on any CPU. Device paths ignore it.
@@ -112,6 +114,33 @@ impl Config {
     /// This config with this CPU kernel for bf16 GEMMs ([`Bf16Kernel`]).
     pub fn bf16_kernel(self, bf16_kernel: Bf16Kernel) -> Self {
         Self { bf16_kernel, ..self }
+    }
+
+    /// The precision on a host backend (the CPU path, the host ring, the emulator): every
+    /// [`Precision`] but [`Precision::Tf32`], a tensor-core format
+    /// ([`Error::UnsupportedPrecision`] naming `backend`).
+    pub(crate) fn check_host_precision(
+        &self,
+        dtype: flatpeak_common::DType,
+        backend: &'static str,
+    ) -> Result<()> {
+        match self.precision {
+            Precision::Tf32 => Err(Error::UnsupportedPrecision { precision: self.precision, dtype, backend }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The precision on a CUDA device: [`Precision::Tf32`] for f32 inputs only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn check_cuda_precision(&self, dtype: flatpeak_common::DType) -> Result<()> {
+        match (self.precision, dtype) {
+            (Precision::Tf32, d) if d != flatpeak_common::DType::F32 => Err(Error::UnsupportedPrecision {
+                precision: self.precision,
+                dtype,
+                backend: "a CUDA device",
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Checks every option's domain (NaN is never valid).

@@ -318,6 +318,7 @@ impl Buffers {
 
 fn check(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Vec<u32>> {
     config.validate()?;
+    config.check_host_precision(inputs.x.dtype(), "the emulated device")?;
     // Shapes and dtypes on the host; targets by the kernel (as on the device).
     for (what, expected, found) in [
         ("x (n·d)", inputs.n * inputs.d, inputs.x.len()),

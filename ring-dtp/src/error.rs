@@ -43,6 +43,19 @@ pub enum Error {
         /// What the reduction needs.
         expected: &'static str,
     },
+    /// A GEMM precision the backend does not run for these inputs ([`Precision::Tf32`] runs
+    /// on a CUDA device with f32 inputs only): never silently replaced by another.
+    ///
+    /// [`Precision::Tf32`]: flatpeak_common::Precision::Tf32
+    #[error("{precision} GEMMs are not offered for {dtype} inputs on {backend} (TF32 runs on a CUDA device's tensor cores, for f32 inputs)")]
+    UnsupportedPrecision {
+        /// The precision asked for.
+        precision: flatpeak_common::Precision,
+        /// The inputs' dtype.
+        dtype: flatpeak_common::DType,
+        /// Where it was asked for.
+        backend: &'static str,
+    },
     /// Tensors on one device handed to an executor on another (nothing is copied silently).
     #[error("executor on {executor} was handed tensors on {inputs}")]
     WrongDevice {

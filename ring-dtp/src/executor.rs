@@ -34,11 +34,18 @@ pub struct LinearCrossEntropy {
 
 impl LinearCrossEntropy {
     /// Validates `config` and reserves `plan`'s working set on `device`. A CUDA device without
-    /// the `cuda` feature, the driver or the device is `Common(CudaUnavailable)`, saying why.
+    /// the `cuda` feature, the driver or the device is `Common(CudaUnavailable)`, saying why; a
+    /// precision the device does not run for the plan's dtype ([`Precision::Tf32`] anywhere
+    /// but on CUDA with f32 inputs) is [`Error::UnsupportedPrecision`].
+    ///
+    /// [`Precision::Tf32`]: flatpeak_common::Precision::Tf32
     pub fn new(config: Config, plan: Plan, device: Device) -> Result<Self> {
         config.validate()?;
         let backend = match device {
-            Device::Cpu => Backend::Cpu(Workspace::new(plan.workspace_bytes())?),
+            Device::Cpu => {
+                config.check_host_precision(plan.dtype(), "the CPU")?;
+                Backend::Cpu(Workspace::new(plan.workspace_bytes())?)
+            }
             Device::Cuda(ordinal) => {
                 device.ensure_available()?;
                 cuda_backend(config, plan, ordinal)?

@@ -102,6 +102,7 @@ impl<'a> Inputs<'a> {
     /// Checks shapes, dtypes and targets against `config`.
     pub fn validate(&self, config: &Config) -> Result<()> {
         config.validate()?;
+        config.check_host_precision(self.x.dtype(), "the CPU")?;
         let check = |what, expected: usize, found: usize| {
             if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
         };

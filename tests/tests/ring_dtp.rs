@@ -719,3 +719,78 @@ fn check_against_reference(
 }
 
 flatpeak_common::test_backends!(fused_schedule, fused_schedule_matches_the_reference, cpu_gemm);
+
+/// [`Precision::Tf32`]: on a GPU, f32 inputs on tensor cores as TF32, within TF32's error
+/// (about 1e-3; bound 1e-2) of the f64 reference and measurably not f32's (so the mode took
+/// effect), and bf16 inputs refused; on the CPU and the emulator, a typed error naming the
+/// backend — never f32 or bf16 GEMMs run in its place.
+fn tf32_runs_on_cuda_for_f32_inputs_only(backend: Backend) {
+    let (n, d, v) = (256, 512, 1024);
+    let c = make_case(n, d, v, 41, 0.0, (false, false, false));
+    let tf32 = Config::default().precision(Precision::Tf32);
+    let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 };
+    let plan = Plan::new(&tf32, shape, Budget::Bytes(64 << 20)).expect("plan");
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, d);
+    let grad = GradOutput::Scalar(1.0);
+    let out = run_pass_on(backend, (&tf32, &plan), &inp, grad, Pass::Fused);
+    if backend != Backend::Cuda {
+        assert!(
+            matches!(
+                &out,
+                Err(Error::UnsupportedPrecision { precision: Precision::Tf32, dtype: DType::F32, backend })
+                    if backend.contains("CPU") || backend.contains("emulated")
+            ),
+            "{:?}",
+            out.map(|_| ())
+        );
+        return;
+    }
+    let (_, g) = out.expect("TF32 on a GPU");
+    let r = reference::run(&inp, &Config::default(), grad, None).expect("reference");
+    let err = relative_error(&g.dx, &r.dx);
+    assert!(err > 1e-6 && err <= 1e-2, "dX under TF32: relative error {err:.3e}, expected (1e-6, 1e-2]");
+    #[cfg(feature = "cuda")]
+    {
+        let bf16_plan = Plan::new(&tf32, Shape { dtype: DType::Bf16, ..shape }, Budget::Bytes(64 << 20));
+        let refused = ring_dtp::cuda::CudaLinearCrossEntropy::new(tf32, bf16_plan.expect("plan"), 0);
+        assert!(
+            matches!(refused, Err(Error::UnsupportedPrecision { dtype: DType::Bf16, .. })),
+            "{:?}",
+            refused.map(|_| ())
+        );
+    }
+}
+
+flatpeak_common::test_backends!(tf32, tf32_runs_on_cuda_for_f32_inputs_only);
+
+/// TF32 asked of the CPU executor and of a CUDA executor with bf16 inputs is refused when the
+/// executor is made (the CUDA check comes before any device is touched, so it holds here).
+#[test]
+fn tf32_is_refused_when_the_executor_is_made() {
+    let tf32 = Config::default().precision(Precision::Tf32);
+    let shape = Shape { tokens: 8, hidden: 4, vocab: 16, dtype: DType::F32 };
+    let plan = Plan::new(&tf32, shape, Budget::Bytes(1 << 20)).expect("plan");
+    let made = ring_dtp::LinearCrossEntropy::new(tf32, plan, flatpeak_common::Device::Cpu);
+    assert!(
+        matches!(
+            &made,
+            Err(Error::UnsupportedPrecision { precision: Precision::Tf32, backend: "the CPU", .. })
+        ),
+        "{:?}",
+        made.map(|_| ())
+    );
+    #[cfg(feature = "cuda")]
+    {
+        let plan =
+            Plan::new(&tf32, Shape { dtype: DType::Bf16, ..shape }, Budget::Bytes(1 << 20)).expect("plan");
+        let made = ring_dtp::cuda::CudaLinearCrossEntropy::new(tf32, plan, 0);
+        assert!(
+            matches!(
+                &made,
+                Err(Error::UnsupportedPrecision { dtype: DType::Bf16, backend: "a CUDA device", .. })
+            ),
+            "{:?}",
+            made.map(|_| ())
+        );
+    }
+}

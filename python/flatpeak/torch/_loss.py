@@ -316,8 +316,10 @@ def linear_cross_entropy(
             within it before any data is read.
         precision: ``"native"`` (GEMMs in the dtype of ``input``: bf16 dot products or tensor
             cores for bfloat16, the logit gradient rounded to bfloat16 before the two gradient
-            GEMMs, as autograd of a bfloat16 matmul does) or ``"f32"`` (every GEMM in float32,
-            the logit gradient kept float32; the same as ``"native"`` for float32 inputs).
+            GEMMs, as autograd of a bfloat16 matmul does), ``"f32"`` (every GEMM in float32,
+            the logit gradient kept float32; the same as ``"native"`` for float32 inputs) or
+            ``"tf32"`` (float32 CUDA tensors only: TF32 tensor-core GEMMs, *not exact*, about
+            1e-3 relative; anything else raises ``ValueError``).
 
     Accumulation is float32 for both dtypes; the loss has the dtype of ``input``, the lse is
     float32.

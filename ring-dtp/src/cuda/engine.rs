@@ -5,13 +5,14 @@
 
 use std::sync::Arc;
 
+use flatpeak_common::Precision;
 use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
 use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
 use flatpeak_common::cuda::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use flatpeak_common::cuda::{
-    KernelCache, cuda_error, fill_f32, gemm_bf16, linear_launch, per_row_launch, sgemm,
+    KernelCache, cuda_error, fill_f32, gemm_bf16, linear_launch, per_row_launch, sgemm, tf32_math,
 };
 use half::bf16;
 
@@ -70,8 +71,14 @@ pub(crate) struct Engine {
 }
 
 impl Engine {
-    pub fn new(cache: KernelCache, stream: Arc<CudaStream>) -> Result<Self> {
+    /// The kernels of `cache` and a cuBLAS handle of its own on `stream`, whose f32 GEMMs run
+    /// in `precision`: SGEMM (f32 with f32 accumulation, no TF32) unless it is
+    /// [`Precision::Tf32`] (the handle in TF32 tensor-op math).
+    pub fn new(cache: KernelCache, stream: Arc<CudaStream>, precision: Precision) -> Result<Self> {
         let blas = CudaBlas::new(stream.clone()).map_err(cuda_error("cublasCreate"))?;
+        if precision == Precision::Tf32 {
+            tf32_math(&blas)?;
+        }
         Ok(Self { cache, stream, blas })
     }
 

@@ -256,8 +256,9 @@ impl CudaLinearCrossEntropy {
     /// Reserves the plan's block buffers on CUDA device `ordinal` and creates the cuBLAS handle.
     pub fn new(config: Config, plan: Plan, ordinal: usize) -> Result<Self> {
         config.validate()?;
+        config.check_cuda_precision(plan.dtype())?;
         let ctx = context(ordinal)?;
-        let engine = Engine::new(KernelCache::new(ctx.clone())?, ctx.default_stream())?;
+        let engine = Engine::new(KernelCache::new(ctx.clone())?, ctx.default_stream(), config.precision)?;
         let buffers = BlockBuffers::zeros(&engine, &plan)?;
         Ok(Self { buffers, engine, config, plan })
     }
@@ -268,7 +269,8 @@ impl CudaLinearCrossEntropy {
     /// so the working set comes from the caller's allocator. Kernels compile once per executor.
     pub fn on_stream(config: Config, plan: Plan, stream: std::sync::Arc<CudaStream>) -> Result<Self> {
         config.validate()?;
-        let engine = Engine::new(KernelCache::new(stream.context().clone())?, stream)?;
+        config.check_cuda_precision(plan.dtype())?;
+        let engine = Engine::new(KernelCache::new(stream.context().clone())?, stream, config.precision)?;
         let empty = |e: &Engine| e.zeros::<f32>(0);
         let buffers =
             BlockBuffers { logits: empty(&engine)?, x_wide: empty(&engine)?, w_wide: empty(&engine)? };

@@ -115,6 +115,7 @@ fn validate<'a, C: Communicator + ?Sized>(
     inputs: &RankInputs<'a>,
 ) -> Result<Rank<'a>> {
     config.validate()?;
+    config.check_host_precision(plan.dtype(), "the host ring")?;
     check("world size", plan.world(), comm.world_size())?;
     let rank = comm.rank();
     let (n, v, d) = (plan.tokens(rank).len(), plan.shard(rank).len(), plan.d());

@@ -196,6 +196,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
     /// Reserves the plan's buffers on the device of `comm`'s stream.
     pub fn new(config: Config, plan: RingPlan, comm: C) -> Result<Self> {
         config.validate()?;
+        config.check_cuda_precision(plan.dtype())?;
         if plan.world() != comm.world_size() {
             return Err(Error::ShapeMismatch {
                 what: "world size",
@@ -208,7 +209,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         // mode, so earlier work on the caller's streams is complete and ordered).
         let ctx = comm.stream().context().clone();
         let compute = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
-        let engine = Engine::new(KernelCache::new(ctx)?, compute)?;
+        let engine = Engine::new(KernelCache::new(ctx)?, compute, config.precision)?;
         let (c, vb, d, dt) = (plan.token_block(), plan.vocab_block(), plan.d(), plan.dtype());
         let wide = dt != DType::F32;
         let e = &engine;
