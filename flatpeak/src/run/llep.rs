@@ -1,16 +1,21 @@
 //! `flatpeak run llep`: one MoE layer over P ranks (threads of this process), forward and, when
 //! `dy` is given, the checkpointed backward.
 //!
-//! Inputs, stacked over ranks: `x` [P, N, H] F32, `ids` [P, N, k] I64 (expert ids),
+//! Inputs, stacked over ranks: `x` [P, N, H] F32 or BF16, `ids` [P, N, k] I64 (expert ids),
 //! `weights` [P, N, k] F32 (routing weights), the experts `gate` and `up` [E, H, I] and `down`
-//! [E, I, H] F32 (rank r owns experts r·E/P … (r+1)·E/P − 1), and optionally `dy` [P, N, H].
-//! Outputs: `y` [P, N, H]; with `dy` also `dx` [P, N, H], `d_weights` [P, N, k] and the expert
-//! gradients `d_gate`, `d_up` [E, H, I] and `d_down` [E, I, H], all F32.
+//! [E, I, H] (rank r owns experts r·E/P … (r+1)·E/P − 1), and optionally `dy` [P, N, H]; the
+//! experts and dy in the dtype of x. BF16 runs the bf16 layer (dispatch rows and expert scratch
+//! in bf16, GEMMs with f32 accumulation). Outputs: `y` [P, N, H]; with `dy` also `dx`
+//! [P, N, H], `d_weights` [P, N, k] and the expert gradients `d_gate`, `d_up` [E, H, I] and
+//! `d_down` [E, I, H], all F32.
 
-use flatpeak_common::{Communicator, DType, Error as CommonError, LocalGroup, LocalGroupOptions};
-use llep::{Config as LlepConfig, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape};
+use flatpeak_common::{Communicator, Error as CommonError, LocalGroup, LocalGroupOptions};
+use llep::{
+    Config as LlepConfig, Element, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape, bf16,
+};
 use serde::Deserialize;
 
+use super::tensors::Floats;
 use super::{Dim, Outputs, RunError, TensorFile};
 
 /// `"pipelined"` (PipelinedLLEP), `"llep"` or `"standard_ep"`.
@@ -107,21 +112,78 @@ fn first_failure<R>(results: Vec<flatpeak_common::Result<llep::Result<R>>>) -> R
     }
 }
 
+/// The elements of a tensor read as F32 or BF16, if they are of type T.
+trait FromFloats: Element {
+    /// The safetensors name of the dtype.
+    const NAME: &'static str;
+    fn of(f: &Floats) -> Option<&[Self]>;
+}
+
+impl FromFloats for f32 {
+    const NAME: &'static str = "F32";
+    fn of(f: &Floats) -> Option<&[f32]> {
+        if let Floats::F32(v) = f { Some(v) } else { None }
+    }
+}
+
+impl FromFloats for bf16 {
+    const NAME: &'static str = "BF16";
+    fn of(f: &Floats) -> Option<&[bf16]> {
+        if let Floats::Bf16(v) = f { Some(v) } else { None }
+    }
+}
+
+/// `f`'s elements as T (the dtype of x), or [`RunError::WrongDtype`] naming tensor `name`.
+fn as_dtype_of_x<'a, T: FromFloats>(name: &str, f: &'a Floats) -> Result<&'a [T], RunError> {
+    T::of(f).ok_or_else(|| RunError::WrongDtype {
+        name: name.into(),
+        expected: format!("{} (the dtype of x)", T::NAME),
+        found: match f {
+            Floats::F32(_) => "F32".into(),
+            Floats::Bf16(_) => "BF16".into(),
+        },
+    })
+}
+
+/// The tensors of one call, read once: x and the experts (and dy) as read, ids and routing
+/// weights.
+struct Tensors {
+    dims: (usize, usize, usize, usize, usize, usize),
+    x: Floats,
+    ids: Vec<i64>,
+    weights: Vec<f32>,
+    experts: [Floats; 3],
+    dy: Option<Floats>,
+}
+
 /// Runs the layer on the tensors of `t`.
 pub fn run(t: &TensorFile, cfg: &LlepRunConfig) -> Result<Outputs, RunError> {
-    let xs = t.shape("x", "F32", &[Dim::Any, Dim::Any, Dim::Any])?;
+    let (x, xs) = t.floats("x", &[Dim::Any, Dim::Any, Dim::Any])?;
     let (p, n, h) = (xs[0], xs[1], xs[2]);
-    let (x, _) = t.f32("x", &[Dim::Is(p), Dim::Is(n), Dim::Is(h)])?;
     let (ids, is) = t.i64("ids", &[Dim::Is(p), Dim::Is(n), Dim::Any])?;
     let k = is[2];
     let (weights, _) = t.f32("weights", &[Dim::Is(p), Dim::Is(n), Dim::Is(k)])?;
-    let (gate, gs) = t.f32("gate", &[Dim::Any, Dim::Is(h), Dim::Any])?;
+    let (gate, gs) = t.floats("gate", &[Dim::Any, Dim::Is(h), Dim::Any])?;
     let (e, i) = (gs[0], gs[2]);
-    let (up, _) = t.f32("up", &[Dim::Is(e), Dim::Is(h), Dim::Is(i)])?;
-    let (down, _) = t.f32("down", &[Dim::Is(e), Dim::Is(i), Dim::Is(h)])?;
-    let dy = t.optional_f32("dy", &[Dim::Is(p), Dim::Is(n), Dim::Is(h)])?;
+    let (up, _) = t.floats("up", &[Dim::Is(e), Dim::Is(h), Dim::Is(i)])?;
+    let (down, _) = t.floats("down", &[Dim::Is(e), Dim::Is(i), Dim::Is(h)])?;
+    let dy = if t.has("dy") { Some(t.floats("dy", &[Dim::Is(p), Dim::Is(n), Dim::Is(h)])?.0) } else { None };
+    let is_bf16 = matches!(x, Floats::Bf16(_));
+    let tensors = Tensors { dims: (p, n, h, i, e, k), x, ids, weights, experts: [gate, up, down], dy };
+    if is_bf16 { run_typed::<bf16>(&tensors, cfg) } else { run_typed::<f32>(&tensors, cfg) }
+}
+
+/// The layer in storage type T (the dtype of x).
+fn run_typed<T: FromFloats>(t: &Tensors, cfg: &LlepRunConfig) -> Result<Outputs, RunError> {
+    let (p, n, h, i, e, k) = t.dims;
+    let x = as_dtype_of_x::<T>("x", &t.x)?;
+    let [gate, up, down] = &t.experts;
+    let (gate, up, down) =
+        (as_dtype_of_x::<T>("gate", gate)?, as_dtype_of_x::<T>("up", up)?, as_dtype_of_x::<T>("down", down)?);
+    let dy = t.dy.as_ref().map(|d| as_dtype_of_x::<T>("dy", d)).transpose()?;
+    let (ids, weights) = (&t.ids, &t.weights);
     let shape =
-        Shape { ranks: p, tokens: n, hidden: h, intermediate: i, experts: e, top_k: k, dtype: DType::F32 };
+        Shape { ranks: p, tokens: n, hidden: h, intermediate: i, experts: e, top_k: k, dtype: T::DTYPE };
     shape.validate()?;
     let config = cfg.to_config();
     let m = shape.local_experts();
@@ -147,7 +209,7 @@ pub fn run(t: &TensorFile, cfg: &LlepRunConfig) -> Result<Outputs, RunError> {
             let plan = layer.schedule(comm, &inputs.routing)?;
             layer.reserve(plan.max_workspace_bytes(Pass::Backward))?;
             let y = layer.forward(comm, &plan, &inputs)?;
-            let grads = match &dy {
+            let grads = match dy {
                 Some(dy) => Some(layer.backward(comm, &plan, &inputs, &dy[rows])?),
                 None => None,
             };

@@ -182,6 +182,85 @@ fn llep_matches_the_dense_reference_and_every_scheme_agrees() {
     assert!(relative_error(&get(&out, "y", &[p, n, h]), &y_ref) <= TOL);
 }
 
+/// BF16 tensors run the bf16 layer: its results are within twice the naive bf16 layer's error
+/// (+ 1e-2) of the f64 reference on the same (bf16-valued) inputs; an expert tensor of another
+/// dtype than x is a typed error naming it.
+#[test]
+fn llep_runs_bf16_tensors_as_the_bf16_layer() {
+    let dir = TempDir::new("llep-bf16");
+    let (p, n, h, i, e, k) = (2, 12, 16, 8, 4, 2);
+    let mut rng = SplitMix64::new(8);
+    let round = |v: Vec<f32>| -> (Vec<bf16>, Vec<f32>) {
+        let b: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+        let w = b.iter().map(|x| x.to_f32()).collect();
+        (b, w)
+    };
+    let (xb, x) = round(rng.normal_f32(p * n * h, 0.0, 1.0));
+    let ids: Vec<i64> = (0..p * n * k).map(|_| rng.below(e as u64) as i64).collect();
+    let weights = rng.uniform_f32(p * n * k, 0.1, 1.0);
+    let (gb, gate) = round(rng.normal_f32(e * h * i, 0.0, 0.3));
+    let (ub, up) = round(rng.normal_f32(e * h * i, 0.0, 0.3));
+    let (db, down) = round(rng.normal_f32(e * i * h, 0.0, 0.3));
+    let (dyb, dy) = round(rng.normal_f32(p * n * h, 0.0, 1.0));
+    let mut inputs = Outputs::default();
+    inputs.bf16("x", &[p, n, h], &xb);
+    inputs.i64("ids", &[p, n, k], &ids);
+    inputs.f32("weights", &[p, n, k], &weights);
+    inputs.bf16("gate", &[e, h, i], &gb);
+    inputs.bf16("up", &[e, h, i], &ub);
+    inputs.bf16("down", &[e, i, h], &db);
+    inputs.bf16("dy", &[p, n, h], &dyb);
+    let out = run_with(&dir, "llep", &inputs, Some(r#"{"min_chunk": 2}"#)).expect("bf16 run");
+
+    let shape = ::llep::Shape {
+        ranks: 1,
+        tokens: p * n,
+        hidden: h,
+        intermediate: i,
+        experts: e,
+        top_k: k,
+        dtype: DType::F32,
+    };
+    let whole = ::llep::RankInputs {
+        x: &x,
+        routing: ::llep::Routing { ids: &ids, weights: &weights },
+        experts: ::llep::ExpertWeights { gate: &gate, up: &up, down: &down },
+    };
+    use ::llep::cpu::reference;
+    let (y_ref, g_ref) =
+        (reference::forward(&shape, &whole).unwrap(), reference::backward(&shape, &whole, &dy).unwrap());
+    let y_naive = reference::naive_bf16_forward(&shape, &whole).unwrap();
+    let g_naive = reference::naive_bf16_backward(&shape, &whole, &dy).unwrap();
+    let narrow = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    for (name, dims, naive, want) in [
+        ("y", vec![p, n, h], narrow(&y_naive), &y_ref),
+        ("dx", vec![p, n, h], narrow(&g_naive.dx), &g_ref.dx),
+        ("d_gate", vec![e, h, i], narrow(&g_naive.d_gate), &g_ref.d_gate),
+        ("d_down", vec![e, i, h], narrow(&g_naive.d_down), &g_ref.d_down),
+    ] {
+        let (err, naive_err) = (relative_error(&get(&out, name, &dims), want), relative_error(&naive, want));
+        assert!(
+            naive_err > 1e-4 && err <= 2.0 * naive_err + 1e-2,
+            "{name}: {err:.3e} against naive {naive_err:.3e}"
+        );
+    }
+
+    let mut mixed = Outputs::default();
+    mixed.bf16("x", &[p, n, h], &xb);
+    mixed.i64("ids", &[p, n, k], &ids);
+    mixed.f32("weights", &[p, n, k], &weights);
+    mixed.bf16("gate", &[e, h, i], &gb);
+    mixed.f32("up", &[e, h, i], &up);
+    mixed.bf16("down", &[e, i, h], &db);
+    match run_with(&dir, "llep", &mixed, None) {
+        Err(RunError::WrongDtype { name, expected, found }) => {
+            assert_eq!((name.as_str(), found.as_str()), ("up", "F32"));
+            assert!(expected.contains("BF16"), "{expected}");
+        }
+        other => panic!("expected WrongDtype for up, got {:?}", other.map(|_| ())),
+    }
+}
+
 #[test]
 fn llep_reports_the_error_of_the_rank_that_failed_not_its_peers_loss() {
     let dir = TempDir::new("llep-bad-rank");
