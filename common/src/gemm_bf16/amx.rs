@@ -11,8 +11,9 @@
 //!
 //! Linux grants a process the 8 KiB of tile state only on request
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`): [`available`] asks once, and the
-//! kernel runs only where the CPU has AMX-TILE and AMX-BF16 and the kernel said yes. Each call
-//! loads its own tile configuration and releases the tiles when done, so no state outlives it.
+//! kernel runs only where the CPU has AMX-TILE and AMX-BF16 and the kernel said yes. A task
+//! loads the tile configuration once ([`configure`]) before its blocks and releases the tiles
+//! after them ([`release`]), so no state outlives it.
 
 use super::{A_STRIDE, KP, NR, Step};
 
@@ -77,17 +78,54 @@ const CONFIG: TileConfig = {
     TileConfig(c)
 };
 
-/// The `mr × nr` block at output rows `0..mr` of `out` and columns `j0..j0 + nr`, adding or
-/// writing one chunk of k: `out ← [out +] scale·(a · panel)`.
+/// Loads the tile configuration (eight tiles of 16 rows × 64 bytes) for this thread: the
+/// [`block`]s that follow use it, and [`release`] ends it.
 ///
 /// # Safety
-/// [`available`] must have returned true. `a` holds [`ROWS`] packed rows of [`KP`] u32 at a stride of
-/// [`A_STRIDE`] (rows
-/// past `mr` may hold anything: their results are discarded) whose pairs from `step.pairs` up
-/// to the next multiple of [`PAIRS_PER_STEP`] are zero; `panel` is `KP·NR` u32 with its rows
-/// from `step.pairs` to that multiple zero; `1 ≤ step.pairs ≤ KP`; `mr ≤ ROWS`, `nr ≤ NR`; and
-/// `out` holds `mr` rows of `step.row_stride` floats, each with at least `j0 + nr` columns.
-/// `c` is scratch for the f32 tiles (its contents on entry do not matter).
+/// [`available`] must have returned true, and this thread must call [`release`] before it
+/// returns to code that does not know the tiles are configured (nothing else in this crate
+/// uses them).
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn configure() {
+    // SAFETY: `available()` established AMX-TILE and the OS's grant of the tile state;
+    // `ldtilecfg` reads the 64 bytes of CONFIG and touches nothing else.
+    unsafe {
+        std::arch::asm!("ldtilecfg [{cfg}]", cfg = in(reg) CONFIG.0.as_ptr(), options(nostack, readonly))
+    };
+}
+
+/// Releases the tiles [`configure`] set up (their state returns to the initial one).
+///
+/// # Safety
+/// As [`configure`], which must have run on this thread.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn release() {
+    // SAFETY: `tilerelease` resets this thread's tile state; no tile value is read after it.
+    unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// Never called: [`available`] is false off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn configure() {}
+
+/// Never called: [`available`] is false off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn release() {}
+
+/// The `mr × nr` block at output rows `0..mr` of `out` and columns `j0..j0 + nr`, adding or
+/// writing one chunk of k: `out ← [out +] scale·(a · panel)`. The tiles accumulate from zero
+/// and go through `c` and an AVX-512 epilogue. (Accumulating in the tiles from `out` itself
+/// and storing them straight back was slower here: `out`'s rows lie a power-of-two stride
+/// apart in ring-dtp's shapes, so a tile's 16 rows compete for a few cache sets.)
+///
+/// # Safety
+/// [`configure`] must have run on this thread (so [`available`] returned true). `a` holds
+/// [`ROWS`] packed rows of [`KP`] u32 at a stride of [`A_STRIDE`] (rows past `mr` may hold
+/// anything: their results are discarded) whose pairs from `step.pairs` up to the next
+/// multiple of [`PAIRS_PER_STEP`] are zero; `panel` is `KP·NR` u32 with its rows from
+/// `step.pairs` to that multiple zero; `1 ≤ step.pairs ≤ KP`; `mr ≤ ROWS`, `nr ≤ NR`; and `out`
+/// holds `mr` rows of `step.row_stride` floats, each with at least `j0 + nr` columns. `c` is
+/// scratch for the f32 tiles (its contents on entry do not matter).
 #[cfg(target_arch = "x86_64")]
 pub(super) unsafe fn block(
     step: Step,
@@ -98,17 +136,13 @@ pub(super) unsafe fn block(
 ) {
     debug_assert!(a.len() >= (ROWS - 1) * A_STRIDE + KP && panel.len() >= KP * NR && mr <= ROWS && nr <= NR);
     let steps = step.pairs.div_ceil(PAIRS_PER_STEP);
-    let a_stride = A_STRIDE * 4;
-    let b_stride = NR * 4;
     // SAFETY: the tiles read `a` rows 0..32 and pairs 0..16·steps ≤ KP (row stride
-    // A_STRIDE·4 bytes), and panel rows 0..16·steps at columns 0..32 (stride NR·4 bytes): inside both
-    // slices by the caller's contract; they write the 32×32 floats of `c`. `available()`
-    // established that the CPU has AMX-TILE and AMX-BF16 and the OS granted the tile state.
-    // The block loads its configuration first and releases the tiles last, so no tile state
-    // is live outside it; it touches no stack and no flags the compiler relies on.
+    // A_STRIDE·4 bytes), and panel rows 0..16·steps at columns 0..32 (stride NR·4 bytes):
+    // inside both slices by the caller's contract; they write the 32×32 floats of `c`.
+    // `configure()` ran on this thread, so the tiles have the 16 × 64-byte shape these loads
+    // assume. Only the tiles and the named registers change.
     unsafe {
         std::arch::asm!(
-            "ldtilecfg [{cfg}]",
             "tilezero tmm0",
             "tilezero tmm1",
             "tilezero tmm2",
@@ -132,15 +166,13 @@ pub(super) unsafe fn block(
             "tilestored [{c0} + {sc}*1 + 64], tmm1",
             "tilestored [{c1} + {sc}*1], tmm2",
             "tilestored [{c1} + {sc}*1 + 64], tmm3",
-            "tilerelease",
-            cfg = in(reg) CONFIG.0.as_ptr(),
             a0 = inout(reg) a.as_ptr() => _,
             a1 = inout(reg) a.as_ptr().add(16 * A_STRIDE) => _,
             b0 = inout(reg) panel.as_ptr() => _,
             b1 = inout(reg) panel.as_ptr().add(16) => _,
-            sa = in(reg) a_stride,
-            sb = in(reg) b_stride,
-            b_step = in(reg) PAIRS_PER_STEP * b_stride,
+            sa = in(reg) A_STRIDE * 4,
+            sb = in(reg) NR * 4,
+            b_step = in(reg) PAIRS_PER_STEP * NR * 4,
             steps = inout(reg) steps => _,
             c0 = in(reg) c.as_mut_ptr(),
             c1 = in(reg) c.as_mut_ptr().add(16 * NR),

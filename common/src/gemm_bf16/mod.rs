@@ -323,8 +323,13 @@ impl Tile {
             scale: self.scale,
             add: self.add || k0 > 0,
         };
-        // The AMX kernel's f32 tiles, stored before they are added into `dst`.
+        // The AMX kernel's f32 tiles for blocks it cannot accumulate in place (partial, scaled).
         let mut tiles = [0.0f32; amx::ROWS * NR];
+        if self.isa == Isa::Amx {
+            // SAFETY: this `Isa` exists only where `amx::available()` is true; the tiles are
+            // released below, after this task's last block, and nothing between uses them.
+            unsafe { amx::configure() };
+        }
         for (panel, j0) in b_pack.chunks(KP * NR).zip((jc..jc + nc).step_by(NR)) {
             let nr = NR.min(jc + nc - j0);
             match self.isa {
@@ -353,8 +358,7 @@ impl Tile {
                     for i0 in (0..mt).step_by(amx::ROWS) {
                         let mr = amx::ROWS.min(mt - i0);
                         let out = &mut dst[i0 * self.row_stride..];
-                        // SAFETY: this `Isa` exists only where `amx::available()` is true.
-                        // `a_pack` is `ROW_BLOCK·A_STRIDE` u32 and i0 + 32 ≤ ROW_BLOCK (i0 is a
+                        // SAFETY: `amx::configure()` ran above on this thread. `a_pack` is `ROW_BLOCK·A_STRIDE` u32 and i0 + 32 ≤ ROW_BLOCK (i0 is a
                         // multiple of 32, ROW_BLOCK too), so `a_pack[i0·A_STRIDE..]` holds 32 rows;
                         // `pack_a` and `pack_b` zeroed the pairs from `step.pairs` to the next
                         // multiple of 16 (≤ KP) in the `mt` live rows and in `panel`; rows past
@@ -366,6 +370,10 @@ impl Tile {
                     }
                 }
             }
+        }
+        if self.isa == Isa::Amx {
+            // SAFETY: `amx::configure()` ran above on this thread.
+            unsafe { amx::release() };
         }
     }
 }
@@ -444,12 +452,24 @@ fn pack_b(b: MatRef<'_, bf16>, (k0, kc): (usize, usize), (j0, nr): (usize, usize
     let pairs = kc.div_ceil(2);
     if rs == 1 {
         // Columns contiguous in k (b = a weight block transposed): a column's consecutive
-        // values are its pairs.
-        let mut line = [0u32; KP];
-        for j in 0..nr {
-            pack_pairs(&data[(j0 + j) * cs + k0..][..kc], &mut line[..pairs]);
-            for (p2, &v) in line[..pairs].iter().enumerate() {
-                panel[p2 * NR + j] = v;
+        // values are its pairs. Row p2 of the panel takes pair p2 of each of the nr columns:
+        // the reads walk nr sequential streams (kc·2 bytes each, in cache together) and the
+        // writes are whole panel rows, one after another.
+        let columns: [&[bf16]; NR] = std::array::from_fn(|j| match j < nr {
+            true => &data[(j0 + j) * cs + k0..][..kc],
+            false => &[],
+        });
+        let full = kc / 2;
+        for p2 in 0..full {
+            let row = &mut panel[p2 * NR..p2 * NR + nr];
+            for (o, col) in row.iter_mut().zip(&columns) {
+                *o = pair(col[2 * p2], col[2 * p2 + 1]);
+            }
+        }
+        if kc % 2 == 1 {
+            let row = &mut panel[full * NR..full * NR + nr];
+            for (o, col) in row.iter_mut().zip(&columns) {
+                *o = pair(col[kc - 1], bf16::ZERO);
             }
         }
     } else if cs == 1 {
