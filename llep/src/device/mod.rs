@@ -1,5 +1,6 @@
 //! The round schedule, written once over [`DeviceOps`] — buffers, the five kernels of
-//! `kernels/llep.cu`, a strided SGEMM, copies and all-to-all — and run by every backend: the CPU
+//! `kernels/llep.cu` (f32 and bf16 instantiations), a strided GEMM (f32, or bf16 with f32
+//! accumulation), copies and all-to-all — and run by every backend: the CPU
 //! ([`crate::cpu::HostOps`]: host memory carved from the executor's [`Workspace`](crate::Workspace)), a CUDA device
 //! (`crate::cuda::CudaOps`, feature `cuda`) and the SIMT emulator (`emu_ops::EmuOps`, feature
 //! `cuda-emu`). [`crate::Executor`] picks the backend from a [`Device`](crate::Device).
