@@ -198,8 +198,11 @@ def main():
         out = io.StringIO()
         with contextlib.redirect_stdout(Tee(sys.stdout, out)):
             run(args)
+        # The document (and the commit it names) before the file is opened: opening it for
+        # writing truncates it, which `git describe --dirty` would see.
+        text = document(out.getvalue())
         with open(args.markdown, "w") as f:
-            f.write(document(out.getvalue()))
+            f.write(text)
         print(f"wrote {args.markdown}", file=sys.stderr)
     else:
         run(args)
