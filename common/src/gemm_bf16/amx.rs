@@ -204,26 +204,20 @@ pub(super) unsafe fn block(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn store(step: Step, c: &[f32; ROWS * NR], (mr, nr, j0): (usize, usize, usize), out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let scale = _mm512_set1_ps(step.scale);
+    use std::arch::x86_64::_mm512_loadu_ps;
     for i in 0..mr {
         for half in 0..2 {
             let c0 = half * 16;
             if c0 >= nr {
                 break;
             }
-            let lanes = (nr - c0).min(16);
-            let mask: __mmask16 = if lanes == 16 { 0xffff } else { (1u16 << lanes) - 1 };
             // SAFETY: row i < mr ≤ 32 and columns c0..c0 + 16 ≤ 32 lie in `c`; columns
-            // j0 + c0 .. j0 + c0 + lanes ≤ j0 + nr of row i lie in `out` (the caller's
-            // contract); masked lanes are neither read nor written.
+            // j0 + c0 .. j0 + c0 + min(nr − c0, 16) ≤ j0 + nr of row i lie in `out` (the
+            // caller's contract); AVX512F is this function's target feature.
             unsafe {
+                let value = _mm512_loadu_ps(c.as_ptr().add(i * NR + c0));
                 let ptr = out.as_mut_ptr().add(i * step.row_stride + j0 + c0);
-                let mut value = _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr().add(i * NR + c0)), scale);
-                if step.add {
-                    value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, ptr));
-                }
-                _mm512_mask_storeu_ps(ptr, mask, value);
+                super::avx512::store_lanes(step, value, ptr, (nr - c0).min(16));
             }
         }
     }

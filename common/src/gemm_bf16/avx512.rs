@@ -72,26 +72,40 @@ unsafe fn kernel<const M: usize>(
             acc_i[1] = _mm512_dpbf16_ps(acc_i[1], b1, broadcast);
         }
     }
-    let scale = _mm512_set1_ps(step.scale);
     for (i, acc_i) in acc.iter().enumerate() {
         for (half, acc_h) in acc_i.iter().enumerate() {
             let c0 = half * 16;
             if c0 >= nr {
                 break;
             }
-            let lanes = (nr - c0).min(16);
-            let mask: __mmask16 = if lanes == 16 { 0xffff } else { (1u16 << lanes) - 1 };
-            // SAFETY: row i < mr and columns j0 + c0 .. j0 + c0 + lanes ≤ j0 + nr lie in `out`
-            // (the caller's contract); masked lanes are neither read nor written.
+            // SAFETY: row i < mr and columns j0 + c0 .. j0 + c0 + min(nr − c0, 16) ≤ j0 + nr lie
+            // in `out` (the caller's contract); AVX512F is this function's target feature.
             unsafe {
                 let ptr = out.as_mut_ptr().add(i * step.row_stride + j0 + c0);
-                let mut value = _mm512_mul_ps(*acc_h, scale);
-                if step.add {
-                    value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, ptr));
-                }
-                _mm512_mask_storeu_ps(ptr, mask, value);
+                store_lanes(step, *acc_h, ptr, (nr - c0).min(16));
             }
         }
+    }
+}
+
+/// The epilogue of both kernels: `ptr[..lanes] ← [ptr[..lanes] +] scale·value[..lanes]`
+/// (`lanes ≤ 16`; the other lanes are neither read nor written).
+///
+/// # Safety
+/// The CPU must have AVX512F; `ptr` is valid for reading and writing `lanes` f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn store_lanes(step: Step, value: std::arch::x86_64::__m512, ptr: *mut f32, lanes: usize) {
+    use std::arch::x86_64::*;
+    let mask: __mmask16 = if lanes >= 16 { 0xffff } else { (1u16 << lanes) - 1 };
+    let mut value = _mm512_mul_ps(value, _mm512_set1_ps(step.scale));
+    // SAFETY: the masked lanes (`lanes` of them) of `ptr` are valid (the contract); masked-off
+    // lanes are not touched.
+    unsafe {
+        if step.add {
+            value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, ptr));
+        }
+        _mm512_mask_storeu_ps(ptr, mask, value);
     }
 }
 
