@@ -171,6 +171,20 @@ impl<'a, T> MatRef<'a, T> {
     pub fn cols(&self) -> usize {
         self.cols
     }
+    /// Rows `range` of this view, as a view of the same data (no copy).
+    ///
+    /// Errors with [`Error::ShapeMismatch`] unless `range.start ≤ range.end ≤ rows`.
+    pub fn row_range(&self, range: std::ops::Range<usize>) -> Result<Self> {
+        if range.start > range.end || range.end > self.rows {
+            return Err(Error::ShapeMismatch {
+                what: "row range (start ≤ end ≤ rows)",
+                expected: self.rows,
+                got: range.end.max(range.start),
+            });
+        }
+        let data = self.data.get(range.start * self.row_stride..).unwrap_or(&[]);
+        Self::strided(data, range.len(), self.cols, self.row_stride, self.col_stride)
+    }
     /// The checked view's parts: `(data, rows, cols, row_stride, col_stride)`.
     pub(crate) fn parts(&self) -> (&'a [T], usize, usize, usize, usize) {
         (self.data, self.rows, self.cols, self.row_stride, self.col_stride)
@@ -423,5 +437,23 @@ mod tests {
         assert!(MatMut::strided(&mut d, 3, 3, 1, 3).is_ok());
         assert!(MatMut::strided(&mut d, 1, 9, 0, 1).is_ok());
         assert!(MatRef::strided(&a, 2, 2, usize::MAX, 1).is_err());
+    }
+
+    #[test]
+    fn row_ranges_are_views_of_the_same_elements() {
+        let a: Vec<f32> = (0..24).map(|i| i as f32).collect();
+        // 4 × 3, every other column of a 4 × 6 buffer.
+        let view = MatRef::strided(&a, 4, 3, 6, 2).unwrap();
+        let mid = view.row_range(1..3).unwrap();
+        let (data, rows, cols, rs, cs) = mid.parts();
+        assert_eq!((rows, cols, rs, cs), (2, 3, 6, 2));
+        assert_eq!([data[0], data[2 * cs], data[rs + cs]], [6.0, 10.0, 14.0]);
+        assert_eq!(view.t().row_range(2..3).unwrap().parts().0[0], 4.0);
+        assert_eq!(view.row_range(4..4).unwrap().rows(), 0);
+        let err = view.row_range(2..5).unwrap_err();
+        assert_eq!(err, Error::ShapeMismatch { what: "row range (start ≤ end ≤ rows)", expected: 4, got: 5 });
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = view.row_range(3..1);
+        assert!(reversed.is_err());
     }
 }

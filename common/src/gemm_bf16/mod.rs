@@ -45,9 +45,11 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::gemm::{Accumulate, MatMut, MatRef, MatmulOptions, Threads};
+use pack::{Avx512, pack_a, pack_b_block};
 
 mod amx;
 mod avx512;
+mod pack;
 #[cfg(test)]
 mod tests;
 
@@ -220,6 +222,7 @@ impl Bf16Gemm {
             scale: options.scale,
             add: options.accumulate == Accumulate::Add,
             isa: self.isa,
+            simd: Avx512::detect(),
         };
         let parallel = !matches!(options.threads, Threads::Single | Threads::Exactly(0 | 1));
         let data = &mut data[..needed];
@@ -236,14 +239,7 @@ impl Bf16Gemm {
             let nc = NC.min(n - jc);
             for k0 in (0..k).step_by(KC) {
                 let kc = KC.min(k - k0);
-                let panels = b_pack.chunks_mut(KP * NR).zip((jc..jc + nc).step_by(NR));
-                let pack =
-                    |(panel, j0): (&mut [u32], usize)| pack_b(b, (k0, kc), (j0, NR.min(jc + nc - j0)), panel);
-                if parallel {
-                    panels.par_bridge().for_each(pack);
-                } else {
-                    panels.for_each(pack);
-                }
+                pack_b_block(tile.simd, b, (k0, kc), (jc, nc), &mut b_pack, parallel);
                 let chunk = Chunk { k0, kc, jc, nc, b_pack: &b_pack };
                 let tasks = data.chunks_mut(ROW_BLOCK * row_stride).enumerate();
                 if parallel {
@@ -283,6 +279,8 @@ struct Tile {
     scale: f32,
     add: bool,
     isa: Isa,
+    /// The packs' vector walks (every [`Isa`] has AVX512F).
+    simd: Option<Avx512>,
 }
 
 /// One (column block, chunk of k) of B, packed: panels of [`NR`] columns, `KP·NR` u32 each.
@@ -316,7 +314,7 @@ impl Tile {
         a_pack: &mut [u32],
     ) {
         let Chunk { k0, kc, jc, nc, b_pack } = chunk;
-        pack_a(a, (r0, mt), (k0, kc), a_pack);
+        pack_a(self.simd, a, (r0, mt), (k0, kc), a_pack);
         let step = Step {
             pairs: kc.div_ceil(2),
             row_stride: self.row_stride,
@@ -357,6 +355,13 @@ impl Tile {
                 Isa::Amx => {
                     for i0 in (0..mt).step_by(amx::ROWS) {
                         let mr = amx::ROWS.min(mt - i0);
+                        // The next block's rows of `dst` (below this one, else the first of the
+                        // next panel), asked for while this one multiplies: its epilogue reads
+                        // them, and they lie a row stride apart, which no prefetcher follows.
+                        match i0 + amx::ROWS < mt {
+                            true => prefetch_rows(dst, (i0 + amx::ROWS, amx::ROWS), j0, self.row_stride),
+                            false => prefetch_rows(dst, (0, amx::ROWS), j0 + NR, self.row_stride),
+                        }
                         let out = &mut dst[i0 * self.row_stride..];
                         // SAFETY: `amx::configure()` ran above on this thread. `a_pack` is `ROW_BLOCK·A_STRIDE` u32 and i0 + 32 ≤ ROW_BLOCK (i0 is a
                         // multiple of 32, ROW_BLOCK too), so `a_pack[i0·A_STRIDE..]` holds 32 rows;
@@ -378,6 +383,28 @@ impl Tile {
     }
 }
 
+/// Asks for the cache lines of rows `r0..r0 + rows` of `dst` (stride `row_stride`), columns
+/// `j0..j0 + NR`, for writing. A hint: nothing waits for it, and rows or columns past `dst`'s
+/// end are skipped.
+fn prefetch_rows(dst: &[f32], (r0, rows): (usize, usize), j0: usize, row_stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for r in r0..r0 + rows {
+        for col in [j0, j0 + NR / 2] {
+            if let Some(at) = dst.get(r * row_stride + col) {
+                // SAFETY: a prefetch reads nothing architecturally and cannot fault; the
+                // address is that of an element of `dst`.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(
+                        std::ptr::from_ref(at).cast(),
+                    )
+                };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (dst, r0, rows, j0, row_stride);
+}
+
 /// One chunk's micro-kernel parameters.
 #[derive(Debug, Clone, Copy)]
 struct Step {
@@ -387,121 +414,4 @@ struct Step {
     scale: f32,
     /// Add into `dst` (else overwrite).
     add: bool,
-}
-
-/// `lo | hi << 16` of two bf16 values: one pair of k, as the kernels read it.
-#[inline(always)]
-fn pair(lo: bf16, hi: bf16) -> u32 {
-    u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
-}
-
-/// The pairs of a contiguous run of k (`out.len() = src.len().div_ceil(2)`; an odd tail's
-/// high half is 0).
-fn pack_pairs(src: &[bf16], out: &mut [u32]) {
-    let full = src.len() / 2;
-    for (o, two) in out[..full].iter_mut().zip(src.chunks_exact(2)) {
-        *o = pair(two[0], two[1]);
-    }
-    if let [.., last] = src
-        && src.len() % 2 == 1
-    {
-        out[full] = pair(*last, bf16::ZERO);
-    }
-}
-
-/// Packs rows `r0..r0+mt`, columns `k0..k0+kc` of `a` as `[mt][KP]` u32, each holding
-/// `a[i][2p] | a[i][2p+1] << 16` (0 past kc, up to whole tile steps), walking whichever of
-/// a's dimensions is contiguous innermost.
-fn pack_a(a: MatRef<'_, bf16>, (r0, mt): (usize, usize), (k0, kc): (usize, usize), out: &mut [u32]) {
-    let (data, _, _, rs, cs) = a.parts();
-    let pairs = kc.div_ceil(2);
-    // Zero pairs up to whole AMX tile steps (≤ KP): the tile kernel reads them.
-    let padded = pairs.next_multiple_of(amx::PAIRS_PER_STEP).min(KP);
-    for i in 0..mt {
-        out[i * A_STRIDE + pairs..i * A_STRIDE + padded].fill(0);
-    }
-    if cs == 1 {
-        // Rows contiguous in k: each row's pairs are its consecutive values.
-        for i in 0..mt {
-            pack_pairs(&data[(r0 + i) * rs + k0..][..kc], &mut out[i * A_STRIDE..i * A_STRIDE + pairs]);
-        }
-    } else if rs == 1 {
-        // Columns contiguous in m (a transposed): two columns of k make one pair column.
-        for p2 in 0..pairs {
-            let lo = &data[(k0 + 2 * p2) * cs + r0..][..mt];
-            let hi = (2 * p2 + 1 < kc).then(|| &data[(k0 + 2 * p2 + 1) * cs + r0..][..mt]);
-            for i in 0..mt {
-                out[i * A_STRIDE + p2] = pair(lo[i], hi.map_or(bf16::ZERO, |hi| hi[i]));
-            }
-        }
-    } else {
-        let el = |i: usize, p: usize| if p < kc { data[(r0 + i) * rs + (k0 + p) * cs] } else { bf16::ZERO };
-        for i in 0..mt {
-            for (p2, o) in out[i * A_STRIDE..i * A_STRIDE + pairs].iter_mut().enumerate() {
-                *o = pair(el(i, 2 * p2), el(i, 2 * p2 + 1));
-            }
-        }
-    }
-}
-
-/// Packs rows `k0..k0+kc`, columns `j0..j0+nr` (nr ≤ NR) of `b` as `[KP][NR]` u32, each
-/// holding `b[2p][j] | b[2p+1][j] << 16` (0 past kc, up to whole tile steps, and past nr),
-/// walking whichever of b's dimensions is contiguous innermost.
-fn pack_b(b: MatRef<'_, bf16>, (k0, kc): (usize, usize), (j0, nr): (usize, usize), panel: &mut [u32]) {
-    let (data, _, _, rs, cs) = b.parts();
-    let pairs = kc.div_ceil(2);
-    if rs == 1 {
-        // Columns contiguous in k (b = a weight block transposed): a column's consecutive
-        // values are its pairs. Row p2 of the panel takes pair p2 of each of the nr columns:
-        // the reads walk nr sequential streams (kc·2 bytes each, in cache together) and the
-        // writes are whole panel rows, one after another.
-        let columns: [&[bf16]; NR] = std::array::from_fn(|j| match j < nr {
-            true => &data[(j0 + j) * cs + k0..][..kc],
-            false => &[],
-        });
-        let full = kc / 2;
-        for p2 in 0..full {
-            let row = &mut panel[p2 * NR..p2 * NR + nr];
-            for (o, col) in row.iter_mut().zip(&columns) {
-                *o = pair(col[2 * p2], col[2 * p2 + 1]);
-            }
-        }
-        if kc % 2 == 1 {
-            let row = &mut panel[full * NR..full * NR + nr];
-            for (o, col) in row.iter_mut().zip(&columns) {
-                *o = pair(col[kc - 1], bf16::ZERO);
-            }
-        }
-    } else if cs == 1 {
-        // Rows contiguous in n: two rows of k make one row of pairs.
-        for p2 in 0..pairs {
-            let lo = &data[(k0 + 2 * p2) * rs + j0..][..nr];
-            let out = &mut panel[p2 * NR..p2 * NR + nr];
-            if 2 * p2 + 1 < kc {
-                let hi = &data[(k0 + 2 * p2 + 1) * rs + j0..][..nr];
-                for ((o, &l), &h) in out.iter_mut().zip(lo).zip(hi) {
-                    *o = pair(l, h);
-                }
-            } else {
-                for (o, &l) in out.iter_mut().zip(lo) {
-                    *o = pair(l, bf16::ZERO);
-                }
-            }
-        }
-    } else {
-        let el = |p: usize, j: usize| if p < kc { data[(k0 + p) * rs + (j0 + j) * cs] } else { bf16::ZERO };
-        for p2 in 0..pairs {
-            for (j, o) in panel[p2 * NR..p2 * NR + nr].iter_mut().enumerate() {
-                *o = pair(el(2 * p2, j), el(2 * p2 + 1, j));
-            }
-        }
-    }
-    if nr < NR {
-        for p2 in 0..pairs {
-            panel[p2 * NR + nr..(p2 + 1) * NR].fill(0);
-        }
-    }
-    // Zero pairs up to whole AMX tile steps (≤ KP): the tile kernel reads them.
-    let padded = pairs.next_multiple_of(amx::PAIRS_PER_STEP).min(KP);
-    panel[pairs * NR..padded * NR].fill(0);
 }

@@ -438,24 +438,29 @@ fn accumulate_dx(
     let dx = MatMut::row_major(&mut dx[..c * d], c, d)?;
     let part_mode = if partial.holds { Accumulate::Add } else { Accumulate::Replace };
     let part = MatMut::row_major(&mut partial.buf[..c * d], c, d)?;
-    // The requested threads are shared between the halves (on two threads, one each).
+    side_by_side(threads, |t| gemm_on(dx, g1, w1, mode, t), |t| gemm_on(part, g2, w2, part_mode, t))?;
+    partial.holds = true;
+    Ok(())
+}
+
+/// Runs the two halves of a split GEMM side by side, the requested threads shared between them
+/// (on two threads, one each), or one after the other on one thread.
+fn side_by_side(
+    threads: Threads,
+    first: impl FnOnce(Threads) -> Result<()> + Send,
+    second: impl FnOnce(Threads) -> Result<()> + Send,
+) -> Result<()> {
     let total = match threads {
         Threads::Single => 1,
         Threads::All => rayon::current_num_threads(),
         Threads::Exactly(t) => t,
     };
-    let (t1, t2) = (Threads::Exactly(total.div_ceil(2)), Threads::Exactly(total / 2));
-    let run_first = |t| gemm_on(dx, g1, w1, mode, t);
-    let run_second = |t| gemm_on(part, g2, w2, part_mode, t);
-    let (first, second) = if total <= 1 {
-        (run_first(Threads::Single), run_second(Threads::Single))
+    let (a, b) = if total <= 1 {
+        (first(Threads::Single), second(Threads::Single))
     } else {
-        rayon::join(|| run_first(t1), || run_second(t2))
+        rayon::join(|| first(Threads::Exactly(total.div_ceil(2))), || second(Threads::Exactly(total / 2)))
     };
-    first?;
-    second?;
-    partial.holds = true;
-    Ok(())
+    a.and(b)
 }
 
 /// Adds a partial's contribution into `dx` (in element order) and empties it.
@@ -567,9 +572,29 @@ pub(crate) fn accumulate_grads_bf16(
         MatRef::strided(&bytemuck::cast_slice::<f32, bf16>(g)[..(2 * vb - 1) * c + c], vb, c, 2 * c, 1)?;
     let w_blk = MatRef::row_major(&w[v0 * d..(v0 + vb) * d], vb, d)?;
     let x_blk = MatRef::row_major(&x[..c * d], c, d)?;
-    let options = |mode| MatmulOptions::with_accumulate(mode).threads(Threads::All);
-    gemm.matmul(MatMut::row_major(&mut out.dx_rows[..c * d], c, d)?, g16.t(), w_blk, options(out.dx_mode))?;
-    gemm.matmul(MatMut::row_major(&mut out.dw_blk[..vb * d], vb, d)?, g16, x_blk, options(out.dw_mode))?;
+    let options = |mode, threads| MatmulOptions::with_accumulate(mode).threads(threads);
+    let dx = MatMut::row_major(&mut out.dx_rows[..c * d], c, d)?;
+    match out.dx_partial.as_mut().filter(|p| vb >= SPLIT_K_MIN_ROWS && p.buf.len() >= c * d) {
+        // As `accumulate_dx`: k (the block's vocabulary rows) split at ⌊vb/2⌋, the halves side by
+        // side, each packing its own half of W and Gᵀ.
+        Some(partial) => {
+            let h = vb / 2;
+            let (g1, g2) = (g16.row_range(0..h)?, g16.row_range(h..vb)?);
+            let (w1, w2) = (w_blk.row_range(0..h)?, w_blk.row_range(h..vb)?);
+            let part_mode = if partial.holds { Accumulate::Add } else { Accumulate::Replace };
+            let part = MatMut::row_major(&mut partial.buf[..c * d], c, d)?;
+            side_by_side(
+                Threads::All,
+                |t| Ok(gemm.matmul(dx, g1.t(), w1, options(out.dx_mode, t))?),
+                |t| Ok(gemm.matmul(part, g2.t(), w2, options(part_mode, t))?),
+            )?;
+            partial.holds = true;
+            add_partial(&mut out.dx_rows[..c * d], Some(partial));
+        }
+        None => gemm.matmul(dx, g16.t(), w_blk, options(out.dx_mode, Threads::All))?,
+    }
+    let dw = MatMut::row_major(&mut out.dw_blk[..vb * d], vb, d)?;
+    gemm.matmul(dw, g16, x_blk, options(out.dw_mode, Threads::All))?;
     Ok(())
 }
 
