@@ -244,6 +244,11 @@ impl GradientsMut<'_> {
     pub(crate) fn fill_zero(&mut self) {
         self.dx.fill(0.0);
         self.dw.fill(0.0);
+        self.zero_dbias();
+    }
+
+    /// Zeroes dbias (when there is one).
+    pub(crate) fn zero_dbias(&mut self) {
         if let Some(b) = self.dbias.as_deref_mut() {
             b.fill(0.0);
         }

@@ -9,8 +9,8 @@ use proptest::prelude::*;
 use ring_dtp::cpu::reference::Rounding;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::{
-    Bf16Kernel, Budget, Config, Error, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Schedule, Shape,
-    Softcap,
+    Bf16Kernel, Budget, Config, Device, Error, GradOutput, GradientsMut, Inputs, LinearCrossEntropy, Loss,
+    Matrix, Plan, Reduction, Schedule, Shape, Softcap,
 };
 
 /// f32 bound (`docs/design.md`, exactness), on norm-wise errors normalised by the magnitudes each
@@ -365,8 +365,9 @@ fn bitwise_reproducible_run_to_run() {
 /// sub-blocks, of at least `SPLIT_K_MIN_ROWS` rows) against the f64 reference: V odd so the
 /// halves differ, a full-vocabulary plan (every block splits), and blocks of 3001 + 1098 rows
 /// (the first splits, the last does not); every feature on and off, f32 and bf16 (whose
-/// 2048-row sub-blocks split and whose 3-row tail does not). Then bitwise the same on 1, 2 and
-/// 3 threads, since the split depends on shapes only.
+/// 2048-row sub-blocks split and whose 3-row tail does not; on bf16 GEMMs, every block of at
+/// least that many rows splits). Then bitwise the same on 1, 2 and 3 threads, f32 and bf16, since
+/// the split depends on shapes only.
 #[test]
 fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
     let (n, d, v) = (37usize, 24usize, 2 * ring_dtp::plan::SPLIT_K_MIN_ROWS + 3);
@@ -387,23 +388,63 @@ fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
         }
     });
     let config = Config::default();
-    let inp = inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w));
-    let plan = Plan::with_blocks(
-        &config,
-        Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 },
-        (16, usize::MAX),
-    )
-    .expect("plan");
-    let bits = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-        let (f, g) = pool
-            .install(|| cpu::forward_backward(&config, &plan, &inp, GradOutput::Scalar(1.0)))
-            .expect("runs");
-        let to_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        (to_bits(&f.lse), to_bits(&g.dx), to_bits(&g.dw))
-    };
-    let one = bits(1);
-    assert!(one == bits(2) && one == bits(3), "the split changed bits with the thread count");
+    let to_bf16 = |s: &[f32]| s.iter().map(|&e| bf16::from_f32(e)).collect::<Vec<_>>();
+    let (xb, wb) = (to_bf16(&c.x), to_bf16(&c.w));
+    for dtype in [DType::F32, DType::Bf16] {
+        let inp = match dtype {
+            DType::F32 => inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w)),
+            _ => inputs(&c, Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
+        };
+        let plan =
+            Plan::with_blocks(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, (16, usize::MAX))
+                .expect("plan");
+        let bits = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+            let (f, g) = pool
+                .install(|| cpu::forward_backward(&config, &plan, &inp, GradOutput::Scalar(1.0)))
+                .expect("runs");
+            let to_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            (to_bits(&f.lse), to_bits(&g.dx), to_bits(&g.dw))
+        };
+        let one = bits(1);
+        assert!(one == bits(2) && one == bits(3), "{dtype:?}: the split changed bits with the thread count");
+    }
+}
+
+/// The `_into` calls overwrite whatever their buffers held: filled with NaN first, they end
+/// bit for bit as the allocating calls' gradients, for the fused and the 4-GEMM schedule, f32
+/// and bf16, with a bias (which blocks add into) and without.
+#[test]
+fn into_buffers_are_overwritten_whatever_they_held() {
+    let (n, d, v) = (70usize, 32usize, 900usize);
+    for with_bias in [true, false] {
+        let c = make_case(n, d, v, 12, 0.1, (with_bias, true, false));
+        let to_bf16 = |s: &[f32]| s.iter().map(|&e| bf16::from_f32(e)).collect::<Vec<_>>();
+        let (xb, wb) = (to_bf16(&c.x), to_bf16(&c.w));
+        for dtype in [DType::F32, DType::Bf16] {
+            let inp = match dtype {
+                DType::F32 => inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w)),
+                _ => inputs(&c, Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
+            };
+            for budget in [1usize << 30, 64 << 10] {
+                let config = Config::default();
+                let shape = Shape { tokens: n, hidden: d, vocab: v, dtype };
+                let plan = Plan::new(&config, shape, Budget::Bytes(budget)).expect("plan");
+                let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu).expect("executor");
+                let (f, g) = lce.forward_backward(&inp, GradOutput::Scalar(1.0)).expect("runs");
+                let (mut dx, mut dw) = (vec![f32::NAN; n * d], vec![f32::NAN; v * d]);
+                let mut db = vec![f32::NAN; if with_bias { v } else { 0 }];
+                let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: with_bias.then_some(&mut db[..]) };
+                let f_into = lce.forward_backward_into(&inp, GradOutput::Scalar(1.0), out).expect("runs");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let what = format!("{dtype:?} {:?} bias={with_bias}", plan.schedule());
+                assert_eq!(f_into.lse, f.lse, "{what}");
+                assert_eq!(bits(&dx), bits(&g.dx), "dx {what}");
+                assert_eq!(bits(&dw), bits(&g.dw), "dw {what}");
+                assert_eq!(bits(&db), bits(g.dbias.as_deref().unwrap_or(&[])), "dbias {what}");
+            }
+        }
+    }
 }
 
 #[test]

@@ -338,9 +338,14 @@ fn run(
     ws.reset();
     if pass != Pass::Forward {
         let g = grads.as_mut().ok_or_else(|| missing("gradients"))?;
-        // Every block writes its first touch without reading, but a shape with no block (N = 0
-        // or V = 0) touches nothing: the caller's buffers start at zero either way.
-        g.fill_zero();
+        // Every block writes its first touch of dX and dW without reading it, so with at least
+        // one block only dbias, which the blocks add into, starts at zero here (zeroing dX and
+        // dW too would cost a pass over V·D + N·D floats). A shape with no block (N = 0 or V = 0)
+        // touches nothing: the caller's buffers start at zero then.
+        match inputs.n == 0 || inputs.v == 0 {
+            true => g.fill_zero(),
+            false => g.zero_dbias(),
+        }
     }
     let mut ops = CpuBlocks::new((config, plan, inputs), ws, (pass, gradient), grads)?;
     run_blocks(&mut ops, plan, pass)?;
