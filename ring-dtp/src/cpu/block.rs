@@ -618,15 +618,10 @@ pub(crate) fn round_gradient_to_bf16(g: &mut [f32], c: usize, out: &mut BlockGra
 }
 
 /// Rounds a row of f32 to bf16 (to nearest even), in place: bf16 value i lands in the row's
-/// i-th 16-bit slot, so the row's first half of bytes holds it as bf16. Slot i is written
-/// after slots 2i and 2i + 1 (f32 value i) were read, and i ≤ 2i: nothing unread is overwritten.
+/// i-th 16-bit slot, so the row's first half of bytes holds it as bf16 (see
+/// `rows::round_to_bf16_in_place`).
 pub(crate) fn round_rows_to_bf16(row: &mut [f32]) {
-    let halves: &mut [u16] = bytemuck::cast_slice_mut(row);
-    let (lo, hi) = if cfg!(target_endian = "little") { (0, 1) } else { (1, 0) };
-    for i in 0..halves.len() / 2 {
-        let bits = u32::from(halves[2 * i + lo]) | (u32::from(halves[2 * i + hi]) << 16);
-        halves[i] = bf16::from_f32(f32::from_bits(bits)).to_bits();
-    }
+    rows::round_to_bf16_in_place(row);
 }
 
 /// `dbias[j] += Σ_k G[j, k]`, each row summed in token order.
