@@ -388,27 +388,21 @@ fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
         }
     });
     let config = Config::default();
-    let to_bf16 = |s: &[f32]| s.iter().map(|&e| bf16::from_f32(e)).collect::<Vec<_>>();
-    let (xb, wb) = (to_bf16(&c.x), to_bf16(&c.w));
-    for dtype in [DType::F32, DType::Bf16] {
-        let inp = match dtype {
-            DType::F32 => inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w)),
-            _ => inputs(&c, Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
-        };
+    for_each_dtype(&c, |dtype, inp| {
         let plan =
             Plan::with_blocks(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, (16, usize::MAX))
                 .expect("plan");
         let bits = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
             let (f, g) = pool
-                .install(|| cpu::forward_backward(&config, &plan, &inp, GradOutput::Scalar(1.0)))
+                .install(|| cpu::forward_backward(&config, &plan, inp, GradOutput::Scalar(1.0)))
                 .expect("runs");
             let to_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             (to_bits(&f.lse), to_bits(&g.dx), to_bits(&g.dw))
         };
         let one = bits(1);
         assert!(one == bits(2) && one == bits(3), "{dtype:?}: the split changed bits with the thread count");
-    }
+    });
 }
 
 /// The `_into` calls overwrite whatever their buffers held: filled with NaN first, they end
@@ -419,23 +413,17 @@ fn into_buffers_are_overwritten_whatever_they_held() {
     let (n, d, v) = (70usize, 32usize, 900usize);
     for with_bias in [true, false] {
         let c = make_case(n, d, v, 12, 0.1, (with_bias, true, false));
-        let to_bf16 = |s: &[f32]| s.iter().map(|&e| bf16::from_f32(e)).collect::<Vec<_>>();
-        let (xb, wb) = (to_bf16(&c.x), to_bf16(&c.w));
-        for dtype in [DType::F32, DType::Bf16] {
-            let inp = match dtype {
-                DType::F32 => inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w)),
-                _ => inputs(&c, Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
-            };
+        for_each_dtype(&c, |dtype, inp| {
             for budget in [1usize << 30, 64 << 10] {
                 let config = Config::default();
                 let shape = Shape { tokens: n, hidden: d, vocab: v, dtype };
                 let plan = Plan::new(&config, shape, Budget::Bytes(budget)).expect("plan");
                 let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu).expect("executor");
-                let (f, g) = lce.forward_backward(&inp, GradOutput::Scalar(1.0)).expect("runs");
+                let (f, g) = lce.forward_backward(inp, GradOutput::Scalar(1.0)).expect("runs");
                 let (mut dx, mut dw) = (vec![f32::NAN; n * d], vec![f32::NAN; v * d]);
                 let mut db = vec![f32::NAN; if with_bias { v } else { 0 }];
                 let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: with_bias.then_some(&mut db[..]) };
-                let f_into = lce.forward_backward_into(&inp, GradOutput::Scalar(1.0), out).expect("runs");
+                let f_into = lce.forward_backward_into(inp, GradOutput::Scalar(1.0), out).expect("runs");
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 let what = format!("{dtype:?} {:?} bias={with_bias}", plan.schedule());
                 assert_eq!(f_into.lse, f.lse, "{what}");
@@ -443,7 +431,7 @@ fn into_buffers_are_overwritten_whatever_they_held() {
                 assert_eq!(bits(&dw), bits(&g.dw), "dw {what}");
                 assert_eq!(bits(&db), bits(g.dbias.as_deref().unwrap_or(&[])), "dbias {what}");
             }
-        }
+        });
     }
 }
 
@@ -731,19 +719,19 @@ fn fused_schedule_matches_the_reference(backend: Backend) {
 fn for_every_config_and_dtype(c: &Case, mut body: impl FnMut(&Config, DType, &Inputs<'_>)) {
     let mut all = Config::default().reduction(Reduction::None);
     (all.label_smoothing, all.z_loss, all.softcap) = (0.1, 1e-4, Softcap::Tanh { cap: 30.0 });
+    for config in [all, Config::default()] {
+        // bf16 at f32's bound: f32 GEMMs ([`bf16_native_rounds_the_logit_gradient`] runs the
+        // default bf16 arithmetic).
+        for_each_dtype(c, |dtype, inp| body(&config.precision(Precision::F32), dtype, inp));
+    }
+}
+
+/// `body` on the case's inputs in f32, then rounded to bf16.
+fn for_each_dtype(c: &Case, mut body: impl FnMut(DType, &Inputs<'_>)) {
     let (xb, wb): (Vec<bf16>, Vec<bf16>) =
         (c.x.iter().map(|&a| bf16::from_f32(a)).collect(), c.w.iter().map(|&a| bf16::from_f32(a)).collect());
-    for config in [all, Config::default()] {
-        for dtype in [DType::F32, DType::Bf16] {
-            let (x, w) = match dtype {
-                DType::Bf16 => (Matrix::Bf16(&xb), Matrix::Bf16(&wb)),
-                _ => (Matrix::F32(&c.x), Matrix::F32(&c.w)),
-            };
-            // bf16 at f32's bound: f32 GEMMs ([`bf16_native_rounds_the_logit_gradient`] runs
-            // the default bf16 arithmetic).
-            body(&config.precision(Precision::F32), dtype, &inputs(c, x, w));
-        }
-    }
+    body(DType::F32, &inputs(c, Matrix::F32(&c.x), Matrix::F32(&c.w)));
+    body(DType::Bf16, &inputs(c, Matrix::Bf16(&xb), Matrix::Bf16(&wb)));
 }
 
 /// Loss, lse, dX, dW and dbias of one run against the f64 reference.

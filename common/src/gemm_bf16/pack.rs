@@ -35,6 +35,12 @@ impl Avx512 {
     }
 }
 
+/// `pairs` rounded up to whole AMX tile steps (at most [`KP`]): the tile kernel reads that
+/// far, so the packs zero the pairs between.
+fn padded_pairs(pairs: usize) -> usize {
+    pairs.next_multiple_of(amx::PAIRS_PER_STEP).min(KP)
+}
+
 /// `lo | hi << 16` of two bf16 values: one pair of k, as the kernels read it.
 #[inline(always)]
 fn pair(lo: bf16, hi: bf16) -> u32 {
@@ -102,7 +108,7 @@ pub(super) fn pack_a(
     let (data, _, _, rs, cs) = a.parts();
     let pairs = kc.div_ceil(2);
     // Zero pairs up to whole AMX tile steps (≤ KP): the tile kernel reads them.
-    let padded = pairs.next_multiple_of(amx::PAIRS_PER_STEP).min(KP);
+    let padded = padded_pairs(pairs);
     for i in 0..mt {
         out[i * A_STRIDE + pairs..i * A_STRIDE + padded].fill(0);
     }
@@ -220,7 +226,7 @@ pub(super) fn pack_b(
         }
     }
     // Zero pairs up to whole AMX tile steps (≤ KP): the tile kernel reads them.
-    let padded = pairs.next_multiple_of(amx::PAIRS_PER_STEP).min(KP);
+    let padded = padded_pairs(pairs);
     panel[pairs * NR..padded * NR].fill(0);
 }
 
@@ -255,7 +261,7 @@ pub(super) fn pack_b_block(
         return;
     }
     let pairs = kc.div_ceil(2);
-    let padded = pairs.next_multiple_of(amx::PAIRS_PER_STEP).min(KP);
+    let padded = padded_pairs(pairs);
     // Task t owns pair rows t·PACK_ROWS.. of every panel.
     let mut tasks: Vec<Vec<&mut [u32]>> = (0..padded.div_ceil(PACK_ROWS)).map(|_| Vec::new()).collect();
     for (panel, _) in panels {

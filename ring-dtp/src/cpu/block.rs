@@ -542,7 +542,7 @@ pub(crate) fn accumulate_grads_widening(
 }
 
 /// [`accumulate_grads`] for bf16 X and W under [`Precision::Native`](flatpeak_common::Precision):
-/// dbias from the f32 G, then G rounded to bf16 in place ([`round_rows_to_bf16`]) and
+/// dbias from the f32 G, then G rounded to bf16 in place, row by row (`rows::round_to_bf16_in_place`) and
 /// `dX += Gᵀ·W_blk`, `dW = G·X_blk` on bf16 operands with f32 accumulation — on the CPU's bf16
 /// dot products when `gemm` is given, else with G's rounded values kept in f32 and W widened
 /// (the same products, as the GEMMs of autograd on a bf16 matmul).
@@ -566,7 +566,7 @@ pub(crate) fn accumulate_grads_bf16(
     if let Some(db) = out.dbias_blk.take() {
         row_sums(g, c, &mut db[..vb]);
     }
-    g.par_chunks_mut(c).for_each(round_rows_to_bf16);
+    g.par_chunks_mut(c).for_each(rows::round_to_bf16_in_place);
     // Row j of the bf16 G is the first half of f32 row j's bytes: row stride 2c.
     let g16 =
         MatRef::strided(&bytemuck::cast_slice::<f32, bf16>(g)[..(2 * vb - 1) * c + c], vb, c, 2 * c, 1)?;
@@ -615,13 +615,6 @@ pub(crate) fn round_gradient_to_bf16(g: &mut [f32], c: usize, out: &mut BlockGra
         row_sums(g, c, &mut db[..g.len() / c.max(1)]);
     }
     g.par_iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32());
-}
-
-/// Rounds a row of f32 to bf16 (to nearest even), in place: bf16 value i lands in the row's
-/// i-th 16-bit slot, so the row's first half of bytes holds it as bf16 (see
-/// `rows::round_to_bf16_in_place`).
-pub(crate) fn round_rows_to_bf16(row: &mut [f32]) {
-    rows::round_to_bf16_in_place(row);
 }
 
 /// `dbias[j] += Σ_k G[j, k]`, each row summed in token order.
