@@ -120,8 +120,8 @@ fn cuda_steps(c: &mut Criterion) {
             eprintln!("cuda/llep {dtype} {spec} {name}: {} rounds", plan.rounds());
             group.bench_function(format!("{name}_train"), |b| {
                 b.iter(|| {
-                    let y = layer.forward_cuda(&ops, &plan, &dev).expect("forward");
-                    let g = layer.backward_cuda(&ops, &plan, &dev, &dy).expect("backward");
+                    let y = layer.forward(&ops, &plan, &dev).expect("forward");
+                    let g = layer.backward(&ops, &plan, &dev, &dy).expect("backward");
                     ops.synchronize().expect("sync");
                     (y, g)
                 })

@@ -95,7 +95,7 @@ fn rings(c: &mut Criterion) {
                         Matrix::F32(&w[s.start * D..s.end * D]),
                         &targets[t],
                     );
-                    Ok(ring::forward_backward(comm, &config, &plan, &inputs, GradOutput::Scalar(1.0)))
+                    Ok(ring::forward_backward(comm, &plan, &inputs, GradOutput::Scalar(1.0)))
                 })
             })
         });
@@ -179,6 +179,11 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
         Plan::with_blocks(&f32_gemms, Shape { tokens: n, hidden: d, vocab: v, dtype: DType::Bf16 }, (c, v))
             .expect("plan")
     };
+    let tf32 = |c: usize| {
+        let tf32 = config.precision(Precision::Tf32);
+        Plan::with_blocks(&tf32, Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 }, (c, v))
+            .expect("plan")
+    };
     let budget = |bytes: usize| {
         Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 }, Budget::Bytes(bytes))
             .expect("plan")
@@ -193,14 +198,9 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
         ("bf16_native_1024_tokens_fused", blocks(1024, v, DType::Bf16), Call::Fused),
         ("bf16_native_1024_tokens_separate", blocks(1024, v, DType::Bf16), Call::Separate),
         ("bf16_f32gemms_1024_tokens_fused", widened(1024), Call::Fused),
-        ("f32_tf32_1024_tokens_fused", blocks(1024, v, DType::F32), Call::Fused),
+        ("f32_tf32_1024_tokens_fused", tf32(1024), Call::Fused),
     ] {
-        let config = match name {
-            n if n.contains("f32gemms") => f32_gemms,
-            n if n.contains("tf32") => config.precision(Precision::Tf32),
-            _ => config,
-        };
-        let mut lce = CudaLinearCrossEntropy::new(config, plan, 0).expect("device");
+        let mut lce = CudaLinearCrossEntropy::new(plan, 0).expect("device");
         let s = lce.stream().clone();
         let td = s.clone_htod(&targets).expect("t");
         let (xf, wf, xb, wb);

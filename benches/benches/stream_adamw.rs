@@ -7,7 +7,7 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use flatpeak_bench::components::stream_adamw::{BYTES_PER_PARAM, KernelInputs};
 use flatpeak_common::SplitMix64;
 use half::bf16;
-use stream_adamw::{Config, HostDevice, Hyperparameters, Link, Schedule, StepOptions, StreamAdamW};
+use stream_adamw::{Budget, Config, HostDevice, Link, Plan, Schedule, StepOptions, StreamAdamW};
 
 fn kernel(c: &mut Criterion) {
     let mut group = c.benchmark_group("stream_adamw_kernel");
@@ -29,20 +29,14 @@ fn offloaded_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("stream_adamw_step_16M_link25");
     for schedule in [Schedule::Serial, Schedule::Pipelined] {
         let options = Config::default().bucket_elems(1 << 20).schedule(schedule);
-        let mut opt = StreamAdamW::<f32, bf16>::new(
-            master.clone(),
-            Hyperparameters::default(),
-            &options,
-            stream_adamw::Device::Cpu,
-        )
-        .expect("valid options");
+        let plan = Plan::new(&options, StreamAdamW::<f32, bf16>::shape(n), Budget::Unlimited)
+            .expect("valid options");
+        let mut opt =
+            StreamAdamW::<f32, bf16>::new(plan, stream_adamw::Device::Cpu).expect("a CPU optimizer");
+        opt.load_master(&master).expect("n parameters");
         let mut device = HostDevice::new(grads.clone(), vec![bf16::ZERO; n], Link::Simulated { gbps: 25.0 });
         group.bench_function(format!("{schedule:?}"), |b| {
-            b.iter_batched(
-                || (),
-                |()| opt.step_host(&mut device, StepOptions::default()),
-                BatchSize::SmallInput,
-            )
+            b.iter_batched(|| (), |()| opt.step(&mut device, StepOptions::default()), BatchSize::SmallInput)
         });
     }
     group.finish();
@@ -66,17 +60,18 @@ fn cuda_offloaded_step(c: &mut Criterion) {
     for schedule in [Schedule::Serial, Schedule::Pipelined] {
         let options = Config::default().bucket_elems(bucket).schedule(schedule);
         let on = stream_adamw::Device::Cuda(0);
-        let mut opt =
-            StreamAdamW::<bf16, bf16>::new(master.clone(), Hyperparameters::default(), &options, on)
-                .expect("device");
-        let stream = opt.cuda_offload().expect("a CUDA optimizer").context().default_stream();
+        let plan = Plan::new(&options, StreamAdamW::<bf16, bf16>::shape(n), Budget::Unlimited)
+            .expect("valid options");
+        let mut opt = StreamAdamW::<bf16, bf16>::new(plan, on).expect("device");
+        opt.load_master(&master).expect("n parameters");
+        let stream = flatpeak_common::cuda::context(0).expect("device").default_stream();
         let mut device = CudaDevice {
             grads: stream.clone_htod(&grads).expect("upload"),
             params: stream.alloc_zeros::<bf16>(n).expect("alloc"),
         };
         // The first step touches the host state for the first time (page faults): time a warm one.
-        opt.step_cuda(&mut device, StepOptions::default()).expect("cold step");
-        let report = opt.step_cuda(&mut device, StepOptions::default()).expect("step");
+        opt.step(&mut device, StepOptions::default()).expect("cold step");
+        let report = opt.step(&mut device, StepOptions::default()).expect("step");
         if schedule == Schedule::Serial {
             let b = n.div_ceil(bucket) as f64;
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / b;
@@ -94,7 +89,7 @@ fn cuda_offloaded_step(c: &mut Criterion) {
             );
         }
         group.bench_function(format!("{schedule:?}"), |b| {
-            b.iter(|| opt.step_cuda(&mut device, StepOptions::default()).expect("step"))
+            b.iter(|| opt.step(&mut device, StepOptions::default()).expect("step"))
         });
     }
     group.finish();

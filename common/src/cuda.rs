@@ -22,10 +22,29 @@ use crate::kernels::{COMMON, KernelSource, grid_stride_blocks};
 use crate::nvrtc::{Arch, Target, compile};
 
 /// Maps a cudarc error (driver, cuBLAS, NCCL) to [`Error::Cuda`] naming the call:
-/// `stream.alloc_zeros(n).map_err(cuda_error("cuMemAlloc"))?` (a crate's `?` then converts it
+/// `stream.synchronize().map_err(cuda_error("cuStreamSynchronize"))?` (a crate's `?` then converts it
 /// to its own `Error::Common`).
 pub fn cuda_error<E: std::fmt::Debug>(op: &'static str) -> impl Fn(E) -> Error {
     move |e| Error::Cuda { op, message: format!("{e:?}") }
+}
+
+/// Maps a failed device allocation of `bytes` for `what`: CUDA's out-of-memory is
+/// [`Error::DeviceAlloc`] (the typed error a caller sizing its batch can act on), anything else
+/// [`Error::Cuda`] naming `cuMemAlloc`:
+/// `stream.alloc_zeros::<f32>(n).map_err(alloc_error("the logit block", n * 4))?`.
+pub fn alloc_error(what: &'static str, bytes: usize) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| {
+        if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            Error::DeviceAlloc { what, bytes }
+        } else {
+            Error::Cuda { op: "cuMemAlloc", message: format!("{e:?}") }
+        }
+    }
+}
+
+/// Maps a refused page-locked host allocation of `bytes` for `what` to [`Error::PinnedAlloc`].
+pub fn pinned_error(what: &'static str, bytes: usize) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::PinnedAlloc { what, bytes, reason: format!("{e:?}") }
 }
 
 /// A 1-D grid-stride launch over `n` elements: `threads` per block, at most `max_blocks` blocks
@@ -284,7 +303,8 @@ pub struct DeviceWorkspace {
 impl DeviceWorkspace {
     /// Allocates `capacity` bytes on `stream`'s device, zeroed.
     pub fn new(stream: &Arc<CudaStream>, capacity: usize) -> Result<Self> {
-        let buffer = stream.alloc_zeros::<u8>(capacity.max(1)).map_err(cuda_error("cuMemAlloc"))?;
+        let buffer =
+            stream.alloc_zeros::<u8>(capacity.max(1)).map_err(alloc_error("a device workspace", capacity))?;
         Ok(Self { buffer, arena: Arena::new(capacity) })
     }
     /// Carves `len` elements of `T` (see [`Arena::carve`]).
@@ -361,7 +381,9 @@ pub fn checksum_f32(cache: &KernelCache, stream: &Arc<CudaStream>, x: &CudaView<
     let f = cache.function(&COMMON, "checksum_f32")?;
     let n = x.len() as u64;
     let cfg = grid_for(x.len(), 1024);
-    let mut partial = stream.alloc_zeros::<f64>(cfg.grid_dim.0 as usize).map_err(cuda_error("cuMemAlloc"))?;
+    let blocks = cfg.grid_dim.0 as usize;
+    let mut partial =
+        stream.alloc_zeros::<f64>(blocks).map_err(alloc_error("checksum partials", blocks * 8))?;
     let mut launch = stream.launch_builder(&f);
     launch.arg(x).arg(&n).arg(&mut partial);
     // SAFETY: `checksum_f32(const float*, u64, double*)` matches the arguments; it reads

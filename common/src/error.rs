@@ -1,6 +1,28 @@
 //! The one error type of `flatpeak-common`. Every variant carries the offending values.
+//!
+//! Three of its variants are also declared by every crate's error ([`error_vocabulary!`](crate::error_vocabulary)):
+//! `InvalidConfig`, `ShapeMismatch` and `Internal`. They are worded alike in both places, and a
+//! crate's `From<flatpeak_common::Error>` lifts them into the crate's own variant, so one mistake
+//! arrives as one variant whichever layer found it. [`ErrorKind`] sorts every variant into the
+//! four kinds a binding raises (Python's `TypeError`, `ValueError`, `MemoryError`,
+//! `RuntimeError`).
 
 use std::time::Duration;
+
+/// What kind of failure an error is, for a binding to raise the matching exception: the kind
+/// is decided here, by the crate that knows the variant, never by the binding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// A tensor of the wrong dtype or on the wrong device (Python's `TypeError`).
+    Type,
+    /// An option, shape or value outside its domain (`ValueError`).
+    Value,
+    /// An allocation the system refused (`MemoryError`).
+    Memory,
+    /// Something that failed while running: a lost peer, a timeout, a CUDA call, a bug in
+    /// flatpeak (`RuntimeError`).
+    Runtime,
+}
 
 /// Result alias used throughout `flatpeak-common`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -28,6 +50,32 @@ pub enum Error {
         /// Bytes asked for.
         bytes: usize,
     },
+    /// The device refused an allocation (CUDA's out-of-memory): nothing of it was allocated.
+    #[error("could not allocate {bytes} B of device memory for {what}")]
+    DeviceAlloc {
+        /// What the allocation was for.
+        what: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
+    },
+    /// The OS refused page-locked (pinned) host memory.
+    #[error(
+        "could not pin {bytes} B of host memory for {what} ({reason}); check the memlock limit (`ulimit -l`)"
+    )]
+    PinnedAlloc {
+        /// What the staging was for.
+        what: &'static str,
+        /// Bytes of the failed allocation.
+        bytes: usize,
+        /// The driver's error.
+        reason: String,
+    },
+    /// An internal invariant of flatpeak broke: a bug in flatpeak, never the caller's mistake.
+    #[error("internal error (a bug in flatpeak; please report it): {invariant}")]
+    Internal {
+        /// The invariant that failed, in words.
+        invariant: &'static str,
+    },
     /// A size computation overflowed `usize`.
     #[error("size overflow while computing {what}")]
     SizeOverflow {
@@ -35,21 +83,21 @@ pub enum Error {
         what: &'static str,
     },
     /// Two shapes or lengths that must agree do not.
-    #[error("shape mismatch in {what}: expected {expected}, got {got}")]
+    #[error("shape mismatch for {what}: expected {expected}, got {got}")]
     ShapeMismatch {
-        /// Which quantity disagreed.
+        /// Which buffer or dimension.
         what: &'static str,
-        /// The value the operation needed.
+        /// What the plan or the other inputs call for.
         expected: usize,
-        /// The value it was given.
+        /// What was given.
         got: usize,
     },
-    /// An option outside its domain (NaN is never in one).
+    /// An option or dimension outside its domain (NaN is never in one).
     #[error("invalid config: {field} = {value}: expected {reason}")]
     InvalidConfig {
-        /// Which option.
+        /// Which option or dimension.
         field: &'static str,
-        /// The value given, as written by `{:?}`.
+        /// The value given, as `{:?}` writes it.
         value: String,
         /// Its domain, in words.
         reason: &'static str,
@@ -158,15 +206,48 @@ impl Error {
     pub fn invalid_config(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Self {
         Self::InvalidConfig { field, value: format!("{value:?}"), reason }
     }
+
+    /// The kind of failure, for a binding's exception.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::ShapeMismatch { .. }
+            | Self::InvalidConfig { .. }
+            | Self::SizeOverflow { .. }
+            | Self::InvalidDevice { .. }
+            | Self::RankOutOfRange { .. } => ErrorKind::Value,
+            Self::WorkspaceExhausted { .. }
+            | Self::HostAlloc { .. }
+            | Self::DeviceAlloc { .. }
+            | Self::PinnedAlloc { .. } => ErrorKind::Memory,
+            Self::CudaUnavailable { .. }
+            | Self::KernelCompile { .. }
+            | Self::Cuda { .. }
+            | Self::PeerLost { .. }
+            | Self::Timeout { .. }
+            | Self::CollectiveMismatch { .. }
+            | Self::RankPanicked { .. }
+            | Self::EmuFault { .. }
+            | Self::EmuRace { .. }
+            | Self::MeterNotInstalled
+            | Self::Internal { .. } => ErrorKind::Runtime,
+        }
+    }
 }
 
 /// Declares a crate's own `Error` enum in the workspace's one error vocabulary: the crate's
-/// variants, then the four every crate shares, named and worded alike everywhere —
+/// variants, then the five every crate shares, named and worded alike everywhere —
 /// `InvalidConfig { field, value, reason }` (an option or dimension outside its domain),
-/// `ShapeMismatch { what, expected, got }`, `BudgetTooSmall { budget, needed, what }` and
+/// `ShapeMismatch { what, expected, got }`, `BudgetTooSmall { budget, needed, what }`,
+/// `WrongDevice { executor, inputs }` (buffers on one device handed to an executor on another),
+/// `Internal { invariant }` (a bug in flatpeak, never the caller's mistake) and
 /// `Common(flatpeak_common::Error)` — with `Error::invalid_config(field, value, reason)`, which
-/// writes the offending value with `{:?}`. The enum derives `Debug`, `Clone`, `PartialEq` and
-/// `thiserror::Error` (the crate depends on `thiserror`) and is `#[non_exhaustive]`.
+/// writes the offending value with `{:?}`, `Error::internal(invariant)`, and `Error::kind()`,
+/// which sorts every variant into an [`ErrorKind`]: the shared ones here, the crate's own by the
+/// crate's `fn own_kind(&self) -> ErrorKind` (which the crate writes, naming each variant).
+/// `From<flatpeak_common::Error>` lifts common's `InvalidConfig`, `ShapeMismatch` and `Internal`
+/// into the crate's own variants, so one mistake is one variant. The enum derives `Debug`,
+/// `Clone`, `PartialEq` and `thiserror::Error` (the crate depends on `thiserror`) and is
+/// `#[non_exhaustive]`.
 ///
 /// ```
 /// flatpeak_common::error_vocabulary! {
@@ -180,9 +261,24 @@ impl Error {
 ///         },
 ///     }
 /// }
+/// impl Error {
+///     fn own_kind(&self) -> flatpeak_common::ErrorKind {
+///         match self {
+///             Self::LayerOutOfRange { .. } => flatpeak_common::ErrorKind::Value,
+///             _ => unreachable!("the shared variants are sorted by kind()"),
+///         }
+///     }
+/// }
 /// let e = Error::invalid_config("slots", 0usize, "at least 1");
 /// assert_eq!(e.to_string(), "invalid config: slots = 0: expected at least 1");
 /// assert!(matches!(Error::from(flatpeak_common::Error::MeterNotInstalled), Error::Common(_)));
+/// // Common's shape mismatch is the crate's own variant, worded the same.
+/// let common = flatpeak_common::Error::ShapeMismatch { what: "x", expected: 2, got: 3 };
+/// let lifted = Error::from(common.clone());
+/// assert!(matches!(lifted, Error::ShapeMismatch { what: "x", expected: 2, got: 3 }));
+/// assert_eq!(lifted.to_string(), common.to_string());
+/// assert_eq!(Error::LayerOutOfRange { layer: 9 }.kind(), flatpeak_common::ErrorKind::Value);
+/// assert_eq!(Error::internal("a pass ran twice").kind(), flatpeak_common::ErrorKind::Runtime);
 /// ```
 #[macro_export]
 macro_rules! error_vocabulary {
@@ -222,15 +318,59 @@ macro_rules! error_vocabulary {
                 /// Which buffers those are.
                 what: &'static str,
             },
+            /// Tensors on one device handed to an executor on another (nothing is copied silently).
+            #[error("executor on {executor} was handed tensors on {inputs}")]
+            WrongDevice {
+                /// The executor's device.
+                executor: $crate::Device,
+                /// Where the tensors are.
+                inputs: $crate::Device,
+            },
+            /// An internal invariant broke: a bug in flatpeak, never the caller's mistake.
+            #[error("internal error (a bug in flatpeak; please report it): {invariant}")]
+            Internal {
+                /// The invariant that failed, in words.
+                invariant: &'static str,
+            },
             /// An error from the shared foundation (workspace, communicator, CUDA).
             #[error(transparent)]
-            Common(#[from] $crate::Error),
+            Common($crate::Error),
         }
 
         impl $name {
             /// [`Self::InvalidConfig`] for `field = value` outside the domain `reason`.
             pub fn invalid_config(field: &'static str, value: impl ::std::fmt::Debug, reason: &'static str) -> Self {
                 Self::InvalidConfig { field, value: format!("{value:?}"), reason }
+            }
+
+            /// [`Self::Internal`]: `invariant` broke (a bug in flatpeak).
+            pub fn internal(invariant: &'static str) -> Self {
+                Self::Internal { invariant }
+            }
+
+            /// The kind of failure, for a binding's exception.
+            pub fn kind(&self) -> $crate::ErrorKind {
+                match self {
+                    Self::InvalidConfig { .. } | Self::ShapeMismatch { .. } | Self::BudgetTooSmall { .. } => {
+                        $crate::ErrorKind::Value
+                    }
+                    Self::WrongDevice { .. } => $crate::ErrorKind::Type,
+                    Self::Internal { .. } => $crate::ErrorKind::Runtime,
+                    Self::Common(e) => e.kind(),
+                    #[allow(unreachable_patterns)]
+                    _ => self.own_kind(),
+                }
+            }
+        }
+
+        impl ::std::convert::From<$crate::Error> for $name {
+            fn from(e: $crate::Error) -> Self {
+                match e {
+                    $crate::Error::InvalidConfig { field, value, reason } => Self::InvalidConfig { field, value, reason },
+                    $crate::Error::ShapeMismatch { what, expected, got } => Self::ShapeMismatch { what, expected, got },
+                    $crate::Error::Internal { invariant } => Self::Internal { invariant },
+                    other => Self::Common(other),
+                }
             }
         }
     };

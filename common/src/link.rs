@@ -21,7 +21,7 @@ pub enum Link {
 }
 
 impl Link {
-    /// Checks a simulated bandwidth is finite and > 0 ([`Error::InvalidConfig`] otherwise).
+    /// Checks a simulated bandwidth is finite and > 0 ([`Error::InvalidConfig`](crate::Error::InvalidConfig) otherwise).
     pub fn validate(&self) -> crate::Result<()> {
         match *self {
             Link::Simulated { gbps } if !(gbps.is_finite() && gbps > 0.0) => {

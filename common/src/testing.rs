@@ -140,7 +140,7 @@ mod tests {
 }
 
 /// A communicator that fails its `fail_at`-th operation (counting from 0) and every one after
-/// with a typed error: fault injection for the schedules that run over a [`Communicator`] (a
+/// with a typed error: fault injection for the schedules that run over a [`Communicator`](crate::Communicator) (a
 /// rank dying at a chosen step of a ring or a dispatch round). Dropping it drops the wrapped
 /// endpoint, so the peers learn at once that this rank is gone.
 #[derive(Debug)]

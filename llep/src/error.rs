@@ -89,13 +89,23 @@ pub enum Error {
         /// The type given.
         found: flatpeak_common::DType,
     },
-    /// Tensors on one device handed to an executor on another (nothing is copied silently).
-    #[error("executor on {executor} was handed tensors on {inputs}")]
-    WrongDevice {
-        /// The executor's device.
-        executor: flatpeak_common::Device,
-        /// Where the tensors are.
-        inputs: flatpeak_common::Device,
-    },
 }
+}
+
+impl Error {
+    /// The kind of this crate's own variants (the shared ones are sorted by `kind()`).
+    fn own_kind(&self) -> flatpeak_common::ErrorKind {
+        use flatpeak_common::ErrorKind;
+        match self {
+            Self::ExpertOutOfRange { .. }
+            | Self::NegativeExpert { .. }
+            | Self::NonFiniteWeight { .. }
+            | Self::ExpertsNotDivisible { .. }
+            | Self::InvalidProfile { .. }
+            | Self::ScheduleMismatch { .. } => ErrorKind::Value,
+            Self::UnsupportedDtype { .. } | Self::DtypeMismatch { .. } => ErrorKind::Type,
+            // The shared variants, sorted by `kind()` before this is asked.
+            _ => ErrorKind::Runtime,
+        }
+    }
 }

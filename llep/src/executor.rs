@@ -6,9 +6,11 @@
 //! metadata staging, grouping arrays), the device buffers being reserved per pass through
 //! `cuda::CudaOps`. Either way the pass is the one round schedule of [`crate::device`].
 //!
-//! Tensors carry their device: host slices ([`RankInputs`]) run on a CPU executor, device
-//! buffers (`device::DeviceInputs` of `CudaSlice`s) on a CUDA one; the other combination is
-//! [`Error::WrongDevice`], never a silent copy.
+//! One `forward` and one `backward` whatever the device: the first argument, what the rank runs
+//! on ([`Rank`]), names it — a host [`Communicator`] with host slices ([`RankInputs`]), or on a
+//! GPU `cuda::CudaOps` (the rank's NCCL communicator and streams) with device buffers
+//! (`device::DeviceInputs` of `cuda::CudaBuf`). Inputs of the other kind do not type-check; a
+//! rank on another device than the executor's is [`Error::WrongDevice`], never a silent copy.
 
 use flatpeak_common::{Communicator, Device, Workspace};
 
@@ -18,6 +20,66 @@ use crate::error::{Error, Result};
 use crate::layer::{Element, Gradients, RankInputs, Routing};
 use crate::plan::{Buffers, Pass, Plan};
 use crate::schedule::Schedule;
+
+/// What a rank runs the layer on, with the inputs `I` it takes there: a host [`Communicator`]
+/// with [`RankInputs`], or (feature `cuda`) `cuda::CudaOps` with `device::DeviceInputs` of
+/// `cuda::CudaBuf`. Its associated types are what the executor's calls return there.
+pub trait Rank<I: ?Sized> {
+    /// The layer's output y (f32, N×H).
+    type Output;
+    /// dL/dy as backward takes it (in the inputs' dtype).
+    type Dy: ?Sized;
+    /// What backward returns: dX, the routing weights' and the native experts' gradients.
+    type Gradients;
+
+    /// The device the rank's data lives on.
+    fn device(&self) -> Device;
+    /// The rank's index in its group.
+    fn rank_index(&self) -> usize;
+    /// The forward pass on `ws` (reset, reserved by the executor). Called by
+    /// [`Executor::forward`].
+    #[doc(hidden)]
+    fn run_forward(&self, ws: &Workspace, schedule: &Schedule, inputs: &I) -> Result<Self::Output>;
+    /// The checkpointed backward pass on `ws`. Called by [`Executor::backward`].
+    #[doc(hidden)]
+    fn run_backward(
+        &self,
+        ws: &Workspace,
+        schedule: &Schedule,
+        inputs: &I,
+        dy: &Self::Dy,
+    ) -> Result<Self::Gradients>;
+}
+
+impl<C: Communicator + ?Sized, T: Element> Rank<RankInputs<'_, T>> for C {
+    type Output = Vec<f32>;
+    type Dy = [T];
+    type Gradients = Gradients;
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn rank_index(&self) -> usize {
+        self.rank()
+    }
+    fn run_forward(
+        &self,
+        ws: &Workspace,
+        schedule: &Schedule,
+        inputs: &RankInputs<'_, T>,
+    ) -> Result<Vec<f32>> {
+        cpu::forward(self, ws, schedule, inputs)
+    }
+    fn run_backward(
+        &self,
+        ws: &Workspace,
+        schedule: &Schedule,
+        inputs: &RankInputs<'_, T>,
+        dy: &[T],
+    ) -> Result<Gradients> {
+        cpu::backward(self, ws, schedule, inputs, dy)
+    }
+}
 
 /// One rank's PipelinedLLEP layer within its launch [`Plan`]: `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`
 /// and its backward over a group of P ranks, every pass's buffers from the working set reserved
@@ -128,30 +190,31 @@ impl Executor {
     }
 
     /// The layer's forward on this rank: `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`, N×H, keeping nothing
-    /// for backward. Every buffer comes from the reservation.
-    pub fn forward<C: Communicator + ?Sized, T: Element>(
+    /// for backward. Every buffer comes from the reservation. `on` is what the rank runs on
+    /// ([`Rank`]: a host communicator, or `cuda::CudaOps` on a GPU), `inputs` its kind of inputs.
+    pub fn forward<R: Rank<I> + ?Sized, I>(
         &mut self,
-        comm: &C,
+        on: &R,
         schedule: &Schedule,
-        inputs: &RankInputs<'_, T>,
-    ) -> Result<Vec<f32>> {
-        let ws = self.workspace_for(schedule, (comm.rank(), Pass::Forward), Device::Cpu)?;
-        cpu::forward(comm, ws, schedule, inputs)
+        inputs: &I,
+    ) -> Result<R::Output> {
+        let ws = self.workspace_for(schedule, (on.rank_index(), Pass::Forward), on.device())?;
+        on.run_forward(ws, schedule, inputs)
     }
 
     /// The layer's backward on this rank, checkpointed: rounds in reverse, each re-dispatching
     /// x and dY rows and recomputing its expert forward before its backward. Returns dX, the
     /// routing weights' gradient and the native experts' weight gradients (foreign
-    /// contributions included).
-    pub fn backward<C: Communicator + ?Sized, T: Element>(
+    /// contributions included), on the rank's device.
+    pub fn backward<R: Rank<I> + ?Sized, I>(
         &mut self,
-        comm: &C,
+        on: &R,
         schedule: &Schedule,
-        inputs: &RankInputs<'_, T>,
-        dy: &[T],
-    ) -> Result<Gradients> {
-        let ws = self.workspace_for(schedule, (comm.rank(), Pass::Backward), Device::Cpu)?;
-        cpu::backward(comm, ws, schedule, inputs, dy)
+        inputs: &I,
+        dy: &R::Dy,
+    ) -> Result<R::Gradients> {
+        let ws = self.workspace_for(schedule, (on.rank_index(), Pass::Backward), on.device())?;
+        on.run_backward(ws, schedule, inputs, dy)
     }
 
     /// [`forward`](Executor::forward) in [`Mode::SaveActivations`](crate::Mode::SaveActivations),
@@ -199,51 +262,44 @@ fn cuda_available(ordinal: usize) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 mod on_cuda {
-    use flatpeak_common::Device;
     use flatpeak_common::nccl::DeviceCommunicator;
+    use flatpeak_common::{Device, Workspace};
 
-    use super::Executor;
+    use super::Rank;
     use crate::cuda::{CudaBuf, CudaOps};
-    use crate::device::{self, DeviceGradients, DeviceInputs};
+    use crate::device::{self, DeviceGradients, DeviceInputs, DeviceOps};
     use crate::error::Result;
-    use crate::plan::Pass;
     use crate::schedule::Schedule;
 
-    impl Executor {
-        fn cuda_workspace<C: DeviceCommunicator>(
-            &mut self,
-            ops: &CudaOps<'_, C>,
-            schedule: &Schedule,
-            pass: Pass,
-        ) -> Result<&flatpeak_common::Workspace> {
-            let on = Device::Cuda(ops.stream().context().ordinal());
-            self.workspace_for(schedule, (device::DeviceOps::rank(ops), pass), on)
-        }
+    /// A rank on a CUDA device: device buffers in the plan's dtype (f32 or bf16, [`CudaBuf`]);
+    /// y and the gradients (f32) stay on the device.
+    impl<C: DeviceCommunicator> Rank<DeviceInputs<'_, CudaBuf>> for CudaOps<'_, C> {
+        type Output = CudaBuf;
+        type Dy = CudaBuf;
+        type Gradients = DeviceGradients<CudaBuf>;
 
-        /// [`forward`](Executor::forward) of device tensors on this executor's CUDA device
-        /// (`ops` on the rank's NCCL communicator): x and the expert weights in the plan's
-        /// dtype (f32 or bf16, [`CudaBuf`]); y (f32) stays on the device.
-        pub fn forward_cuda<C: DeviceCommunicator>(
-            &mut self,
-            ops: &CudaOps<'_, C>,
+        fn device(&self) -> Device {
+            Device::Cuda(self.stream().context().ordinal())
+        }
+        fn rank_index(&self) -> usize {
+            DeviceOps::rank(self)
+        }
+        fn run_forward(
+            &self,
+            ws: &Workspace,
             schedule: &Schedule,
             inputs: &DeviceInputs<'_, CudaBuf>,
         ) -> Result<CudaBuf> {
-            let ws = self.cuda_workspace(ops, schedule, Pass::Forward)?;
-            device::forward(ops, ws, schedule, inputs)
+            device::forward(self, ws, schedule, inputs)
         }
-
-        /// [`backward`](Executor::backward) of device tensors (dY in the plan's dtype); the
-        /// gradients (f32) stay on the device.
-        pub fn backward_cuda<C: DeviceCommunicator>(
-            &mut self,
-            ops: &CudaOps<'_, C>,
+        fn run_backward(
+            &self,
+            ws: &Workspace,
             schedule: &Schedule,
             inputs: &DeviceInputs<'_, CudaBuf>,
             dy: &CudaBuf,
         ) -> Result<DeviceGradients<CudaBuf>> {
-            let ws = self.cuda_workspace(ops, schedule, Pass::Backward)?;
-            device::backward(ops, ws, schedule, inputs, dy)
+            device::backward(self, ws, schedule, inputs, dy)
         }
     }
 }

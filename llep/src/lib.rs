@@ -114,7 +114,7 @@ pub mod schedule;
 pub use assign::{Assignment, Piece, RouteCounts, RouteMapper, Transfer, local_counts};
 pub use config::{Chunking, Config, Mode, PairCap, Scheme, Shape, SpillSplit};
 pub use error::{Error, Result};
-pub use executor::Executor;
+pub use executor::{Executor, Rank};
 pub use flatpeak_common::gemm_bf16::Bf16Kernel;
 pub use flatpeak_common::{Budget, Communicator, DType, Device, LocalGroup, LocalGroupOptions, Workspace};
 pub use half::bf16;

@@ -365,9 +365,9 @@ mod gpu {
             let (x, gate, w_up, down, dy) =
                 (up(inputs.x), up(w.gate), up(w.up), up(w.down), up(&problem.dy[0]));
             let dev = DeviceInputs { x: &x, routing: inputs.routing, gate: &gate, up: &w_up, down: &down };
-            let y = layer.forward_cuda(&ops, &plan, &dev).unwrap();
+            let y = layer.forward(&ops, &plan, &dev).unwrap();
             let y = ops.download(&y, s.tokens * s.hidden).unwrap();
-            let grads = layer.backward_cuda(&ops, &plan, &dev, &dy).unwrap().download(&ops).unwrap();
+            let grads = layer.backward(&ops, &plan, &dev, &dy).unwrap().download(&ops).unwrap();
             let gpu = [Bf16Run { y, grads, high_water: 0, planned: 0 }];
             let errors = check_exactness(&problem, &gpu);
             assert!(errors.iter().all(|&(_, _, naive)| naive > 1e-4), "{errors:?}");

@@ -413,13 +413,7 @@ fn a_rank_failing_at_any_dispatch_step_fails_promptly_and_the_next_run_is_exact(
                     break;
                 }
                 Err(e) => assert!(
-                    matches!(
-                        e,
-                        llep::Error::Common(flatpeak_common::Error::InvalidConfig {
-                            field: "injected fault",
-                            ..
-                        })
-                    ),
+                    matches!(e, llep::Error::InvalidConfig { field: "injected fault", .. }),
                     "{what}: {e:?}"
                 ),
             }

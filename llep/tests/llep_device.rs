@@ -262,9 +262,9 @@ mod gpu {
             let (x, gate, w_up, down, dy) =
                 (up(inputs.x), up(w.gate), up(w.up), up(w.down), up(&problem.dy[0]));
             let dev = DeviceInputs { x: &x, routing: inputs.routing, gate: &gate, up: &w_up, down: &down };
-            let y = layer.forward_cuda(&ops, &plan, &dev).unwrap();
+            let y = layer.forward(&ops, &plan, &dev).unwrap();
             let y = ops.download(&y, problem.shape.tokens * problem.shape.hidden).unwrap();
-            let grads = layer.backward_cuda(&ops, &plan, &dev, &dy).unwrap().download(&ops).unwrap();
+            let grads = layer.backward(&ops, &plan, &dev, &dy).unwrap().download(&ops).unwrap();
             compare(&what, &[(y, grads)], &cpu);
         }
         ops.synchronize().expect("synchronize before the communicator drops");

@@ -2,16 +2,20 @@
 //! state tensors the Python optimizer keeps under torch's names (`exp_avg`, `exp_avg_sq`,
 //! `max_exp_avg_sq`), so `state_dict()` is torch's own.
 //!
-//! The update is `torch.optim.AdamW`'s (decoupled decay, bias corrections in f64, AMSGrad on the
-//! raw second moment, maximize) — see the `stream-adamw` crate for the exact order of
-//! operations. The GIL is released while it runs.
+//! The step is the crate's [`stream_adamw::step_in_place`] logic — the checks, the global Σg²,
+//! the skip on a non-finite gradient and the step counts — with torch's `AdamW` update (see the
+//! `stream-adamw` crate for the exact order of operations). This file only finds the tensors.
+//! The GIL is released while it runs.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use stream_adamw::config::StepScalars;
-use stream_adamw::cpu::{ParamSink, StateMut, adamw_update, grad_sq_sum};
-use stream_adamw::{Hyperparameters, Objective, Variant};
+use stream_adamw::cpu::{StateMut, grad_sq_sum};
+use stream_adamw::{
+    GradClip, Hyperparameters, InPlaceGroup, InPlaceParam, Objective, StepDecision, StepOptions, Variant,
+    apply_in_place, in_place_grad_sq,
+};
 
+use crate::error::to_py;
 use crate::tensor::{Span, TensorDevice, TensorRef, check_disjoint, device_of, shape_of};
 
 /// One param group's hyperparameters, checked (`flatpeak._flatpeak.AdamWOptions`).
@@ -48,13 +52,43 @@ impl AdamWOptions {
             .weight_decay(weight_decay)
             .variant(if amsgrad { Variant::AmsGrad } else { Variant::Adam })
             .objective(if maximize { Objective::Maximize } else { Objective::Minimize });
-        hyperparameters.validate().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        hyperparameters.validate().map_err(to_py)?;
         Ok(Self { hyperparameters })
     }
 }
 
+/// The decision of one step (`flatpeak._flatpeak.StepDecision`), made by the crate from the
+/// global Σg²: whether it skips, and what every parameter's update scales its gradient by.
+#[pyclass(frozen, module = "flatpeak._flatpeak")]
+#[derive(Debug, Clone, Copy)]
+pub struct Decision {
+    decision: StepDecision,
+}
+
+#[cfg(feature = "cuda")]
+impl Decision {
+    /// The crate's decision.
+    pub(crate) fn get(&self) -> &StepDecision {
+        &self.decision
+    }
+}
+
+#[pymethods]
+impl Decision {
+    /// True when a non-finite gradient skips the step (nothing is changed).
+    #[getter]
+    fn skipped(&self) -> bool {
+        self.decision.skips()
+    }
+    /// The global gradient norm (non-finite when skipped).
+    #[getter]
+    fn grad_norm(&self) -> f64 {
+        self.decision.grad_norm()
+    }
+}
+
 /// One parameter's tensors: `(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step)`, `step`
-/// being the step this update makes (≥ 1).
+/// being the steps it has taken (≥ 0).
 #[derive(FromPyObject)]
 pub struct ParamState<'py> {
     #[pyo3(item(0))]
@@ -89,7 +123,7 @@ fn cpu_only(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
         #[cfg(not(feature = "cuda"))]
         TensorDevice::Cuda(_) => Err(crate::tensor::cuda_not_built(name)),
         #[cfg(feature = "cuda")]
-        TensorDevice::Cuda(_) => Err(PyValueError::new_err(format!(
+        TensorDevice::Cuda(_) => Err(pyo3::exceptions::PyTypeError::new_err(format!(
             "{name}: a CUDA tensor handed to the CPU update (CUDA parameters take CudaAdamW)"
         ))),
     }
@@ -114,18 +148,12 @@ impl Checked {
             (Some(_), false) => return Err(PyValueError::new_err("max_exp_avg_sq: given without amsgrad")),
             (None, true) => return Err(PyValueError::new_err("max_exp_avg_sq: amsgrad needs it")),
         };
-        if p.step == 0 {
-            return Err(PyValueError::new_err("step: the step an update makes counts from 1, got 0"));
-        }
-        let mut outputs: Vec<Span> = vec![(&param).into(), (&exp_avg).into(), (&exp_avg_sq).into()];
-        outputs.extend(max_exp_avg_sq.iter().map(Span::from));
-        check_disjoint(&outputs, &[(&grad).into()])?;
         Ok(Self { param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step: p.step })
     }
 }
 
-/// Σ g² over every gradient, in f64 (non-finite when any element is NaN or ±∞: the step's
-/// skip check). Each tensor must be a contiguous fp32 CPU tensor.
+/// Σ g² over every gradient, in f64 (non-finite when any element is NaN or ±∞). Each tensor
+/// must be a contiguous fp32 CPU tensor.
 #[pyfunction]
 pub fn grad_sq_sum_all(py: Python<'_>, grads: Vec<Bound<'_, PyAny>>) -> PyResult<f64> {
     let mut checked = Vec::with_capacity(grads.len());
@@ -142,14 +170,19 @@ pub fn grad_sq_sum_all(py: Python<'_>, grads: Vec<Bound<'_, PyAny>>) -> PyResult
     }))
 }
 
-/// One AdamW step of every parameter of every group, in place: `groups` is a list of
-/// `(options, params)`. Every tensor of every group is checked before any is written, so a bad
-/// one leaves all parameters and state untouched.
+/// One AdamW step of every CPU parameter of every group, in place: `groups` is a list of
+/// `(options, params)`, and `other_grad_sq` the Σg² of the gradients stepped with them
+/// elsewhere (the offloaded CUDA parameters), so one non-finite gradient skips them all. Every
+/// tensor of every group is checked before any is written, so a bad one leaves all parameters
+/// and state untouched. Returns the crate's decision (skipped or applied), which the offloaded
+/// parameters then take.
 #[pyfunction]
+#[pyo3(signature = (groups, other_grad_sq=0.0))]
 pub fn adamw_step(
     py: Python<'_>,
     groups: Vec<(Bound<'_, AdamWOptions>, Vec<ParamState<'_>>)>,
-) -> PyResult<()> {
+    other_grad_sq: f64,
+) -> PyResult<Decision> {
     let mut checked = Vec::with_capacity(groups.len());
     for (options, params) in &groups {
         let hyperparameters = options.get().hyperparameters();
@@ -157,26 +190,40 @@ pub fn adamw_step(
         let params = params.iter().map(|p| Checked::new(p, amsgrad)).collect::<PyResult<Vec<_>>>()?;
         checked.push((hyperparameters, params));
     }
-    py.detach(|| {
+    // Every written tensor of every parameter overlaps no other tensor of the step.
+    let (mut outputs, mut inputs): (Vec<Span>, Vec<Span>) = (Vec::new(), Vec::new());
+    for p in checked.iter().flat_map(|(_, params)| params) {
+        outputs.extend([Span::from(&p.param), (&p.exp_avg).into(), (&p.exp_avg_sq).into()]);
+        outputs.extend(p.max_exp_avg_sq.iter().map(Span::from));
+        inputs.push((&p.grad).into());
+    }
+    check_disjoint(&outputs, &inputs)?;
+    let decision = py.detach(|| -> stream_adamw::Result<StepDecision> {
+        let mut in_place: Vec<InPlaceGroup<'_>> = Vec::with_capacity(checked.len());
         for (hyperparameters, params) in &checked {
+            let mut group = InPlaceGroup { hyperparameters: *hyperparameters, params: Vec::new() };
             for p in params {
-                let scalars = StepScalars::new(hyperparameters, p.step, 1.0);
-                // SAFETY: the caller holds every tensor for the call; `Checked::new` proved the
-                // four written tensors disjoint from each other and from the gradient, so the
-                // `&mut` are exclusive. Parameters are updated one after another: no two
-                // parameters' borrows coexist.
+                // SAFETY: the caller holds every tensor for the call; `check_disjoint` above
+                // proved every written tensor of every parameter disjoint from every other
+                // tensor of the step (written or read), so these `&mut` slices are exclusive.
                 let (state, grad) = unsafe {
+                    let max_exp_avg_sq = p.max_exp_avg_sq.as_ref().map_or(&mut [][..], |m| m.as_mut_slice());
                     let state = StateMut {
                         param: p.param.as_mut_slice(),
                         exp_avg: p.exp_avg.as_mut_slice(),
                         exp_avg_sq: p.exp_avg_sq.as_mut_slice(),
-                        max_exp_avg_sq: p.max_exp_avg_sq.map_or(&mut [][..], |m| m.as_mut_slice()),
+                        max_exp_avg_sq,
                     };
                     (state, p.grad.as_slice())
                 };
-                adamw_update::<f32, f32>(state, grad, ParamSink::None, &scalars);
+                group.params.push(InPlaceParam { state, grad, step: p.step });
             }
+            in_place.push(group);
         }
+        let grad_sq = in_place_grad_sq(&in_place) + other_grad_sq;
+        let decision = StepDecision::new(grad_sq, StepOptions::default(), GradClip::None)?;
+        apply_in_place(&mut in_place, &decision)?;
+        Ok(decision)
     });
-    Ok(())
+    Ok(Decision { decision: decision.map_err(to_py)? })
 }

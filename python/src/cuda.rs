@@ -29,7 +29,8 @@ use pyo3::prelude::*;
 use ring_dtp::cuda::{BlockBuffers, CudaLinearCrossEntropy, DeviceGradientsMut, DeviceInputs, DeviceMatrix};
 use ring_dtp::{DType, GradOutput, Plan, Reduction, Shape, bf16};
 
-use crate::loss::{LossOptions, TensorArgs, to_py, write_forward};
+use crate::error::to_py;
+use crate::loss::{LossOptions, TensorArgs, write_forward};
 use crate::tensor::{Element, Span, TensorDevice, TensorRef, check_disjoint, checked, device_of};
 
 /// Executors kept at most (a training loop uses a handful of shapes).
@@ -108,7 +109,7 @@ pub(crate) unsafe fn borrow_on<T: Element + DeviceRepr>(
 
 /// Torch's current stream on device `ordinal`, wrapped for cudarc (not owned: never destroyed).
 fn torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<Arc<CudaStream>> {
-    let ctx = flatpeak_common::cuda::context(ordinal).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let ctx = flatpeak_common::cuda::context(ordinal).map_err(to_py)?;
     let stream = py.import("torch.cuda")?.call_method1("current_stream", (ordinal,))?;
     let raw: usize = stream.getattr("cuda_stream")?.extract()?;
     // SAFETY: torch's current stream of device `ordinal` is a valid stream of the device's
@@ -137,7 +138,7 @@ fn with_executor<R>(
         if executors.len() >= CACHED_EXECUTORS {
             executors.clear();
         }
-        let lce = CudaLinearCrossEntropy::on_stream(options.config, plan, stream.clone())?;
+        let lce = CudaLinearCrossEntropy::on_stream(plan, stream.clone())?;
         executors.insert(key.clone(), lce);
     }
     let lce = executors

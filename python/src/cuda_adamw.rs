@@ -11,11 +11,12 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use stream_adamw::cuda::CudaDevice;
 use stream_adamw::{
-    Config, Device, GradElement, ParamElement, StateDict, StepOptions, StepOutcome, StreamAdamW, bf16,
+    Budget, Config, Device, GradElement, ParamElement, Plan, StateDict, StepOutcome, StreamAdamW, bf16,
 };
 
-use crate::adamw::AdamWOptions;
+use crate::adamw::{AdamWOptions, Decision};
 use crate::cuda::{Borrowed, borrow_on, take};
+use crate::error::to_py;
 use crate::tensor::{Element, TensorDevice, TensorRef, device_of, shape_of};
 
 /// The per-parameter optimizer of one element type (the gradient's is the parameter's, as in
@@ -35,34 +36,17 @@ pub struct CudaAdamW {
     numel: usize,
 }
 
-fn err(e: stream_adamw::Error) -> PyErr {
-    PyValueError::new_err(e.to_string())
-}
-
-/// Σ g² of the gradient tensor, on the optimizer's compute stream.
-fn grad_sq<G: GradElement + Element, P: ParamElement>(
-    opt: &StreamAdamW<G, P>,
-    grad: &Bound<'_, PyAny>,
-    (ordinal, numel): (usize, usize),
-) -> PyResult<f64> {
-    let offload = opt.cuda_offload().ok_or_else(|| PyValueError::new_err("not a CUDA optimizer"))?;
-    // SAFETY: the Python frame holds `grad` for the call; the kernel only reads it.
-    let grads: Borrowed<G> =
-        unsafe { borrow_on(offload.compute_stream(), ("grad", grad), &[Some(numel)], ordinal)? };
-    offload.grad_sq_sum(&grads).map_err(err)
-}
-
-/// One step on the device tensors; whether it was applied (not skipped for non-finite ones).
-fn step<G: GradElement + Element, P: ParamElement + Element>(
-    py: Python<'_>,
-    opt: &mut StreamAdamW<G, P>,
+/// Runs `f` on the parameter and gradient tensors as the optimizer's device buffers, borrowed
+/// on the device's default stream (the optimizer's compute stream) and handed back after.
+fn with_device<G: GradElement + Element, P: ParamElement + Element, R>(
     (param, grad): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
     (ordinal, numel): (usize, usize),
-) -> PyResult<bool> {
-    let offload = opt.cuda_offload().ok_or_else(|| PyValueError::new_err("not a CUDA optimizer"))?;
-    let stream = offload.compute_stream().clone();
+    f: impl FnOnce(&mut CudaDevice<G, P>) -> stream_adamw::Result<R>,
+) -> PyResult<R> {
+    let stream = flatpeak_common::cuda::context(ordinal).map_err(to_py)?.default_stream();
     // SAFETY: the Python frame holds both tensors for the call; they are distinct tensors (a
-    // parameter and its `.grad`) and only this step touches them meanwhile.
+    // parameter and its `.grad`, checked not to overlap below) and only this call touches them
+    // meanwhile.
     let (grads, params): (Borrowed<G>, Borrowed<P>) = unsafe {
         (
             borrow_on(&stream, ("grad", grad), &[Some(numel)], ordinal)?,
@@ -73,11 +57,23 @@ fn step<G: GradElement + Element, P: ParamElement + Element>(
         return Err(PyValueError::new_err("param and grad share memory"));
     }
     let mut device = CudaDevice { grads: take(grads), params: take(params) };
-    let report = py.detach(|| opt.step_cuda(&mut device, StepOptions::default()));
-    // The memory is the tensors': give it back whatever the step did.
+    let result = f(&mut device);
+    // The memory is the tensors': give it back whatever the call did.
     let CudaDevice { grads, params } = device;
     let _ = (grads.leak(), params.leak());
-    Ok(report.map_err(err)?.outcome == StepOutcome::Applied)
+    result.map_err(to_py)
+}
+
+/// The offloaded optimizer of `config` on CUDA device `ordinal`, from the fp32 master copy.
+fn offloaded<G: GradElement, P: ParamElement>(
+    config: &Config,
+    master: &[f32],
+    ordinal: usize,
+) -> stream_adamw::Result<StreamAdamW<G, P>> {
+    let plan = Plan::new(config, StreamAdamW::<G, P>::shape(master.len()), Budget::Unlimited)?;
+    let mut opt = StreamAdamW::new(plan, Device::Cuda(ordinal))?;
+    opt.load_master(master)?;
+    Ok(opt)
 }
 
 /// A CPU fp32 tensor of `numel` elements, read.
@@ -112,16 +108,11 @@ impl CudaAdamW {
         };
         let numel: usize = shape_of("param", param)?.iter().product();
         let master = host_vec("master", master, numel)?;
-        let config = Config::default().bucket_elems(bucket_elems);
-        let hyper = options.hyperparameters();
+        let config = Config::default().bucket_elems(bucket_elems).hyperparameters(options.hyperparameters());
         let dtype = param.getattr("dtype")?.str()?.to_string();
         let inner = match dtype.as_str() {
-            "torch.float32" => {
-                Inner::F32(StreamAdamW::new(master, hyper, &config, Device::Cuda(ordinal)).map_err(err)?)
-            }
-            "torch.bfloat16" => {
-                Inner::Bf16(StreamAdamW::new(master, hyper, &config, Device::Cuda(ordinal)).map_err(err)?)
-            }
+            "torch.float32" => Inner::F32(offloaded(&config, &master, ordinal).map_err(to_py)?),
+            "torch.bfloat16" => Inner::Bf16(offloaded(&config, &master, ordinal).map_err(to_py)?),
             other => {
                 return Err(PyTypeError::new_err(format!(
                     "param: expected dtype torch.float32 or torch.bfloat16, got {other}"
@@ -131,35 +122,39 @@ impl CudaAdamW {
         Ok(Self { inner, ordinal, numel })
     }
 
-    /// Σ g² over the parameter's gradient (non-finite when any element is NaN or ±∞).
-    fn grad_sq_sum(&self, grad: &Bound<'_, PyAny>) -> PyResult<f64> {
+    /// Σ g² over the parameter's gradient (non-finite when any element is NaN or ±∞), by the
+    /// optimizer's statistics kernel.
+    fn grad_sq_sum(&self, param: &Bound<'_, PyAny>, grad: &Bound<'_, PyAny>) -> PyResult<f64> {
         let at = (self.ordinal, self.numel);
         match &self.inner {
-            Inner::F32(o) => grad_sq(o, grad, at),
-            Inner::Bf16(o) => grad_sq(o, grad, at),
+            Inner::F32(o) => with_device((param, grad), at, |d| o.grad_sq_sum(d)),
+            Inner::Bf16(o) => with_device((param, grad), at, |d| o.grad_sq_sum(d)),
         }
     }
 
-    /// One step with `options` (this step's hyperparameters); whether it was applied.
+    /// One step with `options` (this step's hyperparameters), as `decision` (the step's, over
+    /// every parameter) says; whether it was applied.
     fn step(
         &mut self,
         py: Python<'_>,
         param: &Bound<'_, PyAny>,
         grad: &Bound<'_, PyAny>,
         options: &AdamWOptions,
+        decision: &Decision,
     ) -> PyResult<bool> {
         let at = (self.ordinal, self.numel);
-        let hyper = options.hyperparameters();
-        match &mut self.inner {
+        let (hyper, decision) = (options.hyperparameters(), *decision.get());
+        let report = match &mut self.inner {
             Inner::F32(o) => {
-                o.set_hyperparameters(hyper).map_err(err)?;
-                step(py, o, (param, grad), at)
+                o.set_hyperparameters(hyper).map_err(to_py)?;
+                with_device((param, grad), at, |d| py.detach(|| o.step_decided(d, &decision)))?
             }
             Inner::Bf16(o) => {
-                o.set_hyperparameters(hyper).map_err(err)?;
-                step(py, o, (param, grad), at)
+                o.set_hyperparameters(hyper).map_err(to_py)?;
+                with_device((param, grad), at, |d| py.detach(|| o.step_decided(d, &decision)))?
             }
-        }
+        };
+        Ok(report.outcome == StepOutcome::Applied)
     }
 
     /// Writes the state into CPU fp32 tensors (`max_exp_avg_sq` only with AMSGrad); returns the
@@ -209,6 +204,6 @@ impl CudaAdamW {
             Inner::F32(o) => o.import_state(dict),
             Inner::Bf16(o) => o.import_state(dict),
         }
-        .map_err(err)
+        .map_err(to_py)
     }
 }

@@ -14,6 +14,7 @@ mod adamw;
 mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_adamw;
+mod error;
 mod loss;
 mod tensor;
 
@@ -28,6 +29,7 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loss::lce_forward_backward, m)?)?;
     m.add("DEFAULT_BUDGET_BYTES", loss::DEFAULT_BUDGET_BYTES)?;
     m.add_class::<adamw::AdamWOptions>()?;
+    m.add_class::<adamw::Decision>()?;
     m.add_function(wrap_pyfunction!(adamw::adamw_step, m)?)?;
     m.add_function(wrap_pyfunction!(adamw::grad_sq_sum_all, m)?)?;
     #[cfg(feature = "cuda")]

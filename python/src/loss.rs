@@ -12,6 +12,7 @@ use ring_dtp::{
     Matrix, Plan, Precision, Reduction, Shape, Softcap, bf16,
 };
 
+use crate::error::to_py;
 use crate::tensor::{Span, TensorRef, check_disjoint, shape_of};
 #[cfg(not(feature = "cuda"))]
 use crate::tensor::{TensorDevice, device_of};
@@ -103,11 +104,6 @@ impl LossOptions {
     fn __repr__(&self) -> String {
         format!("LossOptions({:?}, budget_bytes={})", self.config, self.budget.bytes())
     }
-}
-
-/// ring-dtp's errors as Python's: every one a `ValueError` naming the offending values.
-pub fn to_py(e: ring_dtp::Error) -> PyErr {
-    PyValueError::new_err(e.to_string())
 }
 
 /// X and W as one dtype, read in place.
@@ -235,7 +231,7 @@ impl TensorArgs<'_> {
 
 fn executor(options: &LossOptions, shape: Shape) -> PyResult<LinearCrossEntropy> {
     let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
-    LinearCrossEntropy::new(options.config, plan, Device::Cpu).map_err(to_py)
+    LinearCrossEntropy::new(plan, Device::Cpu).map_err(to_py)
 }
 
 /// Forward: writes the loss (a 0-dim fp32 tensor for mean and sum, `[N]` for none) and the

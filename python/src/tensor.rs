@@ -213,18 +213,30 @@ impl<T: Element> From<&TensorRef<T>> for Span {
 }
 
 /// Checks that each output overlaps no other tensor of the call (input or output): the
-/// condition for its `&mut` slice to be exclusive.
+/// condition for its `&mut` slice to be exclusive. Inputs may overlap each other (they are only
+/// read). One sort and one sweep: O(n log n) in the tensors of the call.
 pub fn check_disjoint(outputs: &[Span], inputs: &[Span]) -> PyResult<()> {
-    for (i, out) in outputs.iter().enumerate() {
-        let others = outputs.iter().skip(i + 1).chain(inputs);
-        for other in others {
-            let overlap = out.bytes.start < other.bytes.end && other.bytes.start < out.bytes.end;
-            if overlap && !out.bytes.is_empty() && !other.bytes.is_empty() {
-                return Err(PyValueError::new_err(format!(
-                    "{} shares memory with {}: an output must not alias another tensor",
-                    out.name, other.name
-                )));
-            }
+    let mut spans: Vec<(&Span, bool)> =
+        outputs.iter().map(|s| (s, true)).chain(inputs.iter().map(|s| (s, false))).collect();
+    spans.retain(|(s, _)| !s.bytes.is_empty());
+    spans.sort_by_key(|(s, _)| s.bytes.start);
+    // The earlier span reaching furthest, of any kind and among outputs: a later span starting
+    // before that end overlaps it.
+    let (mut furthest, mut furthest_output): (Option<&Span>, Option<&Span>) = (None, None);
+    for &(span, is_output) in &spans {
+        let hit = if is_output { furthest } else { furthest_output };
+        if let Some(other) = hit.filter(|o| o.bytes.end > span.bytes.start) {
+            let (out, with) = if is_output { (span, other) } else { (other, span) };
+            return Err(PyValueError::new_err(format!(
+                "{} shares memory with {}: an output must not alias another tensor",
+                out.name, with.name
+            )));
+        }
+        if furthest.is_none_or(|f| span.bytes.end > f.bytes.end) {
+            furthest = Some(span);
+        }
+        if is_output && furthest_output.is_none_or(|f| span.bytes.end > f.bytes.end) {
+            furthest_output = Some(span);
         }
     }
     Ok(())

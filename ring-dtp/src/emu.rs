@@ -408,8 +408,9 @@ fn block<'b>(logits: &'b mut [f32], targets: &'b [u32], inputs: &Inputs<'b>, at:
     }
 }
 
+/// A pass's state (`what`) read before the pass set it: a bug in the block driver.
 fn missing(what: &'static str) -> Error {
-    Error::invalid_config("pass", "incomplete", what)
+    Error::internal(what)
 }
 
 impl BlockOps for EmuBlocks<'_> {

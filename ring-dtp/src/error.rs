@@ -56,13 +56,21 @@ pub enum Error {
         /// Where it was asked for.
         backend: &'static str,
     },
-    /// Tensors on one device handed to an executor on another (nothing is copied silently).
-    #[error("executor on {executor} was handed tensors on {inputs}")]
-    WrongDevice {
-        /// The executor's device.
-        executor: flatpeak_common::Device,
-        /// Where the tensors are.
-        inputs: flatpeak_common::Device,
-    },
 }
+}
+
+impl Error {
+    /// The kind of this crate's own variants (the shared ones are sorted by `kind()`).
+    fn own_kind(&self) -> flatpeak_common::ErrorKind {
+        use flatpeak_common::ErrorKind;
+        match self {
+            Self::TargetOutOfRange { .. }
+            | Self::InvalidWeight { .. }
+            | Self::GradOutputKind { .. }
+            | Self::UnsupportedPrecision { .. } => ErrorKind::Value,
+            Self::DtypeMismatch { .. } => ErrorKind::Type,
+            // The shared variants, sorted by `kind()` before this is asked.
+            _ => ErrorKind::Runtime,
+        }
+    }
 }

@@ -1,8 +1,9 @@
 //! [`LinearCrossEntropy`]: the single-device executor, chosen by one [`Device`]. It owns its
-//! config, its plan and the plan's working set, reserved once at construction and reused by
-//! every call: a host [`Workspace`] on the CPU, the block buffers on a CUDA device.
+//! plan (and with it the config) and the plan's working set, reserved once at construction and
+//! reused by every call: a host [`Workspace`] on the CPU, the block buffers on a CUDA device.
 //!
-//! Tensors carry their device: host [`Inputs`] run on a CPU executor, device inputs
+//! One `forward`, `backward` and `forward_backward` whatever the device: tensors carry theirs
+//! ([`LossInputs`]): host [`Inputs`] run on a CPU executor, device inputs
 //! (`cuda::DeviceInputs`, feature `cuda`) on a CUDA one; the other combination is
 //! [`Error::WrongDevice`], never a silent copy.
 
@@ -22,25 +23,85 @@ enum Backend {
     Cuda(Box<crate::cuda::CudaLinearCrossEntropy>),
 }
 
+/// What a [`LinearCrossEntropy`] runs on, by device: host [`Inputs`] on a CPU executor,
+/// `cuda::DeviceInputs` on a CUDA one (feature `cuda`). `Gradients` is what backward returns
+/// there (host vectors, or device buffers that stay on the device).
+pub trait LossInputs {
+    /// The gradients backward returns on this device.
+    type Gradients;
+    /// The device the tensors live on.
+    fn device(&self) -> Device;
+    /// The forward pass on `lce`'s backend (its device checked). Called by
+    /// [`LinearCrossEntropy::forward`].
+    #[doc(hidden)]
+    fn forward_on(&self, lce: &mut LinearCrossEntropy) -> Result<Forward>;
+    /// The backward pass. Called by [`LinearCrossEntropy::backward`].
+    #[doc(hidden)]
+    fn backward_on(
+        &self,
+        lce: &mut LinearCrossEntropy,
+        forward: &Forward,
+        grad: GradOutput<'_>,
+        dlse: Option<&[f32]>,
+    ) -> Result<Self::Gradients>;
+    /// Both in one pass. Called by [`LinearCrossEntropy::forward_backward`].
+    #[doc(hidden)]
+    fn forward_backward_on(
+        &self,
+        lce: &mut LinearCrossEntropy,
+        grad: GradOutput<'_>,
+    ) -> Result<(Forward, Self::Gradients)>;
+}
+
+impl LossInputs for Inputs<'_> {
+    type Gradients = Gradients;
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn forward_on(&self, lce: &mut LinearCrossEntropy) -> Result<Forward> {
+        let plan = lce.plan;
+        cpu::forward_in(lce.host_workspace()?, plan.config(), &plan, self)
+    }
+    fn backward_on(
+        &self,
+        lce: &mut LinearCrossEntropy,
+        forward: &Forward,
+        grad: GradOutput<'_>,
+        dlse: Option<&[f32]>,
+    ) -> Result<Gradients> {
+        let plan = lce.plan;
+        cpu::backward_in(lce.host_workspace()?, (plan.config(), &plan, self), &forward.lse, grad, dlse)
+    }
+    fn forward_backward_on(
+        &self,
+        lce: &mut LinearCrossEntropy,
+        grad: GradOutput<'_>,
+    ) -> Result<(Forward, Gradients)> {
+        let plan = lce.plan;
+        cpu::forward_backward_in(lce.host_workspace()?, (plan.config(), &plan, self), grad)
+    }
+}
+
 /// Linear cross-entropy on one device within its [`Plan`]: `loss = CE(x·Wᵀ + b, targets)`
 /// with the plan's blocks, its working set reserved once (see the module docs).
 #[derive(Debug)]
 pub struct LinearCrossEntropy {
-    config: Config,
     plan: Plan,
     device: Device,
     backend: Backend,
 }
 
 impl LinearCrossEntropy {
-    /// Validates `config` and reserves `plan`'s working set on `device`. A CUDA device without
-    /// the `cuda` feature, the driver or the device is `Common(CudaUnavailable)`, saying why; a
-    /// precision the device does not run for the plan's dtype ([`Precision::Tf32`] anywhere
-    /// but on CUDA with f32 inputs) is [`Error::UnsupportedPrecision`].
+    /// Reserves `plan`'s working set on `device`, to run the plan's config. A CUDA device
+    /// without the `cuda` feature, the driver or the device is `Common(CudaUnavailable)`,
+    /// saying why; a precision the device does not run for the plan's dtype
+    /// ([`Precision::Tf32`] anywhere but on CUDA with f32 inputs) is
+    /// [`Error::UnsupportedPrecision`].
     ///
     /// [`Precision::Tf32`]: flatpeak_common::Precision::Tf32
-    pub fn new(config: Config, plan: Plan, device: Device) -> Result<Self> {
-        config.validate()?;
+    pub fn new(plan: Plan, device: Device) -> Result<Self> {
+        let config = plan.config();
         let backend = match device {
             Device::Cpu => {
                 config.check_host_precision(plan.dtype(), "the CPU")?;
@@ -48,15 +109,15 @@ impl LinearCrossEntropy {
             }
             Device::Cuda(ordinal) => {
                 device.ensure_available()?;
-                cuda_backend(config, plan, ordinal)?
+                cuda_backend(plan, ordinal)?
             }
         };
-        Ok(Self { config, plan, device, backend })
+        Ok(Self { plan, device, backend })
     }
 
-    /// The config.
+    /// The config (the plan's).
     pub fn config(&self) -> &Config {
-        &self.config
+        self.plan.config()
     }
     /// The plan.
     pub fn plan(&self) -> &Plan {
@@ -79,23 +140,40 @@ impl LinearCrossEntropy {
         }
     }
 
-    /// The loss and per-row lse of host `inputs` (one GEMM per block).
-    pub fn forward(&mut self, inputs: &Inputs<'_>) -> Result<Forward> {
-        let (config, plan) = (self.config, self.plan);
-        cpu::forward_in(self.host_workspace()?, &config, &plan, inputs)
+    /// [`Error::WrongDevice`] unless tensors on `on` run here.
+    fn check_device(&self, on: Device) -> Result<()> {
+        if on == self.device { Ok(()) } else { Err(Error::WrongDevice { executor: self.device, inputs: on }) }
     }
 
-    /// dX, dW (and dbias) of host `inputs` from forward's lse, recomputing each block's logits;
-    /// `dlse` is an optional upstream gradient of the lse output.
-    pub fn backward(
+    /// The loss and per-row lse of `inputs` (one GEMM per block), on this executor's device.
+    pub fn forward<I: LossInputs + ?Sized>(&mut self, inputs: &I) -> Result<Forward> {
+        self.check_device(inputs.device())?;
+        inputs.forward_on(self)
+    }
+
+    /// dX, dW (and dbias) of `inputs` from forward's lse, recomputing each block's logits;
+    /// `dlse` is an optional upstream gradient of the lse output. On a CUDA device the
+    /// gradients stay there.
+    pub fn backward<I: LossInputs + ?Sized>(
         &mut self,
-        inputs: &Inputs<'_>,
+        inputs: &I,
         forward: &Forward,
         grad: GradOutput<'_>,
         dlse: Option<&[f32]>,
-    ) -> Result<Gradients> {
-        let (config, plan) = (self.config, self.plan);
-        cpu::backward_in(self.host_workspace()?, (&config, &plan, inputs), &forward.lse, grad, dlse)
+    ) -> Result<I::Gradients> {
+        self.check_device(inputs.device())?;
+        inputs.backward_on(self, forward, grad, dlse)
+    }
+
+    /// Forward and backward of `inputs` in one pass when the loss is the last op (3 GEMMs per
+    /// block on the full-vocabulary schedule of the CPU path).
+    pub fn forward_backward<I: LossInputs + ?Sized>(
+        &mut self,
+        inputs: &I,
+        grad: GradOutput<'_>,
+    ) -> Result<(Forward, I::Gradients)> {
+        self.check_device(inputs.device())?;
+        inputs.forward_backward_on(self, grad)
     }
 
     /// [`backward`](Self::backward) from forward's per-row `lse`, writing dX, dW (and dbias)
@@ -108,19 +186,8 @@ impl LinearCrossEntropy {
         (grad, dlse): (GradOutput<'_>, Option<&[f32]>),
         out: GradientsMut<'_>,
     ) -> Result<()> {
-        let (config, plan) = (self.config, self.plan);
-        cpu::backward_into(self.host_workspace()?, (&config, &plan, inputs), (lse, grad, dlse), out)
-    }
-
-    /// Forward and backward of host `inputs` in one pass when the loss is the last op (3 GEMMs
-    /// per block on the full-vocabulary schedule).
-    pub fn forward_backward(
-        &mut self,
-        inputs: &Inputs<'_>,
-        grad: GradOutput<'_>,
-    ) -> Result<(Forward, Gradients)> {
-        let (config, plan) = (self.config, self.plan);
-        cpu::forward_backward_in(self.host_workspace()?, (&config, &plan, inputs), grad)
+        let plan = self.plan;
+        cpu::backward_into(self.host_workspace()?, (plan.config(), &plan, inputs), (lse, grad, dlse), out)
     }
 
     /// [`forward_backward`](Self::forward_backward) writing dX, dW (and dbias) into `out`,
@@ -132,18 +199,18 @@ impl LinearCrossEntropy {
         grad: GradOutput<'_>,
         out: GradientsMut<'_>,
     ) -> Result<Forward> {
-        let (config, plan) = (self.config, self.plan);
-        cpu::forward_backward_into(self.host_workspace()?, (&config, &plan, inputs), grad, out)
+        let plan = self.plan;
+        cpu::forward_backward_into(self.host_workspace()?, (plan.config(), &plan, inputs), grad, out)
     }
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_backend(config: Config, plan: Plan, ordinal: usize) -> Result<Backend> {
-    Ok(Backend::Cuda(Box::new(crate::cuda::CudaLinearCrossEntropy::new(config, plan, ordinal)?)))
+fn cuda_backend(plan: Plan, ordinal: usize) -> Result<Backend> {
+    Ok(Backend::Cuda(Box::new(crate::cuda::CudaLinearCrossEntropy::new(plan, ordinal)?)))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_backend(_config: Config, _plan: Plan, ordinal: usize) -> Result<Backend> {
+fn cuda_backend(_plan: Plan, ordinal: usize) -> Result<Backend> {
     // `ensure_available` already failed without the feature; this keeps the reason explicit.
     Err(Error::Common(flatpeak_common::Error::CudaUnavailable {
         reason: format!("cuda:{ordinal} requested, but ring-dtp was built without the `cuda` feature"),
@@ -152,40 +219,43 @@ fn cuda_backend(_config: Config, _plan: Plan, ordinal: usize) -> Result<Backend>
 
 #[cfg(feature = "cuda")]
 impl LinearCrossEntropy {
-    fn device_backend(
-        &mut self,
-        inputs: &crate::cuda::DeviceInputs<'_>,
-    ) -> Result<&mut crate::cuda::CudaLinearCrossEntropy> {
-        let on = Device::Cuda(inputs.targets.context().ordinal());
+    /// The CUDA backend (the inputs' device was checked against the executor's).
+    fn cuda_backend(&mut self) -> Result<&mut crate::cuda::CudaLinearCrossEntropy> {
         match &mut self.backend {
-            Backend::Cuda(lce) if on == self.device => Ok(lce),
-            _ => Err(Error::WrongDevice { executor: self.device, inputs: on }),
+            Backend::Cuda(lce) => Ok(lce),
+            Backend::Cpu(_) => {
+                Err(Error::internal("device inputs reached a CPU executor past the device check"))
+            }
         }
     }
+}
 
-    /// [`forward`](Self::forward) of device inputs, on this executor's CUDA device.
-    pub fn forward_cuda(&mut self, inputs: &crate::cuda::DeviceInputs<'_>) -> Result<Forward> {
-        self.device_backend(inputs)?.forward(inputs)
+/// Device inputs run on a CUDA executor; the gradients stay on the device.
+#[cfg(feature = "cuda")]
+impl LossInputs for crate::cuda::DeviceInputs<'_> {
+    type Gradients = crate::cuda::DeviceGradients;
+
+    fn device(&self) -> Device {
+        Device::Cuda(self.targets.context().ordinal())
     }
-
-    /// [`backward`](Self::backward) of device inputs; the gradients stay on the device.
-    pub fn backward_cuda(
-        &mut self,
-        inputs: &crate::cuda::DeviceInputs<'_>,
+    fn forward_on(&self, lce: &mut LinearCrossEntropy) -> Result<Forward> {
+        lce.cuda_backend()?.forward(self)
+    }
+    fn backward_on(
+        &self,
+        lce: &mut LinearCrossEntropy,
         forward: &Forward,
         grad: GradOutput<'_>,
         dlse: Option<&[f32]>,
     ) -> Result<crate::cuda::DeviceGradients> {
-        self.device_backend(inputs)?.backward(inputs, forward, grad, dlse)
+        lce.cuda_backend()?.backward(self, forward, grad, dlse)
     }
-
-    /// [`forward_backward`](Self::forward_backward) of device inputs.
-    pub fn forward_backward_cuda(
-        &mut self,
-        inputs: &crate::cuda::DeviceInputs<'_>,
+    fn forward_backward_on(
+        &self,
+        lce: &mut LinearCrossEntropy,
         grad: GradOutput<'_>,
     ) -> Result<(Forward, crate::cuda::DeviceGradients)> {
-        self.device_backend(inputs)?.forward_backward(inputs, grad)
+        lce.cuda_backend()?.forward_backward(self, grad)
     }
 }
 
@@ -206,7 +276,7 @@ mod tests {
         let w: Vec<f32> = (0..101 * 8).map(|i| (i as f32 * 0.11).cos() * 0.3).collect();
         let targets: Vec<i64> = (0..37).map(|i| if i % 7 == 0 { -100 } else { i * 5 % 101 }).collect();
         let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, 8);
-        let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu).unwrap();
+        let mut lce = LinearCrossEntropy::new(plan, Device::Cpu).unwrap();
         let want = cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)).unwrap();
         for _ in 0..2 {
             assert_eq!(lce.forward_backward(&inputs, GradOutput::Scalar(1.0)).unwrap(), want);
@@ -231,7 +301,7 @@ mod tests {
         let bias: Vec<f32> = (0..57).map(|i| i as f32 * 0.01).collect();
         let targets: Vec<i64> = (0..23).map(|i| if i % 4 == 0 { -100 } else { i * 3 % 57 }).collect();
         let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, 6).with_bias(&bias);
-        let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu).unwrap();
+        let mut lce = LinearCrossEntropy::new(plan, Device::Cpu).unwrap();
         let fwd = lce.forward(&inputs).unwrap();
         let dlse: Vec<f32> = (0..23).map(|i| (i as f32 * 0.7).cos()).collect();
         let want = lce.backward(&inputs, &fwd, GradOutput::Scalar(0.5), Some(&dlse)).unwrap();
@@ -260,7 +330,7 @@ mod tests {
         // then backward).
         for blocks in [(8, 57), (8, 16)] {
             let plan = Plan::with_blocks(&config, shape, blocks).unwrap();
-            let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu).unwrap();
+            let mut lce = LinearCrossEntropy::new(plan, Device::Cpu).unwrap();
             let (want_fwd, want) = lce.forward_backward(&inputs, GradOutput::Scalar(0.5)).unwrap();
             let (mut dx, mut dw, mut db) = (vec![f32::NAN; 23 * 6], vec![7.0; 57 * 6], vec![-1.0; 57]);
             let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: Some(&mut db) };
@@ -281,7 +351,7 @@ mod tests {
             }
             other => panic!("expected HostAlloc, got {other:?}"),
         };
-        refused(LinearCrossEntropy::new(Config::default(), plan, Device::Cpu).map(drop));
+        refused(LinearCrossEntropy::new(plan, Device::Cpu).map(drop));
         let (x, w, targets) = (vec![0f32; 1 << 20], vec![0f32; 1 << 20], vec![0i64; 1 << 20]);
         let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, 1);
         refused(cpu::forward(&Config::default(), &plan, &inputs).map(drop));
@@ -291,7 +361,7 @@ mod tests {
     fn a_cuda_device_that_is_not_there_is_an_error_that_says_why() {
         let shape = Shape { tokens: 4, hidden: 2, vocab: 3, dtype: DType::F32 };
         let plan = Plan::new(&Config::default(), shape, Budget::Unlimited).unwrap();
-        match LinearCrossEntropy::new(Config::default(), plan, Device::Cuda(1 << 20)) {
+        match LinearCrossEntropy::new(plan, Device::Cuda(1 << 20)) {
             Err(Error::Common(flatpeak_common::Error::CudaUnavailable { reason })) => {
                 assert!(!reason.is_empty())
             }

@@ -32,7 +32,7 @@
 //! let targets: Vec<i64> = (0..n as i64).map(|i| if i % 5 == 0 { -100 } else { i * 7 % v as i64 }).collect();
 //! let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, d);
 //! // The executor reserves the plan's working set once, on the device it is given.
-//! let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu)?;
+//! let mut lce = LinearCrossEntropy::new(plan, Device::Cpu)?;
 //! let (fwd, grads) = lce.forward_backward(&inputs, GradOutput::Scalar(1.0))?;
 //! let Loss::Scalar(loss) = fwd.loss else { unreachable!() };
 //! assert!(loss > 0.0 && grads.dw.len() == v * d);
@@ -58,7 +58,7 @@ pub mod ring;
 
 pub use config::{Config, Reduction, Softcap};
 pub use error::{Error, Result};
-pub use executor::LinearCrossEntropy;
+pub use executor::{LinearCrossEntropy, LossInputs};
 pub use flatpeak_common::gemm_bf16::Bf16Kernel;
 pub use flatpeak_common::{Budget, DType, Device, Precision, Workspace};
 pub use half::bf16;

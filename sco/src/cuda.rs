@@ -26,7 +26,7 @@ use flatpeak_common::cuda::cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
     DeviceRepr, PinnedHostSlice, ValidAsZeroBits, result,
 };
-use flatpeak_common::cuda::{context, cuda_error};
+use flatpeak_common::cuda::{alloc_error, context, cuda_error, pinned_error};
 
 use crate::error::{Error, Result};
 use crate::plan::Plan;
@@ -68,7 +68,10 @@ impl<T: DeviceRepr + ValidAsZeroBits + fmt::Debug + 'static> Tensors for CudaTen
     type Owned = CudaSlice<T>;
 
     fn zeros(&self, len: usize) -> Result<CudaSlice<T>> {
-        Ok(self.stream.alloc_zeros::<T>(len).map_err(cuda_error("cuMemAlloc"))?)
+        Ok(self
+            .stream
+            .alloc_zeros::<T>(len)
+            .map_err(alloc_error("a step tensor", len * std::mem::size_of::<T>()))?)
     }
     fn copy(&self, src: CudaView<'_, T>, mut dst: CudaViewMut<'_, T>) -> Result<()> {
         check_len("tensor copy (elements)", dst.len(), src.len())?;
@@ -129,14 +132,19 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
         let compute = ctx.default_stream();
         let s = plan.boundary_elems().max(1);
         let slots = (0..plan.slots())
-            .map(|_| compute.alloc_zeros::<T>(s).map_err(cuda_error("cuMemAlloc")).map_err(Error::from))
+            .map(|_| {
+                compute
+                    .alloc_zeros::<T>(s)
+                    .map_err(alloc_error("a ring slot", s * std::mem::size_of::<T>()))
+                    .map_err(Error::from)
+            })
             .collect::<Result<Vec<_>>>()?;
         let bytes = plan.host_arena_bytes();
         // SAFETY: the arena is `Pod`-like storage (`ValidAsZeroBits`); every slot of it is
         // written by a D2H copy before an H2D copy reads it (the ring brings back only
         // offloaded boundaries).
         let arena = unsafe { ctx.alloc_pinned_with_flags::<T>(plan.layers() * s, 0) }
-            .map_err(|e| Error::PinnedAlloc { bytes, reason: format!("{e:?}") })?;
+            .map_err(pinned_error("the checkpoint arena", bytes))?;
         let event = || ctx.new_event(None).map_err(cuda_error("cuEventCreate")).map_err(Error::from);
         Ok(Self {
             d2h: ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?,

@@ -56,15 +56,21 @@ pub enum Error {
         /// How long.
         waited: std::time::Duration,
     },
-    /// The OS refused page-locked memory for the host arena.
-    #[error(
-        "could not pin {bytes} B of host memory for the arena ({reason}); check the memlock limit (`ulimit -l`)"
-    )]
-    PinnedAlloc {
-        /// Bytes requested.
-        bytes: usize,
-        /// The driver's error.
-        reason: String,
-    },
 }
+}
+
+impl Error {
+    /// The kind of this crate's own variants (the shared ones are sorted by `kind()`).
+    fn own_kind(&self) -> flatpeak_common::ErrorKind {
+        use flatpeak_common::ErrorKind;
+        match self {
+            Self::LayerOutOfRange { .. }
+            | Self::AlreadyOffloaded { .. }
+            | Self::NotOffloaded { .. }
+            | Self::RingFull { .. } => ErrorKind::Value,
+            Self::EngineStopped { .. } | Self::Timeout { .. } => ErrorKind::Runtime,
+            // The shared variants, sorted by `kind()` before this is asked.
+            _ => ErrorKind::Runtime,
+        }
+    }
 }

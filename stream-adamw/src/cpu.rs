@@ -7,8 +7,8 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use crate::config::StepScalars;
 use crate::element::{GradElement, ParamElement};
+use crate::hyperparameters::StepScalars;
 
 /// Elements per parallel task (a multiple of the 64-element alignment of buckets).
 pub const CHUNK: usize = 1 << 15;
@@ -176,7 +176,7 @@ pub fn grad_sq_sum<G: GradElement>(grad: &[G]) -> f64 {
 /// The f64 reference of one torch AdamW step on f64 copies of the state (the test oracle).
 /// `grad_scale` multiplies each gradient (clip coefficient / loss scale), in f64.
 pub mod reference {
-    use crate::config::{Hyperparameters, Objective, Variant};
+    use crate::hyperparameters::{Hyperparameters, Objective, Variant};
 
     /// f64 optimizer state, with the magnitudes each recurrence sums (for error normalisation:
     /// a forward error of a few ulps *of the magnitudes* is all any f32 implementation can
@@ -248,7 +248,7 @@ pub mod reference {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Hyperparameters;
+    use crate::hyperparameters::Hyperparameters;
 
     #[test]
     fn grad_norm_is_order_fixed_and_flags_non_finite() {

@@ -14,18 +14,18 @@ use flatpeak_common::cuda::cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
     PinnedHostSlice, PushKernelArg, result, sys,
 };
-use flatpeak_common::cuda::{KernelCache, context, cuda_error};
+use flatpeak_common::cuda::{KernelCache, alloc_error, context, cuda_error, pinned_error};
 use flatpeak_common::kernels::grid_stride_blocks;
 
-use crate::config::StepScalars;
 use crate::cpu::{ParamSink, adamw_update};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
+use crate::hyperparameters::StepScalars;
 use crate::kernels::{STATS_THREADS, STREAM_ADAMW, grad_sq_entry};
-use crate::pipeline::{CopyEngines, StepState, run_step};
+use crate::pipeline::{CopyEngines, Fault, FaultPoints, StepState, injected, run_step};
 use crate::plan::Plan;
-use crate::schedule::StageTimes;
 use crate::state::OptimizerState;
+use crate::step::StageTimes;
 
 /// Gradients and parameters in device memory.
 #[derive(Debug)]
@@ -34,6 +34,21 @@ pub struct CudaDevice<G: DeviceRepr, P: DeviceRepr> {
     pub grads: CudaSlice<G>,
     /// Parameters the next forward reads.
     pub params: CudaSlice<P>,
+}
+
+impl<G: GradElement, P: ParamElement> CudaDevice<G, P> {
+    /// Rewrites `params[range]` as the narrowing of `master` (a rollback), on the parameters'
+    /// stream, and waits for it.
+    pub(crate) fn restore_params(&mut self, range: Range<usize>, master: &[f32]) -> Result<()> {
+        let mut narrowed = vec![P::zeroed(); range.len()];
+        P::narrow(master, &mut narrowed);
+        let stream = self.params.stream().clone();
+        stream
+            .memcpy_htod(&narrowed, &mut self.params.slice_mut(range))
+            .map_err(cuda_error("cuMemcpyHtoD (rollback)"))?;
+        stream.synchronize().map_err(cuda_error("cuStreamSynchronize (rollback)"))?;
+        Ok(())
+    }
 }
 
 /// Streams, events and pinned staging of one optimizer on one device.
@@ -51,23 +66,20 @@ pub struct CudaOffload<G: DeviceRepr, P: DeviceRepr> {
 
 impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
     /// Streams, events and the plan's pinned staging on CUDA device `ordinal`. A pinned
-    /// allocation the OS refuses is [`Error::PinnedAlloc`], naming the memlock limit.
+    /// allocation the OS refuses is `Common(PinnedAlloc)`, naming the memlock limit.
     pub fn new(plan: &Plan, ordinal: usize) -> Result<Self> {
         let ctx: Arc<CudaContext> = context(ordinal)?;
         let (slots, elems) = (plan.staged_slots(), plan.slot_elems().max(1));
-        let pinned_error = |bytes: usize| {
-            move |e: result::DriverError| Error::PinnedAlloc { bytes, reason: format!("{e:?}") }
-        };
         let mut grad_slots = Vec::with_capacity(slots);
         let mut param_slots = Vec::with_capacity(slots);
         for _ in 0..slots {
             // SAFETY: the slots are plain `Pod` storage; every element is written (by a D2H copy
             // or by the Adam kernel) before it is read.
             let g = unsafe { ctx.alloc_pinned_with_flags::<G>(elems, 0) }
-                .map_err(pinned_error(elems * std::mem::size_of::<G>()))?;
+                .map_err(pinned_error("the gradient staging", elems * std::mem::size_of::<G>()))?;
             // SAFETY: as above; write-combined suits memory the CPU only writes.
             let p = unsafe { ctx.alloc_pinned_with_flags::<P>(elems, sys::CU_MEMHOSTALLOC_WRITECOMBINED) }
-                .map_err(pinned_error(elems * std::mem::size_of::<P>()))?;
+                .map_err(pinned_error("the parameter staging", elems * std::mem::size_of::<P>()))?;
             grad_slots.push(g);
             param_slots.push(p);
         }
@@ -102,8 +114,10 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
         let n = grads.len();
         let blocks = grid_stride_blocks(n, STATS_THREADS, 1024);
         let f = self.cache.function(&STREAM_ADAMW, grad_sq_entry(G::DTYPE))?;
-        let mut partial =
-            self.compute.alloc_zeros::<f64>(blocks as usize).map_err(cuda_error("cuMemAlloc"))?;
+        let mut partial = self
+            .compute
+            .alloc_zeros::<f64>(blocks as usize)
+            .map_err(alloc_error("the gradient statistics", blocks as usize * 8))?;
         let n64 = n as u64;
         let mut builder = self.compute.launch_builder(&f);
         builder.arg(grads).arg(&n64).arg(&mut partial);
@@ -119,16 +133,21 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
 
     /// Runs the plan's schedule ([`crate::pipeline`], the one the CPU fallback runs) with this
     /// device's copy streams as its engines.
+    /// An injected `fault` (feature `testing`) fails its stage when the stage is issued.
     pub(crate) fn run(
         &mut self,
-        plan: &Plan,
+        (plan, fault): (&Plan, Option<Fault>),
         state: StepState<'_>,
         device: &mut CudaDevice<G, P>,
         scalars: &StepScalars,
         times: &mut StageTimes,
     ) -> Result<()> {
-        let mut engines = CudaEngines { offload: self, device, waited: [Duration::ZERO; 2] };
-        run_step(&mut engines, plan, state, scalars, times)
+        let faults = FaultPoints::new(plan, fault);
+        let mut engines = CudaEngines { offload: self, device, waited: [Duration::ZERO; 2], faults };
+        let ran = run_step(&mut engines, plan, state, scalars, times);
+        // On an error the copies already issued still land before the step returns.
+        let drained = engines.drain();
+        ran.and(drained)
     }
 }
 
@@ -138,11 +157,23 @@ struct CudaEngines<'a, G: DeviceRepr, P: DeviceRepr> {
     offload: &'a mut CudaOffload<G, P>,
     device: &'a mut CudaDevice<G, P>,
     waited: [Duration; 2],
+    faults: FaultPoints,
+}
+
+impl<G: DeviceRepr, P: DeviceRepr> CudaEngines<'_, G, P> {
+    /// Waits for both copy streams (a failed step's copies must land before its buffers are
+    /// handed back).
+    fn drain(&mut self) -> Result<()> {
+        self.offload.d2h.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
+        self.offload.h2d.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
+        Ok(())
+    }
 }
 
 impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
     /// D2H of `grads[range]` into grad slot `slot` on the D2H stream; records `d2h_done[slot]`.
     fn start_d2h(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
+        injected("d2h", self.faults.d2h, &range)?;
         let o = &mut *self.offload;
         let view = self.device.grads.slice(range.clone());
         let (src, _record) = view.device_ptr(&o.d2h);
@@ -165,6 +196,7 @@ impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
 
     /// H2D of param slot `slot` into `params[range]` on the H2D stream; records `h2d_done[slot]`.
     fn start_h2d(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
+        injected("h2d", self.faults.h2d, &range)?;
         let o = &mut *self.offload;
         let len = range.len();
         let mut view = self.device.params.slice_mut(range);
@@ -192,6 +224,7 @@ impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
         slot: usize,
         scalars: &StepScalars,
     ) -> Result<Duration> {
+        injected("adam", self.faults.adam, &range)?;
         let o = &mut *self.offload;
         let len = range.len();
         let grads = o.grad_slots[slot].as_slice().map_err(cuda_error("cuEventSynchronize"))?;

@@ -54,21 +54,20 @@ pub enum Error {
         /// Buckets of the step.
         buckets: usize,
     },
-    /// The step was called on the wrong backend for this optimizer's staging.
-    #[error("wrong backend: call {expected}")]
-    WrongBackend {
-        /// What to call instead.
-        expected: &'static str,
-    },
-    /// The OS refused page-locked host memory for the staging slots.
-    #[error(
-        "could not pin {bytes} B of host memory for staging ({reason}); check the memlock limit (`ulimit -l`)"
-    )]
-    PinnedAlloc {
-        /// Bytes of the failed allocation.
-        bytes: usize,
-        /// The driver's error.
-        reason: String,
-    },
 }
+}
+
+impl Error {
+    /// The kind of this crate's own variants (the shared ones are sorted by `kind()`).
+    fn own_kind(&self) -> flatpeak_common::ErrorKind {
+        use flatpeak_common::ErrorKind;
+        match self {
+            Self::StateMismatch { .. } | Self::InvalidState { .. } | Self::StepOverflow { .. } => {
+                ErrorKind::Value
+            }
+            Self::PipelineStage { .. } | Self::Poisoned { .. } => ErrorKind::Runtime,
+            // The shared variants, sorted by `kind()` before this is asked.
+            _ => ErrorKind::Runtime,
+        }
+    }
 }

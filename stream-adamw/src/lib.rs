@@ -18,23 +18,26 @@
 //! use stream_adamw::{bf16, Budget, Config, Device, HostDevice, Hyperparameters, Link, Plan, StepOptions, StreamAdamW};
 //!
 //! let n = 10_000;
-//! let config = Config::default().bucket_elems(1024); // 10 buckets, 3 slots each way
+//! let config = Config::default().bucket_elems(1024).hyperparameters(Hyperparameters::default().lr(1e-2));
 //! // Sized before any data exists: 3 slots of 1024 f32 gradients and bf16 parameters.
 //! let plan = Plan::new(&config, StreamAdamW::<f32, bf16>::shape(n), Budget::Bytes(32 << 10))?;
 //! assert_eq!(plan.workspace_bytes(), 3 * 1024 * (4 + 2));
 //!
+//! let mut opt = StreamAdamW::<f32, bf16>::new(plan.clone(), Device::Cpu)?; // reserves the staging once
 //! let master: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
-//! let hyperparameters = Hyperparameters::default().lr(1e-2);
-//! let mut opt = StreamAdamW::<f32, bf16>::new(master, hyperparameters, &config, Device::Cpu)?;
+//! opt.load_master(&master)?;
 //! // The CPU fallback's device: gradients and bf16 parameters behind a simulated link.
 //! let grads: Vec<f32> = (0..n).map(|i| (i as f32).cos() * 1e-2).collect();
 //! let mut device = HostDevice::new(grads, vec![bf16::ZERO; n], Link::Memcpy);
-//! let report = opt.step_host(&mut device, StepOptions::default())?;
+//! let report = opt.step(&mut device, StepOptions::default())?; // the same call on a GPU's buffers
 //! assert_eq!(report.step, 1);
 //! assert_eq!(device.params[7], bf16::from_f32(opt.state().param()[7]));
 //! assert_eq!(opt.plan(), &plan);
 //! # Ok::<(), stream_adamw::Error>(())
 //! ```
+//!
+//! Frameworks whose optimizer keeps the state in its own tensors (`torch.optim`, candle) step
+//! them with [`step_in_place`]: the same checks, skip, clipping and step counts.
 
 pub mod config;
 pub mod cpu;
@@ -47,21 +50,26 @@ pub mod element;
 pub mod emu;
 pub mod error;
 pub mod host;
+mod host_engines;
+pub mod hyperparameters;
+pub mod in_place;
 pub mod kernels;
 pub mod optimizer;
 mod pipeline;
 pub mod plan;
-pub mod schedule;
 pub mod state;
+pub mod step;
 
-pub use config::{GradClip, Hyperparameters, Objective, StepScalars, Variant};
+pub use config::{BUCKET_ALIGN, Config, OnFailure, Schedule};
 pub use element::{GradElement, ParamElement};
 pub use error::{Error, Result};
 pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use half::bf16;
 pub use host::{HostDevice, Link};
-pub use optimizer::{StepOptions, StepOutcome, StepReport, StreamAdamW};
+pub use hyperparameters::{GradClip, Hyperparameters, Objective, StepScalars, Variant};
+pub use in_place::{InPlaceGroup, InPlaceParam, apply_in_place, in_place_grad_sq, step_in_place};
+pub use optimizer::{StepBuffers, StreamAdamW};
 pub use pipeline::{Fault, Stage};
-pub use plan::{Config, OnFailure, Plan, Schedule, Shape, ideal_speedup, pipelined_time};
-pub use schedule::StageTimes;
+pub use plan::{Plan, Shape, ideal_speedup, pipelined_time};
 pub use state::{OptimizerState, StateDict};
+pub use step::{StageTimes, StepDecision, StepOptions, StepOutcome, StepReport};

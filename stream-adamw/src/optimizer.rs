@@ -1,71 +1,87 @@
 //! [`StreamAdamW`]: the offloaded optimizer. It owns the fp32 state (host memory) and the
 //! staging slots of its plan (allocated once, at construction), and steps a device's gradients
-//! into updated device parameters with the plan's schedule.
+//! into updated device parameters with the plan's schedule. One `step` on every device: the
+//! backend is chosen at construction from the [`Device`], and the buffers a step is handed must
+//! live there ([`StepBuffers`]; the wrong ones are `WrongDevice`).
 
 use std::marker::PhantomData;
 use std::ops::Range;
 use std::time::Instant;
 
-use flatpeak_common::{Budget, Device};
+use flatpeak_common::Device;
 
-use crate::config::{Hyperparameters, StepScalars, clip_coefficient};
+use crate::config::OnFailure;
+use crate::config::Schedule;
 use crate::cpu::grad_sq_sum;
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
+use crate::host_engines::{Staging, run_host};
+use crate::hyperparameters::{Hyperparameters, Variant};
 use crate::pipeline::{Fault, StepState};
-use crate::plan::{Config, OnFailure, Plan, Schedule, Shape};
-use crate::schedule::{StageTimes, Staging, run_host};
+use crate::plan::{Plan, Shape};
 use crate::state::{OptimizerState, StateDict};
+use crate::step::{StageTimes, StepDecision, StepOptions, StepReport};
 
-/// Per-step options.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The device side of one step: the gradients backward produced and the parameters the next
+/// forward reads, on the optimizer's device — a [`HostDevice`] for the CPU fallback, a
+/// `cuda::CudaDevice` on a GPU (feature `cuda`). `&mut` of either converts into it, so
+/// [`StreamAdamW::step`] takes `&mut device` whatever the device.
+#[derive(Debug)]
 #[non_exhaustive]
-pub struct StepOptions {
-    /// Multiplies every gradient before clipping and the update, e.g. `1 / loss_scale` to
-    /// unscale loss-scaled gradients (finite, > 0).
-    pub grad_scale: f64,
+pub enum StepBuffers<'a, G: GradElement, P: ParamElement> {
+    /// Host memory behind a simulated link (the CPU fallback).
+    Host(&'a mut HostDevice<G, P>),
+    /// Device memory of a CUDA device.
+    #[cfg(feature = "cuda")]
+    Cuda(&'a mut crate::cuda::CudaDevice<G, P>),
 }
 
-impl Default for StepOptions {
-    fn default() -> Self {
-        Self { grad_scale: 1.0 }
+impl<G: GradElement, P: ParamElement> StepBuffers<'_, G, P> {
+    /// Where the buffers live.
+    pub fn device(&self) -> Device {
+        match self {
+            Self::Host(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Self::Cuda(d) => Device::Cuda(d.grads.ordinal()),
+        }
+    }
+
+    /// Elements of the gradients and of the parameters.
+    fn lens(&self) -> (usize, usize) {
+        match self {
+            Self::Host(d) => (d.grads.len(), d.params.len()),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(d) => (d.grads.len(), d.params.len()),
+        }
+    }
+
+    /// Rewrites device parameters `range` as the narrowing of `master` (a rollback).
+    fn restore_params(&mut self, range: Range<usize>, master: &[f32]) -> Result<()> {
+        match self {
+            Self::Host(d) => {
+                P::narrow(master, &mut d.params[range]);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Self::Cuda(d) => d.restore_params(range, master),
+        }
     }
 }
 
-impl StepOptions {
-    /// Unscale gradients of a loss multiplied by `loss_scale`.
-    pub fn unscale(loss_scale: f64) -> Self {
-        Self { grad_scale: 1.0 / loss_scale }
-    }
-    /// Multiply gradients by `grad_scale`.
-    pub fn with_grad_scale(grad_scale: f64) -> Self {
-        Self { grad_scale }
+impl<'a, G: GradElement, P: ParamElement> From<&'a mut HostDevice<G, P>> for StepBuffers<'a, G, P> {
+    fn from(device: &'a mut HostDevice<G, P>) -> Self {
+        Self::Host(device)
     }
 }
 
-/// Whether a step was applied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StepOutcome {
-    /// θ, m, v, the step count and the device parameters were updated.
-    Applied,
-    /// A gradient was NaN or infinite: nothing at all was touched (GradScaler's `found_inf`).
-    SkippedNonFinite,
-}
-
-/// What a step did.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepReport {
-    /// Applied or skipped.
-    pub outcome: StepOutcome,
-    /// The step count after this call.
-    pub step: u64,
-    /// Global ‖g‖₂ of the (unscaled) gradients, before clipping; non-finite when skipped.
-    pub grad_norm: f64,
-    /// The clip coefficient applied (1 when not clipping).
-    pub clip_coef: f64,
-    /// Busy time per stage.
-    pub times: StageTimes,
+#[cfg(feature = "cuda")]
+impl<'a, G: GradElement, P: ParamElement> From<&'a mut crate::cuda::CudaDevice<G, P>>
+    for StepBuffers<'a, G, P>
+{
+    fn from(device: &'a mut crate::cuda::CudaDevice<G, P>) -> Self {
+        Self::Cuda(device)
+    }
 }
 
 /// Where the optimizer stages its copies: the CPU fallback's host slots and copy threads, or a
@@ -77,25 +93,12 @@ enum Backend<G: GradElement, P: ParamElement> {
     Cuda(Box<crate::cuda::CudaOffload<G, P>>),
 }
 
-impl<G: GradElement, P: ParamElement> Backend<G, P> {
-    /// The host staging, or [`Error::WrongBackend`] for an optimizer on a CUDA device.
-    fn host(&self) -> Result<&Staging<G, P>> {
-        match self {
-            Backend::Host(staging) => Ok(staging),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => Err(Error::WrongBackend {
-                expected: "step_cuda (this optimizer stages through CUDA pinned memory)",
-            }),
-        }
-    }
-}
-
 /// Offloaded AdamW over N parameters with gradients of type `G` and a device parameter copy
-/// of type `P`, on one [`Device`]: it owns its hyperparameters, its plan, the fp32 state and
-/// the plan's staging, allocated once at construction.
+/// of type `P`, on one [`Device`]: it keeps the user's plan (and so its config), its current
+/// hyperparameters, the fp32 state and the plan's staging, allocated once at construction.
 #[derive(Debug)]
 pub struct StreamAdamW<G: GradElement, P: ParamElement> {
-    config: Hyperparameters,
+    hyperparameters: Hyperparameters,
     plan: Plan,
     state: OptimizerState,
     device: Device,
@@ -123,14 +126,24 @@ impl<G: GradElement, P: ParamElement> flatpeak_common::HeapSize for StreamAdamW<
 }
 
 impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
-    /// An optimizer for fp32 master parameters `param` on `device`, allocating the plan's
-    /// staging now: host slots and copy threads on the CPU fallback ([`Device::Cpu`], stepped
-    /// by [`step_host`](Self::step_host)), pinned slots and copy streams on a CUDA device
-    /// (feature `cuda`, stepped by `step_cuda`). A CUDA device that cannot be used is
-    /// `Common(CudaUnavailable)`, saying why.
-    pub fn new(param: Vec<f32>, config: Hyperparameters, options: &Config, device: Device) -> Result<Self> {
-        config.validate()?;
-        let plan = Plan::new(options, Self::shape(param.len()), Budget::Unlimited)?;
+    /// The optimizer of `plan` on `device`: a zeroed state of `plan`'s parameters (load the
+    /// model's with [`load_master`](Self::load_master) or [`import_state`](Self::import_state)),
+    /// the config's hyperparameters, and the plan's staging, allocated now — host slots and
+    /// copy threads on the CPU fallback ([`Device::Cpu`]), pinned slots and copy streams on a
+    /// CUDA device (feature `cuda`). A CUDA device that cannot be used is
+    /// `Common(CudaUnavailable)`, saying why; a `plan` of other element types than `G`, `P` is
+    /// `InvalidConfig`.
+    pub fn new(plan: Plan, device: Device) -> Result<Self> {
+        let shape = plan.shape();
+        if shape != Self::shape(shape.params) {
+            return Err(Error::invalid_config(
+                "plan dtypes (grad, param)",
+                (shape.grad_dtype, shape.param_dtype),
+                "the optimizer's element types G and P",
+            ));
+        }
+        let config = *plan.config();
+        let variant = config.hyperparameters.variant;
         let backend = match device {
             Device::Cpu => Backend::Host(Staging::new(&plan)),
             Device::Cuda(ordinal) => {
@@ -138,14 +151,14 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
                 cuda_backend(&plan, ordinal)?
             }
         };
-        let journal = match options.on_failure {
+        let journal = match config.on_failure {
             OnFailure::Poison => None,
-            OnFailure::Rollback => Some(journal_like(param.len(), config.variant)?),
+            OnFailure::Rollback => Some(zeroed_state(shape.params, variant, "the rollback journal")?),
         };
         Ok(Self {
             journal,
-            state: OptimizerState::new(param, config.variant),
-            config,
+            state: zeroed_state(shape.params, variant, "the optimizer state")?,
+            hyperparameters: config.hyperparameters,
             plan,
             device,
             backend,
@@ -165,32 +178,42 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         Shape { params, grad_dtype: G::DTYPE, param_dtype: P::DTYPE }
     }
 
-    /// The plan (buckets, staging bytes).
+    /// The plan (buckets, staging bytes) and, through it, the config.
     pub fn plan(&self) -> &Plan {
         &self.plan
     }
-    /// The hyperparameters.
-    pub fn config(&self) -> &Hyperparameters {
-        &self.config
+    /// The hyperparameters the next step uses.
+    pub fn hyperparameters(&self) -> &Hyperparameters {
+        &self.hyperparameters
     }
     /// Replaces the hyperparameters for the next steps (an LR schedule's), after checking them;
     /// the variant (Adam or AMSGrad) is the state's and cannot change. On error nothing changes.
-    pub fn set_hyperparameters(&mut self, config: Hyperparameters) -> Result<()> {
-        config.validate()?;
-        if config.variant != self.config.variant {
+    pub fn set_hyperparameters(&mut self, hyperparameters: Hyperparameters) -> Result<()> {
+        hyperparameters.validate()?;
+        if hyperparameters.variant != self.hyperparameters.variant {
             return Err(Error::StateMismatch {
                 reason: format!(
                     "the variant is the state's ({:?}), not {:?}",
-                    self.config.variant, config.variant
+                    self.hyperparameters.variant, hyperparameters.variant
                 ),
             });
         }
-        self.config = config;
+        self.hyperparameters = hyperparameters;
         Ok(())
     }
     /// The state (fp32 master parameters, moments, step).
     pub fn state(&self) -> &OptimizerState {
         &self.state
+    }
+    /// Sets the fp32 master parameters (the model's), leaving moments and step count as they
+    /// are; a wrong length is `ShapeMismatch` and changes nothing.
+    pub fn load_master(&mut self, master: &[f32]) -> Result<()> {
+        let n = self.state.len();
+        if master.len() != n {
+            return Err(Error::ShapeMismatch { what: "master parameters", expected: n, got: master.len() });
+        }
+        self.state.param.copy_from_slice(master);
+        Ok(())
     }
     /// A copy of the state.
     pub fn export_state(&self) -> StateDict {
@@ -199,12 +222,13 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     /// Replaces the state; on error nothing changes. A successful import also lifts the
     /// refusal to step after a partly applied step ([`Error::Poisoned`]).
     pub fn import_state(&mut self, dict: StateDict) -> Result<()> {
-        self.state.import(dict, self.config.variant)?;
+        self.state.import(dict, self.hyperparameters.variant)?;
         self.poisoned = None;
         Ok(())
     }
 
-    /// Makes the next step fail at `fault` (feature `testing`: fault injection for tests).
+    /// Makes the next step fail at `fault` (feature `testing`: fault injection for tests), on
+    /// every backend.
     #[cfg(feature = "testing")]
     pub fn inject_fault(&mut self, fault: Fault) {
         self.fault = Some(fault);
@@ -222,6 +246,113 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
             Some((step, applied)) => Err(Error::Poisoned { step, applied, buckets: self.plan.n_buckets() }),
             None => Ok(()),
         }
+    }
+
+    /// The buffers live on this optimizer's device and hold its N parameters.
+    fn check_buffers(&self, buffers: &StepBuffers<'_, G, P>) -> Result<()> {
+        if buffers.device() != self.device {
+            return Err(Error::WrongDevice { executor: self.device, inputs: buffers.device() });
+        }
+        let n = self.state.len();
+        let (grads, params) = buffers.lens();
+        for (what, found) in [("device grads", grads), ("device params", params)] {
+            if found != n {
+                return Err(Error::ShapeMismatch { what, expected: n, got: found });
+            }
+        }
+        Ok(())
+    }
+
+    /// Σ g² over the buffers' gradients, in f64 (non-finite when any is NaN or ±∞): on the CPU
+    /// by the fixed-order host reduction, on a GPU by the statistics kernel. What
+    /// [`step`](Self::step) decides on; a framework stepping several optimizers as one adds
+    /// theirs and steps each with [`step_decided`](Self::step_decided).
+    pub fn grad_sq_sum<'b>(&self, buffers: impl Into<StepBuffers<'b, G, P>>) -> Result<f64> {
+        let buffers = buffers.into();
+        self.check_buffers(&buffers)?;
+        self.backend_grad_sq(&buffers)
+    }
+
+    fn backend_grad_sq(&self, buffers: &StepBuffers<'_, G, P>) -> Result<f64> {
+        match (&self.backend, buffers) {
+            (Backend::Host(_), StepBuffers::Host(device)) => Ok(grad_sq_sum(&device.grads)),
+            #[cfg(feature = "cuda")]
+            (Backend::Cuda(offload), StepBuffers::Cuda(device)) => offload.grad_sq_sum(&device.grads),
+            #[cfg(feature = "cuda")]
+            _ => Err(Error::internal("the buffers' device was checked against the backend's")),
+        }
+    }
+
+    /// One optimizer step: Σg² over the device gradients decides it ([`StepDecision`]: a NaN
+    /// or infinity skips the step and touches nothing; global-norm clipping by the
+    /// hyperparameters), then the plan's schedule of D2H copies, AdamW updates and H2D copies.
+    /// `buffers` must be on the optimizer's device (`WrongDevice` otherwise).
+    pub fn step<'b>(
+        &mut self,
+        buffers: impl Into<StepBuffers<'b, G, P>>,
+        options: StepOptions,
+    ) -> Result<StepReport> {
+        let mut buffers = buffers.into();
+        self.check_not_poisoned()?;
+        self.check_buffers(&buffers)?;
+        let start = Instant::now();
+        let grad_sq = self.backend_grad_sq(&buffers)?;
+        let stats = start.elapsed();
+        let decision = StepDecision::new(grad_sq, options, self.hyperparameters.clip)?;
+        let mut report = self.run_decided(&mut buffers, &decision, start)?;
+        report.times.stats = stats;
+        report.times.total = start.elapsed();
+        Ok(report)
+    }
+
+    /// One step decided elsewhere: `decision` from the Σg² of every optimizer a framework
+    /// steps as one (each one's [`grad_sq_sum`](Self::grad_sq_sum)), so one non-finite
+    /// gradient skips them all. Otherwise [`step`](Self::step).
+    pub fn step_decided<'b>(
+        &mut self,
+        buffers: impl Into<StepBuffers<'b, G, P>>,
+        decision: &StepDecision,
+    ) -> Result<StepReport> {
+        let mut buffers = buffers.into();
+        self.check_not_poisoned()?;
+        self.check_buffers(&buffers)?;
+        let start = Instant::now();
+        let mut report = self.run_decided(&mut buffers, decision, start)?;
+        report.times.total = start.elapsed();
+        Ok(report)
+    }
+
+    /// Runs the plan's schedule for `decision` on checked buffers; settles a failure.
+    fn run_decided(
+        &mut self,
+        buffers: &mut StepBuffers<'_, G, P>,
+        decision: &StepDecision,
+        start: Instant,
+    ) -> Result<StepReport> {
+        let mut times = StageTimes::default();
+        if decision.skips() {
+            times.total = start.elapsed();
+            return Ok(decision.report(self.state.step, times));
+        }
+        let step = StepDecision::next_step(self.state.step)?;
+        let scalars = decision.scalars(&self.hyperparameters, step);
+        let (mut applied, fault) = (0, self.fault.take());
+        let step_state =
+            StepState { state: &mut self.state, applied: &mut applied, journal: self.journal.as_mut() };
+        let ran = match (&mut self.backend, &mut *buffers) {
+            (Backend::Host(staging), StepBuffers::Host(device)) => {
+                run_host((&self.plan, fault), step_state, staging, device, &scalars, &mut times)
+            }
+            #[cfg(feature = "cuda")]
+            (Backend::Cuda(offload), StepBuffers::Cuda(device)) => {
+                offload.run((&self.plan, fault), step_state, device, &scalars, &mut times)
+            }
+            #[cfg(feature = "cuda")]
+            _ => Err(Error::internal("the buffers' device was checked against the backend's")),
+        };
+        self.settle(ran, applied, |range, master| buffers.restore_params(range, master))?;
+        self.state.step = step;
+        Ok(decision.report(step, times))
     }
 
     /// The outcome of a step's pipeline. On an error after some buckets' update ran: with a
@@ -256,83 +387,13 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         }
         Err(error)
     }
-
-    /// Gradient statistics and the step's scalars with its step number, or `None` when the step
-    /// must be skipped. Changes nothing: the step number is committed only once the step ran.
-    fn prepare(&self, grad_sq: f64, options: StepOptions) -> Result<(Option<NextStep>, f64, f64)> {
-        let scale = options.grad_scale;
-        if !(scale.is_finite() && scale > 0.0) {
-            return Err(Error::invalid_config("grad_scale", scale, "a finite value > 0"));
-        }
-        let norm = grad_sq.sqrt() * scale;
-        if !norm.is_finite() {
-            return Ok((None, norm, 1.0));
-        }
-        let step = self.state.step.checked_add(1).ok_or(Error::StepOverflow { step: self.state.step })?;
-        let clip_coef = clip_coefficient(self.config.clip, norm);
-        Ok((Some((StepScalars::new(&self.config, step, clip_coef * scale), step)), norm, clip_coef))
-    }
-
-    /// One optimizer step on the CPU fallback's device: statistics over the device gradients,
-    /// then the plan's schedule of D2H copies, AdamW updates and H2D copies. Non-finite
-    /// gradients skip the step and touch nothing.
-    pub fn step_host(&mut self, device: &mut HostDevice<G, P>, options: StepOptions) -> Result<StepReport> {
-        self.check_not_poisoned()?;
-        self.check_lengths(device.grads.len(), device.params.len())?;
-        device.link.validate()?;
-        self.backend.host()?;
-        let start = Instant::now();
-        let mut times = StageTimes::default();
-        let grad_sq = grad_sq_sum(&device.grads);
-        times.stats = start.elapsed();
-        let (scalars, grad_norm, clip_coef) = self.prepare(grad_sq, options)?;
-        let Some((scalars, step)) = scalars else {
-            return Ok(self.skipped(grad_norm, times, start));
-        };
-        let staging = self.backend.host()?;
-        let (mut applied, fault) = (0, self.fault.take());
-        let step_state =
-            StepState { state: &mut self.state, applied: &mut applied, journal: self.journal.as_mut() };
-        let ran = run_host((&self.plan, fault), step_state, staging, device, &scalars, &mut times);
-        let params = &mut device.params;
-        self.settle(ran, applied, |range, master| {
-            P::narrow(master, &mut params[range]);
-            Ok(())
-        })?;
-        self.state.step = step;
-        times.total = start.elapsed();
-        Ok(StepReport { outcome: StepOutcome::Applied, step: self.state.step, grad_norm, clip_coef, times })
-    }
-
-    fn check_lengths(&self, grads: usize, params: usize) -> Result<()> {
-        let n = self.state.len();
-        for (what, found) in [("device grads", grads), ("device params", params)] {
-            if found != n {
-                return Err(Error::ShapeMismatch { what, expected: n, got: found });
-            }
-        }
-        Ok(())
-    }
-
-    fn skipped(&self, grad_norm: f64, mut times: StageTimes, start: Instant) -> StepReport {
-        times.total = start.elapsed();
-        StepReport {
-            outcome: StepOutcome::SkippedNonFinite,
-            step: self.state.step,
-            grad_norm,
-            clip_coef: 1.0,
-            times,
-        }
-    }
 }
 
-/// A zeroed journal for `n` parameters of `variant`, the state's size, reserved fallibly.
-fn journal_like(n: usize, variant: crate::config::Variant) -> Result<OptimizerState> {
-    let buffers = if variant == crate::config::Variant::AmsGrad { 4 } else { 3 };
-    let refused = || flatpeak_common::Error::HostAlloc {
-        what: "the rollback journal",
-        bytes: n.saturating_mul(4 * buffers),
-    };
+/// A zeroed state for `n` parameters of `variant` (12 B/param, 16 with AMSGrad), reserved
+/// fallibly: a refusal is `HostAlloc` naming `what`.
+fn zeroed_state(n: usize, variant: Variant, what: &'static str) -> Result<OptimizerState> {
+    let buffers = if variant == Variant::AmsGrad { 4 } else { 3 };
+    let refused = || flatpeak_common::Error::HostAlloc { what, bytes: n.saturating_mul(4 * buffers) };
     let zeros = |len: usize| -> Result<Vec<f32>> {
         let mut v = Vec::new();
         v.try_reserve_exact(len).map_err(|_| refused())?;
@@ -349,9 +410,6 @@ fn journal_like(n: usize, variant: crate::config::Variant) -> Result<OptimizerSt
     })
 }
 
-/// The scalars of the step about to run, and its number (committed once it ran).
-type NextStep = (StepScalars, u64);
-
 #[cfg(feature = "cuda")]
 fn cuda_backend<G: GradElement, P: ParamElement>(plan: &Plan, ordinal: usize) -> Result<Backend<G, P>> {
     Ok(Backend::Cuda(Box::new(crate::cuda::CudaOffload::new(plan, ordinal)?)))
@@ -363,60 +421,4 @@ fn cuda_backend<G: GradElement, P: ParamElement>(_plan: &Plan, ordinal: usize) -
     Err(Error::Common(flatpeak_common::Error::CudaUnavailable {
         reason: format!("cuda:{ordinal} requested, but stream-adamw was built without the `cuda` feature"),
     }))
-}
-
-#[cfg(feature = "cuda")]
-impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
-    /// The streams, events and pinned staging of an optimizer on a CUDA device (`None` on the
-    /// CPU fallback): its context allocates the device buffers [`step_cuda`](Self::step_cuda)
-    /// reads and writes.
-    pub fn cuda_offload(&self) -> Option<&crate::cuda::CudaOffload<G, P>> {
-        match &self.backend {
-            Backend::Cuda(offload) => Some(offload),
-            Backend::Host(_) => None,
-        }
-    }
-
-    /// One optimizer step on a CUDA device: the statistics kernel over the device gradients,
-    /// then the plan's schedule through `offload`'s pinned slots and copy streams. Non-finite
-    /// gradients skip the step and touch nothing.
-    pub fn step_cuda(
-        &mut self,
-        device: &mut crate::cuda::CudaDevice<G, P>,
-        options: StepOptions,
-    ) -> Result<StepReport> {
-        self.check_not_poisoned()?;
-        self.check_lengths(device.grads.len(), device.params.len())?;
-        let wrong_backend =
-            || Error::WrongBackend { expected: "step_host (this optimizer stages on the host)" };
-        let Backend::Cuda(offload) = &self.backend else { return Err(wrong_backend()) };
-        let start = Instant::now();
-        let mut times = StageTimes::default();
-        let grad_sq = offload.grad_sq_sum(&device.grads)?;
-        times.stats = start.elapsed();
-        let (scalars, grad_norm, clip_coef) = self.prepare(grad_sq, options)?;
-        let Some((scalars, step)) = scalars else {
-            return Ok(self.skipped(grad_norm, times, start));
-        };
-        let Backend::Cuda(offload) = &mut self.backend else { return Err(wrong_backend()) };
-        let mut applied = 0;
-        let step_state =
-            StepState { state: &mut self.state, applied: &mut applied, journal: self.journal.as_mut() };
-        let ran = offload.run(&self.plan, step_state, device, &scalars, &mut times);
-        let stream = offload.compute_stream().clone();
-        self.settle(ran, applied, |range, master| {
-            let mut narrowed = vec![P::zeroed(); range.len()];
-            P::narrow(master, &mut narrowed);
-            stream
-                .memcpy_htod(&narrowed, &mut device.params.slice_mut(range))
-                .map_err(flatpeak_common::cuda::cuda_error("cuMemcpyHtoD (rollback)"))?;
-            stream
-                .synchronize()
-                .map_err(flatpeak_common::cuda::cuda_error("cuStreamSynchronize (rollback)"))?;
-            Ok(())
-        })?;
-        self.state.step = step;
-        times.total = start.elapsed();
-        Ok(StepReport { outcome: StepOutcome::Applied, step: self.state.step, grad_norm, clip_coef, times })
-    }
 }

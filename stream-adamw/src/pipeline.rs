@@ -13,11 +13,12 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use crate::config::StepScalars;
-use crate::error::Result;
-use crate::plan::{Plan, Schedule};
-use crate::schedule::StageTimes;
+use crate::config::Schedule;
+use crate::error::{Error, Result};
+use crate::hyperparameters::StepScalars;
+use crate::plan::Plan;
 use crate::state::OptimizerState;
+use crate::step::StageTimes;
 
 /// A stage of the offloaded step (fault injection names the one to fail).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +39,32 @@ pub struct Fault {
     pub stage: Stage,
     /// The bucket it fails at.
     pub bucket: usize,
+}
+
+/// The first element of the bucket at which each stage fails, from an injected [`Fault`].
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct FaultPoints {
+    pub d2h: Option<usize>,
+    pub adam: Option<usize>,
+    pub h2d: Option<usize>,
+}
+
+impl FaultPoints {
+    /// Where `fault` (if any) strikes in `plan`'s buckets.
+    pub(crate) fn new(plan: &Plan, fault: Option<Fault>) -> Self {
+        let at = |stage: Stage| fault.filter(|f| f.stage == stage).map(|f| plan.bucket(f.bucket).start);
+        Self { d2h: at(Stage::D2h), adam: at(Stage::Adam), h2d: at(Stage::H2d) }
+    }
+}
+
+/// An injected failure of `stage` when it reaches the bucket starting at `fails_at`.
+pub(crate) fn injected(stage: &'static str, fails_at: Option<usize>, range: &Range<usize>) -> Result<()> {
+    match fails_at {
+        Some(start) if start == range.start => {
+            Err(Error::PipelineStage { stage, reason: format!("injected fault at element {start}") })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// What one step updates: the state, the count of buckets whose update ran (on an error, 0
@@ -126,8 +153,9 @@ pub(crate) fn run_step<E: CopyEngines>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
     use crate::element::GradElement;
-    use crate::plan::{Config, Shape};
+    use crate::plan::Shape;
     use flatpeak_common::{Budget, DType};
 
     /// Records the order of operations and checks every slot rule as it goes.

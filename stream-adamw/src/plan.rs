@@ -13,94 +13,9 @@ use std::ops::Range;
 
 use flatpeak_common::{Budget, DType};
 
+pub use crate::config::BUCKET_ALIGN;
+use crate::config::{Config, Schedule};
 use crate::error::{Error, Result};
-
-/// Buckets start on multiples of this many elements (one cache line of f32, and the alignment
-/// a device copy wants).
-pub const BUCKET_ALIGN: usize = 64;
-
-/// The order of copies and updates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Schedule {
-    /// All D2H, then Adam over everything, then all H2D: the serial offload baseline.
-    Serial,
-    /// D2H of bucket k ‖ Adam of bucket k−1 ‖ H2D of bucket k−2, from R staging slots.
-    #[default]
-    Pipelined,
-}
-
-/// What a step that fails partway (a copy engine or the device failing after some buckets'
-/// update ran) leaves behind. Errors found before any update (bad input, non-finite gradients)
-/// change nothing either way.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum OnFailure {
-    /// The optimizer refuses to step ([`Error::Poisoned`](crate::Error::Poisoned)) until a
-    /// consistent state is imported. Costs nothing.
-    #[default]
-    Poison,
-    /// The step is all or nothing: the old values of each bucket are journaled before its
-    /// update, and a failed step restores them (master state, moments, and the device
-    /// parameters as the master's narrowing). Costs a journal the size of the state (12 B/param,
-    /// 16 with AMSGrad) of host memory, reserved at construction.
-    Rollback,
-}
-
-/// How the offloaded step is scheduled: the launch-time sizing of the pipeline. (The update's
-/// hyperparameters, which may change every step, are [`Hyperparameters`](crate::Hyperparameters).)
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Config {
-    /// Serial or pipelined.
-    pub schedule: Schedule,
-    /// Elements per bucket (a multiple of [`BUCKET_ALIGN`]).
-    pub bucket_elems: usize,
-    /// Staging slots per direction, R ≥ 1 (2 already overlaps all three stages; 3 lets the copy
-    /// engines run a bucket ahead).
-    pub slots: usize,
-    /// What a step failing partway leaves behind.
-    pub on_failure: OnFailure,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self { schedule: Schedule::Pipelined, bucket_elems: 1 << 22, slots: 3, on_failure: OnFailure::Poison }
-    }
-}
-
-impl Config {
-    /// This config with this schedule.
-    pub fn schedule(self, schedule: Schedule) -> Self {
-        Self { schedule, ..self }
-    }
-    /// This config with buckets of `bucket_elems` elements.
-    pub fn bucket_elems(self, bucket_elems: usize) -> Self {
-        Self { bucket_elems, ..self }
-    }
-    /// This config with `slots` staging slots per direction.
-    pub fn slots(self, slots: usize) -> Self {
-        Self { slots, ..self }
-    }
-    /// This config leaving `on_failure` behind a step that fails partway.
-    pub fn on_failure(self, on_failure: OnFailure) -> Self {
-        Self { on_failure, ..self }
-    }
-
-    /// Checks every field's domain: `bucket_elems` a positive multiple of [`BUCKET_ALIGN`],
-    /// `slots ≥ 1`.
-    pub fn validate(&self) -> Result<()> {
-        if self.bucket_elems == 0 || !self.bucket_elems.is_multiple_of(BUCKET_ALIGN) {
-            return Err(Error::invalid_config(
-                "bucket_elems",
-                self.bucket_elems,
-                "a positive multiple of 64",
-            ));
-        }
-        if self.slots == 0 {
-            return Err(Error::invalid_config("slots", self.slots, "at least 1"));
-        }
-        Ok(())
-    }
-}
 
 /// What one optimizer steps: N parameters, with gradients and device parameters of the given
 /// dtypes on the link.
@@ -114,15 +29,13 @@ pub struct Shape {
     pub param_dtype: DType,
 }
 
-/// The partition of N parameters into buckets and the bytes each schedule stages.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The partition of N parameters into buckets and the bytes each schedule stages, with the
+/// [`Config`] it was made from (an optimizer made from the plan uses that config: the two
+/// cannot disagree).
+#[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
-    n_params: usize,
-    bucket_elems: usize,
-    slots: usize,
-    schedule: Schedule,
-    grad_dtype: DType,
-    param_dtype: DType,
+    config: Config,
+    shape: Shape,
 }
 
 impl Plan {
@@ -131,14 +44,7 @@ impl Plan {
     /// otherwise). Every size product is checked.
     pub fn new(config: &Config, shape: Shape, budget: Budget) -> Result<Self> {
         config.validate()?;
-        let plan = Self {
-            n_params: shape.params,
-            bucket_elems: config.bucket_elems,
-            slots: config.slots,
-            schedule: config.schedule,
-            grad_dtype: shape.grad_dtype,
-            param_dtype: shape.param_dtype,
-        };
+        let plan = Self { config: *config, shape };
         let per_elem = shape.grad_dtype.size_in_bytes() + shape.param_dtype.size_in_bytes();
         let staging =
             plan.staged_slots().checked_mul(plan.slot_elems()).and_then(|e| e.checked_mul(per_elem));
@@ -158,38 +64,47 @@ impl Plan {
         Ok(plan)
     }
 
+    /// The config the plan was made from.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+    /// The shape the plan was made for.
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
     /// Parameters covered.
     pub fn n_params(&self) -> usize {
-        self.n_params
+        self.shape.params
     }
     /// The schedule.
     pub fn schedule(&self) -> Schedule {
-        self.schedule
+        self.config.schedule
     }
     /// Staging slots per direction.
     pub fn slots(&self) -> usize {
-        self.slots
+        self.config.slots
     }
     /// Number of buckets B = ⌈N / N_b⌉.
     pub fn n_buckets(&self) -> usize {
-        self.n_params.div_ceil(self.bucket_elems)
+        self.shape.params.div_ceil(self.config.bucket_elems)
     }
     /// Element range of bucket `k` (the last one may be short; empty past the end).
     pub fn bucket(&self, k: usize) -> Range<usize> {
-        let start = k.saturating_mul(self.bucket_elems).min(self.n_params);
-        start..(start + self.bucket_elems).min(self.n_params)
+        let (n, bucket_elems) = (self.shape.params, self.config.bucket_elems);
+        let start = k.saturating_mul(bucket_elems).min(n);
+        start..(start + bucket_elems).min(n)
     }
     /// Elements of one staging slot: a whole bucket (pipelined) or everything (serial).
     pub fn slot_elems(&self) -> usize {
-        match self.schedule {
-            Schedule::Pipelined => self.bucket_elems.min(self.n_params),
-            Schedule::Serial => self.n_params,
+        match self.config.schedule {
+            Schedule::Pipelined => self.config.bucket_elems.min(self.shape.params),
+            Schedule::Serial => self.shape.params,
         }
     }
     /// Staging slots allocated per direction: R (pipelined) or 1 (serial).
     pub fn staged_slots(&self) -> usize {
-        match self.schedule {
-            Schedule::Pipelined => self.slots.min(self.n_buckets().max(1)),
+        match self.config.schedule {
+            Schedule::Pipelined => self.config.slots.min(self.n_buckets().max(1)),
             Schedule::Serial => 1,
         }
     }
@@ -202,11 +117,12 @@ impl Plan {
     pub fn staging_bytes(&self) -> usize {
         self.staged_slots()
             * self.slot_elems()
-            * (self.grad_dtype.size_in_bytes() + self.param_dtype.size_in_bytes())
+            * (self.shape.grad_dtype.size_in_bytes() + self.shape.param_dtype.size_in_bytes())
     }
     /// Bytes each step moves over the link: gradients down, parameters up.
     pub fn link_bytes(&self) -> (usize, usize) {
-        (self.n_params * self.grad_dtype.size_in_bytes(), self.n_params * self.param_dtype.size_in_bytes())
+        let n = self.shape.params;
+        (n * self.shape.grad_dtype.size_in_bytes(), n * self.shape.param_dtype.size_in_bytes())
     }
 }
 

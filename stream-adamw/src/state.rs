@@ -1,9 +1,9 @@
 //! Optimizer state: fp32 master parameters, moments and step count, with a state-dict
 //! export/import that round-trips exactly.
 
-use crate::config::Variant;
 use crate::cpu::StateMut;
 use crate::error::{Error, Result};
+use crate::hyperparameters::Variant;
 
 /// The optimizer's state over all N parameters.
 #[derive(Debug, Clone, PartialEq)]

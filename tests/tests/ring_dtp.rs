@@ -418,7 +418,7 @@ fn into_buffers_are_overwritten_whatever_they_held() {
                 let config = Config::default();
                 let shape = Shape { tokens: n, hidden: d, vocab: v, dtype };
                 let plan = Plan::new(&config, shape, Budget::Bytes(budget)).expect("plan");
-                let mut lce = LinearCrossEntropy::new(config, plan, Device::Cpu).expect("executor");
+                let mut lce = LinearCrossEntropy::new(plan, Device::Cpu).expect("executor");
                 let (f, g) = lce.forward_backward(inp, GradOutput::Scalar(1.0)).expect("runs");
                 let (mut dx, mut dw) = (vec![f32::NAN; n * d], vec![f32::NAN; v * d]);
                 let mut db = vec![f32::NAN; if with_bias { v } else { 0 }];
@@ -571,7 +571,8 @@ fn cuda_run(
     pass: Pass<'_>,
 ) -> Result<(ring_dtp::Forward, ring_dtp::Gradients), Error> {
     use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
-    let mut lce = CudaLinearCrossEntropy::new(*config, *plan, 0)?;
+    assert_eq!(config, plan.config(), "the CUDA executor runs its plan's config");
+    let mut lce = CudaLinearCrossEntropy::new(*plan, 0)?;
     let s = lce.stream().clone();
     let up = |e| Error::Common(flatpeak_common::Error::Cuda { op: "upload", message: format!("{e:?}") });
     let (xf, wf, xb, wb);
@@ -781,7 +782,7 @@ fn tf32_runs_on_cuda_for_f32_inputs_only(backend: Backend) {
     #[cfg(feature = "cuda")]
     {
         let bf16_plan = Plan::new(&tf32, Shape { dtype: DType::Bf16, ..shape }, Budget::Bytes(64 << 20));
-        let refused = ring_dtp::cuda::CudaLinearCrossEntropy::new(tf32, bf16_plan.expect("plan"), 0);
+        let refused = ring_dtp::cuda::CudaLinearCrossEntropy::new(bf16_plan.expect("plan"), 0);
         assert!(
             matches!(refused, Err(Error::UnsupportedPrecision { dtype: DType::Bf16, .. })),
             "{:?}",
@@ -799,7 +800,7 @@ fn tf32_is_refused_when_the_executor_is_made() {
     let tf32 = Config::default().precision(Precision::Tf32);
     let shape = Shape { tokens: 8, hidden: 4, vocab: 16, dtype: DType::F32 };
     let plan = Plan::new(&tf32, shape, Budget::Bytes(1 << 20)).expect("plan");
-    let made = ring_dtp::LinearCrossEntropy::new(tf32, plan, flatpeak_common::Device::Cpu);
+    let made = ring_dtp::LinearCrossEntropy::new(plan, flatpeak_common::Device::Cpu);
     assert!(
         matches!(
             &made,
@@ -812,7 +813,7 @@ fn tf32_is_refused_when_the_executor_is_made() {
     {
         let plan =
             Plan::new(&tf32, Shape { dtype: DType::Bf16, ..shape }, Budget::Bytes(1 << 20)).expect("plan");
-        let made = ring_dtp::cuda::CudaLinearCrossEntropy::new(tf32, plan, 0);
+        let made = ring_dtp::cuda::CudaLinearCrossEntropy::new(plan, 0);
         assert!(
             matches!(
                 &made,

@@ -83,7 +83,7 @@ fn measure_ring(
                 Matrix::F32(&w[s.start * d..s.end * d]),
                 &targets[t],
             );
-            Ok(ring::forward_backward(comm, &config, &plan, &inputs, GradOutput::Scalar(1.0)))
+            Ok(ring::forward_backward(comm, &plan, &inputs, GradOutput::Scalar(1.0)))
         })
     };
     step();

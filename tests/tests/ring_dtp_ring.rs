@@ -119,9 +119,9 @@ fn run_ring(
             RankInputs::new(slice(x, t.clone(), c.d), slice(w, s.clone(), c.d), &c.targets[t.clone()])
                 .with_bias(&c.bias[s])
                 .with_weights(&c.weights[t.clone()]);
-        let fwd = ring::forward(comm, config, &plan, &inputs)?;
+        let fwd = ring::forward(comm, &plan, &inputs)?;
         let grad = grad_of(config, &c.grad_tokens[t.clone()]);
-        let g = ring::backward(comm, config, &plan, &inputs, &fwd, grad, Some(&c.dlse[t]))?;
+        let g = ring::backward(comm, &plan, &inputs, &fwd, grad, Some(&c.dlse[t]))?;
         // No message of the ring outlives its pass: a stray one would fail the barrier.
         comm.barrier()?;
         Ok((fwd, g))
@@ -395,7 +395,7 @@ fn bad_input_is_a_typed_error_on_every_rank() {
             Matrix::F32(&c.w[s.start * 8..s.end * 8]),
             &targets[t],
         );
-        ring::forward(comm, &config, &plan, &inputs)
+        ring::forward(comm, &plan, &inputs)
     });
     assert_eq!(
         results[0].as_ref().unwrap_err(),
@@ -415,21 +415,21 @@ fn bad_input_is_a_typed_error_on_every_rank() {
             &c.targets[t.clone()],
         )
         .with_weights(&weights[t]);
-        ring::forward(comm, &config, &plan, &inputs)
+        ring::forward(comm, &plan, &inputs)
     });
     assert!(matches!(results[1], Err(Error::InvalidWeight { token: 2, weight: -1.0 })), "{:?}", results[1]);
     assert!(results[0].is_err());
     // A plan for another world size, and shards of the wrong shape.
     let results = on_ranks(3, |comm: &LocalComm| {
         let inputs = RankInputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..120]), &c.targets[..10]);
-        ring::forward(comm, &config, &plan, &inputs)
+        ring::forward(comm, &plan, &inputs)
     });
     for r in results {
         assert!(matches!(r, Err(Error::ShapeMismatch { what: "world size", expected: 2, got: 3 })));
     }
     let results = on_ranks(2, |comm: &LocalComm| {
         let inputs = RankInputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..119]), &c.targets[..10]);
-        ring::forward(comm, &config, &plan, &inputs)
+        ring::forward(comm, &plan, &inputs)
     });
     for r in results {
         assert!(matches!(r, Err(Error::ShapeMismatch { what: "w shard (v_r·d)", expected: 120, got: 119 })));
@@ -504,7 +504,7 @@ fn device_rings_match_the_reference() {
                                 targets: &targets,
                                 weights: Some(&weights),
                             };
-                            let mut ring = CudaRing::new(*config, *plan, comm).expect("ring");
+                            let mut ring = CudaRing::new(*plan, comm).expect("ring");
                             let fwd = ring.forward(&inputs).expect("forward");
                             let grad = grad_of(config, &c.grad_tokens[t.clone()]);
                             let g: DeviceGradients =
@@ -531,8 +531,8 @@ fn device_rings_match_the_reference() {
     }
 }
 
-/// A config made invalid after planning is refused by every executor that takes it, with the
-/// offending field named: the single-device CPU path and each ring rank.
+/// A config made invalid after planning is refused by the single-device CPU path that takes it,
+/// with the offending field named; a ring's config is its plan's, refused when it is planned.
 #[test]
 fn executors_revalidate_the_config_they_are_given() {
     let c = make_case(12, 4, 10, 9);
@@ -543,20 +543,9 @@ fn executors_revalidate_the_config_they_are_given() {
     let inputs = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, c.d);
     let err = cpu::forward(&bad, &plan, &inputs).unwrap_err();
     assert!(matches!(err, Error::InvalidConfig { field: "label_smoothing", .. }), "{err}");
-    let ring_plan =
-        RingPlan::new(&config, shape, Budget::Unlimited, RingOptions::default().ranks(2)).expect("plan");
-    for r in on_ranks(2, |comm: &LocalComm| {
-        use flatpeak_common::comm::Communicator;
-        let (t, s) = (ring_plan.tokens(comm.rank()), ring_plan.shard(comm.rank()));
-        let inputs = RankInputs::new(
-            slice(Matrix::F32(&c.x), t.clone(), c.d),
-            slice(Matrix::F32(&c.w), s, c.d),
-            &c.targets[t],
-        );
-        ring::forward(comm, &bad, &ring_plan, &inputs)
-    }) {
-        assert!(matches!(r, Err(Error::InvalidConfig { field: "label_smoothing", .. })), "{r:?}");
-    }
+    // A ring runs the config its plan carries, checked when the plan is made.
+    let refused = RingPlan::new(&bad, shape, Budget::Unlimited, RingOptions::default().ranks(2));
+    assert!(matches!(refused, Err(Error::InvalidConfig { field: "label_smoothing", .. })), "{refused:?}");
 }
 
 /// Fault injection: one rank's communicator fails at each of its operations in turn, on both
@@ -590,7 +579,7 @@ fn a_rank_failing_at_any_ring_step_fails_promptly_and_the_next_pass_runs() {
                     let handles: Vec<_> = endpoints
                         .into_iter()
                         .map(|comm| {
-                            let (plan, config, targets) = (&plan, &config, &c.targets);
+                            let (plan, targets) = (&plan, &c.targets);
                             scope.spawn(move || {
                                 let r = comm.rank();
                                 let comm =
@@ -601,16 +590,8 @@ fn a_rank_failing_at_any_ring_step_fails_promptly_and_the_next_pass_runs() {
                                     slice(w, s.clone(), d),
                                     &targets[t],
                                 );
-                                let fwd = ring::forward(&comm, config, plan, &inputs)?;
-                                ring::backward(
-                                    &comm,
-                                    config,
-                                    plan,
-                                    &inputs,
-                                    &fwd,
-                                    GradOutput::Scalar(1.0),
-                                    None,
-                                )?;
+                                let fwd = ring::forward(&comm, plan, &inputs)?;
+                                ring::backward(&comm, plan, &inputs, &fwd, GradOutput::Scalar(1.0), None)?;
                                 Ok(comm.ops())
                             })
                         })
@@ -629,13 +610,7 @@ fn a_rank_failing_at_any_ring_step_fails_promptly_and_the_next_pass_runs() {
                         break;
                     }
                     Err(e) => assert!(
-                        matches!(
-                            e,
-                            Error::Common(flatpeak_common::Error::InvalidConfig {
-                                field: "injected fault",
-                                ..
-                            })
-                        ),
+                        matches!(e, Error::InvalidConfig { field: "injected fault", .. }),
                         "{what}: {e:?}"
                     ),
                 }

@@ -162,11 +162,11 @@ fn misuse_is_a_typed_error() {
     let layer: &dyn Layer = &stack.layers()[0];
     assert_eq!(
         layer.forward(&[0.0; 5], &mut [0.0; 48]).unwrap_err(),
-        Error::Common(flatpeak_common::Error::ShapeMismatch { what: "layer input x", expected: 48, got: 5 })
+        Error::ShapeMismatch { what: "layer input x", expected: 48, got: 5 }
     );
     assert!(matches!(
         layer.backward(&[0.0; 48], None, &[0.0; 48], &mut [0.0; 48], &mut [0.0; 3]),
-        Err(Error::Common(_))
+        Err(Error::ShapeMismatch { .. })
     ));
 }
 

@@ -8,9 +8,24 @@ use half::bf16;
 use proptest::prelude::*;
 use stream_adamw::cpu::reference;
 use stream_adamw::{
-    Config, Error, GradClip, GradElement, HostDevice, Hyperparameters, Link, Objective, Schedule,
-    StepOptions, StepOutcome, StreamAdamW, Variant,
+    Budget, Config, Error, GradClip, GradElement, HostDevice, Hyperparameters, Link, Objective, Plan,
+    Schedule, StepOptions, StepOutcome, StreamAdamW, Variant,
 };
+
+/// The optimizer of `master` with `hyperparameters` and `options`, made the one way: a plan,
+/// `StreamAdamW::new(plan, device)`, the master parameters loaded.
+fn optimizer<G: GradElement>(
+    master: Vec<f32>,
+    hyperparameters: Hyperparameters,
+    options: &Config,
+    device: stream_adamw::Device,
+) -> Result<StreamAdamW<G, bf16>, Error> {
+    let config = options.hyperparameters(hyperparameters);
+    let plan = Plan::new(&config, StreamAdamW::<G, bf16>::shape(master.len()), Budget::Unlimited)?;
+    let mut opt = StreamAdamW::new(plan, device)?;
+    opt.load_master(&master)?;
+    Ok(opt)
+}
 
 /// Default hyperparameters with `edit` applied (the config is `#[non_exhaustive]`).
 fn cfg(edit: impl FnOnce(&mut Hyperparameters)) -> Hyperparameters {
@@ -32,12 +47,11 @@ fn run<G: GradElement + Copy>(
     step: StepOptions,
 ) -> (StreamAdamW<G, bf16>, Vec<bf16>) {
     let n = master.len();
-    let mut opt =
-        StreamAdamW::<G, bf16>::new(master.to_vec(), config, &options, stream_adamw::Device::Cpu).unwrap();
+    let mut opt = optimizer::<G>(master.to_vec(), config, &options, stream_adamw::Device::Cpu).unwrap();
     let mut device = HostDevice::new(grads[0].clone(), vec![bf16::ZERO; n], Link::Memcpy);
     for g in grads {
         device.grads.copy_from_slice(g);
-        let report = opt.step_host(&mut device, step).unwrap();
+        let report = opt.step(&mut device, step).unwrap();
         assert_eq!(report.outcome, StepOutcome::Applied);
     }
     (opt, device.params)
@@ -89,7 +103,7 @@ fn check_against_reference(
     for g in grads {
         let g64: Vec<f64> = g.iter().map(|&x| x as f64).collect();
         let norm = g64.iter().map(|x| x * x).sum::<f64>().sqrt() * step.grad_scale;
-        let coef = stream_adamw::config::clip_coefficient(config.clip, norm);
+        let coef = stream_adamw::hyperparameters::clip_coefficient(config.clip, norm);
         reference::step(&mut r, &g64, &config, coef * step.grad_scale);
     }
     prop_assert_eq!(opt_state.step, grads.len() as u64);
@@ -192,7 +206,7 @@ fn non_finite_gradients_skip_the_step_and_touch_nothing() {
     for schedule in [Schedule::Serial, Schedule::Pipelined] {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let options = Config::default().bucket_elems(512).schedule(schedule);
-            let mut opt = StreamAdamW::<f32, bf16>::new(
+            let mut opt = optimizer::<f32>(
                 master.clone(),
                 Hyperparameters::default(),
                 &options,
@@ -200,11 +214,11 @@ fn non_finite_gradients_skip_the_step_and_touch_nothing() {
             )
             .unwrap();
             let mut device = HostDevice::new(grads_f32(n, 3, 0.1), vec![bf16::ONE; n], Link::Memcpy);
-            opt.step_host(&mut device, StepOptions::default()).unwrap();
+            opt.step(&mut device, StepOptions::default()).unwrap();
             let (before, params_before) = (opt.export_state(), device.params.clone());
             device.grads = grads_f32(n, 4, 0.1);
             device.grads[4321] = bad;
-            let report = opt.step_host(&mut device, StepOptions::default()).unwrap();
+            let report = opt.step(&mut device, StepOptions::default()).unwrap();
             assert_eq!(report.outcome, StepOutcome::SkippedNonFinite);
             assert_eq!(report.step, 1);
             assert!(!report.grad_norm.is_finite());
@@ -223,13 +237,12 @@ fn state_round_trips_exactly() {
     let options = Config::default().bucket_elems(256);
     let (whole, _) = run(&master, &grads, config, options, StepOptions::default());
     let (first, _) = run(&master, &grads[..3], config, options, StepOptions::default());
-    let mut resumed =
-        StreamAdamW::<f32, bf16>::new(vec![0.0; n], config, &options, stream_adamw::Device::Cpu).unwrap();
+    let mut resumed = optimizer::<f32>(vec![0.0; n], config, &options, stream_adamw::Device::Cpu).unwrap();
     resumed.import_state(first.export_state()).unwrap();
     let mut device = HostDevice::new(vec![0.0; n], vec![bf16::ZERO; n], Link::Memcpy);
     for g in &grads[3..] {
         device.grads.copy_from_slice(g);
-        resumed.step_host(&mut device, StepOptions::default()).unwrap();
+        resumed.step(&mut device, StepOptions::default()).unwrap();
     }
     assert_eq!(resumed.export_state(), whole.export_state());
 }
@@ -246,17 +259,12 @@ fn bad_input_is_a_typed_error_never_a_panic() {
         (cfg(|c| c.weight_decay = f64::INFINITY), "weight_decay"),
     ];
     for (config, name) in bad_configs {
-        match StreamAdamW::<f32, bf16>::new(
-            vec![0.0; 4],
-            config,
-            &Config::default(),
-            stream_adamw::Device::Cpu,
-        ) {
+        match optimizer::<f32>(vec![0.0; 4], config, &Config::default(), stream_adamw::Device::Cpu) {
             Err(Error::InvalidConfig { field: n, .. }) => assert_eq!(n, name),
             other => panic!("{name}: {other:?}"),
         }
     }
-    let mut opt = StreamAdamW::<f32, bf16>::new(
+    let mut opt = optimizer::<f32>(
         vec![0.0; 4],
         Hyperparameters::default(),
         &Config::default(),
@@ -265,12 +273,12 @@ fn bad_input_is_a_typed_error_never_a_panic() {
     .unwrap();
     let mut short = HostDevice::new(vec![0.0f32; 3], vec![bf16::ZERO; 4], Link::Memcpy);
     assert_eq!(
-        opt.step_host(&mut short, StepOptions::default()).unwrap_err(),
+        opt.step(&mut short, StepOptions::default()).unwrap_err(),
         Error::ShapeMismatch { what: "device grads", expected: 4, got: 3 }
     );
     let mut ok = HostDevice::new(vec![0.1f32; 4], vec![bf16::ZERO; 4], Link::Memcpy);
     assert!(matches!(
-        opt.step_host(&mut ok, StepOptions::with_grad_scale(0.0)),
+        opt.step(&mut ok, StepOptions::with_grad_scale(0.0)),
         Err(Error::InvalidConfig { field: "grad_scale", .. })
     ));
     assert_eq!(opt.state().step(), 0);
@@ -294,14 +302,13 @@ fn bad_input_is_a_typed_error_never_a_panic() {
     }
     // A CUDA device that is not there: an error that says why, never a silent CPU fallback.
     let missing = stream_adamw::Device::Cuda(1 << 20);
-    match StreamAdamW::<f32, bf16>::new(vec![0.0; 4], Hyperparameters::default(), &Config::default(), missing)
-    {
+    match optimizer::<f32>(vec![0.0; 4], Hyperparameters::default(), &Config::default(), missing) {
         Err(Error::Common(flatpeak_common::Error::CudaUnavailable { reason })) => assert!(!reason.is_empty()),
         other => panic!("expected CudaUnavailable, got {other:?}"),
     }
     assert_eq!(opt.device(), stream_adamw::Device::Cpu);
     assert!(matches!(
-        StreamAdamW::<f32, bf16>::new(
+        optimizer::<f32>(
             vec![0.0; 4],
             Hyperparameters::default(),
             &Config::default().bucket_elems(100), stream_adamw::Device::Cpu),
@@ -374,16 +381,15 @@ fn cuda_step_equals_the_cpu_step_bitwise() {
     for schedule in [Schedule::Pipelined, Schedule::Serial] {
         let device = stream_adamw::Device::Cuda(0);
         let mut opt =
-            StreamAdamW::<f32, bf16>::new(master.clone(), config, &options.schedule(schedule), device)
-                .expect("device");
-        let stream = opt.cuda_offload().expect("a CUDA optimizer").context().default_stream();
+            optimizer::<f32>(master.clone(), config, &options.schedule(schedule), device).expect("device");
+        let stream = flatpeak_common::cuda::context(0).expect("a CUDA device").default_stream();
         let mut device = CudaDevice {
             grads: stream.clone_htod(&grads[0]).expect("upload"),
             params: stream.alloc_zeros::<bf16>(n).expect("alloc"),
         };
         for g in &grads {
             stream.memcpy_htod(g, &mut device.grads).expect("upload");
-            let report = opt.step_cuda(&mut device, StepOptions::default()).expect("step");
+            let report = opt.step(&mut device, StepOptions::default()).expect("step");
             assert_eq!(report.outcome, StepOutcome::Applied);
         }
         assert_eq!(opt.export_state(), cpu.export_state(), "{schedule:?}");
@@ -392,7 +398,7 @@ fn cuda_step_equals_the_cpu_step_bitwise() {
         bad[n - 1] = f32::NAN;
         stream.memcpy_htod(&bad, &mut device.grads).expect("upload");
         let before = opt.export_state();
-        let report = opt.step_cuda(&mut device, StepOptions::default()).expect("step");
+        let report = opt.step(&mut device, StepOptions::default()).expect("step");
         assert_eq!(report.outcome, StepOutcome::SkippedNonFinite);
         assert_eq!(opt.export_state(), before);
     }
@@ -414,17 +420,15 @@ fn an_injected_failure_at_every_stage_and_bucket_is_typed_and_leaves_a_known_sta
         let (g1, g2) = (grads_f32(n, 2, 0.1), grads_f32(n, 3, 0.1));
         for on_failure in [OnFailure::Poison, OnFailure::Rollback] {
             let options = Config::default().bucket_elems(256).slots(2).on_failure(on_failure);
-            let fresh = || {
-                StreamAdamW::<f32, bf16>::new(master.clone(), config, &options, stream_adamw::Device::Cpu)
-                    .unwrap()
-            };
+            let fresh =
+                || optimizer::<f32>(master.clone(), config, &options, stream_adamw::Device::Cpu).unwrap();
             // The run that never fails: two steps.
             let mut clean = fresh();
             let mut clean_device = HostDevice::new(g1.clone(), vec![bf16::ZERO; n], Link::Memcpy);
-            clean.step_host(&mut clean_device, StepOptions::default()).unwrap();
+            clean.step(&mut clean_device, StepOptions::default()).unwrap();
             let after_one = (clean.export_state(), clean_device.params.clone());
             clean_device.grads.copy_from_slice(&g2);
-            clean.step_host(&mut clean_device, StepOptions::default()).unwrap();
+            clean.step(&mut clean_device, StepOptions::default()).unwrap();
             let buckets = clean.plan().n_buckets();
             assert_eq!(buckets, 5);
             for stage in [Stage::D2h, Stage::Adam, Stage::H2d] {
@@ -432,12 +436,12 @@ fn an_injected_failure_at_every_stage_and_bucket_is_typed_and_leaves_a_known_sta
                     let what = format!("{on_failure:?}: {stage:?} at bucket {bucket}");
                     let mut opt = fresh();
                     let mut device = HostDevice::new(g1.clone(), vec![bf16::ZERO; n], Link::Memcpy);
-                    opt.step_host(&mut device, StepOptions::default()).unwrap();
+                    opt.step(&mut device, StepOptions::default()).unwrap();
                     let before = (opt.export_state(), device.params.clone());
                     assert_eq!(before, after_one, "{what}");
                     device.grads.copy_from_slice(&g2);
                     opt.inject_fault(Fault { stage, bucket });
-                    let err = opt.step_host(&mut device, StepOptions::default()).unwrap_err();
+                    let err = opt.step(&mut device, StepOptions::default()).unwrap_err();
                     assert!(matches!(err, Error::PipelineStage { .. }), "{what}: {err:?}");
                     assert_eq!(opt.state().step(), 1, "{what}: the step count never moves on a failure");
                     let untouched = bucket == 0 && stage != Stage::H2d;
@@ -447,7 +451,7 @@ fn an_injected_failure_at_every_stage_and_bucket_is_typed_and_leaves_a_known_sta
                         assert_eq!(device.params, before.1, "{what}: the device parameters are as before");
                     } else {
                         assert!(opt.is_poisoned(), "{what}");
-                        let refused = opt.step_host(&mut device, StepOptions::default()).unwrap_err();
+                        let refused = opt.step(&mut device, StepOptions::default()).unwrap_err();
                         assert!(
                             matches!(refused, Error::Poisoned { step: 1, buckets: 5, .. }),
                             "{what}: {refused:?}"
@@ -456,7 +460,7 @@ fn an_injected_failure_at_every_stage_and_bucket_is_typed_and_leaves_a_known_sta
                         device.params.copy_from_slice(&before.1);
                     }
                     // The next step is the clean run's second step, bit for bit.
-                    opt.step_host(&mut device, StepOptions::default()).unwrap();
+                    opt.step(&mut device, StepOptions::default()).unwrap();
                     assert_eq!(opt.export_state(), clean.export_state(), "{what}");
                     assert_eq!(device.params, clean_device.params, "{what}");
                 }
@@ -470,15 +474,11 @@ fn an_injected_failure_at_every_stage_and_bucket_is_typed_and_leaves_a_known_sta
 #[test]
 fn hyperparameters_change_between_steps_but_not_the_variant() {
     let n = 300;
-    let mut opt = StreamAdamW::<f32, bf16>::new(
-        grads_f32(n, 1, 1.0),
-        cfg(|_| ()),
-        &Config::default(),
-        stream_adamw::Device::Cpu,
-    )
-    .unwrap();
+    let mut opt =
+        optimizer::<f32>(grads_f32(n, 1, 1.0), cfg(|_| ()), &Config::default(), stream_adamw::Device::Cpu)
+            .unwrap();
     opt.set_hyperparameters(cfg(|c| c.lr = 5e-3)).unwrap();
-    assert_eq!(opt.config().lr, 5e-3);
+    assert_eq!(opt.hyperparameters().lr, 5e-3);
     assert!(matches!(
         opt.set_hyperparameters(cfg(|c| c.lr = -1.0)),
         Err(Error::InvalidConfig { field: "lr", .. })
@@ -487,5 +487,5 @@ fn hyperparameters_change_between_steps_but_not_the_variant() {
         opt.set_hyperparameters(cfg(|c| c.variant = Variant::AmsGrad)),
         Err(Error::StateMismatch { .. })
     ));
-    assert_eq!(opt.config().lr, 5e-3, "a refused change changes nothing");
+    assert_eq!(opt.hyperparameters().lr, 5e-3, "a refused change changes nothing");
 }

@@ -6,7 +6,7 @@
 use flatpeak_common::{CountingAllocator, PeakMeter, SplitMix64};
 use half::bf16;
 use stream_adamw::cpu::CHUNK;
-use stream_adamw::{Config, HostDevice, Hyperparameters, Link, Schedule, StepOptions, StreamAdamW};
+use stream_adamw::{Budget, Config, HostDevice, Link, Plan, Schedule, StepOptions, StreamAdamW};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -23,13 +23,12 @@ fn measure(n: usize, schedule: Schedule) -> (usize, usize, usize) {
         HostDevice::new(SplitMix64::new(2).normal_f32(n, 0.0, 0.1), vec![bf16::ZERO; n], Link::Memcpy);
     let options = Config::default().bucket_elems(1 << 16).schedule(schedule);
     let built = PeakMeter::measure(|| {
-        StreamAdamW::<f32, bf16>::new(
-            master.clone(),
-            Hyperparameters::default(),
-            &options,
-            stream_adamw::Device::Cpu,
-        )
-        .expect("valid options")
+        let plan = Plan::new(&options, StreamAdamW::<f32, bf16>::shape(n), Budget::Unlimited)
+            .expect("valid options");
+        let mut opt =
+            StreamAdamW::<f32, bf16>::new(plan, stream_adamw::Device::Cpu).expect("a CPU optimizer");
+        opt.load_master(&master).expect("n parameters");
+        opt
     })
     .expect("counting allocator installed");
     let mut opt = built.value;
@@ -40,8 +39,8 @@ fn measure(n: usize, schedule: Schedule) -> (usize, usize, usize) {
     assert!(held <= 512, "construction holds {held} B beyond state and staging");
     assert_eq!(built.high_water_bytes, built.output_bytes, "construction allocates nothing transient");
     // Steady state: the first step also starts rayon's global pool, a one-time cost.
-    opt.step_host(&mut device, StepOptions::default()).expect("step 1");
-    let step = PeakMeter::measure(|| opt.step_host(&mut device, StepOptions::default()).map(|r| r.step))
+    opt.step(&mut device, StepOptions::default()).expect("step 1");
+    let step = PeakMeter::measure(|| opt.step(&mut device, StepOptions::default()).map(|r| r.step))
         .expect("counting allocator installed");
     assert_eq!(step.value, Ok(2));
     (staging, step.peak_bytes, built.peak_bytes)

@@ -91,7 +91,7 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
                 Matrix::F32(&wt[s.start * d..s.end * d]),
                 &targets[t],
             );
-            Ok(ring::forward_backward(comm, &config, &plan, &inputs, GradOutput::Scalar(1.0)))
+            Ok(ring::forward_backward(comm, &plan, &inputs, GradOutput::Scalar(1.0)))
         })
     };
     let t0 = plan.tokens(0);

@@ -9,7 +9,8 @@ use flatpeak_common::{DType, PeakMeter, SplitMix64, relative_error};
 use half::bf16;
 use stream_adamw::cpu::{ParamSink, StateMut, adamw_update, reference};
 use stream_adamw::{
-    Config, GradElement, HostDevice, Hyperparameters, Link, Schedule, StepOptions, StepScalars, StreamAdamW,
+    Budget, Config, GradElement, HostDevice, Hyperparameters, Link, Plan, Schedule, StepOptions, StepScalars,
+    StreamAdamW,
 };
 
 use super::{Component, ReportError, workload};
@@ -174,12 +175,11 @@ fn measure_pipeline_typed<G: GradElement>(
     let config = Hyperparameters::default();
     let build = |schedule| {
         PeakMeter::measure(|| {
-            StreamAdamW::<G, bf16>::new(
-                master.clone(),
-                config,
-                &options.schedule(schedule),
-                stream_adamw::Device::Cpu,
-            )
+            let config = options.schedule(schedule).hyperparameters(config);
+            let plan = Plan::new(&config, StreamAdamW::<G, bf16>::shape(n), Budget::Unlimited)?;
+            let mut opt = StreamAdamW::<G, bf16>::new(plan, stream_adamw::Device::Cpu)?;
+            opt.load_master(&master)?;
+            Ok::<_, stream_adamw::Error>(opt)
         })
     };
     let (serial, pipelined) = (build(Schedule::Serial)?, build(Schedule::Pipelined)?);
@@ -191,8 +191,8 @@ fn measure_pipeline_typed<G: GradElement>(
     let mut dev_s = HostDevice::new(grads.clone(), vec![bf16::ZERO; n], link);
     let mut dev_p = HostDevice::new(grads.clone(), vec![bf16::ZERO; n], link);
 
-    serial.step_host(&mut dev_s, StepOptions::default())?;
-    pipelined.step_host(&mut dev_p, StepOptions::default())?;
+    serial.step(&mut dev_s, StepOptions::default())?;
+    pipelined.step(&mut dev_p, StepOptions::default())?;
     let mut reference = reference::State::new(&master);
     let mut wide = vec![0f32; n];
     let g64: Vec<f64> = G::widen(&grads, &mut wide).iter().map(|&x| x as f64).collect();
@@ -212,8 +212,8 @@ fn measure_pipeline_typed<G: GradElement>(
     let (mut a, mut c, mut h) = (Vec::new(), Vec::new(), Vec::new());
     let buckets = n.div_ceil(w.bucket) as f64;
     for _ in 0..rounds.max(1) {
-        let s = serial.step_host(&mut dev_s, StepOptions::default())?.times;
-        let p = pipelined.step_host(&mut dev_p, StepOptions::default())?.times;
+        let s = serial.step(&mut dev_s, StepOptions::default())?.times;
+        let p = pipelined.step(&mut dev_p, StepOptions::default())?.times;
         ts.push((s.total - s.stats).as_secs_f64() * 1e3);
         tp.push((p.total - p.stats).as_secs_f64() * 1e3);
         stats.push(p.stats.as_secs_f64() * 1e3);

@@ -9,8 +9,8 @@
 use half::bf16;
 use serde::Deserialize;
 use stream_adamw::{
-    Config, GradClip, GradElement, HostDevice, Hyperparameters, Link, Objective, Schedule, StateDict,
-    StepOptions, StepOutcome, StreamAdamW, Variant,
+    Budget, Config, GradClip, GradElement, HostDevice, Hyperparameters, Link, Objective, Plan, Schedule,
+    StateDict, StepOptions, StepOutcome, StreamAdamW, Variant,
 };
 
 use super::{Dim, Floats, Outputs, RunError, TensorFile};
@@ -121,8 +121,14 @@ fn step<G: GradElement>(
         ScheduleName::Pipelined => Schedule::Pipelined,
         ScheduleName::Serial => Schedule::Serial,
     };
-    let options = Config::default().schedule(schedule).bucket_elems(cfg.bucket_elems).slots(cfg.slots);
-    let mut opt = StreamAdamW::<G, f32>::new(param.clone(), config, &options, stream_adamw::Device::Cpu)?;
+    let options = Config::default()
+        .schedule(schedule)
+        .bucket_elems(cfg.bucket_elems)
+        .slots(cfg.slots)
+        .hyperparameters(config);
+    let plan = Plan::new(&options, StreamAdamW::<G, f32>::shape(n), Budget::Unlimited)?;
+    let mut opt = StreamAdamW::<G, f32>::new(plan, stream_adamw::Device::Cpu)?;
+    opt.load_master(&param)?;
     let exp_avg = t.optional_f32("exp_avg", &[Dim::Is(n)])?;
     let exp_avg_sq = t.optional_f32("exp_avg_sq", &[Dim::Is(n)])?;
     let max_exp_avg_sq = t.optional_f32("max_exp_avg_sq", &[Dim::Is(n)])?;
@@ -145,7 +151,7 @@ fn step<G: GradElement>(
         opt.import_state(dict)?;
     }
     let mut device = HostDevice::new(grad, param, Link::Memcpy);
-    let report = opt.step_host(&mut device, StepOptions::with_grad_scale(cfg.grad_scale))?;
+    let report = opt.step(&mut device, StepOptions::with_grad_scale(cfg.grad_scale))?;
     let state = opt.export_state();
     let mut out = Outputs::default();
     out.f32("param", &[n], &state.param);

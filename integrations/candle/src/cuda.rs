@@ -144,7 +144,7 @@ pub(crate) fn forward(
     let stream = device.cuda_stream();
     let bias = bias.map(|(s, l)| slice_of::<f32>(s, l, "bias")).transpose()?;
     let mut buffers = block_buffers(&device, op)?;
-    let mut lce = CudaLinearCrossEntropy::on_stream(op.options.config, op.plan, stream.clone())?;
+    let mut lce = CudaLinearCrossEntropy::on_stream(op.plan, stream.clone())?;
     let forward = with_inputs(op, (matrix(xs, xl, "input")?, matrix(ws, wl, "weight")?), bias, |inputs| {
         Ok(lce.forward_with(&mut buffers, inputs)?)
     })?;
@@ -181,7 +181,7 @@ pub(crate) fn backward(
         None => None,
     };
     let mut buffers = block_buffers(&device, op)?;
-    let mut lce = CudaLinearCrossEntropy::on_stream(op.options.config, op.plan, stream.clone())?;
+    let mut lce = CudaLinearCrossEntropy::on_stream(op.plan, stream.clone())?;
     let operands = (matrix(xs, xl, "input")?, matrix(ws, wl, "weight")?);
     with_inputs(op, operands, bias_slice, |inputs| {
         let saved = op.saved.lock().unwrap_or_else(PoisonError::into_inner);

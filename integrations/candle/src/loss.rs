@@ -260,7 +260,7 @@ impl FusedLinearCrossEntropy {
     }
 
     pub(crate) fn executor(&self, device: Device) -> Result<LinearCrossEntropy> {
-        Ok(LinearCrossEntropy::new(self.options.config, self.plan, device)?)
+        Ok(LinearCrossEntropy::new(self.plan, device)?)
     }
 
     pub(crate) fn save(&self, lse: SavedLse) {

@@ -14,9 +14,11 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
-use stream_adamw::config::clip_coefficient;
-use stream_adamw::cpu::{ParamSink, StateMut, adamw_update, grad_sq_sum};
-use stream_adamw::{Hyperparameters, StepOutcome, StepScalars, Variant};
+use stream_adamw::cpu::{StateMut, grad_sq_sum};
+use stream_adamw::{
+    Hyperparameters, InPlaceGroup, InPlaceParam, StepDecision, StepOptions, StepOutcome, Variant,
+    apply_in_place,
+};
 
 use crate::error::{Error, Result};
 use crate::host;
@@ -159,36 +161,42 @@ impl StreamAdamW {
             }
             present.push((index, grad.contiguous()?));
         }
-        let mut sq_sum = 0.0;
+        // The crate decides the step from the global Σg² (skip on a non-finite gradient, the
+        // clip coefficient) and advances each Var's step count; this only finds the buffers.
+        let mut grad_sq = 0.0;
         for (_, grad) in &present {
-            sq_sum += host::with_f32(grad, "gradient", |g| Ok(grad_sq_sum(g)))?;
+            grad_sq += host::with_f32(grad, "gradient", |g| Ok(grad_sq_sum(g)))?;
         }
-        let grad_norm = sq_sum.sqrt();
-        if !grad_norm.is_finite() {
+        let decision = StepDecision::new(grad_sq, StepOptions::default(), hp.clip)?;
+        let (grad_norm, clip_coef) = (decision.grad_norm(), decision.clip_coef());
+        if decision.skips() {
             return Ok(StepReport {
                 outcome: StepOutcome::SkippedNonFinite,
                 grad_norm,
-                clip_coef: 1.0,
+                clip_coef,
                 updated: 0,
             });
         }
-        let clip_coef = clip_coefficient(hp.clip, grad_norm);
         for (index, grad) in &present {
             let state = &mut self.vars[*index];
             let mut param = state.var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
-            let scalars = StepScalars::new(&hp, state.step + 1, clip_coef);
-            host::with_f32(grad, "gradient", |g| {
-                let moments = StateMut {
-                    param: &mut param,
-                    exp_avg: &mut state.exp_avg,
-                    exp_avg_sq: &mut state.exp_avg_sq,
-                    max_exp_avg_sq: &mut state.max_exp_avg_sq,
+            let step = host::with_f32(grad, "gradient", |g| {
+                let param = InPlaceParam {
+                    state: StateMut {
+                        param: &mut param,
+                        exp_avg: &mut state.exp_avg,
+                        exp_avg_sq: &mut state.exp_avg_sq,
+                        max_exp_avg_sq: &mut state.max_exp_avg_sq,
+                    },
+                    grad: g,
+                    step: state.step,
                 };
-                adamw_update::<f32, f32>(moments, g, ParamSink::None, &scalars);
-                Ok(())
+                let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param] }];
+                apply_in_place(&mut groups, &decision)?;
+                Ok(groups[0].params[0].step)
             })?;
             state.var.set(&Tensor::from_vec(param, state.var.shape(), state.var.device())?)?;
-            state.step += 1;
+            state.step = step;
         }
         Ok(StepReport { outcome: StepOutcome::Applied, grad_norm, clip_coef, updated: present.len() })
     }

@@ -5,8 +5,8 @@
 //! in place (tensor cores, `CUBLAS_COMPUTE_32F`; C f32 or bf16, rounded once) — and all-to-all is
 //! [`DeviceCommunicator::all_to_all_v`] (NCCL, of the buffers' type). The round schedule ([`crate::device`]) runs on
 //! it unchanged, chosen by [`Executor::new`](crate::Executor::new) with `Device::Cuda(n)`
-//! ([`Executor::forward_cuda`](crate::Executor::forward_cuda),
-//! [`Executor::backward_cuda`](crate::Executor::backward_cuda)).
+//! ([`Executor::forward`](crate::Executor::forward),
+//! [`Executor::backward`](crate::Executor::backward) with these ops as the [`Rank`](crate::Rank)).
 //!
 //! # Streams
 //!
@@ -38,7 +38,7 @@ use flatpeak_common::DType;
 use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
 use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
 use flatpeak_common::cuda::cudarc::driver::CudaStream;
-use flatpeak_common::cuda::{KernelCache, cuda_error, gemm_bf16, sgemm};
+use flatpeak_common::cuda::{KernelCache, alloc_error, cuda_error, gemm_bf16, sgemm};
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::nccl::DeviceCommunicator;
 use half::bf16;
@@ -139,12 +139,12 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
     fn alloc(&self, len: usize, dtype: DType) -> Result<CudaBuf> {
         let len = len.max(1);
         Ok(match dtype {
-            DType::F32 => {
-                CudaBuf::F32(self.stream.alloc_zeros::<f32>(len).map_err(cuda_error("cuMemAlloc"))?)
-            }
-            DType::Bf16 => {
-                CudaBuf::Bf16(self.stream.alloc_zeros::<bf16>(len).map_err(cuda_error("cuMemAlloc"))?)
-            }
+            DType::F32 => CudaBuf::F32(
+                self.stream.alloc_zeros::<f32>(len).map_err(alloc_error("an llep buffer", len * 4))?,
+            ),
+            DType::Bf16 => CudaBuf::Bf16(
+                self.stream.alloc_zeros::<bf16>(len).map_err(alloc_error("an llep buffer", len * 2))?,
+            ),
             other => {
                 return Err(Error::UnsupportedDtype {
                     dtype: other,
@@ -156,7 +156,10 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
     }
 
     fn alloc_index(&self, len: usize) -> Result<CudaIndex> {
-        let dev = self.stream.alloc_zeros::<u32>(len.max(1)).map_err(cuda_error("cuMemAlloc"))?;
+        let dev = self
+            .stream
+            .alloc_zeros::<u32>(len.max(1))
+            .map_err(alloc_error("an llep index buffer", len.max(1) * 4))?;
         Ok(CudaIndex { dev, host: Some(vec![0; len.max(1)]) })
     }
 

@@ -107,7 +107,7 @@ class StreamAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        host_grads, device = [], []
+        host, device = False, []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -116,19 +116,15 @@ class StreamAdamW(torch.optim.Optimizer):
                     if p.is_cuda:
                         device.append((p, group))
                     else:
-                        host_grads.append(p.grad)
-        if not host_grads and not device:
+                        host = True
+        if not host and not device:
             return StepResult(False, loss)
         # The offloaded step copies gradients on its own streams: torch's work that produced them
         # must be done first (a wait on each device's current stream, not on the whole device).
         for dev in {p.device for p, _ in device}:
             torch.cuda.current_stream(dev).synchronize()
         offloaded = [(p, group, self._offloaded(p, group)) for p, group in device]
-        total = _ext.grad_sq_sum_all(host_grads) if host_grads else 0.0
-        total += sum(opt.grad_sq_sum(p.grad) for p, _, opt in offloaded)
-        if not math.isfinite(total):
-            self.skipped_steps += 1
-            return StepResult(True, loss)
+        device_grad_sq = sum(opt.grad_sq_sum(p, p.grad) for p, _, opt in offloaded)
         batches, counters = [], []
         for group in self.param_groups:
             amsgrad = bool(group["amsgrad"])
@@ -137,17 +133,20 @@ class StreamAdamW(torch.optim.Optimizer):
                 if p.grad is None or p.is_cuda:
                     continue
                 state = self._state_of(p, amsgrad)
-                step = int(state["step"].item()) + 1
                 params.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                               state["max_exp_avg_sq"] if amsgrad else None, step))
+                               state["max_exp_avg_sq"] if amsgrad else None, int(state["step"].item())))
                 counters.append(state["step"])
             batches.append((_hyperparameters(group), params))
-        # Every tensor of every group is checked before any is written.
-        _ext.adamw_step(batches)
+        # The crate checks every tensor of every group, sums the squares of every gradient (these
+        # and the offloaded ones) and decides: a non-finite one skips the step, touching nothing.
+        decision = _ext.adamw_step(batches, device_grad_sq)
+        if decision.skipped:
+            self.skipped_steps += 1
+            return StepResult(True, loss)
         for step in counters:
             step += 1
         for p, group, opt in offloaded:
-            if opt.step(p, p.grad, _hyperparameters(group)):
+            if opt.step(p, p.grad, _hyperparameters(group), decision):
                 state = self.state[p]
                 state.setdefault("step", torch.tensor(0.0, dtype=_get_scalar_dtype()))
                 state["step"] += 1

@@ -153,8 +153,9 @@ pub(crate) fn w_rows<'a>(w: &Matrix<'a>, v0: usize, v1: usize, d: usize, buf: &'
     }
 }
 
+/// A pass's state (`expected`) read before the pass set it: a bug in the block driver.
 fn missing(expected: &'static str) -> Error {
-    Error::invalid_config("pass", "incomplete", expected)
+    Error::internal(expected)
 }
 
 /// The CPU backend of the block schedule ([`crate::blocks`]): blocks in a workspace reserved at

@@ -12,7 +12,8 @@ use flatpeak_common::cuda::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use flatpeak_common::cuda::{
-    KernelCache, cuda_error, fill_f32, gemm_bf16, linear_launch, per_row_launch, sgemm, tf32_math,
+    KernelCache, alloc_error, cuda_error, fill_f32, gemm_bf16, linear_launch, per_row_launch, sgemm,
+    tf32_math,
 };
 use half::bf16;
 
@@ -89,7 +90,10 @@ impl Engine {
         &self,
         len: usize,
     ) -> Result<CudaSlice<T>> {
-        self.stream.alloc_zeros::<T>(len.max(1)).map_err(cuda_error("cuMemAlloc")).map_err(Error::from)
+        self.stream
+            .alloc_zeros::<T>(len.max(1))
+            .map_err(alloc_error("a ring-dtp buffer", len.max(1) * std::mem::size_of::<T>()))
+            .map_err(Error::from)
     }
 
     pub fn upload<T: flatpeak_common::cuda::cudarc::driver::DeviceRepr + Copy + Default>(

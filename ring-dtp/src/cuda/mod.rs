@@ -254,8 +254,8 @@ pub struct CudaLinearCrossEntropy {
 
 impl CudaLinearCrossEntropy {
     /// Reserves the plan's block buffers on CUDA device `ordinal` and creates the cuBLAS handle.
-    pub fn new(config: Config, plan: Plan, ordinal: usize) -> Result<Self> {
-        config.validate()?;
+    pub fn new(plan: Plan, ordinal: usize) -> Result<Self> {
+        let config = *plan.config();
         config.check_cuda_precision(plan.dtype())?;
         let ctx = context(ordinal)?;
         let engine = Engine::new(KernelCache::new(ctx.clone())?, ctx.default_stream(), config.precision)?;
@@ -267,8 +267,8 @@ impl CudaLinearCrossEntropy {
     /// with the framework's, no synchronisation added) and reserves no block buffers: calls
     /// pass them ([`forward_with`](Self::forward_with), [`backward_into_with`](Self::backward_into_with)),
     /// so the working set comes from the caller's allocator. Kernels compile once per executor.
-    pub fn on_stream(config: Config, plan: Plan, stream: std::sync::Arc<CudaStream>) -> Result<Self> {
-        config.validate()?;
+    pub fn on_stream(plan: Plan, stream: std::sync::Arc<CudaStream>) -> Result<Self> {
+        let config = *plan.config();
         config.check_cuda_precision(plan.dtype())?;
         let engine = Engine::new(KernelCache::new(stream.context().clone())?, stream, config.precision)?;
         let empty = |e: &Engine| e.zeros::<f32>(0);
@@ -484,8 +484,9 @@ impl DeviceGradients {
     }
 }
 
+/// A pass's state (`what`) read before the pass set it: a bug in the block driver.
 fn missing(what: &'static str) -> Error {
-    Error::invalid_config("pass", "incomplete", what)
+    Error::internal(what)
 }
 
 /// Whether a call on inputs of `dtype` runs its GEMMs on bf16 operands (tensor cores) rather

@@ -75,8 +75,9 @@ pub enum Schedule {
     VocabBlocked,
 }
 
-/// Block sizes and working set of one call shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Block sizes and working set of one call shape, with the [`Config`] they were planned for:
+/// an executor made from the plan runs that config, so the two cannot disagree.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Plan {
     n: usize,
     d: usize,
@@ -85,7 +86,7 @@ pub struct Plan {
     token_block: usize,
     vocab_block: usize,
     schedule: Schedule,
-    precision: Precision,
+    config: Config,
 }
 
 /// The sizes of one call: N tokens of hidden size D against a vocabulary of V rows.
@@ -149,7 +150,7 @@ impl Plan {
             token_block,
             vocab_block,
             schedule,
-            precision: config.precision,
+            config: *config,
         };
         let cap = |c: usize| c.min(n.max(1));
         // First the full-vocabulary schedule with wide token blocks (one GEMM fewer, and a bf16
@@ -204,9 +205,13 @@ impl Plan {
             return Err(Error::Common(flatpeak_common::Error::SizeOverflow { what: "ring-dtp block bytes" }));
         }
         let schedule = if vb >= v { Schedule::FullVocab } else { Schedule::VocabBlocked };
-        Ok(Self { n, d, v, dtype, token_block: c, vocab_block: vb, schedule, precision: config.precision })
+        Ok(Self { n, d, v, dtype, token_block: c, vocab_block: vb, schedule, config: *config })
     }
 
+    /// The config it was planned for (and an executor made from it runs).
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
     /// The shape planned for.
     pub fn shape(&self) -> Shape {
         Shape { tokens: self.n, hidden: self.d, vocab: self.v, dtype: self.dtype }
@@ -238,7 +243,7 @@ impl Plan {
     /// The GEMMs' arithmetic (the config's), which decides whether the CUDA path widens bf16
     /// blocks ([`Precision::F32`]) or reads them in place.
     pub fn precision(&self) -> Precision {
-        self.precision
+        self.config.precision
     }
     /// The schedule.
     pub fn schedule(&self) -> Schedule {

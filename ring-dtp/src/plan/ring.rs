@@ -92,9 +92,11 @@ const TOKEN_BLOCKS: [usize; 6] = [512, 256, 128, 64, 32, 16];
 /// Smallest vocabulary block.
 const MIN_VOCAB_BLOCK: usize = 64;
 
-/// The ring schedule of one call shape on P ranks; identical on every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The ring schedule of one call shape on P ranks; identical on every rank. It carries the
+/// [`Config`] it was planned for, which the ring runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RingPlan {
+    config: Config,
     world: usize,
     n: usize,
     d: usize,
@@ -147,6 +149,7 @@ impl RingPlan {
         };
         let gemm_threads = options.gemm_threads;
         let plan = |token_block, vocab_block| Self {
+            config: *config,
             world,
             n,
             d,
@@ -195,6 +198,10 @@ impl RingPlan {
         })
     }
 
+    /// The config it was planned for (and the ring runs).
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
     /// Ranks P.
     pub fn world(&self) -> usize {
         self.world

@@ -37,7 +37,7 @@
 //!         Matrix::F32(&w[s.start * d..s.end * d]),
 //!         &targets[t],
 //!     );
-//!     Ok(ring::forward_backward(comm, &config, &plan, &inputs, GradOutput::Scalar(1.0)))
+//!     Ok(ring::forward_backward(comm, &plan, &inputs, GradOutput::Scalar(1.0)))
 //! });
 //! for r in results {
 //!     let (fwd, grads) = r??;
@@ -229,10 +229,10 @@ struct RingBackend<'a, C: ?Sized, B, S> {
 /// losses) and this rank's tokens' lse.
 pub fn forward<C: Communicator + ?Sized>(
     comm: &C,
-    config: &Config,
     plan: &RingPlan,
     inputs: &RankInputs<'_>,
 ) -> Result<Forward> {
+    let config = plan.config();
     let rank = validate(comm, config, plan, inputs)?;
     let mut stats = Stats::new(rank.local.n);
     run_pass(comm, config, plan, &rank, Pass::Fold(&mut stats))?;
@@ -246,13 +246,13 @@ pub fn forward<C: Communicator + ?Sized>(
 /// optional upstream gradient of the lse output.
 pub fn backward<C: Communicator + ?Sized>(
     comm: &C,
-    config: &Config,
     plan: &RingPlan,
     inputs: &RankInputs<'_>,
     forward: &Forward,
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
+    let config = plan.config();
     let rank = validate(comm, config, plan, inputs)?;
     let n = rank.local.n;
     check("lse (n_r)", n, forward.lse.len())?;
@@ -275,13 +275,12 @@ pub fn backward<C: Communicator + ?Sized>(
 /// `forward`, then `backward` with `grad` (4 GEMMs).
 pub fn forward_backward<C: Communicator + ?Sized>(
     comm: &C,
-    config: &Config,
     plan: &RingPlan,
     inputs: &RankInputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
-    let fwd = forward(comm, config, plan, inputs)?;
-    let grads = backward(comm, config, plan, inputs, &fwd, grad, None)?;
+    let fwd = forward(comm, plan, inputs)?;
+    let grads = backward(comm, plan, inputs, &fwd, grad, None)?;
     Ok((fwd, grads))
 }
 

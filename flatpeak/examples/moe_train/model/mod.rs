@@ -419,15 +419,9 @@ impl<C: Communicator> Rank<'_, C> {
             }
             LossSchedule::Ring => {
                 let inputs = ring_dtp::RankInputs::new(Matrix::F32(hn), Matrix::F32(&p.w_out), targets);
-                let config = Config::default();
-                let (fwd, g) = ring_dtp::ring::forward_backward(
-                    self.comm,
-                    &config,
-                    &self.ring,
-                    &inputs,
-                    GradOutput::Scalar(1.0),
-                )
-                .map_err(err("ring-dtp"))?;
+                let (fwd, g) =
+                    ring_dtp::ring::forward_backward(self.comm, &self.ring, &inputs, GradOutput::Scalar(1.0))
+                        .map_err(err("ring-dtp"))?;
                 let Loss::Scalar(l) = fwd.loss else { return Err("ring-dtp: expected a scalar loss".into()) };
                 Ok((l, g.dx, g.dw))
             }
@@ -475,7 +469,7 @@ impl<C: Communicator> Rank<'_, C> {
         }
         let n_params = opt.state().len();
         let mut device = HostDevice::new(g.flatten(), vec![0f32; n_params], Link::Memcpy);
-        opt.step_host(&mut device, StepOptions::default()).map_err(err("stream-adamw"))?;
+        opt.step(&mut device, StepOptions::default()).map_err(err("stream-adamw"))?;
         p.assign(opt.state().param());
         peaks.optimizer = opt.plan().staging_bytes();
         Ok((loss, peaks))
@@ -506,14 +500,16 @@ pub fn train(c: &MoeConfig, s: Schedules, steps: usize) -> Result<Run> {
         let run = || -> Result<(Vec<f64>, Vec<f32>, Peaks)> {
             let r = comm.rank();
             let mut params = Params::init(c, r, ring.shard(r));
-            let options = stream_adamw::Config::default().schedule(s.optimizer).bucket_elems(1024);
-            let mut opt = StreamAdamW::<f32, f32>::new(
-                params.flatten(),
-                Hyperparameters::default().lr(c.lr),
-                &options,
-                stream_adamw::Device::Cpu,
-            )
-            .map_err(err("stream-adamw"))?;
+            let options = stream_adamw::Config::default()
+                .schedule(s.optimizer)
+                .bucket_elems(1024)
+                .hyperparameters(Hyperparameters::default().lr(c.lr));
+            let master = params.flatten();
+            let shape = StreamAdamW::<f32, f32>::shape(master.len());
+            let plan = stream_adamw::Plan::new(&options, shape, stream_adamw::Budget::Unlimited)
+                .map_err(err("stream-adamw"))?;
+            let mut opt = StreamAdamW::new(plan, stream_adamw::Device::Cpu).map_err(err("stream-adamw"))?;
+            opt.load_master(&master).map_err(err("stream-adamw"))?;
             let mut store = match s.checkpoints {
                 Checkpoints::OnDevice => Store::OnDevice(vec![Vec::new(); c.layers]),
                 Checkpoints::Offload => {

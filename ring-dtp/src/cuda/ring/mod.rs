@@ -194,8 +194,8 @@ enum Pass<'a> {
 
 impl<C: DeviceCommunicator> CudaRing<C> {
     /// Reserves the plan's buffers on the device of `comm`'s stream.
-    pub fn new(config: Config, plan: RingPlan, comm: C) -> Result<Self> {
-        config.validate()?;
+    pub fn new(plan: RingPlan, comm: C) -> Result<Self> {
+        let config = *plan.config();
         config.check_cuda_precision(plan.dtype())?;
         if plan.world() != comm.world_size() {
             return Err(Error::ShapeMismatch {

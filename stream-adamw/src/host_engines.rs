@@ -8,14 +8,15 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ScopedJoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::config::StepScalars;
 use crate::cpu::{ParamSink, adamw_update};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
-use crate::pipeline::{CopyEngines, Fault, Stage, StepState, run_step};
+use crate::hyperparameters::StepScalars;
+use crate::pipeline::{CopyEngines, Fault, FaultPoints, StepState, injected, run_step};
 use crate::plan::Plan;
 use crate::state::OptimizerState;
+use crate::step::StageTimes;
 
 /// Pinned-host staging of the plan: `staged_slots` slots per direction, allocated once.
 #[derive(Debug)]
@@ -44,21 +45,6 @@ impl<G: GradElement, P: ParamElement> Staging<G, P> {
             + self.grads.iter().map(slot).sum::<usize>()
             + self.params.iter().map(pslot).sum::<usize>()
     }
-}
-
-/// Busy time of each stage over one step.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct StageTimes {
-    /// The gradient statistics pass (norm and non-finite check).
-    pub stats: Duration,
-    /// Sum of D2H copy times.
-    pub d2h: Duration,
-    /// Sum of Adam times.
-    pub adam: Duration,
-    /// Sum of H2D copy times.
-    pub h2d: Duration,
-    /// Wall time of the whole step.
-    pub total: Duration,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -139,16 +125,6 @@ struct HostEngines<'scope, 'a, G, P> {
     slot_job: [Vec<usize>; 2],
     /// The first element of the bucket whose Adam an injected fault fails.
     adam_fault: Option<usize>,
-}
-
-/// An injected failure of `stage` when it reaches the bucket starting at `fails_at`.
-fn injected(stage: &'static str, fails_at: Option<usize>, range: &Range<usize>) -> Result<()> {
-    match fails_at {
-        Some(start) if start == range.start => {
-            Err(Error::PipelineStage { stage, reason: format!("injected fault at element {start}") })
-        }
-        _ => Ok(()),
-    }
 }
 
 const D2H: usize = 0;
@@ -246,10 +222,7 @@ pub(crate) fn run_host<G: GradElement, P: ParamElement>(
 ) -> Result<()> {
     let progress = Progress::default();
     let link = device.link;
-    // The first element of the bucket an injected fault fails at, per stage.
-    let fails_at = |stage: Stage| fault.filter(|f| f.stage == stage).map(|f| plan.bucket(f.bucket).start);
-    let (d2h_fault, h2d_fault, adam_fault) =
-        (fails_at(Stage::D2h), fails_at(Stage::H2d), fails_at(Stage::Adam));
+    let FaultPoints { d2h: d2h_fault, adam: adam_fault, h2d: h2d_fault } = FaultPoints::new(plan, fault);
     let (device_grads, device_params) = (&device.grads, &mut device.params);
     let slots = staging.grads.len();
     std::thread::scope(|scope| {

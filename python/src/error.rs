@@ -1,0 +1,42 @@
+//! One mapping from flatpeak's errors to Python exceptions, by the kind the crate that raised
+//! the error gave it ([`flatpeak_common::ErrorKind`]): `TypeError` for a dtype or a device,
+//! `ValueError` for a value or a shape, `MemoryError` for a refused allocation, `RuntimeError`
+//! for what failed while running (a lost peer, a timeout, a CUDA call, a bug in flatpeak). The
+//! message is the error's own, which names the offending argument and values.
+
+use flatpeak_common::ErrorKind;
+use pyo3::PyErr;
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
+
+/// An error of a flatpeak crate, as the exception its kind calls for.
+pub(crate) trait IntoPyErr {
+    /// The exception.
+    fn into_py_err(self) -> PyErr;
+}
+
+/// The exception of `kind` carrying `message`.
+fn raise(kind: ErrorKind, message: String) -> PyErr {
+    match kind {
+        ErrorKind::Type => PyTypeError::new_err(message),
+        ErrorKind::Value => PyValueError::new_err(message),
+        ErrorKind::Memory => PyMemoryError::new_err(message),
+        ErrorKind::Runtime => PyRuntimeError::new_err(message),
+    }
+}
+
+macro_rules! into_py_err {
+    ($($error:ty),*) => {$(
+        impl IntoPyErr for $error {
+            fn into_py_err(self) -> PyErr {
+                raise(self.kind(), self.to_string())
+            }
+        }
+    )*};
+}
+
+into_py_err!(flatpeak_common::Error, ring_dtp::Error, stream_adamw::Error);
+
+/// `e` as its exception: `.map_err(to_py)`.
+pub(crate) fn to_py(e: impl IntoPyErr) -> PyErr {
+    e.into_py_err()
+}

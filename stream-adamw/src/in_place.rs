@@ -1,0 +1,207 @@
+//! [`step_in_place`]: the optimizer step of parameters whose fp32 state lives in the caller's
+//! memory — a framework's own tensors (`torch.optim`'s `state[p]`, a candle `Var` and its
+//! moments) — with the whole step logic of [`StreamAdamW::step`](crate::StreamAdamW::step):
+//! every gradient and state buffer checked, the global Σg², the skip on a non-finite gradient,
+//! global-norm clipping and the step counts, before the first write. A binding keeps only the
+//! glue that finds its tensors.
+//!
+//! Memory: nothing beyond the caller's buffers (the update runs in place, tile by tile).
+
+use crate::cpu::{ParamSink, StateMut, adamw_update, grad_sq_sum};
+use crate::error::{Error, Result};
+use crate::hyperparameters::{Hyperparameters, Variant};
+use crate::step::{StageTimes, StepDecision, StepOptions, StepReport};
+
+/// One parameter: its state (θ, m, v and, with AMSGrad, max v), its gradient, and the steps it
+/// has taken. [`step_in_place`] advances `step` when the step is applied.
+#[derive(Debug)]
+pub struct InPlaceParam<'a> {
+    /// θ, m, v (and max v with AMSGrad, else empty), each of the gradient's length.
+    pub state: StateMut<'a>,
+    /// The gradient.
+    pub grad: &'a [f32],
+    /// Steps taken so far (0 before the first).
+    pub step: u64,
+}
+
+/// Parameters that share hyperparameters (torch's param group).
+#[derive(Debug)]
+pub struct InPlaceGroup<'a> {
+    /// The group's hyperparameters.
+    pub hyperparameters: Hyperparameters,
+    /// Its parameters.
+    pub params: Vec<InPlaceParam<'a>>,
+}
+
+/// Checks one parameter's buffers against its gradient and its group's variant.
+fn check(param: &InPlaceParam<'_>, variant: Variant) -> Result<()> {
+    let n = param.grad.len();
+    let s = &param.state;
+    let max_len = if variant == Variant::AmsGrad { n } else { 0 };
+    for (what, expected, got) in [
+        ("param (the gradient's length)", n, s.param.len()),
+        ("exp_avg (the gradient's length)", n, s.exp_avg.len()),
+        ("exp_avg_sq (the gradient's length)", n, s.exp_avg_sq.len()),
+        ("max_exp_avg_sq (the gradient's length with AMSGrad, else 0)", max_len, s.max_exp_avg_sq.len()),
+    ] {
+        if expected != got {
+            return Err(Error::ShapeMismatch { what, expected, got });
+        }
+    }
+    StepDecision::next_step(param.step).map(|_| ())
+}
+
+/// One AdamW step of every parameter of every group, in place. Everything is checked first
+/// (each group's hyperparameters, every buffer's length, every step count, one clipping rule
+/// for all groups: it is over the global norm), then Σg² over every gradient decides the step
+/// ([`StepDecision`]): a non-finite gradient skips it, touching nothing; otherwise every
+/// parameter is updated by torch's AdamW ([`adamw_update`]) with its group's hyperparameters
+/// and its own step count, which then advances. On an error nothing was written.
+pub fn step_in_place(groups: &mut [InPlaceGroup<'_>], options: StepOptions) -> Result<StepReport> {
+    let clip = groups.first().map(|g| g.hyperparameters.clip).unwrap_or_default();
+    for group in groups.iter() {
+        if group.hyperparameters.clip != clip {
+            return Err(Error::invalid_config(
+                "clip",
+                group.hyperparameters.clip,
+                "the same global-norm clipping in every group (it clips the norm over all of them)",
+            ));
+        }
+    }
+    check_groups(groups)?;
+    let start = std::time::Instant::now();
+    let decision = StepDecision::new(in_place_grad_sq(groups), options, clip)?;
+    let stats = start.elapsed();
+    let mut report = apply_in_place(groups, &decision)?;
+    report.times.stats = stats;
+    report.times.total = start.elapsed();
+    Ok(report)
+}
+
+/// Σ g² over every gradient of every group, in f64 (non-finite when any gradient is).
+pub fn in_place_grad_sq(groups: &[InPlaceGroup<'_>]) -> f64 {
+    groups.iter().flat_map(|g| &g.params).map(|p| grad_sq_sum(p.grad)).sum()
+}
+
+/// Checks every group's hyperparameters, buffers and step counts.
+fn check_groups(groups: &[InPlaceGroup<'_>]) -> Result<()> {
+    for group in groups {
+        group.hyperparameters.validate()?;
+        for param in &group.params {
+            check(param, group.hyperparameters.variant)?;
+        }
+    }
+    Ok(())
+}
+
+/// The step [`step_in_place`] takes, for a `decision` made over more gradients than these (a
+/// framework stepping these and offloaded optimizers as one: their Σg² added to
+/// [`in_place_grad_sq`]). The groups' own clipping is the decision's. Everything is checked
+/// before the first write; a skipping decision touches nothing.
+pub fn apply_in_place(groups: &mut [InPlaceGroup<'_>], decision: &StepDecision) -> Result<StepReport> {
+    check_groups(groups)?;
+    let start = std::time::Instant::now();
+    let mut times = StageTimes::default();
+    let steps = groups.iter().flat_map(|g| &g.params).map(|p| p.step);
+    if decision.skips() {
+        times.total = start.elapsed();
+        return Ok(decision.report(steps.max().unwrap_or(0), times));
+    }
+    let mut last_step = 0;
+    for group in groups.iter_mut() {
+        let hyperparameters = group.hyperparameters;
+        for param in &mut group.params {
+            let step = StepDecision::next_step(param.step)?;
+            let scalars = decision.scalars(&hyperparameters, step);
+            let state = StateMut {
+                param: &mut *param.state.param,
+                exp_avg: &mut *param.state.exp_avg,
+                exp_avg_sq: &mut *param.state.exp_avg_sq,
+                max_exp_avg_sq: &mut *param.state.max_exp_avg_sq,
+            };
+            adamw_update::<f32, f32>(state, param.grad, ParamSink::None, &scalars);
+            param.step = step;
+            last_step = last_step.max(step);
+        }
+    }
+    times.adam = start.elapsed();
+    times.total = times.adam;
+    Ok(decision.report(last_step, times))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hyperparameters::GradClip;
+
+    fn one(param: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &[f32], hp: Hyperparameters) -> StepReport {
+        let state = StateMut { param, exp_avg: m, exp_avg_sq: v, max_exp_avg_sq: &mut [] };
+        let mut groups =
+            [InPlaceGroup { hyperparameters: hp, params: vec![InPlaceParam { state, grad, step: 0 }] }];
+        step_in_place(&mut groups, StepOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn equals_the_kernel_with_the_clip_folded_in_and_skips_non_finite() {
+        let grad = [3.0f32, -4.0, 0.5, 2.0];
+        let hp = Hyperparameters::default().clip(GradClip::GlobalNorm { max_norm: 1.0 });
+        let (mut p, mut m, mut v) = ([1.0f32, 2.0, -1.0, 0.0], [0.0f32; 4], [0.0f32; 4]);
+        let report = one(&mut p, &mut m, &mut v, &grad, hp);
+        let norm = (9.0f64 + 16.0 + 0.25 + 4.0).sqrt();
+        assert_eq!((report.step, report.grad_norm), (1, norm));
+        let (mut q, mut qm, mut qv) = ([1.0f32, 2.0, -1.0, 0.0], [0.0f32; 4], [0.0f32; 4]);
+        let scalars = crate::StepScalars::new(&hp, 1, report.clip_coef);
+        let state =
+            StateMut { param: &mut q, exp_avg: &mut qm, exp_avg_sq: &mut qv, max_exp_avg_sq: &mut [] };
+        adamw_update::<f32, f32>(state, &grad, ParamSink::None, &scalars);
+        assert_eq!((p, m, v), (q, qm, qv));
+
+        let before = (p, m, v);
+        let report = one(&mut p, &mut m, &mut v, &[1.0, f32::NAN, 0.0, 0.0], hp);
+        assert_eq!(report.outcome, crate::StepOutcome::SkippedNonFinite);
+        assert_eq!((p, m, v), before);
+    }
+
+    #[test]
+    fn a_bad_buffer_or_mixed_clipping_touches_nothing() {
+        let (mut p, mut m, mut v) = ([1.0f32; 4], [0.0f32; 4], [0.0f32; 3]);
+        let (mut p2, mut m2, mut v2) = ([1.0f32; 2], [0.0f32; 2], [0.0f32; 2]);
+        let grad = [1.0f32; 4];
+        let mut bad = [
+            InPlaceGroup {
+                hyperparameters: Hyperparameters::default(),
+                params: vec![InPlaceParam {
+                    state: StateMut {
+                        param: &mut p2,
+                        exp_avg: &mut m2,
+                        exp_avg_sq: &mut v2,
+                        max_exp_avg_sq: &mut [],
+                    },
+                    grad: &grad[..2],
+                    step: 0,
+                }],
+            },
+            InPlaceGroup {
+                hyperparameters: Hyperparameters::default(),
+                params: vec![InPlaceParam {
+                    state: StateMut {
+                        param: &mut p,
+                        exp_avg: &mut m,
+                        exp_avg_sq: &mut v,
+                        max_exp_avg_sq: &mut [],
+                    },
+                    grad: &grad,
+                    step: 0,
+                }],
+            },
+        ];
+        let e = step_in_place(&mut bad, StepOptions::default()).unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch { expected: 4, got: 3, .. }), "{e}");
+        assert_eq!(bad[0].params[0].step, 0);
+        bad[1].params.clear();
+        bad[1].hyperparameters = Hyperparameters::default().clip(GradClip::GlobalNorm { max_norm: 1.0 });
+        let e = step_in_place(&mut bad, StepOptions::default()).unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig { field: "clip", .. }), "{e}");
+        assert_eq!(bad[0].params[0].state.param, &[1.0, 1.0]);
+    }
+}
