@@ -14,7 +14,7 @@ fn step(c: &mut Criterion) {
     for mode in [Checkpointing::OnDevice, Checkpointing::Offload] {
         let mut stack = w.stack(mode).expect("valid stack");
         group.bench_function(format!("{mode:?}"), |b| {
-            b.iter(|| stack.step(&input, |y| y.to_vec()).expect("step"))
+            b.iter(|| stack.step(&input, |y| Ok(y.to_vec())).expect("step"))
         });
     }
     group.finish();

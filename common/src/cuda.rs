@@ -462,3 +462,21 @@ pub fn sgemm_square(
     // `c` is a `&mut` borrow distinct from `a` and `b`.
     unsafe { sgemm(blas, (CUBLAS_OP_N, CUBLAS_OP_N), (n, n, n), (a, n), (b, n), (c, n), 0.0) }
 }
+
+#[cfg(test)]
+mod tests {
+    use cudarc::driver::DriverError;
+    use cudarc::driver::sys::CUresult;
+
+    use super::*;
+
+    /// (Other driver errors are written with the driver's own message, which needs libcuda: the
+    /// out-of-memory mapping is what runs without one.)
+    #[test]
+    fn out_of_memory_is_the_typed_allocation_error() {
+        let oom = alloc_error("the logit block", 1 << 30)(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        assert_eq!(oom, Error::DeviceAlloc { what: "the logit block", bytes: 1 << 30 });
+        assert_eq!(oom.kind(), crate::ErrorKind::Memory);
+        assert_eq!(oom.to_string(), "could not allocate 1073741824 B of device memory for the logit block");
+    }
+}

@@ -90,7 +90,7 @@
 //! `Communicator`, the host backend, the saved-activation store and the f64 reference),
 //! [`paper`] (the LLEP harness's routing profiles, the peak model fitted to the paper's figures
 //! and its plan-only rows). With feature `cuda`, `cuda::CudaOps` runs the schedule on a GPU;
-//! with `cuda-emu`, `device::emu_ops::EmuOps` runs it with the kernels under the SIMT emulator,
+//! with `cuda-emu`, `emu_ops::EmuOps` runs it with the kernels under the SIMT emulator,
 //! which tests them against the CPU without a GPU.
 
 pub mod assign;
@@ -103,12 +103,16 @@ pub mod device;
 #[cfg(feature = "cuda-emu")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
 pub mod emu;
+#[cfg(feature = "cuda-emu")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
+pub mod emu_ops;
 pub mod error;
 pub mod executor;
 pub mod kernels;
 pub mod layer;
 pub mod paper;
 pub mod plan;
+mod route_tables;
 pub mod schedule;
 
 pub use assign::{Assignment, Piece, RouteCounts, RouteMapper, Transfer, local_counts};

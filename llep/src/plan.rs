@@ -250,7 +250,7 @@ impl Buffers {
                 out.extend([p(&[send, h, b]), p(&[recv, h, b]), p(&[recv, k, 4]), p(&[send, k, 4])].map(dev));
             }
         }
-        let staging = p(&[w(crate::device::staging_slots(self.depth)), recv, k, meta]);
+        let staging = p(&[w(staging_slots(self.depth)), recv, k, meta]);
         let grouping = p(&[4, w(s.local_experts()).saturating_add(slots).saturating_add(1)]);
         out.extend([staging, p(&[recv, k, group]), grouping].map(host));
         out.extend([p(&[g, 4]), p(&[g, 4])].map(dev));
@@ -372,4 +372,9 @@ impl Buffers {
             }
         }
     }
+}
+
+/// Staging slots of received metadata: two when the next round is fetched ahead.
+pub(crate) fn staging_slots(depth: usize) -> usize {
+    depth.clamp(1, 2)
 }

@@ -246,7 +246,7 @@ proptest! {
 mod emulated {
     use super::*;
     use llep::device::DeviceInputs;
-    use llep::device::emu_ops::EmuOps;
+    use llep::emu_ops::EmuOps;
 
     /// Every rank's device forward and backward (with `SaveActivations`, the saving forward
     /// and the backward from its store, kept in bf16), downloaded.

@@ -45,8 +45,8 @@ fn compare(what: &str, device: &[(Vec<f32>, Gradients)], cpu: &[RankRun]) {
 mod emulated {
     use super::*;
     use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, Workspace};
-    use llep::device::emu_ops::EmuOps;
     use llep::device::{self, DeviceInputs, DeviceOps};
+    use llep::emu_ops::EmuOps;
     use llep::{Config, Pass, Schedule};
 
     /// The host side of the device schedule's reservation (route tables, metadata staging,

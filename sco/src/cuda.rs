@@ -441,12 +441,45 @@ mod tests {
         let input: Vec<f32> = (0..width).map(|j| j as f32).collect();
         let input = stream.clone_htod(&input).unwrap();
         for _ in 0..3 {
-            let out = stack.step(input.as_view(), |y| stream.clone_dtod(&y).unwrap()).unwrap();
+            let out = stack.step(input.as_view(), |y| Ok(stream.clone_dtod(&y).unwrap())).unwrap();
             for g in &out.param_grads {
                 assert_eq!(stream.clone_dtoh(g).unwrap(), vec![0.0], "a boundary came back wrong");
             }
             assert_eq!(stream.clone_dtoh(&out.output).unwrap(), stream.clone_dtoh(&input).unwrap());
             assert!(out.boundary_high_water_bytes <= plan.workspace_bytes());
+        }
+    }
+
+    /// On a GPU: the one `Offloader` type on `Device::Cuda(0)` runs a CUDA layer through
+    /// `OnCuda` like the CUDA offloader does, and a host layer handed its device tensors is
+    /// `WrongDevice`. Ignored without a device.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn the_offloader_on_a_cuda_device_lends_device_tensors() {
+        use crate::device_tensors::{DeviceRef, DeviceTensor, OnCuda, OnHost};
+        use crate::executor::Offloader;
+        let (layers, width) = (6, 1 << 12);
+        let plan = Plan::new(&Config::default(), Shape::of::<f32>(layers, width), Budget::Unlimited).unwrap();
+        let stream = flatpeak_common::cuda::context(0).expect("a CUDA device").default_stream();
+        let input = stream.clone_htod(&(0..width).map(|j| j as f32).collect::<Vec<_>>()).unwrap();
+        let echo = (0..layers).map(|_| OnCuda(Echo { stream: Arc::clone(&stream), width })).collect();
+        let off = Offloader::<f32>::new(plan, Device::Cuda(0)).expect("a CUDA device");
+        let mut stack = CheckpointedStack::with_store(echo, off).unwrap();
+        let copy = |y: DeviceRef<'_, f32>| match y {
+            DeviceRef::Cuda(y) => Ok(DeviceTensor::Cuda(stream.clone_dtod(&y).unwrap())),
+            other => Err(crate::Error::WrongDevice { executor: Device::Cuda(0), inputs: other.device() }),
+        };
+        let out = stack.step(DeviceRef::Cuda(input.as_view()), copy).unwrap();
+        for g in out.param_grads {
+            let DeviceTensor::Cuda(g) = g else { panic!("a host gradient from a CUDA stack") };
+            assert_eq!(stream.clone_dtoh(&g).unwrap(), vec![0.0], "a boundary came back wrong");
+        }
+        let off = Offloader::<f32>::new(plan, Device::Cuda(0)).expect("a CUDA device");
+        let host = (0..layers).map(|l| OnHost(crate::layers::AddOne::new(width, l))).collect();
+        let mut stack = CheckpointedStack::with_store(host, off).unwrap();
+        match stack.step(DeviceRef::Cuda(input.as_view()), copy) {
+            Err(crate::Error::WrongDevice { executor: Device::Cpu, inputs: Device::Cuda(0) }) => {}
+            other => panic!("expected WrongDevice, got {:?}", other.map(|_| ())),
         }
     }
 }

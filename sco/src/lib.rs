@@ -12,7 +12,7 @@
 //!
 //! ```
 //! use sco::layers::ResidualMlp;
-//! use sco::{Budget, CheckpointStore, CheckpointedStack, Config, Device, Offloader, Plan, Shape};
+//! use sco::{Budget, CheckpointStore, CheckpointedStack, Config, Device, OnHost, Offloader, Plan, Shape};
 //!
 //! let (tokens, hidden, layers) = (16, 8, 12);
 //! let config = Config::default(); // k_keep = 1, m = 2, d = 1: 3 slots
@@ -22,15 +22,16 @@
 //!
 //! // The executor, chosen by one `Device`: host buffers and copy threads on `Device::Cpu`; a
 //! // device ring, a pinned arena and copy streams on `Device::Cuda(n)` (feature `cuda`; without
-//! // it, an error that says so). Each backend lends its own tensors, so the caller matches once.
-//! let Offloader::Host(offloader) = Offloader::<f32>::new(plan, Device::Cpu)? else {
-//!     unreachable!("Device::Cpu is the host offloader")
-//! };
-//! // The stack drives any `CheckpointStore`, with layers that compute on its tensors.
-//! let stack_layers: Vec<_> = (0..layers).map(|l| ResidualMlp::new(tokens, hidden, 16, l as u64)).collect();
+//! // it, an error that says so). One type either way: it lends its device's tensors.
+//! let offloader = Offloader::<f32>::new(plan, Device::Cpu)?;
+//! // The stack drives any `CheckpointStore`, with layers that compute on its tensors (host
+//! // layers through `OnHost`).
+//! let stack_layers: Vec<_> =
+//!     (0..layers).map(|l| OnHost(ResidualMlp::new(tokens, hidden, 16, l as u64))).collect();
 //! let mut stack = CheckpointedStack::with_store(stack_layers, offloader)?;
 //! let input: Vec<f32> = (0..tokens * hidden).map(|i| (i as f32 * 0.1).sin()).collect();
-//! let out = stack.step(&input, |y| y.iter().map(|v| 2.0 * v).collect())?;
+//! // dL/dy = 2·y, computed where y is (here, host memory).
+//! let out = stack.step(input.as_slice().into(), |y| Ok(y.host()?.iter().map(|v| 2.0 * v).collect::<Vec<_>>().into()))?;
 //! // 12 boundaries of 512 B, never more than the plan's 3 on the "device".
 //! assert!(out.boundary_high_water_bytes <= plan.workspace_bytes());
 //! assert_eq!(stack.store().map(|s| s.high_water_bytes()), Some(out.boundary_high_water_bytes));
@@ -41,6 +42,7 @@
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
+pub mod device_tensors;
 pub mod error;
 pub mod executor;
 pub mod layers;
@@ -50,8 +52,11 @@ pub mod ring;
 pub mod stack;
 pub mod store;
 
+#[cfg(feature = "cuda")]
+pub use device_tensors::OnCuda;
+pub use device_tensors::{DeviceMut, DeviceRef, DeviceTensor, DeviceTensors, Element, OnHost};
 pub use error::{Error, Result};
-pub use executor::{Element, Offloader};
+pub use executor::Offloader;
 pub use flatpeak_common::Link;
 pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use offloader::{CheckpointOffloader, SlotReader, SlotWriter};

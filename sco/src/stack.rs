@@ -137,11 +137,12 @@ impl<L: Layer<S::Tensors>, S: CheckpointStore> CheckpointedStack<L, S> {
         self.offloader.as_ref()
     }
 
-    /// Forward over every layer, `loss_grad(output)` for the upstream gradient, then backward.
+    /// Forward over every layer, `loss_grad(output)` for the upstream gradient (on the stack's
+    /// device; its error ends the step), then backward.
     pub fn step(
         &mut self,
         input: TensorRef<'_, S::Tensors>,
-        loss_grad: impl FnOnce(TensorRef<'_, S::Tensors>) -> Owned<S::Tensors>,
+        loss_grad: impl FnOnce(TensorRef<'_, S::Tensors>) -> Result<Owned<S::Tensors>>,
     ) -> Result<StepOutput<Owned<S::Tensors>>> {
         check_len("stack input (width)", self.width, S::Tensors::len(&input))?;
         match self.mode {
@@ -163,7 +164,7 @@ impl<L: Layer<S::Tensors>, S: CheckpointStore> CheckpointedStack<L, S> {
     fn step_resident(
         &mut self,
         input: TensorRef<'_, S::Tensors>,
-        loss_grad: impl FnOnce(TensorRef<'_, S::Tensors>) -> Owned<S::Tensors>,
+        loss_grad: impl FnOnce(TensorRef<'_, S::Tensors>) -> Result<Owned<S::Tensors>>,
     ) -> Result<StepOutput<Owned<S::Tensors>>> {
         let (w, n, t) = (self.width, self.layers.len(), &self.tensors);
         let save = self.mode == Checkpointing::Off;
@@ -182,7 +183,7 @@ impl<L: Layer<S::Tensors>, S: CheckpointStore> CheckpointedStack<L, S> {
                 layer.forward(x, y)?;
             }
         }
-        let mut dy = loss_grad(S::Tensors::view(&output));
+        let mut dy = loss_grad(S::Tensors::view(&output))?;
         check_grad::<S::Tensors>(&dy, w)?;
         let mut param_grads = Vec::with_capacity(n);
         for (i, layer) in self.layers.iter().enumerate().rev() {
@@ -202,11 +203,11 @@ impl<L: Layer<S::Tensors>, S: CheckpointStore> CheckpointedStack<L, S> {
     fn step_offload(
         &mut self,
         input: TensorRef<'_, S::Tensors>,
-        loss_grad: impl FnOnce(TensorRef<'_, S::Tensors>) -> Owned<S::Tensors>,
+        loss_grad: impl FnOnce(TensorRef<'_, S::Tensors>) -> Result<Owned<S::Tensors>>,
     ) -> Result<StepOutput<Owned<S::Tensors>>> {
         let (w, n, t) = (self.width, self.layers.len(), &self.tensors);
         let Some(off) = self.offloader.as_mut() else {
-            return Err(Error::invalid_config("offloader", "none", "present in Offload mode"));
+            return Err(Error::internal("a stack in Offload mode holds its offloader"));
         };
         let d = off.plan().config().prefetch_distance;
         off.offload_from(0, input)?;
@@ -218,7 +219,7 @@ impl<L: Layer<S::Tensors>, S: CheckpointStore> CheckpointedStack<L, S> {
                 off.fetch_with(i, |x| layer.forward(x, S::Tensors::view_mut(&mut output)))?;
             }
         }
-        let mut dy = loss_grad(S::Tensors::view(&output));
+        let mut dy = loss_grad(S::Tensors::view(&output))?;
         check_grad::<S::Tensors>(&dy, w)?;
         let mut param_grads = Vec::with_capacity(n);
         for (i, layer) in self.layers.iter().enumerate().rev() {

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use flatpeak_common::SplitMix64;
 use sco::layers::{AddOne, ResidualMlp};
 use sco::{
-    Budget, CheckpointOffloader, CheckpointStore, CheckpointedStack, Checkpointing, Config, Device, Error,
-    Host, Layer, Link, Offloader, Plan, Shape,
+    Budget, CheckpointOffloader, CheckpointStore, CheckpointedStack, Checkpointing, Config, Device,
+    DeviceRef, Error, Host, Layer, Link, Offloader, OnHost, Plan, Shape,
 };
 
 const TOKENS: usize = 8;
@@ -22,9 +22,9 @@ fn mlp_stack(layers: usize, mode: Checkpointing) -> CheckpointedStack<ResidualMl
     CheckpointedStack::new(layers, mode, &Config::default(), Link::Memcpy).expect("valid stack")
 }
 
-fn loss_grad(y: &[f32]) -> Vec<f32> {
+fn loss_grad(y: &[f32]) -> sco::Result<Vec<f32>> {
     // d/dy of 0.5·Σ w_j y_j² with fixed weights: a non-uniform upstream gradient.
-    y.iter().enumerate().map(|(j, &v)| v * (1.0 + (j % 5) as f32 * 0.25)).collect()
+    Ok(y.iter().enumerate().map(|(j, &v)| v * (1.0 + (j % 5) as f32 * 0.25)).collect())
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -89,7 +89,7 @@ fn copies_stay_correct_under_stress_and_the_pool_is_reused() {
         CheckpointedStack::new(stack_layers, Checkpointing::Offload, &Config::default(), Link::Memcpy)
             .expect("valid stack");
     for iteration in 0..1000 {
-        let out = stack.step(&input, |y| vec![1.0; y.len()]).expect("step");
+        let out = stack.step(&input, |y| Ok(vec![1.0; y.len()])).expect("step");
         let wrong: f32 = out.param_grads.iter().map(|g| g[0]).sum();
         assert_eq!(wrong, 0.0, "iteration {iteration}: {wrong} elements of boundaries were wrong");
         assert_eq!(out.output[7], 7.0 + layers as f32);
@@ -148,7 +148,7 @@ fn misuse_is_a_typed_error() {
         stack.step(&[0.0; 5], loss_grad),
         Err(Error::ShapeMismatch { expected: 48, got: 5, .. })
     ));
-    assert!(matches!(stack.step(&[0.0; 48], |_| vec![0.0; 3]), Err(Error::ShapeMismatch { got: 3, .. })));
+    assert!(matches!(stack.step(&[0.0; 48], |_| Ok(vec![0.0; 3])), Err(Error::ShapeMismatch { got: 3, .. })));
     assert!(matches!(
         CheckpointedStack::<ResidualMlp>::new(
             Vec::new(),
@@ -338,20 +338,21 @@ fn a_failed_step_leaves_the_store_ready_for_the_next() {
     let input: Vec<f32> = (0..width).map(|j| j as f32).collect();
     let plan =
         Plan::new(&Config::default(), Shape::of::<f32>(layers, width), Budget::Unlimited).expect("plan");
-    // The executor chosen by the device: the host offloader for `Device::Cpu`.
-    let Offloader::Host(offloader) = Offloader::<f32>::new(plan, Device::Cpu).expect("cpu") else {
-        panic!("Device::Cpu gives the host offloader");
-    };
-    let stack_layers: Vec<_> = (0..layers).map(|l| FailsOnce::new(width, l, false, l == 2)).collect();
+    // The executor chosen by the device: one type, lending host tensors on `Device::Cpu`.
+    let offloader = Offloader::<f32>::new(plan, Device::Cpu).expect("cpu");
+    let stack_layers: Vec<_> = (0..layers).map(|l| OnHost(FailsOnce::new(width, l, false, l == 2))).collect();
     let mut stack = CheckpointedStack::with_store(stack_layers, offloader).expect("stack");
+    let ones = |y: DeviceRef<'_, f32>| Ok(vec![1.0; y.host()?.len()].into());
     assert!(matches!(
-        stack.step(&input, |y| vec![1.0; y.len()]),
+        stack.step(input.as_slice().into(), ones),
         Err(Error::InvalidConfig { field: "armed", .. })
     ));
     for _ in 0..3 {
-        let out = stack.step(&input, |y| vec![1.0; y.len()]).expect("the store was reset");
-        assert_eq!(out.param_grads.iter().map(|g| g[0]).sum::<f32>(), 0.0, "every boundary intact");
-        assert_eq!(out.output[3], 3.0 + layers as f32);
+        let out = stack.step(input.as_slice().into(), ones).expect("the store was reset");
+        let grads: Vec<Vec<f32>> =
+            out.param_grads.into_iter().map(|g| g.into_host().expect("host")).collect();
+        assert_eq!(grads.iter().map(|g| g[0]).sum::<f32>(), 0.0, "every boundary intact");
+        assert_eq!(out.output.into_host().expect("host")[3], 3.0 + layers as f32);
     }
 }
 
@@ -376,13 +377,13 @@ fn an_error_injected_at_every_layer_in_either_pass_leaves_the_stack_usable() {
             let what = format!("layer {failing}, forward {fail_forward}");
             assert!(
                 matches!(
-                    stack.step(&input, |y| vec![1.0; y.len()]),
+                    stack.step(&input, |y| Ok(vec![1.0; y.len()])),
                     Err(Error::InvalidConfig { field: "armed", .. })
                 ),
                 "{what}"
             );
             for _ in 0..2 {
-                let out = stack.step(&input, |y| vec![1.0; y.len()]).expect(&what);
+                let out = stack.step(&input, |y| Ok(vec![1.0; y.len()])).expect(&what);
                 assert_eq!(out.output[3], 3.0 + layers as f32, "{what}");
                 assert_eq!(out.grad_input, vec![1.0; width], "{what}");
             }

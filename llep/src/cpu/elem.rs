@@ -172,7 +172,7 @@ fn op_rows<'a, T>(
     (m, k): (usize, usize),
     (r0, rows): (usize, usize),
 ) -> Result<MatRef<'a, T>> {
-    let stored = super::ops::span(what, data, offset, m * k)?;
+    let stored = span(what, data, offset, m * k)?;
     Ok(match orientation {
         Orientation::AsStored => MatRef::row_major(&stored[r0 * k..(r0 + rows) * k], rows, k)?,
         Orientation::Transposed => MatRef::strided(&stored[r0..], rows, k, 1, m)?,
@@ -239,11 +239,11 @@ pub(crate) fn gemm_bf16(
         };
     match c {
         ViewMut::F32(c) => {
-            let c = super::ops::span_mut("gemm C (m·n)", c, c_offset, m * n)?;
+            let c = span_mut("gemm C (m·n)", c, c_offset, m * n)?;
             run(MatMut::row_major(c, m, n)?, (0, m), options)
         }
         ViewMut::Bf16(c) => {
-            let c = super::ops::span_mut("gemm C (m·n)", c, c_offset, m * n)?;
+            let c = span_mut("gemm C (m·n)", c, c_offset, m * n)?;
             let mut stage = vec![0f32; STAGE_ROWS.min(m) * n];
             for r0 in (0..m).step_by(STAGE_ROWS) {
                 let rows = STAGE_ROWS.min(m - r0);
@@ -257,4 +257,20 @@ pub(crate) fn gemm_bf16(
             Ok(())
         }
     }
+}
+
+/// `v[at..at + len]`, or [`Error::ShapeMismatch`].
+pub(crate) fn span<'a, T>(what: &'static str, v: &'a [T], at: usize, len: usize) -> Result<&'a [T]> {
+    v.get(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: v.len() })
+}
+
+/// `v[at..at + len]` mutably, or [`Error::ShapeMismatch`].
+pub(crate) fn span_mut<'a, T>(
+    what: &'static str,
+    v: &'a mut [T],
+    at: usize,
+    len: usize,
+) -> Result<&'a mut [T]> {
+    let found = v.len();
+    v.get_mut(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: found })
 }

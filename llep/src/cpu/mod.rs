@@ -17,27 +17,25 @@ pub(crate) mod elem;
 mod ops;
 pub mod reference;
 mod saved;
-mod tables;
 
 use bytemuck::Pod;
 use flatpeak_common::{Communicator, CommunicatorExt, Workspace};
 
 use crate::assign::{Assignment, RouteCounts, local_counts};
-use crate::config::Shape;
 use crate::device::{self, DeviceGradients, DeviceInputs};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::layer::{Element, Gradients, RankInputs, Routing, check_len};
 use crate::plan::Plan;
+use crate::route_tables::{check_call_shape, check_world_size};
 use crate::schedule::{Schedule, pair_rows};
 pub use elem::STAGE_ROWS;
-pub use ops::{HostBuf, HostOps};
 #[cfg(feature = "cuda-emu")]
-pub(crate) use ops::{host_gemm, span, span_mut};
+pub(crate) use elem::{span, span_mut};
+#[cfg(feature = "cuda-emu")]
+pub(crate) use ops::host_gemm;
+pub use ops::{HostBuf, HostOps};
 pub use saved::SavedActivations;
 pub(crate) use saved::{backward_saved, forward_saving};
-pub(crate) use tables::{
-    Tables, build_tables, check_call_shape, check_planned_counts, round_counts, row_routes,
-};
 
 /// Every rank's copy of every rank's `mine` (equal lengths), in rank order.
 pub fn all_gather<C: Communicator + ?Sized, T: Pod>(comm: &C, mine: &[T]) -> Result<Vec<T>> {
@@ -64,14 +62,6 @@ pub fn schedule<C: Communicator + ?Sized>(comm: &C, plan: &Plan, routing: &Routi
         pair_rows(&assignment, shape, comm.rank(), routing.ids)?.into_iter().map(|r| r as u64).collect();
     let rows = all_gather(comm, &rows)?.into_iter().map(|r| r as usize).collect();
     Schedule::new(plan, assignment, rows)
-}
-
-/// The group size against the shape's ranks.
-pub(crate) fn check_world_size(world: usize, shape: &Shape) -> Result<()> {
-    if world != shape.ranks {
-        return Err(Error::ScheduleMismatch { what: "ranks", planned: shape.ranks, found: world });
-    }
-    Ok(())
 }
 
 /// Checks the call's shape and every input length exactly, then the host device of `comm`'s

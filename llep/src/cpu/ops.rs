@@ -16,7 +16,7 @@ use flatpeak_common::gemm_bf16::Bf16Kernel;
 use flatpeak_common::{Communicator, CommunicatorExt, DType, Workspace};
 use half::bf16;
 
-use super::elem::{self, View, ViewMut, mismatch};
+use super::elem::{self, View, ViewMut, mismatch, span, span_mut};
 use crate::device::{DeviceOps, GemmDims, Operand, Orientation, need, same_type};
 use crate::error::{Error, Result};
 
@@ -132,22 +132,6 @@ impl<'w, C: Communicator + ?Sized> HostOps<'w, C> {
     pub fn with_bf16_kernel(self, bf16_kernel: Bf16Kernel) -> Self {
         Self { bf16_kernel, ..self }
     }
-}
-
-/// `v[at..at + len]`, or [`Error::ShapeMismatch`].
-pub(crate) fn span<'a, T>(what: &'static str, v: &'a [T], at: usize, len: usize) -> Result<&'a [T]> {
-    v.get(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: v.len() })
-}
-
-/// `v[at..at + len]` mutably, or [`Error::ShapeMismatch`].
-pub(crate) fn span_mut<'a, T>(
-    what: &'static str,
-    v: &'a mut [T],
-    at: usize,
-    len: usize,
-) -> Result<&'a mut [T]> {
-    let found = v.len();
-    v.get_mut(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: found })
 }
 
 /// A GEMM operand on the host: its storage, first element and orientation.

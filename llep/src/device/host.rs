@@ -8,12 +8,11 @@
 use flatpeak_common::Workspace;
 
 use super::DeviceOps;
-use super::reserve::host_take;
 use crate::config::Shape;
-use crate::cpu::{Tables, build_tables, check_call_shape, check_planned_counts, row_routes};
 use crate::error::{Error, Result};
 use crate::layer::Routing;
 use crate::plan::{GroupEntry, RouteMeta};
+use crate::route_tables::{Tables, build_tables, check_call_shape, check_planned_counts, row_routes};
 use crate::schedule::Schedule;
 
 /// Checks the call (shape, group size, routing, planned counts) and returns its shape.
@@ -38,6 +37,12 @@ pub(super) fn tables<'h>(
     let mut t = Tables { dest: take(n * k)?, row_tokens: take(n * k)?, row_start: take(s.ranks + 1)? };
     build_tables(plan, me, routing.ids, &mut t)?;
     Ok(t)
+}
+
+/// `len` elements from the host workspace; an empty buffer takes no region (as
+/// [`Buffers::regions`] counts them).
+pub(super) fn host_take<T: bytemuck::Pod>(host: &Workspace, len: usize) -> Result<&mut [T]> {
+    if len == 0 { Ok(Default::default()) } else { Ok(host.take(len)?) }
 }
 
 /// Route metadata as the u32 pairs (`[slot, weight bits]`) the index buffers carry.

@@ -2,7 +2,7 @@
 //! `kernels/llep.cu` (f32 and bf16 instantiations), a strided GEMM (f32, or bf16 with f32
 //! accumulation), copies and all-to-all — and run by every backend: the CPU
 //! ([`crate::cpu::HostOps`]: host memory carved from the executor's [`Workspace`](crate::Workspace)), a CUDA device
-//! (`crate::cuda::CudaOps`, feature `cuda`) and the SIMT emulator (`emu_ops::EmuOps`, feature
+//! (`crate::cuda::CudaOps`, feature `cuda`) and the SIMT emulator (`crate::emu_ops::EmuOps`, feature
 //! `cuda-emu`). [`crate::Executor`] picks the backend from a [`Device`](crate::Device).
 //!
 //! The host plans ([`crate::cpu::schedule`] or [`crate::Schedule::from_top_k`]) and keeps the
@@ -32,9 +32,6 @@
 //! gradients are the caller's. Every backend runs the same operations in the same order; the
 //! GEMM and the reduction order of `row_dot` are the only differences between them.
 
-#[cfg(feature = "cuda-emu")]
-#[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
-pub mod emu_ops;
 mod expert;
 mod host;
 mod pipeline;
@@ -48,7 +45,6 @@ use crate::error::{Error, Result};
 use crate::layer::{Gradients, Routing};
 use crate::plan::RouteMeta;
 
-pub(crate) use reserve::staging_slots;
 pub use schedule::{backward, backward_saved, forward, forward_saving};
 
 /// How a GEMM operand is read from its storage.

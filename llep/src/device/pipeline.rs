@@ -25,10 +25,10 @@
 
 use super::host::{meta_words, scale, send_lists};
 use super::{DeviceInputs, DeviceOps};
-use crate::cpu::{Tables, round_counts};
 use crate::error::{Error, Result};
 use crate::layer::Routing;
 use crate::plan::RouteMeta;
+use crate::route_tables::{Tables, round_counts};
 use crate::schedule::Schedule;
 
 /// One pipeline copy of the dispatch buffers (backward-only ones are empty in forward).

@@ -7,8 +7,10 @@ use flatpeak_common::DType::F32;
 use flatpeak_common::Workspace;
 
 use super::DeviceOps;
+use super::host::host_take;
 use super::pipeline::RoundSet;
 use crate::error::Result;
+use crate::plan::staging_slots;
 use crate::plan::{Buffers, GroupEntry, Pass, RouteMeta};
 
 /// The expert scratch of G rows: X and dY G×H; Y G×max(H, I) (forward: h, then backward: the
@@ -50,17 +52,6 @@ pub(super) struct Reserved<'h, B, I> {
     pub(super) dw_gathered: B,
     pub(super) one: I,
     pub(super) scratch: Scratch<B>,
-}
-
-/// `len` elements from the host workspace; an empty buffer takes no region (as
-/// [`Buffers::regions`] counts them).
-pub(super) fn host_take<T: bytemuck::Pod>(host: &Workspace, len: usize) -> Result<&mut [T]> {
-    if len == 0 { Ok(Default::default()) } else { Ok(host.take(len)?) }
-}
-
-/// Staging slots of received metadata: two when the next round is fetched ahead.
-pub(crate) fn staging_slots(depth: usize) -> usize {
-    depth.clamp(1, 2)
 }
 
 impl<'h, B, I> Reserved<'h, B, I> {

@@ -11,9 +11,9 @@ use super::pipeline::{Dispatcher, Issued, MetaHost, RoundSet, Sends, pipelined};
 use super::reserve::Reserved;
 use super::{DeviceGradients, DeviceInputs, DeviceOps, Store, need};
 use crate::config::{Mode, Shape};
-use crate::cpu::round_counts;
 use crate::error::{Error, Result};
 use crate::plan::{Pass, RouteMeta};
+use crate::route_tables::round_counts;
 use crate::schedule::Schedule;
 
 fn check_inputs<O: DeviceOps>(ops: &O, s: &Shape, inputs: &DeviceInputs<'_, O::Buf>) -> Result<()> {

@@ -11,9 +11,9 @@ use flatpeak_common::gemm_bf16::Bf16Kernel;
 use flatpeak_common::{Communicator, CommunicatorExt, DType};
 use half::bf16;
 
-use super::{DeviceOps, GemmDims, Operand, need, same_type};
 use crate::cpu::elem::{ViewMut, gemm_bf16, mismatch};
 use crate::cpu::{host_gemm, span, span_mut};
+use crate::device::{DeviceOps, GemmDims, Operand, need, same_type};
 use crate::emu;
 use crate::error::{Error, Result};
 

@@ -1,17 +1,25 @@
 //! Rank `me`'s route tables, built once per call on the host: which rank computes each route
 //! (the plan's assignment), the per-destination row lists (a token is sent once per destination
 //! with its routes there), and per round the rows sent and received. Shared by the CPU and the
-//! device executors.
+//! device executors: a module of its own, so the shared schedule (`device`) does not import a
+//! backend.
 
 use flatpeak_common::DType;
 
-use super::check_world_size;
 use crate::assign::{Assignment, local_counts};
 use crate::config::Shape;
 use crate::error::{Error, Result};
 use crate::layer::Routing;
 use crate::plan::RouteMeta;
 use crate::schedule::Schedule;
+
+/// The group size against the shape's ranks.
+pub(crate) fn check_world_size(world: usize, shape: &Shape) -> Result<()> {
+    if world != shape.ranks {
+        return Err(Error::ScheduleMismatch { what: "ranks", planned: shape.ranks, found: world });
+    }
+    Ok(())
+}
 
 /// Rank `me`'s route tables, in workspace memory.
 pub(crate) struct Tables<'w> {
