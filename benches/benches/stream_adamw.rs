@@ -7,7 +7,7 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use flatpeak_bench::components::stream_adamw::{BYTES_PER_PARAM, KernelInputs};
 use flatpeak_common::SplitMix64;
 use half::bf16;
-use stream_adamw::{Budget, Config, HostDevice, Link, Plan, Schedule, StepOptions, StreamAdamW};
+use stream_adamw::{Budget, Config, HostDevice, Link, Plan, StepOptions, StepSchedule, StreamAdamW};
 
 fn kernel(c: &mut Criterion) {
     let mut group = c.benchmark_group("stream_adamw_kernel");
@@ -27,7 +27,7 @@ fn offloaded_step(c: &mut Criterion) {
     let master = SplitMix64::new(1).normal_f32(n, 0.0, 1.0);
     let grads = SplitMix64::new(2).normal_f32(n, 0.0, 0.01);
     let mut group = c.benchmark_group("stream_adamw_step_16M_link25");
-    for schedule in [Schedule::Serial, Schedule::Pipelined] {
+    for schedule in [StepSchedule::Serial, StepSchedule::Pipelined] {
         let options = Config::default().bucket_elems(1 << 20).schedule(schedule);
         let plan = Plan::new(&options, StreamAdamW::<f32, bf16>::shape(n), Budget::Unlimited)
             .expect("valid options");
@@ -57,7 +57,7 @@ fn cuda_offloaded_step(c: &mut Criterion) {
     let grads: Vec<bf16> =
         SplitMix64::new(2).normal_f32(n, 0.0, 0.01).into_iter().map(bf16::from_f32).collect();
     let mut group = c.benchmark_group("cuda_stream_adamw_step_64M_bf16");
-    for schedule in [Schedule::Serial, Schedule::Pipelined] {
+    for schedule in [StepSchedule::Serial, StepSchedule::Pipelined] {
         let options = Config::default().bucket_elems(bucket).schedule(schedule);
         let on = stream_adamw::Device::Cuda(0);
         let plan = Plan::new(&options, StreamAdamW::<bf16, bf16>::shape(n), Budget::Unlimited)
@@ -72,7 +72,7 @@ fn cuda_offloaded_step(c: &mut Criterion) {
         // The first step touches the host state for the first time (page faults): time a warm one.
         opt.step(&mut device, StepOptions::default()).expect("cold step");
         let report = opt.step(&mut device, StepOptions::default()).expect("step");
-        if schedule == Schedule::Serial {
+        if schedule == StepSchedule::Serial {
             let b = n.div_ceil(bucket) as f64;
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / b;
             eprintln!(

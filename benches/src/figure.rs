@@ -153,8 +153,8 @@ fn optimizer_panel() -> Result<Panel, String> {
                 .map_err(|e| e.to_string())?;
             Ok(plan.staging_bytes() as f64)
         };
-        base.push((n as f64, staging(stream_adamw::Schedule::Serial)?));
-        ours.push((n as f64, staging(stream_adamw::Schedule::Pipelined)?));
+        base.push((n as f64, staging(stream_adamw::StepSchedule::Serial)?));
+        ours.push((n as f64, staging(stream_adamw::StepSchedule::Pipelined)?));
     }
     Ok(Panel {
         title: "optimizer staging (stream-adamw)".into(),

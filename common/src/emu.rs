@@ -39,7 +39,7 @@ unsafe extern "C" {
 
 /// The order in which the emulator resumes runnable threads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Schedule {
+pub enum ThreadOrder {
     /// Lowest linear thread id first.
     Forward,
     /// Highest linear thread id first.
@@ -77,14 +77,19 @@ unsafe extern "C" fn trampoline(ctx: *mut c_void) {
 /// grid exactly as on a device: every pointer valid for every access the kernel makes for this
 /// shape, and no two launches writing the same memory concurrently. `kernel` must not panic (a
 /// panic cannot unwind through the emulator's C frames and aborts).
-pub unsafe fn launch(name: &str, cfg: &EmuLaunchConfig, schedule: Schedule, kernel: &dyn Fn()) -> Result<()> {
+pub unsafe fn launch(
+    name: &str,
+    cfg: &EmuLaunchConfig,
+    schedule: ThreadOrder,
+    kernel: &dyn Fn(),
+) -> Result<()> {
     let raw = RawConfig {
         grid: [cfg.grid.0, cfg.grid.1, cfg.grid.2],
         block: [cfg.block.0, cfg.block.1, cfg.block.2],
         dynamic_shared_bytes: cfg.dynamic_shared_bytes,
         schedule: match schedule {
-            Schedule::Forward => 0,
-            Schedule::Reverse => 1,
+            ThreadOrder::Forward => 0,
+            ThreadOrder::Reverse => 1,
         },
         fiber_stack_bytes: 0,
     };
@@ -107,7 +112,7 @@ pub unsafe fn launch(name: &str, cfg: &EmuLaunchConfig, schedule: Schedule, kern
 pub fn race_checked<T: Pod>(
     name: &str,
     initial: &[T],
-    mut run: impl FnMut(Schedule, &mut [T]) -> Result<()>,
+    mut run: impl FnMut(ThreadOrder, &mut [T]) -> Result<()>,
 ) -> Result<Vec<T>> {
     let mut outputs = initial.to_vec();
     race_checked_state(
@@ -126,11 +131,11 @@ pub fn race_checked_state<S: Clone, E: From<Error>>(
     name: &str,
     state: &mut S,
     bytes: impl Fn(&S) -> Vec<u8>,
-    mut launch_one: impl FnMut(Schedule, &mut S) -> std::result::Result<(), E>,
+    mut launch_one: impl FnMut(ThreadOrder, &mut S) -> std::result::Result<(), E>,
 ) -> std::result::Result<(), E> {
     let mut reverse = state.clone();
-    launch_one(Schedule::Forward, state)?;
-    launch_one(Schedule::Reverse, &mut reverse)?;
+    launch_one(ThreadOrder::Forward, state)?;
+    launch_one(ThreadOrder::Reverse, &mut reverse)?;
     let (a, b) = (bytes(state), bytes(&reverse));
     match a.iter().zip(&b).position(|(x, y)| x != y) {
         None => Ok(()),

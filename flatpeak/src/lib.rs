@@ -9,8 +9,8 @@
 //! | [`ring_dtp`] | the vocabulary projection (tokens × vocabulary logits) | blocks folded into an online log-sum-exp, on one device or around a ring |
 //! | [`sco`] | checkpoint boundaries (depth × sequence) | the boundaries in host memory, a fixed device ring |
 //! | [`stream_adamw`] | the offloaded optimizer step | torch's AdamW as a D2H ‖ Adam ‖ H2D bucket pipeline |
-//! | [`memory_model`] | — | the per-GPU memory of a training step, baseline against flattened, and the longest context that fits (`flatpeak plan`) |
-//! | [`run`] | — | one primitive on tensors from any framework, through safetensors files (`flatpeak run`) |
+//! | `memory_model` (feature `cli`) | — | the per-GPU memory of a training step, baseline against flattened, and the longest context that fits (`flatpeak plan`) |
+//! | `run` (feature `cli`) | — | one primitive on tensors from any framework, through safetensors files (`flatpeak run`) |
 //!
 //! Every primitive has the same shape: a `Config` with a setter per field,
 //! `Plan::new(&Config, Shape, Budget)` sizing the working set before any data exists (the plan
@@ -95,7 +95,11 @@ pub use flatpeak_common as common;
 pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use {llep, ring_dtp, sco, stream_adamw};
 
+#[cfg(feature = "cli")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cli")))]
 pub mod memory_model;
+#[cfg(feature = "cli")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cli")))]
 pub mod run;
 
 /// The README's Rust quick starts, compiled and run by `cargo test --doc -p flatpeak`.

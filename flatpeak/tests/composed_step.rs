@@ -66,7 +66,7 @@ fn offload_and_the_pipelined_step_change_no_bit() {
     let flat = train(&c, Schedules::flattened(), STEPS).expect("flattened run");
     let on_device = Schedules {
         checkpoints: Checkpoints::OnDevice,
-        optimizer: stream_adamw::Schedule::Serial,
+        optimizer: stream_adamw::StepSchedule::Serial,
         ..Schedules::flattened()
     };
     let plain = train(&c, on_device, STEPS).expect("on-device, serial run");

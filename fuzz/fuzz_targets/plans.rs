@@ -99,8 +99,11 @@ fuzz_target!(|case: Case| {
                 grad_dtype: dtype(dtypes.0),
                 param_dtype: dtype(dtypes.1),
             };
-            let schedule =
-                if serial { stream_adamw::Schedule::Serial } else { stream_adamw::Schedule::Pipelined };
+            let schedule = if serial {
+                stream_adamw::StepSchedule::Serial
+            } else {
+                stream_adamw::StepSchedule::Pipelined
+            };
             let config = stream_adamw::Config::default()
                 .schedule(schedule)
                 .bucket_elems(bucket as usize)

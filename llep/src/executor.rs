@@ -17,7 +17,7 @@ use flatpeak_common::{Communicator, Device, Workspace};
 use crate::config::Scheme;
 use crate::cpu::{self, SavedActivations};
 use crate::error::{Error, Result};
-use crate::layer::{Element, Gradients, RankInputs, Routing};
+use crate::layer::{Gradients, LayerElement, RankInputs, Routing};
 use crate::plan::{Buffers, Pass, Plan};
 use crate::schedule::Schedule;
 
@@ -51,7 +51,7 @@ pub trait Rank<I: ?Sized> {
     ) -> Result<Self::Gradients>;
 }
 
-impl<C: Communicator + ?Sized, T: Element> Rank<RankInputs<'_, T>> for C {
+impl<C: Communicator + ?Sized, T: LayerElement> Rank<RankInputs<'_, T>> for C {
     type Output = Vec<f32>;
     type Dy = [T];
     type Gradients = Gradients;
@@ -220,7 +220,7 @@ impl Executor {
     /// [`forward`](Executor::forward) in [`Mode::SaveActivations`](crate::Mode::SaveActivations),
     /// keeping its activations in `saved` (reserved with [`SavedActivations::new`] for this
     /// schedule and rank) for [`backward_saved`](Executor::backward_saved); bitwise the same y.
-    pub fn forward_saving<C: Communicator + ?Sized, T: Element>(
+    pub fn forward_saving<C: Communicator + ?Sized, T: LayerElement>(
         &mut self,
         comm: &C,
         schedule: &Schedule,
@@ -234,7 +234,7 @@ impl Executor {
     /// The backward from the activations [`forward_saving`](Executor::forward_saving) kept:
     /// rounds in reverse, each dispatching dY rows only, then every group's backward from its
     /// saved pre-activations. Returns what [`backward`](Executor::backward) returns.
-    pub fn backward_saved<C: Communicator + ?Sized, T: Element>(
+    pub fn backward_saved<C: Communicator + ?Sized, T: LayerElement>(
         &mut self,
         comm: &C,
         schedule: &Schedule,

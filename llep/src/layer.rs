@@ -1,6 +1,6 @@
 //! One rank's tensors of a layer call: tokens, routing, native expert weights; and the
 //! gradients backward returns. All row-major. Tokens, expert weights and dY are of the layer's
-//! storage type ([`Element`]: f32 or bf16, the plan's [`Shape::dtype`]); routing weights, the
+//! storage type ([`LayerElement`]: f32 or bf16, the plan's [`Shape::dtype`]); routing weights, the
 //! output and every gradient are f32.
 
 use flatpeak_common::{DType, HeapSize};
@@ -38,16 +38,16 @@ impl Routing<'_> {
 /// The storage type of a layer's tokens, expert weights and dY: `f32`, or `bf16` (GEMMs in
 /// bf16 with f32 accumulation, the dispatch rows and the expert scratch in bf16, the output and
 /// the gradients f32). Sealed.
-pub trait Element: bytemuck::Pod + Send + Sync + std::fmt::Debug + sealed::Sealed {
+pub trait LayerElement: bytemuck::Pod + Send + Sync + std::fmt::Debug + sealed::Sealed {
     /// The [`DType`] a plan's [`Shape::dtype`] names for it.
     const DTYPE: DType;
 }
 
-impl Element for f32 {
+impl LayerElement for f32 {
     const DTYPE: DType = DType::F32;
 }
 
-impl Element for bf16 {
+impl LayerElement for bf16 {
     const DTYPE: DType = DType::Bf16;
 }
 
@@ -90,7 +90,7 @@ pub struct RankInputs<'a, T = f32> {
     pub experts: ExpertWeights<'a, T>,
 }
 
-impl<T: Element> RankInputs<'_, T> {
+impl<T: LayerElement> RankInputs<'_, T> {
     /// Checks the storage type against the shape's, then every length, id and weight.
     pub fn validate(&self, shape: &Shape) -> Result<()> {
         if T::DTYPE != shape.dtype {

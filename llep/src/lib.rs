@@ -28,7 +28,7 @@
 //! [`Schedule::saved_bytes`]). Exact: forward and backward match a dense f64 reference
 //! ([`cpu::reference`]) to f32 rounding.
 //!
-//! A plan with `dtype: DType::Bf16` runs on bf16 tokens, weights and dY ([`Element`]): the
+//! A plan with `dtype: DType::Bf16` runs on bf16 tokens, weights and dY ([`LayerElement`]): the
 //! dispatch rows and the expert scratch are bf16 (their bytes halve), the GEMMs multiply bf16
 //! with f32 accumulation, and the output and every gradient are f32; its errors stay within
 //! twice those of the naive bf16 layer ([`cpu::reference::naive_bf16_forward`]) + 1e-2. Every
@@ -44,7 +44,6 @@
 //!
 //! ```
 //! use flatpeak_common::SplitMix64;
-//! use llep::paper::{Profile, routing_weights};
 //! use llep::{Budget, Communicator, Config, DType, Device, Executor, ExpertWeights, LocalGroup};
 //! use llep::{LocalGroupOptions, PairCap, Plan, RankInputs, Routing, Shape};
 //!
@@ -54,11 +53,11 @@
 //! let plan = Plan::new(&config, shape, Budget::mib(1))?;
 //! let bytes = plan.workspace_bytes();
 //! // Every token's two slots go to expert 0 (all on rank 0): LLEP spills it to all ranks.
-//! let ids = Profile::Hot { ratio: 1.0, experts: 1 }.ids(&Shape { ranks: 1, ..shape })?;
+//! let ids = vec![0i64; 64 * 2];
 //! let results = LocalGroup::run(4, LocalGroupOptions::default(), |comm| {
 //!     let mut rng = SplitMix64::new(comm.rank() as u64);
 //!     let x = rng.normal_f32(64 * 32, 0.0, 1.0);
-//!     let weights = routing_weights(64, 2, 7);
+//!     let weights = vec![0.5f32; 64 * 2];
 //!     let (gate, up, down) = (rng.normal_f32(2 * 32 * 16, 0.0, 0.2), rng.normal_f32(2 * 32 * 16, 0.0, 0.2), rng.normal_f32(2 * 16 * 32, 0.0, 0.2));
 //!     let inputs = RankInputs {
 //!         x: &x,
@@ -88,8 +87,8 @@
 //! rounds from its routing, pure), [`device`] (the round schedule over [`device::DeviceOps`],
 //! written once), [`executor`] (the [`Executor`]), [`cpu`] (the call's schedule over a
 //! `Communicator`, the host backend, the saved-activation store and the f64 reference),
-//! [`paper`] (the LLEP harness's routing profiles, the peak model fitted to the paper's figures
-//! and its plan-only rows). With feature `cuda`, `cuda::CudaOps` runs the schedule on a GPU;
+//! `paper` (feature `paper`: the LLEP harness's routing profiles, the peak model fitted to the
+//! paper's figures and its plan-only rows). With feature `cuda`, `cuda::CudaOps` runs the schedule on a GPU;
 //! with `cuda-emu`, `emu_ops::EmuOps` runs it with the kernels under the SIMT emulator,
 //! which tests them against the CPU without a GPU.
 
@@ -110,6 +109,8 @@ pub mod error;
 pub mod executor;
 pub mod kernels;
 pub mod layer;
+#[cfg(feature = "paper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "paper")))]
 pub mod paper;
 pub mod plan;
 mod route_tables;
@@ -122,6 +123,6 @@ pub use executor::{Executor, Rank};
 pub use flatpeak_common::gemm_bf16::Bf16Kernel;
 pub use flatpeak_common::{Budget, Communicator, DType, Device, LocalGroup, LocalGroupOptions, Workspace};
 pub use half::bf16;
-pub use layer::{Element, ExpertWeights, Gradients, RankInputs, Routing};
+pub use layer::{ExpertWeights, Gradients, LayerElement, RankInputs, Routing};
 pub use plan::{Buffers, Pass, Plan};
 pub use schedule::{Schedule, pair_rows, round_rows};

@@ -31,7 +31,7 @@ use ring_dtp::{DType, GradOutput, Plan, Reduction, Shape, bf16};
 
 use crate::error::to_py;
 use crate::loss::{LossOptions, TensorArgs, write_forward};
-use crate::tensor::{Element, Span, TensorDevice, TensorRef, check_disjoint, checked, device_of};
+use crate::tensor::{Span, TensorDevice, TensorRef, TorchElement, check_disjoint, checked, device_of};
 
 /// Executors kept at most (a training loop uses a handful of shapes).
 const CACHED_EXECUTORS: usize = 16;
@@ -92,7 +92,7 @@ impl<T> Drop for Borrowed<T> {
 /// # Safety
 /// The tensor must outlive the returned value and nothing else may write it during the call
 /// (the Python frame holds every tensor of the call; outputs are checked disjoint).
-pub(crate) unsafe fn borrow_on<T: Element + DeviceRepr>(
+pub(crate) unsafe fn borrow_on<T: TorchElement + DeviceRepr>(
     stream: &Arc<CudaStream>,
     (name, tensor): (&'static str, &Bound<'_, PyAny>),
     shape: &[Option<usize>],
@@ -395,7 +395,13 @@ pub fn lce_backward_cuda(
         let grad = if per_token { GradOutput::PerToken(grad_loss) } else { GradOutput::Scalar(grad_loss[0]) };
         let out = DeviceGradientsMut { dx: &mut dx, dw: &mut dw, dbias: dbias.as_deref_mut() };
         with_executor((ordinal, &stream), options, plan, |lce| {
-            lce.backward_into_with(carved.buffers(), &inputs, (lse, grad, grad_lse), out)
+            lce.backward_into_with(
+                carved.buffers(),
+                &inputs,
+                lse,
+                ring_dtp::Upstream::loss(grad).with_dlse(grad_lse),
+                out,
+            )
         })
     });
     drop(carved);

@@ -17,7 +17,7 @@ use stream_adamw::{
 use crate::adamw::{AdamWOptions, Decision};
 use crate::cuda::{Borrowed, borrow_on, take};
 use crate::error::to_py;
-use crate::tensor::{Element, TensorDevice, TensorRef, device_of, shape_of};
+use crate::tensor::{TensorDevice, TensorRef, TorchElement, device_of, shape_of};
 
 /// The per-parameter optimizer of one element type (the gradient's is the parameter's, as in
 /// torch).
@@ -38,7 +38,7 @@ pub struct CudaAdamW {
 
 /// Runs `f` on the parameter and gradient tensors as the optimizer's device buffers, borrowed
 /// on the device's default stream (the optimizer's compute stream) and handed back after.
-fn with_device<G: GradElement + Element, P: ParamElement + Element, R>(
+fn with_device<G: GradElement + TorchElement, P: ParamElement + TorchElement, R>(
     (param, grad): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
     (ordinal, numel): (usize, usize),
     f: impl FnOnce(&mut CudaDevice<G, P>) -> stream_adamw::Result<R>,

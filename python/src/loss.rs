@@ -370,7 +370,7 @@ pub fn lce_backward(
             (checked.inputs(), lse.as_slice(), grad_loss.as_slice(), grad_lse.map(|g| g.as_slice()), out)
         };
         let grad = if per_token { GradOutput::PerToken(grad_loss) } else { GradOutput::Scalar(grad_loss[0]) };
-        lce.backward_into(&inputs, lse, (grad, grad_lse), out)
+        lce.backward_into(&inputs, lse, ring_dtp::Upstream::loss(grad).with_dlse(grad_lse), out)
     });
     result.map_err(to_py)
 }

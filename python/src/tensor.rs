@@ -15,21 +15,21 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 /// An element type a tensor may hold, with torch's name for it.
-pub trait Element: Copy + Send + Sync + 'static {
+pub trait TorchElement: Copy + Send + Sync + 'static {
     /// `str(tensor.dtype)`.
     const TORCH: &'static str;
 }
 
-impl Element for f32 {
+impl TorchElement for f32 {
     const TORCH: &'static str = "torch.float32";
 }
-impl Element for half::bf16 {
+impl TorchElement for half::bf16 {
     const TORCH: &'static str = "torch.bfloat16";
 }
-impl Element for i64 {
+impl TorchElement for i64 {
     const TORCH: &'static str = "torch.int64";
 }
-impl Element for u8 {
+impl TorchElement for u8 {
     const TORCH: &'static str = "torch.uint8";
 }
 
@@ -77,7 +77,7 @@ impl std::fmt::Display for TensorDevice {
 /// Checks `tensor` (a `torch.Tensor`, argument `name`) is a contiguous tensor of `T` on
 /// `device` whose shape is `shape` (`None` for a dimension: any size), with a data pointer
 /// aligned for `T`; returns its data address and element count.
-pub fn checked<T: Element>(
+pub fn checked<T: TorchElement>(
     name: &'static str,
     tensor: &Bound<'_, PyAny>,
     shape: &[Option<usize>],
@@ -147,7 +147,7 @@ unsafe impl<T: Send> Send for TensorRef<T> {}
 // whose callers uphold the aliasing rules whichever thread they run on.
 unsafe impl<T: Sync> Sync for TensorRef<T> {}
 
-impl<T: Element> TensorRef<T> {
+impl<T: TorchElement> TensorRef<T> {
     /// Checks `tensor` (a `torch.Tensor`, argument `name`) is a contiguous CPU tensor of `T`
     /// whose shape is `shape` (`None` for a dimension: any size), and returns its storage.
     pub fn new(name: &'static str, tensor: &Bound<'_, PyAny>, shape: &[Option<usize>]) -> PyResult<Self> {
@@ -206,7 +206,7 @@ impl Span {
     }
 }
 
-impl<T: Element> From<&TensorRef<T>> for Span {
+impl<T: TorchElement> From<&TensorRef<T>> for Span {
     fn from(t: &TensorRef<T>) -> Self {
         Span { name: t.name, bytes: t.bytes() }
     }

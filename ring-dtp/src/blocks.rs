@@ -16,7 +16,7 @@
 //! brought in (widened, for bf16) once per call.
 
 use crate::error::{Error, Result};
-use crate::plan::{Plan, Schedule};
+use crate::plan::{BlockSchedule, Plan};
 
 /// Where a logits block sits: token rows `t0..t0 + c`, vocabulary rows `v0..v0 + vb`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,10 +71,10 @@ pub(crate) trait BlockOps {
 
 /// Runs `pass` over every block of `plan` on `ops`.
 pub(crate) fn run_blocks<B: BlockOps>(ops: &mut B, plan: &Plan, pass: Pass) -> Result<()> {
-    if pass == Pass::Fused && plan.schedule() != Schedule::FullVocab {
+    if pass == Pass::Fused && plan.schedule() != BlockSchedule::FullVocab {
         return Err(Error::invalid_config("schedule", plan.schedule(), "FullVocab for a fused pass"));
     }
-    let (n, v) = (plan.n(), plan.v());
+    let (n, v) = (plan.n_tokens(), plan.vocab());
     let (cb, vbmax) = (plan.token_block().max(1), plan.vocab_block().max(1));
     let mut loaded = None;
     for t0 in (0..n).step_by(cb) {

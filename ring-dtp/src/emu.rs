@@ -311,7 +311,7 @@ struct Buffers {
 
 impl Buffers {
     fn new(plan: &Plan) -> Self {
-        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
+        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.hidden());
         Self { logits: vec![0.0; c * vb], x: vec![0.0; c * d], w: vec![0.0; vb * d] }
     }
 }
@@ -324,9 +324,9 @@ fn check(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Vec<u32>> 
         ("x (n·d)", inputs.n * inputs.d, inputs.x.len()),
         ("w (v·d)", inputs.v * inputs.d, inputs.w.len()),
         ("targets (n)", inputs.n, inputs.targets.len()),
-        ("n", plan.n(), inputs.n),
-        ("d", plan.d(), inputs.d),
-        ("v", plan.v(), inputs.v),
+        ("n", plan.n_tokens(), inputs.n),
+        ("d", plan.hidden(), inputs.d),
+        ("v", plan.vocab(), inputs.v),
     ] {
         if expected != found {
             return Err(Error::ShapeMismatch { what, expected, got: found });
@@ -544,7 +544,7 @@ fn narrow_rows(g: &mut [f32], (c, vb): (usize, usize)) -> Result<()> {
     Ok(())
 }
 
-/// Forward and backward in one pass, as on the device: on [`plan::Schedule::FullVocab`] each token
+/// Forward and backward in one pass, as on the device: on [`plan::BlockSchedule::FullVocab`] each token
 /// block's logits are folded, `lce_row_lse` finishes the rows, and the same block becomes G
 /// (3 GEMMs); on the blocked schedule, `forward` then `backward` (4 GEMMs).
 pub fn forward_backward(
@@ -553,7 +553,7 @@ pub fn forward_backward(
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
-    if plan.schedule() == plan::Schedule::VocabBlocked {
+    if plan.schedule() == plan::BlockSchedule::VocabBlocked {
         let fwd = forward(config, plan, inputs)?;
         let grads = backward(config, plan, inputs, &fwd, grad, None)?;
         return Ok((fwd, grads));

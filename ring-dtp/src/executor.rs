@@ -12,7 +12,7 @@ use flatpeak_common::{Device, Workspace};
 use crate::config::Config;
 use crate::cpu;
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs};
+use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Upstream};
 use crate::plan::Plan;
 
 /// Where an executor runs, with what it reserved there.
@@ -183,10 +183,11 @@ impl LinearCrossEntropy {
         &mut self,
         inputs: &Inputs<'_>,
         lse: &[f32],
-        (grad, dlse): (GradOutput<'_>, Option<&[f32]>),
+        upstream: Upstream<'_>,
         out: GradientsMut<'_>,
     ) -> Result<()> {
         let plan = self.plan;
+        let Upstream { grad, dlse } = upstream;
         cpu::backward_into(self.host_workspace()?, (plan.config(), &plan, inputs), (lse, grad, dlse), out)
     }
 
@@ -308,12 +309,19 @@ mod tests {
         // Stale values in the caller's buffers must not leak into the result.
         let (mut dx, mut dw, mut db) = (vec![f32::NAN; 23 * 6], vec![7.0; 57 * 6], vec![-1.0; 57]);
         let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: Some(&mut db) };
-        lce.backward_into(&inputs, &fwd.lse, (GradOutput::Scalar(0.5), Some(&dlse)), out).unwrap();
+        lce.backward_into(
+            &inputs,
+            &fwd.lse,
+            Upstream::loss(GradOutput::Scalar(0.5)).with_dlse(Some(&dlse)),
+            out,
+        )
+        .unwrap();
         assert_eq!((dx, dw, Some(db)), (want.dx, want.dw, want.dbias));
 
         let (mut dx, mut dw) = (vec![0.0; 23 * 6], vec![0.0; 57 * 6 - 1]);
         let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: None };
-        let err = lce.backward_into(&inputs, &fwd.lse, (GradOutput::Scalar(1.0), None), out).unwrap_err();
+        let err =
+            lce.backward_into(&inputs, &fwd.lse, Upstream::loss(GradOutput::Scalar(1.0)), out).unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { what: "dw (v·d)", expected: 342, got: 341 }), "{err:?}");
     }
 

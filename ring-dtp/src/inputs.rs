@@ -197,6 +197,27 @@ pub enum GradOutput<'a> {
     PerToken(&'a [f32]),
 }
 
+/// The upstream gradients of the loss's two outputs: of the loss itself and, optionally, of the
+/// per-row lse (an `[n]` gradient, when the lse was an output something else used).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Upstream<'a> {
+    /// d(loss).
+    pub grad: GradOutput<'a>,
+    /// d(lse), `[n]`, or none.
+    pub dlse: Option<&'a [f32]>,
+}
+
+impl<'a> Upstream<'a> {
+    /// The loss's gradient only.
+    pub fn loss(grad: GradOutput<'a>) -> Self {
+        Self { grad, dlse: None }
+    }
+    /// With an upstream gradient of the lse too.
+    pub fn with_dlse(self, dlse: Option<&'a [f32]>) -> Self {
+        Self { dlse, ..self }
+    }
+}
+
 /// What backward returns: fp32 gradients.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gradients {

@@ -62,6 +62,6 @@ pub use executor::{LinearCrossEntropy, LossInputs};
 pub use flatpeak_common::gemm_bf16::Bf16Kernel;
 pub use flatpeak_common::{Budget, DType, Device, Precision, Workspace};
 pub use half::bf16;
-pub use inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix};
-pub use plan::{Plan, RingChoice, RingKind, RingOptions, RingPlan, Schedule, Shape};
+pub use inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix, Upstream};
+pub use plan::{BlockSchedule, Plan, RingChoice, RingKind, RingOptions, RingPlan, Shape};
 pub use ring::RankInputs;

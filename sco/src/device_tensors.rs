@@ -20,7 +20,7 @@ use crate::store::{Host, Tensors};
 /// An element both backends built in can hold: plain old data, and with the `cuda` feature one
 /// cudarc can copy (every float and integer type is both).
 #[cfg(feature = "cuda")]
-pub trait Element:
+pub trait BoundaryElement:
     Pod
     + Send
     + Sync
@@ -31,7 +31,7 @@ pub trait Element:
 {
 }
 #[cfg(feature = "cuda")]
-impl<T> Element for T where
+impl<T> BoundaryElement for T where
     T: Pod
         + Send
         + Sync
@@ -44,9 +44,9 @@ impl<T> Element for T where
 /// An element both backends built in can hold: plain old data, and with the `cuda` feature one
 /// cudarc can copy (every float and integer type is both).
 #[cfg(not(feature = "cuda"))]
-pub trait Element: Pod + Send + Sync + Debug + 'static {}
+pub trait BoundaryElement: Pod + Send + Sync + Debug + 'static {}
 #[cfg(not(feature = "cuda"))]
-impl<T: Pod + Send + Sync + Debug + 'static> Element for T {}
+impl<T: Pod + Send + Sync + Debug + 'static> BoundaryElement for T {}
 
 /// Where a family's tensors live.
 #[derive(Debug)]
@@ -108,7 +108,7 @@ impl<T> fmt::Debug for DeviceTensors<T> {
 /// A tensor read by a layer, on its device.
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum DeviceRef<'a, T: Element> {
+pub enum DeviceRef<'a, T: BoundaryElement> {
     /// Host memory.
     Host(&'a [T]),
     /// CUDA device memory.
@@ -119,7 +119,7 @@ pub enum DeviceRef<'a, T: Element> {
 /// A tensor written by a layer, on its device.
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum DeviceMut<'a, T: Element> {
+pub enum DeviceMut<'a, T: BoundaryElement> {
     /// Host memory.
     Host(&'a mut [T]),
     /// CUDA device memory.
@@ -130,7 +130,7 @@ pub enum DeviceMut<'a, T: Element> {
 /// A tensor a step owns (outputs, gradients), on its device.
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum DeviceTensor<T: Element> {
+pub enum DeviceTensor<T: BoundaryElement> {
     /// Host memory.
     Host(Vec<T>),
     /// CUDA device memory.
@@ -138,7 +138,7 @@ pub enum DeviceTensor<T: Element> {
     Cuda(CudaSlice<T>),
 }
 
-impl<'a, T: Element> DeviceRef<'a, T> {
+impl<'a, T: BoundaryElement> DeviceRef<'a, T> {
     /// The host elements, or `WrongDevice` for a tensor on a GPU.
     pub fn host(&self) -> Result<&'a [T]> {
         match self {
@@ -157,7 +157,7 @@ impl<'a, T: Element> DeviceRef<'a, T> {
     }
 }
 
-impl<T: Element> DeviceMut<'_, T> {
+impl<T: BoundaryElement> DeviceMut<'_, T> {
     /// The tensor's device.
     pub fn device(&self) -> Device {
         match self {
@@ -168,19 +168,19 @@ impl<T: Element> DeviceMut<'_, T> {
     }
 }
 
-impl<'a, T: Element> From<&'a [T]> for DeviceRef<'a, T> {
+impl<'a, T: BoundaryElement> From<&'a [T]> for DeviceRef<'a, T> {
     fn from(host: &'a [T]) -> Self {
         Self::Host(host)
     }
 }
 
-impl<T: Element> From<Vec<T>> for DeviceTensor<T> {
+impl<T: BoundaryElement> From<Vec<T>> for DeviceTensor<T> {
     fn from(host: Vec<T>) -> Self {
         Self::Host(host)
     }
 }
 
-impl<T: Element> DeviceTensor<T> {
+impl<T: BoundaryElement> DeviceTensor<T> {
     /// The host elements, or `WrongDevice` for a tensor on a GPU.
     pub fn into_host(self) -> Result<Vec<T>> {
         match self {
@@ -198,7 +198,7 @@ fn wrong(expected: Device, got: Device) -> Error {
     Error::WrongDevice { executor: expected, inputs: got }
 }
 
-impl<T: Element> Tensors for DeviceTensors<T> {
+impl<T: BoundaryElement> Tensors for DeviceTensors<T> {
     type Elem = T;
     type Ref<'a> = DeviceRef<'a, T>;
     type Mut<'a> = DeviceMut<'a, T>;
@@ -249,7 +249,7 @@ impl<T: Element> Tensors for DeviceTensors<T> {
 }
 
 /// The host slice of a host tensor; `WrongDevice` for a device one.
-fn host_ref<'a, T: Element>(t: DeviceRef<'a, T>) -> Result<&'a [T]> {
+fn host_ref<'a, T: BoundaryElement>(t: DeviceRef<'a, T>) -> Result<&'a [T]> {
     match t {
         DeviceRef::Host(s) => Ok(s),
         #[allow(unreachable_patterns)]
@@ -258,7 +258,7 @@ fn host_ref<'a, T: Element>(t: DeviceRef<'a, T>) -> Result<&'a [T]> {
 }
 
 /// The host slice of a host tensor; `WrongDevice` for a device one.
-fn host_mut<'a, T: Element>(t: DeviceMut<'a, T>) -> Result<&'a mut [T]> {
+fn host_mut<'a, T: BoundaryElement>(t: DeviceMut<'a, T>) -> Result<&'a mut [T]> {
     match t {
         DeviceMut::Host(s) => Ok(s),
         #[allow(unreachable_patterns)]
@@ -276,7 +276,7 @@ pub struct OnHost<L>(pub L);
 /// `forward_saving` returns wrapped as `DeviceTensor::$variant`.
 macro_rules! device_layer {
     ($adapter:ident, $family:ty, $as_ref:ident, $as_mut:ident, $variant:ident) => {
-        impl<T: Element, L: Layer<$family>> Layer<DeviceTensors<T>> for $adapter<L> {
+        impl<T: BoundaryElement, L: Layer<$family>> Layer<DeviceTensors<T>> for $adapter<L> {
             fn width(&self) -> usize {
                 self.0.width()
             }
@@ -317,18 +317,18 @@ mod on_cuda {
     use flatpeak_common::Device;
     use flatpeak_common::cuda::cudarc::driver::{CudaView, CudaViewMut};
 
-    use super::{DeviceMut, DeviceRef, DeviceTensor, DeviceTensors, Element, OnCuda, wrong};
+    use super::{BoundaryElement, DeviceMut, DeviceRef, DeviceTensor, DeviceTensors, OnCuda, wrong};
     use crate::cuda::CudaTensors;
     use crate::error::Result;
     use crate::stack::Layer;
 
-    fn cuda_ref<'a, T: Element>(t: DeviceRef<'a, T>) -> Result<CudaView<'a, T>> {
+    fn cuda_ref<'a, T: BoundaryElement>(t: DeviceRef<'a, T>) -> Result<CudaView<'a, T>> {
         match t {
             DeviceRef::Cuda(v) => Ok(v),
             DeviceRef::Host(_) => Err(wrong(Device::Cuda(0), Device::Cpu)),
         }
     }
-    fn cuda_mut<'a, T: Element>(t: DeviceMut<'a, T>) -> Result<CudaViewMut<'a, T>> {
+    fn cuda_mut<'a, T: BoundaryElement>(t: DeviceMut<'a, T>) -> Result<CudaViewMut<'a, T>> {
         match t {
             DeviceMut::Cuda(v) => Ok(v),
             DeviceMut::Host(_) => Err(wrong(Device::Cuda(0), Device::Cpu)),

@@ -7,14 +7,14 @@
 
 use flatpeak_common::{Device, Link};
 
-use crate::device_tensors::{DeviceMut, DeviceRef, DeviceTensors, Element};
+use crate::device_tensors::{BoundaryElement, DeviceMut, DeviceRef, DeviceTensors};
 use crate::error::{Error, Result};
 use crate::offloader::CheckpointOffloader;
 use crate::plan::Plan;
 use crate::store::CheckpointStore;
 /// Where an offloader's ring and arena live.
 #[derive(Debug)]
-enum Backend<T: Element> {
+enum Backend<T: BoundaryElement> {
     Host(CheckpointOffloader<T>),
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::CudaCheckpointOffloader<T>),
@@ -24,11 +24,11 @@ enum Backend<T: Element> {
 /// of device memory for boundaries (the slot ring) and `plan.host_arena_bytes()` of host
 /// memory, reserved by [`Offloader::new`] and never grown.
 #[derive(Debug)]
-pub struct Offloader<T: Element> {
+pub struct Offloader<T: BoundaryElement> {
     backend: Backend<T>,
 }
 
-impl<T: Element> Offloader<T> {
+impl<T: BoundaryElement> Offloader<T> {
     /// Reserves `plan`'s ring and arena on `device`: on the CPU a host ring and copy-engine
     /// threads at memcpy speed (build a [`CheckpointOffloader`] directly for a simulated link),
     /// on a CUDA device a device ring, a pinned arena and copy streams. A CUDA device that
@@ -66,7 +66,7 @@ fn wrong(expected: Device, got: Device) -> Error {
     Error::WrongDevice { executor: expected, inputs: got }
 }
 
-impl<T: Element> CheckpointStore for Offloader<T> {
+impl<T: BoundaryElement> CheckpointStore for Offloader<T> {
     type Tensors = DeviceTensors<T>;
 
     fn plan(&self) -> &Plan {
@@ -138,13 +138,13 @@ impl<T: Element> CheckpointStore for Offloader<T> {
 }
 
 #[cfg(feature = "cuda")]
-fn cuda<T: Element>(plan: Plan, ordinal: usize) -> Result<Backend<T>> {
+fn cuda<T: BoundaryElement>(plan: Plan, ordinal: usize) -> Result<Backend<T>> {
     Device::Cuda(ordinal).ensure_available()?;
     Ok(Backend::Cuda(crate::cuda::CudaCheckpointOffloader::new(plan, ordinal)?))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda<T: Element>(_plan: Plan, ordinal: usize) -> Result<Backend<T>> {
+fn cuda<T: BoundaryElement>(_plan: Plan, ordinal: usize) -> Result<Backend<T>> {
     Err(crate::Error::Common(flatpeak_common::Error::CudaUnavailable {
         reason: format!("cuda:{ordinal} requested, but sco was built without the `cuda` feature"),
     }))

@@ -45,6 +45,8 @@ pub mod cuda;
 pub mod device_tensors;
 pub mod error;
 pub mod executor;
+#[cfg(feature = "layers")]
+#[cfg_attr(docsrs, doc(cfg(feature = "layers")))]
 pub mod layers;
 pub mod offloader;
 pub mod plan;
@@ -54,7 +56,7 @@ pub mod store;
 
 #[cfg(feature = "cuda")]
 pub use device_tensors::OnCuda;
-pub use device_tensors::{DeviceMut, DeviceRef, DeviceTensor, DeviceTensors, Element, OnHost};
+pub use device_tensors::{BoundaryElement, DeviceMut, DeviceRef, DeviceTensor, DeviceTensors, OnHost};
 pub use error::{Error, Result};
 pub use executor::Offloader;
 pub use flatpeak_common::Link;

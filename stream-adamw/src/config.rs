@@ -11,7 +11,7 @@ pub const BUCKET_ALIGN: usize = 64;
 
 /// The order of copies and updates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Schedule {
+pub enum StepSchedule {
     /// All D2H, then Adam over everything, then all H2D: the serial offload baseline.
     Serial,
     /// D2H of bucket k ‖ Adam of bucket k−1 ‖ H2D of bucket k−2, from R staging slots.
@@ -43,7 +43,7 @@ pub enum OnFailure {
 #[non_exhaustive]
 pub struct Config {
     /// Serial or pipelined.
-    pub schedule: Schedule,
+    pub schedule: StepSchedule,
     /// Elements per bucket (a multiple of [`BUCKET_ALIGN`]).
     pub bucket_elems: usize,
     /// Staging slots per direction, R ≥ 1 (2 already overlaps all three stages; 3 lets the copy
@@ -58,7 +58,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
-            schedule: Schedule::Pipelined,
+            schedule: StepSchedule::Pipelined,
             bucket_elems: 1 << 22,
             slots: 3,
             on_failure: OnFailure::Poison,
@@ -69,7 +69,7 @@ impl Default for Config {
 
 impl Config {
     /// This config with this schedule.
-    pub fn schedule(self, schedule: Schedule) -> Self {
+    pub fn schedule(self, schedule: StepSchedule) -> Self {
         Self { schedule, ..self }
     }
     /// This config with buckets of `bucket_elems` elements.

@@ -60,7 +60,7 @@ pub mod plan;
 pub mod state;
 pub mod step;
 
-pub use config::{BUCKET_ALIGN, Config, OnFailure, Schedule};
+pub use config::{BUCKET_ALIGN, Config, OnFailure, StepSchedule};
 pub use element::{GradElement, ParamElement};
 pub use error::{Error, Result};
 pub use flatpeak_common::{Budget, DType, Device, Workspace};

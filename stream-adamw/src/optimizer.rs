@@ -11,7 +11,7 @@ use std::time::Instant;
 use flatpeak_common::Device;
 
 use crate::config::OnFailure;
-use crate::config::Schedule;
+use crate::config::StepSchedule;
 use crate::cpu::grad_sq_sum;
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
@@ -374,8 +374,8 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
             return Err(error);
         };
         let ranges: Vec<Range<usize>> = match self.plan.schedule() {
-            Schedule::Serial => std::iter::once(0..self.plan.n_params()).collect(),
-            Schedule::Pipelined => (0..applied).map(|k| self.plan.bucket(k)).collect(),
+            StepSchedule::Serial => std::iter::once(0..self.plan.n_params()).collect(),
+            StepSchedule::Pipelined => (0..applied).map(|k| self.plan.bucket(k)).collect(),
         };
         for range in ranges {
             self.state.copy_range_from(journal, range.clone());

@@ -13,7 +13,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use crate::config::Schedule;
+use crate::config::StepSchedule;
 use crate::error::{Error, Result};
 use crate::hyperparameters::StepScalars;
 use crate::plan::Plan;
@@ -116,7 +116,7 @@ pub(crate) fn run_step<E: CopyEngines>(
         }
     };
     match plan.schedule() {
-        Schedule::Serial => {
+        StepSchedule::Serial => {
             let n = plan.n_params();
             engines.start_d2h(0..n, 0)?;
             engines.wait_d2h(0)?;
@@ -125,7 +125,7 @@ pub(crate) fn run_step<E: CopyEngines>(
             *applied += 1;
             engines.start_h2d(0..n, 0)?;
         }
-        Schedule::Pipelined => {
+        StepSchedule::Pipelined => {
             let (buckets, slots) = (plan.n_buckets(), plan.staged_slots().max(1));
             let mut next = 0; // the next bucket to bring down
             for j in 0..buckets {
@@ -216,14 +216,14 @@ mod tests {
         }
     }
 
-    fn trace(slots: usize, schedule: Schedule) -> String {
+    fn trace(slots: usize, schedule: StepSchedule) -> String {
         let config = Config::default().bucket_elems(64).slots(slots).schedule(schedule);
         let shape = Shape { params: 64 * 4, grad_dtype: f32::DTYPE, param_dtype: DType::Bf16 };
         let plan = Plan::new(&config, shape, Budget::Unlimited).unwrap();
         let mut t = Trace {
             grad_slot: vec![None; slots],
             param_busy: vec![false; slots],
-            bucket_elems: if schedule == Schedule::Serial { 256 } else { 64 },
+            bucket_elems: if schedule == StepSchedule::Serial { 256 } else { 64 },
             ..Default::default()
         };
         let mut state = OptimizerState::new(vec![0.0; 256], Default::default());
@@ -235,10 +235,10 @@ mod tests {
 
     #[test]
     fn the_pipeline_overlaps_and_never_reuses_a_busy_slot() {
-        assert_eq!(trace(3, Schedule::Pipelined), "d0 d1 d2 a0 h0 d3 a1 h1 a2 h2 a3 h3");
-        assert_eq!(trace(2, Schedule::Pipelined), "d0 d1 a0 h0 d2 a1 h1 d3 a2 h2 a3 h3");
+        assert_eq!(trace(3, StepSchedule::Pipelined), "d0 d1 d2 a0 h0 d3 a1 h1 a2 h2 a3 h3");
+        assert_eq!(trace(2, StepSchedule::Pipelined), "d0 d1 a0 h0 d2 a1 h1 d3 a2 h2 a3 h3");
         // One slot: the next D2H waits for the Adam that reads the slot.
-        assert_eq!(trace(1, Schedule::Pipelined), "d0 a0 h0 d1 a1 h1 d2 a2 h2 d3 a3 h3");
-        assert_eq!(trace(3, Schedule::Serial), "d0 a0 h0");
+        assert_eq!(trace(1, StepSchedule::Pipelined), "d0 a0 h0 d1 a1 h1 d2 a2 h2 d3 a3 h3");
+        assert_eq!(trace(3, StepSchedule::Serial), "d0 a0 h0");
     }
 }

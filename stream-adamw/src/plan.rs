@@ -14,7 +14,7 @@ use std::ops::Range;
 use flatpeak_common::{Budget, DType};
 
 pub use crate::config::BUCKET_ALIGN;
-use crate::config::{Config, Schedule};
+use crate::config::{Config, StepSchedule};
 use crate::error::{Error, Result};
 
 /// What one optimizer steps: N parameters, with gradients and device parameters of the given
@@ -77,7 +77,7 @@ impl Plan {
         self.shape.params
     }
     /// The schedule.
-    pub fn schedule(&self) -> Schedule {
+    pub fn schedule(&self) -> StepSchedule {
         self.config.schedule
     }
     /// Staging slots per direction.
@@ -97,15 +97,15 @@ impl Plan {
     /// Elements of one staging slot: a whole bucket (pipelined) or everything (serial).
     pub fn slot_elems(&self) -> usize {
         match self.config.schedule {
-            Schedule::Pipelined => self.config.bucket_elems.min(self.shape.params),
-            Schedule::Serial => self.shape.params,
+            StepSchedule::Pipelined => self.config.bucket_elems.min(self.shape.params),
+            StepSchedule::Serial => self.shape.params,
         }
     }
     /// Staging slots allocated per direction: R (pipelined) or 1 (serial).
     pub fn staged_slots(&self) -> usize {
         match self.config.schedule {
-            Schedule::Pipelined => self.config.slots.min(self.n_buckets().max(1)),
-            Schedule::Serial => 1,
+            StepSchedule::Pipelined => self.config.slots.min(self.n_buckets().max(1)),
+            StepSchedule::Serial => 1,
         }
     }
     /// The working set: pinned host staging, both directions, `slots·slot_elems·(b_g + b_p)`
@@ -168,10 +168,10 @@ mod tests {
         assert_eq!(small.staging_bytes(), 3 * (1 << 20) * 6);
         assert_eq!(small.staging_bytes(), large.staging_bytes());
         let serial =
-            Plan::new(&config.schedule(Schedule::Serial), shape(1 << 30), Budget::Unlimited).unwrap();
+            Plan::new(&config.schedule(StepSchedule::Serial), shape(1 << 30), Budget::Unlimited).unwrap();
         assert_eq!(serial.staging_bytes(), (1 << 30) * 6);
         assert_eq!(
-            Plan::new(&config.schedule(Schedule::Serial), shape(1 << 30), Budget::mib(18)),
+            Plan::new(&config.schedule(StepSchedule::Serial), shape(1 << 30), Budget::mib(18)),
             Err(Error::BudgetTooSmall { budget: 18 << 20, needed: 6 << 30, what: "the staging slots" })
         );
     }
@@ -179,7 +179,7 @@ mod tests {
     #[test]
     fn sizes_that_overflow_are_an_error_not_a_panic() {
         for params in [usize::MAX, usize::MAX / 8] {
-            for config in [Config::default(), Config::default().schedule(Schedule::Serial)] {
+            for config in [Config::default(), Config::default().schedule(StepSchedule::Serial)] {
                 let err = Plan::new(&config, shape(params), Budget::Unlimited).unwrap_err();
                 assert!(matches!(err, Error::Common(flatpeak_common::Error::SizeOverflow { .. })), "{err}");
             }

@@ -9,8 +9,8 @@ use proptest::prelude::*;
 use ring_dtp::cpu::reference::Rounding;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::{
-    Bf16Kernel, Budget, Config, Device, Error, GradOutput, GradientsMut, Inputs, LinearCrossEntropy, Loss,
-    Matrix, Plan, Reduction, Schedule, Shape, Softcap,
+    Bf16Kernel, BlockSchedule, Budget, Config, Device, Error, GradOutput, GradientsMut, Inputs,
+    LinearCrossEntropy, Loss, Matrix, Plan, Reduction, Shape, Softcap,
 };
 
 /// f32 bound (`docs/design.md`, exactness), on norm-wise errors normalised by the magnitudes each
@@ -113,7 +113,7 @@ fn check_loss(config: &Config, got: &Loss, r: &reference::Reference) -> Result<(
 
 /// Runs the case through forward + backward (separately, with dlse) and fused, on f32 or bf16
 /// inputs, against the reference fed the same (exactly upcast) values.
-fn run_case(c: &Case, config: &Config, dtype: DType, budget: usize) -> Result<Schedule, TestCaseError> {
+fn run_case(c: &Case, config: &Config, dtype: DType, budget: usize) -> Result<BlockSchedule, TestCaseError> {
     let (xb, wb): (Vec<bf16>, Vec<bf16>) =
         (c.x.iter().map(|&v| bf16::from_f32(v)).collect(), c.w.iter().map(|&v| bf16::from_f32(v)).collect());
     let (x, w) = match dtype {
@@ -201,10 +201,23 @@ fn check_bf16_native(
     (grad, dlse): (GradOutput<'_>, Option<&[f32]>),
     (f, g): &(ring_dtp::Forward, ring_dtp::Gradients),
 ) -> Result<[Bf16Errors; 2], TestCaseError> {
-    let exact = reference::run_rounded(inp, config, (grad, dlse), Rounding::Exact).expect("reference");
-    let rounded =
-        reference::run_rounded(inp, config, (grad, dlse), Rounding::Bf16Gradient).expect("reference");
-    let naive = reference::run_rounded(inp, config, (grad, dlse), Rounding::NaiveBf16).expect("reference");
+    let exact =
+        reference::run_rounded(inp, config, ring_dtp::Upstream::loss(grad).with_dlse(dlse), Rounding::Exact)
+            .expect("reference");
+    let rounded = reference::run_rounded(
+        inp,
+        config,
+        ring_dtp::Upstream::loss(grad).with_dlse(dlse),
+        Rounding::Bf16Gradient,
+    )
+    .expect("reference");
+    let naive = reference::run_rounded(
+        inp,
+        config,
+        ring_dtp::Upstream::loss(grad).with_dlse(dlse),
+        Rounding::NaiveBf16,
+    )
+    .expect("reference");
     check_loss(config, &f.loss, &exact)?;
     check("lse", &f.lse, &exact.lse)?;
     if let Some(db) = &g.dbias {
@@ -282,7 +295,10 @@ fn ragged_prime_shapes_and_both_schedules() {
                 seen.push(run_case(&c, &all, dtype, budget).expect("matches the reference"));
             }
         }
-        assert!(seen.contains(&Schedule::FullVocab) && seen.contains(&Schedule::VocabBlocked), "{seen:?}");
+        assert!(
+            seen.contains(&BlockSchedule::FullVocab) && seen.contains(&BlockSchedule::VocabBlocked),
+            "{seen:?}"
+        );
     }
 }
 
@@ -688,7 +704,7 @@ fn fused_schedule_matches_the_reference(backend: Backend) {
                         Budget::Bytes(step * 64),
                     )
                 })
-                .find(|p| p.as_ref().is_ok_and(|p| p.schedule() == Schedule::FullVocab))
+                .find(|p| p.as_ref().is_ok_and(|p| p.schedule() == BlockSchedule::FullVocab))
                 .expect("some budget")
                 .expect("plan");
             assert!(dtype == DType::Bf16 || plan.token_block() <= 32, "{plan:?}");
@@ -696,7 +712,7 @@ fn fused_schedule_matches_the_reference(backend: Backend) {
             let explicit =
                 Plan::with_blocks(config, Shape { tokens: n, hidden: d, vocab: v, dtype }, (7, usize::MAX))
                     .expect("plan");
-            assert_eq!(explicit.schedule(), Schedule::FullVocab);
+            assert_eq!(explicit.schedule(), BlockSchedule::FullVocab);
             let grad = grad_of(config, &c);
             let r = reference::run(inp, config, grad, None).expect("reference");
             let native = config.precision(Precision::Native);

@@ -166,7 +166,13 @@ fn compare(c: &Case, config: &Config, dtype: DType, plan: &RingPlan, ranks: &[(F
     let full = Inputs::new(x, w, &c.targets, c.d).with_bias(&c.bias).with_weights(&c.weights);
     let (rounding, grad_tol) = gradient_check(config, dtype);
     let grad = grad_of(config, &c.grad_tokens);
-    let r = reference::run_rounded(&full, config, (grad, Some(&c.dlse)), rounding).expect("reference");
+    let r = reference::run_rounded(
+        &full,
+        config,
+        ring_dtp::Upstream::loss(grad).with_dlse(Some(&c.dlse)),
+        rounding,
+    )
+    .expect("reference");
     let what = format!("P={p} {:?} {dtype} C={} Vb={}", plan.kind(), plan.token_block(), plan.vocab_block());
     let (mut lse, mut dx, mut dw, mut db, mut per_token) = (vec![], vec![], vec![], vec![], vec![]);
     for (fwd, g) in ranks {

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use stream_adamw::cpu::reference;
 use stream_adamw::{
     Budget, Config, Error, GradClip, GradElement, HostDevice, Hyperparameters, Link, Objective, Plan,
-    Schedule, StepOptions, StepOutcome, StreamAdamW, Variant,
+    StepOptions, StepOutcome, StepSchedule, StreamAdamW, Variant,
 };
 
 /// The optimizer of `master` with `hyperparameters` and `options`, made the one way: a plan,
@@ -164,7 +164,7 @@ proptest! {
         let master = SplitMix64::new(seed).normal_f32(n, 0.0, 1.0);
         let grads: Vec<Vec<f32>> = (0..3).map(|s| grads_f32(n, seed ^ (s + 7), 0.1)).collect();
         let pipe = Config::default().bucket_elems(bucket).slots(slots);
-        let serial = pipe.schedule(Schedule::Serial);
+        let serial = pipe.schedule(StepSchedule::Serial);
         let (a, pa) = run(&master, &grads, config, pipe, StepOptions::default());
         let (b, pb) = run(&master, &grads, config, serial, StepOptions::default());
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -203,7 +203,7 @@ fn thread_count_does_not_change_a_bit() {
 fn non_finite_gradients_skip_the_step_and_touch_nothing() {
     let n = 5000;
     let master = SplitMix64::new(2).normal_f32(n, 0.0, 1.0);
-    for schedule in [Schedule::Serial, Schedule::Pipelined] {
+    for schedule in [StepSchedule::Serial, StepSchedule::Pipelined] {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let options = Config::default().bucket_elems(512).schedule(schedule);
             let mut opt = optimizer::<f32>(
@@ -378,7 +378,7 @@ fn cuda_step_equals_the_cpu_step_bitwise() {
     let config = cfg(|c| c.clip = GradClip::GlobalNorm { max_norm: 1.0 });
     let options = Config::default().bucket_elems(1 << 16);
     let (cpu, cpu_params) = run(&master, &grads, config, options, StepOptions::default());
-    for schedule in [Schedule::Pipelined, Schedule::Serial] {
+    for schedule in [StepSchedule::Pipelined, StepSchedule::Serial] {
         let device = stream_adamw::Device::Cuda(0);
         let mut opt =
             optimizer::<f32>(master.clone(), config, &options.schedule(schedule), device).expect("device");

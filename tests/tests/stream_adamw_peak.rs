@@ -6,7 +6,7 @@
 use flatpeak_common::{CountingAllocator, PeakMeter, SplitMix64};
 use half::bf16;
 use stream_adamw::cpu::CHUNK;
-use stream_adamw::{Budget, Config, HostDevice, Link, Plan, Schedule, StepOptions, StreamAdamW};
+use stream_adamw::{Budget, Config, HostDevice, Link, Plan, StepOptions, StepSchedule, StreamAdamW};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -17,7 +17,7 @@ fn step_scratch_bound(n: usize) -> usize {
     n.div_ceil(CHUNK) * 128 + 4 * 1024
 }
 
-fn measure(n: usize, schedule: Schedule) -> (usize, usize, usize) {
+fn measure(n: usize, schedule: StepSchedule) -> (usize, usize, usize) {
     let master = SplitMix64::new(1).normal_f32(n, 0.0, 1.0);
     let mut device =
         HostDevice::new(SplitMix64::new(2).normal_f32(n, 0.0, 0.1), vec![bf16::ZERO; n], Link::Memcpy);
@@ -49,7 +49,7 @@ fn measure(n: usize, schedule: Schedule) -> (usize, usize, usize) {
 fn main() {
     let mut passed = 0;
     for &n in &[1usize << 18, 1 << 20, 1 << 22] {
-        let (staging, step_peak, _) = measure(n, Schedule::Pipelined);
+        let (staging, step_peak, _) = measure(n, StepSchedule::Pipelined);
         assert_eq!(staging, 3 * (1 << 16) * 6, "pipelined staging is R·N_b·(4 + 2), flat in N");
         assert!(
             step_peak <= step_scratch_bound(n),
@@ -60,7 +60,7 @@ fn main() {
             "test pipelined_step_working_set_N{n} ... ok (staging {staging} B, step scratch {step_peak} B)"
         );
         passed += 1;
-        let (serial_staging, serial_peak, _) = measure(n, Schedule::Serial);
+        let (serial_staging, serial_peak, _) = measure(n, StepSchedule::Serial);
         assert_eq!(serial_staging, n * 6, "serial stages everything: N·(4 + 2)");
         assert!(serial_peak <= step_scratch_bound(n));
         println!(

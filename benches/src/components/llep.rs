@@ -217,7 +217,7 @@ fn bf16_data() -> &'static Bf16Data {
 }
 
 /// One rank's step on inputs of the storage type `T`.
-fn rank_step<C: Communicator + ?Sized, T: llep::Element>(
+fn rank_step<C: Communicator + ?Sized, T: llep::LayerElement>(
     layer: &mut Executor,
     comm: &C,
     (inputs, dy): (&RankInputs<'_, T>, &[T]),

@@ -300,8 +300,13 @@ impl Component for RingDtpComponent {
             DType::Bf16 => (reference::Rounding::Bf16Gradient, 1e-3),
             _ => (reference::Rounding::Exact, 1e-5),
         };
-        let oracle = reference::run_rounded(&sub_inputs, &config, (GradOutput::Scalar(1.0), None), rounding)
-            .map_err(|e| fail(e.to_string()))?;
+        let oracle = reference::run_rounded(
+            &sub_inputs,
+            &config,
+            ring_dtp::Upstream::loss(GradOutput::Scalar(1.0)),
+            rounding,
+        )
+        .map_err(|e| fail(e.to_string()))?;
         let scale = sub as f64 / n as f64; // mean over n vs over the subset
         let want_dx: Vec<f64> = oracle.dx.iter().map(|g| g * scale).collect();
         let err_lse = relative_error(&fwd.lse[..sub], &oracle.lse);

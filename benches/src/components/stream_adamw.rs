@@ -9,8 +9,8 @@ use flatpeak_common::{DType, PeakMeter, SplitMix64, relative_error};
 use half::bf16;
 use stream_adamw::cpu::{ParamSink, StateMut, adamw_update, reference};
 use stream_adamw::{
-    Budget, Config, GradElement, HostDevice, Hyperparameters, Link, Plan, Schedule, StepOptions, StepScalars,
-    StreamAdamW,
+    Budget, Config, GradElement, HostDevice, Hyperparameters, Link, Plan, StepOptions, StepScalars,
+    StepSchedule, StreamAdamW,
 };
 
 use super::{Component, ReportError, workload};
@@ -182,7 +182,7 @@ fn measure_pipeline_typed<G: GradElement>(
             Ok::<_, stream_adamw::Error>(opt)
         })
     };
-    let (serial, pipelined) = (build(Schedule::Serial)?, build(Schedule::Pipelined)?);
+    let (serial, pipelined) = (build(StepSchedule::Serial)?, build(StepSchedule::Pipelined)?);
     // Staging is what the schedule adds beyond the 12 B/param state both hold.
     let state_bytes = 12 * n as u64;
     let staging_bytes =

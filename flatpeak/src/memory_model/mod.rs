@@ -393,7 +393,8 @@ pub fn estimate(
     } else {
         sco_plan.plain_device_bytes() as u64
     };
-    let schedule = if flat { stream_adamw::Schedule::Pipelined } else { stream_adamw::Schedule::Serial };
+    let schedule =
+        if flat { stream_adamw::StepSchedule::Pipelined } else { stream_adamw::StepSchedule::Serial };
     let optimizer_staging = stream_adamw::Plan::new(
         &stream_adamw::Config::default().schedule(schedule),
         stream_adamw::Shape {

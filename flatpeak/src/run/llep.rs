@@ -11,7 +11,8 @@
 
 use flatpeak_common::{Communicator, Error as CommonError, LocalGroup, LocalGroupOptions};
 use llep::{
-    Config as LlepConfig, Element, ExpertWeights, PairCap, Pass, RankInputs, Routing, Scheme, Shape, bf16,
+    Config as LlepConfig, ExpertWeights, LayerElement, PairCap, Pass, RankInputs, Routing, Scheme, Shape,
+    bf16,
 };
 use serde::Deserialize;
 
@@ -113,7 +114,7 @@ fn first_failure<R>(results: Vec<flatpeak_common::Result<llep::Result<R>>>) -> R
 }
 
 /// The elements of a tensor read as F32 or BF16, if they are of type T.
-trait FromFloats: Element {
+trait FromFloats: LayerElement {
     /// The safetensors name of the dtype.
     const NAME: &'static str;
     fn of(f: &Floats) -> Option<&[Self]>;

@@ -9,8 +9,8 @@
 use half::bf16;
 use serde::Deserialize;
 use stream_adamw::{
-    Budget, Config, GradClip, GradElement, HostDevice, Hyperparameters, Link, Objective, Plan, Schedule,
-    StateDict, StepOptions, StepOutcome, StreamAdamW, Variant,
+    Budget, Config, GradClip, GradElement, HostDevice, Hyperparameters, Link, Objective, Plan, StateDict,
+    StepOptions, StepOutcome, StepSchedule, StreamAdamW, Variant,
 };
 
 use super::{Dim, Floats, Outputs, RunError, TensorFile};
@@ -118,8 +118,8 @@ fn step<G: GradElement>(
     config.objective = if cfg.maximize { Objective::Maximize } else { Objective::Minimize };
     config.clip = cfg.max_grad_norm.map_or(GradClip::None, |max_norm| GradClip::GlobalNorm { max_norm });
     let schedule = match cfg.schedule {
-        ScheduleName::Pipelined => Schedule::Pipelined,
-        ScheduleName::Serial => Schedule::Serial,
+        ScheduleName::Pipelined => StepSchedule::Pipelined,
+        ScheduleName::Serial => StepSchedule::Serial,
     };
     let options = Config::default()
         .schedule(schedule)

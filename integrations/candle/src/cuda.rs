@@ -189,7 +189,13 @@ pub(crate) fn backward(
             return Err(Error::MissingForward { op: crate::loss::NAME });
         };
         let out = DeviceGradientsMut { dx: &mut dx, dw: &mut dw, dbias: dbias.as_mut() };
-        Ok(lce.backward_into_with(&mut buffers, inputs, (lse, op.upstream(&upstream), None), out)?)
+        Ok(lce.backward_into_with(
+            &mut buffers,
+            inputs,
+            lse,
+            ring_dtp::Upstream::loss(op.upstream(&upstream)),
+            out,
+        )?)
     })?;
     let tensor = |slice: CudaSlice<f32>, shape: candle_core::Shape| {
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, device.clone()));

@@ -387,7 +387,7 @@ impl FusedLinearCrossEntropy {
                 return Err(Error::MissingForward { op: NAME });
             };
             let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: dbias.as_deref_mut() };
-            self.executor(Device::Cpu)?.backward_into(&inputs, lse, (grad, None), out)?;
+            self.executor(Device::Cpu)?.backward_into(&inputs, lse, ring_dtp::Upstream::loss(grad), out)?;
         }
         let cpu = CandleDevice::Cpu;
         Ok(Grads {

@@ -24,7 +24,7 @@ use flatpeak_common::{Communicator, CommunicatorExt, Workspace};
 use crate::assign::{Assignment, RouteCounts, local_counts};
 use crate::device::{self, DeviceGradients, DeviceInputs};
 use crate::error::Result;
-use crate::layer::{Element, Gradients, RankInputs, Routing, check_len};
+use crate::layer::{Gradients, LayerElement, RankInputs, Routing, check_len};
 use crate::plan::Plan;
 use crate::route_tables::{check_call_shape, check_world_size};
 use crate::schedule::{Schedule, pair_rows};
@@ -66,7 +66,7 @@ pub fn schedule<C: Communicator + ?Sized>(comm: &C, plan: &Plan, routing: &Routi
 
 /// Checks the call's shape and every input length exactly, then the host device of `comm`'s
 /// rank over `ws`.
-fn host_ops<'w, C: Communicator + ?Sized, T: Element>(
+fn host_ops<'w, C: Communicator + ?Sized, T: LayerElement>(
     comm: &'w C,
     ws: &'w Workspace,
     plan: &Schedule,
@@ -79,14 +79,14 @@ fn host_ops<'w, C: Communicator + ?Sized, T: Element>(
 }
 
 /// The caller's tensors, read in place: x, W_gate, W_up, W_down.
-fn host_inputs<'a, T: Element>(inputs: &RankInputs<'a, T>) -> [HostBuf<'a>; 4] {
+fn host_inputs<'a, T: LayerElement>(inputs: &RankInputs<'a, T>) -> [HostBuf<'a>; 4] {
     let w = &inputs.experts;
     [inputs.x, w.gate, w.up, w.down].map(host_tensor)
 }
 
 /// A caller's tensor of the storage type, read in place.
-fn host_tensor<T: Element>(t: &[T]) -> HostBuf<'_> {
-    // `Element` is sealed to f32 and bf16, and DTYPE names which: each cast is to T itself.
+fn host_tensor<T: LayerElement>(t: &[T]) -> HostBuf<'_> {
+    // `LayerElement` is sealed to f32 and bf16, and DTYPE names which: each cast is to T itself.
     match T::DTYPE {
         flatpeak_common::DType::Bf16 => HostBuf::InputBf16(bytemuck::cast_slice(t)),
         _ => HostBuf::Input(bytemuck::cast_slice(t)),
@@ -111,7 +111,7 @@ fn host_grads(g: DeviceGradients<HostBuf<'_>>) -> Result<Gradients> {
 }
 
 /// The forward on the host, its buffers carved from `ws` (reset).
-pub(crate) fn forward<C: Communicator + ?Sized, T: Element>(
+pub(crate) fn forward<C: Communicator + ?Sized, T: LayerElement>(
     comm: &C,
     ws: &Workspace,
     plan: &Schedule,
@@ -124,7 +124,7 @@ pub(crate) fn forward<C: Communicator + ?Sized, T: Element>(
 }
 
 /// The checkpointed backward on the host, its buffers carved from `ws` (reset).
-pub(crate) fn backward<C: Communicator + ?Sized, T: Element>(
+pub(crate) fn backward<C: Communicator + ?Sized, T: LayerElement>(
     comm: &C,
     ws: &Workspace,
     plan: &Schedule,

@@ -19,7 +19,7 @@ use super::{host_device_inputs, host_grads, host_inputs, host_ops};
 use crate::config::Mode;
 use crate::device::{self, Store};
 use crate::error::{Error, Result};
-use crate::layer::{Element, Gradients, RankInputs};
+use crate::layer::{Gradients, LayerElement, RankInputs};
 use crate::plan::RouteMeta;
 use crate::schedule::Schedule;
 
@@ -91,7 +91,7 @@ fn check_mode(plan: &Schedule) -> Result<()> {
 }
 
 /// The saving forward on the host, its buffers from `ws` (reset), its store `saved`.
-pub(crate) fn forward_saving<C: Communicator + ?Sized, T: Element>(
+pub(crate) fn forward_saving<C: Communicator + ?Sized, T: LayerElement>(
     comm: &C,
     ws: &Workspace,
     plan: &Schedule,
@@ -112,7 +112,7 @@ pub(crate) fn forward_saving<C: Communicator + ?Sized, T: Element>(
 }
 
 /// The backward from saved activations on the host, its buffers from `ws` (reset).
-pub(crate) fn backward_saved<C: Communicator + ?Sized, T: Element>(
+pub(crate) fn backward_saved<C: Communicator + ?Sized, T: LayerElement>(
     comm: &C,
     ws: &Workspace,
     plan: &Schedule,

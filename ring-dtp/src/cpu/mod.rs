@@ -37,7 +37,7 @@ use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::{Config, Reduction, Softcap};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix};
-use crate::plan::{Plan, Schedule, WIDEN_ROWS, splits_dx};
+use crate::plan::{BlockSchedule, Plan, WIDEN_ROWS, splits_dx};
 
 /// The kernel that forms the logits blocks of bf16 inputs on this CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +71,7 @@ fn bf16_kernel(config: &Config, inputs: &Inputs<'_>) -> Option<Bf16Gemm> {
 
 fn check_plan(plan: &Plan, inputs: &Inputs<'_>) -> Result<()> {
     for (what, expected, found) in
-        [("n", plan.n(), inputs.n), ("d", plan.d(), inputs.d), ("v", plan.v(), inputs.v)]
+        [("n", plan.n_tokens(), inputs.n), ("d", plan.hidden(), inputs.d), ("v", plan.vocab(), inputs.v)]
     {
         if expected != found {
             return Err(Error::ShapeMismatch { what, expected, got: found });
@@ -130,7 +130,7 @@ struct Scratch<'w> {
 
 impl<'w> Scratch<'w> {
     fn carve(ws: &'w Workspace, plan: &Plan) -> Result<Self> {
-        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
+        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.hidden());
         let w_upcast = if plan.dtype() == flatpeak_common::DType::F32 { 0 } else { vb.min(WIDEN_ROWS) * d };
         let dx_part = if splits_dx(vb, plan.dtype()) { c * d } else { 0 };
         Ok(Self {
@@ -188,8 +188,9 @@ impl<'a, 'w, 'g> CpuBlocks<'a, 'w, 'g> {
         grads: Option<GradientsMut<'g>>,
     ) -> Result<Self> {
         let (n, cb) = (inputs.n, plan.token_block());
-        let keep_exp =
-            pass == Pass::Fused && plan.schedule() == Schedule::FullVocab && config.softcap == Softcap::Off;
+        let keep_exp = pass == Pass::Fused
+            && plan.schedule() == BlockSchedule::FullVocab
+            && config.softcap == Softcap::Off;
         Ok(Self {
             config,
             inputs,
@@ -509,7 +510,7 @@ pub(crate) fn forward_backward_into(
     out.check(inputs)?;
     // The upstream gradient is checked before any block runs, on either schedule.
     let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;
-    if plan.schedule() == Schedule::VocabBlocked {
+    if plan.schedule() == BlockSchedule::VocabBlocked {
         let fwd = forward_in(ws, config, plan, inputs)?;
         backward_into(ws, (config, plan, inputs), (&fwd.lse, grad, None), out)?;
         return Ok(fwd);

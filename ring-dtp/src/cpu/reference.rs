@@ -3,7 +3,7 @@
 
 use crate::config::{Config, Reduction, Softcap};
 use crate::error::{Error, Result};
-use crate::inputs::{GradOutput, Inputs, Matrix};
+use crate::inputs::{GradOutput, Inputs, Matrix, Upstream};
 
 /// f64 results of the reference.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,16 +71,17 @@ pub fn run(
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Reference> {
-    run_rounded(inputs, config, (grad, dlse), Rounding::Exact)
+    run_rounded(inputs, config, Upstream::loss(grad).with_dlse(dlse), Rounding::Exact)
 }
 
 /// [`run`] with the roundings of `rounding` (the magnitudes are the exact run's).
 pub fn run_rounded(
     inputs: &Inputs<'_>,
     config: &Config,
-    (grad, dlse): (GradOutput<'_>, Option<&[f32]>),
+    upstream: Upstream<'_>,
     rounding: Rounding,
 ) -> Result<Reference> {
+    let Upstream { grad, dlse } = upstream;
     let (round_logits, round_grad) = match rounding {
         Rounding::Exact => (false, false),
         Rounding::Bf16Gradient => (false, true),

@@ -31,7 +31,7 @@ use crate::config::Config;
 use crate::cpu::{self, Stats};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Inputs, Matrix};
-use crate::plan::{Plan, Schedule};
+use crate::plan::{BlockSchedule, Plan};
 use engine::{Engine, LogitsBlock, RowViews, StatsViews};
 
 /// A device matrix, row-major, f32 or bf16.
@@ -134,7 +134,7 @@ pub struct BlockBuffers {
 impl BlockBuffers {
     /// Elements each buffer needs for `plan`: `[logits, x_wide, w_wide]` (0 where unused).
     pub fn lens(plan: &Plan) -> [usize; 3] {
-        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
+        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.hidden());
         // bf16 inputs are widened only for f32 GEMMs (Precision::F32).
         let wide = plan.dtype() != flatpeak_common::DType::F32 && plan.precision() == Precision::F32;
         [c * vb, if wide { c * d } else { 0 }, if wide { vb * d } else { 0 }]
@@ -306,9 +306,11 @@ impl CudaLinearCrossEntropy {
         &mut self,
         buffers: &mut BlockBuffers,
         inputs: &DeviceInputs<'_>,
-        (lse, grad, dlse): (&[f32], GradOutput<'_>, Option<&[f32]>),
+        lse: &[f32],
+        upstream: crate::inputs::Upstream<'_>,
         out: DeviceGradientsMut<'_>,
     ) -> Result<()> {
+        let crate::inputs::Upstream { grad, dlse } = upstream;
         let Self { config, plan, engine, .. } = self;
         backward_in(engine, (config, plan, buffers), inputs, (lse, grad, dlse), out)
     }
@@ -329,7 +331,7 @@ impl CudaLinearCrossEntropy {
     }
 
     /// Forward and backward in one pass when the loss is the last op (its upstream gradient is
-    /// known). On [`Schedule::FullVocab`] each token block's logits serve both: the logits
+    /// known). On [`BlockSchedule::FullVocab`] each token block's logits serve both: the logits
     /// SGEMM, `lce_fold` over the whole vocabulary, `lce_row_lse`, then `lce_gradient` and the
     /// dX/dW SGEMMs — 3 GEMMs instead of 4, no host round trip inside the loop; W (widened once
     /// for bf16) serves every token block. On the blocked schedule it runs
@@ -339,7 +341,7 @@ impl CudaLinearCrossEntropy {
         inputs: &DeviceInputs<'_>,
         grad: GradOutput<'_>,
     ) -> Result<(Forward, DeviceGradients)> {
-        if self.plan.schedule() == Schedule::VocabBlocked {
+        if self.plan.schedule() == BlockSchedule::VocabBlocked {
             let forward = self.forward(inputs)?;
             let grads = self.backward(inputs, &forward, grad, None)?;
             return Ok((forward, grads));
@@ -362,9 +364,9 @@ type Fixed<'s> = (&'s Config, &'s Plan, &'s mut BlockBuffers);
 fn check_inputs(plan: &Plan, inputs: &DeviceInputs<'_>) -> Result<()> {
     let p = plan;
     for (what, expected, found) in [
-        ("n", p.n(), inputs.n),
-        ("d", p.d(), inputs.d),
-        ("v", p.v(), inputs.v),
+        ("n", p.n_tokens(), inputs.n),
+        ("d", p.hidden(), inputs.d),
+        ("v", p.vocab(), inputs.v),
         ("x (n·d)", inputs.n * inputs.d, inputs.x.len()),
         ("w (v·d)", inputs.v * inputs.d, inputs.w.len()),
         ("targets (n)", inputs.n, inputs.targets.len()),

@@ -67,7 +67,7 @@ const MIN_VOCAB_BLOCK: usize = 64;
 
 /// How logits are formed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Schedule {
+pub enum BlockSchedule {
     /// A token block's logits over the whole vocabulary fit: forward + backward fused in one
     /// pass costs 3 GEMMs (logits, dX, dW).
     FullVocab,
@@ -85,7 +85,7 @@ pub struct Plan {
     dtype: DType,
     token_block: usize,
     vocab_block: usize,
-    schedule: Schedule,
+    schedule: BlockSchedule,
     config: Config,
 }
 
@@ -160,14 +160,15 @@ impl Plan {
         let wide = MIN_FULL_VOCAB_TOKENS.min(n.max(1));
         for c in TOKEN_BLOCKS.map(cap).into_iter().filter(|&c| c >= wide) {
             if fits(c, v1) {
-                return Ok(plan(c, v1, Schedule::FullVocab));
+                return Ok(plan(c, v1, BlockSchedule::FullVocab));
             }
         }
         for c in TOKEN_BLOCKS.map(cap) {
             let mut vb = v1;
             loop {
                 if fits(c, vb) {
-                    let schedule = if vb == v1 { Schedule::FullVocab } else { Schedule::VocabBlocked };
+                    let schedule =
+                        if vb == v1 { BlockSchedule::FullVocab } else { BlockSchedule::VocabBlocked };
                     return Ok(plan(c, vb, schedule));
                 }
                 let next = if vb == v1 { power_of_two_below(v1) } else { vb / 2 };
@@ -204,7 +205,7 @@ impl Plan {
         if block_bytes(c, vb, d, dtype).is_none() {
             return Err(Error::Common(flatpeak_common::Error::SizeOverflow { what: "ring-dtp block bytes" }));
         }
-        let schedule = if vb >= v { Schedule::FullVocab } else { Schedule::VocabBlocked };
+        let schedule = if vb >= v { BlockSchedule::FullVocab } else { BlockSchedule::VocabBlocked };
         Ok(Self { n, d, v, dtype, token_block: c, vocab_block: vb, schedule, config: *config })
     }
 
@@ -217,15 +218,15 @@ impl Plan {
         Shape { tokens: self.n, hidden: self.d, vocab: self.v, dtype: self.dtype }
     }
     /// Tokens N.
-    pub fn n(&self) -> usize {
+    pub fn n_tokens(&self) -> usize {
         self.n
     }
     /// Hidden size D.
-    pub fn d(&self) -> usize {
+    pub fn hidden(&self) -> usize {
         self.d
     }
     /// Vocabulary V.
-    pub fn v(&self) -> usize {
+    pub fn vocab(&self) -> usize {
         self.v
     }
     /// Input dtype.
@@ -246,7 +247,7 @@ impl Plan {
         self.config.precision
     }
     /// The schedule.
-    pub fn schedule(&self) -> Schedule {
+    pub fn schedule(&self) -> BlockSchedule {
         self.schedule
     }
     /// Bytes reserved at launch for blocks; independent of N.
@@ -288,8 +289,8 @@ impl Plan {
     /// GEMMs per forward + backward: 3 fused on the full-vocabulary schedule, else 4.
     pub fn gemms_fused(&self) -> usize {
         match self.schedule {
-            Schedule::FullVocab => 3,
-            Schedule::VocabBlocked => 4,
+            BlockSchedule::FullVocab => 3,
+            BlockSchedule::VocabBlocked => 4,
         }
     }
 }
@@ -309,7 +310,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             (all.schedule(), all.token_block(), all.vocab_block()),
-            (Schedule::FullVocab, 8192, 32768)
+            (BlockSchedule::FullVocab, 8192, 32768)
         );
         // logits, X block and dX's second partial (k = V splits); no W sub-block for f32.
         assert_eq!(all.workspace_bytes(), 4 * (8192 * 32768 + 2 * 8192 * 1024) + 4 * REGION_ALIGN);
@@ -328,7 +329,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             (blocked.schedule(), blocked.token_block(), blocked.vocab_block()),
-            (Schedule::VocabBlocked, 2048, 4096)
+            (BlockSchedule::VocabBlocked, 2048, 4096)
         );
         assert!(matches!(
             Plan::with_blocks(&cfg, Shape { tokens: 8, hidden: 4, vocab: 16, dtype: DType::F32 }, (0, 16)),
@@ -351,7 +352,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             (big.schedule(), big.token_block(), big.vocab_block()),
-            (Schedule::FullVocab, 1024, 32768)
+            (BlockSchedule::FullVocab, 1024, 32768)
         );
         let small = Plan::new(
             &cfg,
@@ -359,7 +360,7 @@ mod tests {
             Budget::Bytes(8 << 20),
         )
         .unwrap();
-        assert_eq!(small.schedule(), Schedule::VocabBlocked);
+        assert_eq!(small.schedule(), BlockSchedule::VocabBlocked);
         assert!(small.workspace_bytes() <= 8 << 20);
         let err = Plan::new(
             &cfg,

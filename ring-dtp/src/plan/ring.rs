@@ -207,15 +207,15 @@ impl RingPlan {
         self.world
     }
     /// Tokens N over all ranks.
-    pub fn n(&self) -> usize {
+    pub fn n_tokens(&self) -> usize {
         self.n
     }
     /// Hidden size D.
-    pub fn d(&self) -> usize {
+    pub fn hidden(&self) -> usize {
         self.d
     }
     /// Vocabulary V.
-    pub fn v(&self) -> usize {
+    pub fn vocab(&self) -> usize {
         self.v
     }
     /// Input dtype.

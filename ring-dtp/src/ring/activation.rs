@@ -41,7 +41,7 @@ pub(super) struct Packet<'w> {
 
 impl<'w> Packet<'w> {
     pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
-        let (c, d) = (plan.token_block(), plan.d());
+        let (c, d) = (plan.token_block(), plan.hidden());
         Ok(Self {
             x: ws.take(elem_bytes(plan.dtype()) * c * d)?,
             dx: ws.take(c * d)?,
@@ -76,7 +76,7 @@ pub(super) struct Scratch<'w> {
 
 impl<'w> Scratch<'w> {
     pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
-        let (cb, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
+        let (cb, vb, d) = (plan.token_block(), plan.vocab_block(), plan.hidden());
         let bf16 = plan.dtype() != DType::F32;
         Ok(Self {
             logits: ws.take::<f32>(cb * vb)?,
@@ -91,14 +91,14 @@ type ActivationRing<'a, 'w, C> = RingBackend<'a, C, Packet<'w>, Scratch<'w>>;
 impl<C: Communicator + ?Sized> ActivationRing<'_, '_, C> {
     /// Bytes of one X row on the wire, and D.
     fn widths(&self) -> (usize, usize) {
-        (elem_bytes(self.plan.dtype()), self.plan.d())
+        (elem_bytes(self.plan.dtype()), self.plan.hidden())
     }
     fn backward(&self) -> bool {
         matches!(self.pass, Pass::Grad { .. })
     }
     /// Sends the part of the current packet the step changed: the statistics, or dX.
     fn send_result(&self, c: usize) -> Result<()> {
-        let (comm, next, d, packet) = (self.comm, self.comm.next_rank(), self.plan.d(), &self.cur);
+        let (comm, next, d, packet) = (self.comm, self.comm.next_rank(), self.plan.hidden(), &self.cur);
         if self.backward() {
             comm.send(next, &packet.dx[..c * d])?;
         } else {
@@ -153,7 +153,7 @@ impl<C: Communicator + ?Sized> RingOps for ActivationRing<'_, '_, C> {
 
     fn compute(&mut self, step: &Step) -> Result<()> {
         let Self { config, plan, rank, pass, scratch: Scratch { logits, x_up, w_up }, cur, cols, .. } = self;
-        let (d, vbmax, c) = (plan.d(), plan.vocab_block(), step.unit.len());
+        let (d, vbmax, c) = (plan.hidden(), plan.vocab_block(), step.unit.len());
         let e = elem_bytes(plan.dtype());
         let (inputs, shard) = (&rank.local, plan.shard(rank.rank));
         let x: &[f32] = match as_matrix(&cur.x[..e * c * d], plan.dtype()) {
@@ -165,7 +165,7 @@ impl<C: Communicator + ?Sized> RingOps for ActivationRing<'_, '_, C> {
         };
         let tokens = TokenBlock { x, targets: &cur.targets[..c] };
         if matches!(pass, Pass::Grad { .. }) {
-            column_grads(config, plan.v(), &cur.coef[..c], &cur.lse[..c], Some(&cur.dlse[..c]), cols);
+            column_grads(config, plan.vocab(), &cur.coef[..c], &cur.lse[..c], Some(&cur.dlse[..c]), cols);
         }
         for v0 in (0..shard.len()).step_by(vbmax.max(1)) {
             let vb = vbmax.min(shard.len() - v0);
@@ -231,7 +231,7 @@ impl<C: Communicator + ?Sized> RingOps for ActivationRing<'_, '_, C> {
     }
 
     fn home(&mut self, step: &Step, home: Range<usize>) -> Result<()> {
-        let (d, h, p, comm) = (self.plan.d(), home.len(), self.plan.world(), self.comm);
+        let (d, h, p, comm) = (self.plan.hidden(), home.len(), self.plan.world(), self.comm);
         if p > 1 {
             self.credit.before_send(comm)?;
             self.send_result(step.unit.len())?;

@@ -118,7 +118,7 @@ fn validate<'a, C: Communicator + ?Sized>(
     config.check_host_precision(plan.dtype(), "the host ring")?;
     check("world size", plan.world(), comm.world_size())?;
     let rank = comm.rank();
-    let (n, v, d) = (plan.tokens(rank).len(), plan.shard(rank).len(), plan.d());
+    let (n, v, d) = (plan.tokens(rank).len(), plan.shard(rank).len(), plan.hidden());
     check("x (n_r·d)", n * d, inputs.x.len())?;
     check("w shard (v_r·d)", v * d, inputs.w_shard.len())?;
     check("targets (n_r)", n, inputs.targets.len())?;
@@ -135,8 +135,8 @@ fn validate<'a, C: Communicator + ?Sized>(
         }
     }
     for (token, &target) in inputs.targets.iter().enumerate() {
-        if target != config.ignore_index && !(0..plan.v() as i64).contains(&target) {
-            return Err(Error::TargetOutOfRange { token, target, vocab: plan.v() });
+        if target != config.ignore_index && !(0..plan.vocab() as i64).contains(&target) {
+            return Err(Error::TargetOutOfRange { token, target, vocab: plan.vocab() });
         }
     }
     let local = Inputs {
@@ -147,7 +147,7 @@ fn validate<'a, C: Communicator + ?Sized>(
         weights: inputs.weights,
         n,
         d,
-        v: plan.v(),
+        v: plan.vocab(),
     };
     Ok(Rank { rank, local })
 }
@@ -236,7 +236,7 @@ pub fn forward<C: Communicator + ?Sized>(
     let rank = validate(comm, config, plan, inputs)?;
     let mut stats = Stats::new(rank.local.n);
     run_pass(comm, config, plan, &rank, Pass::Fold(&mut stats))?;
-    let (per_token, lse) = cpu::per_token_losses(config, &rank.local, plan.v(), &stats);
+    let (per_token, lse) = cpu::per_token_losses(config, &rank.local, plan.vocab(), &stats);
     let local_total: f64 = per_token.iter().map(|&x| x as f64).sum();
     let [total, denom] = all_sum_f64(comm, [local_total, rank.local.valid_weight(config)])?;
     Ok(Forward { loss: cpu::reduce_loss(config, per_token, total, denom), lse })
@@ -263,8 +263,8 @@ pub fn backward<C: Communicator + ?Sized>(
     let coef = cpu::coefficients(config, &rank.local, grad, denom)?;
     let v_r = plan.shard(rank.rank).len();
     let mut grads = Gradients {
-        dx: vec![0.0; n * plan.d()],
-        dw: vec![0.0; v_r * plan.d()],
+        dx: vec![0.0; n * plan.hidden()],
+        dw: vec![0.0; v_r * plan.hidden()],
         dbias: inputs.bias_shard.map(|_| vec![0.0; v_r]),
     };
     let pass = Pass::Grad { coef: &coef, lse: &forward.lse, dlse, grads: &mut grads };

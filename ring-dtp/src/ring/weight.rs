@@ -32,7 +32,7 @@ pub(super) struct Slot<'w> {
 
 impl<'w> Slot<'w> {
     pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
-        let (vb, d) = (plan.vocab_block(), plan.d());
+        let (vb, d) = (plan.vocab_block(), plan.hidden());
         Ok(Self {
             w: ws.take(elem_bytes(plan.dtype()) * vb * d)?,
             dw: ws.take(vb * d)?,
@@ -53,7 +53,7 @@ pub(super) struct Scratch<'w> {
 
 impl<'w> Scratch<'w> {
     pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
-        let (cb, vb, d) = (plan.token_block(), plan.vocab_block(), plan.d());
+        let (cb, vb, d) = (plan.token_block(), plan.vocab_block(), plan.hidden());
         Ok(Self {
             logits: ws.take::<f32>(cb * vb)?,
             targets: ws.take::<u32>(cb)?,
@@ -68,7 +68,7 @@ type WeightRing<'a, 'w, C> = RingBackend<'a, C, Slot<'w>, Scratch<'w>>;
 impl<C: Communicator + ?Sized> WeightRing<'_, '_, C> {
     /// Bytes of one W row on the wire, and D.
     fn widths(&self) -> (usize, usize) {
-        (elem_bytes(self.plan.dtype()), self.plan.d())
+        (elem_bytes(self.plan.dtype()), self.plan.hidden())
     }
     fn has_bias(&self) -> bool {
         self.rank.local.bias.is_some()
@@ -115,7 +115,7 @@ impl<C: Communicator + ?Sized> RingOps for WeightRing<'_, '_, C> {
             cols,
             ..
         } = self;
-        let (d, cb, vb, rows) = (plan.d(), plan.token_block(), step.unit.len(), &step.unit);
+        let (d, cb, vb, rows) = (plan.hidden(), plan.token_block(), step.unit.len(), &step.unit);
         let e = elem_bytes(plan.dtype());
         let inputs = &rank.local;
         let has_bias = inputs.bias.is_some();
@@ -133,7 +133,7 @@ impl<C: Communicator + ?Sized> RingOps for WeightRing<'_, '_, C> {
                 }
                 Pass::Grad { coef, lse, dlse, grads } => {
                     let dlse = dlse.map(|g| &g[t0..t0 + c]);
-                    column_grads(config, plan.v(), &coef[t0..t0 + c], &lse[t0..t0 + c], dlse, cols);
+                    column_grads(config, plan.vocab(), &coef[t0..t0 + c], &lse[t0..t0 + c], dlse, cols);
                     gradient(config, tokens, (rows.start, vb), logits, cols, false);
                     // dX is fresh output memory: the first step's first sub-block writes it
                     // without reading it (no read-then-write page faults).

@@ -109,7 +109,7 @@ pub struct Schedules {
     /// Checkpoint boundaries.
     pub checkpoints: Checkpoints,
     /// The offloaded optimizer step.
-    pub optimizer: stream_adamw::Schedule,
+    pub optimizer: stream_adamw::StepSchedule,
 }
 
 impl Schedules {
@@ -119,7 +119,7 @@ impl Schedules {
             dispatch: Scheme::StandardEp,
             loss: LossSchedule::Materialized,
             checkpoints: Checkpoints::OnDevice,
-            optimizer: stream_adamw::Schedule::Serial,
+            optimizer: stream_adamw::StepSchedule::Serial,
         }
     }
     /// PipelinedLLEP, Ring-DTP, selective checkpoint offload, OffloadStreamAdamW.
@@ -128,7 +128,7 @@ impl Schedules {
             dispatch: Scheme::PipelinedLlep,
             loss: LossSchedule::Ring,
             checkpoints: Checkpoints::Offload,
-            optimizer: stream_adamw::Schedule::Pipelined,
+            optimizer: stream_adamw::StepSchedule::Pipelined,
         }
     }
 }

@@ -15,7 +15,7 @@ impl<C: DeviceCommunicator> RingBackend<'_, C, Packet> {
     /// Sends the current packet's statistics (forward) or dX (backward) on, and receives the
     /// previous rank's into the incoming packet.
     fn exchange_result(&mut self, c: usize, c_in: usize) -> Result<()> {
-        let (comm, d) = (self.comm, self.plan.d());
+        let (comm, d) = (self.comm, self.plan.hidden());
         let (next, prev) = ring_peers(comm);
         let (cur, inc) = (&*self.cur, &mut *self.inc);
         if matches!(self.pass, Pass::Grad { .. }) {
@@ -34,7 +34,7 @@ impl<C: DeviceCommunicator> RingBackend<'_, C, Packet> {
 
 impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, Packet> {
     fn enter(&mut self, own: &Step) -> Result<()> {
-        let (e, d, c, rows) = (self.e, self.plan.d(), own.unit.len(), own.unit.clone());
+        let (e, d, c, rows) = (self.e, self.plan.hidden(), own.unit.len(), own.unit.clone());
         let cur = &mut *self.cur;
         cur.x.load(e, &self.inputs.x, rows.start * d..rows.end * d)?;
         dtod(e, &self.resolved.slice(rows.clone()), &mut cur.targets.slice_mut(..c))?;
@@ -61,7 +61,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, Packet> {
     /// Early: the X rows, targets and backward row data travel on while this step's GEMMs read
     /// them.
     fn send_inputs(&mut self, step: &Step, c_in: usize) -> Result<()> {
-        let (comm, d, c) = (self.comm, self.plan.d(), step.unit.len());
+        let (comm, d, c) = (self.comm, self.plan.hidden(), step.unit.len());
         let (next, prev) = ring_peers(comm);
         let (cur, inc) = (&*self.cur, &mut *self.inc);
         exchange_raw(comm, (&cur.x, c * d), (&mut inc.x, c_in * d))?;
@@ -77,7 +77,8 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, Packet> {
 
     fn compute(&mut self, step: &Step) -> Result<()> {
         let Self { config, plan, comm, e, logits, x_wide, w_wide, cur, inputs, pass, .. } = self;
-        let (d, c, vbmax, shard) = (plan.d(), step.unit.len(), plan.vocab_block(), plan.shard(comm.rank()));
+        let (d, c, vbmax, shard) =
+            (plan.hidden(), step.unit.len(), plan.vocab_block(), plan.shard(comm.rank()));
         let x = cur.x.f32(e, c * d, x_wide)?;
         for v0 in (0..shard.len()).step_by(vbmax.max(1)) {
             let vb = vbmax.min(shard.len() - v0);
@@ -107,7 +108,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, Packet> {
                         lse: cur.lse.slice(..c),
                         dlse: Some(cur.dlse.slice(..c)),
                     };
-                    e.gradient(config, plan.v(), block, rv)?;
+                    e.gradient(config, plan.vocab(), block, rv)?;
                     // dbias sums the f32 G; bf16 inputs then round G to bf16 (as on the CPU).
                     if let Some(db) = grads.dbias.as_mut() {
                         e.bias_grad(logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
@@ -133,7 +134,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, Packet> {
     /// Step P − 1: this rank's own block comes home, complete, into the outputs.
     fn home(&mut self, step: &Step, home: Range<usize>) -> Result<()> {
         let (d, c, p, comm, e, cur) =
-            (self.plan.d(), step.unit.len(), self.plan.world(), self.comm, self.e, &*self.cur);
+            (self.plan.hidden(), step.unit.len(), self.plan.world(), self.comm, self.e, &*self.cur);
         let (next, prev) = ring_peers(comm);
         match &mut self.pass {
             Pass::Fold(stats) => {

@@ -210,7 +210,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         let ctx = comm.stream().context().clone();
         let compute = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
         let engine = Engine::new(KernelCache::new(ctx)?, compute, config.precision)?;
-        let (c, vb, d, dt) = (plan.token_block(), plan.vocab_block(), plan.d(), plan.dtype());
+        let (c, vb, d, dt) = (plan.token_block(), plan.vocab_block(), plan.hidden(), plan.dtype());
         let wide = dt != DType::F32;
         let e = &engine;
         let buffers = match plan.kind() {
@@ -268,7 +268,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
 
     fn check(&self, inputs: &DeviceRankInputs<'_>) -> Result<(usize, usize)> {
         let rank = self.comm.rank();
-        let (n, v, d) = (self.plan.tokens(rank).len(), self.plan.shard(rank).len(), self.plan.d());
+        let (n, v, d) = (self.plan.tokens(rank).len(), self.plan.shard(rank).len(), self.plan.hidden());
         for (what, expected, found) in [
             ("x (n_r·d)", n * d, inputs.x.len()),
             ("w shard (v_r·d)", v * d, inputs.w_shard.len()),
@@ -304,7 +304,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
     pub fn forward(&mut self, inputs: &DeviceRankInputs<'_>) -> Result<Forward> {
         let (n, _) = self.check(inputs)?;
         self.after_caller()?;
-        let (d, v) = (self.plan.d(), self.plan.v());
+        let (d, v) = (self.plan.hidden(), self.plan.vocab());
         let mut resolved = self.engine.zeros::<u32>(n)?;
         let host = HostRows::resolve(
             &self.engine,
@@ -333,7 +333,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
     ) -> Result<DeviceGradients> {
         let (n, v_r) = self.check(inputs)?;
         self.after_caller()?;
-        let (d, v) = (self.plan.d(), self.plan.v());
+        let (d, v) = (self.plan.hidden(), self.plan.vocab());
         if forward.lse.len() != n {
             return Err(Error::ShapeMismatch { what: "lse (n_r)", expected: n, got: forward.lse.len() });
         }

@@ -21,7 +21,7 @@ impl<C: DeviceCommunicator> RingBackend<'_, C, WeightSlot> {
 
 impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
     fn enter(&mut self, own: &Step) -> Result<()> {
-        let (e, d, vb, local) = (self.e, self.plan.d(), own.unit.len(), self.local(&own.unit));
+        let (e, d, vb, local) = (self.e, self.plan.hidden(), own.unit.len(), self.local(&own.unit));
         self.cur.w.load(e, &self.inputs.w_shard, local.start * d..local.end * d)?;
         if let Some(bias) = self.inputs.bias_shard {
             dtod(e, &bias.slice(local), &mut self.cur.bias.slice_mut(..vb))?;
@@ -35,7 +35,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
 
     /// Early: the W rows and bias travel on while this step's GEMMs read them.
     fn send_inputs(&mut self, step: &Step, vb_in: usize) -> Result<()> {
-        let (comm, d, vb) = (self.comm, self.plan.d(), step.unit.len());
+        let (comm, d, vb) = (self.comm, self.plan.hidden(), step.unit.len());
         let (next, prev) = ring_peers(comm);
         exchange_raw(comm, (&self.cur.w, vb * d), (&mut self.inc.w, vb_in * d))?;
         if self.inputs.bias_shard.is_some() {
@@ -46,7 +46,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
 
     fn compute(&mut self, step: &Step) -> Result<()> {
         let Self { config, plan, comm, e, logits, x_wide, w_wide, cur, inputs, resolved, pass, .. } = self;
-        let (d, vb, v0) = (plan.d(), step.unit.len(), step.unit.start);
+        let (d, vb, v0) = (plan.hidden(), step.unit.len(), step.unit.start);
         let (n, cb) = (plan.tokens(comm.rank()).len(), plan.token_block());
         let has_bias = inputs.bias_shard.is_some();
         let w = cur.w.f32(e, vb * d, w_wide)?;
@@ -70,7 +70,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
                         lse: lse.slice(t0..t0 + c),
                         dlse: dlse.map(|g| g.slice(t0..t0 + c)),
                     };
-                    e.gradient(config, plan.v(), block, rv)?;
+                    e.gradient(config, plan.vocab(), block, rv)?;
                     // dbias sums the f32 G; bf16 inputs then round G to bf16 (as on the CPU).
                     if has_bias {
                         e.bias_grad(logits, (c, vb), &mut cur.dbias.slice_mut(..vb))?;
@@ -88,7 +88,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
 
     /// Late: the accumulators follow once the step's GEMMs are done.
     fn pass_on(&mut self, step: &Step, vb_in: usize, carried: bool) -> Result<()> {
-        let (d, vb) = (self.plan.d(), step.unit.len());
+        let (d, vb) = (self.plan.hidden(), step.unit.len());
         if carried {
             let (next, prev) = ring_peers(self.comm);
             let mut send = vec![self.cur.dw.slice(..vb * d)];
@@ -105,7 +105,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
 
     /// Step P − 1: this rank's own sub-block comes home, complete, into the outputs.
     fn home(&mut self, step: &Step, home: Range<usize>) -> Result<()> {
-        let (d, vb, local) = (self.plan.d(), step.unit.len(), self.local(&home));
+        let (d, vb, local) = (self.plan.hidden(), step.unit.len(), self.local(&home));
         let (p, comm, e, cur) = (self.plan.world(), self.comm, self.e, &*self.cur);
         let Pass::Grad { grads, .. } = &mut self.pass else {
             return Ok(()); // the forward pass carries nothing home (`run_ring` never asks)
