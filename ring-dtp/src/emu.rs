@@ -320,28 +320,8 @@ fn check(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Vec<u32>> 
     config.validate()?;
     config.check_host_precision(inputs.x.dtype(), "the emulated device")?;
     // Shapes and dtypes on the host; targets by the kernel (as on the device).
-    for (what, expected, found) in [
-        ("x (n·d)", inputs.n * inputs.d, inputs.x.len()),
-        ("w (v·d)", inputs.v * inputs.d, inputs.w.len()),
-        ("targets (n)", inputs.n, inputs.targets.len()),
-        ("n", plan.n_tokens(), inputs.n),
-        ("d", plan.hidden(), inputs.d),
-        ("v", plan.vocab(), inputs.v),
-    ] {
-        if expected != found {
-            return Err(Error::ShapeMismatch { what, expected, got: found });
-        }
-    }
-    if inputs.x.dtype() != inputs.w.dtype() || inputs.x.dtype() != plan.dtype() {
-        return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w.dtype() });
-    }
-    if let Some(b) = inputs.bias.filter(|b| b.len() != inputs.v) {
-        return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, got: b.len() });
-    }
+    inputs.sizes().check_plan(plan)?;
     if let Some(w) = inputs.weights {
-        if w.len() != inputs.n {
-            return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, got: w.len() });
-        }
         crate::inputs::check_weights(w)?;
     }
     resolve_targets(config, inputs)

@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::plan::Shape;
+use crate::plan::{Plan, Shape};
 
 /// Elements one task widens from bf16.
 const WIDEN_CHUNK: usize = 1 << 16;
@@ -103,21 +103,9 @@ impl<'a> Inputs<'a> {
     pub fn validate(&self, config: &Config) -> Result<()> {
         config.validate()?;
         config.check_host_precision(self.x.dtype(), "the CPU")?;
-        let check = |what, expected: usize, found: usize| {
-            if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
-        };
-        check("x (n·d)", self.n * self.d, self.x.len())?;
-        check("w (v·d)", self.v * self.d, self.w.len())?;
-        check("targets (n)", self.n, self.targets.len())?;
-        if let Some(b) = self.bias {
-            check("bias (v)", self.v, b.len())?;
-        }
+        self.sizes().check()?;
         if let Some(w) = self.weights {
-            check("weights (n)", self.n, w.len())?;
             check_weights(w)?;
-        }
-        if self.x.dtype() != self.w.dtype() {
-            return Err(Error::DtypeMismatch { x: self.x.dtype(), w: self.w.dtype() });
         }
         for (token, &target) in self.targets.iter().enumerate() {
             if target != config.ignore_index && !(0..self.v as i64).contains(&target) {
@@ -125,6 +113,18 @@ impl<'a> Inputs<'a> {
             }
         }
         Ok(())
+    }
+
+    /// The sizes and dtypes every backend checks.
+    pub(crate) fn sizes(&self) -> CallSizes {
+        CallSizes {
+            dims: (self.n, self.d, self.v),
+            x: (self.x.len(), self.x.dtype()),
+            w: (self.w.len(), self.w.dtype()),
+            targets: self.targets.len(),
+            bias: self.bias.map(<[f32]>::len),
+            weights: self.weights.map(<[f32]>::len),
+        }
     }
 
     /// The target row `i` predicts, or `None` when it is ignored (ignore_index, or past the end
@@ -195,6 +195,65 @@ pub enum GradOutput<'a> {
     Scalar(f32),
     /// d(ℓ_i) per token, for reduction none.
     PerToken(&'a [f32]),
+}
+
+/// The sizes and dtypes of one call's tensors, wherever they live (host [`Inputs`] or a device's
+/// inputs): the one shape check every backend runs, before any block.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CallSizes {
+    /// N, D, V as the call states them.
+    pub dims: (usize, usize, usize),
+    /// Elements and dtype of X.
+    pub x: (usize, DType),
+    /// Elements and dtype of W.
+    pub w: (usize, DType),
+    /// Elements of the targets.
+    pub targets: usize,
+    /// Elements of the bias, if any.
+    pub bias: Option<usize>,
+    /// Elements of the per-token weights, if any.
+    pub weights: Option<usize>,
+}
+
+impl CallSizes {
+    /// Every length against the call's N, D and V (X N·D, W V·D, targets and weights N, bias
+    /// V), and X and W of one dtype.
+    pub(crate) fn check(&self) -> Result<()> {
+        let (n, d, v) = self.dims;
+        let check = |what, expected: usize, found: usize| {
+            if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
+        };
+        check("x (n·d)", n * d, self.x.0)?;
+        check("w (v·d)", v * d, self.w.0)?;
+        check("targets (n)", n, self.targets)?;
+        if let Some(b) = self.bias {
+            check("bias (v)", v, b)?;
+        }
+        if let Some(w) = self.weights {
+            check("weights (n)", n, w)?;
+        }
+        if self.x.1 != self.w.1 {
+            return Err(Error::DtypeMismatch { x: self.x.1, w: self.w.1 });
+        }
+        Ok(())
+    }
+
+    /// [`check`](Self::check), then N, D, V and the dtype against `plan`'s.
+    pub(crate) fn check_plan(&self, plan: &Plan) -> Result<()> {
+        self.check()?;
+        let (n, d, v) = self.dims;
+        for (what, expected, found) in
+            [("n", plan.n_tokens(), n), ("d", plan.hidden(), d), ("v", plan.vocab(), v)]
+        {
+            if expected != found {
+                return Err(Error::ShapeMismatch { what, expected, got: found });
+            }
+        }
+        if plan.dtype() != self.x.1 {
+            return Err(Error::DtypeMismatch { x: self.x.1, w: plan.dtype() });
+        }
+        Ok(())
+    }
 }
 
 /// The upstream gradients of the loss's two outputs: of the loss itself and, optionally, of the

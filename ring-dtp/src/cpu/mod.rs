@@ -69,20 +69,6 @@ fn bf16_kernel(config: &Config, inputs: &Inputs<'_>) -> Option<Bf16Gemm> {
     }
 }
 
-fn check_plan(plan: &Plan, inputs: &Inputs<'_>) -> Result<()> {
-    for (what, expected, found) in
-        [("n", plan.n_tokens(), inputs.n), ("d", plan.hidden(), inputs.d), ("v", plan.vocab(), inputs.v)]
-    {
-        if expected != found {
-            return Err(Error::ShapeMismatch { what, expected, got: found });
-        }
-    }
-    if plan.dtype() != inputs.x.dtype() {
-        return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: plan.dtype() });
-    }
-    Ok(())
-}
-
 /// Per-row gradient scale c_i from the reduction and the upstream gradient (0 for ignored rows).
 /// `mean_denominator` is Σ of the valid rows' weights (over every rank, for a ring).
 pub(crate) fn coefficients(
@@ -419,7 +405,7 @@ pub(crate) fn forward_in(
     inputs: &Inputs<'_>,
 ) -> Result<Forward> {
     inputs.validate(config)?;
-    check_plan(plan, inputs)?;
+    inputs.sizes().check_plan(plan)?;
     let stats = run(ws, (config, plan, inputs), (Pass::Forward, None), None)?;
     let stats = stats.ok_or_else(|| missing("fold stats"))?;
     Ok(finish_forward(config, inputs, &stats))
@@ -460,7 +446,7 @@ pub(crate) fn backward_into(
     out: GradientsMut<'_>,
 ) -> Result<()> {
     inputs.validate(config)?;
-    check_plan(plan, inputs)?;
+    inputs.sizes().check_plan(plan)?;
     out.check(inputs)?;
     if lse.len() != inputs.n {
         return Err(Error::ShapeMismatch { what: "lse (n)", expected: inputs.n, got: lse.len() });
@@ -506,7 +492,7 @@ pub(crate) fn forward_backward_into(
     out: GradientsMut<'_>,
 ) -> Result<Forward> {
     inputs.validate(config)?;
-    check_plan(plan, inputs)?;
+    inputs.sizes().check_plan(plan)?;
     out.check(inputs)?;
     // The upstream gradient is checked before any block runs, on either schedule.
     let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;

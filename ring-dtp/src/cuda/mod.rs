@@ -362,29 +362,15 @@ impl CudaLinearCrossEntropy {
 type Fixed<'s> = (&'s Config, &'s Plan, &'s mut BlockBuffers);
 
 fn check_inputs(plan: &Plan, inputs: &DeviceInputs<'_>) -> Result<()> {
-    let p = plan;
-    for (what, expected, found) in [
-        ("n", p.n_tokens(), inputs.n),
-        ("d", p.hidden(), inputs.d),
-        ("v", p.vocab(), inputs.v),
-        ("x (n·d)", inputs.n * inputs.d, inputs.x.len()),
-        ("w (v·d)", inputs.v * inputs.d, inputs.w.len()),
-        ("targets (n)", inputs.n, inputs.targets.len()),
-    ] {
-        if expected != found {
-            return Err(Error::ShapeMismatch { what, expected, got: found });
-        }
-    }
-    if inputs.x.dtype() != inputs.w.dtype() || inputs.x.dtype() != p.dtype() {
-        return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w.dtype() });
-    }
-    if let Some(b) = inputs.bias.filter(|b| b.len() != inputs.v) {
-        return Err(Error::ShapeMismatch { what: "bias (v)", expected: inputs.v, got: b.len() });
-    }
-    if let Some(w) = inputs.weights.filter(|w| w.len() != inputs.n) {
-        return Err(Error::ShapeMismatch { what: "weights (n)", expected: inputs.n, got: w.len() });
-    }
-    Ok(())
+    let sizes = crate::inputs::CallSizes {
+        dims: (inputs.n, inputs.d, inputs.v),
+        x: (inputs.x.len(), inputs.x.dtype()),
+        w: (inputs.w.len(), inputs.w.dtype()),
+        targets: inputs.targets.len(),
+        bias: inputs.bias.map(|b| b.len()),
+        weights: inputs.weights.map(|w| w.len()),
+    };
+    sizes.check_plan(plan)
 }
 
 /// The backend of one call: targets resolved on the device (checked against 0..V) and the
