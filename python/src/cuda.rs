@@ -134,35 +134,29 @@ fn with_executor<R>(
 ) -> ring_dtp::Result<R> {
     let key = format!("{ordinal}/{:p}/{:?}/{plan:?}", stream.cu_stream(), options.config);
     let mut executors = cache().lock().unwrap_or_else(|p| p.into_inner());
-    if !executors.contains_key(&key) {
-        if executors.len() >= CACHED_EXECUTORS {
-            executors.clear();
-        }
-        let lce = CudaLinearCrossEntropy::on_stream(plan, stream.clone())?;
-        executors.insert(key.clone(), lce);
+    if executors.len() >= CACHED_EXECUTORS && !executors.contains_key(&key) {
+        executors.clear();
     }
-    let lce = executors
-        .get_mut(&key)
-        .ok_or_else(|| ring_dtp::Error::invalid_config("executor", "missing", "cached"))?;
+    let lce = match executors.entry(key) {
+        std::collections::hash_map::Entry::Occupied(cached) => cached.into_mut(),
+        std::collections::hash_map::Entry::Vacant(slot) => {
+            slot.insert(CudaLinearCrossEntropy::on_stream(plan, stream.clone())?)
+        }
+    };
     f(lce)
 }
 
-/// Byte offsets of the three block buffers in the workspace tensor, and its size.
-fn carve(plan: &Plan) -> ([usize; 3], [usize; 3], usize) {
-    let lens = BlockBuffers::lens(plan).map(|l| l.max(1));
-    let mut offsets = [0usize; 3];
-    let mut end = 0usize;
-    for (offset, len) in offsets.iter_mut().zip(lens) {
-        *offset = end.next_multiple_of(CARVE_ALIGN);
-        end = *offset + len * 4;
-    }
-    (offsets, lens, end)
+/// Byte offsets of the three block buffers in the workspace tensor (each at least one element,
+/// ring-dtp's layout), their lengths, and the tensor's size.
+fn carve(plan: &Plan) -> ring_dtp::Result<([usize; 3], [usize; 3], usize)> {
+    let (offsets, bytes) = BlockBuffers::packed(plan, CARVE_ALIGN)?;
+    Ok((offsets, BlockBuffers::lens(plan).map(|l| l.max(1)), bytes))
 }
 
 /// Bytes of the `uint8` CUDA tensor the CUDA path carves `options`' block buffers from.
 pub fn workspace_bytes(options: &LossOptions, shape: Shape) -> PyResult<usize> {
     let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
-    Ok(carve(&plan).2)
+    Ok(carve(&plan).map_err(to_py)?.2)
 }
 
 /// One call's device tensors: X, W, targets, bias, weights.
@@ -281,7 +275,7 @@ unsafe fn block_buffers(
     plan: &Plan,
     ordinal: usize,
 ) -> PyResult<(Carved, Span)> {
-    let (offsets, lens, bytes) = carve(plan);
+    let (offsets, lens, bytes) = carve(plan).map_err(to_py)?;
     let (address, _) = checked::<u8>("workspace", workspace, &[Some(bytes)], TensorDevice::Cuda(ordinal))?;
     if !address.is_multiple_of(CARVE_ALIGN) {
         return Err(PyValueError::new_err(format!(

@@ -15,6 +15,7 @@
 //! A vocabulary block is loaded only when it changes, so on the full-vocabulary schedule W is
 //! brought in (widened, for bf16) once per call.
 
+use crate::cpu::Stats;
 use crate::error::{Error, Result};
 use crate::plan::{BlockSchedule, Plan};
 
@@ -50,6 +51,10 @@ pub(crate) struct GradientInputs<'a> {
 /// One backend's operations on one block. Each is called in the order [`run_blocks`] states;
 /// a backend keeps the call's inputs, its block buffers, the statistics and the gradients.
 pub(crate) trait BlockOps {
+    /// Readies `pass` before its first block: fresh per-token statistics for a forward or fused
+    /// pass; for a backward or fused pass, the gradients cleared where no block writes them
+    /// first, and `gradient` copied to where the backend's kernels read it (a device backend).
+    fn begin(&mut self, pass: Pass, gradient: Option<&GradientInputs<'_>>) -> Result<()>;
     /// Makes token rows `t0..t0 + c` of X (and their targets) the current token block.
     fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()>;
     /// Makes vocabulary rows `v0..v0 + vb` of W the current vocabulary block. Called only when
@@ -63,17 +68,33 @@ pub(crate) trait BlockOps {
     /// block covered the whole vocabulary).
     fn row_lse(&mut self, at: BlockAt) -> Result<()>;
     /// Turns the logits of block `at` into the logit gradient G in place, from the saved lse
-    /// ([`Pass::Backward`]) or from [`row_lse`](BlockOps::row_lse)'s ([`Pass::Fused`]).
-    fn gradient(&mut self, at: BlockAt, pass: Pass) -> Result<()>;
+    /// ([`Pass::Backward`]) or from [`row_lse`](BlockOps::row_lse)'s ([`Pass::Fused`]), with
+    /// `gradient`'s row scales (a device backend reads the copies [`begin`](BlockOps::begin)
+    /// made).
+    fn gradient(&mut self, at: BlockAt, pass: Pass, gradient: &GradientInputs<'_>) -> Result<()>;
     /// Projects G of block `at` into dX, dW and dbias.
     fn project(&mut self, at: BlockAt) -> Result<()>;
+    /// The per-token statistics a forward or fused pass finished, on the host.
+    fn take_stats(&mut self) -> Result<Stats>;
 }
 
-/// Runs `pass` over every block of `plan` on `ops`.
-pub(crate) fn run_blocks<B: BlockOps>(ops: &mut B, plan: &Plan, pass: Pass) -> Result<()> {
+/// Runs `pass` over every block of `plan` on `ops`; `gradient` is what a backward or fused
+/// pass's gradient reads (none for a forward pass).
+pub(crate) fn run_blocks<B: BlockOps + ?Sized>(
+    ops: &mut B,
+    plan: &Plan,
+    pass: Pass,
+    gradient: Option<&GradientInputs<'_>>,
+) -> Result<()> {
     if pass == Pass::Fused && plan.schedule() != BlockSchedule::FullVocab {
-        return Err(Error::invalid_config("schedule", plan.schedule(), "FullVocab for a fused pass"));
+        return Err(Error::internal("a fused pass runs on the full-vocabulary schedule only"));
     }
+    let gradient_inputs = match (pass, gradient) {
+        (Pass::Forward, _) => None,
+        (_, Some(g)) => Some(g),
+        (_, None) => return Err(Error::internal("a backward or fused pass has its gradient inputs")),
+    };
+    ops.begin(pass, gradient)?;
     let (n, v) = (plan.n_tokens(), plan.vocab());
     let (cb, vbmax) = (plan.token_block().max(1), plan.vocab_block().max(1));
     let mut loaded = None;
@@ -97,7 +118,9 @@ pub(crate) fn run_blocks<B: BlockOps>(ops: &mut B, plan: &Plan, pass: Pass) -> R
             if pass == Pass::Fused {
                 ops.row_lse(at)?;
             }
-            ops.gradient(at, pass)?;
+            if let Some(g) = gradient_inputs {
+                ops.gradient(at, pass, g)?;
+            }
             ops.project(at)?;
         }
     }
@@ -117,6 +140,10 @@ mod tests {
     struct Trace(Vec<String>);
 
     impl BlockOps for Trace {
+        fn begin(&mut self, pass: Pass, _: Option<&GradientInputs<'_>>) -> Result<()> {
+            self.0.push(format!("begin{pass:?}"));
+            Ok(())
+        }
         fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
             self.0.push(format!("x{t0}+{c}"));
             Ok(())
@@ -137,7 +164,7 @@ mod tests {
             self.0.push("lse".into());
             Ok(())
         }
-        fn gradient(&mut self, _: BlockAt, pass: Pass) -> Result<()> {
+        fn gradient(&mut self, _: BlockAt, pass: Pass, _: &GradientInputs<'_>) -> Result<()> {
             self.0.push(format!("g{pass:?}"));
             Ok(())
         }
@@ -145,11 +172,15 @@ mod tests {
             self.0.push("proj".into());
             Ok(())
         }
+        fn take_stats(&mut self) -> Result<Stats> {
+            Ok(Stats::new(0))
+        }
     }
 
     fn trace(plan: &Plan, pass: Pass) -> Result<String> {
         let mut t = Trace::default();
-        run_blocks(&mut t, plan, pass)?;
+        let gradient = GradientInputs { coef: &[], saved_lse: &[], dlse: None };
+        run_blocks(&mut t, plan, pass, (pass != Pass::Forward).then_some(&gradient))?;
         Ok(t.0.join(" "))
     }
 
@@ -160,19 +191,22 @@ mod tests {
         let blocked = Plan::with_blocks(&config, shape, (3, 4)).unwrap();
         assert_eq!(
             trace(&blocked, Pass::Forward).unwrap(),
-            "x0+3 w0+4 z fold w4+3 z fold x3+2 w0+4 z fold w4+3 z fold"
+            "beginForward x0+3 w0+4 z fold w4+3 z fold x3+2 w0+4 z fold w4+3 z fold"
         );
         assert_eq!(
             trace(&blocked, Pass::Backward).unwrap(),
-            "x0+3 w0+4 z gBackward proj w4+3 z gBackward proj x3+2 w0+4 z gBackward proj w4+3 z gBackward proj"
+            "beginBackward x0+3 w0+4 z gBackward proj w4+3 z gBackward proj x3+2 w0+4 z gBackward proj w4+3 z gBackward proj"
         );
-        assert!(matches!(trace(&blocked, Pass::Fused), Err(Error::InvalidConfig { field: "schedule", .. })));
+        assert!(matches!(trace(&blocked, Pass::Fused), Err(Error::Internal { .. })));
+        let mut t = Trace::default();
+        assert!(matches!(run_blocks(&mut t, &blocked, Pass::Backward, None), Err(Error::Internal { .. })));
+        assert!(t.0.is_empty(), "nothing ran");
         let full = Plan::with_blocks(&config, shape, (3, 7)).unwrap();
         assert_eq!(
             trace(&full, Pass::Fused).unwrap(),
-            "x0+3 w0+7 z fold lse gFused proj x3+2 z fold lse gFused proj"
+            "beginFused x0+3 w0+7 z fold lse gFused proj x3+2 z fold lse gFused proj"
         );
         let empty = Plan::new(&config, Shape { tokens: 0, ..shape }, Budget::Unlimited).unwrap();
-        assert_eq!(trace(&empty, Pass::Fused).unwrap(), "");
+        assert_eq!(trace(&empty, Pass::Fused).unwrap(), "beginFused");
     }
 }

@@ -8,13 +8,14 @@ use flatpeak_common::emu::{EmuLaunchConfig, launch, race_checked_state};
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef};
 use flatpeak_common::kernels::grid_stride_blocks;
 
-use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass, run_blocks};
+use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
 use crate::config::Config;
 use crate::cpu::{self, Stats, gemm};
+use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
+use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix};
 use crate::kernels::{LINEAR_THREADS, NO_TARGET, softcap_arg};
-use crate::plan::{self, Plan};
+use crate::plan::Plan;
 
 mod ffi {
     unsafe extern "C" {
@@ -59,6 +60,7 @@ mod ffi {
         pub fn lce_bias_grad(g: *const f32, rows: u32, vb: u32, dbias: *mut f32);
         pub fn lce_widen_bf16(x: *const half::bf16, out: *mut f32, n: u64);
         pub fn lce_narrow_rows_bf16(g: *mut f32, vb: u32);
+        pub fn lce_round_bf16(g: *mut f32, n: u64);
     }
 }
 
@@ -302,7 +304,9 @@ fn bias_grad(g: &[f32], (c, vb): (usize, usize), dbias: &mut [f32]) -> Result<()
     Ok(())
 }
 
-/// Block buffers of the device schedule, sized by the plan.
+/// Block buffers of the device schedule: the plan's logits block ([`Plan::device_regions`]),
+/// and X and W blocks as f32 for the CPU GEMM standing in for cuBLAS (which reads f32 and bf16
+/// inputs in place, or the widened blocks).
 struct Buffers {
     logits: Vec<f32>,
     x: Vec<f32>,
@@ -312,25 +316,14 @@ struct Buffers {
 impl Buffers {
     fn new(plan: &Plan) -> Self {
         let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.hidden());
-        Self { logits: vec![0.0; c * vb], x: vec![0.0; c * d], w: vec![0.0; vb * d] }
+        Self { logits: vec![0.0; plan.device_regions().logits], x: vec![0.0; c * d], w: vec![0.0; vb * d] }
     }
-}
-
-fn check(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Vec<u32>> {
-    config.validate()?;
-    config.check_host_precision(inputs.x.dtype(), "the emulated device")?;
-    // Shapes and dtypes on the host; targets by the kernel (as on the device).
-    inputs.sizes().check_plan(plan)?;
-    if let Some(w) = inputs.weights {
-        crate::inputs::check_weights(w)?;
-    }
-    resolve_targets(config, inputs)
 }
 
 /// The device schedule under the emulator, as a backend of the block schedule
 /// ([`crate::blocks`]): X and W blocks widened by the widening kernel, raw logits by a CPU GEMM
 /// standing in for cuBLAS, then the fold, row-lse, gradient and bias-gradient kernels.
-struct EmuBlocks<'a> {
+struct EmuBlocks<'a, 'g> {
     config: &'a Config,
     inputs: &'a Inputs<'a>,
     targets: Vec<u32>,
@@ -338,42 +331,19 @@ struct EmuBlocks<'a> {
     stats: Option<Stats>,
     /// The fused pass's lse of every row.
     lse: Vec<f32>,
-    grads: Option<Gradients>,
-    gradient: Option<GradientInputs<'a>>,
+    grads: Option<GradientsMut<'g>>,
 }
 
-impl<'a> EmuBlocks<'a> {
-    /// The backend of one call, from the targets [`check`] resolved.
-    fn new(
-        (config, plan, inputs): (&'a Config, &Plan, &'a Inputs<'a>),
-        targets: Vec<u32>,
-        pass: Pass,
-        gradient: Option<GradientInputs<'a>>,
-    ) -> Self {
-        let (n, d, v) = (inputs.n, inputs.d, inputs.v);
-        Self {
-            config,
-            inputs,
-            targets,
-            buf: Buffers::new(plan),
-            stats: (pass != Pass::Backward).then(|| Stats::new(n)),
-            lse: vec![0.0; if pass == Pass::Fused { n } else { 0 }],
-            grads: (pass != Pass::Forward).then(|| Gradients {
-                dx: vec![0.0; n * d],
-                dw: vec![0.0; v * d],
-                dbias: inputs.bias.map(|_| vec![0.0; v]),
-            }),
-            gradient,
-        }
-    }
-
-    /// The loss and lse from the finished statistics.
-    fn finish_forward(&self) -> Result<Forward> {
-        let stats = self.stats.as_ref().ok_or_else(|| missing("fold stats"))?;
-        let (per_token, lse) = cpu::per_token_losses(self.config, self.inputs, self.inputs.v, stats);
-        let total: f64 = per_token.iter().map(|&x| x as f64).sum();
-        let loss = cpu::reduce_loss(self.config, per_token, total, self.inputs.valid_weight(self.config));
-        Ok(Forward { loss, lse })
+impl<'a, 'g> EmuBlocks<'a, 'g> {
+    /// Checks the call, resolving every target by the kernel (as on the device); `grads`
+    /// receives a backward's gradients.
+    fn open(call: Call<'a>, grads: Option<GradientsMut<'g>>) -> Result<Self> {
+        let Call { config, plan, rows: inputs } = call;
+        config.check_host_precision(inputs.x.dtype(), "the emulated device")?;
+        driver::check_call(config, plan, inputs.sizes(), grads.as_ref().map(GradientsMut::lens))?;
+        driver::check_rows(inputs)?;
+        let targets = resolve_targets(config, inputs)?;
+        Ok(Self { config, inputs, targets, buf: Buffers::new(plan), stats: None, lse: Vec::new(), grads })
     }
 }
 
@@ -393,7 +363,18 @@ fn missing(what: &'static str) -> Error {
     Error::internal(what)
 }
 
-impl BlockOps for EmuBlocks<'_> {
+impl BlockOps for EmuBlocks<'_, '_> {
+    fn begin(&mut self, pass: Pass, _gradient: Option<&GradientInputs<'_>>) -> Result<()> {
+        let n = self.inputs.n;
+        self.stats = (pass != Pass::Backward).then(|| Stats::new(n));
+        self.lse = vec![0.0; if pass == Pass::Fused { n } else { 0 }];
+        if pass != Pass::Forward {
+            // The GEMMs and the bias-gradient kernel add into the gradients.
+            self.grads.as_mut().ok_or_else(|| missing("gradients"))?.fill_zero();
+        }
+        Ok(())
+    }
+
     fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
         widen_rows(&self.inputs.x, t0..t0 + c, self.inputs.d, &mut self.buf.x)
     }
@@ -417,10 +398,9 @@ impl BlockOps for EmuBlocks<'_> {
         row_lse(stats, at.t0, &mut self.lse[at.t0..at.t0 + at.c])
     }
 
-    fn gradient(&mut self, at: BlockAt, pass: Pass) -> Result<()> {
+    fn gradient(&mut self, at: BlockAt, pass: Pass, g: &GradientInputs<'_>) -> Result<()> {
         let (t0, c) = (at.t0, at.c);
-        let Self { config, inputs, targets, buf, lse, gradient, .. } = self;
-        let g = gradient.as_ref().ok_or_else(|| missing("gradient scales"))?;
+        let Self { config, inputs, targets, buf, lse, .. } = self;
         let rows = RowGrad {
             coef: &g.coef[t0..t0 + c],
             lse: if pass == Pass::Fused { &lse[t0..t0 + c] } else { &g.saved_lse[t0..t0 + c] },
@@ -436,14 +416,16 @@ impl BlockOps for EmuBlocks<'_> {
         let round = x == w && cpu::rounds_gradient(self.config, x);
         project_block(&mut self.buf, (at.t0, at.c, at.v0, at.vb, self.inputs.d), grads, round)
     }
+
+    fn take_stats(&mut self) -> Result<Stats> {
+        self.stats.take().ok_or_else(|| missing("fold stats"))
+    }
 }
 
 /// The loss and per-row lse by the device schedule (fold kernel per block).
 pub fn forward(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
-    let targets = check(config, plan, inputs)?;
-    let mut ops = EmuBlocks::new((config, plan, inputs), targets, Pass::Forward, None);
-    run_blocks(&mut ops, plan, Pass::Forward)?;
-    ops.finish_forward()
+    let call = Call { config, plan, rows: inputs };
+    driver::forward(&mut EmuBlocks::open(call, None)?, call)
 }
 
 /// dX, dW (and dbias) by the device schedule: recompute each block's raw logits, the gradient
@@ -456,19 +438,11 @@ pub fn backward(
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
-    let targets = check(config, plan, inputs)?;
-    let n = inputs.n;
-    if forward.lse.len() != n {
-        return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, got: forward.lse.len() });
-    }
-    if let Some(g) = dlse.filter(|g| g.len() != n) {
-        return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, got: g.len() });
-    }
-    let coef = cpu::coefficients(config, inputs, grad, inputs.valid_weight(config))?;
-    let gradient = GradientInputs { coef: &coef, saved_lse: &forward.lse, dlse };
-    let mut ops = EmuBlocks::new((config, plan, inputs), targets, Pass::Backward, Some(gradient));
-    run_blocks(&mut ops, plan, Pass::Backward)?;
-    ops.grads.ok_or_else(|| missing("gradients"))
+    let mut grads = driver::zero_gradients(plan, inputs)?;
+    let call = Call { config, plan, rows: inputs };
+    let saved = Saved { lse: &forward.lse, grad, dlse };
+    driver::backward(&mut EmuBlocks::open(call, Some(grads.as_mut()))?, call, saved)?;
+    Ok(grads)
 }
 
 /// `dX_rows += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel, G being the
@@ -476,7 +450,7 @@ pub fn backward(
 fn project_block(
     buf: &mut Buffers,
     (t0, c, v0, vb, d): (usize, usize, usize, usize, usize),
-    grads: &mut Gradients,
+    grads: &mut GradientsMut<'_>,
     round: bool,
 ) -> Result<()> {
     // dbias sums the f32 G; bf16 inputs then narrow G to bf16 (unless Precision::F32), as the
@@ -524,25 +498,70 @@ fn narrow_rows(g: &mut [f32], (c, vb): (usize, usize)) -> Result<()> {
     Ok(())
 }
 
-/// Forward and backward in one pass, as on the device: on [`plan::BlockSchedule::FullVocab`] each token
-/// block's logits are folded, `lce_row_lse` finishes the rows, and the same block becomes G
-/// (3 GEMMs); on the blocked schedule, `forward` then `backward` (4 GEMMs).
+/// `g = f32(bf16(g))` in place (round to nearest even) by `lce_round_bf16`: what the CUDA
+/// rings do to the logit gradient of bf16 inputs before their f32 GEMMs.
+pub fn round_bf16(g: &mut [f32]) -> Result<()> {
+    let len = g.len();
+    let cfg =
+        EmuLaunchConfig::linear(grid_stride_blocks(len, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    let mut state = g.to_vec();
+    race_checked_state(
+        "lce_round_bf16",
+        &mut state,
+        |s| bytes_of(&[s]),
+        |schedule, data| {
+            let data = data.as_mut_ptr();
+            // SAFETY: `data` holds `len` floats; each thread rewrites its own elements only.
+            let call = || unsafe { ffi::lce_round_bf16(data, len as u64) };
+            // SAFETY: see `call`; LINEAR_THREADS is a multiple of 32.
+            unsafe { launch("lce_round_bf16", &cfg, schedule, &call) }.map_err(Error::from)
+        },
+    )?;
+    g.copy_from_slice(&state);
+    Ok(())
+}
+
+/// Forward and backward in one pass, as on the device: on [`BlockSchedule::FullVocab`] each
+/// token block's logits are folded, `lce_row_lse` finishes the rows, and the same block becomes
+/// G (3 GEMMs); on the blocked schedule, forward then backward (4 GEMMs).
+///
+/// [`BlockSchedule::FullVocab`]: crate::plan::BlockSchedule::FullVocab
 pub fn forward_backward(
     config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
-    if plan.schedule() == plan::BlockSchedule::VocabBlocked {
-        let fwd = forward(config, plan, inputs)?;
-        let grads = backward(config, plan, inputs, &fwd, grad, None)?;
-        return Ok((fwd, grads));
+    let mut grads = driver::zero_gradients(plan, inputs)?;
+    let call = Call { config, plan, rows: inputs };
+    let forward = driver::forward_backward(&mut EmuBlocks::open(call, Some(grads.as_mut()))?, call, grad)?;
+    Ok((forward, grads))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_to_bf16_matches_the_cpu_bit_for_bit() {
+        // Ties to even both ways, the largest finite values, denormals, infinities and NaN.
+        let mut g: Vec<f32> = vec![
+            1.0 + f32::EPSILON * 64.0,
+            1.0 + f32::EPSILON * 192.0,
+            -3.140625,
+            f32::MAX,
+            -f32::MAX,
+            f32::MIN_POSITIVE / 3.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            0.0,
+            -0.0,
+        ];
+        g.extend((0..4000).map(|i| ((i as f32) * 0.7311).sin() * 1e3 / (1 + i % 37) as f32));
+        let want: Vec<u32> = g.iter().map(|&x| half::bf16::from_f32(x).to_f32().to_bits()).collect();
+        round_bf16(&mut g).unwrap();
+        let got: Vec<u32> = g.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(got, want);
     }
-    let targets = check(config, plan, inputs)?;
-    let coef = cpu::coefficients(config, inputs, grad, inputs.valid_weight(config))?;
-    let gradient = GradientInputs { coef: &coef, saved_lse: &[], dlse: None };
-    let mut ops = EmuBlocks::new((config, plan, inputs), targets, Pass::Fused, Some(gradient));
-    run_blocks(&mut ops, plan, Pass::Fused)?;
-    let forward = ops.finish_forward()?;
-    Ok((forward, ops.grads.ok_or_else(|| missing("gradients"))?))
 }

@@ -11,6 +11,7 @@ use flatpeak_common::{Device, Workspace};
 
 use crate::config::Config;
 use crate::cpu;
+use crate::driver::{Call, Saved};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Upstream};
 use crate::plan::Plan;
@@ -61,7 +62,7 @@ impl LossInputs for Inputs<'_> {
     }
     fn forward_on(&self, lce: &mut LinearCrossEntropy) -> Result<Forward> {
         let plan = lce.plan;
-        cpu::forward_in(lce.host_workspace()?, plan.config(), &plan, self)
+        cpu::forward_in(lce.host_workspace()?, Call { config: plan.config(), plan: &plan, rows: self })
     }
     fn backward_on(
         &self,
@@ -70,16 +71,18 @@ impl LossInputs for Inputs<'_> {
         grad: GradOutput<'_>,
         dlse: Option<&[f32]>,
     ) -> Result<Gradients> {
-        let plan = lce.plan;
-        cpu::backward_in(lce.host_workspace()?, (plan.config(), &plan, self), &forward.lse, grad, dlse)
+        let mut grads = crate::driver::zero_gradients(&lce.plan, self)?;
+        lce.backward_into(self, &forward.lse, Upstream { grad, dlse }, grads.as_mut())?;
+        Ok(grads)
     }
     fn forward_backward_on(
         &self,
         lce: &mut LinearCrossEntropy,
         grad: GradOutput<'_>,
     ) -> Result<(Forward, Gradients)> {
-        let plan = lce.plan;
-        cpu::forward_backward_in(lce.host_workspace()?, (plan.config(), &plan, self), grad)
+        let mut grads = crate::driver::zero_gradients(&lce.plan, self)?;
+        let forward = lce.forward_backward_into(self, grad, grads.as_mut())?;
+        Ok((forward, grads))
     }
 }
 
@@ -188,7 +191,8 @@ impl LinearCrossEntropy {
     ) -> Result<()> {
         let plan = self.plan;
         let Upstream { grad, dlse } = upstream;
-        cpu::backward_into(self.host_workspace()?, (plan.config(), &plan, inputs), (lse, grad, dlse), out)
+        let call = Call { config: plan.config(), plan: &plan, rows: inputs };
+        cpu::backward_into(self.host_workspace()?, call, Saved { lse, grad, dlse }, out)
     }
 
     /// [`forward_backward`](Self::forward_backward) writing dX, dW (and dbias) into `out`,
@@ -201,7 +205,8 @@ impl LinearCrossEntropy {
         out: GradientsMut<'_>,
     ) -> Result<Forward> {
         let plan = self.plan;
-        cpu::forward_backward_into(self.host_workspace()?, (plan.config(), &plan, inputs), grad, out)
+        let call = Call { config: plan.config(), plan: &plan, rows: inputs };
+        cpu::forward_backward_into(self.host_workspace()?, call, grad, out)
     }
 }
 

@@ -107,12 +107,17 @@ impl<'a> Inputs<'a> {
         if let Some(w) = self.weights {
             check_weights(w)?;
         }
-        for (token, &target) in self.targets.iter().enumerate() {
-            if target != config.ignore_index && !(0..self.v as i64).contains(&target) {
-                return Err(Error::TargetOutOfRange { token, target, vocab: self.v });
-            }
+        self.check_targets(config)
+    }
+
+    /// Every target is `ignore_index` or in `0..V`: [`Error::TargetOutOfRange`] names the
+    /// first that is not.
+    pub(crate) fn check_targets(&self, config: &Config) -> Result<()> {
+        match self.targets.iter().position(|&t| t != config.ignore_index && !(0..self.v as i64).contains(&t))
+        {
+            Some(token) => Err(Error::TargetOutOfRange { token, target: self.targets[token], vocab: self.v }),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The sizes and dtypes every backend checks.
@@ -316,8 +321,12 @@ pub struct GradientsMut<'a> {
 impl GradientsMut<'_> {
     /// Checks each buffer's length (and dbias's presence) against `inputs`.
     pub fn check(&self, inputs: &Inputs<'_>) -> Result<()> {
-        let lens = (self.dx.len(), self.dw.len(), self.dbias.as_ref().map(|b| b.len()));
-        check_gradient_lens((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), lens)
+        check_gradient_lens((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), self.lens())
+    }
+
+    /// The lengths of dX, dW and dbias.
+    pub(crate) fn lens(&self) -> (usize, usize, Option<usize>) {
+        (self.dx.len(), self.dw.len(), self.dbias.as_ref().map(|b| b.len()))
     }
 
     /// Sets every element to 0.

@@ -45,6 +45,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
+mod driver;
 #[cfg(feature = "cuda-emu")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
 pub mod emu;
@@ -63,5 +64,5 @@ pub use flatpeak_common::gemm_bf16::Bf16Kernel;
 pub use flatpeak_common::{Budget, DType, Device, Precision, Workspace};
 pub use half::bf16;
 pub use inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix, Upstream};
-pub use plan::{BlockSchedule, Plan, RingChoice, RingKind, RingOptions, RingPlan, Shape};
+pub use plan::{BlockRegions, BlockSchedule, Plan, RingChoice, RingKind, RingOptions, RingPlan, Shape};
 pub use ring::RankInputs;

@@ -33,11 +33,12 @@ use flatpeak_common::Workspace;
 use flatpeak_common::gemm::{Accumulate, Threads};
 use flatpeak_common::gemm_bf16::{Bf16Gemm, Bf16Kernel};
 
-use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass, run_blocks};
+use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
 use crate::config::{Config, Reduction, Softcap};
+use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix};
-use crate::plan::{BlockSchedule, Plan, WIDEN_ROWS, splits_dx};
+use crate::plan::Plan;
 
 /// The kernel that forms the logits blocks of bf16 inputs on this CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,15 +116,14 @@ struct Scratch<'w> {
 }
 
 impl<'w> Scratch<'w> {
+    /// The plan's [`host_regions`](Plan::host_regions), in their layout order.
     fn carve(ws: &'w Workspace, plan: &Plan) -> Result<Self> {
-        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.hidden());
-        let w_upcast = if plan.dtype() == flatpeak_common::DType::F32 { 0 } else { vb.min(WIDEN_ROWS) * d };
-        let dx_part = if splits_dx(vb, plan.dtype()) { c * d } else { 0 };
+        let [logits, x_block, w_block, dx_partial] = plan.host_regions().lens();
         Ok(Self {
-            logits: ws.take(vb * c)?,
-            xblk: ws.take(c * d)?,
-            wblk: ws.take(w_upcast)?,
-            dx_part: ws.take(dx_part)?,
+            logits: ws.take(logits)?,
+            xblk: ws.take(x_block)?,
+            wblk: ws.take(w_block)?,
+            dx_part: ws.take(dx_partial)?,
         })
     }
 }
@@ -153,12 +153,11 @@ struct CpuBlocks<'a, 'w, 'g> {
     scratch: Scratch<'w>,
     /// Resolved targets of the current token block.
     targets: Vec<u32>,
-    /// Fused over the whole vocabulary without a softcap: the fold leaves e^(z − max) in place
-    /// and the gradient reuses it (one exponential per logit instead of two).
+    /// A fused pass without a softcap: the fold leaves e^(z − max) in place and the gradient
+    /// reuses it (one exponential per logit instead of two).
     keep_exp: bool,
     stats: Option<Stats>,
     grads: Option<GradientsMut<'g>>,
-    gradient: Option<GradientInputs<'a>>,
     cols: ColumnGrads,
     /// The fused pass's lse of the current token block.
     lse_block: Vec<f32>,
@@ -167,25 +166,24 @@ struct CpuBlocks<'a, 'w, 'g> {
 }
 
 impl<'a, 'w, 'g> CpuBlocks<'a, 'w, 'g> {
-    fn new(
-        (config, plan, inputs): (&'a Config, &Plan, &'a Inputs<'a>),
-        ws: &'w Workspace,
-        (pass, gradient): (Pass, Option<GradientInputs<'a>>),
-        grads: Option<GradientsMut<'g>>,
-    ) -> Result<Self> {
-        let (n, cb) = (inputs.n, plan.token_block());
-        let keep_exp = pass == Pass::Fused
-            && plan.schedule() == BlockSchedule::FullVocab
-            && config.softcap == Softcap::Off;
+    /// Checks the call (every target on the host) and carves the plan's blocks from `ws`;
+    /// `grads` receives a backward's gradients.
+    fn open(ws: &'w mut Workspace, call: Call<'a>, grads: Option<GradientsMut<'g>>) -> Result<Self> {
+        let Call { config, plan, rows: inputs } = call;
+        config.check_host_precision(inputs.x.dtype(), "the CPU")?;
+        driver::check_call(config, plan, inputs.sizes(), grads.as_ref().map(GradientsMut::lens))?;
+        driver::check_rows(inputs)?;
+        inputs.check_targets(config)?;
+        ws.reset();
+        let cb = plan.token_block();
         Ok(Self {
             config,
             inputs,
             scratch: Scratch::carve(ws, plan)?,
             targets: vec![NO_TARGET; cb],
-            keep_exp,
-            stats: (pass != Pass::Backward).then(|| Stats::new(n)),
+            keep_exp: false,
+            stats: None,
             grads,
-            gradient,
             cols: ColumnGrads::with_capacity(cb),
             lse_block: vec![0f32; cb],
             bf16_gemm: bf16_kernel(config, inputs),
@@ -207,6 +205,24 @@ impl<'a, 'w, 'g> CpuBlocks<'a, 'w, 'g> {
 }
 
 impl BlockOps for CpuBlocks<'_, '_, '_> {
+    fn begin(&mut self, pass: Pass, _gradient: Option<&GradientInputs<'_>>) -> Result<()> {
+        // A fused pass runs on the full-vocabulary schedule only (`run_blocks` checks).
+        self.keep_exp = pass == Pass::Fused && self.config.softcap == Softcap::Off;
+        self.stats = (pass != Pass::Backward).then(|| Stats::new(self.inputs.n));
+        if pass != Pass::Forward {
+            let g = self.grads.as_mut().ok_or_else(|| missing("gradients"))?;
+            // Every block writes its first touch of dX and dW without reading it, so with at
+            // least one block only dbias, which the blocks add into, starts at zero here
+            // (zeroing dX and dW too would cost a pass over V·D + N·D floats). A shape with no
+            // block (N = 0 or V = 0) touches nothing: the caller's buffers start at zero then.
+            match self.inputs.n == 0 || self.inputs.v == 0 {
+                true => g.fill_zero(),
+                false => g.zero_dbias(),
+            }
+        }
+        Ok(())
+    }
+
     fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
         self.inputs.x.rows_f32(t0..t0 + c, self.inputs.d, self.scratch.xblk);
         resolve_targets(self.config, self.inputs, t0, &mut self.targets[..c]);
@@ -262,9 +278,8 @@ impl BlockOps for CpuBlocks<'_, '_, '_> {
         Ok(())
     }
 
-    fn gradient(&mut self, at: BlockAt, pass: Pass) -> Result<()> {
+    fn gradient(&mut self, at: BlockAt, pass: Pass, inputs: &GradientInputs<'_>) -> Result<()> {
         let (d, t0, c) = (self.inputs.d, at.t0, at.c);
-        let inputs = self.gradient.as_ref().ok_or_else(|| missing("gradient scales"))?;
         let (lse, dlse) = match pass {
             Pass::Fused => (&self.lse_block[..c], None),
             _ => (&inputs.saved_lse[t0..t0 + c], inputs.dlse.map(|g| &g[t0..t0 + c])),
@@ -313,31 +328,10 @@ impl BlockOps for CpuBlocks<'_, '_, '_> {
             (None, ..) => accumulate_grads_widening(d, logits, tokens, (&self.inputs.w, v0, vb), wblk, out),
         }
     }
-}
 
-/// Runs `pass` of the block schedule on the CPU: the statistics (forward, fused; returned) and
-/// the gradients (backward, fused; written into `grads`, zeroed first).
-fn run(
-    ws: &mut Workspace,
-    (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
-    (pass, gradient): (Pass, Option<GradientInputs<'_>>),
-    mut grads: Option<GradientsMut<'_>>,
-) -> Result<Option<Stats>> {
-    ws.reset();
-    if pass != Pass::Forward {
-        let g = grads.as_mut().ok_or_else(|| missing("gradients"))?;
-        // Every block writes its first touch of dX and dW without reading it, so with at least
-        // one block only dbias, which the blocks add into, starts at zero here (zeroing dX and
-        // dW too would cost a pass over V·D + N·D floats). A shape with no block (N = 0 or V = 0)
-        // touches nothing: the caller's buffers start at zero then.
-        match inputs.n == 0 || inputs.v == 0 {
-            true => g.fill_zero(),
-            false => g.zero_dbias(),
-        }
+    fn take_stats(&mut self) -> Result<Stats> {
+        self.stats.take().ok_or_else(|| missing("fold stats"))
     }
-    let mut ops = CpuBlocks::new((config, plan, inputs), ws, (pass, gradient), grads)?;
-    run_blocks(&mut ops, plan, pass)?;
-    Ok(ops.stats)
 }
 
 /// Per-token losses `ℓ_i = ω_i·(lse − (1−α)·z_y − (α/V)·Σz + λ·lse²)` (0 for ignored rows) and
@@ -379,13 +373,6 @@ fn normaliser(valid_weight: f64) -> Option<f64> {
     (valid_weight > 0.0).then_some(valid_weight)
 }
 
-fn finish_forward(config: &Config, inputs: &Inputs<'_>, stats: &Stats) -> Forward {
-    let (per_token, lse) = per_token_losses(config, inputs, inputs.v, stats);
-    let total: f64 = per_token.iter().map(|&x| x as f64).sum();
-    let loss = reduce_loss(config, per_token, total, inputs.valid_weight(config));
-    Forward { loss, lse }
-}
-
 /// A workspace of the plan's size, reserved for one call of the free functions below (the
 /// [`LinearCrossEntropy`](crate::LinearCrossEntropy) executor reserves one for all its calls).
 fn call_workspace(plan: &Plan) -> Result<Workspace> {
@@ -394,21 +381,12 @@ fn call_workspace(plan: &Plan) -> Result<Workspace> {
 
 /// The loss and per-row lse, one GEMM per block.
 pub fn forward(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
-    forward_in(&mut call_workspace(plan)?, config, plan, inputs)
+    forward_in(&mut call_workspace(plan)?, Call { config, plan, rows: inputs })
 }
 
 /// [`forward`] with the blocks carved from `ws` (at least the plan's bytes).
-pub(crate) fn forward_in(
-    ws: &mut Workspace,
-    config: &Config,
-    plan: &Plan,
-    inputs: &Inputs<'_>,
-) -> Result<Forward> {
-    inputs.validate(config)?;
-    inputs.sizes().check_plan(plan)?;
-    let stats = run(ws, (config, plan, inputs), (Pass::Forward, None), None)?;
-    let stats = stats.ok_or_else(|| missing("fold stats"))?;
-    Ok(finish_forward(config, inputs, &stats))
+pub(crate) fn forward_in(ws: &mut Workspace, call: Call<'_>) -> Result<Forward> {
+    driver::forward(&mut CpuBlocks::open(ws, call, None)?, call)
 }
 
 /// dX, dW (and dbias) from forward's lse, recomputing each block's logits (so forward +
@@ -421,19 +399,10 @@ pub fn backward(
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
-    backward_in(&mut call_workspace(plan)?, (config, plan, inputs), &forward.lse, grad, dlse)
-}
-
-/// [`backward`] with the blocks carved from `ws` (at least the plan's bytes).
-pub(crate) fn backward_in(
-    ws: &mut Workspace,
-    (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
-    lse: &[f32],
-    grad: GradOutput<'_>,
-    dlse: Option<&[f32]>,
-) -> Result<Gradients> {
-    let mut grads = Gradients::zeros(inputs);
-    backward_into(ws, (config, plan, inputs), (lse, grad, dlse), grads.as_mut())?;
+    let mut grads = driver::zero_gradients(plan, inputs)?;
+    let call = Call { config, plan, rows: inputs };
+    let saved = Saved { lse: &forward.lse, grad, dlse };
+    backward_into(&mut call_workspace(plan)?, call, saved, grads.as_mut())?;
     Ok(grads)
 }
 
@@ -441,23 +410,11 @@ pub(crate) fn backward_in(
 /// with the blocks carved from `ws`.
 pub(crate) fn backward_into(
     ws: &mut Workspace,
-    (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
-    (lse, grad, dlse): (&[f32], GradOutput<'_>, Option<&[f32]>),
+    call: Call<'_>,
+    saved: Saved<'_>,
     out: GradientsMut<'_>,
 ) -> Result<()> {
-    inputs.validate(config)?;
-    inputs.sizes().check_plan(plan)?;
-    out.check(inputs)?;
-    if lse.len() != inputs.n {
-        return Err(Error::ShapeMismatch { what: "lse (n)", expected: inputs.n, got: lse.len() });
-    }
-    if let Some(g) = dlse.filter(|g| g.len() != inputs.n) {
-        return Err(Error::ShapeMismatch { what: "dlse (n)", expected: inputs.n, got: g.len() });
-    }
-    let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;
-    let gradient = GradientInputs { coef: &coef, saved_lse: lse, dlse };
-    run(ws, (config, plan, inputs), (Pass::Backward, Some(gradient)), Some(out))?;
-    Ok(())
+    driver::backward(&mut CpuBlocks::open(ws, call, Some(out))?, call, saved)
 }
 
 /// Forward and backward in one pass when the loss is the last op (its upstream gradient is
@@ -469,40 +426,19 @@ pub fn forward_backward(
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
-    forward_backward_in(&mut call_workspace(plan)?, (config, plan, inputs), grad)
-}
-
-/// [`forward_backward`] with the blocks carved from `ws` (at least the plan's bytes).
-pub(crate) fn forward_backward_in(
-    ws: &mut Workspace,
-    (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
-    grad: GradOutput<'_>,
-) -> Result<(Forward, Gradients)> {
-    inputs.validate(config)?;
-    let mut grads = Gradients::zeros(inputs);
-    let fwd = forward_backward_into(ws, (config, plan, inputs), grad, grads.as_mut())?;
+    let mut grads = driver::zero_gradients(plan, inputs)?;
+    let call = Call { config, plan, rows: inputs };
+    let fwd = forward_backward_into(&mut call_workspace(plan)?, call, grad, grads.as_mut())?;
     Ok((fwd, grads))
 }
 
-/// [`forward_backward_in`] writing dX, dW (and dbias) into `out`, which is overwritten.
+/// [`forward_backward`] writing dX, dW (and dbias) into `out`, which is overwritten, with the
+/// blocks carved from `ws`.
 pub(crate) fn forward_backward_into(
     ws: &mut Workspace,
-    (config, plan, inputs): (&Config, &Plan, &Inputs<'_>),
+    call: Call<'_>,
     grad: GradOutput<'_>,
     out: GradientsMut<'_>,
 ) -> Result<Forward> {
-    inputs.validate(config)?;
-    inputs.sizes().check_plan(plan)?;
-    out.check(inputs)?;
-    // The upstream gradient is checked before any block runs, on either schedule.
-    let coef = coefficients(config, inputs, grad, inputs.valid_weight(config))?;
-    if plan.schedule() == BlockSchedule::VocabBlocked {
-        let fwd = forward_in(ws, config, plan, inputs)?;
-        backward_into(ws, (config, plan, inputs), (&fwd.lse, grad, None), out)?;
-        return Ok(fwd);
-    }
-    let gradient = GradientInputs { coef: &coef, saved_lse: &[], dlse: None };
-    let stats = run(ws, (config, plan, inputs), (Pass::Fused, Some(gradient)), Some(out))?;
-    let stats = stats.ok_or_else(|| missing("fold stats"))?;
-    Ok(finish_forward(config, inputs, &stats))
+    driver::forward_backward(&mut CpuBlocks::open(ws, call, Some(out))?, call, grad)
 }

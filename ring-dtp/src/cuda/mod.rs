@@ -21,17 +21,19 @@
 mod engine;
 pub mod ring;
 
+#[cfg(doc)]
 use flatpeak_common::Precision;
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use flatpeak_common::cuda::{KernelCache, context, cuda_error};
 use half::bf16;
 
-use crate::blocks::{BlockAt, BlockOps, Pass, run_blocks};
+use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
 use crate::config::Config;
 use crate::cpu::{self, Stats};
+use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Inputs, Matrix};
-use crate::plan::{BlockSchedule, Plan};
+use crate::plan::Plan;
 use engine::{Engine, LogitsBlock, RowViews, StatsViews};
 
 /// A device matrix, row-major, f32 or bf16.
@@ -132,12 +134,20 @@ pub struct BlockBuffers {
 }
 
 impl BlockBuffers {
-    /// Elements each buffer needs for `plan`: `[logits, x_wide, w_wide]` (0 where unused).
+    /// Elements each buffer needs for `plan`: `[logits, x_wide, w_wide]` (0 where unused), its
+    /// [`device_regions`](Plan::device_regions).
     pub fn lens(plan: &Plan) -> [usize; 3] {
-        let (c, vb, d) = (plan.token_block(), plan.vocab_block(), plan.hidden());
-        // bf16 inputs are widened only for f32 GEMMs (Precision::F32).
-        let wide = plan.dtype() != flatpeak_common::DType::F32 && plan.precision() == Precision::F32;
-        [c * vb, if wide { c * d } else { 0 }, if wide { vb * d } else { 0 }]
+        let r = plan.device_regions();
+        [r.logits, r.x_block, r.w_block]
+    }
+
+    /// The three buffers carved from one device allocation (a framework's workspace tensor):
+    /// each buffer's byte offset, each at a multiple of `align` bytes and at least one element
+    /// long, and the bytes of the allocation ([`pack_regions`](crate::plan::pack_regions)).
+    /// [`Error::Internal`] for an `align` of 0; a plan's sizes never overflow.
+    pub fn packed(plan: &Plan, align: usize) -> Result<([usize; 3], usize)> {
+        crate::plan::pack_regions(Self::lens(plan), align)
+            .ok_or_else(|| Error::internal("block buffers packed at a nonzero alignment, within usize"))
     }
 
     fn zeros(e: &Engine, plan: &Plan) -> Result<Self> {
@@ -290,14 +300,14 @@ impl CudaLinearCrossEntropy {
     /// The loss and per-row lse (on the host): per block, the logits SGEMM and `lce_fold`.
     pub fn forward(&mut self, inputs: &DeviceInputs<'_>) -> Result<Forward> {
         let Self { config, plan, engine, buffers } = self;
-        forward_in(engine, (config, plan, buffers), inputs)
+        run(engine, (config, plan, buffers), inputs, None, |ops, call| driver::forward(ops, call))
     }
 
     /// [`forward`](Self::forward) with the caller's block buffers (at least
     /// [`BlockBuffers::lens`] each).
     pub fn forward_with(&mut self, buffers: &mut BlockBuffers, inputs: &DeviceInputs<'_>) -> Result<Forward> {
         let Self { config, plan, engine, .. } = self;
-        forward_in(engine, (config, plan, buffers), inputs)
+        run(engine, (config, plan, buffers), inputs, None, |ops, call| driver::forward(ops, call))
     }
 
     /// [`backward`](Self::backward) from forward's per-row `lse` with the caller's block
@@ -312,7 +322,10 @@ impl CudaLinearCrossEntropy {
     ) -> Result<()> {
         let crate::inputs::Upstream { grad, dlse } = upstream;
         let Self { config, plan, engine, .. } = self;
-        backward_in(engine, (config, plan, buffers), inputs, (lse, grad, dlse), out)
+        let saved = Saved { lse, grad, dlse };
+        run(engine, (config, plan, buffers), inputs, Some(out), |ops, call| {
+            driver::backward(ops, call, saved)
+        })
     }
 
     /// dX, dW (and dbias) on the device from forward's lse: per block, the logits SGEMM again,
@@ -325,8 +338,10 @@ impl CudaLinearCrossEntropy {
         dlse: Option<&[f32]>,
     ) -> Result<DeviceGradients> {
         let Self { config, plan, engine, buffers } = self;
-        let mut grads = DeviceGradients::zeros(engine, inputs)?;
-        backward_in(engine, (config, plan, buffers), inputs, (&forward.lse, grad, dlse), grads.as_mut())?;
+        let mut grads = DeviceGradients::zeros(engine, plan, inputs)?;
+        let saved = Saved { lse: &forward.lse, grad, dlse };
+        let out = Some(grads.as_mut());
+        run(engine, (config, plan, buffers), inputs, out, |ops, call| driver::backward(ops, call, saved))?;
         Ok(grads)
     }
 
@@ -334,26 +349,21 @@ impl CudaLinearCrossEntropy {
     /// known). On [`BlockSchedule::FullVocab`] each token block's logits serve both: the logits
     /// SGEMM, `lce_fold` over the whole vocabulary, `lce_row_lse`, then `lce_gradient` and the
     /// dX/dW SGEMMs — 3 GEMMs instead of 4, no host round trip inside the loop; W (widened once
-    /// for bf16) serves every token block. On the blocked schedule it runs
-    /// [`forward`](Self::forward) then [`backward`](Self::backward).
+    /// for bf16) serves every token block. On the blocked schedule it runs forward then
+    /// backward.
+    ///
+    /// [`BlockSchedule::FullVocab`]: crate::plan::BlockSchedule::FullVocab
     pub fn forward_backward(
         &mut self,
         inputs: &DeviceInputs<'_>,
         grad: GradOutput<'_>,
     ) -> Result<(Forward, DeviceGradients)> {
-        if self.plan.schedule() == BlockSchedule::VocabBlocked {
-            let forward = self.forward(inputs)?;
-            let grads = self.backward(inputs, &forward, grad, None)?;
-            return Ok((forward, grads));
-        }
         let Self { config, plan, engine, buffers } = self;
-        let mut grads = DeviceGradients::zeros(engine, inputs)?;
-        let (mut ops, host) =
-            blocks(engine, (config, plan, buffers), inputs, Pass::Fused, Some(grads.as_mut()))?;
-        ops.set_gradient(&host, grad, None, None)?;
-        run_blocks(&mut ops, plan, Pass::Fused)?;
-        let forward = ops.finish_forward(&host)?;
-        drop(ops);
+        let mut grads = DeviceGradients::zeros(engine, plan, inputs)?;
+        let out = Some(grads.as_mut());
+        let forward = run(engine, (config, plan, buffers), inputs, out, |ops, call| {
+            driver::forward_backward(ops, call, grad)
+        })?;
         Ok((forward, grads))
     }
 }
@@ -361,7 +371,16 @@ impl CudaLinearCrossEntropy {
 /// The executor's fixed parts for one call: its config, its plan and the block buffers.
 type Fixed<'s> = (&'s Config, &'s Plan, &'s mut BlockBuffers);
 
-fn check_inputs(plan: &Plan, inputs: &DeviceInputs<'_>) -> Result<()> {
+/// Runs one call of the driver (`pass`) on the device: the call checked, every target resolved
+/// on the device (checked against 0..V) and the per-token inputs copied down for the loss and
+/// the gradient scales; `grads` receives a backward's gradients.
+fn run<'s, R>(
+    e: &'s Engine,
+    (config, plan, buffers): Fixed<'s>,
+    inputs: &'s DeviceInputs<'_>,
+    grads: Option<DeviceGradientsMut<'s>>,
+    pass: impl FnOnce(&mut CudaBlocks<'s, '_>, Call<'_>) -> Result<R>,
+) -> Result<R> {
     let sizes = crate::inputs::CallSizes {
         dims: (inputs.n, inputs.d, inputs.v),
         x: (inputs.x.len(), inputs.x.dtype()),
@@ -370,32 +389,15 @@ fn check_inputs(plan: &Plan, inputs: &DeviceInputs<'_>) -> Result<()> {
         bias: inputs.bias.map(|b| b.len()),
         weights: inputs.weights.map(|w| w.len()),
     };
-    sizes.check_plan(plan)
-}
-
-/// The backend of one call: targets resolved on the device (checked against 0..V) and the
-/// per-token inputs copied down for the loss and the gradient scales; `grads` (zeroed here)
-/// receives the gradients of a backward or fused pass.
-fn blocks<'s, 'i>(
-    e: &'s Engine,
-    (config, plan, buffers): Fixed<'s>,
-    inputs: &'s DeviceInputs<'i>,
-    pass: Pass,
-    mut grads: Option<DeviceGradientsMut<'s>>,
-) -> Result<(CudaBlocks<'s, 'i>, HostRows)> {
-    check_inputs(plan, inputs)?;
+    driver::check_call(config, plan, sizes, grads.as_ref().map(DeviceGradientsMut::lens))?;
     buffers.check(plan)?;
-    if let Some(g) = grads.as_mut() {
-        g.check(inputs)?;
-        g.fill_zero(e)?;
-    } else if pass != Pass::Forward {
-        return Err(missing("gradients"));
-    }
-    let (n, v) = (inputs.n, inputs.v);
+    let (n, d, v) = (inputs.n, inputs.d, inputs.v);
     let mut resolved = e.zeros::<u32>(n)?;
     let host = HostRows::resolve(e, config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;
+    // `HostRows::resolve` checked the weights it copied down.
+    let rows = host.inputs((n, d, v));
     let BlockBuffers { logits, x_wide, w_wide } = buffers;
-    let ops = CudaBlocks {
+    let mut ops = CudaBlocks {
         e,
         config,
         inputs,
@@ -404,46 +406,18 @@ fn blocks<'s, 'i>(
         w_wide,
         native_bf16: native_bf16(config, inputs.x.dtype()),
         resolved,
-        stats: (pass != Pass::Backward).then(|| DeviceStats::new(e, n)).transpose()?,
-        lse: (pass == Pass::Fused).then(|| e.zeros::<f32>(n)).transpose()?,
+        stats: None,
+        lse: None,
         grads,
         gradient: None,
     };
-    Ok((ops, host))
-}
-
-fn forward_in(e: &Engine, fixed: Fixed<'_>, inputs: &DeviceInputs<'_>) -> Result<Forward> {
-    let plan = *fixed.1;
-    let (mut ops, host) = blocks(e, fixed, inputs, Pass::Forward, None)?;
-    run_blocks(&mut ops, &plan, Pass::Forward)?;
-    ops.finish_forward(&host)
-}
-
-fn backward_in(
-    e: &Engine,
-    fixed: Fixed<'_>,
-    inputs: &DeviceInputs<'_>,
-    (lse, grad, dlse): (&[f32], GradOutput<'_>, Option<&[f32]>),
-    out: DeviceGradientsMut<'_>,
-) -> Result<()> {
-    let n = inputs.n;
-    if lse.len() != n {
-        return Err(Error::ShapeMismatch { what: "lse (n)", expected: n, got: lse.len() });
-    }
-    if let Some(g) = dlse.filter(|g| g.len() != n) {
-        return Err(Error::ShapeMismatch { what: "dlse (n)", expected: n, got: g.len() });
-    }
-    let plan = *fixed.1;
-    let (mut ops, host) = blocks(e, fixed, inputs, Pass::Backward, Some(out))?;
-    ops.set_gradient(&host, grad, Some(lse), dlse)?;
-    run_blocks(&mut ops, &plan, Pass::Backward)
+    pass(&mut ops, Call { config, plan, rows: &rows })
 }
 
 impl DeviceGradientsMut<'_> {
-    /// Checks each buffer's length (and dbias's presence) against `inputs`.
-    fn check(&self, inputs: &DeviceInputs<'_>) -> Result<()> {
-        let lens = (self.dx.len(), self.dw.len(), self.dbias.as_ref().map(|b| b.len()));
-        crate::inputs::check_gradient_lens((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), lens)
+    /// The lengths of dX, dW and dbias.
+    fn lens(&self) -> (usize, usize, Option<usize>) {
+        (self.dx.len(), self.dw.len(), self.dbias.as_ref().map(|b| b.len()))
     }
 
     fn fill_zero(&mut self, e: &Engine) -> Result<()> {
@@ -463,7 +437,16 @@ impl DeviceGradients {
         DeviceGradientsMut { dx: &mut self.dx, dw: &mut self.dw, dbias: self.dbias.as_mut() }
     }
 
-    fn zeros(e: &Engine, inputs: &DeviceInputs<'_>) -> Result<Self> {
+    /// Zeroed gradients of `inputs`, once N, D and V are checked against the plan (so N·D and
+    /// V·D are sizes the plan accepted).
+    fn zeros(e: &Engine, plan: &Plan, inputs: &DeviceInputs<'_>) -> Result<Self> {
+        for (what, expected, got) in
+            [("n", plan.n_tokens(), inputs.n), ("d", plan.hidden(), inputs.d), ("v", plan.vocab(), inputs.v)]
+        {
+            if expected != got {
+                return Err(Error::ShapeMismatch { what, expected, got });
+            }
+        }
         Ok(Self {
             dx: e.zeros(inputs.n * inputs.d)?,
             dw: e.zeros(inputs.v * inputs.d)?,
@@ -527,38 +510,6 @@ fn block_rows<'r>(
     }
 }
 
-impl CudaBlocks<'_, '_> {
-    /// Uploads the gradient scales of `grad` (from the host rows), and the saved lse and dlse.
-    fn set_gradient(
-        &mut self,
-        host: &HostRows,
-        grad: GradOutput<'_>,
-        saved_lse: Option<&[f32]>,
-        dlse: Option<&[f32]>,
-    ) -> Result<()> {
-        let shadow = host.inputs((self.inputs.n, self.inputs.d, self.inputs.v));
-        let coef = cpu::coefficients(self.config, &shadow, grad, shadow.valid_weight(self.config))?;
-        let e = self.e;
-        self.gradient = Some(DeviceGradientInputs {
-            coef: e.upload(&coef)?,
-            saved_lse: saved_lse.map(|l| e.upload(l)).transpose()?,
-            dlse: dlse.map(|g| e.upload(g)).transpose()?,
-        });
-        Ok(())
-    }
-
-    /// The loss and lse from the finished statistics (downloaded once).
-    fn finish_forward(&self, host: &HostRows) -> Result<Forward> {
-        let (n, d, v) = (self.inputs.n, self.inputs.d, self.inputs.v);
-        let stats = self.stats.as_ref().ok_or_else(|| missing("fold stats"))?.download(self.e, n)?;
-        let shadow = host.inputs((n, d, v));
-        let (per_token, lse) = cpu::per_token_losses(self.config, &shadow, v, &stats);
-        let total: f64 = per_token.iter().map(|&x| x as f64).sum();
-        let loss = cpu::reduce_loss(self.config, per_token, total, shadow.valid_weight(self.config));
-        Ok(Forward { loss, lse })
-    }
-}
-
 /// Block `at`'s logits and what the per-row kernels read besides them.
 fn logits_block<'a, 'b>(
     logits: &'b mut CudaSlice<f32>,
@@ -577,6 +528,29 @@ fn logits_block<'a, 'b>(
 }
 
 impl BlockOps for CudaBlocks<'_, '_> {
+    fn begin(&mut self, pass: Pass, gradient: Option<&GradientInputs<'_>>) -> Result<()> {
+        let (e, n) = (self.e, self.inputs.n);
+        self.stats = (pass != Pass::Backward).then(|| DeviceStats::new(e, n)).transpose()?;
+        self.lse = (pass == Pass::Fused).then(|| e.zeros::<f32>(n)).transpose()?;
+        if pass == Pass::Forward {
+            return Ok(());
+        }
+        // The GEMMs and the bias-gradient kernel add into the gradients.
+        self.grads.as_mut().ok_or_else(|| missing("gradients"))?.fill_zero(e)?;
+        let g = gradient.ok_or_else(|| missing("gradient scales"))?;
+        let saved = (pass == Pass::Backward).then_some(g.saved_lse);
+        self.gradient = Some(DeviceGradientInputs {
+            coef: e.upload(g.coef)?,
+            saved_lse: saved.map(|l| e.upload(l)).transpose()?,
+            dlse: g.dlse.map(|l| e.upload(l)).transpose()?,
+        });
+        Ok(())
+    }
+
+    fn take_stats(&mut self) -> Result<Stats> {
+        self.stats.take().ok_or_else(|| missing("fold stats"))?.download(self.e, self.inputs.n)
+    }
+
     fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
         let d = self.inputs.d;
         match self.inputs.x {
@@ -627,7 +601,8 @@ impl BlockOps for CudaBlocks<'_, '_> {
         )
     }
 
-    fn gradient(&mut self, at: BlockAt, pass: Pass) -> Result<()> {
+    fn gradient(&mut self, at: BlockAt, pass: Pass, _host: &GradientInputs<'_>) -> Result<()> {
+        // The kernel reads the copies `begin` uploaded.
         let (t0, c) = (at.t0, at.c);
         let Self { e, config, inputs, logits, resolved, lse, gradient, .. } = self;
         let g = gradient.as_ref().ok_or_else(|| missing("gradient scales"))?;

@@ -10,11 +10,12 @@
 //! per-token statistics (`PER_TOKEN_BYTES`·N, besides the lse output), plus the CPU GEMM's own
 //! packing buffers.
 
+mod layout;
 mod ring;
 
+pub use layout::{BlockRegions, SPLIT_K_MIN_ROWS, WIDEN_ROWS, pack_regions, splits_dx};
 pub use ring::{RingChoice, RingKind, RingOptions, RingPlan};
 
-use flatpeak_common::arena::REGION_ALIGN;
 use flatpeak_common::{Budget, DType, Precision};
 
 use crate::config::Config;
@@ -34,29 +35,14 @@ pub const CPU_GEMM_SCRATCH_PER_THREAD: usize = 5 << 18;
 /// and 1024, for D from 256 to 2048, i.e. `4·512·C` bytes.
 pub const CPU_GEMM_DEPTH_BLOCK: usize = 512;
 
-/// Rows of a bf16 W widened to f32 at a time by the CPU path (its `form_logits_widening`).
-pub const WIDEN_ROWS: usize = 2048;
-
 /// Row ranges the CPU fold splits a block into (its partial maxima and sums are combined in
 /// order).
 pub(crate) const FOLD_TASKS: usize = 16;
-
-/// Fewest vocabulary rows (the k of `dX += Gᵀ·W_blk`) for which the CPU path splits dX's GEMM
-/// in two halves of k, run side by side (its `DxPartial`).
-pub const SPLIT_K_MIN_ROWS: usize = 2048;
 
 /// Scratch bytes per token of a block besides the workspace: the gradient constants (6 f32),
 /// the target entries of the gradient pass (16 B), and the fold's partials (a max in f32 and a
 /// sum in f64 per task, and the new max).
 pub const ROW_SCRATCH_BYTES: usize = 6 * 4 + 16 + FOLD_TASKS * 12 + 4;
-
-/// Whether the single-device path splits dX's GEMMs for vocabulary blocks of `vb` rows with
-/// inputs of `dtype` (a bf16 W is widened, and multiplied, [`WIDEN_ROWS`] rows at a time), so
-/// its plan reserves the `C·D` partial.
-pub fn splits_dx(vb: usize, dtype: DType) -> bool {
-    let k = if dtype == DType::F32 { vb } else { vb.min(WIDEN_ROWS) };
-    k >= SPLIT_K_MIN_ROWS
-}
 
 /// Token block sizes tried, largest first: wider blocks mean fewer passes over W and dW.
 const TOKEN_BLOCKS: [usize; 7] = [1024, 512, 256, 128, 64, 32, 16];
@@ -119,17 +105,10 @@ fn check_input_sizes(Shape { tokens: n, hidden: d, vocab: v, .. }: Shape) -> Res
     }
 }
 
-/// Working-set bytes of blocks (C, Vb), `None` when the arithmetic overflows (never fits).
+/// Working-set bytes of blocks (C, Vb) on the CPU ([`BlockRegions`]), `None` when the
+/// arithmetic overflows (never fits).
 fn block_bytes(c: usize, vb: usize, d: usize, dtype: DType) -> Option<usize> {
-    // bf16 W is widened a sub-block of `WIDEN_ROWS` rows at a time.
-    let w_upcast = if dtype == DType::F32 { 0 } else { vb.min(WIDEN_ROWS).checked_mul(d)? };
-    // dX's second partial sum where the GEMMs split k ([`splits_dx`]).
-    let cd = c.checked_mul(d)?;
-    let dx_part = if splits_dx(vb, dtype) { cd } else { 0 };
-    // logits, X block, W sub-block (bf16 only) and dX partial (where split), each region aligned.
-    let regions = 3 + usize::from(dx_part > 0);
-    let elems = vb.checked_mul(c)?.checked_add(cd)?.checked_add(w_upcast)?.checked_add(dx_part)?;
-    elems.checked_mul(4)?.checked_add(regions * REGION_ALIGN)
+    BlockRegions::host(c, vb, d, dtype)?.host_bytes()
 }
 
 impl Plan {
@@ -250,7 +229,29 @@ impl Plan {
     pub fn schedule(&self) -> BlockSchedule {
         self.schedule
     }
-    /// Bytes reserved at launch for blocks; independent of N.
+    /// The block buffers the CPU carves from its workspace ([`BlockRegions`]).
+    pub fn host_regions(&self) -> BlockRegions {
+        let (c, vb) = (self.token_block, self.vocab_block);
+        // Both constructors refuse blocks whose sizes overflow, so this is always `Some`.
+        BlockRegions::host(c, vb, self.d, self.dtype).unwrap_or(BlockRegions {
+            logits: usize::MAX,
+            x_block: 0,
+            w_block: 0,
+            dx_partial: 0,
+        })
+    }
+    /// The block buffers a CUDA device reserves ([`BlockRegions`]).
+    pub fn device_regions(&self) -> BlockRegions {
+        let (c, vb) = (self.token_block, self.vocab_block);
+        BlockRegions::device(c, vb, self.d, self.dtype, self.config.precision).unwrap_or(BlockRegions {
+            logits: usize::MAX,
+            x_block: 0,
+            w_block: 0,
+            dx_partial: 0,
+        })
+    }
+    /// Bytes reserved at launch for blocks on the CPU (the [`host_regions`](Self::host_regions),
+    /// aligned); independent of N.
     pub fn workspace_bytes(&self) -> usize {
         // Both constructors refuse blocks whose bytes overflow, so this is always `Some`.
         block_bytes(self.token_block, self.vocab_block, self.d, self.dtype).unwrap_or(usize::MAX)
@@ -297,6 +298,8 @@ impl Plan {
 
 #[cfg(test)]
 mod tests {
+    use flatpeak_common::arena::REGION_ALIGN;
+
     use super::*;
 
     #[test]
