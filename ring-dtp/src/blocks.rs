@@ -15,8 +15,8 @@
 //! A vocabulary block is loaded only when it changes, so on the full-vocabulary schedule W is
 //! brought in (widened, for bf16) once per call.
 
-use crate::cpu::Stats;
 use crate::error::{Error, Result};
+use crate::loss::Stats;
 use crate::plan::{BlockSchedule, Plan};
 
 /// Where a logits block sits: token rows `t0..t0 + c`, vocabulary rows `v0..v0 + vb`.

@@ -12,9 +12,9 @@
 
 use crate::blocks::{BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::Config;
-use crate::cpu::{self, Stats};
 use crate::error::{Error, Result};
 use crate::inputs::{CallSizes, Forward, GradOutput, Gradients, Inputs, check_weights};
+use crate::loss::{self, Stats};
 use crate::plan::{BlockSchedule, Plan};
 
 /// One call as the driver sees it: the config and plan it runs, and the per-token rows on the
@@ -124,14 +124,14 @@ fn run_backward<B: BlockOps + ?Sized>(
 
 /// Each row's gradient scale c_i for this device's rows (the mean over its own rows).
 fn scales(call: Call<'_>, grad: GradOutput<'_>) -> Result<Vec<f32>> {
-    cpu::coefficients(call.config, call.rows, grad, call.rows.valid_weight(call.config))
+    loss::coefficients(call.config, call.rows, grad, call.rows.valid_weight(call.config))
 }
 
 /// The loss and lse of the rows from finished statistics over the whole vocabulary.
 fn finish_forward(call: Call<'_>, stats: &Stats) -> Forward {
     let Call { config, rows, .. } = call;
-    let (per_token, lse) = cpu::per_token_losses(config, rows, rows.v, stats);
+    let (per_token, lse) = loss::per_token_losses(config, rows, rows.v, stats);
     let total: f64 = per_token.iter().map(|&x| x as f64).sum();
-    let loss = cpu::reduce_loss(config, per_token, total, rows.valid_weight(config));
+    let loss = loss::reduce_loss(config, per_token, total, rows.valid_weight(config));
     Forward { loss, lse }
 }

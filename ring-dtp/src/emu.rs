@@ -10,11 +10,12 @@ use flatpeak_common::kernels::grid_stride_blocks;
 
 use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
 use crate::config::Config;
-use crate::cpu::{self, Stats, gemm};
+use crate::cpu::{self, gemm};
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix};
 use crate::kernels::{LINEAR_THREADS, NO_TARGET, softcap_arg};
+use crate::loss::Stats;
 use crate::plan::Plan;
 
 mod ffi {

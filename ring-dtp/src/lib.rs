@@ -53,6 +53,7 @@ pub mod error;
 mod executor;
 pub mod inputs;
 pub mod kernels;
+mod loss;
 pub mod paper;
 pub mod plan;
 pub mod ring;

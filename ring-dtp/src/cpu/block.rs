@@ -20,6 +20,7 @@ use rayon::prelude::*;
 use crate::config::{Config, Softcap};
 use crate::error::Result;
 use crate::inputs::{Inputs, Matrix};
+use crate::loss::StatsMut;
 use crate::plan::{FOLD_TASKS, SPLIT_K_MIN_ROWS, WIDEN_ROWS};
 
 use super::exp::exp;
@@ -167,48 +168,6 @@ pub(crate) fn form_logits_bf16(
     )?;
     epilogue(config, bias, logits, (vb, c));
     Ok(())
-}
-
-/// Per-token running statistics of the fold, owned.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Stats {
-    pub max: Vec<f32>,
-    pub sum: Vec<f64>,
-    pub target_logit: Vec<f32>,
-    pub logit_sum: Vec<f64>,
-}
-
-impl Stats {
-    pub fn new(n: usize) -> Self {
-        Self {
-            max: vec![f32::NEG_INFINITY; n],
-            sum: vec![0.0; n],
-            target_logit: vec![0.0; n],
-            logit_sum: vec![0.0; n],
-        }
-    }
-    /// The statistics of rows `t0..t0 + c`.
-    pub fn rows_mut(&mut self, t0: usize, c: usize) -> StatsMut<'_> {
-        StatsMut {
-            max: &mut self.max[t0..t0 + c],
-            sum: &mut self.sum[t0..t0 + c],
-            target_logit: &mut self.target_logit[t0..t0 + c],
-            logit_sum: &mut self.logit_sum[t0..t0 + c],
-        }
-    }
-    /// `lse = M + ln S` of row `t`.
-    pub fn lse(&self, t: usize) -> f64 {
-        self.max[t] as f64 + self.sum[t].ln()
-    }
-}
-
-/// A token block's statistics, borrowed (from [`Stats`] or a ring packet).
-#[derive(Debug)]
-pub(crate) struct StatsMut<'a> {
-    pub max: &'a mut [f32],
-    pub sum: &'a mut [f64],
-    pub target_logit: &'a mut [f32],
-    pub logit_sum: &'a mut [f64],
 }
 
 /// Folds a `vb×c` logits block into the statistics of its c tokens:

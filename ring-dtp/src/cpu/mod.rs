@@ -23,7 +23,7 @@ mod rows;
 #[cfg(feature = "cuda-emu")]
 pub(crate) use block::gemm;
 pub(crate) use block::{
-    BlockGrads, ColumnGrads, DxPartial, NO_TARGET, Stats, StatsMut, TokenBlock, VocabBlock, accumulate_grads,
+    BlockGrads, ColumnGrads, DxPartial, NO_TARGET, TokenBlock, VocabBlock, accumulate_grads,
     accumulate_grads_bf16, accumulate_grads_widening, column_grads, fold, form_logits, form_logits_bf16,
     form_logits_widening, gradient, resolve_targets, round_gradient_to_bf16, rounds_gradient,
 };
@@ -34,10 +34,11 @@ use flatpeak_common::gemm::{Accumulate, Threads};
 use flatpeak_common::gemm_bf16::{Bf16Gemm, Bf16Kernel};
 
 use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
-use crate::config::{Config, Reduction, Softcap};
+use crate::config::{Config, Softcap};
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix};
+use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix};
+use crate::loss::Stats;
 use crate::plan::Plan;
 
 /// The kernel that forms the logits blocks of bf16 inputs on this CPU.
@@ -67,42 +68,6 @@ fn bf16_kernel(config: &Config, inputs: &Inputs<'_>) -> Option<Bf16Gemm> {
         (_, _, Precision::F32) => None,
         (Matrix::Bf16(_), Matrix::Bf16(_), _) => config.bf16_kernel.select(),
         _ => None,
-    }
-}
-
-/// Per-row gradient scale c_i from the reduction and the upstream gradient (0 for ignored rows).
-/// `mean_denominator` is Σ of the valid rows' weights (over every rank, for a ring).
-pub(crate) fn coefficients(
-    config: &Config,
-    inputs: &Inputs<'_>,
-    grad: GradOutput<'_>,
-    mean_denominator: f64,
-) -> Result<Vec<f32>> {
-    let scale = |i: usize, g: f32, denom: Option<f64>| -> f32 {
-        match (inputs.target(config, i), denom) {
-            (Some(_), Some(denom)) => (g as f64 * inputs.weight(i) as f64 / denom) as f32,
-            _ => 0.0,
-        }
-    };
-    match (config.reduction, grad) {
-        (Reduction::Mean, GradOutput::Scalar(g)) => {
-            Ok((0..inputs.n).map(|i| scale(i, g, normaliser(mean_denominator))).collect())
-        }
-        (Reduction::Sum, GradOutput::Scalar(g)) => {
-            Ok((0..inputs.n).map(|i| scale(i, g, Some(1.0))).collect())
-        }
-        (Reduction::None, GradOutput::PerToken(g)) => {
-            if g.len() != inputs.n {
-                return Err(Error::ShapeMismatch {
-                    what: "grad_output (n)",
-                    expected: inputs.n,
-                    got: g.len(),
-                });
-            }
-            Ok((0..inputs.n).map(|i| scale(i, g[i], Some(1.0))).collect())
-        }
-        (Reduction::None, _) => Err(Error::GradOutputKind { expected: "per-token for reduction none" }),
-        _ => Err(Error::GradOutputKind { expected: "a scalar for reduction mean or sum" }),
     }
 }
 
@@ -332,45 +297,6 @@ impl BlockOps for CpuBlocks<'_, '_, '_> {
     fn take_stats(&mut self) -> Result<Stats> {
         self.stats.take().ok_or_else(|| missing("fold stats"))
     }
-}
-
-/// Per-token losses `ℓ_i = ω_i·(lse − (1−α)·z_y − (α/V)·Σz + λ·lse²)` (0 for ignored rows) and
-/// the lse of every row, from finished statistics over a vocabulary of `v` rows.
-pub(crate) fn per_token_losses(
-    config: &Config,
-    inputs: &Inputs<'_>,
-    v: usize,
-    stats: &Stats,
-) -> (Vec<f32>, Vec<f32>) {
-    let (alpha, lambda, v) = (config.label_smoothing as f64, config.z_loss as f64, v as f64);
-    let lse: Vec<f32> = (0..inputs.n).map(|t| stats.lse(t) as f32).collect();
-    let per_token = (0..inputs.n)
-        .map(|t| match inputs.target(config, t) {
-            None => 0.0,
-            Some(_) => {
-                let l = stats.lse(t);
-                let ce = l - (1.0 - alpha) * stats.target_logit[t] as f64 - alpha / v * stats.logit_sum[t];
-                (inputs.weight(t) as f64 * (ce + lambda * l * l)) as f32
-            }
-        })
-        .collect();
-    (per_token, lse)
-}
-
-/// The reduced loss from per-token losses, given the (global) sum of losses and of the valid
-/// rows' weights.
-pub(crate) fn reduce_loss(config: &Config, per_token: Vec<f32>, total: f64, denom: f64) -> Loss {
-    match config.reduction {
-        Reduction::None => Loss::PerToken(per_token),
-        Reduction::Sum => Loss::Scalar(total),
-        Reduction::Mean => Loss::Scalar(normaliser(denom).map_or(0.0, |denom| total / denom)),
-    }
-}
-
-/// The mean's normaliser Σω over the valid rows, or `None` when no row counts (then the loss is
-/// 0 and so is every gradient). The loss and the gradient scales both take it from here.
-fn normaliser(valid_weight: f64) -> Option<f64> {
-    (valid_weight > 0.0).then_some(valid_weight)
 }
 
 /// A workspace of the plan's size, reserved for one call of the free functions below (the

@@ -29,10 +29,11 @@ use half::bf16;
 
 use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
 use crate::config::Config;
-use crate::cpu::{self, Stats};
+use crate::cpu;
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Inputs, Matrix};
+use crate::loss::Stats;
 use crate::plan::Plan;
 use engine::{Engine, LogitsBlock, RowViews, StatsViews};
 

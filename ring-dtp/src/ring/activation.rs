@@ -18,10 +18,11 @@ use flatpeak_common::{DType, Workspace};
 use super::schedule::{RingOps, Step};
 use super::{Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
 use crate::cpu::{
-    BlockGrads, StatsMut, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits,
-    gradient, resolve_targets, round_gradient_to_bf16, rounds_gradient, w_rows,
+    BlockGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits, gradient,
+    resolve_targets, round_gradient_to_bf16, rounds_gradient, w_rows,
 };
 use crate::error::Result;
+use crate::loss::StatsMut;
 use crate::plan::RingPlan;
 
 /// One travelling packet: C token rows in their input dtype and their targets, then the

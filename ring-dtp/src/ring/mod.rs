@@ -59,9 +59,10 @@ use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::{DType, Workspace};
 
 use crate::config::Config;
-use crate::cpu::{self, ColumnGrads, Stats};
+use crate::cpu::ColumnGrads;
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
+use crate::loss::{self, Stats};
 use crate::plan::{RingKind, RingPlan};
 
 /// One rank's share of a call: its tokens' rows of X, targets and weights, and its vocabulary
@@ -236,10 +237,10 @@ pub fn forward<C: Communicator + ?Sized>(
     let rank = validate(comm, config, plan, inputs)?;
     let mut stats = Stats::new(rank.local.n);
     run_pass(comm, config, plan, &rank, Pass::Fold(&mut stats))?;
-    let (per_token, lse) = cpu::per_token_losses(config, &rank.local, plan.vocab(), &stats);
+    let (per_token, lse) = loss::per_token_losses(config, &rank.local, plan.vocab(), &stats);
     let local_total: f64 = per_token.iter().map(|&x| x as f64).sum();
     let [total, denom] = all_sum_f64(comm, [local_total, rank.local.valid_weight(config)])?;
-    Ok(Forward { loss: cpu::reduce_loss(config, per_token, total, denom), lse })
+    Ok(Forward { loss: loss::reduce_loss(config, per_token, total, denom), lse })
 }
 
 /// This rank's dX (its tokens), dW and dbias (its shard), from forward's lse; `dlse` is an
@@ -260,7 +261,7 @@ pub fn backward<C: Communicator + ?Sized>(
         check("dlse (n_r)", n, g.len())?;
     }
     let [denom] = all_sum_f64(comm, [rank.local.valid_weight(config)])?;
-    let coef = cpu::coefficients(config, &rank.local, grad, denom)?;
+    let coef = loss::coefficients(config, &rank.local, grad, denom)?;
     let v_r = plan.shard(rank.rank).len();
     let mut grads = Gradients {
         dx: vec![0.0; n * plan.hidden()],

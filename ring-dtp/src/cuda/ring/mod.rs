@@ -43,9 +43,9 @@ use half::bf16;
 use super::engine::Engine;
 use super::{DeviceGradients, DeviceMatrix, DeviceStats, HostRows};
 use crate::config::Config;
-use crate::cpu;
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput};
+use crate::loss;
 use crate::plan::{RingKind, RingPlan};
 use crate::ring::run_ring;
 
@@ -317,10 +317,10 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         self.run(inputs, &resolved, Pass::Fold(&mut stats))?;
         let stats = stats.download(&self.engine, n)?;
         let shadow = host.inputs((n, d, v));
-        let (per_token, lse) = cpu::per_token_losses(&self.config, &shadow, v, &stats);
+        let (per_token, lse) = loss::per_token_losses(&self.config, &shadow, v, &stats);
         let local: f64 = per_token.iter().map(|&x| x as f64).sum();
         let [total, denom] = self.all_sum([local, shadow.valid_weight(&self.config)])?;
-        Ok(Forward { loss: cpu::reduce_loss(&self.config, per_token, total, denom), lse })
+        Ok(Forward { loss: loss::reduce_loss(&self.config, per_token, total, denom), lse })
     }
 
     /// This rank's dX (its tokens), dW and dbias (its shard) from forward's lse.
@@ -347,7 +347,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         let shadow = host.inputs((n, d, v));
         let [denom] = self.all_sum([shadow.valid_weight(&self.config)])?;
         let e = &self.engine;
-        let coef = e.upload(&cpu::coefficients(&self.config, &shadow, grad, denom)?)?;
+        let coef = e.upload(&loss::coefficients(&self.config, &shadow, grad, denom)?)?;
         let lse = e.upload(&forward.lse)?;
         let dlse = dlse.map(|g| e.upload(g)).transpose()?;
         let mut grads = DeviceGradients {
