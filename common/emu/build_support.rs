@@ -1,6 +1,6 @@
 // Build-script support for the SIMT emulator (feature `cuda-emu`), shared by every crate with
-// kernels: each crate's build.rs does `include!("<path to>/common/emu/build_support.rs")` and calls
-// `build_emulated_kernels`. Compiles the crate's `kernels/*.cu`, unmodified, as host C++17 with
+// kernels: each crate's build.rs does `include!("<path to>/common/emu/build_support.rs")` and its
+// `main` calls `emulated_kernels_build_script`. Compiles the crate's `kernels/*.cu`, unmodified, as host C++17 with
 // `-include simt_emu.hpp`, generates definitions for their `extern __shared__` arrays, and links
 // the result as a static library. `flatpeak-common` also builds the runtime (`simt_emu.cpp`).
 
@@ -33,10 +33,33 @@ fn dynamic_shared_decls(source: &str) -> Vec<DynamicShared> {
     out
 }
 
-/// Builds the emulated kernels of the crate at `crate_dir` into `lib<lib_name>.a`. `emu_dir` is
-/// `common/emu`; `with_runtime` also compiles the runtime (only `flatpeak-common` does).
+/// Whether a crate's emulated-kernel library also holds the emulator runtime (`simt_emu.cpp`).
 #[allow(dead_code)]
-fn build_emulated_kernels(crate_dir: &std::path::Path, emu_dir: &std::path::Path, lib_name: &str, with_runtime: bool) {
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum EmuRuntime {
+    /// Compile the runtime into the library (only `flatpeak-common` does).
+    Include,
+    /// Leave it out: the crate links the one `flatpeak-common` builds.
+    Exclude,
+}
+
+/// The whole build script of a crate with kernels: with feature `cuda-emu`, builds its
+/// `kernels/*.cu` into `lib<lib_name>.a` (see [`build_emulated_kernels`]), `emu_dir` being the
+/// path of `common/emu` relative to the crate; otherwise does nothing.
+#[allow(dead_code)]
+fn emulated_kernels_build_script(emu_dir: &str, lib_name: &str, runtime: EmuRuntime) {
+    println!("cargo:rerun-if-changed=build.rs");
+    if std::env::var_os("CARGO_FEATURE_CUDA_EMU").is_none() {
+        return;
+    }
+    let dir = std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets it"));
+    build_emulated_kernels(&dir, &dir.join(emu_dir), lib_name, runtime);
+}
+
+/// Builds the emulated kernels of the crate at `crate_dir` into `lib<lib_name>.a`. `emu_dir` is
+/// `common/emu`; [`EmuRuntime::Include`] also compiles the runtime.
+#[allow(dead_code)]
+fn build_emulated_kernels(crate_dir: &std::path::Path, emu_dir: &std::path::Path, lib_name: &str, runtime: EmuRuntime) {
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let header = emu_dir.join("simt_emu.hpp");
     println!("cargo:rerun-if-changed={}", header.display());
@@ -98,7 +121,7 @@ fn build_emulated_kernels(crate_dir: &std::path::Path, emu_dir: &std::path::Path
         .flag("-Wno-unused-parameter")
         .files(&sources)
         .file(&generated_path);
-    if with_runtime {
+    if runtime == EmuRuntime::Include {
         // The runtime includes the header itself; the forced include is guarded and harmless.
         build.file(emu_dir.join("simt_emu.cpp"));
     }
