@@ -205,15 +205,23 @@ fn check(what: &'static str, expected: usize, found: usize) -> Result<()> {
     if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
 }
 
-fn check_index(index: &[u32], rows: usize, bound: usize) -> Result<()> {
-    match index[..rows].iter().find(|&&i| i as usize >= bound) {
-        Some(&i) => Err(Error::ShapeMismatch {
+/// Checks a row kernel's `index` (each entry a row of width `width` of a buffer of `len`
+/// elements) and its `scale` (none, or at least one per index entry).
+fn check_rows(index: &[u32], width: usize, len: usize, scale: Option<&[f32]>) -> Result<()> {
+    let bound = len / width.max(1);
+    if let Some(&i) = index.iter().find(|&&i| i as usize >= bound) {
+        return Err(Error::ShapeMismatch {
             what: "row index (rows of src)",
             expected: bound,
             got: i as usize + 1,
-        }),
-        None => Ok(()),
+        });
     }
+    scale.map_or(Ok(()), |s| check("gather/scatter scale (rows)", index.len(), s.len()))
+}
+
+/// The emulated grid-stride launch over `n` elements.
+fn linear_cfg(n: usize) -> EmuLaunchConfig {
+    EmuLaunchConfig::linear(grid_stride_blocks(n, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS)
 }
 
 /// `dst[r] = scale_r·src[index[r]]` for the first `index.len()` rows of width `width`.
@@ -226,14 +234,8 @@ pub fn gather_rows<T: KernelElem>(
 ) -> Result<()> {
     let rows = index.len();
     check("gather dst (rows·width)", rows * width, dst.len())?;
-    check_index(index, rows, src.len() / width.max(1))?;
-    if let Some(s) = scale {
-        check("gather scale (rows)", rows, s.len())?;
-    }
-    let cfg = EmuLaunchConfig::linear(
-        grid_stride_blocks(rows * width, LINEAR_THREADS, EMU_MAX_BLOCKS),
-        LINEAR_THREADS,
-    );
+    check_rows(index, width, src.len(), scale)?;
+    let cfg = linear_cfg(rows * width);
     let out = race_checked(T::GATHER, &dst[..rows * width], |schedule, out| {
         let (o, sp) = (out.as_mut_ptr(), scale.map_or(std::ptr::null(), |s| s.as_ptr()));
         // SAFETY: `index` holds `rows` entries, each < src rows (checked); `scale` holds `rows`
@@ -256,12 +258,8 @@ pub fn scatter_add_rows<S: ScatterInto<A>, A: KernelElem>(
 ) -> Result<()> {
     let rows = index.len();
     check("scatter src (rows·width)", rows * width, src.len())?;
-    check_index(index, rows, acc.len() / width.max(1))?;
-    if let Some(s) = scale {
-        check("scatter scale (rows)", rows, s.len())?;
-    }
-    let cfg =
-        EmuLaunchConfig::linear(grid_stride_blocks(width, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    check_rows(index, width, acc.len(), scale)?;
+    let cfg = linear_cfg(width);
     let out = race_checked(S::SCATTER, acc, |schedule, out| {
         let (o, sp) = (out.as_mut_ptr(), scale.map_or(std::ptr::null(), |s| s.as_ptr()));
         // SAFETY: `src` holds rows·width, `index` rows entries each < acc rows (checked),
@@ -279,7 +277,7 @@ pub fn swiglu<T: KernelElem>(gate: &[T], up: &[T], h: &mut [T]) -> Result<()> {
     let n = h.len();
     check("swiglu gate", n, gate.len())?;
     check("swiglu up", n, up.len())?;
-    let cfg = EmuLaunchConfig::linear(grid_stride_blocks(n, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    let cfg = linear_cfg(n);
     let out = race_checked(T::SWIGLU, h, |schedule, out| {
         let o = out.as_mut_ptr();
         // SAFETY: `gate`, `up` and `out` hold `n` elements (checked).
@@ -296,7 +294,7 @@ pub fn swiglu_backward<T: KernelElem>(gate: &mut [T], up: &mut [T], dh: &[T]) ->
     let n = dh.len();
     check("swiglu_backward gate", n, gate.len())?;
     check("swiglu_backward up", n, up.len())?;
-    let cfg = EmuLaunchConfig::linear(grid_stride_blocks(n, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    let cfg = linear_cfg(n);
     let both: Vec<T> = gate[..n].iter().chain(&up[..n]).copied().collect();
     let out = race_checked(T::SWIGLU_BACKWARD, &both, |schedule, out| {
         let (g, u) = out.split_at_mut(n);

@@ -11,9 +11,9 @@ use flatpeak_common::gemm_bf16::Bf16Kernel;
 use flatpeak_common::{Communicator, CommunicatorExt, DType};
 use half::bf16;
 
-use crate::cpu::elem::{ViewMut, gemm_bf16, mismatch};
+use crate::cpu::elem::{IndexScale, ViewMut, gemm_bf16, mismatch};
 use crate::cpu::{host_gemm, span, span_mut};
-use crate::device::{DeviceOps, GemmDims, Operand, need, same_type};
+use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, need, same_type};
 use crate::emu;
 use crate::error::{Error, Result};
 
@@ -79,9 +79,17 @@ impl EmuBuf {
     }
 }
 
-/// The routing-weight scale of a gather or scatter: f32.
-fn scale_of<'a>(what: &'static str, scale: Option<&'a EmuBuf>) -> Result<Option<&'a [f32]>> {
-    scale.map(|s| s.f32s(what)).transpose()
+/// The rows of a gather or scatter under the emulator.
+type EmuRows<'a> = IndexedRows<'a, EmuBuf, Vec<u32>>;
+
+/// The index entries and the routing-weight scale (f32) of a gather or scatter (the emulated
+/// launch checks them against the buffers); `None` when it moves nothing.
+fn emu_rows<'a>(sel: &EmuRows<'a>) -> Result<Option<IndexScale<'a>>> {
+    if sel.is_empty() {
+        return Ok(None);
+    }
+    let index = span("gather/scatter index (rows)", sel.index, 0, sel.rows)?;
+    Ok(Some((index, sel.scale.map(|s| s.f32s("gather/scatter scale (f32)")).transpose()?)))
 }
 
 impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
@@ -163,38 +171,16 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
         Ok(())
     }
 
-    fn gather_rows(
-        &self,
-        src: &EmuBuf,
-        index: &Vec<u32>,
-        rows: usize,
-        scale: Option<&EmuBuf>,
-        width: usize,
-        dst: &mut EmuBuf,
-    ) -> Result<()> {
-        if rows == 0 || width == 0 {
-            return Ok(());
-        }
-        let index = span("gather index (rows)", index, 0, rows)?;
-        let scale = scale_of("gather scale (f32)", scale)?;
+    fn gather_rows(&self, sel: EmuRows<'_>, dst: &mut EmuBuf) -> Result<()> {
+        let Some((index, scale)) = emu_rows(&sel)? else { return Ok(()) };
+        let (src, width) = (sel.src, sel.width);
         same_type!(EmuBuf, "gather_rows (src and dst)"; src, dst => emu::gather_rows(src, index, scale, width, dst))
     }
 
-    fn scatter_add_rows(
-        &self,
-        src: &EmuBuf,
-        index: &Vec<u32>,
-        rows: usize,
-        scale: Option<&EmuBuf>,
-        width: usize,
-        acc: &mut EmuBuf,
-    ) -> Result<()> {
-        if rows == 0 || width == 0 {
-            return Ok(());
-        }
-        let index = span("scatter index (rows)", index, 0, rows)?;
-        let scale = scale_of("scatter scale (f32)", scale)?;
-        match (src, acc) {
+    fn scatter_add_rows(&self, sel: EmuRows<'_>, acc: &mut EmuBuf) -> Result<()> {
+        let Some((index, scale)) = emu_rows(&sel)? else { return Ok(()) };
+        let width = sel.width;
+        match (sel.src, acc) {
             (EmuBuf::F32(s), EmuBuf::F32(a)) => emu::scatter_add_rows(s, index, scale, width, a),
             (EmuBuf::Bf16(s), EmuBuf::F32(a)) => emu::scatter_add_rows(s, index, scale, width, a),
             (EmuBuf::Bf16(s), EmuBuf::Bf16(a)) => emu::scatter_add_rows(s, index, scale, width, a),

@@ -91,6 +91,9 @@ pub(crate) fn mismatch(
     Error::DtypeMismatch { what, expected, found }
 }
 
+/// The host index entries of a gather or scatter and its f32 routing-weight scale (none: 1).
+pub(crate) type IndexScale<'a> = (&'a [u32], Option<&'a [f32]>);
+
 /// `dst[r] = scale_r·src[index[r]]`, rows of `width` (lengths checked by the caller).
 pub(crate) fn gather<T: HostElem>(
     src: &[T],

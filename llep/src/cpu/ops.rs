@@ -16,8 +16,8 @@ use flatpeak_common::gemm_bf16::Bf16Kernel;
 use flatpeak_common::{Communicator, CommunicatorExt, DType, Workspace};
 use half::bf16;
 
-use super::elem::{self, View, ViewMut, mismatch, span, span_mut};
-use crate::device::{DeviceOps, GemmDims, Operand, Orientation, need, same_type};
+use super::elem::{self, IndexScale, View, ViewMut, mismatch, span, span_mut};
+use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, Orientation, need, same_type};
 use crate::error::{Error, Result};
 
 /// A host buffer of the CPU backend: f32, or bf16 (the storage type of a bf16 layer).
@@ -236,13 +236,20 @@ fn slice_mut<'a>(
     })
 }
 
-/// The routing-weight scale of a gather or scatter: f32, `rows` of them.
-fn scale_of<'a>(
-    what: &'static str,
-    scale: Option<&'a HostBuf<'_>>,
-    rows: usize,
-) -> Result<Option<&'a [f32]>> {
-    scale.map(|s| span(what, s.as_slice()?, 0, rows)).transpose()
+/// The rows of a gather or scatter on the host.
+type HostRows<'a, 'w> = IndexedRows<'a, HostBuf<'w>, &'w mut [u32]>;
+
+/// The index entries and the routing-weight scale (f32, `rows` of them) of a gather or scatter
+/// whose entries must be rows of a buffer of `len` elements; `None` when it moves nothing.
+fn host_rows<'a>(sel: &HostRows<'a, '_>, len: usize) -> Result<Option<IndexScale<'a>>> {
+    if sel.is_empty() {
+        return Ok(None);
+    }
+    let (index, rows): (&'a &mut [u32], usize) = (sel.index, sel.rows);
+    let index = span("gather/scatter index (rows)", index, 0, rows)?;
+    check_index(index, len / sel.width)?;
+    let scale = sel.scale.map(|s| span("gather/scatter scale (rows)", s.as_slice()?, 0, rows)).transpose()?;
+    Ok(Some((index, scale)))
 }
 
 impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
@@ -352,45 +359,19 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         Ok(())
     }
 
-    fn gather_rows(
-        &self,
-        src: &HostBuf<'w>,
-        index: &&'w mut [u32],
-        rows: usize,
-        scale: Option<&HostBuf<'w>>,
-        width: usize,
-        dst: &mut HostBuf<'w>,
-    ) -> Result<()> {
-        if rows == 0 || width == 0 {
-            return Ok(());
-        }
-        let index = span("gather index (rows)", index, 0, rows)?;
-        check_index(index, src.len() / width)?;
-        let src = slice("gather src", src, 0, src.len())?;
-        let dst = slice_mut("gather dst (rows·width)", dst, 0, rows * width)?;
-        let scale = scale_of("gather scale (rows)", scale, rows)?;
+    fn gather_rows(&self, sel: HostRows<'_, 'w>, dst: &mut HostBuf<'w>) -> Result<()> {
+        let Some((index, scale)) = host_rows(&sel, sel.src.len())? else { return Ok(()) };
+        let (src, width) = (slice("gather src", sel.src, 0, sel.src.len())?, sel.width);
+        let dst = slice_mut("gather dst (rows·width)", dst, 0, sel.rows * width)?;
         same_type!(ElemRef, "gather_rows (src and dst)"; src, dst => elem::gather(src, index, scale, width, dst));
         Ok(())
     }
 
-    fn scatter_add_rows(
-        &self,
-        src: &HostBuf<'w>,
-        index: &&'w mut [u32],
-        rows: usize,
-        scale: Option<&HostBuf<'w>>,
-        width: usize,
-        acc: &mut HostBuf<'w>,
-    ) -> Result<()> {
-        if rows == 0 || width == 0 {
-            return Ok(());
-        }
-        let index = span("scatter index (rows)", index, 0, rows)?;
-        check_index(index, acc.len() / width)?;
-        let src = slice("scatter src (rows·width)", src, 0, rows * width)?;
-        let acc_len = acc.len();
+    fn scatter_add_rows(&self, sel: HostRows<'_, 'w>, acc: &mut HostBuf<'w>) -> Result<()> {
+        let Some((index, scale)) = host_rows(&sel, acc.len())? else { return Ok(()) };
+        let (width, acc_len) = (sel.width, acc.len());
+        let src = slice("scatter src (rows·width)", sel.src, 0, sel.rows * width)?;
         let acc = slice_mut("scatter acc", acc, 0, acc_len)?;
-        let scale = scale_of("scatter scale (rows)", scale, rows)?;
         match (src, acc) {
             (ElemRef::F32(s), ElemRef::F32(a)) => elem::scatter_add(s, index, scale, width, a),
             (ElemRef::Bf16(s), ElemRef::F32(a)) => elem::scatter_add(s, index, scale, width, a),

@@ -5,7 +5,7 @@ use flatpeak_common::DType;
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
-use crate::device::need;
+use crate::device::{IndexedRows, need};
 use crate::error::{Error, Result};
 
 pub(super) fn view<'a, T>(
@@ -86,15 +86,11 @@ impl From<CudaSlice<bf16>> for CudaBuf {
     }
 }
 
-/// The routing-weight scale of a gather or scatter (f32), or none.
-pub(super) fn scale_of<'a>(
-    what: &'static str,
-    scale: Option<&'a CudaBuf>,
-    rows: usize,
-) -> Result<Option<&'a CudaSlice<f32>>> {
-    let Some(s) = scale else { return Ok(None) };
-    let s = s.as_f32(what)?;
-    need(what, rows, s.len())?;
+/// The routing-weight scale of a gather or scatter (f32, at least `rows`), or none.
+pub(super) fn scale_of<'a>(sel: &IndexedRows<'a, CudaBuf, CudaIndex>) -> Result<Option<&'a CudaSlice<f32>>> {
+    let Some(s) = sel.scale else { return Ok(None) };
+    let s = s.as_f32("gather/scatter scale (f32 rows)")?;
+    need("gather/scatter scale (f32 rows)", sel.rows, s.len())?;
     Ok(Some(s))
 }
 

@@ -15,45 +15,38 @@ fn linear(n: usize) -> LaunchConfig {
     linear_launch(n, LINEAR_THREADS, 4096)
 }
 
-impl<C: DeviceCommunicator> CudaOps<'_, C> {
-    /// `llep_gather_rows` of element type T (entry point `name`).
-    pub(super) fn launch_gather<T: DeviceRepr>(
-        &self,
-        name: &'static str,
-        (src, index, scale): (&CudaSlice<T>, &CudaIndex, Option<&CudaSlice<f32>>),
-        (rows, width): (usize, usize),
-        dst: &mut CudaSlice<T>,
-    ) -> Result<()> {
-        need("gather dst (rows·width)", rows * width, dst.len())?;
-        index.check_rows(rows, src.len() / width)?;
-        let f = self.cache.function(&LLEP, name)?;
-        let (rows32, width32, null) = (rows as u32, width as u32, 0u64);
-        let mut l = self.stream.launch_builder(&f);
-        l.arg(src).arg(&index.dev);
-        match scale {
-            Some(s) => l.arg(s),
-            None => l.arg(&null),
-        };
-        l.arg(&rows32).arg(&width32).arg(&mut *dst);
-        // SAFETY: `name` is `llep_gather_rows` of T (`(const T*, const u32*, const float*, u32,
-        // u32, T*)`, T the buffers' element type: f32, or bf16 for `_bf16`), matching the
-        // arguments in order (no scale: a null pointer); it reads `index[0..rows)`, each entry
-        // < src rows (checked on the host mirror), `scale[0..rows)` (checked by the caller) and
-        // writes `dst[0..rows·width)` (checked above); grid-stride over rows·width.
-        unsafe { l.launch(linear(rows * width)) }.map_err(cuda_error(name))?;
-        Ok(())
-    }
+/// Which of the two row kernels of `kernels/llep.cu` (one argument list) a launch runs.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum RowKernel {
+    /// `llep_gather_rows`: `out[r] = scale_r·src[index[r]]`.
+    Gather,
+    /// `llep_scatter_add_rows`: `out[index[r]] += scale_r·src[r]`, r in order.
+    ScatterAdd,
+}
 
-    /// `llep_scatter_add_rows` of rows of S into accumulators of A (entry point `name`).
-    pub(super) fn launch_scatter<S: DeviceRepr, A: DeviceRepr>(
+impl<C: DeviceCommunicator> CudaOps<'_, C> {
+    /// `llep_gather_rows` or `llep_scatter_add_rows` ([`RowKernel`]) of rows of S into rows of
+    /// A (entry point `name`).
+    pub(super) fn launch_rows<S: DeviceRepr, A: DeviceRepr>(
         &self,
+        kernel: RowKernel,
         name: &'static str,
         (src, index, scale): (&CudaSlice<S>, &CudaIndex, Option<&CudaSlice<f32>>),
         (rows, width): (usize, usize),
-        acc: &mut CudaSlice<A>,
+        out: &mut CudaSlice<A>,
     ) -> Result<()> {
-        need("scatter src (rows·width)", rows * width, src.len())?;
-        index.check_rows(rows, acc.len() / width)?;
+        let threads = match kernel {
+            RowKernel::Gather => {
+                need("gather dst (rows·width)", rows * width, out.len())?;
+                index.check_rows(rows, src.len() / width)?;
+                rows * width
+            }
+            RowKernel::ScatterAdd => {
+                need("scatter src (rows·width)", rows * width, src.len())?;
+                index.check_rows(rows, out.len() / width)?;
+                width
+            }
+        };
         let f = self.cache.function(&LLEP, name)?;
         let (rows32, width32, null) = (rows as u32, width as u32, 0u64);
         let mut l = self.stream.launch_builder(&f);
@@ -62,13 +55,16 @@ impl<C: DeviceCommunicator> CudaOps<'_, C> {
             Some(s) => l.arg(s),
             None => l.arg(&null),
         };
-        l.arg(&rows32).arg(&width32).arg(&mut *acc);
-        // SAFETY: `name` is `llep_scatter_add_rows` of (S, A) (`(const S*, const u32*, const
-        // float*, u32, u32, A*)`: f32→f32, bf16→f32 `_bf16`, bf16→bf16 `_bf16_bf16`), matching
-        // the arguments in order (no scale: a null pointer); it reads `src[0..rows·width)`,
-        // `index[0..rows)` (each < acc rows, checked on the host mirror), `scale[0..rows)`
-        // (checked by the caller), and thread c updates column c of `acc` only.
-        unsafe { l.launch(linear(width)) }.map_err(cuda_error(name))?;
+        l.arg(&rows32).arg(&width32).arg(&mut *out);
+        // SAFETY: `name` is the `kernel` instantiation of (S, A), both kernels `(const S*, const
+        // u32*, const float*, u32, u32, A*)` (gather: f32, or bf16 `_bf16`, S = A; scatter:
+        // f32→f32, bf16→f32 `_bf16`, bf16→bf16 `_bf16_bf16`), matching the arguments in order (no
+        // scale: a null pointer); it reads `index[0..rows)`, each entry < rows of `src` (gather)
+        // or of `out` (scatter), checked on the host mirror, and `scale[0..rows)` (checked by the
+        // caller). Gather reads rows of `src` and writes `out[0..rows·width)` (checked above),
+        // grid-stride over rows·width; scatter reads `src[0..rows·width)` (checked above) and
+        // thread c updates column c of `out` only.
+        unsafe { l.launch(linear(threads)) }.map_err(cuda_error(name))?;
         Ok(())
     }
 

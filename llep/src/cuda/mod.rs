@@ -43,7 +43,7 @@ use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::nccl::DeviceCommunicator;
 use half::bf16;
 
-use crate::device::{DeviceOps, GemmDims, Operand, Orientation, need, same_type};
+use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, Orientation, need, same_type};
 use crate::error::{Error, Result};
 
 mod buf;
@@ -51,6 +51,7 @@ mod launch;
 
 pub use buf::{CudaBuf, CudaIndex};
 use buf::{entry, scale_of, view, view_mut};
+use launch::RowKernel;
 
 /// The CUDA device of one rank of a [`DeviceCommunicator`]: a compute stream beside the
 /// communicator's, the NVRTC kernels and a cuBLAS handle.
@@ -263,47 +264,32 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         Ok(())
     }
 
-    fn gather_rows(
-        &self,
-        src: &CudaBuf,
-        index: &CudaIndex,
-        rows: usize,
-        scale: Option<&CudaBuf>,
-        width: usize,
-        dst: &mut CudaBuf,
-    ) -> Result<()> {
-        if rows == 0 || width == 0 {
+    fn gather_rows(&self, sel: IndexedRows<'_, CudaBuf, CudaIndex>, dst: &mut CudaBuf) -> Result<()> {
+        if sel.is_empty() {
             return Ok(());
         }
-        let scale = scale_of("gather scale (f32 rows)", scale, rows)?;
-        let name = entry("llep_gather_rows", "llep_gather_rows_bf16", src.dtype());
+        let scale = scale_of(&sel)?;
+        let name = entry("llep_gather_rows", "llep_gather_rows_bf16", sel.src.dtype());
+        let (src, index, shape) = (sel.src, sel.index, (sel.rows, sel.width));
         same_type!(CudaBuf, "gather_rows (src and dst)"; src, dst =>
-            self.launch_gather(name, (src, index, scale), (rows, width), dst))
+            self.launch_rows(RowKernel::Gather, name, (src, index, scale), shape, dst))
     }
 
-    fn scatter_add_rows(
-        &self,
-        src: &CudaBuf,
-        index: &CudaIndex,
-        rows: usize,
-        scale: Option<&CudaBuf>,
-        width: usize,
-        acc: &mut CudaBuf,
-    ) -> Result<()> {
-        if rows == 0 || width == 0 {
+    fn scatter_add_rows(&self, sel: IndexedRows<'_, CudaBuf, CudaIndex>, acc: &mut CudaBuf) -> Result<()> {
+        if sel.is_empty() {
             return Ok(());
         }
-        let scale = scale_of("scatter scale (f32 rows)", scale, rows)?;
-        let shape = (rows, width);
-        match (src, acc) {
+        let (scale, index) = (scale_of(&sel)?, sel.index);
+        let (kernel, shape) = (RowKernel::ScatterAdd, (sel.rows, sel.width));
+        match (sel.src, acc) {
             (CudaBuf::F32(s), CudaBuf::F32(a)) => {
-                self.launch_scatter("llep_scatter_add_rows", (s, index, scale), shape, a)
+                self.launch_rows(kernel, "llep_scatter_add_rows", (s, index, scale), shape, a)
             }
             (CudaBuf::Bf16(s), CudaBuf::F32(a)) => {
-                self.launch_scatter("llep_scatter_add_rows_bf16", (s, index, scale), shape, a)
+                self.launch_rows(kernel, "llep_scatter_add_rows_bf16", (s, index, scale), shape, a)
             }
             (CudaBuf::Bf16(s), CudaBuf::Bf16(a)) => {
-                self.launch_scatter("llep_scatter_add_rows_bf16_bf16", (s, index, scale), shape, a)
+                self.launch_rows(kernel, "llep_scatter_add_rows_bf16_bf16", (s, index, scale), shape, a)
             }
             (CudaBuf::F32(_), CudaBuf::Bf16(_)) => Err(Error::DtypeMismatch {
                 what: "scatter_add_rows acc (at least as wide as src)",

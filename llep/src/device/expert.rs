@@ -12,7 +12,7 @@
 use flatpeak_common::gemm::Accumulate;
 
 use super::reserve::{GroupBufs, Scratch};
-use super::{DeviceGradients, DeviceInputs, DeviceOps, GemmDims, Operand};
+use super::{DeviceGradients, DeviceInputs, DeviceOps, GemmDims, IndexedRows, Operand};
 use crate::config::Shape;
 use crate::error::Result;
 
@@ -176,7 +176,23 @@ fn input_grads<O: DeviceOps>(
         (&mut sc.y, 0),
         Accumulate::Add,
     )?;
-    ops.scatter_add_rows(&sc.y, &io.lists.rows, n, None, h, io.dx_rows)
+    ops.scatter_add_rows(IndexedRows::new(&sc.y, &io.lists.rows, n, h), io.dx_rows)
+}
+
+/// The middle of both backwards, with `dw_t` in the scratch's dots and h in its h: the dots
+/// added to the routes' d(weights) entries, dY gathered again scaled by the routing weights
+/// (`w_t·dY_t`), and `dW_down += hᵀ·(w⊙dY)`.
+fn weights_and_down_grads<O: DeviceOps>(
+    ops: &O,
+    grad: &mut GradAt<'_, O::Buf>,
+    (h, i, n): (usize, usize, usize),
+    io: &mut GroupIo<'_, O>,
+    sc: &mut Scratch<O::Buf>,
+) -> Result<()> {
+    ops.scatter_add_rows(IndexedRows::new(&sc.dots, &io.lists.meta, n, 1), io.dw)?;
+    let dy = IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).scaled(&io.lists.weights);
+    ops.gather_rows(dy, &mut sc.dy)?;
+    mm(ops, (i, h, n), Operand::t(&sc.h, 0), Operand::plain(&sc.dy, 0), grad.part(2), Accumulate::Add)
 }
 
 /// Backward of one group, recomputing its forward: `dw_t = ⟨dY_t, y_t⟩` added to the route's
@@ -187,18 +203,16 @@ pub(super) fn backward<O: DeviceOps>(
     mut grad: GradAt<'_, O::Buf>,
     (h, i): (usize, usize),
     n: usize,
-    io: GroupIo<'_, O>,
+    mut io: GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
-    ops.gather_rows(io.recv_dy, &io.lists.rows, n, None, h, &mut sc.dy)?;
+    ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h), &mut sc.dy)?;
     project(ops, w, (h, i), n, sc)?;
     ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.h)?;
     let down = Operand::plain(w.down.0, w.down.1);
     mm(ops, (n, h, i), Operand::plain(&sc.h, 0), down, (&mut sc.y, 0), Accumulate::Replace)?;
     ops.row_dot(&sc.dy, &sc.y, n, h, &mut sc.dots)?;
-    ops.scatter_add_rows(&sc.dots, &io.lists.meta, n, None, 1, io.dw)?;
-    ops.gather_rows(io.recv_dy, &io.lists.rows, n, Some(&io.lists.weights), h, &mut sc.dy)?;
-    mm(ops, (i, h, n), Operand::t(&sc.h, 0), Operand::plain(&sc.dy, 0), grad.part(2), Accumulate::Add)?;
+    weights_and_down_grads(ops, &mut grad, (h, i, n), &mut io, sc)?;
     let down_t = Operand::t(w.down.0, w.down.1);
     mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.h, 0), Accumulate::Replace)?;
     ops.swiglu_backward(&mut sc.gate, &mut sc.up, &sc.h, n * i)?;
@@ -216,21 +230,19 @@ pub(super) fn backward_saved<O: DeviceOps>(
     (h, i): (usize, usize),
     (n, cursor): (usize, usize),
     pre: (&O::Buf, &O::Buf),
-    io: GroupIo<'_, O>,
+    mut io: GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
-    ops.gather_rows(io.recv_dy, &io.lists.rows, n, None, h, &mut sc.dy)?;
+    ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h), &mut sc.dy)?;
     ops.copy((pre.0, cursor * i), (&mut sc.gate, 0), n * i)?;
     ops.copy((pre.1, cursor * i), (&mut sc.up, 0), n * i)?;
     ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.h)?;
     let down_t = Operand::t(w.down.0, w.down.1);
     mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.y, 0), Accumulate::Replace)?;
     ops.row_dot(&sc.y, &sc.h, n, i, &mut sc.dots)?;
-    ops.scatter_add_rows(&sc.dots, &io.lists.meta, n, None, 1, io.dw)?;
-    ops.gather_rows(io.recv_dy, &io.lists.rows, n, Some(&io.lists.weights), h, &mut sc.dy)?;
-    mm(ops, (i, h, n), Operand::t(&sc.h, 0), Operand::plain(&sc.dy, 0), grad.part(2), Accumulate::Add)?;
+    weights_and_down_grads(ops, &mut grad, (h, i, n), &mut io, sc)?;
     super::host::iota(ops, &mut io.lists.meta, n)?;
-    ops.gather_rows(&sc.y, &io.lists.meta, n, Some(&io.lists.weights), i, &mut sc.h)?;
+    ops.gather_rows(IndexedRows::new(&sc.y, &io.lists.meta, n, i).scaled(&io.lists.weights), &mut sc.h)?;
     ops.swiglu_backward(&mut sc.gate, &mut sc.up, &sc.h, n * i)?;
     input_grads(ops, w, grad, (h, i, n), io, sc)
 }

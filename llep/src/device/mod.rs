@@ -80,6 +80,38 @@ impl<'a, B> Operand<'a, B> {
     }
 }
 
+/// The rows a [`gather_rows`](DeviceOps::gather_rows) or
+/// [`scatter_add_rows`](DeviceOps::scatter_add_rows) moves: `rows` rows of `width` elements, row
+/// `r` with entry `index[r]` and, when given, the f32 factor `scale[r]` (none: 1).
+#[derive(Debug)]
+pub struct IndexedRows<'a, B, I> {
+    /// The rows' source: read at row `index[r]` (gather) or row `r` (scatter).
+    pub src: &'a B,
+    /// One entry per row: the source row (gather) or the accumulator row (scatter).
+    pub index: &'a I,
+    /// How many rows.
+    pub rows: usize,
+    /// Elements per row.
+    pub width: usize,
+    /// Per-row factors (f32), or `None` for 1.
+    pub scale: Option<&'a B>,
+}
+
+impl<'a, B, I> IndexedRows<'a, B, I> {
+    /// `rows` rows of `width` from `src` by `index`, unscaled.
+    pub fn new(src: &'a B, index: &'a I, rows: usize, width: usize) -> Self {
+        Self { src, index, rows, width, scale: None }
+    }
+    /// These rows, row `r` multiplied by `scale[r]` (f32).
+    pub fn scaled(self, scale: &'a B) -> Self {
+        Self { scale: Some(scale), ..self }
+    }
+    /// No row or no element: the operation does nothing.
+    pub fn is_empty(&self) -> bool {
+        self.rows == 0 || self.width == 0
+    }
+}
+
 /// Sizes of `C (m×n) = op(A) (m×k) · op(B) (k×n)`, all row-major.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GemmDims {
@@ -156,30 +188,18 @@ pub trait DeviceOps {
     where
         F: FnOnce(&mut [u32]) -> Result<usize>,
     {
-        let mut staging = vec![0u32; len];
-        let written = fill(&mut staging)?;
-        let staged = staging.get(..written).ok_or(Error::ShapeMismatch {
-            what: "index entries written (at most the length filled)",
-            expected: len,
-            got: written,
-        })?;
-        self.write_index(staged, dst)?;
-        Ok(written)
+        let staged = staged("index entries written (at most the length filled)", len, fill)?;
+        self.write_index(&staged, dst)?;
+        Ok(staged.len())
     }
     /// [`fill_index`](DeviceOps::fill_index) of f32.
     fn fill<F>(&self, dst: &mut Self::Buf, len: usize, fill: F) -> Result<usize>
     where
         F: FnOnce(&mut [f32]) -> Result<usize>,
     {
-        let mut staging = vec![0f32; len];
-        let written = fill(&mut staging)?;
-        let staged = staging.get(..written).ok_or(Error::ShapeMismatch {
-            what: "elements written (at most the length filled)",
-            expected: len,
-            got: written,
-        })?;
-        self.write(staged, dst)?;
-        Ok(written)
+        let staged = staged("elements written (at most the length filled)", len, fill)?;
+        self.write(&staged, dst)?;
+        Ok(staged.len())
     }
     /// `dst[..len] = 0`.
     fn zero(&self, dst: &mut Self::Buf, len: usize) -> Result<()>;
@@ -187,27 +207,14 @@ pub trait DeviceOps {
     fn copy(&self, src: (&Self::Buf, usize), dst: (&mut Self::Buf, usize), len: usize) -> Result<()>;
 
     /// `dst[r] = scale_r·src[index[r]]` for `r < rows`, rows of `width` (`llep_gather_rows`;
-    /// no scale: 1; `src` and `dst` of one type, `scale` f32). Every index must be a row of
-    /// `src`.
-    fn gather_rows(
-        &self,
-        src: &Self::Buf,
-        index: &Self::Index,
-        rows: usize,
-        scale: Option<&Self::Buf>,
-        width: usize,
-        dst: &mut Self::Buf,
-    ) -> Result<()>;
+    /// `src` and `dst` of one type). Every index must be a row of `src`.
+    fn gather_rows(&self, sel: IndexedRows<'_, Self::Buf, Self::Index>, dst: &mut Self::Buf) -> Result<()>;
     /// `acc[index[r]] += scale_r·src[r]` for r = 0, 1, …, rows − 1 in order, rows of `width`
     /// (`llep_scatter_add_rows`: duplicates accumulate in input order, reproducibly; `acc` f32
     /// or of `src`'s type, `scale` f32).
     fn scatter_add_rows(
         &self,
-        src: &Self::Buf,
-        index: &Self::Index,
-        rows: usize,
-        scale: Option<&Self::Buf>,
-        width: usize,
+        sel: IndexedRows<'_, Self::Buf, Self::Index>,
         acc: &mut Self::Buf,
     ) -> Result<()>;
     /// `h[..n] = silu(gate) ⊙ up` (`llep_swiglu`; one type).
@@ -358,6 +365,22 @@ macro_rules! same_type {
 pub(crate) use same_type;
 
 /// `found ≥ expected`, or [`Error::ShapeMismatch`] naming `what`: the length check every
+/// What `fill` wrote into `len` zeroed host elements: the first `written` of them, or
+/// [`Error::ShapeMismatch`] naming `what` when it says it wrote more than `len`.
+fn staged<T: Copy + Default>(
+    what: &'static str,
+    len: usize,
+    fill: impl FnOnce(&mut [T]) -> Result<usize>,
+) -> Result<Vec<T>> {
+    let mut staging = vec![T::default(); len];
+    let written = fill(&mut staging)?;
+    if written > len {
+        return Err(Error::ShapeMismatch { what, expected: len, got: written });
+    }
+    staging.truncate(written);
+    Ok(staging)
+}
+
 /// implementation runs before touching a buffer.
 pub fn need(what: &'static str, expected: usize, found: usize) -> Result<()> {
     if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }

@@ -24,7 +24,7 @@
 //! depth gives the same result.
 
 use super::host::{meta_words, scale, send_lists};
-use super::{DeviceInputs, DeviceOps};
+use super::{DeviceInputs, DeviceOps, IndexedRows};
 use crate::error::{Error, Result};
 use crate::layer::Routing;
 use crate::plan::RouteMeta;
@@ -114,11 +114,11 @@ impl<O: DeviceOps> Dispatcher<'_, '_, O> {
         let sent = send_lists(ops, call, j, &mut set.send_tokens, meta)?;
         let (sh, rh) = (scale(&send_counts, h), scale(&recv_counts, h));
         if x {
-            ops.gather_rows(self.inputs.x, &set.send_tokens, sent, None, h, &mut set.send_x)?;
+            ops.gather_rows(IndexedRows::new(self.inputs.x, &set.send_tokens, sent, h), &mut set.send_x)?;
             ops.all_to_all_v((&set.send_x, 0), &sh, (&mut set.recv_x, 0), &rh)?;
         }
         if let Some(dy) = dy {
-            ops.gather_rows(dy, &set.send_tokens, sent, None, h, &mut set.send_dy)?;
+            ops.gather_rows(IndexedRows::new(dy, &set.send_tokens, sent, h), &mut set.send_dy)?;
             ops.all_to_all_v((&set.send_dy, 0), &sh, (&mut set.recv_dy, 0), &rh)?;
         }
         if x {

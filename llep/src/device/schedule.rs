@@ -9,7 +9,7 @@ use super::expert::{self, GroupIo, KeepPre, expert_at, grad_at};
 use super::host::{check_call, dw_lists, group, group_lists, scale, tables};
 use super::pipeline::{Dispatcher, Issued, MetaHost, RoundSet, Sends, pipelined};
 use super::reserve::Reserved;
-use super::{DeviceGradients, DeviceInputs, DeviceOps, Store, need};
+use super::{DeviceGradients, DeviceInputs, DeviceOps, IndexedRows, Store, need};
 use crate::config::{Mode, Shape};
 use crate::error::{Error, Result};
 use crate::plan::{Pass, RouteMeta};
@@ -93,7 +93,7 @@ fn return_foreign_grads<O: DeviceOps>(
             ops.all_to_all_v((&c.foreign_grad, send_at), &sc, (&mut c.grad_return, 0), &rc)?;
             if t.owner == me {
                 ops.write_index(&[(t.expert - me * m) as u32], &mut c.one)?;
-                ops.scatter_add_rows(&c.grad_return, &c.one, 1, None, hi, dst)?;
+                ops.scatter_add_rows(IndexedRows::new(&c.grad_return, &c.one, 1, hi), dst)?;
             }
         }
     }
@@ -226,12 +226,15 @@ fn run_forward<O: DeviceOps>(
                 for chunk in entries.chunks(chunk_rows) {
                     let n = chunk.len();
                     group_lists(ops, chunk, meta, (&mut lists.rows, &mut lists.weights, None))?;
-                    ops.gather_rows(&set.recv_x, &lists.rows, n, None, h, &mut scratch.x)?;
+                    ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, n, h), &mut scratch.x)?;
                     let w = expert_at(&s, inputs, foreign, slot);
                     let pre =
                         keep.as_mut().map(|kp| KeepPre { gate: &mut *kp.gate, up: &mut *kp.up, cursor });
                     expert::forward(ops, w, (h, i), n, scratch, pre)?;
-                    ops.scatter_add_rows(&scratch.x, &lists.rows, n, Some(&lists.weights), h, &mut set.out)?;
+                    ops.scatter_add_rows(
+                        IndexedRows::new(&scratch.x, &lists.rows, n, h).scaled(&lists.weights),
+                        &mut set.out,
+                    )?;
                     cursor += n;
                 }
             }
@@ -243,7 +246,7 @@ fn run_forward<O: DeviceOps>(
         };
     let finish = |y: &mut O::Buf, sets: &mut [RoundSet<O::Buf, O::Index>], round: &Issued| {
         let set = &sets[round.set];
-        ops.scatter_add_rows(&set.send_x, &set.send_tokens, round.sent, None, h, y)
+        ops.scatter_add_rows(IndexedRows::new(&set.send_x, &set.send_tokens, round.sent, h), y)
     };
     let d = Dispatcher { ops, plan, tables: &t, inputs, dy: None, sends: Sends::X };
     pipelined(&d, &order, sets, meta_host, &mut y, run, finish)?;
@@ -406,7 +409,7 @@ fn run_backward<O: DeviceOps>(
                         meta,
                         (&mut lists.rows, &mut lists.weights, Some(&mut lists.meta)),
                     )?;
-                    ops.gather_rows(&set.recv_x, &lists.rows, rows, None, h, &mut scratch.x)?;
+                    ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, rows, h), &mut scratch.x)?;
                     let w = expert_at(&s, inputs, foreign, slot);
                     let grad = grad_at(&s, g, foreign_grad, slot);
                     let io = GroupIo::<O> {
@@ -430,15 +433,16 @@ fn run_backward<O: DeviceOps>(
             ops.all_to_all_v((&set.out, 0), &rh, (&mut set.send_x, 0), &sh)?;
             ops.all_to_all_v((&set.dw_out, 0), &rk, (&mut set.dw_back, 0), &sk)
         };
-        let finish =
-            |g: &mut DeviceGradients<O::Buf>, sets: &mut [RoundSet<O::Buf, O::Index>], round: &Issued| {
-                let set = &sets[round.set];
-                ops.scatter_add_rows(&set.send_x, &set.send_tokens, round.sent, None, h, &mut g.dx)?;
-                let call = (plan, me, &t, &inputs.routing);
-                let routes = dw_lists(ops, call, round.round, (&mut *dw_src, &mut *dw_dst))?;
-                ops.gather_rows(&set.dw_back, dw_src, routes, None, 1, dw_gathered)?;
-                ops.scatter_add_rows(dw_gathered, dw_dst, routes, None, 1, &mut g.d_weights)
-            };
+        let finish = |g: &mut DeviceGradients<O::Buf>,
+                      sets: &mut [RoundSet<O::Buf, O::Index>],
+                      round: &Issued| {
+            let set = &sets[round.set];
+            ops.scatter_add_rows(IndexedRows::new(&set.send_x, &set.send_tokens, round.sent, h), &mut g.dx)?;
+            let call = (plan, me, &t, &inputs.routing);
+            let routes = dw_lists(ops, call, round.round, (&mut *dw_src, &mut *dw_dst))?;
+            ops.gather_rows(IndexedRows::new(&set.dw_back, dw_src, routes, 1), dw_gathered)?;
+            ops.scatter_add_rows(IndexedRows::new(dw_gathered, dw_dst, routes, 1), &mut g.d_weights)
+        };
         let d = Dispatcher { ops, plan, tables: &t, inputs, dy: Some(dy), sends };
         pipelined(&d, &order, sets, meta_host, &mut g, run, finish)?;
     }
