@@ -67,6 +67,13 @@ impl CountingAllocator {
             let _ = THREAD_HIGH.try_with(|high| high.set(high.get().max(now)));
         });
     }
+    /// Counts `ptr`, a fresh allocation of `layout` (none when null), and hands it back.
+    fn allocated(ptr: *mut u8, layout: Layout) -> *mut u8 {
+        if !ptr.is_null() {
+            Self::grew(layout.size());
+        }
+        ptr
+    }
     fn shrank(bytes: usize) {
         LIVE.fetch_sub(bytes, Ordering::Relaxed);
         let _ = THREAD_LIVE.try_with(|live| live.set(live.get().saturating_sub_unsigned(bytes)));
@@ -79,21 +86,13 @@ unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         INSTALLED.store(true, Ordering::Relaxed);
         // SAFETY: forwarded contract (non-zero-size layout, per the caller).
-        let ptr = unsafe { System.alloc(layout) };
-        if !ptr.is_null() {
-            Self::grew(layout.size());
-        }
-        ptr
+        Self::allocated(unsafe { System.alloc(layout) }, layout)
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         INSTALLED.store(true, Ordering::Relaxed);
         // SAFETY: forwarded contract.
-        let ptr = unsafe { System.alloc_zeroed(layout) };
-        if !ptr.is_null() {
-            Self::grew(layout.size());
-        }
-        ptr
+        Self::allocated(unsafe { System.alloc_zeroed(layout) }, layout)
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
