@@ -170,6 +170,14 @@ impl<G: DeviceRepr, P: DeviceRepr> CudaEngines<'_, G, P> {
     }
 }
 
+/// Blocks until `event` fires, adding the time the host waited to `waited`.
+fn timed_wait(event: &CudaEvent, waited: &mut Duration) -> Result<()> {
+    let start = Instant::now();
+    event.synchronize().map_err(cuda_error("cuEventSynchronize"))?;
+    *waited += start.elapsed();
+    Ok(())
+}
+
 impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
     /// D2H of `grads[range]` into grad slot `slot` on the D2H stream; records `d2h_done[slot]`.
     fn start_d2h(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
@@ -188,10 +196,7 @@ impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
     }
 
     fn wait_d2h(&mut self, slot: usize) -> Result<()> {
-        let start = Instant::now();
-        self.offload.d2h_done[slot].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
-        self.waited[0] += start.elapsed();
-        Ok(())
+        timed_wait(&self.offload.d2h_done[slot], &mut self.waited[0])
     }
 
     /// H2D of param slot `slot` into `params[range]` on the H2D stream; records `h2d_done[slot]`.
@@ -211,10 +216,7 @@ impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
     }
 
     fn wait_h2d(&mut self, slot: usize) -> Result<()> {
-        let start = Instant::now();
-        self.offload.h2d_done[slot].synchronize().map_err(cuda_error("cuEventSynchronize"))?;
-        self.waited[1] += start.elapsed();
-        Ok(())
+        timed_wait(&self.offload.h2d_done[slot], &mut self.waited[1])
     }
 
     fn adam(
