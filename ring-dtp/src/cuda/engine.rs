@@ -9,7 +9,8 @@ use flatpeak_common::Precision;
 use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
 use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
 use flatpeak_common::cuda::cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 use flatpeak_common::cuda::{
     KernelCache, alloc_error, cuda_error, fill_f32, gemm_bf16, linear_launch, per_row_launch, sgemm,
@@ -31,6 +32,82 @@ fn per_row(rows: usize) -> Result<LaunchConfig> {
 
 fn need(what: &'static str, expected: usize, found: usize) -> Result<()> {
     if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
+}
+
+/// The element of a block GEMM's X and W operands: f32 (SGEMM in the handle's math mode) or
+/// bf16 (`cublasGemmEx` on the tensor cores); accumulation and output are f32 either way.
+pub(crate) trait GemmElement: DeviceRepr + Sized {
+    /// The `c×vb` f32 gradient block `g` as this element's GEMM operand, with its leading
+    /// dimension: the f32 values (`vb`), or for bf16 the rows `lce_narrow_rows_bf16` left in
+    /// the first half of each row's bytes (`2·vb`).
+    fn gradient_operand(g: &CudaSlice<f32>, dims: (usize, usize)) -> Result<(CudaView<'_, Self>, usize)>;
+
+    /// `C = op(A)·op(B) + beta·C`.
+    ///
+    /// # Safety
+    /// As `flatpeak_common::cuda::sgemm`: a, b and c hold the column-major extents of the
+    /// product, `c` is distinct from a and b, and every operand is ordered on `stream`, the
+    /// handle's stream.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm<A: DevicePtr<Self>, B: DevicePtr<Self>, C: DevicePtrMut<f32>>(
+        blas: &CudaBlas,
+        stream: &CudaStream,
+        ops: (cublasOperation_t, cublasOperation_t),
+        dims: (usize, usize, usize),
+        a: (&A, usize),
+        b: (&B, usize),
+        c: (&mut C, usize),
+        beta: f32,
+    ) -> Result<()>;
+}
+
+impl GemmElement for f32 {
+    fn gradient_operand(g: &CudaSlice<f32>, (c, vb): (usize, usize)) -> Result<(CudaView<'_, f32>, usize)> {
+        need("gradient block (c·vb)", c * vb, g.len())?;
+        Ok((g.slice(0..c * vb), vb))
+    }
+
+    unsafe fn gemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
+        blas: &CudaBlas,
+        _stream: &CudaStream,
+        ops: (cublasOperation_t, cublasOperation_t),
+        dims: (usize, usize, usize),
+        a: (&A, usize),
+        b: (&B, usize),
+        c: (&mut C, usize),
+        beta: f32,
+    ) -> Result<()> {
+        // SAFETY: this function's contract is `sgemm`'s; the handle runs on its own stream.
+        Ok(unsafe { sgemm(blas, ops, dims, a, b, c, beta) }?)
+    }
+}
+
+impl GemmElement for bf16 {
+    fn gradient_operand(g: &CudaSlice<f32>, (c, vb): (usize, usize)) -> Result<(CudaView<'_, bf16>, usize)> {
+        need("gradient block (c·vb)", c * vb, g.len())?;
+        // SAFETY: every bit pattern is a valid bf16, and 2·c·vb bf16 are the bytes of the
+        // c·vb floats checked above.
+        let narrowed = unsafe { g.transmute::<bf16>(2 * c * vb) }.ok_or(Error::ShapeMismatch {
+            what: "narrowed gradient block (2·c·vb bf16)",
+            expected: 2 * c * vb,
+            got: 2 * g.len(),
+        })?;
+        Ok((narrowed, 2 * vb))
+    }
+
+    unsafe fn gemm<A: DevicePtr<bf16>, B: DevicePtr<bf16>, C: DevicePtrMut<f32>>(
+        blas: &CudaBlas,
+        stream: &CudaStream,
+        ops: (cublasOperation_t, cublasOperation_t),
+        dims: (usize, usize, usize),
+        a: (&A, usize),
+        b: (&B, usize),
+        c: (&mut C, usize),
+        beta: f32,
+    ) -> Result<()> {
+        // SAFETY: this function's contract is `gemm_bf16`'s, `stream` the handle's.
+        Ok(unsafe { gemm_bf16(blas, stream, ops, dims, a, b, c, beta) }?)
+    }
 }
 
 /// Per-row statistics of a token block on the device (fold state).
@@ -191,14 +268,17 @@ impl Engine {
         Ok(())
     }
 
+    /// `C = op(A)·op(B) + beta·C` on this engine's cuBLAS handle and stream, with f32
+    /// accumulation and output, for operands of element `T` (column-major, leading dimensions
+    /// given).
     #[allow(clippy::too_many_arguments)]
-    fn sgemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
+    fn gemm<T: GemmElement, A: DevicePtr<T>, B: DevicePtr<T>, C: DevicePtrMut<f32>>(
         &self,
-        (ta, tb): (cublasOperation_t, cublasOperation_t),
-        (m, n, k): (usize, usize, usize),
-        (a, lda): (&A, usize),
-        (b, ldb): (&B, usize),
-        (c, ldc): (&mut C, usize),
+        ops: (cublasOperation_t, cublasOperation_t),
+        dims: (usize, usize, usize),
+        a: (&A, usize),
+        b: (&B, usize),
+        c: (&mut C, usize),
         beta: f32,
     ) -> Result<()> {
         // SAFETY: every public caller checks that a, b and c hold the column-major extents of
@@ -206,15 +286,16 @@ impl Engine {
         // b; the GEMM runs on `self.stream`, the handle's stream, after every earlier write to
         // a, b or c (issued on this stream, or on another stream of the context and ordered by
         // cudarc's per-buffer events).
-        Ok(unsafe { sgemm(&self.blas, (ta, tb), (m, n, k), (a, lda), (b, ldb), (c, ldc), beta) }?)
+        unsafe { T::gemm(&self.blas, &self.stream, ops, dims, a, b, c, beta) }
     }
 
     /// Raw `logits (c×vb, row-major) = X_blk·W_blkᵀ`: column-major `(vb×c) = Wᵀ·X` with W and X
-    /// read as column-major `d×vb` and `d×c`.
-    pub fn logits(
+    /// read as column-major `d×vb` and `d×c`. f32 operands run SGEMM, bf16 operands the tensor
+    /// cores (f32 accumulation and output), read in place.
+    pub fn logits<T: GemmElement>(
         &self,
-        w: &CudaView<'_, f32>,
-        x: &CudaView<'_, f32>,
+        w: &CudaView<'_, T>,
+        x: &CudaView<'_, T>,
         (c, vb, d): (usize, usize, usize),
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
@@ -222,69 +303,7 @@ impl Engine {
         need("x block (c·d)", c * d, x.len())?;
         need("logits block (c·vb)", c * vb, out.len())?;
         let (t, n) = (cublasOperation_t::CUBLAS_OP_T, cublasOperation_t::CUBLAS_OP_N);
-        self.sgemm((t, n), (vb, c, d), (w, d), (x, d), (out, vb), 0.0)
-    }
-
-    /// `dX_rows (c×d) += G (c×vb)·W_blk (vb×d)`: column-major `dXᵀ (d×c) += Wᵀ (d×vb)·Gᵀ (vb×c)`.
-    pub fn dx(
-        &self,
-        w: &CudaView<'_, f32>,
-        g: &CudaSlice<f32>,
-        (c, vb, d): (usize, usize, usize),
-        dx: &mut CudaViewMut<'_, f32>,
-    ) -> Result<()> {
-        need("w block (vb·d)", vb * d, w.len())?;
-        need("gradient block (c·vb)", c * vb, g.len())?;
-        need("dx rows (c·d)", c * d, dx.len())?;
-        let n = cublasOperation_t::CUBLAS_OP_N;
-        self.sgemm((n, n), (d, c, vb), (w, d), (g, vb), (dx, d), 1.0)
-    }
-
-    /// `dW_blk (vb×d) += Gᵀ (vb×c)·X_blk (c×d)`: column-major `dWᵀ (d×vb) += Xᵀ (d×c)·G (c×vb)`.
-    pub fn dw(
-        &self,
-        x: &CudaView<'_, f32>,
-        g: &CudaSlice<f32>,
-        (c, vb, d): (usize, usize, usize),
-        dw: &mut CudaViewMut<'_, f32>,
-    ) -> Result<()> {
-        need("x block (c·d)", c * d, x.len())?;
-        need("gradient block (c·vb)", c * vb, g.len())?;
-        need("dw rows (vb·d)", vb * d, dw.len())?;
-        let (n, t) = (cublasOperation_t::CUBLAS_OP_N, cublasOperation_t::CUBLAS_OP_T);
-        self.sgemm((n, t), (d, vb, c), (x, d), (g, vb), (dw, d), 1.0)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_bf16<A: DevicePtr<bf16>, B: DevicePtr<bf16>, C: DevicePtrMut<f32>>(
-        &self,
-        ops: (cublasOperation_t, cublasOperation_t),
-        dims: (usize, usize, usize),
-        (a, lda): (&A, usize),
-        (b, ldb): (&B, usize),
-        (c, ldc): (&mut C, usize),
-        beta: f32,
-    ) -> Result<()> {
-        // SAFETY: as in `sgemm`: every caller checks the operands' column-major extents and
-        // passes a `c` distinct from a and b; `self.blas` was created on `self.stream`, the
-        // stream every operand is ordered on.
-        Ok(unsafe { gemm_bf16(&self.blas, &self.stream, ops, dims, (a, lda), (b, ldb), (c, ldc), beta) }?)
-    }
-
-    /// [`logits`](Self::logits) of bf16 X and W on the tensor cores (f32 accumulation and
-    /// output), the operands read in place.
-    pub fn logits_bf16(
-        &self,
-        w: &CudaView<'_, bf16>,
-        x: &CudaView<'_, bf16>,
-        (c, vb, d): (usize, usize, usize),
-        out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        need("w block (vb·d)", vb * d, w.len())?;
-        need("x block (c·d)", c * d, x.len())?;
-        need("logits block (c·vb)", c * vb, out.len())?;
-        let (t, n) = (cublasOperation_t::CUBLAS_OP_T, cublasOperation_t::CUBLAS_OP_N);
-        self.gemm_bf16((t, n), (vb, c, d), (w, d), (x, d), (out, vb), 0.0)
+        self.gemm((t, n), (vb, c, d), (w, d), (x, d), (out, vb), 0.0)
     }
 
     /// Rounds each row of the `rows×vb` gradient block `g` to bf16 in place
@@ -308,47 +327,36 @@ impl Engine {
         Ok(())
     }
 
-    /// The bf16 view of a gradient block narrowed by [`narrow_rows`](Self::narrow_rows):
-    /// `2·c·vb` bf16, row r's values at `2·vb·r..2·vb·r + vb`.
-    fn narrowed<'g>(g: &'g CudaSlice<f32>, (c, vb): (usize, usize)) -> Result<CudaView<'g, bf16>> {
-        need("gradient block (c·vb)", c * vb, g.len())?;
-        // SAFETY: every bit pattern is a valid bf16, and 2·c·vb bf16 are the bytes of the
-        // c·vb floats checked above.
-        unsafe { g.transmute::<bf16>(2 * c * vb) }.ok_or(Error::ShapeMismatch {
-            what: "narrowed gradient block (2·c·vb bf16)",
-            expected: 2 * c * vb,
-            got: 2 * g.len(),
-        })
-    }
-
-    /// [`dx`](Self::dx) from bf16 W and the narrowed G (leading dimension `2·vb`).
-    pub fn dx_bf16(
+    /// `dX_rows (c×d) += G (c×vb)·W_blk (vb×d)`: column-major `dXᵀ (d×c) += Wᵀ (d×vb)·Gᵀ (vb×c)`.
+    /// With bf16 W, G is read as the bf16 rows [`narrow_rows`](Self::narrow_rows) left.
+    pub fn dx<T: GemmElement>(
         &self,
-        w: &CudaView<'_, bf16>,
+        w: &CudaView<'_, T>,
         g: &CudaSlice<f32>,
         (c, vb, d): (usize, usize, usize),
         dx: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         need("w block (vb·d)", vb * d, w.len())?;
         need("dx rows (c·d)", c * d, dx.len())?;
-        let g = Self::narrowed(g, (c, vb))?;
+        let (g, ldg) = T::gradient_operand(g, (c, vb))?;
         let n = cublasOperation_t::CUBLAS_OP_N;
-        self.gemm_bf16((n, n), (d, c, vb), (w, d), (&g, 2 * vb), (dx, d), 1.0)
+        self.gemm((n, n), (d, c, vb), (w, d), (&g, ldg), (dx, d), 1.0)
     }
 
-    /// [`dw`](Self::dw) from bf16 X and the narrowed G (leading dimension `2·vb`).
-    pub fn dw_bf16(
+    /// `dW_blk (vb×d) += Gᵀ (vb×c)·X_blk (c×d)`: column-major `dWᵀ (d×vb) += Xᵀ (d×c)·G (c×vb)`.
+    /// With bf16 X, G is read as the bf16 rows [`narrow_rows`](Self::narrow_rows) left.
+    pub fn dw<T: GemmElement>(
         &self,
-        x: &CudaView<'_, bf16>,
+        x: &CudaView<'_, T>,
         g: &CudaSlice<f32>,
         (c, vb, d): (usize, usize, usize),
         dw: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         need("x block (c·d)", c * d, x.len())?;
         need("dw rows (vb·d)", vb * d, dw.len())?;
-        let g = Self::narrowed(g, (c, vb))?;
+        let (g, ldg) = T::gradient_operand(g, (c, vb))?;
         let (n, t) = (cublasOperation_t::CUBLAS_OP_N, cublasOperation_t::CUBLAS_OP_T);
-        self.gemm_bf16((n, t), (d, vb, c), (x, d), (&g, 2 * vb), (dw, d), 1.0)
+        self.gemm((n, t), (d, vb, c), (x, d), (&g, ldg), (dw, d), 1.0)
     }
 
     fn check_block(b: &LogitsBlock<'_, '_>) -> Result<()> {

@@ -578,7 +578,7 @@ impl BlockOps for CudaBlocks<'_, '_> {
             (self.native_bf16, self.inputs.x, self.inputs.w)
         {
             let (x, w) = (x.slice(at.t0 * d..(at.t0 + at.c) * d), w.slice(at.v0 * d..(at.v0 + at.vb) * d));
-            return self.e.logits_bf16(&w, &x, (at.c, at.vb, d), self.logits);
+            return self.e.logits(&w, &x, (at.c, at.vb, d), self.logits);
         }
         let x = block_rows(&self.inputs.x, self.x_wide, at.t0, at.c, d);
         let w = block_rows(&self.inputs.w, self.w_wide, at.v0, at.vb, d);
@@ -633,13 +633,8 @@ impl BlockOps for CudaBlocks<'_, '_> {
         {
             self.e.narrow_rows(self.logits, (c, vb))?;
             let (x, w) = (x.slice(t0 * d..(t0 + c) * d), w.slice(v0 * d..(v0 + vb) * d));
-            self.e.dx_bf16(&w, self.logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
-            return self.e.dw_bf16(
-                &x,
-                self.logits,
-                (c, vb, d),
-                &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d),
-            );
+            self.e.dx(&w, self.logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
+            return self.e.dw(&x, self.logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d));
         }
         let x = block_rows(&self.inputs.x, self.x_wide, t0, c, d);
         let w = block_rows(&self.inputs.w, self.w_wide, v0, vb, d);
