@@ -96,55 +96,43 @@ __device__ __forceinline__ void llep_row_dot_impl(const T* __restrict__ a, const
 }
 
 // The entry points, one per instantiation (C linkage: NVRTC and the emulator look them up by
-// name). An f32 layer: no suffix; a bf16 layer: `_bf16` (scatter-add of bf16 rows into f32
-// accumulators) and `_bf16_bf16` (into bf16 rows).
-extern "C" __global__ void llep_gather_rows(const float* __restrict__ src, const unsigned* __restrict__ index,
-                                        const float* __restrict__ scale, unsigned rows, unsigned width,
-                                        float* __restrict__ dst) {
-    llep_gather_rows_impl(src, index, scale, rows, width, dst);
-}
-extern "C" __global__ void llep_swiglu(const float* __restrict__ gate, const float* __restrict__ up,
-                                   unsigned long long n, float* __restrict__ h) {
-    llep_swiglu_impl(gate, up, n, h);
-}
-extern "C" __global__ void llep_swiglu_backward(float* __restrict__ gate, float* __restrict__ up,
-                                            const float* __restrict__ dh, unsigned long long n) {
-    llep_swiglu_backward_impl(gate, up, dh, n);
-}
-extern "C" __global__ void llep_row_dot(const float* __restrict__ a, const float* __restrict__ b, unsigned width,
-                                    float* __restrict__ out) {
-    llep_row_dot_impl(a, b, width, out);
-}
-extern "C" __global__ void llep_scatter_add_rows(const float* __restrict__ src, const unsigned* __restrict__ index,
-                                             const float* __restrict__ scale, unsigned rows, unsigned width,
-                                             float* __restrict__ acc) {
-    llep_scatter_add_rows_impl(src, index, scale, rows, width, acc);
-}
+// name), generated for each element type T by LLEP_ENTRY_POINTS(SUFFIX, T): an f32 layer has no
+// suffix, a bf16 layer `_bf16`. Scatter-add accumulates T rows into f32 (`llep_scatter_add_rows`,
+// `llep_scatter_add_rows_bf16`) or, for bf16, into bf16 rows (`llep_scatter_add_rows_bf16_bf16`).
+#define LLEP_ENTRY_POINTS(SUFFIX, T)                                                                 \
+    extern "C" __global__ void llep_gather_rows##SUFFIX(const T* __restrict__ src,                 \
+                                                        const unsigned* __restrict__ index,         \
+                                                        const float* __restrict__ scale, unsigned rows, \
+                                                        unsigned width, T* __restrict__ dst) {      \
+        llep_gather_rows_impl(src, index, scale, rows, width, dst);                                 \
+    }                                                                                                \
+    extern "C" __global__ void llep_swiglu##SUFFIX(const T* __restrict__ gate, const T* __restrict__ up, \
+                                                   unsigned long long n, T* __restrict__ h) {       \
+        llep_swiglu_impl(gate, up, n, h);                                                            \
+    }                                                                                                \
+    extern "C" __global__ void llep_swiglu_backward##SUFFIX(T* __restrict__ gate, T* __restrict__ up, \
+                                                            const T* __restrict__ dh,               \
+                                                            unsigned long long n) {                 \
+        llep_swiglu_backward_impl(gate, up, dh, n);                                                  \
+    }                                                                                                \
+    extern "C" __global__ void llep_row_dot##SUFFIX(const T* __restrict__ a, const T* __restrict__ b, \
+                                                    unsigned width, float* __restrict__ out) {      \
+        llep_row_dot_impl(a, b, width, out);                                                         \
+    }                                                                                                \
+    extern "C" __global__ void llep_scatter_add_rows##SUFFIX(const T* __restrict__ src,            \
+                                                             const unsigned* __restrict__ index,    \
+                                                             const float* __restrict__ scale,       \
+                                                             unsigned rows, unsigned width,         \
+                                                             float* __restrict__ acc) {             \
+        llep_scatter_add_rows_impl(src, index, scale, rows, width, acc);                             \
+    }
 
-extern "C" __global__ void llep_gather_rows_bf16(const __nv_bfloat16* __restrict__ src, const unsigned* __restrict__ index,
-                                        const float* __restrict__ scale, unsigned rows, unsigned width,
-                                        __nv_bfloat16* __restrict__ dst) {
-    llep_gather_rows_impl(src, index, scale, rows, width, dst);
-}
-extern "C" __global__ void llep_swiglu_bf16(const __nv_bfloat16* __restrict__ gate, const __nv_bfloat16* __restrict__ up,
-                                   unsigned long long n, __nv_bfloat16* __restrict__ h) {
-    llep_swiglu_impl(gate, up, n, h);
-}
-extern "C" __global__ void llep_swiglu_backward_bf16(__nv_bfloat16* __restrict__ gate, __nv_bfloat16* __restrict__ up,
-                                            const __nv_bfloat16* __restrict__ dh, unsigned long long n) {
-    llep_swiglu_backward_impl(gate, up, dh, n);
-}
-extern "C" __global__ void llep_row_dot_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b, unsigned width,
-                                    float* __restrict__ out) {
-    llep_row_dot_impl(a, b, width, out);
-}
-extern "C" __global__ void llep_scatter_add_rows_bf16(const __nv_bfloat16* __restrict__ src, const unsigned* __restrict__ index,
-                                             const float* __restrict__ scale, unsigned rows, unsigned width,
-                                             float* __restrict__ acc) {
-    llep_scatter_add_rows_impl(src, index, scale, rows, width, acc);
-}
-extern "C" __global__ void llep_scatter_add_rows_bf16_bf16(const __nv_bfloat16* __restrict__ src, const unsigned* __restrict__ index,
-                                             const float* __restrict__ scale, unsigned rows, unsigned width,
-                                             __nv_bfloat16* __restrict__ acc) {
+LLEP_ENTRY_POINTS(, float)
+LLEP_ENTRY_POINTS(_bf16, __nv_bfloat16)
+
+extern "C" __global__ void llep_scatter_add_rows_bf16_bf16(const __nv_bfloat16* __restrict__ src,
+                                                           const unsigned* __restrict__ index,
+                                                           const float* __restrict__ scale, unsigned rows,
+                                                           unsigned width, __nv_bfloat16* __restrict__ acc) {
     llep_scatter_add_rows_impl(src, index, scale, rows, width, acc);
 }
