@@ -4,7 +4,7 @@
 //! compiled as host C++ and run by the SIMT emulator under two thread schedules (a race is an
 //! error), and the CPU GEMM in place of cuBLAS.
 
-use flatpeak_common::emu::{EmuLaunchConfig, launch, race_checked_state};
+use flatpeak_common::emu::{EmuLaunchConfig, launch, race_checked, race_checked_state};
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef};
 use flatpeak_common::kernels::grid_stride_blocks;
 
@@ -71,6 +71,29 @@ const EMU_ROW_THREADS: u32 = 64;
 /// Blocks of an emulated grid-stride launch.
 const EMU_MAX_BLOCKS: u32 = 4;
 
+/// Runs one launch whose only output is `out` under both thread schedules from `out`'s current
+/// contents (the outputs must agree bitwise), leaving the result in `out`. `kernel` calls the
+/// emulated entry point with the output's pointer.
+///
+/// # Safety
+/// As [`launch`]: `kernel(out)` calls an emulated entry point whose every access is valid for
+/// `cfg`'s grid, and it writes no memory but `out` (`out.len()` elements).
+unsafe fn launch_into<T: bytemuck::Pod>(
+    name: &'static str,
+    cfg: &EmuLaunchConfig,
+    out: &mut [T],
+    kernel: impl Fn(*mut T),
+) -> Result<()> {
+    let result = race_checked(name, out, |schedule, o| {
+        let o = o.as_mut_ptr();
+        let call = || kernel(o);
+        // SAFETY: this function's contract: `call` is a valid launch writing only `o`.
+        unsafe { launch(name, cfg, schedule, &call) }
+    })?;
+    out.copy_from_slice(&result);
+    Ok(())
+}
+
 fn bytes_of<T: bytemuck::Pod>(parts: &[&[T]]) -> Vec<u8> {
     parts.iter().flat_map(|p| bytemuck::cast_slice::<T, u8>(p).iter().copied()).collect()
 }
@@ -130,21 +153,12 @@ fn widen_rows(m: &Matrix<'_>, rows: std::ops::Range<usize>, d: usize, out: &mut 
     };
     let cfg =
         EmuLaunchConfig::linear(grid_stride_blocks(len, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
-    let mut state = vec![0f32; len];
-    race_checked_state(
-        "lce_widen_bf16",
-        &mut state,
-        |s| bytes_of(&[s]),
-        |schedule, dst| {
-            let dst = dst.as_mut_ptr();
-            // SAFETY: `src` and `dst` both hold `len` elements.
-            let call = || unsafe { ffi::lce_widen_bf16(src.as_ptr(), dst, len as u64) };
-            // SAFETY: see `call`.
-            unsafe { launch("lce_widen_bf16", &cfg, schedule, &call) }.map_err(Error::from)
-        },
-    )?;
-    out[..len].copy_from_slice(&state);
-    Ok(())
+    // SAFETY: `src` and `out[..len]` both hold `len` elements; thread i writes out[i] only.
+    unsafe {
+        launch_into("lce_widen_bf16", &cfg, &mut out[..len], |dst| {
+            ffi::lce_widen_bf16(src.as_ptr(), dst, len as u64)
+        })
+    }
 }
 
 /// Raw `logits (c×vb) = X_blk·W_blkᵀ` (the epilogue is in the kernels).
@@ -225,42 +239,29 @@ struct RowGrad<'a> {
 fn gradient_block(config: &Config, b: Block<'_>, rows: RowGrad<'_>) -> Result<()> {
     let c = b.targets.len();
     let cfg = EmuLaunchConfig::linear(c as u32, EMU_ROW_THREADS);
-    let mut state = b.logits[..c * b.vb].to_vec();
     let softcap = softcap_arg(config.softcap);
     let bias = b.bias.map_or(std::ptr::null(), |s| s.as_ptr());
     let dlse = rows.dlse.map_or(std::ptr::null(), |s| s.as_ptr());
-    race_checked_state(
-        "lce_gradient",
-        &mut state,
-        |s| bytes_of(&[s]),
-        |schedule, g| {
-            let g = g.as_mut_ptr();
-            let call = || {
-                // SAFETY: `g` holds c×vb floats, `bias` vb (or null), `targets`, `coef`, `lse` and
-                // `dlse` (or null) c rows: block k touches row k only.
-                unsafe {
-                    ffi::lce_gradient(
-                        g,
-                        b.vb as u32,
-                        b.v0 as u32,
-                        bias,
-                        softcap,
-                        b.targets.as_ptr(),
-                        rows.coef.as_ptr(),
-                        rows.lse.as_ptr(),
-                        dlse,
-                        config.label_smoothing,
-                        config.z_loss,
-                        rows.vocab as u64,
-                    )
-                }
-            };
-            // SAFETY: see `call`.
-            unsafe { launch("lce_gradient", &cfg, schedule, &call) }.map_err(Error::from)
-        },
-    )?;
-    b.logits[..c * b.vb].copy_from_slice(&state);
-    Ok(())
+    // SAFETY: the logits hold c×vb floats, `bias` vb (or null), `targets`, `coef`, `lse` and
+    // `dlse` (or null) c rows: block k touches row k only, and writes only the logits.
+    unsafe {
+        launch_into("lce_gradient", &cfg, &mut b.logits[..c * b.vb], |g| {
+            ffi::lce_gradient(
+                g,
+                b.vb as u32,
+                b.v0 as u32,
+                bias,
+                softcap,
+                b.targets.as_ptr(),
+                rows.coef.as_ptr(),
+                rows.lse.as_ptr(),
+                dlse,
+                config.label_smoothing,
+                config.z_loss,
+                rows.vocab as u64,
+            )
+        })
+    }
 }
 
 /// `lse[k] = M_k + ln S_k` of a token block's finished statistics (`lce_row_lse`).
@@ -269,40 +270,22 @@ fn row_lse(stats: &Stats, t0: usize, lse: &mut [f32]) -> Result<()> {
     let cfg =
         EmuLaunchConfig::linear(grid_stride_blocks(rows, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
     let (max, sum) = (&stats.max[t0..t0 + rows], &stats.sum[t0..t0 + rows]);
-    let mut state = lse.to_vec();
-    race_checked_state(
-        "lce_row_lse",
-        &mut state,
-        |s| bytes_of(&[s]),
-        |schedule, out| {
-            let out = out.as_mut_ptr();
-            // SAFETY: `max`, `sum` and `out` hold `rows` entries; thread k touches row k only.
-            let call = || unsafe { ffi::lce_row_lse(max.as_ptr(), sum.as_ptr(), out, rows as u32) };
-            // SAFETY: see `call`; LINEAR_THREADS is a multiple of 32.
-            unsafe { launch("lce_row_lse", &cfg, schedule, &call) }.map_err(Error::from)
-        },
-    )?;
-    lse.copy_from_slice(&state);
-    Ok(())
+    // SAFETY: `max`, `sum` and `lse` hold `rows` entries; thread k writes lse[k] only.
+    unsafe {
+        launch_into("lce_row_lse", &cfg, lse, |out| {
+            ffi::lce_row_lse(max.as_ptr(), sum.as_ptr(), out, rows as u32)
+        })
+    }
 }
 
 fn bias_grad(g: &[f32], (c, vb): (usize, usize), dbias: &mut [f32]) -> Result<()> {
     let cfg = EmuLaunchConfig::linear(grid_stride_blocks(vb, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
-    let mut state = dbias[..vb].to_vec();
-    race_checked_state(
-        "lce_bias_grad",
-        &mut state,
-        |s| bytes_of(&[s]),
-        |schedule, db| {
-            let db = db.as_mut_ptr();
-            // SAFETY: `g` holds c×vb floats, `db` vb; thread j touches column j only.
-            let call = || unsafe { ffi::lce_bias_grad(g.as_ptr(), c as u32, vb as u32, db) };
-            // SAFETY: see `call`.
-            unsafe { launch("lce_bias_grad", &cfg, schedule, &call) }.map_err(Error::from)
-        },
-    )?;
-    dbias[..vb].copy_from_slice(&state);
-    Ok(())
+    // SAFETY: `g` holds c×vb floats, `dbias[..vb]` vb; thread j writes column j only.
+    unsafe {
+        launch_into("lce_bias_grad", &cfg, &mut dbias[..vb], |db| {
+            ffi::lce_bias_grad(g.as_ptr(), c as u32, vb as u32, db)
+        })
+    }
 }
 
 /// Block buffers of the device schedule: the plan's logits block ([`Plan::device_regions`]),
@@ -477,20 +460,14 @@ fn project_block(
 /// bf16 product is exact in f32 either way).
 fn narrow_rows(g: &mut [f32], (c, vb): (usize, usize)) -> Result<()> {
     let cfg = EmuLaunchConfig::linear(c as u32, EMU_ROW_THREADS);
-    let mut state = g[..c * vb].to_vec();
-    race_checked_state(
-        "lce_narrow_rows_bf16",
-        &mut state,
-        |s| bytes_of(&[s]),
-        |schedule, data| {
-            let data = data.as_mut_ptr();
-            // SAFETY: `data` holds c×vb floats; block r rewrites row r only.
-            let call = || unsafe { ffi::lce_narrow_rows_bf16(data, vb as u32) };
-            // SAFETY: see `call`.
-            unsafe { launch("lce_narrow_rows_bf16", &cfg, schedule, &call) }.map_err(Error::from)
-        },
-    )?;
-    let narrowed: &[half::bf16] = bytemuck::cast_slice(&state);
+    let mut narrowed = g[..c * vb].to_vec();
+    // SAFETY: `narrowed` holds c×vb floats; block r rewrites row r only.
+    unsafe {
+        launch_into("lce_narrow_rows_bf16", &cfg, &mut narrowed, |data| {
+            ffi::lce_narrow_rows_bf16(data, vb as u32)
+        })?
+    };
+    let narrowed: &[half::bf16] = bytemuck::cast_slice(&narrowed);
     for (r, row) in g[..c * vb].chunks_exact_mut(vb).enumerate() {
         for (out, v) in row.iter_mut().zip(&narrowed[2 * vb * r..2 * vb * r + vb]) {
             *out = v.to_f32();
@@ -505,21 +482,8 @@ pub fn round_bf16(g: &mut [f32]) -> Result<()> {
     let len = g.len();
     let cfg =
         EmuLaunchConfig::linear(grid_stride_blocks(len, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
-    let mut state = g.to_vec();
-    race_checked_state(
-        "lce_round_bf16",
-        &mut state,
-        |s| bytes_of(&[s]),
-        |schedule, data| {
-            let data = data.as_mut_ptr();
-            // SAFETY: `data` holds `len` floats; each thread rewrites its own elements only.
-            let call = || unsafe { ffi::lce_round_bf16(data, len as u64) };
-            // SAFETY: see `call`; LINEAR_THREADS is a multiple of 32.
-            unsafe { launch("lce_round_bf16", &cfg, schedule, &call) }.map_err(Error::from)
-        },
-    )?;
-    g.copy_from_slice(&state);
-    Ok(())
+    // SAFETY: `g` holds `len` floats; each thread rewrites its own elements only.
+    unsafe { launch_into("lce_round_bf16", &cfg, g, |data| ffi::lce_round_bf16(data, len as u64)) }
 }
 
 /// Forward and backward in one pass, as on the device: on [`BlockSchedule::FullVocab`] each
