@@ -12,9 +12,11 @@
 
 mod layout;
 mod ring;
+mod ring_buffers;
 
 pub use layout::{BlockRegions, SPLIT_K_MIN_ROWS, WIDEN_ROWS, pack_regions, splits_dx};
 pub use ring::{RingChoice, RingKind, RingOptions, RingPlan};
+pub(crate) use ring_buffers::{ActivationScratch, Packet, RegionKind, RegionSource, Slot, WeightScratch};
 
 use flatpeak_common::{Budget, DType, Precision};
 

@@ -22,10 +22,12 @@
 
 use std::ops::Range;
 
-use flatpeak_common::arena::REGION_ALIGN;
 use flatpeak_common::gemm::Threads;
 use flatpeak_common::{Budget, DType};
 
+use super::ring_buffers::{
+    ActivationScratch, Bytes, Packet, RegionBytes, RegionKind, RegionSource, Slot, WeightScratch,
+};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::plan::{PER_TOKEN_BYTES, Shape};
@@ -106,13 +108,6 @@ pub struct RingPlan {
     token_block: usize,
     vocab_block: usize,
     gemm_threads: Threads,
-}
-
-/// Σ of `regions`, each rounded up to whole `REGION_ALIGN` lines; `None` on overflow.
-fn aligned_sum(regions: &[Option<usize>]) -> Option<usize> {
-    regions
-        .iter()
-        .try_fold(0usize, |sum, &bytes| sum.checked_add(bytes?.checked_next_multiple_of(REGION_ALIGN)?))
 }
 
 /// The product of `factors`; `None` on overflow.
@@ -281,50 +276,58 @@ impl RingPlan {
         }
     }
 
-    /// The regions of one ring buffer, in carve order: a W sub-block in its input dtype, its
-    /// dW accumulator, bias and dbias (weight ring); or a packet's X rows in their input dtype, its
-    /// dX accumulator, targets, max, target logit, sum-exp, Σz, lse, scale and dlse (activation
-    /// ring).
-    fn buffer_regions(&self) -> Vec<Option<usize>> {
-        let (c, vb, d, e) = (self.token_block, self.vocab_block, self.d, self.dtype.size_in_bytes());
-        match self.kind {
-            RingKind::Weight => {
-                vec![product(&[e, vb, d]), product(&[4, vb, d]), product(&[4, vb]), product(&[4, vb])]
-            }
-            RingKind::Activation => {
-                let row = |bytes: usize| product(&[bytes, c]);
-                vec![
-                    product(&[e, c, d]),
-                    product(&[4, c, d]),
-                    row(4),
-                    row(4),
-                    row(4),
-                    row(8),
-                    row(8),
-                    row(4),
-                    row(4),
-                    row(4),
-                ]
-            }
-        }
+    /// One weight-ring buffer of this plan ([`Slot`]: a sub-block of Vb rows), laid out by
+    /// `source`.
+    pub(crate) fn slot<K: RegionKind>(&self, source: &mut impl RegionSource<K>) -> Result<Slot<K>> {
+        Slot::new(source, self.dtype, (self.vocab_block, self.d))
     }
 
-    /// The regions besides the ring buffers, in carve order: the logits block, then the
-    /// token-block targets and X copy with the W upcast (weight ring), or the X and W upcasts
-    /// (activation ring). Upcasts are empty for f32 inputs.
-    fn block_regions(&self) -> Vec<Option<usize>> {
-        let (c, vb, d) = (self.token_block, self.vocab_block, self.d);
-        let upcast = |rows: usize| if self.dtype == DType::F32 { Some(0) } else { product(&[4, rows, d]) };
-        match self.kind {
-            RingKind::Weight => vec![product(&[4, c, vb]), product(&[4, c]), product(&[4, c, d]), upcast(vb)],
-            RingKind::Activation => vec![product(&[4, c, vb]), upcast(c), upcast(vb)],
-        }
+    /// One activation-ring buffer of this plan ([`Packet`]: a token block of C rows), laid out
+    /// by `source`.
+    pub(crate) fn packet<K: RegionKind>(&self, source: &mut impl RegionSource<K>) -> Result<Packet<K>> {
+        Packet::new(source, self.dtype, (self.token_block, self.d))
+    }
+
+    /// Bytes of one ring buffer ([`Slot`] or [`Packet`]), each region aligned; `None` on
+    /// overflow.
+    fn buffer_bytes(&self) -> Option<usize> {
+        let mut bytes = RegionBytes(Some(0));
+        let laid_out = match self.kind {
+            RingKind::Weight => self.slot::<Bytes>(&mut bytes).map(drop),
+            RingKind::Activation => self.packet::<Bytes>(&mut bytes).map(drop),
+        };
+        laid_out.ok().and(bytes.0)
+    }
+
+    /// The CPU weight ring's block scratch ([`WeightScratch`]), laid out by `source`.
+    pub(crate) fn weight_scratch<K: RegionKind>(
+        &self,
+        source: &mut impl RegionSource<K>,
+    ) -> Result<WeightScratch<K>> {
+        WeightScratch::new(source, self.dtype, (self.token_block, self.vocab_block, self.d))
+    }
+
+    /// The CPU activation ring's block scratch ([`ActivationScratch`]), laid out by `source`.
+    pub(crate) fn activation_scratch<K: RegionKind>(
+        &self,
+        source: &mut impl RegionSource<K>,
+    ) -> Result<ActivationScratch<K>> {
+        ActivationScratch::new(source, self.dtype, (self.token_block, self.vocab_block, self.d))
+    }
+
+    /// Bytes of the CPU ring's block scratch, each region aligned; `None` on overflow.
+    fn scratch_bytes(&self) -> Option<usize> {
+        let mut bytes = RegionBytes(Some(0));
+        let laid_out = match self.kind {
+            RingKind::Weight => self.weight_scratch::<Bytes>(&mut bytes).map(drop),
+            RingKind::Activation => self.activation_scratch::<Bytes>(&mut bytes).map(drop),
+        };
+        laid_out.ok().and(bytes.0)
     }
 
     /// [`workspace_bytes`](Self::workspace_bytes), `None` on overflow.
     fn checked_workspace(&self) -> Option<usize> {
-        let buffer = aligned_sum(&self.buffer_regions())?;
-        aligned_sum(&self.block_regions())?.checked_add(buffer.checked_mul(2)?)
+        self.scratch_bytes()?.checked_add(self.buffer_bytes()?.checked_mul(2)?)
     }
 
     /// [`message_bytes`](Self::message_bytes), `None` on overflow.

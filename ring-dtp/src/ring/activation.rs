@@ -13,50 +13,21 @@ use std::ops::Range;
 
 use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::gemm::Accumulate;
-use flatpeak_common::{DType, Workspace};
 
 use super::schedule::{RingOps, Step};
-use super::{Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
+use super::{Host, Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
 use crate::cpu::{
     BlockGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits, gradient,
     resolve_targets, round_gradient_to_bf16, rounds_gradient, w_rows,
 };
 use crate::error::Result;
 use crate::loss::StatsMut;
-use crate::plan::RingPlan;
 
 /// One travelling packet: C token rows in their input dtype and their targets, then the
 /// forward statistics or the backward row data and dX accumulator.
-pub(super) struct Packet<'w> {
-    x: &'w mut [u8],
-    targets: &'w mut [u32],
-    max: &'w mut [f32],
-    sum: &'w mut [f64],
-    target_logit: &'w mut [f32],
-    logit_sum: &'w mut [f64],
-    lse: &'w mut [f32],
-    coef: &'w mut [f32],
-    dlse: &'w mut [f32],
-    dx: &'w mut [f32],
-}
+pub(super) type Packet<'w> = crate::plan::Packet<Host<'w>>;
 
-impl<'w> Packet<'w> {
-    pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
-        let (c, d) = (plan.token_block(), plan.hidden());
-        Ok(Self {
-            x: ws.take(elem_bytes(plan.dtype()) * c * d)?,
-            dx: ws.take(c * d)?,
-            targets: ws.take(c)?,
-            max: ws.take(c)?,
-            sum: ws.take(c)?,
-            target_logit: ws.take(c)?,
-            logit_sum: ws.take(c)?,
-            lse: ws.take(c)?,
-            coef: ws.take(c)?,
-            dlse: ws.take(c)?,
-        })
-    }
-
+impl Packet<'_> {
     fn stats(&mut self, c: usize) -> StatsMut<'_> {
         StatsMut {
             max: &mut self.max[..c],
@@ -69,23 +40,7 @@ impl<'w> Packet<'w> {
 
 /// The activation ring's block scratch: a packet's logits against one vocabulary block, and
 /// the bf16 X rows and W block widened.
-pub(super) struct Scratch<'w> {
-    logits: &'w mut [f32],
-    x_up: &'w mut [f32],
-    w_up: &'w mut [f32],
-}
-
-impl<'w> Scratch<'w> {
-    pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
-        let (cb, vb, d) = (plan.token_block(), plan.vocab_block(), plan.hidden());
-        let bf16 = plan.dtype() != DType::F32;
-        Ok(Self {
-            logits: ws.take::<f32>(cb * vb)?,
-            x_up: ws.take::<f32>(if bf16 { cb * d } else { 0 })?,
-            w_up: ws.take::<f32>(if bf16 { vb * d } else { 0 })?,
-        })
-    }
-}
+pub(super) type Scratch<'w> = crate::plan::ActivationScratch<Host<'w>>;
 
 type ActivationRing<'a, 'w, C> = RingBackend<'a, C, Packet<'w>, Scratch<'w>>;
 

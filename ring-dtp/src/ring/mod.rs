@@ -63,7 +63,7 @@ use crate::cpu::ColumnGrads;
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
 use crate::loss::{self, Stats};
-use crate::plan::{RingKind, RingPlan};
+use crate::plan::{RegionKind, RegionSource, RingKind, RingPlan};
 
 /// One rank's share of a call: its tokens' rows of X, targets and weights, and its vocabulary
 /// shard of W and the bias (rows [`RingPlan::shard`]). Targets are global vocabulary ids, and
@@ -188,16 +188,16 @@ fn run_pass<C: Communicator + ?Sized>(
     let backward = matches!(pass, Pass::Grad { .. });
     // One backend per ring, the same call; only the buffers and the block scratch differ.
     macro_rules! drive {
-        ($buffer:ty, $scratch:ty) => {{
+        ($buffer:ident, $scratch:ident) => {{
             let mut ops = RingBackend {
                 comm,
                 config,
                 plan,
                 rank,
                 pass,
-                scratch: <$scratch>::carve(&ws, plan)?,
-                cur: <$buffer>::carve(&ws, plan)?,
-                inc: <$buffer>::carve(&ws, plan)?,
+                scratch: plan.$scratch(&mut Carve(&ws))?,
+                cur: plan.$buffer(&mut Carve(&ws))?,
+                inc: plan.$buffer(&mut Carve(&ws))?,
                 cols: ColumnGrads::with_capacity(plan.token_block()),
                 credit: LinkCredit::default(),
             };
@@ -205,8 +205,8 @@ fn run_pass<C: Communicator + ?Sized>(
         }};
     }
     match plan.kind() {
-        RingKind::Weight => drive!(weight::Slot<'_>, weight::Scratch<'_>),
-        RingKind::Activation => drive!(activation::Packet<'_>, activation::Scratch<'_>),
+        RingKind::Weight => drive!(slot, weight_scratch),
+        RingKind::Activation => drive!(packet, activation_scratch),
     }
 }
 
@@ -283,6 +283,34 @@ pub fn forward_backward<C: Communicator + ?Sized>(
     let fwd = forward(comm, plan, inputs)?;
     let grads = backward(comm, plan, inputs, &fwd, grad, None)?;
     Ok((fwd, grads))
+}
+
+/// The CPU ring's regions: slices carved from its workspace.
+pub(super) struct Host<'w>(std::marker::PhantomData<&'w ()>);
+
+impl<'w> RegionKind for Host<'w> {
+    type Raw = &'w mut [u8];
+    type F32 = &'w mut [f32];
+    type F64 = &'w mut [f64];
+    type U32 = &'w mut [u32];
+}
+
+/// Carves regions from the ring's workspace (reserved at the plan's bytes).
+pub(super) struct Carve<'w>(pub &'w Workspace);
+
+impl<'w> RegionSource<Host<'w>> for Carve<'w> {
+    fn raw(&mut self, dtype: DType, elems: usize) -> Result<&'w mut [u8]> {
+        Ok(self.0.take(elems * dtype.size_in_bytes())?)
+    }
+    fn f32(&mut self, len: usize) -> Result<&'w mut [f32]> {
+        Ok(self.0.take(len)?)
+    }
+    fn f64(&mut self, len: usize) -> Result<&'w mut [f64]> {
+        Ok(self.0.take(len)?)
+    }
+    fn u32(&mut self, len: usize) -> Result<&'w mut [u32]> {
+        Ok(self.0.take(len)?)
+    }
 }
 
 /// Element bytes of W/X rows on the wire.

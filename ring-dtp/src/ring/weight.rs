@@ -11,57 +11,21 @@ use std::ops::Range;
 
 use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::gemm::Accumulate;
-use flatpeak_common::{DType, Workspace};
 
 use super::schedule::{RingOps, Step};
-use super::{Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
+use super::{Host, Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
 use crate::cpu::{
     BlockGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits, gradient,
     resolve_targets, round_gradient_to_bf16, rounds_gradient, w_rows,
 };
 use crate::error::Result;
-use crate::plan::RingPlan;
 
 /// One ring buffer: a W sub-block in its input dtype, its bias, and the travelling dW/dbias.
-pub(super) struct Slot<'w> {
-    w: &'w mut [u8],
-    bias: &'w mut [f32],
-    dw: &'w mut [f32],
-    dbias: &'w mut [f32],
-}
-
-impl<'w> Slot<'w> {
-    pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
-        let (vb, d) = (plan.vocab_block(), plan.hidden());
-        Ok(Self {
-            w: ws.take(elem_bytes(plan.dtype()) * vb * d)?,
-            dw: ws.take(vb * d)?,
-            bias: ws.take(vb)?,
-            dbias: ws.take(vb)?,
-        })
-    }
-}
+pub(super) type Slot<'w> = crate::plan::Slot<Host<'w>>;
 
 /// The weight ring's block scratch: one token block's logits against a sub-block, its targets
 /// and X rows in f32, and the bf16 sub-block widened.
-pub(super) struct Scratch<'w> {
-    logits: &'w mut [f32],
-    targets: &'w mut [u32],
-    xblk: &'w mut [f32],
-    w_up: &'w mut [f32],
-}
-
-impl<'w> Scratch<'w> {
-    pub(super) fn carve(ws: &'w Workspace, plan: &RingPlan) -> Result<Self> {
-        let (cb, vb, d) = (plan.token_block(), plan.vocab_block(), plan.hidden());
-        Ok(Self {
-            logits: ws.take::<f32>(cb * vb)?,
-            targets: ws.take::<u32>(cb)?,
-            xblk: ws.take::<f32>(cb * d)?,
-            w_up: ws.take::<f32>(if plan.dtype() == DType::F32 { 0 } else { vb * d })?,
-        })
-    }
-}
+pub(super) type Scratch<'w> = crate::plan::WeightScratch<Host<'w>>;
 
 type WeightRing<'a, 'w, C> = RingBackend<'a, C, Slot<'w>, Scratch<'w>>;
 

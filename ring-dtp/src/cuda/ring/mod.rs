@@ -46,7 +46,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput};
 use crate::loss;
-use crate::plan::{RingKind, RingPlan};
+use crate::plan::{RegionKind, RegionSource, RingKind, RingPlan, Slot};
 use crate::ring::run_ring;
 
 /// One rank's device share of a call (see [`crate::ring::RankInputs`]): its tokens' rows of X,
@@ -138,34 +138,52 @@ fn ring_peers<C: DeviceCommunicator>(comm: &C) -> (usize, usize) {
     ((comm.rank() + 1) % p, (comm.rank() + p - 1) % p)
 }
 
-/// A weight-ring buffer: a W sub-block, its bias, and the travelling dW and dbias.
-#[derive(Debug)]
-struct WeightSlot {
-    w: Raw,
-    bias: CudaSlice<f32>,
-    dw: CudaSlice<f32>,
-    dbias: CudaSlice<f32>,
+/// The CUDA ring's regions: buffers on its device.
+struct OnDevice;
+
+impl RegionKind for OnDevice {
+    type Raw = Raw;
+    type F32 = CudaSlice<f32>;
+    type F64 = CudaSlice<f64>;
+    type U32 = CudaSlice<u32>;
 }
+
+/// Allocates regions on the engine's device (zeroed, on its stream).
+struct Allocate<'e>(&'e Engine);
+
+impl RegionSource<OnDevice> for Allocate<'_> {
+    fn raw(&mut self, dtype: DType, elems: usize) -> Result<Raw> {
+        Raw::new(self.0, dtype, elems)
+    }
+    fn f32(&mut self, len: usize) -> Result<CudaSlice<f32>> {
+        self.0.zeros(len)
+    }
+    fn f64(&mut self, len: usize) -> Result<CudaSlice<f64>> {
+        self.0.zeros(len)
+    }
+    fn u32(&mut self, len: usize) -> Result<CudaSlice<u32>> {
+        self.0.zeros(len)
+    }
+}
+
+/// A weight-ring buffer: a W sub-block, its bias, and the travelling dW and dbias.
+type WeightSlot = Slot<OnDevice>;
 
 /// An activation-ring packet: X rows, targets, the fold state, the backward row data and dX.
-#[derive(Debug)]
-struct Packet {
-    x: Raw,
-    targets: CudaSlice<u32>,
-    max: CudaSlice<f32>,
-    target_logit: CudaSlice<f32>,
-    sum: CudaSlice<f64>,
-    logit_sum: CudaSlice<f64>,
-    coef: CudaSlice<f32>,
-    lse: CudaSlice<f32>,
-    dlse: CudaSlice<f32>,
-    dx: CudaSlice<f32>,
-}
+type Packet = crate::plan::Packet<OnDevice>;
 
-#[derive(Debug)]
 enum Buffers {
     Weight(Box<[WeightSlot; 2]>),
     Activation(Box<[Packet; 2]>),
+}
+
+impl std::fmt::Debug for Buffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Buffers::Weight(_) => "Buffers::Weight([Slot; 2])",
+            Buffers::Activation(_) => "Buffers::Activation([Packet; 2])",
+        })
+    }
 }
 
 /// Ring-DTP on this rank's device, with the ring plan's buffers reserved at launch.
@@ -215,31 +233,11 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         let e = &engine;
         let buffers = match plan.kind() {
             RingKind::Weight => {
-                let slot = || -> Result<WeightSlot> {
-                    Ok(WeightSlot {
-                        w: Raw::new(e, dt, vb * d)?,
-                        bias: e.zeros(vb)?,
-                        dw: e.zeros(vb * d)?,
-                        dbias: e.zeros(vb)?,
-                    })
-                };
+                let slot = || plan.slot(&mut Allocate(e));
                 Buffers::Weight(Box::new([slot()?, slot()?]))
             }
             RingKind::Activation => {
-                let packet = || -> Result<Packet> {
-                    Ok(Packet {
-                        x: Raw::new(e, dt, c * d)?,
-                        targets: e.zeros(c)?,
-                        max: e.zeros(c)?,
-                        target_logit: e.zeros(c)?,
-                        sum: e.zeros(c)?,
-                        logit_sum: e.zeros(c)?,
-                        coef: e.zeros(c)?,
-                        lse: e.zeros(c)?,
-                        dlse: e.zeros(c)?,
-                        dx: e.zeros(c * d)?,
-                    })
-                };
+                let packet = || plan.packet(&mut Allocate(e));
                 Buffers::Activation(Box::new([packet()?, packet()?]))
             }
         };
