@@ -15,10 +15,9 @@ use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::gemm::Accumulate;
 
 use super::schedule::{RingOps, Step};
-use super::{Host, Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
+use super::{Host, Pass, RingBackend, as_matrix, elem_bytes, gradient_and_project, raw_rows};
 use crate::cpu::{
-    BlockGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits, gradient,
-    resolve_targets, round_gradient_to_bf16, rounds_gradient, w_rows,
+    BlockGrads, TokenBlock, VocabBlock, column_grads, fold, form_logits, resolve_targets, w_rows,
 };
 use crate::error::Result;
 use crate::loss::StatsMut;
@@ -140,7 +139,6 @@ impl<C: Communicator + ?Sized> RingOps for ActivationRing<'_, '_, C> {
                     fold(config, tokens, (shard.start + v0, vb), logits, false, st);
                 }
                 Pass::Grad { grads, .. } => {
-                    gradient(config, tokens, (shard.start + v0, vb), logits, cols, false);
                     // dW is fresh output memory: the first packet writes it without reading it
                     // (no read-then-write page faults).
                     let out = BlockGrads {
@@ -151,11 +149,8 @@ impl<C: Communicator + ?Sized> RingOps for ActivationRing<'_, '_, C> {
                         dbias_blk: grads.dbias.as_mut().map(|db| &mut db[v0..v0 + vb]),
                         dx_partial: None,
                     };
-                    let mut out = out;
-                    if rounds_gradient(config, plan.dtype()) {
-                        round_gradient_to_bf16(&mut logits[..vb * c], c, &mut out);
-                    }
-                    accumulate_grads(d, logits, tokens, vocab, out, plan.gemm_threads())?;
+                    let block = (tokens, vocab, shard.start + v0);
+                    gradient_and_project((config, plan), block, (logits, cols), out)?;
                 }
             }
         }

@@ -59,7 +59,10 @@ use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::{DType, Workspace};
 
 use crate::config::Config;
-use crate::cpu::ColumnGrads;
+use crate::cpu::{
+    BlockGrads, ColumnGrads, TokenBlock, VocabBlock, accumulate_grads, gradient, round_gradient_to_bf16,
+    rounds_gradient,
+};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
 use crate::loss::{self, Stats};
@@ -311,6 +314,23 @@ impl<'w> RegionSource<Host<'w>> for Carve<'w> {
     fn u32(&mut self, len: usize) -> Result<&'w mut [u32]> {
         Ok(self.0.take(len)?)
     }
+}
+
+/// Turns a block's logits (vocabulary rows from `v0`) into G and projects it into `out` (dX
+/// rows, dW block, dbias), rounding G to bf16 first for bf16 inputs as the single-device path
+/// does. Both rings' backward step, for one block.
+fn gradient_and_project(
+    (config, plan): (&Config, &RingPlan),
+    (tokens, vocab, v0): (TokenBlock<'_>, VocabBlock<'_>, usize),
+    (logits, cols): (&mut [f32], &ColumnGrads),
+    mut out: BlockGrads<'_>,
+) -> Result<()> {
+    let (c, vb) = (tokens.rows(), vocab.vb);
+    gradient(config, tokens, (v0, vb), logits, cols, false);
+    if rounds_gradient(config, plan.dtype()) {
+        round_gradient_to_bf16(&mut logits[..vb * c], c, &mut out);
+    }
+    accumulate_grads(plan.hidden(), logits, tokens, vocab, out, plan.gemm_threads())
 }
 
 /// Element bytes of W/X rows on the wire.

@@ -13,10 +13,9 @@ use flatpeak_common::comm::{Communicator, CommunicatorExt};
 use flatpeak_common::gemm::Accumulate;
 
 use super::schedule::{RingOps, Step};
-use super::{Host, Pass, RingBackend, as_matrix, elem_bytes, raw_rows};
+use super::{Host, Pass, RingBackend, as_matrix, elem_bytes, gradient_and_project, raw_rows};
 use crate::cpu::{
-    BlockGrads, TokenBlock, VocabBlock, accumulate_grads, column_grads, fold, form_logits, gradient,
-    resolve_targets, round_gradient_to_bf16, rounds_gradient, w_rows,
+    BlockGrads, TokenBlock, VocabBlock, column_grads, fold, form_logits, resolve_targets, w_rows,
 };
 use crate::error::Result;
 
@@ -98,7 +97,6 @@ impl<C: Communicator + ?Sized> RingOps for WeightRing<'_, '_, C> {
                 Pass::Grad { coef, lse, dlse, grads } => {
                     let dlse = dlse.map(|g| &g[t0..t0 + c]);
                     column_grads(config, plan.vocab(), &coef[t0..t0 + c], &lse[t0..t0 + c], dlse, cols);
-                    gradient(config, tokens, (rows.start, vb), logits, cols, false);
                     // dX is fresh output memory: the first step's first sub-block writes it
                     // without reading it (no read-then-write page faults).
                     let out = BlockGrads {
@@ -109,11 +107,7 @@ impl<C: Communicator + ?Sized> RingOps for WeightRing<'_, '_, C> {
                         dbias_blk: has_bias.then_some(&mut cur.dbias[..vb]),
                         dx_partial: None,
                     };
-                    let mut out = out;
-                    if rounds_gradient(config, plan.dtype()) {
-                        round_gradient_to_bf16(&mut logits[..vb * c], c, &mut out);
-                    }
-                    accumulate_grads(d, logits, tokens, vocab, out, plan.gemm_threads())?;
+                    gradient_and_project((config, plan), (tokens, vocab, rows.start), (logits, cols), out)?;
                 }
             }
         }
