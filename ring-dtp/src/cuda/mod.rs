@@ -108,6 +108,20 @@ pub struct DeviceInputs<'a> {
     pub v: usize,
 }
 
+impl DeviceInputs<'_> {
+    /// The sizes and dtypes every backend checks (`driver::check_call`).
+    fn sizes(&self) -> crate::inputs::CallSizes {
+        crate::inputs::CallSizes {
+            dims: (self.n, self.d, self.v),
+            x: (self.x.len(), self.x.dtype()),
+            w: (self.w.len(), self.w.dtype()),
+            targets: self.targets.len(),
+            bias: self.bias.map(|b| b.len()),
+            weights: self.weights.map(|w| w.len()),
+        }
+    }
+}
+
 /// Caller-owned device gradient buffers a backward writes into (overwriting them): a binding's
 /// own tensors, so no gradient is copied out of the crate.
 #[derive(Debug)]
@@ -382,15 +396,7 @@ fn run<'s, R>(
     grads: Option<DeviceGradientsMut<'s>>,
     pass: impl FnOnce(&mut CudaBlocks<'s, '_>, Call<'_>) -> Result<R>,
 ) -> Result<R> {
-    let sizes = crate::inputs::CallSizes {
-        dims: (inputs.n, inputs.d, inputs.v),
-        x: (inputs.x.len(), inputs.x.dtype()),
-        w: (inputs.w.len(), inputs.w.dtype()),
-        targets: inputs.targets.len(),
-        bias: inputs.bias.map(|b| b.len()),
-        weights: inputs.weights.map(|w| w.len()),
-    };
-    driver::check_call(config, plan, sizes, grads.as_ref().map(DeviceGradientsMut::lens))?;
+    driver::check_call(config, plan, inputs.sizes(), grads.as_ref().map(DeviceGradientsMut::lens))?;
     buffers.check(plan)?;
     let (n, d, v) = (inputs.n, inputs.d, inputs.v);
     let mut resolved = e.zeros::<u32>(n)?;
@@ -441,13 +447,7 @@ impl DeviceGradients {
     /// Zeroed gradients of `inputs`, once N, D and V are checked against the plan (so N·D and
     /// V·D are sizes the plan accepted).
     fn zeros(e: &Engine, plan: &Plan, inputs: &DeviceInputs<'_>) -> Result<Self> {
-        for (what, expected, got) in
-            [("n", plan.n_tokens(), inputs.n), ("d", plan.hidden(), inputs.d), ("v", plan.vocab(), inputs.v)]
-        {
-            if expected != got {
-                return Err(Error::ShapeMismatch { what, expected, got });
-            }
-        }
+        inputs.sizes().check_plan(plan)?;
         Ok(Self {
             dx: e.zeros(inputs.n * inputs.d)?,
             dw: e.zeros(inputs.v * inputs.d)?,
