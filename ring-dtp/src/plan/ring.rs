@@ -425,14 +425,24 @@ mod tests {
     #[test]
     fn sizes_that_overflow_are_an_error_not_a_panic() {
         let cfg = Config::default();
-        for (n, d, v) in [(usize::MAX, 16, 1000), (1000, usize::MAX / 2, 1000), (1 << 40, 1 << 30, 1 << 20)] {
-            for p in [1, 3] {
+        // The last: blocks whose C·Vb logits overflow while C·D and Vb·D do not (found by the
+        // `plans` fuzz target).
+        let sizes = [
+            (usize::MAX, 16, 1000),
+            (1000, usize::MAX / 2, 1000),
+            (1 << 40, 1 << 30, 1 << 20),
+            (7_011_482_571_112_448, 0, usize::MAX),
+        ];
+        for (n, d, v) in sizes {
+            for p in [1, 3, 25] {
                 let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::Bf16 };
                 let options = RingOptions::default().ranks(p);
                 for budget in [Budget::Unlimited, Budget::mib(64)] {
                     match RingPlan::new(&cfg, shape, budget, options) {
                         Err(Error::Common(flatpeak_common::Error::SizeOverflow { .. }))
                         | Err(Error::BudgetTooSmall { .. }) => {}
+                        // D = 0: nothing to multiply, a plan whose every size fits.
+                        Ok(plan) if d == 0 => assert!(plan.bound_bytes() < usize::MAX),
                         other => panic!("N={n} D={d} V={v} P={p}: {other:?}"),
                     }
                 }

@@ -32,6 +32,11 @@ pub(crate) trait RegionSource<K: RegionKind> {
     fn u32(&mut self, len: usize) -> Result<K::U32>;
 }
 
+/// `a·b` elements of a region, or [`flatpeak_common::Error::SizeOverflow`] naming `what`.
+fn elems(a: usize, b: usize, what: &'static str) -> Result<usize> {
+    a.checked_mul(b).ok_or_else(|| flatpeak_common::Error::SizeOverflow { what }.into())
+}
+
 /// One weight-ring buffer: a W sub-block of Vb rows in the inputs' dtype, the dW accumulator
 /// that travels with it, its bias and the dbias accumulator.
 pub(crate) struct Slot<K: RegionKind> {
@@ -42,12 +47,12 @@ pub(crate) struct Slot<K: RegionKind> {
 }
 
 impl<K: RegionKind> Slot<K> {
-    /// A slot for sub-blocks of `vb` rows of width `d` in `dtype`, from `source` (a ring plan
-    /// checked `V·D·4` against `usize`, and Vb ≤ V).
+    /// A slot for sub-blocks of `vb` rows of width `d` in `dtype`, from `source`.
     pub fn new(source: &mut impl RegionSource<K>, dtype: DType, (vb, d): (usize, usize)) -> Result<Self> {
+        let block = elems(vb, d, "ring slot (Vb·D)")?;
         Ok(Self {
-            w: source.raw(dtype, vb * d)?,
-            dw: source.f32(vb * d)?,
+            w: source.raw(dtype, block)?,
+            dw: source.f32(block)?,
             bias: source.f32(vb)?,
             dbias: source.f32(vb)?,
         })
@@ -71,12 +76,12 @@ pub(crate) struct Packet<K: RegionKind> {
 }
 
 impl<K: RegionKind> Packet<K> {
-    /// A packet for token blocks of `c` rows of width `d` in `dtype`, from `source` (a ring
-    /// plan checked `N·D·4` against `usize`, and C ≤ N).
+    /// A packet for token blocks of `c` rows of width `d` in `dtype`, from `source`.
     pub fn new(source: &mut impl RegionSource<K>, dtype: DType, (c, d): (usize, usize)) -> Result<Self> {
+        let rows = elems(c, d, "ring packet (C·D)")?;
         Ok(Self {
-            x: source.raw(dtype, c * d)?,
-            dx: source.f32(c * d)?,
+            x: source.raw(dtype, rows)?,
+            dx: source.f32(rows)?,
             targets: source.u32(c)?,
             max: source.f32(c)?,
             sum: source.f64(c)?,
@@ -105,11 +110,11 @@ impl<K: RegionKind> WeightScratch<K> {
         dtype: DType,
         (c, vb, d): (usize, usize, usize),
     ) -> Result<Self> {
-        let widened = if dtype == DType::F32 { 0 } else { vb * d };
+        let widened = if dtype == DType::F32 { 0 } else { elems(vb, d, "widened W block (Vb·D)")? };
         Ok(Self {
-            logits: source.f32(c * vb)?,
+            logits: source.f32(elems(c, vb, "logits block (C·Vb)")?)?,
             targets: source.u32(c)?,
-            xblk: source.f32(c * d)?,
+            xblk: source.f32(elems(c, d, "X block (C·D)")?)?,
             w_up: source.f32(widened)?,
         })
     }
@@ -132,9 +137,9 @@ impl<K: RegionKind> ActivationScratch<K> {
     ) -> Result<Self> {
         let bf16 = dtype != DType::F32;
         Ok(Self {
-            logits: source.f32(c * vb)?,
-            x_up: source.f32(if bf16 { c * d } else { 0 })?,
-            w_up: source.f32(if bf16 { vb * d } else { 0 })?,
+            logits: source.f32(elems(c, vb, "logits block (C·Vb)")?)?,
+            x_up: source.f32(if bf16 { elems(c, d, "widened X block (C·D)")? } else { 0 })?,
+            w_up: source.f32(if bf16 { elems(vb, d, "widened W block (Vb·D)")? } else { 0 })?,
         })
     }
 }
