@@ -13,7 +13,7 @@ enum Case {
     Ring { shape: Sizes, budget: Option<u64>, ranks: u16, kind: Option<bool> },
     StreamAdamW { params: u64, dtypes: (u8, u8), bucket: u64, slots: u8, serial: bool, budget: Option<u64> },
     Sco { layers: u64, boundary_elems: u64, element_bytes: u8, ring: (u8, u8, u8), budget: Option<u64> },
-    Llep { shape: LlepSizes, pair_cap: Option<u64>, depth: u8, budget: Option<u64> },
+    Llep { shape: LlepSizes, pair_cap: Option<u64>, depth: u8, scheme: u8, rounds: u64, budget: Option<u64> },
 }
 
 #[derive(Debug, Arbitrary)]
@@ -136,7 +136,7 @@ fuzz_target!(|case: Case| {
                 );
             }
         }
-        Case::Llep { shape, pair_cap, depth, budget: bytes } => {
+        Case::Llep { shape, pair_cap, depth, scheme, rounds, budget: bytes } => {
             let shape = llep::Shape {
                 ranks: usize::from(shape.ranks),
                 tokens: shape.tokens as usize,
@@ -147,10 +147,28 @@ fuzz_target!(|case: Case| {
                 dtype: dtype(shape.dtype),
             };
             let cap = pair_cap.map_or(llep::PairCap::FitBudget, |q| llep::PairCap::Rows(q as usize));
-            let config = llep::Config::default().pair_cap(cap).pipeline_depth(usize::from(depth));
+            let scheme = [llep::Scheme::PipelinedLlep, llep::Scheme::Llep, llep::Scheme::StandardEp]
+                [usize::from(scheme) % 3];
+            let config =
+                llep::Config::default().scheme(scheme).pair_cap(cap).pipeline_depth(usize::from(depth));
             if let Ok(plan) = llep::Plan::new(&config, shape, budget(bytes)) {
-                assert!(budget(bytes).admits(plan.workspace_bytes()), "{plan:?} over {bytes:?}");
+                if scheme == llep::Scheme::PipelinedLlep {
+                    assert!(budget(bytes).admits(plan.workspace_bytes()), "{plan:?} over {bytes:?}");
+                }
                 assert!(plan.pair_cap() >= 1 && plan.pair_cap() <= shape.tokens.max(1));
+                // Every accessor of every pass's buffers answers (saturating, never a panic).
+                for pass in [llep::Pass::Forward, llep::Pass::Backward] {
+                    let b = plan.buffers(pass);
+                    let _ = (b.regions(), b.host_workspace_bytes(), b.checked_workspace_bytes());
+                    let _ =
+                        (b.workspace_bytes(), b.send_bytes(), b.recv_bytes(), b.expert_intermediate_bytes());
+                    let _ = (b.foreign_weight_bytes(), b.accumulator_bytes(), b.route_table_bytes());
+                    let _ = (b.local_slots(), llep::Buffers::dispatch_bytes_per_row(&shape, pass));
+                    for mode in [llep::Mode::Checkpointed, llep::Mode::SaveActivations] {
+                        let _ = b.saved_activation_bytes(mode, rounds as usize);
+                    }
+                }
+                let _ = (plan.workspace_bytes(), shape.expert_elems(), shape.local_experts());
             }
         }
     }

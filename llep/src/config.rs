@@ -64,10 +64,21 @@ impl Shape {
         self.dtype.size_in_bytes()
     }
 
-    /// Elements of one expert's weights, `3·H·I` (gate, up, down).
+    /// Elements of one expert's weights, `3·H·I` (gate, up, down), saturating at `usize::MAX`.
     pub fn expert_elems(&self) -> usize {
-        3 * self.hidden * self.intermediate
+        saturating_product(&[3, self.hidden, self.intermediate])
     }
+}
+
+/// `Π factors`, `None` on overflow.
+pub(crate) fn checked_product(factors: &[usize]) -> Option<usize> {
+    factors.iter().try_fold(1usize, |p, &f| p.checked_mul(f))
+}
+
+/// `Π factors`, saturating at `usize::MAX`: the byte accessors' arithmetic. A region past
+/// `usize` is an overflow whatever its exact size, and a sum of saturated terms stays saturated.
+pub(crate) fn saturating_product(factors: &[usize]) -> usize {
+    checked_product(factors).unwrap_or(usize::MAX)
 }
 
 /// Which schedule a plan describes; the two baselines are plans too.

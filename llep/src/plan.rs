@@ -6,7 +6,7 @@
 use flatpeak_common::Budget;
 use flatpeak_common::arena::Arena;
 
-use crate::config::{Config, Mode, PairCap, Scheme, Shape};
+use crate::config::{Config, Mode, PairCap, Scheme, Shape, checked_product, saturating_product};
 use crate::error::{Error, Result};
 
 /// One routed entry of a dispatched row: the destination's local expert slot (native experts
@@ -68,6 +68,16 @@ impl Plan {
     pub fn new(config: &Config, shape: Shape, budget: Budget) -> Result<Self> {
         config.validate()?;
         shape.validate()?;
+        // Every scheme's call returns the N×H f32 output and fills the 8·N·k bytes of route
+        // tables: a shape whose sizes do not fit a usize is refused here, whatever the scheme.
+        let (n, h, k) = (shape.tokens, shape.hidden, shape.top_k);
+        for (what, factors) in
+            [("llep output (N·H·4 bytes)", [n, h, 4]), ("llep route tables (8·N·k bytes)", [n, k, 8])]
+        {
+            if checked_product(&factors).is_none() {
+                return Err(Error::Common(flatpeak_common::Error::SizeOverflow { what }));
+            }
+        }
         let n = shape.tokens.max(1);
         let bytes = |q: usize| Self::bytes_at(config, &shape, q);
         let q = match (config.scheme, config.pair_cap) {
@@ -168,12 +178,20 @@ impl Buffers {
 
     /// Dispatch bytes per row of one pipeline copy: send, receive and output rows with their
     /// metadata and the send row's token index (backward: also dY rows and d(weights)).
+    /// Saturates at `usize::MAX` for a shape whose row does not fit.
     pub fn dispatch_bytes_per_row(shape: &Shape, pass: Pass) -> usize {
         let (h, k, b) = (shape.hidden, shape.top_k, shape.elem_bytes());
-        let meta = std::mem::size_of::<RouteMeta>() * k;
+        let meta = saturating_product(&[std::mem::size_of::<RouteMeta>(), k]);
         match pass {
-            Pass::Forward => 3 * h * b + 2 * meta + 4,
-            Pass::Backward => 5 * h * b + 2 * meta + 4 + 2 * 4 * k,
+            Pass::Forward => {
+                saturating_sum(&[saturating_product(&[3, h, b]), saturating_product(&[2, meta]), 4])
+            }
+            Pass::Backward => saturating_sum(&[
+                saturating_product(&[5, h, b]),
+                saturating_product(&[2, meta]),
+                4,
+                saturating_product(&[8, k]),
+            ]),
         }
     }
 
@@ -207,7 +225,7 @@ impl Buffers {
     }
     /// Local expert slots, M + F.
     pub fn local_slots(&self) -> usize {
-        self.shape.local_experts() + self.foreign_slots
+        self.shape.local_experts().saturating_add(self.foreign_slots)
     }
 
     /// Every region in reservation order, in bytes, computed in u128 so no product overflows,
@@ -307,52 +325,63 @@ impl Buffers {
     pub fn workspace_bytes(&self) -> usize {
         self.checked_workspace_bytes().unwrap_or(usize::MAX)
     }
+    // The byte accessors below saturate at `usize::MAX`: a PipelinedLLEP plan's buffers all fit
+    // (its workspace was checked), a baseline's (sized per call) or a rounds count may not.
+
     /// Send-side dispatch bytes (all copies): x rows (and dY rows) with their metadata and
     /// token index.
     pub fn send_bytes(&self) -> usize {
         let (h, k, b) = (self.shape.hidden, self.shape.top_k, self.shape.elem_bytes());
         let per_row = match self.pass {
-            Pass::Forward => h * b + 8 * k + 4,
-            Pass::Backward => 2 * h * b + 12 * k + 4,
+            Pass::Forward => saturating_sum(&[saturating_product(&[h, b]), saturating_product(&[8, k]), 4]),
+            Pass::Backward => {
+                saturating_sum(&[saturating_product(&[2, h, b]), saturating_product(&[12, k]), 4])
+            }
         };
-        self.depth * self.send_rows * per_row
+        saturating_product(&[self.depth, self.send_rows, per_row])
     }
     /// Receive-side dispatch bytes (all copies): received rows, output rows and metadata.
     pub fn recv_bytes(&self) -> usize {
         let (h, k, b) = (self.shape.hidden, self.shape.top_k, self.shape.elem_bytes());
         let per_row = match self.pass {
-            Pass::Forward => 2 * h * b + 8 * k,
-            Pass::Backward => 3 * h * b + 12 * k,
+            Pass::Forward => saturating_sum(&[saturating_product(&[2, h, b]), saturating_product(&[8, k])]),
+            Pass::Backward => saturating_sum(&[saturating_product(&[3, h, b]), saturating_product(&[12, k])]),
         };
-        self.depth * self.recv_rows * per_row
+        saturating_product(&[self.depth, self.recv_rows, per_row])
     }
     /// Expert GEMM inputs, outputs and SwiGLU intermediates (G rows): X, Y (H or I wide,
     /// whichever is wider: forward keeps h there), gate and up; backward adds dY and h.
     pub fn expert_intermediate_bytes(&self) -> usize {
         let (h, i, b) = (self.shape.hidden, self.shape.intermediate, self.shape.elem_bytes());
-        let g = self.expert_rows;
-        match self.pass {
-            Pass::Forward => g * (h + h.max(i) + 2 * i) * b,
-            Pass::Backward => g * (2 * h + h.max(i) + 3 * i) * b,
-        }
+        let width = match self.pass {
+            Pass::Forward => saturating_sum(&[h, h.max(i), saturating_product(&[2, i])]),
+            Pass::Backward => {
+                saturating_sum(&[saturating_product(&[2, h]), h.max(i), saturating_product(&[3, i])])
+            }
+        };
+        saturating_product(&[self.expert_rows, width, b])
     }
     /// Foreign expert weights (and, in backward, their fp32 gradients and one return buffer).
     pub fn foreign_weight_bytes(&self) -> usize {
         let s = &self.shape;
-        let w = self.foreign_slots * s.expert_elems() * s.elem_bytes();
+        let w = saturating_product(&[self.foreign_slots, s.expert_elems(), s.elem_bytes()]);
         match self.pass {
             Pass::Forward => w,
-            Pass::Backward => w + self.foreign_slots * s.expert_elems() * 4 + s.hidden * s.intermediate * 4,
+            Pass::Backward => saturating_sum(&[
+                w,
+                saturating_product(&[self.foreign_slots, s.expert_elems(), 4]),
+                saturating_product(&[s.hidden, s.intermediate, 4]),
+            ]),
         }
     }
     /// The fp32 N×H accumulator the combine scatter-adds into (forward: y; backward: dX). Every
     /// executor accumulates straight into the returned output, so it is not in the workspace.
     pub fn accumulator_bytes(&self) -> usize {
-        self.shape.tokens * self.shape.hidden * 4
+        saturating_product(&[self.shape.tokens, self.shape.hidden, 4])
     }
     /// The route tables, `8·N·k` bytes: the documented O(N) per-token state.
     pub fn route_table_bytes(&self) -> usize {
-        8 * self.shape.tokens * self.shape.top_k
+        saturating_product(&[8, self.shape.tokens, self.shape.top_k])
     }
     /// The bound of what [`Mode::SaveActivations`] keeps from forward to backward for K
     /// rounds: every round's receive buffer of rows with their metadata and per-route SwiGLU
@@ -364,14 +393,25 @@ impl Buffers {
             Mode::SaveActivations => {
                 let s = &self.shape;
                 let (h, i, k, b) = (s.hidden, s.intermediate, s.top_k, s.elem_bytes());
-                let rows = rounds * self.recv_rows;
+                let rows = saturating_product(&[rounds, self.recv_rows]);
                 let meta = std::mem::size_of::<RouteMeta>();
-                let regions =
-                    [rows * h * b, rows * k * meta, rows * k * i * b, rows * k * i * b, 4 * (rounds + 1)];
+                let pre_activations = saturating_product(&[rows, k, i, b]);
+                let regions = [
+                    saturating_product(&[rows, h, b]),
+                    saturating_product(&[rows, k, meta]),
+                    pre_activations,
+                    pre_activations,
+                    saturating_product(&[4, rounds.saturating_add(1)]),
+                ];
                 Arena::bytes_for(&regions).unwrap_or(usize::MAX)
             }
         }
     }
+}
+
+/// `Σ terms`, saturating at `usize::MAX`.
+fn saturating_sum(terms: &[usize]) -> usize {
+    terms.iter().fold(0usize, |s, &t| s.saturating_add(t))
 }
 
 /// Staging slots of received metadata: two when the next round is fetched ahead.

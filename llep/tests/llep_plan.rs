@@ -269,3 +269,47 @@ fn a_budget_gives_the_largest_pair_cap_that_fits() {
         Err(llep::Error::Common(flatpeak_common::Error::SizeOverflow { .. }))
     ));
 }
+
+/// Sizes past `usize`: a shape whose output (N·H·4 bytes) or route tables (8·N·k) overflow is
+/// refused by every scheme's plan, and a baseline plan (sized per call) or a rounds count past
+/// `usize` reads `usize::MAX` from the byte accessors instead of panicking or wrapping.
+#[test]
+fn sizes_past_usize_are_refused_or_saturate() {
+    let base = Shape {
+        ranks: 2,
+        tokens: 1 << 62,
+        hidden: 8,
+        intermediate: 4,
+        experts: 4,
+        top_k: 2,
+        dtype: DType::F32,
+    };
+    for scheme in [Scheme::PipelinedLlep, Scheme::Llep, Scheme::StandardEp] {
+        let config = Config::default().scheme(scheme);
+        let err = llep::Plan::new(&config, base, llep::Budget::Unlimited).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                llep::Error::Common(flatpeak_common::Error::SizeOverflow {
+                    what: "llep output (N·H·4 bytes)"
+                })
+            ),
+            "{scheme:?}: {err}"
+        );
+    }
+    // The output fits, the experts' weights and the per-row bytes do not: a baseline's plan is
+    // made (its buffers are sized per call) and its accessors saturate.
+    let wide = Shape { tokens: 1, hidden: 1 << 60, intermediate: 1 << 60, ..base };
+    let plan = llep::Plan::new(&Config::default().scheme(Scheme::Llep), wide, llep::Budget::Unlimited)
+        .expect("plan");
+    for pass in [Pass::Forward, Pass::Backward] {
+        let b = plan.buffers(pass);
+        assert_eq!(b.foreign_weight_bytes(), usize::MAX, "{pass:?}");
+        assert_eq!(b.expert_intermediate_bytes(), usize::MAX, "{pass:?}");
+        assert_eq!(b.workspace_bytes(), usize::MAX, "{pass:?}");
+        assert!(b.checked_workspace_bytes().is_err());
+        assert_eq!(b.saved_activation_bytes(llep::Mode::SaveActivations, usize::MAX), usize::MAX);
+    }
+    assert_eq!(wide.expert_elems(), usize::MAX);
+    assert_eq!(Buffers::dispatch_bytes_per_row(&wide, Pass::Backward), usize::MAX);
+}

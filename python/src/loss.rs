@@ -64,6 +64,13 @@ impl LossOptions {
                 )));
             }
         };
+        // Checked in f64, where the caller's value lives: a value just past 1 must not round
+        // into the range on its cast to f32 (nor one just below it be refused after rounding up).
+        if !(0.0..=1.0).contains(&label_smoothing) {
+            return Err(PyValueError::new_err(format!(
+                "label_smoothing: expected a value in [0, 1], got {label_smoothing}"
+            )));
+        }
         let softcap = softcap.map_or(Softcap::Off, |cap| Softcap::Tanh { cap: cap as f32 });
         let config = Config::default()
             .ignore_index(ignore_index)

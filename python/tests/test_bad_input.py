@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flatpeak
 from flatpeak import _flatpeak as ext
@@ -70,6 +71,11 @@ def test_bad_options_and_weights_are_value_errors():
         linear_cross_entropy(x, w, t, reduction="avg")
     with pytest.raises(ValueError, match=r"label_smoothing"):
         linear_cross_entropy(x, w, t, label_smoothing=-0.1)
+    # torch's range, [0, 1], checked before the cast to f32 (which would round either value to 1).
+    with pytest.raises(ValueError, match=r"label_smoothing: expected a value in \[0, 1\], got 1.000000001"):
+        linear_cross_entropy(x, w, t, label_smoothing=1.000000001)
+    torch.testing.assert_close(linear_cross_entropy(x, w, t, label_smoothing=1 - 1e-9),
+                               F.cross_entropy(x @ w.T, t, label_smoothing=1 - 1e-9), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"softcap"):
         linear_cross_entropy(x, w, t, softcap=0.0)
     with pytest.raises(ValueError, match=r"precision"):

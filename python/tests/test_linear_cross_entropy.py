@@ -70,7 +70,7 @@ def grads_of(loss_fn, tensors, upstream=None):
     return loss.detach(), [leaf.grad for leaf in leaves]
 
 
-CASES = list(itertools.product(["mean", "sum", "none"], ["none", "some", "all"], [0.0, 0.1], [False, True],
+CASES = list(itertools.product(["mean", "sum", "none"], ["none", "some", "all"], [0.0, 0.1, 1.0], [False, True],
                                [False, True]))
 
 

@@ -66,7 +66,8 @@ extern "C" __global__ void lce_resolve_targets(const long long* __restrict__ tar
         }
         if (i < n) {
             unsigned r = LCE_NO_TARGET;
-            if (i + shift < n_targets) {
+            // Compared without forming i + shift, which would wrap for a shift near 2^64.
+            if (shift < n_targets && i < n_targets - shift) {
                 const long long t = targets[i + shift];
                 if (t != ignore_index && t >= 0 && (unsigned long long)t < vocab) r = (unsigned)t;
             }

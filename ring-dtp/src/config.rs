@@ -47,7 +47,7 @@ pub struct Config {
     pub ignore_index: i64,
     /// Mean, sum or none.
     pub reduction: Reduction,
-    /// Label smoothing α ∈ [0, 1).
+    /// Label smoothing α ∈ [0, 1] (torch's range).
     pub label_smoothing: f32,
     /// z-loss coefficient λ ≥ 0 (adds λ·lse² per token).
     pub z_loss: f32,
@@ -146,8 +146,10 @@ impl Config {
     /// Checks every option's domain (NaN is never valid).
     pub fn validate(&self) -> Result<()> {
         let bad = |name, value: f32, expected| Err(Error::invalid_config(name, value, expected));
-        if !(0.0..1.0).contains(&self.label_smoothing) {
-            return bad("label_smoothing", self.label_smoothing, "a value in [0, 1)");
+        // torch's range: at 1 every row's target is the uniform distribution, and the loss and
+        // its gradient stay defined (no term divides by 1 − α).
+        if !(0.0..=1.0).contains(&self.label_smoothing) {
+            return bad("label_smoothing", self.label_smoothing, "a value in [0, 1]");
         }
         if !(self.z_loss >= 0.0 && self.z_loss.is_finite()) {
             return bad("z_loss", self.z_loss, "a finite value ≥ 0");
@@ -169,7 +171,14 @@ mod tests {
     fn validation() {
         assert!(Config::default().validate().is_ok());
         let mut c = Config { label_smoothing: 1.0, ..Default::default() };
-        assert!(matches!(c.validate(), Err(Error::InvalidConfig { field: "label_smoothing", .. })));
+        assert!(c.validate().is_ok(), "torch's range includes 1");
+        for bad in [1.0 + f32::EPSILON, -0.0 - f32::MIN_POSITIVE, f32::NAN] {
+            c.label_smoothing = bad;
+            assert!(
+                matches!(c.validate(), Err(Error::InvalidConfig { field: "label_smoothing", .. })),
+                "{bad}"
+            );
+        }
         c.label_smoothing = 0.1;
         c.z_loss = f32::NAN;
         assert!(matches!(c.validate(), Err(Error::InvalidConfig { field: "z_loss", .. })));

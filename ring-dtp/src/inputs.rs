@@ -135,7 +135,8 @@ impl<'a> Inputs<'a> {
     /// The target row `i` predicts, or `None` when it is ignored (ignore_index, or past the end
     /// after the shift).
     pub(crate) fn target(&self, config: &Config, i: usize) -> Option<usize> {
-        let t = *self.targets.get(i + config.shift)?;
+        // A shift past the tokens ignores every row: the index is checked, never wrapped.
+        let t = *self.targets.get(i.checked_add(config.shift)?)?;
         (t != config.ignore_index).then_some(t as usize)
     }
 

@@ -95,6 +95,16 @@ impl StepDecision {
         if !(scale.is_finite() && scale > 0.0) {
             return Err(Error::invalid_config("grad_scale", scale, "a finite value > 0"));
         }
+        // The kernels multiply in f32: a scale past f32's range would become ∞ (every parameter
+        // NaN) and one below its normal range 0 or a denormal (every gradient zeroed).
+        let in_f32 = scale as f32;
+        if !(in_f32.is_finite() && in_f32 >= f32::MIN_POSITIVE) {
+            return Err(Error::invalid_config(
+                "grad_scale",
+                scale,
+                "a value a normal f32 holds (1.2e-38 ≤ grad_scale ≤ 3.4e38)",
+            ));
+        }
         let grad_norm = grad_sq.sqrt() * scale;
         if !grad_norm.is_finite() {
             return Ok(Self { grad_norm, clip_coef: 1.0, grad_scale: scale });
@@ -146,9 +156,13 @@ mod tests {
         assert_eq!((d.grad_norm(), d.clip_coef()), (4.0, 1.0 / (4.0 + 1e-6)));
         assert!(StepDecision::new(f64::NAN, StepOptions::default(), clip).unwrap().skips());
         assert!(StepDecision::new(f64::INFINITY, StepOptions::unscale(2.0), clip).unwrap().skips());
-        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        // The last three are valid in f64 but ∞, a denormal and 0 in the kernels' f32.
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e39, 1e-39, 1e-46] {
             let e = StepDecision::new(1.0, StepOptions::with_grad_scale(bad), clip).unwrap_err();
-            assert!(matches!(e, Error::InvalidConfig { field: "grad_scale", .. }), "{e}");
+            assert!(matches!(e, Error::InvalidConfig { field: "grad_scale", .. }), "{bad}: {e}");
+        }
+        for edge in [f64::from(f32::MIN_POSITIVE), f64::from(f32::MAX)] {
+            assert!(StepDecision::new(1.0, StepOptions::with_grad_scale(edge), clip).is_ok(), "{edge}");
         }
         assert!(matches!(StepDecision::next_step(u64::MAX), Err(Error::StepOverflow { step: u64::MAX })));
     }

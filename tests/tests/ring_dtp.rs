@@ -247,7 +247,7 @@ fn check_bf16_native(
 fn config_strategy() -> impl Strategy<Value = Config> {
     (
         prop_oneof![Just(Reduction::Mean), Just(Reduction::Sum), Just(Reduction::None)],
-        prop_oneof![Just(0.0f32), Just(0.1)],
+        prop_oneof![Just(0.0f32), Just(0.1), Just(1.0)],
         prop_oneof![Just(0.0f32), Just(1e-4)],
         prop_oneof![Just(Softcap::Off), Just(Softcap::Tanh { cap: 20.0 }), Just(Softcap::Tanh { cap: 30.0 })],
         prop_oneof![Just(0usize), Just(2)],
@@ -685,6 +685,37 @@ fn device_schedule_matches_the_reference(backend: Backend) {
 }
 
 flatpeak_common::test_backends!(device_schedule, device_schedule_matches_the_reference, cpu_gemm);
+
+/// A shift at or past the tokens (up to `usize::MAX`, where `i + shift` would wrap) ignores every
+/// row on every backend: loss 0 and zero gradients, never a row scored against a wrapped index.
+fn a_shift_past_the_tokens_ignores_every_row(backend: Backend) {
+    let c = make_case(12, 4, 20, 7, 0.0, (true, false, false));
+    for shift in [12, 13, usize::MAX - 3, usize::MAX] {
+        for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            let config = Config::default().reduction(reduction).shift(shift);
+            let shape = Shape { tokens: 12, hidden: 4, vocab: 20, dtype: DType::F32 };
+            let plan = Plan::new(&config, shape, Budget::Bytes(1 << 20)).expect("plan");
+            let inp = inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w));
+            let (fwd, g) = run_on(backend, &config, &plan, &inp, grad_of(&config, &c), None).expect("runs");
+            match fwd.loss {
+                Loss::Scalar(l) => assert_eq!(l, 0.0, "shift {shift}"),
+                Loss::PerToken(l) => assert!(l.iter().all(|&x| x == 0.0), "shift {shift}: {l:?}"),
+            }
+            assert!(
+                g.dx.iter().chain(&g.dw).chain(g.dbias.iter().flatten()).all(|&x| x == 0.0),
+                "shift {shift}"
+            );
+            // The kernel resolves no target either (the loss above is masked on the host too).
+            #[cfg(feature = "cuda-emu")]
+            if backend == Backend::CudaEmu {
+                let resolved = ring_dtp::emu::resolve_targets(&config, &inp).expect("resolves");
+                assert!(resolved.iter().all(|&t| t == u32::MAX), "shift {shift}: {resolved:?}");
+            }
+        }
+    }
+}
+
+flatpeak_common::test_backends!(shift, a_shift_past_the_tokens_ignores_every_row);
 
 /// The fused forward + backward (3 GEMMs: each token block's full-vocabulary logits folded,
 /// finished and differentiated in place) against the f64 reference on ragged shapes, every

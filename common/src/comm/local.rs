@@ -426,6 +426,17 @@ mod tests {
     }
 
     #[test]
+    fn typed_counts_whose_bytes_overflow_are_a_typed_error() {
+        use crate::comm::CommunicatorExt;
+        let ranks = LocalGroup::endpoints(1, LocalGroupOptions::default()).unwrap();
+        let (send, mut recv) = ([0u64; 2], [0u64; 2]);
+        let err = ranks[0].all_to_all_v(&send, &[usize::MAX / 4], &mut recv, &[2]).unwrap_err();
+        assert!(matches!(err, Error::SizeOverflow { what: "all_to_all_v count in bytes" }), "{err}");
+        let err = ranks[0].all_to_all_v(&send, &[2], &mut recv, &[usize::MAX]).unwrap_err();
+        assert!(matches!(err, Error::SizeOverflow { .. }), "{err}");
+    }
+
+    #[test]
     fn a_world_too_large_for_threads_is_a_typed_error_not_an_abort() {
         let err = LocalGroup::endpoints(4096, LocalGroupOptions::default()).err();
         assert!(matches!(err, Some(Error::InvalidConfig { field: "world_size", .. })), "{err:?}");

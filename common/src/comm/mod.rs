@@ -14,7 +14,7 @@ pub use local::{LocalComm, LocalGroup, LocalGroupOptions, MAX_LOCAL_WORLD};
 
 use bytemuck::Pod;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Element-wise reduction of [`Communicator::all_reduce_f32`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,12 +87,18 @@ pub trait CommunicatorExt: Communicator {
         recv_counts: &[usize],
     ) -> Result<()> {
         let size = std::mem::size_of::<T>();
-        let to_bytes = |c: &[usize]| c.iter().map(|&n| n * size).collect::<Vec<_>>();
+        let to_bytes = |c: &[usize]| -> Result<Vec<usize>> {
+            c.iter()
+                .map(|&n| {
+                    n.checked_mul(size).ok_or(Error::SizeOverflow { what: "all_to_all_v count in bytes" })
+                })
+                .collect()
+        };
         self.all_to_all_v_bytes(
             bytemuck::cast_slice(send),
-            &to_bytes(send_counts),
+            &to_bytes(send_counts)?,
             bytemuck::cast_slice_mut(recv),
-            &to_bytes(recv_counts),
+            &to_bytes(recv_counts)?,
         )
     }
 }

@@ -406,6 +406,20 @@ fn bad_inputs_name_the_tensor_and_what_was_expected() {
     bad_target.i64("targets", &[n], &targets);
     let err = run_with(&dir, "ring-dtp", &bad_target, None).expect_err("target");
     assert!(matches!(err, RunError::RingDtp(::ring_dtp::Error::TargetOutOfRange { token: 3, .. })), "{err}");
+    // A grad_scale valid in f64 but ∞ or 0 in the kernel's f32 is refused, nothing written.
+    let mut adamw = Outputs::default();
+    adamw.f32("param", &[4], &[1.0; 4]);
+    adamw.f32("grad", &[4], &[0.5; 4]);
+    for scale in ["1e39", "1e-46"] {
+        let config = format!(r#"{{"grad_scale": {scale}}}"#);
+        let err = run_with(&dir, "stream-adamw", &adamw, Some(&config)).expect_err("grad_scale");
+        assert!(err.to_string().contains("grad_scale"), "{scale}: {err}");
+    }
+    // A shift past the tokens ignores every row (it wrapped to other rows' targets before).
+    let out =
+        run_with(&dir, "ring-dtp", &good, Some(r#"{"shift": 18446744073709551615, "reduction": "sum"}"#))
+            .expect("shift past the end");
+    assert_eq!(out.f64("loss", &[]).expect("scalar loss").0, vec![0.0]);
 }
 
 /// One small valid run per component, laid out as the `run_inputs` fuzz target reads its input

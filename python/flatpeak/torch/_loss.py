@@ -306,7 +306,7 @@ def linear_cross_entropy(
         bias: optional ``[vocab]`` bias, the dtype of ``input``.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-token losses, shaped like ``target``).
         ignore_index: targets equal to it are skipped.
-        label_smoothing: in ``[0, 1)``.
+        label_smoothing: in ``[0, 1]``, as torch's.
         z_loss: coefficient of ``lse^2`` (PaLM's z-loss), ``>= 0``.
         softcap: logit soft-capping ``cap * tanh(z / cap)`` (Gemma 2), ``None`` for off.
         token_weights: optional float32 per-token weights (finite, ``>= 0``), shaped like
