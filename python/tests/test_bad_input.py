@@ -140,3 +140,59 @@ def test_stream_adamw_checks_every_group_before_writing_any():
         opt.step()
     assert torch.equal(good.detach(), before)
     assert int(opt.state[good]["step"].item()) == 1
+
+
+def test_a_target_of_another_shape_is_refused_even_with_the_same_element_count():
+    x = torch.randn(2, 6, 8)
+    w = torch.randn(11, 8)
+    t = torch.randint(0, 11, (2, 6))
+    for bad in (t.reshape(6, 2), t.reshape(12), t.reshape(3, 4)):
+        with pytest.raises(ValueError, match=r"target: expected shape \[2, 6\], got .* \(the leading shape of input \[2, 6, 8\]\)"):
+            linear_cross_entropy(x, w, bad, reduction="none")
+    with pytest.raises(ValueError, match=r"token_weights: expected shape \[2, 6\]"):
+        linear_cross_entropy(x, w, t, token_weights=torch.ones(12))
+    x2 = x.reshape(12, 8)
+    with pytest.raises(ValueError, match=r"target: expected shape \[12\]"):
+        linear_cross_entropy(x2, w, t)
+    # The right shapes still run, and per-token losses come back in the target's shape.
+    assert linear_cross_entropy(x, w, t, reduction="none").shape == (2, 6)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_double_backward_raises_instead_of_dropping_the_penalty(fused):
+    x, w, t = inputs()
+    x.requires_grad_()
+    loss = linear_cross_entropy(x, w, t, return_lse=not fused)
+    loss = loss[0] if not fused else loss
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"differentiable once"):
+        gx.pow(2).sum().backward()
+    # Without create_graph, one backward works as before and leaves a plain gradient.
+    x.grad = None
+    loss = linear_cross_entropy(x, w, t, return_lse=not fused)
+    (loss[0] if not fused else loss).backward()
+    assert x.grad is not None and x.grad.grad_fn is None
+
+
+@pytest.mark.parametrize("where", ["weight", "target", "bias", "input"])
+def test_tensors_on_different_devices_meta_included_are_refused(where):
+    x, w, t = inputs()
+    b = torch.zeros(V)
+    tensors = dict(input=x, weight=w, target=t, bias=b)
+    tensors[where] = tensors[where].to("meta")
+    with pytest.raises(RuntimeError, match=r"Expected all tensors to be on the same device, but found at least "
+                                           r"two devices, (cpu and meta|meta and cpu)!"):
+        linear_cross_entropy(tensors["input"], tensors["weight"], tensors["target"], tensors["bias"])
+    # All on meta is a traced (fake) call: shapes only, as torch's ops give.
+    meta = linear_cross_entropy(x.to("meta"), w.to("meta"), t.to("meta"), reduction="none")
+    assert meta.device.type == "meta" and meta.shape == (N,)
+
+
+@pytest.mark.parametrize("name", ["input", "weight", "target", "bias", "token_weights"])
+def test_a_non_tensor_argument_is_a_type_error_naming_it(name):
+    x, w, t = inputs()
+    kwargs = dict(input=x, weight=w, target=t, bias=None, token_weights=None)
+    kwargs[name] = [1.0, 2.0]
+    with pytest.raises(TypeError, match=rf"{name}: expected a torch.Tensor, got list"):
+        linear_cross_entropy(kwargs.pop("input"), kwargs.pop("weight"), kwargs.pop("target"), kwargs.pop("bias"),
+                             **kwargs)

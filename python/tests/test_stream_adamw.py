@@ -63,11 +63,11 @@ def test_matches_torch_adamw_over_20_steps_with_a_schedule(amsgrad, maximize):
     for step in range(STEPS):
         set_grads(ours_p, step)
         set_grads(theirs_p, step)
-        result = ours.step()
+        assert ours.step() is None  # torch's convention: the closure's loss, None without one
         theirs.step()
         sched_ours.step()
         sched_theirs.step()
-        assert not result.skipped
+        assert not ours.last_step_skipped
         # Not bitwise: torch's CPU kernels fuse some multiply-adds (see stream-adamw's cpu.rs);
         # python/bench/bench_torch.py measures how far apart the two end up.
         worst, _ = compare_state(ours, theirs, ours_p, theirs_p)
@@ -133,15 +133,16 @@ def test_a_non_finite_gradient_skips_the_step_and_touches_nothing(bad):
     before_state = copy.deepcopy(opt.state_dict())
     set_grads(params, 3)
     params[2].grad[1, 2, 3] = bad  # in the second group: the first must not have moved either
-    result = opt.step()
-    assert result.skipped and opt.skipped_steps == 1
+    assert opt.step() is None
+    assert opt.last_step_skipped and opt.skipped_steps == 1
     assert all(torch.equal(p, b) for p, b in zip(params, before_params))
     after = opt.state_dict()
     for key, state in before_state["state"].items():
         for name, value in state.items():
             assert torch.equal(value, after["state"][key][name]), name
     set_grads(params, 4)
-    assert not opt.step().skipped
+    opt.step()
+    assert not opt.last_step_skipped and opt.skipped_steps == 1
 
 
 def test_closure_loss_is_returned():
@@ -154,8 +155,41 @@ def test_closure_loss_is_returned():
         loss.backward()
         return loss
 
-    result = opt.step(closure)
-    assert result.loss.item() == 4.0 and not result.skipped
+    theirs_w = torch.nn.Parameter(torch.ones(4))
+    theirs = torch.optim.AdamW([theirs_w])
+
+    def theirs_closure():
+        theirs.zero_grad()
+        loss = (theirs_w * theirs_w).sum()
+        loss.backward()
+        return loss
+
+    # The closure's loss itself, as torch.optim.AdamW returns it.
+    ours_loss, theirs_loss = opt.step(closure), theirs.step(theirs_closure)
+    assert isinstance(ours_loss, torch.Tensor) and type(ours_loss) is type(theirs_loss)
+    assert ours_loss.item() == theirs_loss.item() == 4.0 and not opt.last_step_skipped
+
+
+def test_an_integer_step_in_a_state_dict_loads_as_torch_adamw_loads_it():
+    """Older torch checkpoints keep ``step`` as a Python number; torch.optim.AdamW loads them."""
+    ours_p, theirs_p = make_params(2), make_params(2)
+    ours = StreamAdamW(groups_of(ours_p, False, False), lr=1e-2)
+    theirs = torch.optim.AdamW(groups_of(theirs_p, False, False), lr=1e-2, foreach=False)
+    for opt, params in ((ours, ours_p), (theirs, theirs_p)):
+        set_grads(params, 0)
+        opt.step()
+        sd = copy.deepcopy(opt.state_dict())
+        for state in sd["state"].values():
+            state["step"] = int(state["step"].item())
+        opt.load_state_dict(sd)
+    for step in (1, 2):
+        set_grads(ours_p, step)
+        set_grads(theirs_p, step)
+        ours.step()
+        theirs.step()
+    worst, _ = compare_state(ours, theirs, ours_p, theirs_p)
+    assert worst <= 1e-6
+    assert all(ours.state[p]["step"].item() == 3.0 for p in ours_p)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -183,7 +217,8 @@ def test_offloaded_cuda_step_matches_torch_adamw_on_the_gpu(amsgrad):
         set_grads(theirs_p, step)
         for p in ours_p + theirs_p:
             p.grad = p.grad.cuda()
-        assert not ours.step().skipped
+        ours.step()
+        assert not ours.last_step_skipped
         theirs.step()
         for po, pt in zip(ours_p, theirs_p):
             assert rel(po, pt) <= 1e-6, step
@@ -199,5 +234,6 @@ def test_offloaded_cuda_step_matches_torch_adamw_on_the_gpu(amsgrad):
     for p in ours_p:
         p.grad = p.grad.cuda()
     ours_p[0].grad[0, 0] = float("nan")
-    assert ours.step().skipped
+    ours.step()
+    assert ours.last_step_skipped
     assert all(torch.equal(p, b) for p, b in zip(ours_p, before))

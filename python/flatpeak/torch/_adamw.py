@@ -8,21 +8,12 @@ The state lives in ``self.state[p]`` under torch's names (``step``, ``exp_avg``,
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
 from .. import _flatpeak as _ext
-
-
-class StepResult(NamedTuple):
-    """What :meth:`StreamAdamW.step` did."""
-
-    #: True when a non-finite gradient made the step skip (nothing was changed).
-    skipped: bool
-    #: The closure's loss, when a closure was given.
-    loss: Optional[torch.Tensor]
 
 
 def _hyperparameters(group) -> "_ext.AdamWOptions":
@@ -47,8 +38,9 @@ class StreamAdamW(torch.optim.Optimizer):
 
     One difference from torch: before any parameter is touched, the step checks every gradient
     (one pass, the sum of squares in float64); if any element is NaN or infinite, the step is
-    skipped -- parameters, moments and step counts are left exactly as they were -- and
-    :meth:`step` returns ``StepResult(skipped=True, ...)``.
+    skipped -- parameters, moments and step counts are left exactly as they were --,
+    :attr:`last_step_skipped` is set and :attr:`skipped_steps` counts it. :meth:`step` returns
+    the closure's loss, as torch's optimizers do.
 
     CPU parameters must be contiguous float32 tensors with dense float32 gradients. CUDA
     parameters (float32 or bfloat16; the ``cuda`` build) are offloaded: each keeps an fp32 master
@@ -65,6 +57,8 @@ class StreamAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         #: Steps skipped for non-finite gradients so far.
         self.skipped_steps = 0
+        #: Whether the last :meth:`step` was skipped for a non-finite gradient.
+        self.last_step_skipped = False
         #: Elements per bucket of the offloaded step of a CUDA parameter.
         self.bucket_elems = 1 << 22
         self._cuda = {}
@@ -72,10 +66,17 @@ class StreamAdamW(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("bucket_elems", 1 << 22)
+        self.__dict__.setdefault("skipped_steps", 0)
+        self.__dict__.setdefault("last_step_skipped", False)
         self.__dict__.setdefault("_cuda", {})
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
+        # Older torch checkpoints keep a step as a Python number: torch.optim.AdamW loads them as
+        # the tensor it uses today, and so does this optimizer (load_state_dict comes here).
+        for state in self.state.values():
+            if "step" in state and not isinstance(state["step"], torch.Tensor):
+                state["step"] = torch.tensor(float(state["step"]), dtype=_get_scalar_dtype())
 
     def _state_of(self, p: torch.Tensor, amsgrad: bool):
         state = self.state[p]
@@ -101,9 +102,12 @@ class StreamAdamW(torch.optim.Optimizer):
         return opt
 
     @torch.no_grad()
-    def step(self, closure=None) -> StepResult:
-        """One AdamW step of every parameter with a gradient; see the class docs for the skip."""
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One AdamW step of every parameter with a gradient; returns the closure's loss (``None``
+        without one). A non-finite gradient skips the step (see the class docs):
+        :attr:`last_step_skipped` says whether this one was."""
         loss = None
+        self.last_step_skipped = False
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -118,7 +122,7 @@ class StreamAdamW(torch.optim.Optimizer):
                     else:
                         host = True
         if not host and not device:
-            return StepResult(False, loss)
+            return loss
         # The offloaded step copies gradients on its own streams: torch's work that produced them
         # must be done first (a wait on each device's current stream, not on the whole device).
         for dev in {p.device for p, _ in device}:
@@ -142,7 +146,8 @@ class StreamAdamW(torch.optim.Optimizer):
         decision = _ext.adamw_step(batches, device_grad_sq)
         if decision.skipped:
             self.skipped_steps += 1
-            return StepResult(True, loss)
+            self.last_step_skipped = True
+            return loss
         for step in counters:
             step += 1
         for p, group, opt in offloaded:
@@ -150,7 +155,7 @@ class StreamAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 state.setdefault("step", torch.tensor(0.0, dtype=_get_scalar_dtype()))
                 state["step"] += 1
-        return StepResult(False, loss)
+        return loss
 
     def state_dict(self):
         """torch's state dict; a CUDA parameter's offloaded state appears under torch's names

@@ -59,6 +59,40 @@ def _as_f32(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.to(torch.float32)
 
 
+_NOT_TWICE = ("flatpeak's linear_cross_entropy is differentiable once: its backward is not "
+              "differentiable (a gradient penalty through it would be silently zero)")
+
+
+def _once_differentiable(grads, needs_graph: bool):
+    """``grads`` as backward returns them; when the caller asked for a graph of the backward
+    (``create_graph=True``) through inputs that require grad, each gradient tensor carries a node
+    that raises if it is differentiated, as torch's ``once_differentiable`` does, instead of
+    being a constant whose derivative is silently dropped."""
+    if not (needs_graph and torch.is_grad_enabled()):
+        return grads
+    tensors = [g for g in grads if isinstance(g, Tensor)]
+    refuse = torch._C._functions.DelayedError(_NOT_TWICE, len(tensors))
+    guarded = iter(refuse(*[g.detach().requires_grad_() for g in tensors]))
+    return tuple(next(guarded) if isinstance(g, Tensor) else g for g in grads)
+
+
+def _check_tensors(tensors) -> None:
+    """Each named argument a tensor (or ``None`` where optional), all on one device -- ``meta``
+    included: a meta tensor among real ones would otherwise run the fake implementation and
+    return uninitialised memory. The messages are torch's."""
+    devices = {}
+    for name, t in tensors:
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        devices.setdefault(t.device, name)
+    if len(devices) > 1:
+        (first, a), (second, b) = list(devices.items())[:2]
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"{first} and {second}! ({a} is on {first}, {b} on {second})")
+
+
 @torch.library.custom_op("flatpeak::linear_cross_entropy_forward", mutates_args=())
 def _forward(
     input: Tensor,
@@ -154,7 +188,8 @@ def _backward_autograd(ctx, grad_loss, grad_lse):
     dx, dw, dbias = _backward(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse,
                               *ctx.options)
     dbias = None if bias is None else dbias
-    return (dx, dw, None, dbias, None) + (None,) * len(ctx.options)
+    needs_graph = any(t is not None and t.requires_grad for t in (input, weight, bias, grad_loss, grad_lse))
+    return _once_differentiable((dx, dw, None, dbias, None), needs_graph) + (None,) * len(ctx.options)
 
 
 _forward.register_autograd(_backward_autograd, setup_context=_setup_context)
@@ -212,6 +247,7 @@ def _fused_setup_context(ctx, inputs, output):
     ctx.save_for_backward(dx, dw, dbias)
     ctx.has_bias = inputs[3] is not None
     ctx.n_options = len(inputs) - 5
+    ctx.needs_graph = any(t is not None and t.requires_grad for t in inputs[:4])
 
 
 def _scaled(ctx, grad_loss, eager):
@@ -222,7 +258,8 @@ def _scaled(ctx, grad_loss, eager):
     # is freed, and copies them while a retained graph still holds them).
     if not (eager and grad_loss.item() == 1.0):
         dx, dw, dbias = (g * grad_loss for g in (dx, dw, dbias))
-    return (dx, dw, None, dbias if ctx.has_bias else None, None) + (None,) * ctx.n_options
+    grads = (dx, dw, None, dbias if ctx.has_bias else None, None)
+    return _once_differentiable(grads, ctx.needs_graph or grad_loss.requires_grad) + (None,) * ctx.n_options
 
 
 def _fused_backward(ctx, grad_loss, _grad_dx, _grad_dw, _grad_dbias):
@@ -243,6 +280,7 @@ class _EagerFused(torch.autograd.Function):
         ctx.save_for_backward(dx, dw, dbias)
         ctx.has_bias = bias is not None
         ctx.n_options = len(options)
+        ctx.needs_graph = any(t is not None and t.requires_grad for t in (input, weight, bias))
         return loss
 
     @staticmethod
@@ -326,12 +364,17 @@ def linear_cross_entropy(
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
-    if not isinstance(input, Tensor) or not isinstance(target, Tensor):
-        raise TypeError(f"input and target must be tensors, got {type(input).__name__} and {type(target).__name__}")
+    _check_tensors((("input", input), ("weight", weight), ("target", target), ("bias", bias),
+                    ("token_weights", token_weights)))
     lead_shape, batched = target.shape, input.dim() == 3
+    # Tokens pair with targets by position: the target's shape is the input's leading shape, as
+    # F.cross_entropy requires (the same element count in another shape would pair them wrongly).
+    if input.dim() >= 2:
+        for name, t in (("target", target), ("token_weights", token_weights)):
+            if t is not None and t.shape != input.shape[:-1]:
+                raise ValueError(f"{name}: expected shape {list(input.shape[:-1])}, got {list(t.shape)} (the "
+                                 f"leading shape of input {list(input.shape)})")
     if batched:
-        if target.dim() != 2:
-            raise ValueError(f"target: expected [batch, seq] for input {list(input.shape)}, got {list(target.shape)}")
         input = _flatten_leading("input", input, 1)
     # Targets and token weights are N elements: a shifted (sliced) target is copied, as torch
     # would. input and weight are never copied -- that copy is the memory this call saves.
