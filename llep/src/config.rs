@@ -17,7 +17,8 @@ use crate::error::{Error, Result};
 pub struct Shape {
     /// P: ranks of the expert-parallel group.
     pub ranks: usize,
-    /// N: tokens per rank.
+    /// N: tokens per rank, the most any rank brings to a call (each rank may bring its own
+    /// batch of n ≤ N tokens: [`Shape::for_call`]); every buffer is sized for N.
     pub tokens: usize,
     /// H: hidden size.
     pub hidden: usize,
@@ -62,6 +63,21 @@ impl Shape {
     /// Bytes per element of the storage type.
     pub fn elem_bytes(&self) -> usize {
         self.dtype.size_in_bytes()
+    }
+
+    /// This shape for one call on a rank that brings `ids_len` top-k ids: N is the plan's
+    /// capacity, and each rank may bring fewer tokens (its own batch), `n = ids_len / k ≤ N`.
+    /// The call's shape has `tokens = n`; every buffer the plan sized for N holds it.
+    pub fn for_call(&self, ids_len: usize) -> Result<Shape> {
+        let k = self.top_k.max(1);
+        if !ids_len.is_multiple_of(k) || ids_len / k > self.tokens {
+            return Err(Error::ShapeMismatch {
+                what: "top-k ids (n·k, for n ≤ N tokens)",
+                expected: self.tokens.saturating_mul(k),
+                got: ids_len,
+            });
+        }
+        Ok(Shape { tokens: ids_len / k, ..*self })
     }
 
     /// Elements of one expert's weights, `3·H·I` (gate, up, down), saturating at `usize::MAX`.

@@ -58,14 +58,7 @@ impl ExactSizeIterator for RoundRows {}
 
 /// Source s's row counts `R[s][d]`: tokens with at least one route computed on d.
 pub fn pair_rows(assignment: &Assignment, shape: &Shape, source: usize, ids: &[i64]) -> Result<Vec<usize>> {
-    let (p, k) = (shape.ranks, shape.top_k);
-    if ids.len() != shape.tokens * k {
-        return Err(Error::ShapeMismatch {
-            what: "top-k ids (N·k)",
-            expected: shape.tokens * k,
-            got: ids.len(),
-        });
-    }
+    let (p, k) = (shape.ranks, shape.for_call(ids.len())?.top_k);
     let mut mapper = assignment.mapper(source);
     let mut rows = vec![0usize; p];
     let mut stamp = vec![usize::MAX; p];

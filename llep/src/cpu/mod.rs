@@ -54,7 +54,7 @@ pub fn all_gather<C: Communicator + ?Sized, T: Pod>(comm: &C, mine: &[T]) -> Res
 pub fn schedule<C: Communicator + ?Sized>(comm: &C, plan: &Plan, routing: &Routing<'_>) -> Result<Schedule> {
     let (config, shape) = (plan.config(), plan.shape());
     check_world_size(comm.world_size(), shape)?;
-    routing.validate(shape)?;
+    routing.validate(&shape.for_call(routing.ids.len())?)?;
     let counts: Vec<u64> = local_counts(shape, routing.ids)?.into_iter().map(|c| c as u64).collect();
     let counts = all_gather(comm, &counts)?.into_iter().map(|c| c as usize).collect();
     let assignment = Assignment::new(config, shape, RouteCounts::new(shape.ranks, shape.experts, counts)?)?;
@@ -72,7 +72,7 @@ fn host_ops<'w, C: Communicator + ?Sized, T: LayerElement>(
     plan: &Schedule,
     inputs: &RankInputs<'_, T>,
 ) -> Result<HostOps<'w, C>> {
-    let s = check_call_shape(plan, comm.world_size())?;
+    let s = check_call_shape(plan, comm.world_size())?.for_call(inputs.routing.ids.len())?;
     inputs.validate(&s)?;
     let config = plan.config();
     Ok(HostOps::new(comm, ws, config.gemm_threads).with_bf16_kernel(config.bf16_kernel))
@@ -132,7 +132,8 @@ pub(crate) fn backward<C: Communicator + ?Sized, T: LayerElement>(
     dy: &[T],
 ) -> Result<Gradients> {
     let ops = host_ops(comm, ws, plan, inputs)?;
-    check_len("dY (N·H)", plan.shape().tokens * plan.shape().hidden, dy.len())?;
+    let n = plan.shape().for_call(inputs.routing.ids.len())?.tokens;
+    check_len("dY (n·H)", n * plan.shape().hidden, dy.len())?;
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
     host_grads(device::backward(&ops, ws, plan, &dev, &host_tensor(dy))?)

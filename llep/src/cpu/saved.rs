@@ -122,7 +122,8 @@ pub(crate) fn backward_saved<C: Communicator + ?Sized, T: LayerElement>(
 ) -> Result<Gradients> {
     check_mode(plan)?;
     let ops = host_ops(comm, ws, plan, inputs)?;
-    crate::layer::check_len("dY (N·H)", plan.shape().tokens * plan.shape().hidden, dy.len())?;
+    let n = plan.shape().for_call(inputs.routing.ids.len())?.tokens;
+    crate::layer::check_len("dY (n·H)", n * plan.shape().hidden, dy.len())?;
     let me = comm.rank();
     let stamp = SavedActivations::stamp(plan, me);
     if saved.filled != Some(stamp) {

@@ -17,7 +17,7 @@ use crate::schedule::Schedule;
 
 /// Checks the call (shape, group size, routing, planned counts) and returns its shape.
 pub(super) fn check_call(plan: &Schedule, me: usize, world: usize, routing: &Routing<'_>) -> Result<Shape> {
-    let s = check_call_shape(plan, world)?;
+    let s = check_call_shape(plan, world)?.for_call(routing.ids.len())?;
     routing.validate(&s)?;
     check_planned_counts(plan, me, routing.ids)?;
     Ok(s)
@@ -31,10 +31,9 @@ pub(super) fn tables<'h>(
     routing: &Routing<'_>,
     host: &'h Workspace,
 ) -> Result<Tables<'h>> {
-    let s = plan.shape();
-    let (n, k) = (s.tokens, s.top_k);
+    let (routes, ranks) = (routing.ids.len(), plan.shape().ranks);
     let take = |len| host_take(host, len);
-    let mut t = Tables { dest: take(n * k)?, row_tokens: take(n * k)?, row_start: take(s.ranks + 1)? };
+    let mut t = Tables { dest: take(routes)?, row_tokens: take(routes)?, row_start: take(ranks + 1)? };
     build_tables(plan, me, routing.ids, &mut t)?;
     Ok(t)
 }

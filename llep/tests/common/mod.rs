@@ -68,9 +68,25 @@ impl Problem {
         }
     }
 
-    /// The single-process shape of the reference.
+    /// Rank s brings only its first `n` tokens (each rank may bring its own batch, up to the
+    /// plan's N).
+    pub fn truncate(&mut self, s: usize, n: usize) {
+        let (h, k) = (self.shape.hidden, self.shape.top_k);
+        self.x[s].truncate(n * h);
+        self.dy[s].truncate(n * h);
+        self.ids[s].truncate(n * k);
+        self.weights[s].truncate(n * k);
+    }
+
+    /// Tokens rank s brings.
+    pub fn tokens_of(&self, s: usize) -> usize {
+        self.ids[s].len() / self.shape.top_k
+    }
+
+    /// The single-process shape of the reference: every rank's tokens.
     pub fn global_shape(&self) -> Shape {
-        Shape { ranks: 1, tokens: self.shape.ranks * self.shape.tokens, ..self.shape }
+        let tokens = (0..self.shape.ranks).map(|s| self.tokens_of(s)).sum();
+        Shape { ranks: 1, tokens, ..self.shape }
     }
 
     pub fn reference(&self) -> (Vec<f64>, ReferenceGrads) {
