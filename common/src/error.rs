@@ -148,6 +148,28 @@ pub enum Error {
         /// How long it waited.
         waited: Duration,
     },
+    /// Another rank of the group refused its own input. Every rank checks its input and the group
+    /// agrees on the verdicts before any data moves ([`agree_on_inputs`](crate::comm::agree_on_inputs)),
+    /// so a bad input on one rank is an error on every rank, never a wait: this is what the
+    /// other ranks return, with the refusing rank's error as it reported it.
+    #[error("rank {rank} of the group refused its input: {message}")]
+    PeerInput {
+        /// The lowest rank that refused.
+        rank: usize,
+        /// The kind of its error (a binding raises the same exception on every rank).
+        kind: ErrorKind,
+        /// Its error's message.
+        message: String,
+    },
+    /// A collective of the caller's own communication library failed (for example a
+    /// `torch.distributed` group's timeout after a peer died): the library's message.
+    #[error("{op} failed: {message}")]
+    Collective {
+        /// The collective.
+        op: &'static str,
+        /// The library's message.
+        message: String,
+    },
     /// Two ranks called different collectives (or sizes) in the same slot of their programs.
     #[error("rank {rank} expected `{expected}` from rank {peer} but received `{found}`")]
     CollectiveMismatch {
@@ -229,8 +251,22 @@ impl Error {
             | Self::EmuFault { .. }
             | Self::EmuRace { .. }
             | Self::MeterNotInstalled
+            | Self::Collective { .. }
             | Self::Internal { .. } => ErrorKind::Runtime,
+            Self::PeerInput { kind, .. } => *kind,
         }
+    }
+}
+
+/// An error that knows its [`ErrorKind`]: common's and every crate's ([`error_vocabulary!`](crate::error_vocabulary)).
+pub trait HasErrorKind {
+    /// The kind of failure, for a binding's exception.
+    fn error_kind(&self) -> ErrorKind;
+}
+
+impl HasErrorKind for Error {
+    fn error_kind(&self) -> ErrorKind {
+        self.kind()
     }
 }
 
@@ -360,6 +396,12 @@ macro_rules! error_vocabulary {
                     #[allow(unreachable_patterns)]
                     _ => self.own_kind(),
                 }
+            }
+        }
+
+        impl $crate::HasErrorKind for $name {
+            fn error_kind(&self) -> $crate::ErrorKind {
+                self.kind()
             }
         }
 

@@ -72,7 +72,7 @@ pub use budget::Budget;
 pub use comm::{Communicator, CommunicatorExt, LocalComm, LocalGroup, LocalGroupOptions, ReduceOp};
 pub use device::{Device, cuda_available, cuda_device_count, nvrtc_available};
 pub use dtype::DType;
-pub use error::{Error, ErrorKind, Result};
+pub use error::{Error, ErrorKind, HasErrorKind, Result};
 pub use link::Link;
 pub use numerics::relative_error;
 pub use peak::{CountingAllocator, HeapSize, Measured, PeakMeter};

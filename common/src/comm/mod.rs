@@ -8,8 +8,10 @@
 //! its endpoint is [`Error::PeerLost`](crate::Error::PeerLost), a silent one
 //! [`Error::Timeout`](crate::Error::Timeout).
 
+mod agree;
 mod local;
 
+pub use agree::{agree_on_inputs, all_gather_words};
 pub use local::{LocalComm, LocalGroup, LocalGroupOptions, MAX_LOCAL_WORLD};
 
 use bytemuck::Pod;

@@ -19,6 +19,7 @@ pub mod reference;
 mod saved;
 
 use bytemuck::Pod;
+use flatpeak_common::comm::agree_on_inputs;
 use flatpeak_common::{Communicator, CommunicatorExt, Workspace};
 
 use crate::assign::{Assignment, RouteCounts, local_counts};
@@ -54,8 +55,13 @@ pub fn all_gather<C: Communicator + ?Sized, T: Pod>(comm: &C, mine: &[T]) -> Res
 pub fn schedule<C: Communicator + ?Sized>(comm: &C, plan: &Plan, routing: &Routing<'_>) -> Result<Schedule> {
     let (config, shape) = (plan.config(), plan.shape());
     check_world_size(comm.world_size(), shape)?;
-    routing.validate(&shape.for_call(routing.ids.len())?)?;
-    let counts: Vec<u64> = local_counts(shape, routing.ids)?.into_iter().map(|c| c as u64).collect();
+    // Checked on every rank and agreed on before the first exchange: a bad routing on one rank
+    // is an error on every rank (`PeerInput` on the others), never a wait.
+    let local = shape
+        .for_call(routing.ids.len())
+        .and_then(|call| routing.validate(&call))
+        .and_then(|()| local_counts(shape, routing.ids));
+    let counts: Vec<u64> = agree_on_inputs(comm, local)?.into_iter().map(|c| c as u64).collect();
     let counts = all_gather(comm, &counts)?.into_iter().map(|c| c as usize).collect();
     let assignment = Assignment::new(config, shape, RouteCounts::new(shape.ranks, shape.experts, counts)?)?;
     let rows: Vec<u64> =
