@@ -111,6 +111,56 @@ pub enum Scheme {
     PipelinedLlep,
 }
 
+/// How a rank's native expert weights (and their gradients) are laid out. Both are read in
+/// place: the expert GEMMs take the weights as stored, transposed or not, never copied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightLayout {
+    /// llep's own, `x·W`: W_gate and W_up `[M][H][I]` in [`ExpertWeights::gate`] and
+    /// [`ExpertWeights::up`], W_down `[M][I][H]`.
+    ///
+    /// [`ExpertWeights::gate`]: crate::ExpertWeights::gate
+    /// [`ExpertWeights::up`]: crate::ExpertWeights::up
+    #[default]
+    Split,
+    /// torch's `nn.Linear` (`x·Wᵀ`), as Hugging Face transformers' fused experts store them
+    /// (`gate_up_proj`, `down_proj`): [`ExpertWeights::gate`] holds gate_up `[M][2I][H]` (each
+    /// expert's I gate rows, then its I up rows), [`ExpertWeights::up`] is empty, and
+    /// [`ExpertWeights::down`] holds W_down `[M][H][I]`. The gradients come back in the same
+    /// layout (`d_gate` is dL/d gate_up, `d_up` empty).
+    ///
+    /// [`ExpertWeights::gate`]: crate::ExpertWeights::gate
+    /// [`ExpertWeights::up`]: crate::ExpertWeights::up
+    /// [`ExpertWeights::down`]: crate::ExpertWeights::down
+    Linear,
+}
+
+impl WeightLayout {
+    /// Elements of the three native weight tensors (gate, up, down) of M experts.
+    pub fn native_lens(self, shape: &Shape) -> [usize; 3] {
+        let native = saturating_product(&[shape.local_experts(), shape.hidden, shape.intermediate]);
+        match self {
+            Self::Split => [native; 3],
+            Self::Linear => [native.saturating_mul(2), 0, native],
+        }
+    }
+
+    /// Where local expert `slot`'s part (0 gate, 1 up, 2 down, each H·I elements) begins: which
+    /// of the three tensors holds it, and at which element.
+    pub(crate) fn part_at(self, shape: &Shape, slot: usize, part: usize) -> (usize, usize) {
+        let hi = shape.hidden * shape.intermediate;
+        match (self, part) {
+            (Self::Split, _) | (Self::Linear, 2) => (part, slot * hi),
+            (Self::Linear, _) => (0, (2 * slot + part) * hi),
+        }
+    }
+
+    /// Whether the stored matrix of a part is the transpose of llep's `x·W` operand (W_gate,
+    /// W_up `H×I`, W_down `I×H`).
+    pub(crate) fn transposed(self) -> bool {
+        self == Self::Linear
+    }
+}
+
 /// What the forward pass keeps for backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Mode {
@@ -203,6 +253,8 @@ pub struct Config {
     /// AVX512-BF16, where the CPU has them; [`Bf16Kernel::Widened`] runs the widening fallback on any CPU. The device
     /// backends ignore it.
     pub bf16_kernel: Bf16Kernel,
+    /// How the native expert weights are laid out ([`WeightLayout::Split`] by default).
+    pub weight_layout: WeightLayout,
 }
 
 impl Default for Config {
@@ -220,6 +272,7 @@ impl Default for Config {
             pipeline_depth: 2,
             gemm_threads: Threads::All,
             bf16_kernel: Bf16Kernel::Detect,
+            weight_layout: WeightLayout::Split,
         }
     }
 }
@@ -277,6 +330,10 @@ impl Config {
     /// This config with this CPU kernel for bf16 GEMMs ([`Bf16Kernel`]).
     pub fn bf16_kernel(self, bf16_kernel: Bf16Kernel) -> Self {
         Self { bf16_kernel, ..self }
+    }
+    /// This config reading the expert weights in another layout.
+    pub fn weight_layout(self, weight_layout: WeightLayout) -> Self {
+        Self { weight_layout, ..self }
     }
 
     /// Checks every option's domain (NaN is never valid).

@@ -7,7 +7,7 @@ use flatpeak_common::{DType, HeapSize};
 use half::bf16;
 
 use crate::assign::expert_index;
-use crate::config::Shape;
+use crate::config::{Shape, WeightLayout};
 use crate::error::{Error, Result};
 
 /// One rank's routing: N×k expert ids and routing weights.
@@ -57,8 +57,10 @@ mod sealed {
     impl Sealed for half::bf16 {}
 }
 
-/// The SwiGLU weights of one rank's M = E/P native experts, expert-major:
-/// W_gate and W_up `[M][H][I]`, W_down `[M][I][H]`, of the storage type `T`.
+/// The SwiGLU weights of one rank's M = E/P native experts, expert-major, of the storage type
+/// `T`, in the config's [`WeightLayout`]: by default W_gate and W_up `[M][H][I]`, W_down
+/// `[M][I][H]`; under [`WeightLayout::Linear`] `gate` holds torch's gate_up `[M][2I][H]`, `up`
+/// is empty and `down` is `[M][H][I]` ([`ExpertWeights::linear`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertWeights<'a, T = f32> {
     /// W_gate, M·H·I.
@@ -69,13 +71,26 @@ pub struct ExpertWeights<'a, T = f32> {
     pub down: &'a [T],
 }
 
-impl<T> ExpertWeights<'_, T> {
-    /// Checks the three lengths against M·H·I.
-    pub fn validate(&self, shape: &Shape) -> Result<()> {
-        let len = shape.local_experts() * shape.hidden * shape.intermediate;
-        check_len("W_gate (M·H·I)", len, self.gate.len())?;
-        check_len("W_up (M·H·I)", len, self.up.len())?;
-        check_len("W_down (M·I·H)", len, self.down.len())
+impl<'a, T> ExpertWeights<'a, T> {
+    /// Weights in [`WeightLayout::Linear`]: torch's gate_up `[M][2I][H]` and down `[M][H][I]`.
+    pub fn linear(gate_up: &'a [T], down: &'a [T]) -> Self {
+        Self { gate: gate_up, up: &[], down }
+    }
+
+    /// Checks the three lengths against what `layout` stores for M experts.
+    pub fn validate(&self, shape: &Shape, layout: WeightLayout) -> Result<()> {
+        let [gate, up, down] = layout.native_lens(shape);
+        match layout {
+            WeightLayout::Split => {
+                check_len("W_gate (M·H·I)", gate, self.gate.len())?;
+                check_len("W_up (M·H·I)", up, self.up.len())?;
+            }
+            WeightLayout::Linear => {
+                check_len("gate_up (M·2I·H)", gate, self.gate.len())?;
+                check_len("W_up (empty: gate_up holds it)", up, self.up.len())?;
+            }
+        }
+        check_len("W_down (M·I·H)", down, self.down.len())
     }
 }
 
@@ -91,8 +106,9 @@ pub struct RankInputs<'a, T = f32> {
 }
 
 impl<T: LayerElement> RankInputs<'_, T> {
-    /// Checks the storage type against the shape's, then every length, id and weight.
-    pub fn validate(&self, shape: &Shape) -> Result<()> {
+    /// Checks the storage type against the shape's, then every length (the expert weights in
+    /// `layout`), id and weight.
+    pub fn validate(&self, shape: &Shape, layout: WeightLayout) -> Result<()> {
         if T::DTYPE != shape.dtype {
             return Err(Error::DtypeMismatch {
                 what: "tokens and weights",
@@ -102,7 +118,7 @@ impl<T: LayerElement> RankInputs<'_, T> {
         }
         check_len("x (N·H)", shape.tokens * shape.hidden, self.x.len())?;
         self.routing.validate(shape)?;
-        self.experts.validate(shape)
+        self.experts.validate(shape, layout)
     }
 }
 

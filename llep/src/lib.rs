@@ -117,7 +117,7 @@ mod route_tables;
 pub mod schedule;
 
 pub use assign::{Assignment, Piece, RouteCounts, RouteMapper, Transfer, local_counts};
-pub use config::{Chunking, Config, Mode, PairCap, Scheme, Shape, SpillSplit};
+pub use config::{Chunking, Config, Mode, PairCap, Scheme, Shape, SpillSplit, WeightLayout};
 pub use error::{Error, Result};
 pub use executor::{Executor, Rank};
 pub use flatpeak_common::gemm_bf16::Bf16Kernel;

@@ -79,7 +79,7 @@ fn host_ops<'w, C: Communicator + ?Sized, T: LayerElement>(
     inputs: &RankInputs<'_, T>,
 ) -> Result<HostOps<'w, C>> {
     let s = check_call_shape(plan, comm.world_size())?.for_call(inputs.routing.ids.len())?;
-    inputs.validate(&s)?;
+    inputs.validate(&s, plan.config().weight_layout)?;
     let config = plan.config();
     Ok(HostOps::new(comm, ws, config.gemm_threads).with_bf16_kernel(config.bf16_kernel))
 }

@@ -90,7 +90,7 @@ fn check(shape: &Shape, inputs: &RankInputs<'_>) -> Result<()> {
             "1 (every token and expert in one process)",
         ));
     }
-    inputs.validate(shape)
+    inputs.validate(shape, crate::WeightLayout::Split)
 }
 
 /// The dense forward, N×H.

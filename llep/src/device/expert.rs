@@ -8,20 +8,39 @@
 //! `dg = dh ⊙ u ⊙ silu'(g)`, `du = dh ⊙ silu(g)`, `dW_gate += Xᵀ·dg`, `dW_up += Xᵀ·du`,
 //! `dX_t = dg·W_gateᵀ + du·W_upᵀ`. From saved g and u: `r = dY·W_downᵀ`, `dw_t = ⟨r_t, h_t⟩`
 //! (= ⟨dY_t, y_t⟩ since `y = h·W_down`) and `dh_t = w_t·r_t`: six GEMMs instead of nine.
+//!
+//! Under [`WeightLayout::Linear`] each weight is stored transposed (torch's `x·Wᵀ`): the same
+//! GEMMs read it with the other orientation, and each weight gradient is formed transposed
+//! (`dW_gateᵀ += dgᵀ·X`, `dW_downᵀ += δᵀ·h`), so nothing is copied either way.
 
 use flatpeak_common::gemm::Accumulate;
 
 use super::reserve::{GroupBufs, Scratch};
 use super::{DeviceGradients, DeviceInputs, DeviceOps, GemmDims, IndexedRows, Operand};
-use crate::config::Shape;
+use crate::config::{Shape, WeightLayout};
 use crate::error::Result;
 
-/// Local expert `slot`'s weights: (buffer, offset) of W_gate, W_up (H×I) and W_down (I×H).
+/// Local expert `slot`'s weights: (buffer, offset) of W_gate, W_up (H×I) and W_down (I×H), or
+/// of their transposes under [`WeightLayout::Linear`].
 #[derive(Debug)]
 pub(super) struct ExpertAt<'a, B> {
     gate: (&'a B, usize),
     up: (&'a B, usize),
     down: (&'a B, usize),
+    layout: WeightLayout,
+}
+
+impl<'a, B> ExpertAt<'a, B> {
+    /// A stored weight as the right operand of llep's `x·W`: as stored ([`WeightLayout::Split`])
+    /// or its transpose (`x·Wᵀ` of torch's layout).
+    fn times(&self, (buf, at): (&'a B, usize)) -> Operand<'a, B> {
+        if self.layout.transposed() { Operand::t(buf, at) } else { Operand::plain(buf, at) }
+    }
+
+    /// A stored weight as the right operand of `d·Wᵀ` (the backward's products).
+    fn times_t(&self, (buf, at): (&'a B, usize)) -> Operand<'a, B> {
+        if self.layout.transposed() { Operand::plain(buf, at) } else { Operand::t(buf, at) }
+    }
 }
 
 impl<B> Clone for ExpertAt<'_, B> {
@@ -32,9 +51,10 @@ impl<B> Clone for ExpertAt<'_, B> {
 
 impl<B> Copy for ExpertAt<'_, B> {}
 
-/// Native slots from the inputs, foreign ones from the fetched slots.
+/// Native slots from the inputs, foreign ones from the fetched slots (each part H·I elements in
+/// the layout's orientation, as fetched).
 pub(super) fn expert_at<'a, B>(
-    s: &Shape,
+    (s, layout): (&Shape, WeightLayout),
     inputs: &DeviceInputs<'a, B>,
     foreign: &'a B,
     slot: usize,
@@ -42,47 +62,57 @@ pub(super) fn expert_at<'a, B>(
     let hi = s.hidden * s.intermediate;
     let m = s.local_experts();
     if slot < m {
-        ExpertAt {
-            gate: (inputs.gate, slot * hi),
-            up: (inputs.up, slot * hi),
-            down: (inputs.down, slot * hi),
-        }
+        let tensors = [inputs.gate, inputs.up, inputs.down];
+        let part = |p| {
+            let (tensor, at) = layout.part_at(s, slot, p);
+            (tensors[tensor], at)
+        };
+        ExpertAt { gate: part(0), up: part(1), down: part(2), layout }
     } else {
         let o = (slot - m) * 3 * hi;
-        ExpertAt { gate: (foreign, o), up: (foreign, o + hi), down: (foreign, o + 2 * hi) }
+        ExpertAt { gate: (foreign, o), up: (foreign, o + hi), down: (foreign, o + 2 * hi), layout }
     }
 }
 
-/// Where local expert `slot`'s weight gradients accumulate: the native gradients or the
-/// foreign slot's gradient buffer (returned home at the end).
-pub(super) enum GradAt<'a, B> {
-    Native { parts: [&'a mut B; 3], offset: usize },
+/// Where local expert `slot`'s weight gradients accumulate, in the layout's orientation: the
+/// native gradients or the foreign slot's gradient buffer (returned home at the end).
+pub(super) struct GradAt<'a, B> {
+    place: GradPlace<'a, B>,
+    layout: WeightLayout,
+}
+
+enum GradPlace<'a, B> {
+    Native { tensors: [&'a mut B; 3], shape: Shape, slot: usize },
     Foreign { buf: &'a mut B, offset: usize, hi: usize },
 }
 
 impl<B> GradAt<'_, B> {
     /// Part 0 (W_gate), 1 (W_up) or 2 (W_down): buffer and offset.
     fn part(&mut self, part: usize) -> (&mut B, usize) {
-        match self {
-            GradAt::Native { parts, offset } => (&mut *parts[part], *offset),
-            GradAt::Foreign { buf, offset, hi } => (&mut **buf, *offset + part * *hi),
+        match &mut self.place {
+            GradPlace::Native { tensors, shape, slot } => {
+                let (tensor, at) = self.layout.part_at(shape, *slot, part);
+                (&mut *tensors[tensor], at)
+            }
+            GradPlace::Foreign { buf, offset, hi } => (&mut **buf, *offset + part * *hi),
         }
     }
 }
 
 pub(super) fn grad_at<'a, B>(
-    s: &Shape,
+    (s, layout): (&Shape, WeightLayout),
     g: &'a mut DeviceGradients<B>,
     foreign_grad: &'a mut B,
     slot: usize,
 ) -> GradAt<'a, B> {
     let hi = s.hidden * s.intermediate;
     let m = s.local_experts();
-    if slot < m {
-        GradAt::Native { parts: [&mut g.d_gate, &mut g.d_up, &mut g.d_down], offset: slot * hi }
+    let place = if slot < m {
+        GradPlace::Native { tensors: [&mut g.d_gate, &mut g.d_up, &mut g.d_down], shape: *s, slot }
     } else {
-        GradAt::Foreign { buf: foreign_grad, offset: (slot - m) * 3 * hi, hi }
-    }
+        GradPlace::Foreign { buf: foreign_grad, offset: (slot - m) * 3 * hi, hi }
+    };
+    GradAt { place, layout }
 }
 
 /// `C (m×n) ← A·B` or `+=`, C from (buffer, offset).
@@ -106,7 +136,7 @@ fn project<O: DeviceOps>(
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
     let x = || Operand::plain(&sc.x, 0);
-    let (g, u) = (Operand::plain(w.gate.0, w.gate.1), Operand::plain(w.up.0, w.up.1));
+    let (g, u) = (w.times(w.gate), w.times(w.up));
     mm(ops, (n, i, h), x(), g, (&mut sc.gate, 0), Accumulate::Replace)?;
     mm(ops, (n, i, h), x(), u, (&mut sc.up, 0), Accumulate::Replace)
 }
@@ -135,14 +165,7 @@ pub(super) fn forward<O: DeviceOps>(
         ops.copy((&sc.up, 0), (k.up, k.cursor * i), n * i)?;
     }
     ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.y)?;
-    mm(
-        ops,
-        (n, h, i),
-        Operand::plain(&sc.y, 0),
-        Operand::plain(w.down.0, w.down.1),
-        (&mut sc.x, 0),
-        Accumulate::Replace,
-    )
+    mm(ops, (n, h, i), Operand::plain(&sc.y, 0), w.times(w.down), (&mut sc.x, 0), Accumulate::Replace)
 }
 
 /// The round buffers and group lists one expert group's backward reads and fills.
@@ -163,19 +186,12 @@ fn input_grads<O: DeviceOps>(
     io: GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
-    let xt = || Operand::t(&sc.x, 0);
-    mm(ops, (h, i, n), xt(), Operand::plain(&sc.gate, 0), grad.part(0), Accumulate::Add)?;
-    mm(ops, (h, i, n), xt(), Operand::plain(&sc.up, 0), grad.part(1), Accumulate::Add)?;
+    // dW_gate += Xᵀ·dg (H×I), or dgᵀ·X (I×H) in torch's layout; likewise dW_up.
+    weight_grad(ops, grad.layout, (&sc.x, h), (&sc.gate, i), n, grad.part(0))?;
+    weight_grad(ops, grad.layout, (&sc.x, h), (&sc.up, i), n, grad.part(1))?;
     let dg = Operand::plain(&sc.gate, 0);
-    mm(ops, (n, h, i), dg, Operand::t(w.gate.0, w.gate.1), (&mut sc.y, 0), Accumulate::Replace)?;
-    mm(
-        ops,
-        (n, h, i),
-        Operand::plain(&sc.up, 0),
-        Operand::t(w.up.0, w.up.1),
-        (&mut sc.y, 0),
-        Accumulate::Add,
-    )?;
+    mm(ops, (n, h, i), dg, w.times_t(w.gate), (&mut sc.y, 0), Accumulate::Replace)?;
+    mm(ops, (n, h, i), Operand::plain(&sc.up, 0), w.times_t(w.up), (&mut sc.y, 0), Accumulate::Add)?;
     ops.scatter_add_rows(IndexedRows::new(&sc.y, &io.lists.rows, n, h), io.dx_rows)
 }
 
@@ -192,7 +208,25 @@ fn weights_and_down_grads<O: DeviceOps>(
     ops.scatter_add_rows(IndexedRows::new(&sc.dots, &io.lists.meta, n, 1), io.dw)?;
     let dy = IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).scaled(&io.lists.weights);
     ops.gather_rows(dy, &mut sc.dy)?;
-    mm(ops, (i, h, n), Operand::t(&sc.h, 0), Operand::plain(&sc.dy, 0), grad.part(2), Accumulate::Add)
+    // dW_down += hᵀ·(w⊙dY) (I×H), or (w⊙dY)ᵀ·h (H×I) in torch's layout.
+    weight_grad(ops, grad.layout, (&sc.h, i), (&sc.dy, h), n, grad.part(2))
+}
+
+/// `dW += aᵀ·b` for the n rows of `a` (width `wa`) and `b` (width `wb`): `wa × wb` as llep stores
+/// a weight, or its transpose `bᵀ·a` (`wb × wa`) under [`WeightLayout::Linear`].
+fn weight_grad<O: DeviceOps>(
+    ops: &O,
+    layout: WeightLayout,
+    (a, wa): (&O::Buf, usize),
+    (b, wb): (&O::Buf, usize),
+    n: usize,
+    dw: (&mut O::Buf, usize),
+) -> Result<()> {
+    if layout.transposed() {
+        mm(ops, (wb, wa, n), Operand::t(b, 0), Operand::plain(a, 0), dw, Accumulate::Add)
+    } else {
+        mm(ops, (wa, wb, n), Operand::t(a, 0), Operand::plain(b, 0), dw, Accumulate::Add)
+    }
 }
 
 /// Backward of one group, recomputing its forward: `dw_t = ⟨dY_t, y_t⟩` added to the route's
@@ -209,11 +243,10 @@ pub(super) fn backward<O: DeviceOps>(
     ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h), &mut sc.dy)?;
     project(ops, w, (h, i), n, sc)?;
     ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.h)?;
-    let down = Operand::plain(w.down.0, w.down.1);
-    mm(ops, (n, h, i), Operand::plain(&sc.h, 0), down, (&mut sc.y, 0), Accumulate::Replace)?;
+    mm(ops, (n, h, i), Operand::plain(&sc.h, 0), w.times(w.down), (&mut sc.y, 0), Accumulate::Replace)?;
     ops.row_dot(&sc.dy, &sc.y, n, h, &mut sc.dots)?;
     weights_and_down_grads(ops, &mut grad, (h, i, n), &mut io, sc)?;
-    let down_t = Operand::t(w.down.0, w.down.1);
+    let down_t = w.times_t(w.down);
     mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.h, 0), Accumulate::Replace)?;
     ops.swiglu_backward(&mut sc.gate, &mut sc.up, &sc.h, n * i)?;
     input_grads(ops, w, grad, (h, i, n), io, sc)
@@ -237,7 +270,7 @@ pub(super) fn backward_saved<O: DeviceOps>(
     ops.copy((pre.0, cursor * i), (&mut sc.gate, 0), n * i)?;
     ops.copy((pre.1, cursor * i), (&mut sc.up, 0), n * i)?;
     ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.h)?;
-    let down_t = Operand::t(w.down.0, w.down.1);
+    let down_t = w.times_t(w.down);
     mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.y, 0), Accumulate::Replace)?;
     ops.row_dot(&sc.y, &sc.h, n, i, &mut sc.dots)?;
     weights_and_down_grads(ops, &mut grad, (h, i, n), &mut io, sc)?;

@@ -10,26 +10,33 @@ use super::host::{check_call, dw_lists, group, group_lists, scale, tables};
 use super::pipeline::{Dispatcher, Issued, MetaHost, RoundSet, Sends, pipelined};
 use super::reserve::Reserved;
 use super::{DeviceGradients, DeviceInputs, DeviceOps, IndexedRows, Store, need};
-use crate::config::{Mode, Shape};
+use crate::config::{Mode, Shape, WeightLayout};
 use crate::error::{Error, Result};
 use crate::plan::{Pass, RouteMeta};
 use crate::route_tables::round_counts;
 use crate::schedule::Schedule;
 
-fn check_inputs<O: DeviceOps>(ops: &O, s: &Shape, inputs: &DeviceInputs<'_, O::Buf>) -> Result<()> {
-    let native = s.local_experts() * s.hidden * s.intermediate;
+fn check_inputs<O: DeviceOps>(
+    ops: &O,
+    (s, layout): (&Shape, WeightLayout),
+    inputs: &DeviceInputs<'_, O::Buf>,
+) -> Result<()> {
+    let [gate, up, down] = layout.native_lens(s);
     for (what, buf) in
         [("x", inputs.x), ("W_gate", inputs.gate), ("W_up", inputs.up), ("W_down", inputs.down)]
     {
+        if ops.buf_len(buf) == 0 {
+            continue; // an empty buffer has no dtype to check (W_up under the Linear layout)
+        }
         let found = ops.buf_dtype(buf);
         if found != s.dtype {
             return Err(Error::DtypeMismatch { what, expected: s.dtype, found });
         }
     }
     need("x (N·H)", s.tokens * s.hidden, ops.buf_len(inputs.x))?;
-    need("W_gate (M·H·I)", native, ops.buf_len(inputs.gate))?;
-    need("W_up (M·H·I)", native, ops.buf_len(inputs.up))?;
-    need("W_down (M·I·H)", native, ops.buf_len(inputs.down))
+    need("W_gate (M·H·I; gate_up M·2I·H in the Linear layout)", gate, ops.buf_len(inputs.gate))?;
+    need("W_up (M·H·I; empty in the Linear layout)", up, ops.buf_len(inputs.up))?;
+    need("W_down (M·I·H)", down, ops.buf_len(inputs.down))
 }
 
 fn check_mode(plan: &Schedule, mode: Mode, how: &'static str) -> Result<()> {
@@ -50,13 +57,17 @@ fn fetch_foreign<O: DeviceOps>(
 ) -> Result<()> {
     let s = plan.shape();
     let (hi, m, p, me) = (s.hidden * s.intermediate, s.local_experts(), s.ranks, ops.rank());
+    let (tensors, layout) = ([inputs.gate, inputs.up, inputs.down], plan.config().weight_layout);
     for t in plan.assignment().transfers() {
-        for (part, src) in [inputs.gate, inputs.up, inputs.down].into_iter().enumerate() {
+        for part in 0..3 {
+            // Each part is H·I contiguous elements in either layout.
+            let (tensor, native_at) = layout.part_at(s, t.expert.saturating_sub(me * m), part);
+            let src = tensors[tensor];
             let (mut sc, mut rc) = (vec![0; p], vec![0; p]);
             let (mut send_at, mut recv_at) = (0, 0);
             if t.owner == me {
                 sc[t.helper] = hi;
-                send_at = (t.expert - me * m) * hi;
+                send_at = native_at;
             }
             if t.helper == me {
                 rc[t.owner] = hi;
@@ -78,9 +89,15 @@ fn return_foreign_grads<O: DeviceOps>(
 ) -> Result<()> {
     let s = plan.shape();
     let (hi, m, p, me) = (s.hidden * s.intermediate, s.local_experts(), s.ranks, ops.rank());
+    let layout = plan.config().weight_layout;
     for t in plan.assignment().transfers() {
-        let native = [&mut g.d_gate, &mut g.d_up, &mut g.d_down];
-        for (part, dst) in native.into_iter().enumerate() {
+        for part in 0..3 {
+            // The part's H·I elements are row `native_at / H·I` of its tensor, as rows of H·I.
+            let (tensor, native_at) = layout.part_at(s, t.expert.saturating_sub(me * m), part);
+            let dst = [&mut g.d_gate, &mut g.d_up, &mut g.d_down]
+                .into_iter()
+                .nth(tensor)
+                .ok_or(Error::internal("a weight part in one of three tensors"))?;
             let (mut sc, mut rc) = (vec![0; p], vec![0; p]);
             let mut send_at = 0;
             if t.helper == me {
@@ -92,7 +109,7 @@ fn return_foreign_grads<O: DeviceOps>(
             }
             ops.all_to_all_v((&c.foreign_grad, send_at), &sc, (&mut c.grad_return, 0), &rc)?;
             if t.owner == me {
-                ops.write_index(&[(t.expert - me * m) as u32], &mut c.one)?;
+                ops.write_index(&[(native_at / hi) as u32], &mut c.one)?;
                 ops.scatter_add_rows(IndexedRows::new(&c.grad_return, &c.one, 1, hi), dst)?;
             }
         }
@@ -172,7 +189,7 @@ fn run_forward<O: DeviceOps>(
 ) -> Result<O::Buf> {
     let me = ops.rank();
     let s = check_call(plan, me, ops.world_size(), &inputs.routing)?;
-    check_inputs(ops, &s, inputs)?;
+    check_inputs(ops, (&s, plan.config().weight_layout), inputs)?;
     let bufs = plan.buffers(me, Pass::Forward);
     ops.fence()?;
     let t = tables(plan, me, &inputs.routing, host)?;
@@ -227,7 +244,7 @@ fn run_forward<O: DeviceOps>(
                     let n = chunk.len();
                     group_lists(ops, chunk, meta, (&mut lists.rows, &mut lists.weights, None))?;
                     ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, n, h), &mut scratch.x)?;
-                    let w = expert_at(&s, inputs, foreign, slot);
+                    let w = expert_at((&s, plan.config().weight_layout), inputs, foreign, slot);
                     let pre =
                         keep.as_mut().map(|kp| KeepPre { gate: &mut *kp.gate, up: &mut *kp.up, cursor });
                     expert::forward(ops, w, (h, i), n, scratch, pre)?;
@@ -310,7 +327,7 @@ fn run_backward<O: DeviceOps>(
 ) -> Result<DeviceGradients<O::Buf>> {
     let me = ops.rank();
     let s = check_call(plan, me, ops.world_size(), &inputs.routing)?;
-    check_inputs(ops, &s, inputs)?;
+    check_inputs(ops, (&s, plan.config().weight_layout), inputs)?;
     need("dY (N·H)", s.tokens * s.hidden, ops.buf_len(dy))?;
     let bufs = plan.buffers(me, Pass::Backward);
     ops.fence()?;
@@ -319,13 +336,13 @@ fn run_backward<O: DeviceOps>(
     fetch_foreign(ops, plan, inputs, &mut c.foreign)?;
     ops.zero(&mut c.foreign_grad, bufs.foreign_slots() * s.expert_elems())?;
     let (n, h, i, k) = (s.tokens, s.hidden, s.intermediate, s.top_k);
-    let native = s.local_experts() * h * i;
+    let [gate, up, down] = plan.config().weight_layout.native_lens(&s);
     let mut g = DeviceGradients {
         dx: ops.alloc_output(n * h)?,
         d_weights: ops.alloc_output(n * k)?,
-        d_gate: ops.alloc_output(native)?,
-        d_up: ops.alloc_output(native)?,
-        d_down: ops.alloc_output(native)?,
+        d_gate: ops.alloc_output(gate)?,
+        d_up: ops.alloc_output(up)?,
+        d_down: ops.alloc_output(down)?,
     };
     let order: Vec<usize> = (0..plan.rounds()).rev().collect();
     {
@@ -410,8 +427,8 @@ fn run_backward<O: DeviceOps>(
                         (&mut lists.rows, &mut lists.weights, Some(&mut lists.meta)),
                     )?;
                     ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, rows, h), &mut scratch.x)?;
-                    let w = expert_at(&s, inputs, foreign, slot);
-                    let grad = grad_at(&s, g, foreign_grad, slot);
+                    let w = expert_at((&s, plan.config().weight_layout), inputs, foreign, slot);
+                    let grad = grad_at((&s, plan.config().weight_layout), g, foreign_grad, slot);
                     let io = GroupIo::<O> {
                         recv_dy: &set.recv_dy,
                         dx_rows: &mut set.out,

@@ -5,7 +5,8 @@
 use flatpeak_common::{Communicator, Device, LocalGroup, LocalGroupOptions, SplitMix64};
 use llep::cpu::reference::{self, ReferenceGrads};
 use llep::{
-    Config, Executor, ExpertWeights, Gradients, Pass, RankInputs, Routing, Schedule, Scheme, Shape, cpu,
+    Config, Executor, ExpertWeights, Gradients, Pass, RankInputs, Routing, Schedule, Scheme, Shape,
+    WeightLayout, cpu,
 };
 
 use llep::paper::Profile;
@@ -20,6 +21,11 @@ pub struct Problem {
     pub gate: Vec<f32>,
     pub up: Vec<f32>,
     pub down: Vec<f32>,
+    /// The layout `inputs` hands the weights in; under [`WeightLayout::Linear`] they are
+    /// `gate_up` and `down_t`, the transposes of `gate`/`up` and `down`.
+    pub layout: WeightLayout,
+    pub gate_up: Vec<f32>,
+    pub down_t: Vec<f32>,
 }
 
 /// How a problem's ids are drawn.
@@ -51,20 +57,78 @@ impl Problem {
         let gate = rng.normal_f32(e * h * i, 0.0, scale_in);
         let up = rng.normal_f32(e * h * i, 0.0, scale_in);
         let down = rng.normal_f32(e * i * h, 0.0, scale_mid);
-        Self { shape, x, ids, weights, dy, gate, up, down }
+        Self {
+            shape,
+            x,
+            ids,
+            weights,
+            dy,
+            gate,
+            up,
+            down,
+            layout: WeightLayout::Split,
+            gate_up: vec![],
+            down_t: vec![],
+        }
+    }
+
+    /// The same problem with the weights in torch's layout (transposed copies, made once).
+    pub fn in_linear_layout(mut self) -> Self {
+        let (e, h, i) = (self.shape.experts, self.shape.hidden, self.shape.intermediate);
+        self.gate_up = vec![0.0; e * 2 * i * h];
+        self.down_t = vec![0.0; e * h * i];
+        for x in 0..e {
+            for a in 0..h {
+                for b in 0..i {
+                    self.gate_up[x * 2 * i * h + b * h + a] = self.gate[x * h * i + a * i + b];
+                    self.gate_up[x * 2 * i * h + (i + b) * h + a] = self.up[x * h * i + a * i + b];
+                    self.down_t[x * h * i + a * i + b] = self.down[x * i * h + b * h + a];
+                }
+            }
+        }
+        self.layout = WeightLayout::Linear;
+        self
+    }
+
+    /// Rank s's weight gradients in llep's own layout (d_gate, d_up, d_down), from gradients
+    /// in the problem's layout.
+    pub fn split_grads(&self, g: &Gradients) -> [Vec<f32>; 3] {
+        if self.layout == WeightLayout::Split {
+            return [g.d_gate.clone(), g.d_up.clone(), g.d_down.clone()];
+        }
+        let (m, h, i) = (self.shape.local_experts(), self.shape.hidden, self.shape.intermediate);
+        assert!(g.d_up.is_empty(), "d_up is empty in the Linear layout");
+        let (mut dg, mut du, mut dd) = (vec![0.0; m * h * i], vec![0.0; m * h * i], vec![0.0; m * h * i]);
+        for x in 0..m {
+            for a in 0..h {
+                for b in 0..i {
+                    dg[x * h * i + a * i + b] = g.d_gate[x * 2 * i * h + b * h + a];
+                    du[x * h * i + a * i + b] = g.d_gate[x * 2 * i * h + (i + b) * h + a];
+                    dd[x * i * h + b * h + a] = g.d_down[x * h * i + a * i + b];
+                }
+            }
+        }
+        [dg, du, dd]
     }
 
     /// Rank s's inputs (its native experts' slices).
     pub fn inputs(&self, s: usize) -> RankInputs<'_> {
         let len = self.shape.local_experts() * self.shape.hidden * self.shape.intermediate;
-        RankInputs {
-            x: &self.x[s],
-            routing: Routing { ids: &self.ids[s], weights: &self.weights[s] },
-            experts: ExpertWeights {
+        let experts = match self.layout {
+            WeightLayout::Split => ExpertWeights {
                 gate: &self.gate[s * len..(s + 1) * len],
                 up: &self.up[s * len..(s + 1) * len],
                 down: &self.down[s * len..(s + 1) * len],
             },
+            _ => ExpertWeights::linear(
+                &self.gate_up[2 * s * len..2 * (s + 1) * len],
+                &self.down_t[s * len..(s + 1) * len],
+            ),
+        };
+        RankInputs {
+            x: &self.x[s],
+            routing: Routing { ids: &self.ids[s], weights: &self.weights[s] },
+            experts,
         }
     }
 
