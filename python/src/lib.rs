@@ -16,7 +16,9 @@ mod cuda;
 mod cuda_adamw;
 mod error;
 mod loss;
+mod moe;
 mod tensor;
+mod torch_group;
 
 use pyo3::prelude::*;
 
@@ -28,6 +30,9 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loss::lce_backward, m)?)?;
     m.add_function(wrap_pyfunction!(loss::lce_forward_backward, m)?)?;
     m.add("DEFAULT_BUDGET_BYTES", loss::DEFAULT_BUDGET_BYTES)?;
+    m.add_class::<moe::MoEOptions>()?;
+    m.add_function(wrap_pyfunction!(moe::moe_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(moe::moe_backward, m)?)?;
     m.add_class::<adamw::AdamWOptions>()?;
     m.add_class::<adamw::Decision>()?;
     m.add_function(wrap_pyfunction!(adamw::adamw_step, m)?)?;

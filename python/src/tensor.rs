@@ -157,6 +157,11 @@ impl<T: TorchElement> TensorRef<T> {
         Ok(Self { ptr, len, name })
     }
 
+    /// Elements of the tensor.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
     /// The byte range of the storage, for overlap checks.
     fn bytes(&self) -> std::ops::Range<usize> {
         let start = self.ptr as usize;

@@ -1,7 +1,8 @@
-"""flatpeak's PyTorch drop-ins: :func:`linear_cross_entropy`, :class:`LinearCrossEntropyLoss`
-and :class:`StreamAdamW`."""
+"""flatpeak's PyTorch drop-ins: :func:`linear_cross_entropy`, :class:`LinearCrossEntropyLoss`,
+:class:`StreamAdamW`, and the MoE experts :func:`moe_swiglu` / :class:`MoEExperts`."""
 
 from ._adamw import StreamAdamW
 from ._loss import LinearCrossEntropyLoss, linear_cross_entropy
+from ._moe import MoEExperts, MoEStats, moe_swiglu
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "StreamAdamW"]
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "StreamAdamW", "moe_swiglu", "MoEExperts", "MoEStats"]

@@ -1,0 +1,281 @@
+"""``moe_swiglu`` and ``MoEExperts``: a SwiGLU Mixture-of-Experts layer whose dispatch buffers are
+fixed at launch (llep's PipelinedLLEP), expert-parallel over a ``torch.distributed`` group.
+
+Two ``torch.library.custom_op`` ops carry it -- ``flatpeak::moe_swiglu_forward`` and
+``flatpeak::moe_swiglu_backward`` -- with fake implementations and ``register_autograd``, as the
+loss has. The schedule runs in Rust; every exchange of it goes through the caller's process group
+(``all_to_all_single`` with split sizes), so the group's backend (gloo on CPUs) carries it.
+Backward recomputes each round's expert forward (the layer is checkpointed: forward keeps
+nothing but its inputs).
+
+Expert ``e`` lives on rank ``e // E_local`` of the group; each rank passes its own tokens (any
+number, zero included) and its ``E_local`` experts' weights in Hugging Face transformers' fused
+layout, read in place: ``gate_up_proj`` ``[E_local, 2I, H]`` (the gate's I rows, then the up's),
+``down_proj`` ``[E_local, H, I]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .. import _flatpeak as _ext
+from ._loss import _once_differentiable
+
+_SCHEMES = ("pipelined", "llep", "standard")
+
+#: Process groups by handle (custom ops take numbers, not groups); 0 is "no group".
+_GROUPS: dict = {}
+
+
+def _handle(group) -> int:
+    if group is None:
+        return 0
+    handle = id(group)
+    _GROUPS[handle] = group
+    return handle
+
+
+def _group(handle: int):
+    return None if handle == 0 else _GROUPS[handle]
+
+
+@functools.lru_cache(maxsize=64)
+def _options(scheme: str, pair_cap_rows: Optional[int], budget_bytes: Optional[int],
+             max_tokens_factor: Optional[float], min_tokens_per_gemm: Optional[int],
+             imbalance_threshold: Optional[float]) -> "_ext.MoEOptions":
+    """The checked options, one object (and so one cached plan and working set) per setting."""
+    return _ext.MoEOptions(scheme=scheme, pair_cap_rows=pair_cap_rows, budget_bytes=budget_bytes,
+                           max_tokens_factor=max_tokens_factor, min_tokens_per_gemm=min_tokens_per_gemm,
+                           imbalance_threshold=imbalance_threshold)
+
+
+def _world_size(group) -> int:
+    if group is None:
+        return 1
+    return torch.distributed.get_world_size(group)
+
+
+class MoEStats(NamedTuple):
+    """What one call of :func:`moe_swiglu` did (``return_stats=True``)."""
+
+    #: Routes per expert over every rank's tokens (int64 ``[E]``): for load-balancing losses and
+    #: loss-free bias updates.
+    tokens_per_expert: Tensor
+    #: Dispatch rounds the routing took (skew costs rounds, never memory).
+    rounds: int
+    #: The most token rows this rank received in one round (at most the plan's ``P * q``).
+    recv_high_water_rows: int
+    #: Their bytes (rows x hidden x element size).
+    recv_high_water_bytes: int
+    #: The working set the plan reserved on this rank, fixed before any routing is known.
+    workspace_bytes: int
+
+
+@torch.library.custom_op("flatpeak::moe_swiglu_forward", mutates_args=())
+def _forward(
+    hidden_states: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    group: int,
+    num_experts: int,
+    scheme: str,
+    pair_cap_rows: Optional[int],
+    budget_bytes: Optional[int],
+    max_tokens_factor: Optional[float],
+    min_tokens_per_gemm: Optional[int],
+    imbalance_threshold: Optional[float],
+) -> Tuple[Tensor, Tensor, Tensor]:
+    options = _options(scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm,
+                       imbalance_threshold)
+    pg = _group(group)
+    experts = num_experts or gate_up_proj.shape[0] * _world_size(pg)
+    y = torch.empty(hidden_states.shape, dtype=torch.float32)
+    counts = torch.empty((experts,), dtype=torch.int64)
+    stats = _ext.moe_forward(options, pg, (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
+                             num_experts or None, y, counts)
+    return y.to(hidden_states.dtype), counts, torch.tensor(stats, dtype=torch.int64)
+
+
+@_forward.register_fake
+def _forward_fake(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, group, num_experts, scheme,
+                  pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm, imbalance_threshold):
+    experts = num_experts or gate_up_proj.shape[0] * _world_size(_group(group))
+    return (torch.empty_like(hidden_states), hidden_states.new_empty((experts,), dtype=torch.int64),
+            hidden_states.new_empty((4,), dtype=torch.int64))
+
+
+@torch.library.custom_op("flatpeak::moe_swiglu_backward", mutates_args=())
+def _backward(
+    grad_output: Tensor,
+    hidden_states: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    group: int,
+    num_experts: int,
+    scheme: str,
+    pair_cap_rows: Optional[int],
+    budget_bytes: Optional[int],
+    max_tokens_factor: Optional[float],
+    min_tokens_per_gemm: Optional[int],
+    imbalance_threshold: Optional[float],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    options = _options(scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm,
+                       imbalance_threshold)
+    f32 = dict(dtype=torch.float32)
+    dx = torch.empty(hidden_states.shape, **f32)
+    dw = torch.empty(topk_weights.shape, **f32)
+    dgu = torch.empty(gate_up_proj.shape, **f32)
+    dd = torch.empty(down_proj.shape, **f32)
+    _ext.moe_backward(options, _group(group), (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
+                      num_experts or None, grad_output.to(hidden_states.dtype).contiguous(), (dx, dw, dgu, dd))
+    return dx.to(hidden_states.dtype), dw, dgu.to(gate_up_proj.dtype), dd.to(down_proj.dtype)
+
+
+@_backward.register_fake
+def _backward_fake(grad_output, hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, group,
+                   num_experts, scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm,
+                   imbalance_threshold):
+    return (torch.empty_like(hidden_states), torch.empty_like(topk_weights), torch.empty_like(gate_up_proj),
+            torch.empty_like(down_proj))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, *options = inputs
+    ctx.save_for_backward(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj)
+    ctx.options = options
+
+
+def _backward_autograd(ctx, grad_y, _grad_counts, _grad_stats):
+    saved = ctx.saved_tensors
+    dx, dw, dgu, dd = _backward(grad_y, *saved, *ctx.options)
+    hidden_states, _, topk_weights, gate_up_proj, down_proj = saved
+    needs_graph = any(t.requires_grad for t in (hidden_states, topk_weights, gate_up_proj, down_proj, grad_y))
+    grads = _once_differentiable((dx, None, dw, dgu, dd), needs_graph)
+    return grads + (None,) * len(ctx.options)
+
+
+_forward.register_autograd(_backward_autograd, setup_context=_setup_context)
+
+
+def moe_swiglu(
+    hidden_states: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    *,
+    group=None,
+    num_experts: Optional[int] = None,
+    scheme: str = "pipelined",
+    pair_cap_rows: Optional[int] = None,
+    budget_bytes: Optional[int] = None,
+    max_tokens_factor: Optional[float] = None,
+    min_tokens_per_gemm: Optional[int] = None,
+    imbalance_threshold: Optional[float] = None,
+    return_stats: bool = False,
+) -> Union[Tensor, Tuple[Tensor, MoEStats]]:
+    r"""The SwiGLU experts of a Mixture-of-Experts layer, expert-parallel over ``group``, exact.
+
+    ``y_t = sum_j w_tj * down_e(silu(gate_e x_t) * up_e x_t)`` with ``e = topk_ids[t, j]`` and
+    ``w_tj = topk_weights[t, j]`` used as given (no renormalisation), in the input's dtype.
+
+    Args:
+        hidden_states: ``[T, H]`` or ``[B, S, H]``, float32 or bfloat16, contiguous. Each rank
+            passes its own tokens; T may differ between ranks (zero included).
+        topk_ids: int64 global expert ids, ``[T, k]`` (``[B, S, k]``); duplicates allowed.
+        topk_weights: ``[T, k]`` (``[B, S, k]``), float32 or the input's dtype.
+        gate_up_proj: this rank's experts, ``[E_local, 2I, H]`` (the gate's I rows, then the
+            up's), the input's dtype, read in place.
+        down_proj: ``[E_local, H, I]``, read in place.
+        group: the expert-parallel ``torch.distributed`` process group (expert ``e`` lives on its
+            rank ``e // E_local``); ``None``: this process holds every expert.
+        num_experts: E, by default ``E_local`` x the group's size (and it must be that).
+        scheme: ``"pipelined"`` (PipelinedLLEP: every buffer fixed at launch), ``"llep"`` or
+            ``"standard"`` (the baselines, whose buffers follow the routing).
+        pair_cap_rows: q, the rows any rank sends any other in one round (``None``: the largest
+            ``budget_bytes`` holds).
+        budget_bytes: bound of the working set (``None``: unlimited).
+        max_tokens_factor, min_tokens_per_gemm, imbalance_threshold: the least-loaded
+            assignment's alpha, minimum chunk and imbalance threshold (llep's defaults).
+        return_stats: also return a :class:`MoEStats`.
+
+    Bad input on any rank (an id out of range, shapes or dtypes that differ between ranks, E not
+    divisible by the group's size) raises on every rank -- ``ValueError``, or ``TypeError`` for a
+    dtype -- naming the rank and its values; no rank is left waiting.
+    """
+    if scheme not in _SCHEMES:
+        raise ValueError(f"scheme: expected one of {_SCHEMES}, got {scheme!r}")
+    for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                    ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    lead = hidden_states.shape[:-1]
+    if topk_ids.shape[:-1] != lead or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights: expected shape {list(lead)} + [k], got {list(topk_ids.shape)} "
+                         f"and {list(topk_weights.shape)}")
+    if topk_weights.dtype not in (torch.float32, hidden_states.dtype):
+        raise TypeError(f"topk_weights: expected torch.float32 or {hidden_states.dtype}, got {topk_weights.dtype}")
+    if topk_ids.dtype != torch.int64:
+        raise TypeError(f"topk_ids: expected dtype torch.int64, got {topk_ids.dtype}")
+    h, k = hidden_states.shape[-1], topk_ids.shape[-1]
+    x = hidden_states.reshape(-1, h)
+    ids = topk_ids.reshape(-1, k).contiguous()
+    # The routing weights as float32 (a bf16 router's [T, k] widened: autograd narrows their
+    # gradient back).
+    weights = topk_weights.reshape(-1, k).to(torch.float32).contiguous()
+    y, counts, stats = torch.ops.flatpeak.moe_swiglu_forward(
+        x, ids, weights, gate_up_proj, down_proj, _handle(group), int(num_experts or 0), scheme, pair_cap_rows,
+        budget_bytes, max_tokens_factor, min_tokens_per_gemm, imbalance_threshold)
+    y = y.reshape(hidden_states.shape)
+    if not return_stats:
+        return y
+    rounds, rows, nbytes, workspace = (int(v) for v in stats.tolist())
+    return y, MoEStats(counts, rounds, rows, nbytes, workspace)
+
+
+class MoEExperts(torch.nn.Module):
+    """The experts of a MoE layer as a module owning this rank's slice of the weights:
+    ``gate_up_proj`` ``[E_local, 2I, H]`` and ``down_proj`` ``[E_local, H, I]`` (Hugging Face
+    transformers' fused layout), ``E_local = num_experts / group size``; ``forward(hidden_states,
+    topk_ids, topk_weights)`` is :func:`moe_swiglu` over ``group``. Options of
+    :func:`moe_swiglu` (``scheme``, ``budget_bytes``, ...) are keyword arguments."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, group=None,
+                 dtype: Optional[torch.dtype] = None, device=None, **options):
+        super().__init__()
+        world = _world_size(group)
+        if num_experts <= 0 or num_experts % world:
+            raise ValueError(f"num_experts={num_experts} must be a positive multiple of the group size {world}")
+        if set(options) - {"scheme", "pair_cap_rows", "budget_bytes", "max_tokens_factor", "min_tokens_per_gemm",
+                           "imbalance_threshold"}:
+            raise TypeError(f"unexpected options {sorted(options)}")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.group, self.options = group, options
+        local = num_experts // world
+        kwargs = dict(dtype=dtype, device=device)
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, **kwargs))
+        self.down_proj = torch.nn.Parameter(torch.empty(local, hidden_size, intermediate_size, **kwargs))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation, per expert."""
+        for w in (self.gate_up_proj, self.down_proj):
+            bound = 1.0 / math.sqrt(w.shape[-1])
+            torch.nn.init.uniform_(w, -bound, bound)
+
+    def forward(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        return moe_swiglu(hidden_states, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, group=self.group,
+                          num_experts=self.num_experts, **self.options)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, local={self.gate_up_proj.shape[0]}")

@@ -1,0 +1,465 @@
+//! `moe_swiglu` on torch tensors: llep's PipelinedLLEP (or a baseline) over the caller's
+//! `torch.distributed` group ([`TorchGroup`]), or in one process without a group.
+//!
+//! The weights are read in place in torch's layout (llep's [`WeightLayout::Linear`]):
+//! `gate_up_proj` `[E_local, 2I, H]`, `down_proj` `[E_local, H, I]`. Every rank may bring its own
+//! number of tokens. Before any data is exchanged, each rank checks its own tensors, the group
+//! agrees on the verdicts ([`agree_on_inputs`]) and then on the shapes (one all-gather of each
+//! rank's sizes): bad input on one rank raises on every rank, naming that rank and its values,
+//! instead of leaving the others waiting. The plan (N = the largest rank's tokens) and its
+//! executor, whose working set is reserved once, are cached in the options object.
+
+use std::sync::Mutex;
+
+use flatpeak_common::comm::{agree_on_inputs, all_gather_words};
+use flatpeak_common::{Communicator, ErrorKind, HasErrorKind, LocalGroup, LocalGroupOptions};
+use half::bf16;
+use llep::{
+    Budget, Config, DType, Device, Executor, ExpertWeights, LayerElement, PairCap, Plan, RankInputs, Routing,
+    Schedule, Scheme, Shape, WeightLayout,
+};
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::error::to_py;
+use crate::tensor::{TensorRef, TorchElement, shape_of};
+use crate::torch_group::TorchGroup;
+
+/// The MoE layer's options, checked once, with the cached plan and executor
+/// (`flatpeak._flatpeak.MoEOptions`).
+#[pyclass(frozen, module = "flatpeak._flatpeak")]
+#[derive(Debug)]
+pub struct MoEOptions {
+    config: Config,
+    budget: Budget,
+    executor: Mutex<Option<Executor>>,
+}
+
+#[pymethods]
+impl MoEOptions {
+    /// Options under the LLEP reference code's names: `scheme` (`"pipelined"`, `"llep"` or
+    /// `"standard"`), `pair_cap_rows` (q; `None`: the largest the budget holds),
+    /// `budget_bytes` (`None`: unlimited), `max_tokens_factor` (α), `min_tokens_per_gemm` (m)
+    /// and `imbalance_threshold` (λ), with llep's defaults.
+    #[new]
+    #[pyo3(signature = (*, scheme="pipelined", pair_cap_rows=None, budget_bytes=None, max_tokens_factor=None, min_tokens_per_gemm=None, imbalance_threshold=None))]
+    fn new(
+        scheme: &str,
+        pair_cap_rows: Option<usize>,
+        budget_bytes: Option<usize>,
+        max_tokens_factor: Option<f64>,
+        min_tokens_per_gemm: Option<usize>,
+        imbalance_threshold: Option<f64>,
+    ) -> PyResult<Self> {
+        let scheme = match scheme {
+            "pipelined" => Scheme::PipelinedLlep,
+            "llep" => Scheme::Llep,
+            "standard" => Scheme::StandardEp,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "scheme: expected 'pipelined', 'llep' or 'standard', got {other:?}"
+                )));
+            }
+        };
+        let defaults = Config::default();
+        let config = Config::with_scheme(scheme)
+            .pair_cap(pair_cap_rows.map_or(PairCap::FitBudget, PairCap::Rows))
+            .alpha(max_tokens_factor.unwrap_or(defaults.alpha))
+            .min_chunk(min_tokens_per_gemm.unwrap_or(defaults.min_chunk))
+            .imbalance_threshold(imbalance_threshold.unwrap_or(defaults.imbalance_threshold))
+            .weight_layout(WeightLayout::Linear);
+        config.validate().map_err(to_py)?;
+        if budget_bytes == Some(0) {
+            return Err(PyValueError::new_err("budget_bytes: expected a positive number of bytes, got 0"));
+        }
+        let budget = budget_bytes.map_or(Budget::Unlimited, Budget::Bytes);
+        Ok(Self { config, budget, executor: Mutex::new(None) })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("MoEOptions({:?}, budget={:?})", self.config, self.budget)
+    }
+}
+
+/// An input refusal as the group agrees on it: its exception kind and message.
+#[derive(Debug)]
+struct Refusal {
+    kind: ErrorKind,
+    message: String,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl HasErrorKind for Refusal {
+    fn error_kind(&self) -> ErrorKind {
+        self.kind
+    }
+}
+
+impl From<flatpeak_common::Error> for Refusal {
+    fn from(e: flatpeak_common::Error) -> Self {
+        Self { kind: e.kind(), message: e.to_string() }
+    }
+}
+
+impl Refusal {
+    fn from_py(py: Python<'_>, e: PyErr) -> Self {
+        let kind = if e.is_instance_of::<PyTypeError>(py) {
+            ErrorKind::Type
+        } else if e.is_instance_of::<PyValueError>(py) {
+            ErrorKind::Value
+        } else if e.is_instance_of::<PyMemoryError>(py) {
+            ErrorKind::Memory
+        } else {
+            ErrorKind::Runtime
+        };
+        Self { kind, message: e.value(py).to_string() }
+    }
+
+    fn into_py(self) -> PyErr {
+        match self.kind {
+            ErrorKind::Type => PyTypeError::new_err(self.message),
+            ErrorKind::Value => PyValueError::new_err(self.message),
+            ErrorKind::Memory => PyMemoryError::new_err(self.message),
+            ErrorKind::Runtime => PyRuntimeError::new_err(self.message),
+        }
+    }
+}
+
+/// The tensors of one call: `(hidden_states [T, H], topk_ids [T, k], topk_weights [T, k],
+/// gate_up_proj [M, 2I, H], down_proj [M, H, I])`.
+#[derive(FromPyObject)]
+pub struct MoEArgs<'py> {
+    #[pyo3(item(0))]
+    x: Bound<'py, PyAny>,
+    #[pyo3(item(1))]
+    ids: Bound<'py, PyAny>,
+    #[pyo3(item(2))]
+    weights: Bound<'py, PyAny>,
+    #[pyo3(item(3))]
+    gate_up: Bound<'py, PyAny>,
+    #[pyo3(item(4))]
+    down: Bound<'py, PyAny>,
+}
+
+/// The sizes a rank's tensors give: T, H, I, M, k and the storage type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Sizes {
+    tokens: usize,
+    hidden: usize,
+    intermediate: usize,
+    local_experts: usize,
+    top_k: usize,
+    dtype: DType,
+}
+
+impl Sizes {
+    fn of(args: &MoEArgs<'_>) -> PyResult<Self> {
+        let x = shape_of("hidden_states", &args.x)?;
+        let ids = shape_of("topk_ids", &args.ids)?;
+        let gate_up = shape_of("gate_up_proj", &args.gate_up)?;
+        let (&[t, h], &[ti, k], &[m, two_i, hg]) = (x.as_slice(), ids.as_slice(), gate_up.as_slice()) else {
+            return Err(PyValueError::new_err(format!(
+                "expected hidden_states [T, H], topk_ids [T, k] and gate_up_proj [E_local, 2I, H]: got {x:?}, {ids:?} and {gate_up:?}"
+            )));
+        };
+        if ti != t || hg != h || two_i % 2 != 0 {
+            return Err(PyValueError::new_err(format!(
+                "topk_ids must be [{t}, k] and gate_up_proj [E_local, 2I, {h}] for hidden_states [{t}, {h}]: got {ids:?} and {gate_up:?}"
+            )));
+        }
+        let dtype = match args.x.getattr("dtype")?.str()?.to_string().as_str() {
+            "torch.bfloat16" => DType::Bf16,
+            "torch.float32" => DType::F32,
+            other => {
+                return Err(PyTypeError::new_err(format!(
+                    "hidden_states: expected dtype torch.float32 or torch.bfloat16, got {other}"
+                )));
+            }
+        };
+        Ok(Self { tokens: t, hidden: h, intermediate: two_i / 2, local_experts: m, top_k: k, dtype })
+    }
+
+    /// T, H, I, M, k, E as given (0: not given) and the dtype (1: bf16), for the all-gather.
+    fn words(&self, experts: usize) -> [u64; 7] {
+        let dtype = usize::from(self.dtype == DType::Bf16);
+        [self.tokens, self.hidden, self.intermediate, self.local_experts, self.top_k, experts, dtype]
+            .map(|v| v as u64)
+    }
+}
+
+/// The layer's shape over the group, agreed from every rank's sizes (the same verdict on every
+/// rank, computed from the same all-gathered words).
+fn agreed_shape(comm: &dyn Communicator, mine: Sizes, experts: Option<usize>) -> Result<Shape, Refusal> {
+    let p = comm.world_size();
+    let words = all_gather_words(comm, &mine.words(experts.unwrap_or(0)))?;
+    let ranks: Vec<&[u64]> = words.chunks_exact(7).collect();
+    let names = ["hidden", "intermediate", "E_local", "top_k", "num_experts"];
+    for (r, w) in ranks.iter().enumerate() {
+        if w[6] != ranks[0][6] {
+            let name = |code: u64| if code == 1 { "torch.bfloat16" } else { "torch.float32" };
+            return Err(Refusal {
+                kind: ErrorKind::Type,
+                message: format!(
+                    "rank {r} passed {} tensors where rank 0 passed {}",
+                    name(w[6]),
+                    name(ranks[0][6])
+                ),
+            });
+        }
+        if w[1..6] != ranks[0][1..6] {
+            let show = |w: &[u64]| {
+                names.iter().zip(&w[1..6]).map(|(n, v)| format!("{n}={v}")).collect::<Vec<_>>().join(", ")
+            };
+            return Err(Refusal {
+                kind: ErrorKind::Value,
+                message: format!("rank {r} passed {} where rank 0 passed {}", show(w), show(ranks[0])),
+            });
+        }
+    }
+    let experts = experts.unwrap_or(mine.local_experts * p);
+    if experts != mine.local_experts * p {
+        return Err(Refusal {
+            kind: ErrorKind::Value,
+            message: format!(
+                "num_experts={experts} is not E_local × group size = {} × {p}: expert e lives on rank e // E_local",
+                mine.local_experts
+            ),
+        });
+    }
+    let tokens = ranks.iter().map(|w| w[0] as usize).max().unwrap_or(0);
+    Ok(Shape {
+        ranks: p,
+        tokens,
+        hidden: mine.hidden,
+        intermediate: mine.intermediate,
+        experts,
+        top_k: mine.top_k,
+        dtype: mine.dtype,
+    })
+}
+
+/// The checked tensors of one call, read in place.
+struct Tensors<T> {
+    x: TensorRef<T>,
+    ids: TensorRef<i64>,
+    weights: TensorRef<f32>,
+    gate_up: TensorRef<T>,
+    down: TensorRef<T>,
+}
+
+impl<T: TorchElement> Tensors<T> {
+    fn new(args: &MoEArgs<'_>, s: Sizes) -> PyResult<Self> {
+        let (t, h, i, m, k) = (s.tokens, s.hidden, s.intermediate, s.local_experts, s.top_k);
+        Ok(Self {
+            x: TensorRef::new("hidden_states", &args.x, &[Some(t), Some(h)])?,
+            ids: TensorRef::new("topk_ids", &args.ids, &[Some(t), Some(k)])?,
+            weights: TensorRef::new("topk_weights", &args.weights, &[Some(t), Some(k)])?,
+            gate_up: TensorRef::new("gate_up_proj", &args.gate_up, &[Some(m), Some(2 * i), Some(h)])?,
+            down: TensorRef::new("down_proj", &args.down, &[Some(m), Some(h), Some(i)])?,
+        })
+    }
+
+    /// # Safety
+    /// The tensors must outlive the borrow and not be written meanwhile.
+    unsafe fn inputs(&self) -> RankInputs<'_, T> {
+        // SAFETY: the caller keeps every tensor alive and unwritten for the borrow; each was
+        // checked (CPU, contiguous, dtype, shape, alignment) in `new`.
+        unsafe {
+            RankInputs {
+                x: self.x.as_slice(),
+                routing: Routing { ids: self.ids.as_slice(), weights: self.weights.as_slice() },
+                experts: ExpertWeights::linear(self.gate_up.as_slice(), self.down.as_slice()),
+            }
+        }
+    }
+}
+
+/// Runs `f` on `comm` with the GIL released (the torch group's collectives take it back for each
+/// call). The communicator moves into the closure and back: it is `Send`, not `Sync`.
+fn detached<R: Send>(
+    py: Python<'_>,
+    comm: &mut Option<Box<dyn Communicator>>,
+    f: impl FnOnce(&dyn Communicator) -> R + Send,
+) -> PyResult<R> {
+    let owned = comm.take().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
+    let (owned, out) = py.detach(move || {
+        let out = f(owned.as_ref());
+        (owned, out)
+    });
+    *comm = Some(owned);
+    Ok(out)
+}
+
+/// The group's communicator: the caller's torch group, or one process alone.
+fn communicator(py: Python<'_>, group: Option<Bound<'_, PyAny>>) -> PyResult<Box<dyn Communicator>> {
+    match group {
+        Some(g) => Ok(Box::new(TorchGroup::new(py, g)?)),
+        None => {
+            let mut alone = LocalGroup::endpoints(1, LocalGroupOptions::default()).map_err(to_py)?;
+            Ok(Box::new(alone.pop().ok_or_else(|| PyRuntimeError::new_err("a group of one has one rank"))?))
+        }
+    }
+}
+
+/// What a forward reports: `(rounds, recv_high_water_rows, recv_high_water_bytes,
+/// workspace_bytes)`.
+type ForwardStats = (usize, usize, usize, usize);
+
+/// The checks every rank agrees on, then the plan's executor (cached) for the agreed shape.
+fn prepare<T: TorchElement>(
+    py: Python<'_>,
+    comm: &dyn Communicator,
+    args: &MoEArgs<'_>,
+    num_experts: Option<usize>,
+) -> PyResult<(Tensors<T>, Shape)> {
+    let local = Sizes::of(args).and_then(|s| Tensors::<T>::new(args, s).map(|t| (t, s)));
+    let local = local.map_err(|e| Refusal::from_py(py, e));
+    let (tensors, sizes) = agree_on_inputs(comm, local).map_err(Refusal::into_py)?;
+    let shape = agreed_shape(comm, sizes, num_experts).map_err(Refusal::into_py)?;
+    Ok((tensors, shape))
+}
+
+/// The cached executor of the agreed shape's plan (a new one, its working set reserved once,
+/// when the plan changed).
+fn executor_for(options: &MoEOptions, shape: Shape) -> PyResult<std::sync::MutexGuard<'_, Option<Executor>>> {
+    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
+    let mut cached =
+        options.executor.lock().map_err(|_| PyRuntimeError::new_err("a previous call panicked"))?;
+    if cached.as_ref().is_none_or(|e| e.plan() != &plan) {
+        *cached = None; // the old working set goes before the new one is reserved
+        *cached = Some(Executor::new(plan, Device::Cpu).map_err(to_py)?);
+    }
+    Ok(cached)
+}
+
+type Comm = Option<Box<dyn Communicator>>;
+
+fn forward_typed<T: TorchElement + LayerElement>(
+    py: Python<'_>,
+    options: &MoEOptions,
+    comm: &mut Comm,
+    (args, num_experts): (&MoEArgs<'_>, Option<usize>),
+    (y_out, counts_out): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
+) -> PyResult<ForwardStats> {
+    let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
+    let (tensors, shape) = prepare::<T>(py, group, args, num_experts)?;
+    let n = tensors.ids.len() / shape.top_k.max(1);
+    let y_out = TensorRef::<f32>::new("y_out", y_out, &[Some(n), Some(shape.hidden)])?;
+    let counts_out = TensorRef::<i64>::new("counts_out", counts_out, &[Some(shape.experts)])?;
+    let mut cached = executor_for(options, shape)?;
+    let executor = cached.as_mut().ok_or_else(|| PyRuntimeError::new_err("no executor was cached"))?;
+    let ran = detached(py, comm, |comm| -> llep::Result<_> {
+        // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
+        let inputs = unsafe { tensors.inputs() };
+        let schedule = executor.schedule(comm, &inputs.routing)?;
+        let y = executor.forward(comm, &schedule, &inputs)?;
+        Ok((y, schedule, comm.rank()))
+    })?;
+    let (y, schedule, me) = ran.map_err(to_py)?;
+    // SAFETY: both outputs were made by the caller for this call and are read by nothing else.
+    let (y_dst, counts_dst) = unsafe { (y_out.as_mut_slice(), counts_out.as_mut_slice()) };
+    y_dst.copy_from_slice(&y);
+    for (e, c) in counts_dst.iter_mut().enumerate() {
+        *c = schedule.assignment().counts().load(e) as i64;
+    }
+    let rows = received_rows_high_water(&schedule, me);
+    Ok((schedule.rounds(), rows, rows * shape.hidden * shape.elem_bytes(), executor.workspace_bytes()))
+}
+
+/// The most rows rank `me` receives in one round.
+fn received_rows_high_water(schedule: &Schedule, me: usize) -> usize {
+    let p = schedule.shape().ranks;
+    (0..schedule.rounds())
+        .map(|j| (0..p).map(|s| schedule.round_pair_rows(s, me, j)).sum())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Forward: writes `y` (`[T, H]` float32) into `y_out` and the global routes per expert
+/// (`[E]` int64) into `counts_out`; returns `(rounds, recv_high_water_rows,
+/// recv_high_water_bytes, workspace_bytes)`.
+#[pyfunction]
+#[pyo3(signature = (options, group, args, num_experts, y_out, counts_out))]
+pub fn moe_forward(
+    py: Python<'_>,
+    options: &MoEOptions,
+    group: Option<Bound<'_, PyAny>>,
+    args: MoEArgs<'_>,
+    num_experts: Option<usize>,
+    y_out: Bound<'_, PyAny>,
+    counts_out: Bound<'_, PyAny>,
+) -> PyResult<ForwardStats> {
+    let mut comm = Some(communicator(py, group)?);
+    let is_bf16 = args.x.getattr("dtype")?.str()? == "torch.bfloat16";
+    let outputs = (&y_out, &counts_out);
+    if is_bf16 {
+        forward_typed::<bf16>(py, options, &mut comm, (&args, num_experts), outputs)
+    } else {
+        forward_typed::<f32>(py, options, &mut comm, (&args, num_experts), outputs)
+    }
+}
+
+fn backward_typed<T: TorchElement + LayerElement>(
+    py: Python<'_>,
+    options: &MoEOptions,
+    comm: &mut Comm,
+    (args, num_experts, dy): (&MoEArgs<'_>, Option<usize>, &Bound<'_, PyAny>),
+    grads_out: [&Bound<'_, PyAny>; 4],
+) -> PyResult<()> {
+    let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
+    let (tensors, shape) = prepare::<T>(py, group, args, num_experts)?;
+    let (h, i, m, k) = (shape.hidden, shape.intermediate, shape.local_experts(), shape.top_k);
+    let n = tensors.ids.len() / k.max(1);
+    let dy = TensorRef::<T>::new("grad_output", dy, &[Some(n), Some(h)])?;
+    let [dx, dw, dgu, dd] = grads_out;
+    let dx = TensorRef::<f32>::new("dx", dx, &[Some(n), Some(h)])?;
+    let dw = TensorRef::<f32>::new("d_topk_weights", dw, &[Some(n), Some(k)])?;
+    let dgu = TensorRef::<f32>::new("d_gate_up_proj", dgu, &[Some(m), Some(2 * i), Some(h)])?;
+    let dd = TensorRef::<f32>::new("d_down_proj", dd, &[Some(m), Some(h), Some(i)])?;
+    let mut cached = executor_for(options, shape)?;
+    let executor = cached.as_mut().ok_or_else(|| PyRuntimeError::new_err("no executor was cached"))?;
+    let grads = detached(py, comm, |comm| -> llep::Result<_> {
+        // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
+        let (inputs, dy) = unsafe { (tensors.inputs(), dy.as_slice()) };
+        let schedule = executor.schedule(comm, &inputs.routing)?;
+        executor.backward(comm, &schedule, &inputs, dy)
+    })?
+    .map_err(to_py)?;
+    // SAFETY: the gradient tensors were made by the caller for this call, each read by nothing
+    // else; their shapes match the gradients' lengths (n·H, n·k, M·2I·H, M·H·I).
+    unsafe {
+        dx.as_mut_slice().copy_from_slice(&grads.dx);
+        dw.as_mut_slice().copy_from_slice(&grads.d_weights);
+        dgu.as_mut_slice().copy_from_slice(&grads.d_gate);
+        dd.as_mut_slice().copy_from_slice(&grads.d_down);
+    }
+    Ok(())
+}
+
+/// Backward from `grad_output` (`[T, H]`, the input's dtype): writes dX, d(topk_weights),
+/// d(gate_up_proj) and d(down_proj) into the float32 tensors `grads_out`.
+#[pyfunction]
+#[pyo3(signature = (options, group, args, num_experts, grad_output, grads_out))]
+pub fn moe_backward(
+    py: Python<'_>,
+    options: &MoEOptions,
+    group: Option<Bound<'_, PyAny>>,
+    args: MoEArgs<'_>,
+    num_experts: Option<usize>,
+    grad_output: Bound<'_, PyAny>,
+    grads_out: (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>),
+) -> PyResult<()> {
+    let mut comm = Some(communicator(py, group)?);
+    let is_bf16 = args.x.getattr("dtype")?.str()? == "torch.bfloat16";
+    let grads = [&grads_out.0, &grads_out.1, &grads_out.2, &grads_out.3];
+    if is_bf16 {
+        backward_typed::<bf16>(py, options, &mut comm, (&args, num_experts, &grad_output), grads)
+    } else {
+        backward_typed::<f32>(py, options, &mut comm, (&args, num_experts, &grad_output), grads)
+    }
+}
