@@ -39,7 +39,7 @@ pub struct MoEOptions {
 impl MoEOptions {
     /// Options under the LLEP reference code's names: `scheme` (`"pipelined"`, `"llep"` or
     /// `"standard"`), `pair_cap_rows` (q; `None`: the largest the budget holds),
-    /// `budget_bytes` (`None`: unlimited), `max_tokens_factor` (α), `min_tokens_per_gemm` (m)
+    /// `budget_bytes` (`None`: 64 MiB, the loss's default), `max_tokens_factor` (α), `min_tokens_per_gemm` (m)
     /// and `imbalance_threshold` (λ), with llep's defaults.
     #[new]
     #[pyo3(signature = (*, scheme="pipelined", pair_cap_rows=None, budget_bytes=None, max_tokens_factor=None, min_tokens_per_gemm=None, imbalance_threshold=None))]
@@ -72,7 +72,7 @@ impl MoEOptions {
         if budget_bytes == Some(0) {
             return Err(PyValueError::new_err("budget_bytes: expected a positive number of bytes, got 0"));
         }
-        let budget = budget_bytes.map_or(Budget::Unlimited, Budget::Bytes);
+        let budget = Budget::Bytes(budget_bytes.unwrap_or(crate::loss::DEFAULT_BUDGET_BYTES));
         Ok(Self { config, budget, executor: Mutex::new(None) })
     }
 
