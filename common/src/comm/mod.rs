@@ -5,8 +5,8 @@
 //! point messages between one pair arrive in the order sent. Sends are buffered (they return
 //! once the data is handed off), so a ring step is `send` to the next rank then `recv` from the
 //! previous one, on every rank, without deadlock. No call hangs: a peer that panicked or dropped
-//! its endpoint is [`Error::PeerLost`](crate::Error::PeerLost), a silent one
-//! [`Error::Timeout`](crate::Error::Timeout).
+//! its endpoint is [`Error::PeerLost`], a silent one
+//! [`Error::Timeout`].
 
 mod agree;
 mod local;
@@ -39,7 +39,7 @@ pub trait Communicator: Send {
     /// Sends `data` to `peer` (buffered: returns once handed off).
     fn send_bytes(&self, peer: usize, data: &[u8]) -> Result<()>;
     /// Receives exactly `out.len()` bytes from `peer`; a message of another size is
-    /// [`Error::ShapeMismatch`](crate::Error::ShapeMismatch).
+    /// [`Error::ShapeMismatch`].
     fn recv_bytes(&self, peer: usize, out: &mut [u8]) -> Result<()>;
     /// All-to-all with variable counts: `send` is the concatenation of the slices for ranks
     /// 0..P (`send_counts[d]` bytes for rank d); `recv` receives `recv_counts[s]` bytes from each
