@@ -29,6 +29,8 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loss::lce_forward, m)?)?;
     m.add_function(wrap_pyfunction!(loss::lce_backward, m)?)?;
     m.add_function(wrap_pyfunction!(loss::lce_forward_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(loss::cached_loss_executors, m)?)?;
+    m.add_function(wrap_pyfunction!(loss::clear_loss_executors, m)?)?;
     m.add("DEFAULT_BUDGET_BYTES", loss::DEFAULT_BUDGET_BYTES)?;
     m.add_class::<moe::MoEOptions>()?;
     m.add_function(wrap_pyfunction!(moe::moe_forward, m)?)?;

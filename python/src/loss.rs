@@ -5,6 +5,10 @@
 //! only memory the call adds is the plan's working set, fixed by `budget_bytes` before any data
 //! is read. The GIL is released while the blocks run.
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::sync::{Mutex, OnceLock};
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ring_dtp::{
@@ -236,9 +240,55 @@ impl TensorArgs<'_> {
     }
 }
 
-fn executor(options: &LossOptions, shape: Shape) -> PyResult<LinearCrossEntropy> {
+/// Executors of the CPU path kept between calls, by (options, plan): each one's working set is
+/// reserved once and reused by every later call of the same shape and options (forward and
+/// then backward of one step included). At most this many are kept; a new one past it clears
+/// the rest first.
+pub(crate) const CACHED_CPU_EXECUTORS: usize = 16;
+
+type CpuCache = Mutex<HashMap<String, LinearCrossEntropy>>;
+
+fn cpu_cache() -> &'static CpuCache {
+    static CACHE: OnceLock<CpuCache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Runs `f` (with the GIL released) on the cached CPU executor of `options`' plan for `shape`,
+/// made (its workspace reserved) at the first call of that plan.
+fn with_executor<R: Send>(
+    py: Python<'_>,
+    options: &LossOptions,
+    shape: Shape,
+    f: impl FnOnce(&mut LinearCrossEntropy) -> ring_dtp::Result<R> + Send,
+) -> PyResult<R> {
     let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
-    LinearCrossEntropy::new(plan, Device::Cpu).map_err(to_py)
+    let key = format!("{:?}/{:?}/{plan:?}", options.config, options.budget);
+    // The cache's lock is taken with the GIL released: a thread waiting for it must not hold
+    // the GIL that the thread inside needs to return.
+    py.detach(|| {
+        let mut executors = cpu_cache().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if executors.len() >= CACHED_CPU_EXECUTORS && !executors.contains_key(&key) {
+            executors.clear(); // the old working sets go before a new one is reserved
+        }
+        let lce = match executors.entry(key) {
+            Entry::Occupied(cached) => cached.into_mut(),
+            Entry::Vacant(slot) => slot.insert(LinearCrossEntropy::new(plan, Device::Cpu)?),
+        };
+        f(lce)
+    })
+    .map_err(to_py)
+}
+
+/// How many CPU executors (each with its reserved working set) are cached.
+#[pyfunction]
+pub fn cached_loss_executors(py: Python<'_>) -> usize {
+    py.detach(|| cpu_cache().lock().unwrap_or_else(|poisoned| poisoned.into_inner()).len())
+}
+
+/// Drops every cached CPU executor and its working set.
+#[pyfunction]
+pub fn clear_loss_executors(py: Python<'_>) {
+    py.detach(|| cpu_cache().lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clear());
 }
 
 /// Forward: writes the loss (a 0-dim fp32 tensor for mean and sum, `[N]` for none) and the
@@ -258,14 +308,13 @@ pub fn lce_forward(
     let loss_out = TensorRef::<f32>::new("loss_out", &loss_out, loss_shape)?;
     let lse_out = TensorRef::<f32>::new("lse_out", &lse_out, &[Some(n)])?;
     check_disjoint(&[(&loss_out).into(), (&lse_out).into()], &checked.spans())?;
-    let mut lce = executor(options, checked.shape)?;
-    let forward = py.detach(|| {
+    let forward = with_executor(py, options, checked.shape, |lce| {
         // SAFETY: the caller's frame holds every tensor for this call; the outputs were checked
         // disjoint from the inputs, so nothing writes what `inputs` reads.
         let inputs = unsafe { checked.inputs() };
         lce.forward(&inputs)
-    });
-    write_forward(forward.map_err(to_py)?, (&loss_out, &lse_out));
+    })?;
+    write_forward(forward, (&loss_out, &lse_out));
     Ok(())
 }
 
@@ -300,8 +349,7 @@ pub fn lce_forward_backward(
     let mut out_spans = vec![(&loss_out).into(), (&lse_out).into(), (&dx).into(), (&dw).into()];
     out_spans.extend(dbias.iter().map(Span::from));
     check_disjoint(&out_spans, &checked.spans())?;
-    let mut lce = executor(options, checked.shape)?;
-    let forward = py.detach(|| {
+    let forward = with_executor(py, options, checked.shape, |lce| {
         // SAFETY: every tensor is held by the caller's frame for this call; the outputs were
         // checked disjoint from each other and from every input, so the `&mut` are exclusive.
         let (inputs, out) = unsafe {
@@ -313,8 +361,8 @@ pub fn lce_forward_backward(
             (checked.inputs(), out)
         };
         lce.forward_backward_into(&inputs, GradOutput::Scalar(1.0), out)
-    });
-    write_forward(forward.map_err(to_py)?, (&loss_out, &lse_out));
+    })?;
+    write_forward(forward, (&loss_out, &lse_out));
     Ok(())
 }
 
@@ -364,8 +412,7 @@ pub fn lce_backward(
     let mut out_spans = vec![(&dx).into(), (&dw).into()];
     out_spans.extend(dbias.iter().map(Span::from));
     check_disjoint(&out_spans, &inputs_spans)?;
-    let mut lce = executor(options, checked.shape)?;
-    let result = py.detach(|| {
+    with_executor(py, options, checked.shape, |lce| {
         // SAFETY: every tensor is held by the caller's frame for this call; the outputs were
         // checked disjoint from each other and from every input, so the `&mut` are exclusive.
         let (inputs, lse, grad_loss, grad_lse, out) = unsafe {
@@ -378,6 +425,5 @@ pub fn lce_backward(
         };
         let grad = if per_token { GradOutput::PerToken(grad_loss) } else { GradOutput::Scalar(grad_loss[0]) };
         lce.backward_into(&inputs, lse, ring_dtp::Upstream::loss(grad).with_dlse(grad_lse), out)
-    });
-    result.map_err(to_py)
+    })
 }

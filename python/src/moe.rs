@@ -324,17 +324,20 @@ fn prepare<T: TorchElement>(
     Ok((tensors, shape))
 }
 
-/// The cached executor of the agreed shape's plan (a new one, its working set reserved once,
-/// when the plan changed).
-fn executor_for(options: &MoEOptions, shape: Shape) -> PyResult<std::sync::MutexGuard<'_, Option<Executor>>> {
-    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
-    let mut cached =
-        options.executor.lock().map_err(|_| PyRuntimeError::new_err("a previous call panicked"))?;
+/// The cached executor of `plan` in `cached` (a new one, its working set reserved once, when
+/// the plan changed).
+fn executor_for(cached: &mut Option<Executor>, plan: Plan) -> llep::Result<&mut Executor> {
     if cached.as_ref().is_none_or(|e| e.plan() != &plan) {
         *cached = None; // the old working set goes before the new one is reserved
-        *cached = Some(Executor::new(plan, Device::Cpu).map_err(to_py)?);
+        *cached = Some(Executor::new(plan, Device::Cpu)?);
     }
-    Ok(cached)
+    cached.as_mut().ok_or(llep::Error::Internal { invariant: "an executor was cached just above" })
+}
+
+/// Locks `options`' executor; called with the GIL released (a thread waiting for the lock must
+/// not hold the GIL that the thread inside needs for its collectives).
+fn locked(options: &MoEOptions) -> std::sync::MutexGuard<'_, Option<Executor>> {
+    options.executor.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 type Comm = Option<Box<dyn Communicator>>;
@@ -351,16 +354,17 @@ fn forward_typed<T: TorchElement + LayerElement>(
     let n = tensors.ids.len() / shape.top_k.max(1);
     let y_out = TensorRef::<f32>::new("y_out", y_out, &[Some(n), Some(shape.hidden)])?;
     let counts_out = TensorRef::<i64>::new("counts_out", counts_out, &[Some(shape.experts)])?;
-    let mut cached = executor_for(options, shape)?;
-    let executor = cached.as_mut().ok_or_else(|| PyRuntimeError::new_err("no executor was cached"))?;
+    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
     let ran = detached(py, comm, |comm| -> llep::Result<_> {
+        let mut cached = locked(options);
+        let executor = executor_for(&mut cached, plan)?;
         // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
         let inputs = unsafe { tensors.inputs() };
         let schedule = executor.schedule(comm, &inputs.routing)?;
         let y = executor.forward(comm, &schedule, &inputs)?;
-        Ok((y, schedule, comm.rank()))
+        Ok((y, schedule, comm.rank(), executor.workspace_bytes()))
     })?;
-    let (y, schedule, me) = ran.map_err(to_py)?;
+    let (y, schedule, me, workspace) = ran.map_err(to_py)?;
     // SAFETY: both outputs were made by the caller for this call and are read by nothing else.
     let (y_dst, counts_dst) = unsafe { (y_out.as_mut_slice(), counts_out.as_mut_slice()) };
     y_dst.copy_from_slice(&y);
@@ -368,7 +372,7 @@ fn forward_typed<T: TorchElement + LayerElement>(
         *c = schedule.assignment().counts().load(e) as i64;
     }
     let rows = received_rows_high_water(&schedule, me);
-    Ok((schedule.rounds(), rows, rows * shape.hidden * shape.elem_bytes(), executor.workspace_bytes()))
+    Ok((schedule.rounds(), rows, rows * shape.hidden * shape.elem_bytes(), workspace))
 }
 
 /// The most rows rank `me` receives in one round.
@@ -421,9 +425,10 @@ fn backward_typed<T: TorchElement + LayerElement>(
     let dw = TensorRef::<f32>::new("d_topk_weights", dw, &[Some(n), Some(k)])?;
     let dgu = TensorRef::<f32>::new("d_gate_up_proj", dgu, &[Some(m), Some(2 * i), Some(h)])?;
     let dd = TensorRef::<f32>::new("d_down_proj", dd, &[Some(m), Some(h), Some(i)])?;
-    let mut cached = executor_for(options, shape)?;
-    let executor = cached.as_mut().ok_or_else(|| PyRuntimeError::new_err("no executor was cached"))?;
+    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
     let grads = detached(py, comm, |comm| -> llep::Result<_> {
+        let mut cached = locked(options);
+        let executor = executor_for(&mut cached, plan)?;
         // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
         let (inputs, dy) = unsafe { (tensors.inputs(), dy.as_slice()) };
         let schedule = executor.schedule(comm, &inputs.routing)?;

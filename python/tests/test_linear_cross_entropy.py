@@ -333,3 +333,50 @@ def test_cuda_working_set_is_torchs_and_within_the_plan():
     assert peak <= workspace + grads + (8 << 20), (peak, workspace, grads)
     ref = torch.nn.functional.cross_entropy(x.detach().double() @ w.detach().double().T, t)
     assert rel(loss.detach(), ref) <= 1e-5
+
+
+def test_the_plan_and_working_set_are_made_once_per_shape_and_options():
+    from flatpeak import _flatpeak as ext
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 8, generator=g, requires_grad=True)
+    w = torch.randn(30, 8, generator=g, requires_grad=True)
+    t = torch.randint(0, 30, (20,), generator=g)
+    ext.clear_loss_executors()
+    for _ in range(3):  # the fused path
+        linear_cross_entropy(x, w, t).backward()
+    assert ext.cached_loss_executors() == 1
+    loss, lse = linear_cross_entropy(x, w, t, return_lse=True)  # forward, then backward: the same plan
+    (loss + lse.sum()).backward()
+    assert ext.cached_loss_executors() == 1
+    linear_cross_entropy(x[:5], w, t[:5]).backward()  # another shape
+    linear_cross_entropy(x, w, t, z_loss=1e-4).backward()  # other options
+    assert ext.cached_loss_executors() == 3
+    ext.clear_loss_executors()
+    assert ext.cached_loss_executors() == 0
+
+
+def test_threads_sharing_the_cached_executor_neither_deadlock_nor_race():
+    import threading
+
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(64, 16, generator=g), torch.randn(100, 16, generator=g)
+    t = torch.randint(0, 100, (64,), generator=g)
+    want = F.cross_entropy(x @ w.T, t)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(20):
+                results.append(linear_cross_entropy(x, w, t))
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), "a thread is stuck"
+    assert not errors, errors
+    assert len(results) == 80 and all(torch.allclose(r, want, rtol=1e-5, atol=1e-6) for r in results)

@@ -139,3 +139,27 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.allclose(compiled, eager, rtol=1e-6, atol=1e-7)
     for p, g in zip(model.parameters(), eager_grads):
         assert torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7)
+
+
+def test_threads_sharing_the_cached_executor_neither_deadlock_nor_race():
+    import threading
+
+    x, ids, w, gate_up, down, _ = workers.global_problem(torch, 1, [32], "random", 13)
+    want = moe_swiglu(x, ids, w, gate_up, down)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(10):
+                results.append(moe_swiglu(x, ids, w, gate_up, down))
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), "a thread is stuck"
+    assert not errors, errors
+    assert len(results) == 40 and all(torch.equal(r, want) for r in results)
