@@ -17,6 +17,7 @@ mod cuda_adamw;
 mod error;
 mod loss;
 mod moe;
+mod ring_loss;
 mod tensor;
 mod torch_group;
 
@@ -31,6 +32,8 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loss::lce_forward_backward, m)?)?;
     m.add_function(wrap_pyfunction!(loss::cached_loss_executors, m)?)?;
     m.add_function(wrap_pyfunction!(loss::clear_loss_executors, m)?)?;
+    m.add_function(wrap_pyfunction!(ring_loss::lce_ring_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(ring_loss::lce_ring_backward, m)?)?;
     m.add("DEFAULT_BUDGET_BYTES", loss::DEFAULT_BUDGET_BYTES)?;
     m.add_class::<moe::MoEOptions>()?;
     m.add_function(wrap_pyfunction!(moe::moe_forward, m)?)?;

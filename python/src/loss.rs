@@ -118,22 +118,22 @@ impl LossOptions {
 }
 
 /// X and W as one dtype, read in place.
-enum Operands {
+pub(crate) enum Operands {
     F32(TensorRef<f32>, TensorRef<f32>),
     Bf16(TensorRef<bf16>, TensorRef<bf16>),
 }
 
 /// One call's checked tensors: `(input, weight, target, bias, token_weights)`.
-struct Checked {
-    operands: Operands,
-    target: TensorRef<i64>,
-    bias: Option<TensorRef<f32>>,
-    weights: Option<TensorRef<f32>>,
-    shape: Shape,
+pub(crate) struct Checked {
+    pub(crate) operands: Operands,
+    pub(crate) target: TensorRef<i64>,
+    pub(crate) bias: Option<TensorRef<f32>>,
+    pub(crate) weights: Option<TensorRef<f32>>,
+    pub(crate) shape: Shape,
 }
 
 impl Checked {
-    fn new(args: &TensorArgs<'_>) -> PyResult<Self> {
+    pub(crate) fn new(args: &TensorArgs<'_>) -> PyResult<Self> {
         #[cfg(not(feature = "cuda"))]
         if let TensorDevice::Cuda(_) = device_of("input", &args.input)? {
             return Err(crate::tensor::cuda_not_built("input"));
@@ -165,7 +165,7 @@ impl Checked {
         Ok(Self { operands, target, bias, weights, shape: Shape { tokens: n, hidden: d, vocab: v, dtype } })
     }
 
-    fn spans(&self) -> Vec<Span> {
+    pub(crate) fn spans(&self) -> Vec<Span> {
         let mut spans: Vec<Span> = match &self.operands {
             Operands::F32(x, w) => vec![x.into(), w.into()],
             Operands::Bf16(x, w) => vec![x.into(), w.into()],
@@ -181,7 +181,7 @@ impl Checked {
     /// # Safety
     /// The tensors must outlive the returned borrow, and nothing may write them meanwhile (the
     /// outputs were checked disjoint from them).
-    unsafe fn inputs(&self) -> Inputs<'_> {
+    pub(crate) unsafe fn inputs(&self) -> Inputs<'_> {
         // SAFETY: the caller keeps the tensors alive and unwritten for the borrow; each
         // `TensorRef` was checked (CPU, contiguous, dtype, shape, alignment) in `new`.
         let (x, w) = unsafe {

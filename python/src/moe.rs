@@ -12,18 +12,18 @@
 use std::sync::Mutex;
 
 use flatpeak_common::comm::{agree_on_inputs, all_gather_words};
-use flatpeak_common::{Communicator, ErrorKind, HasErrorKind, LocalGroup, LocalGroupOptions};
+use flatpeak_common::{Communicator, ErrorKind};
 use half::bf16;
 use llep::{
     Budget, Config, DType, Device, Executor, ExpertWeights, LayerElement, PairCap, Plan, RankInputs, Routing,
     Schedule, Scheme, Shape, WeightLayout,
 };
-use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::error::to_py;
+use crate::error::{Refusal, to_py};
 use crate::tensor::{TensorRef, TorchElement, shape_of};
-use crate::torch_group::TorchGroup;
+use crate::torch_group::{Comm, communicator, detached};
 
 /// The MoE layer's options, checked once, with the cached plan and executor
 /// (`flatpeak._flatpeak.MoEOptions`).
@@ -78,55 +78,6 @@ impl MoEOptions {
 
     fn __repr__(&self) -> String {
         format!("MoEOptions({:?}, budget={:?})", self.config, self.budget)
-    }
-}
-
-/// An input refusal as the group agrees on it: its exception kind and message.
-#[derive(Debug)]
-struct Refusal {
-    kind: ErrorKind,
-    message: String,
-}
-
-impl std::fmt::Display for Refusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl HasErrorKind for Refusal {
-    fn error_kind(&self) -> ErrorKind {
-        self.kind
-    }
-}
-
-impl From<flatpeak_common::Error> for Refusal {
-    fn from(e: flatpeak_common::Error) -> Self {
-        Self { kind: e.kind(), message: e.to_string() }
-    }
-}
-
-impl Refusal {
-    fn from_py(py: Python<'_>, e: PyErr) -> Self {
-        let kind = if e.is_instance_of::<PyTypeError>(py) {
-            ErrorKind::Type
-        } else if e.is_instance_of::<PyValueError>(py) {
-            ErrorKind::Value
-        } else if e.is_instance_of::<PyMemoryError>(py) {
-            ErrorKind::Memory
-        } else {
-            ErrorKind::Runtime
-        };
-        Self { kind, message: e.value(py).to_string() }
-    }
-
-    fn into_py(self) -> PyErr {
-        match self.kind {
-            ErrorKind::Type => PyTypeError::new_err(self.message),
-            ErrorKind::Value => PyValueError::new_err(self.message),
-            ErrorKind::Memory => PyMemoryError::new_err(self.message),
-            ErrorKind::Runtime => PyRuntimeError::new_err(self.message),
-        }
     }
 }
 
@@ -279,33 +230,6 @@ impl<T: TorchElement> Tensors<T> {
     }
 }
 
-/// Runs `f` on `comm` with the GIL released (the torch group's collectives take it back for each
-/// call). The communicator moves into the closure and back: it is `Send`, not `Sync`.
-fn detached<R: Send>(
-    py: Python<'_>,
-    comm: &mut Option<Box<dyn Communicator>>,
-    f: impl FnOnce(&dyn Communicator) -> R + Send,
-) -> PyResult<R> {
-    let owned = comm.take().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
-    let (owned, out) = py.detach(move || {
-        let out = f(owned.as_ref());
-        (owned, out)
-    });
-    *comm = Some(owned);
-    Ok(out)
-}
-
-/// The group's communicator: the caller's torch group, or one process alone.
-fn communicator(py: Python<'_>, group: Option<Bound<'_, PyAny>>) -> PyResult<Box<dyn Communicator>> {
-    match group {
-        Some(g) => Ok(Box::new(TorchGroup::new(py, g)?)),
-        None => {
-            let mut alone = LocalGroup::endpoints(1, LocalGroupOptions::default()).map_err(to_py)?;
-            Ok(Box::new(alone.pop().ok_or_else(|| PyRuntimeError::new_err("a group of one has one rank"))?))
-        }
-    }
-}
-
 /// What a forward reports: `(rounds, recv_high_water_rows, recv_high_water_bytes,
 /// workspace_bytes)`.
 type ForwardStats = (usize, usize, usize, usize);
@@ -339,8 +263,6 @@ fn executor_for(cached: &mut Option<Executor>, plan: Plan) -> llep::Result<&mut 
 fn locked(options: &MoEOptions) -> std::sync::MutexGuard<'_, Option<Executor>> {
     options.executor.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
-
-type Comm = Option<Box<dyn Communicator>>;
 
 fn forward_typed<T: TorchElement + LayerElement>(
     py: Python<'_>,

@@ -5,15 +5,27 @@
 //! for the call) on tensors that wrap the schedule's own send and receive buffers without a copy.
 //! Only collectives that gloo and NCCL both offer are used: `all_to_all_single` with split sizes
 //! (every exchange of llep's schedule, and the all-gathers of its counts and of the input
-//! verdicts) and `all_reduce`. Point-to-point messages (`batch_isend_irecv` can hang on gloo)
-//! are refused with a typed error.
+//! verdicts) and `all_reduce`.
+//!
+//! Point-to-point messages (ring-dtp's rings) are not sent as torch point-to-point calls
+//! (`batch_isend_irecv` can hang on gloo). [`Mailbox`] carries them over the same collective: a
+//! send is buffered, and a receive that finds nothing from its peer posts every rank's buffered
+//! messages in one exchange (`all_to_all_single` of the byte counts, then of the framed
+//! messages). This is exact for SPMD schedules, where every rank issues the same sequence of
+//! sends and receives (to the same ring neighbours), as flatpeak's rings do: every rank then
+//! runs out of messages at the same receive, so the exchanges pair up. A receive that the
+//! exchange leaves empty-handed (sequences that differ) is an error, not a wait. The buffering
+//! holds one step's messages per link, what the ring's plan already counts as in flight.
 //!
 //! A failing collective (a peer that died, the group's timeout) comes back as the Python
 //! exception `torch.distributed` raised, carried in [`flatpeak_common::Error::Collective`].
 
+use std::collections::VecDeque;
 use std::os::raw::{c_char, c_int};
+use std::sync::Mutex;
 
-use flatpeak_common::{Communicator, Error, ReduceOp, Result};
+use flatpeak_common::{Communicator, Error, LocalGroup, LocalGroupOptions, ReduceOp, Result};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -29,6 +41,46 @@ pub struct TorchGroup {
     group: Py<PyAny>,
     rank: usize,
     world: usize,
+    mailbox: Mutex<Mailbox>,
+}
+
+/// Point-to-point messages over collectives (see the module's documentation): the messages this
+/// rank has sent and not yet posted, and those it has been delivered and not yet taken, by peer.
+#[derive(Debug)]
+struct Mailbox {
+    /// Per peer: the framed messages (an 8-byte little-endian length, then the bytes) to post.
+    outbox: Vec<Vec<u8>>,
+    /// Per peer: delivered messages, oldest first.
+    inbox: Vec<VecDeque<Vec<u8>>>,
+}
+
+/// Bytes of a message's length frame.
+const FRAME: usize = std::mem::size_of::<u64>();
+
+impl Mailbox {
+    fn new(world: usize) -> Self {
+        Self { outbox: vec![Vec::new(); world], inbox: vec![VecDeque::new(); world] }
+    }
+
+    fn post(&mut self, peer: usize, data: &[u8]) {
+        let frame = &mut self.outbox[peer];
+        frame.extend_from_slice(&(data.len() as u64).to_le_bytes());
+        frame.extend_from_slice(data);
+    }
+
+    /// Splits `bytes` from `peer` into its framed messages.
+    fn deliver(&mut self, peer: usize, mut bytes: &[u8]) -> Result<()> {
+        while !bytes.is_empty() {
+            let len = bytes
+                .get(..FRAME)
+                .and_then(|b| usize::try_from(u64::from_le_bytes(b.try_into().ok()?)).ok())
+                .filter(|&len| len <= bytes.len() - FRAME)
+                .ok_or(Error::Internal { invariant: "point-to-point frames from a peer are well formed" })?;
+            self.inbox[peer].push_back(bytes[FRAME..FRAME + len].to_vec());
+            bytes = &bytes[FRAME + len..];
+        }
+        Ok(())
+    }
 }
 
 impl TorchGroup {
@@ -56,7 +108,51 @@ impl TorchGroup {
             group: group.unbind(),
             rank,
             world,
+            mailbox: Mutex::new(Mailbox::new(world)),
         })
+    }
+
+    /// Posts every rank's buffered messages: one exchange of the byte counts, one of the bytes.
+    fn exchange(&self, mailbox: &mut Mailbox) -> Result<()> {
+        let counts: Vec<usize> = mailbox.outbox.iter().map(Vec::len).collect();
+        let words: Vec<u8> = counts.iter().flat_map(|&c| (c as u64).to_le_bytes()).collect();
+        let mut incoming = vec![0u8; FRAME * self.world];
+        let frames = vec![FRAME; self.world];
+        self.all_to_all_v_bytes(&words, &frames, &mut incoming, &frames)?;
+        let incoming = incoming
+            .chunks_exact(FRAME)
+            .map(|w| {
+                let mut word = [0u8; FRAME];
+                word.copy_from_slice(w);
+                let count = u64::from_le_bytes(word);
+                usize::try_from(count).map_err(|_| Error::SizeOverflow { what: "point-to-point bytes" })
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        let send: Vec<u8> = mailbox.outbox.iter_mut().flat_map(std::mem::take).collect();
+        let total = incoming.iter().try_fold(0usize, |sum, &c| sum.checked_add(c));
+        let mut recv = vec![0u8; total.ok_or(Error::SizeOverflow { what: "point-to-point bytes" })?];
+        self.all_to_all_v_bytes(&send, &counts, &mut recv, &incoming)?;
+        let mut start = 0;
+        for (peer, &len) in incoming.iter().enumerate() {
+            mailbox.deliver(peer, &recv[start..start + len])?;
+            start += len;
+        }
+        Ok(())
+    }
+
+    fn mailbox(&self) -> std::sync::MutexGuard<'_, Mailbox> {
+        self.mailbox.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
+        if peer < self.world {
+            Ok(())
+        } else {
+            Err(Error::Collective {
+                op,
+                message: format!("peer {peer} is not a rank of a group of {}", self.world),
+            })
+        }
     }
 
     /// A uint8 tensor over `len` bytes at `ptr` (an empty tensor for none).
@@ -100,20 +196,35 @@ impl Communicator for TorchGroup {
         self.world
     }
 
-    fn send_bytes(&self, _peer: usize, _data: &[u8]) -> Result<()> {
-        Err(Error::Collective {
-            op: "send",
-            message: "point-to-point messages are not offered over a torch.distributed group: flatpeak's \
-                      schedules exchange through all_to_all_single there"
-                .into(),
-        })
+    fn send_bytes(&self, peer: usize, data: &[u8]) -> Result<()> {
+        self.check_peer("send", peer)?;
+        self.mailbox().post(peer, data);
+        Ok(())
     }
 
-    fn recv_bytes(&self, _peer: usize, _out: &mut [u8]) -> Result<()> {
-        Err(Error::Collective {
+    fn recv_bytes(&self, peer: usize, out: &mut [u8]) -> Result<()> {
+        self.check_peer("recv", peer)?;
+        let mut mailbox = self.mailbox();
+        if mailbox.inbox[peer].is_empty() {
+            self.exchange(&mut mailbox)?;
+        }
+        let message = mailbox.inbox[peer].pop_front().ok_or_else(|| Error::Collective {
             op: "recv",
-            message: "point-to-point messages are not offered over a torch.distributed group".into(),
-        })
+            message: format!(
+                "rank {} expected a message from rank {peer} and none was posted: the ranks' \
+                 point-to-point sequences differ",
+                self.rank
+            ),
+        })?;
+        if message.len() != out.len() {
+            return Err(Error::ShapeMismatch {
+                what: "point-to-point message bytes",
+                expected: out.len(),
+                got: message.len(),
+            });
+        }
+        out.copy_from_slice(&message);
+        Ok(())
     }
 
     fn all_to_all_v_bytes(
@@ -172,5 +283,39 @@ impl Communicator for TorchGroup {
 
     fn barrier(&self) -> Result<()> {
         self.all_reduce_f32(&mut [0.0], ReduceOp::Sum)
+    }
+}
+
+/// A call's communicator, moved out while the GIL is released.
+pub(crate) type Comm = Option<Box<dyn Communicator>>;
+
+/// Runs `f` on `comm` with the GIL released (the torch group's collectives take it back for each
+/// call). The communicator moves into the closure and back: it is `Send`, not `Sync`.
+pub(crate) fn detached<R: Send>(
+    py: Python<'_>,
+    comm: &mut Option<Box<dyn Communicator>>,
+    f: impl FnOnce(&dyn Communicator) -> R + Send,
+) -> PyResult<R> {
+    let owned = comm.take().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
+    let (owned, out) = py.detach(move || {
+        let out = f(owned.as_ref());
+        (owned, out)
+    });
+    *comm = Some(owned);
+    Ok(out)
+}
+
+/// The group's communicator: the caller's torch group, or one process alone.
+pub(crate) fn communicator(
+    py: Python<'_>,
+    group: Option<Bound<'_, PyAny>>,
+) -> PyResult<Box<dyn Communicator>> {
+    match group {
+        Some(g) => Ok(Box::new(TorchGroup::new(py, g)?)),
+        None => {
+            let mut alone =
+                LocalGroup::endpoints(1, LocalGroupOptions::default()).map_err(crate::error::to_py)?;
+            Ok(Box::new(alone.pop().ok_or_else(|| PyRuntimeError::new_err("a group of one has one rank"))?))
+        }
     }
 }

@@ -5,44 +5,17 @@ rank; a dead rank makes the others raise; ``torch.compile(fullgraph=True)``."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _moe_workers as workers  # noqa: E402
+from _spawn import WORLD, spawn  # noqa: E402
 
 from flatpeak.torch import MoEExperts, moe_swiglu  # noqa: E402
-
-WORLD = 4
-
-
-def spawn(target, world: int = WORLD, timeout: float = 300.0, reporting: int = WORLD):
-    """Runs ``target(rank, world, init_file, queue)`` in ``world`` spawned processes; returns the
-    reports of the first ``reporting`` ranks to report (a rank that never reports fails the
-    test after ``timeout`` seconds)."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=target, args=(r, world, init_file, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        reports = {}
-        try:
-            for _ in range(reporting):
-                rank, status, payload = queue.get(timeout=timeout)
-                reports[rank] = (status, payload)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    return reports
 
 
 def test_expert_parallel_over_gloo_matches_the_float64_reference():

@@ -407,8 +407,14 @@ fn bad_input_is_a_typed_error_on_every_rank() {
         results[0].as_ref().unwrap_err(),
         &Error::TargetOutOfRange { token: 3, target: 30, vocab: 30 }
     );
-    // Rank 1's inputs are fine: it learns that its peer is gone instead of hanging.
-    assert!(results[1].is_err());
+    // Rank 1's inputs are fine: the verdicts are agreed on before the first message, so it
+    // raises the peer's refusal, naming it, instead of waiting on the ring.
+    assert!(
+        matches!(&results[1], Err(Error::Common(flatpeak_common::Error::PeerInput { rank: 0, message, .. }))
+            if message.contains("target 30 of token 3")),
+        "{:?}",
+        results[1]
+    );
     // A negative weight on rank 1's tokens: rank 1 names it; rank 0 learns its peer is gone.
     let mut weights = vec![1.0f32; c.n];
     weights[plan.tokens(1).start + 2] = -1.0;
@@ -424,7 +430,53 @@ fn bad_input_is_a_typed_error_on_every_rank() {
         ring::forward(comm, &plan, &inputs)
     });
     assert!(matches!(results[1], Err(Error::InvalidWeight { token: 2, weight: -1.0 })), "{:?}", results[1]);
-    assert!(results[0].is_err());
+    assert!(
+        matches!(&results[0], Err(Error::Common(flatpeak_common::Error::PeerInput { rank: 1, .. }))),
+        "{:?}",
+        results[0]
+    );
+    // A bias on one rank only would change which messages the ring sends: refused on both.
+    let bias = [0.5f32; 30];
+    let results = on_ranks(2, |comm: &LocalComm| {
+        use flatpeak_common::comm::Communicator;
+        let (t, s) = (plan.tokens(comm.rank()), plan.shard(comm.rank()));
+        let inputs = RankInputs::new(
+            Matrix::F32(&c.x[t.start * 8..t.end * 8]),
+            Matrix::F32(&c.w[s.start * 8..s.end * 8]),
+            &c.targets[t],
+        );
+        let inputs = if comm.rank() == 0 { inputs.with_bias(&bias[s]) } else { inputs };
+        ring::forward(comm, &plan, &inputs)
+    });
+    for r in results {
+        assert!(matches!(&r, Err(Error::InvalidConfig { field: "bias", .. })), "{r:?}");
+    }
+    // Ranks that planned different rings: refused on both before any message.
+    let other = RingPlan::new(
+        &config,
+        Shape { tokens: 20, hidden: 8, vocab: 30, dtype: DType::F32 },
+        Budget::mib(64),
+        RingOptions::default().ranks(2).ring(if plan.kind() == RingKind::Weight {
+            RingKind::Activation
+        } else {
+            RingKind::Weight
+        }),
+    )
+    .unwrap();
+    let results = on_ranks(2, |comm: &LocalComm| {
+        use flatpeak_common::comm::Communicator;
+        let mine = if comm.rank() == 0 { &plan } else { &other };
+        let (t, s) = (mine.tokens(comm.rank()), mine.shard(comm.rank()));
+        let inputs = RankInputs::new(
+            Matrix::F32(&c.x[t.start * 8..t.end * 8]),
+            Matrix::F32(&c.w[s.start * 8..s.end * 8]),
+            &c.targets[t],
+        );
+        ring::forward(comm, mine, &inputs)
+    });
+    for r in results {
+        assert!(matches!(&r, Err(Error::InvalidConfig { field: "plan", .. })), "{r:?}");
+    }
     // A plan for another world size, and shards of the wrong shape.
     let results = on_ranks(3, |comm: &LocalComm| {
         let inputs = RankInputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..120]), &c.targets[..10]);

@@ -26,20 +26,11 @@ import torch
 from torch import Tensor
 
 from .. import _flatpeak as _ext
+from ._groups import handle as _group_handle
+from ._lce_common import _once_differentiable, _options
+from ._ring_loss import ring_loss as _ring_loss
 
 _REDUCTIONS = ("mean", "sum", "none")
-
-
-def _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision):
-    return _ext.LossOptions(
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        budget_bytes=budget_bytes,
-        precision=precision,
-    )
 
 
 def _cuda_path(input: Tensor) -> bool:
@@ -57,23 +48,6 @@ def _workspace(options, input: Tensor, weight: Tensor) -> Tensor:
 
 def _as_f32(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.to(torch.float32)
-
-
-_NOT_TWICE = ("flatpeak's linear_cross_entropy is differentiable once: its backward is not "
-              "differentiable (a gradient penalty through it would be silently zero)")
-
-
-def _once_differentiable(grads, needs_graph: bool):
-    """``grads`` as backward returns them; when the caller asked for a graph of the backward
-    (``create_graph=True``) through inputs that require grad, each gradient tensor carries a node
-    that raises if it is differentiated, as torch's ``once_differentiable`` does, instead of
-    being a constant whose derivative is silently dropped."""
-    if not (needs_graph and torch.is_grad_enabled()):
-        return grads
-    tensors = [g for g in grads if isinstance(g, Tensor)]
-    refuse = torch._C._functions.DelayedError(_NOT_TWICE, len(tensors))
-    guarded = iter(refuse(*[g.detach().requires_grad_() for g in tensors]))
-    return tuple(next(guarded) if isinstance(g, Tensor) else g for g in grads)
 
 
 def _check_tensors(tensors) -> None:
@@ -320,6 +294,8 @@ def linear_cross_entropy(
     return_lse: bool = False,
     budget_bytes: Optional[int] = None,
     precision: str = "native",
+    group=None,
+    ring: Optional[str] = None,
 ):
     r"""Cross-entropy of the linear projection ``input @ weight.T + bias`` against ``target``,
     exact, without materializing the ``tokens x vocab`` logits.
@@ -358,12 +334,26 @@ def linear_cross_entropy(
             the logit gradient kept float32; the same as ``"native"`` for float32 inputs) or
             ``"tf32"`` (float32 CUDA tensors only: TF32 tensor-core GEMMs, *not exact*, about
             1e-3 relative; anything else raises ``ValueError``).
+        group: a ``torch.distributed`` process group of ``P`` ranks to run the vocabulary-parallel
+            loss over (CPU tensors, gloo), or ``None`` for this process alone. Each rank passes its
+            own tokens (any number) and its shard of ``weight`` (and ``bias``): rank ``r`` holds
+            vocabulary rows ``r * ceil(V / P)`` onwards of ``V``, the sum of the shards' rows (an
+            even split when ``P`` divides ``V``). The loss is the one over every rank's tokens and
+            the whole vocabulary (the same on every rank); each rank gets its own tokens' ``dx``
+            and its shard's ``dw``, as one process holding everything would. The ``[tokens, V/P]``
+            logits shard of Megatron's vocab-parallel loss is never made. Bad input on one rank
+            raises on every rank.
+        ring: with ``group``: ``"weight"`` (the weight shards circulate; suits many tokens),
+            ``"activation"`` (the tokens circulate; suits a large vocabulary) or ``None`` (the plan
+            picks the one whose travelling unit is smaller).
 
     Accumulation is float32 for both dtypes; the loss has the dtype of ``input``, the lse is
     float32.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
+    if ring is not None and group is None:
+        raise ValueError(f"ring={ring!r} needs group= (the process group whose ranks form the ring)")
     _check_tensors((("input", input), ("weight", weight), ("target", target), ("bias", bias),
                     ("token_weights", token_weights)))
     lead_shape, batched = target.shape, input.dim() == 3
@@ -389,11 +379,15 @@ def linear_cross_entropy(
     args = (input, weight, target, _as_f32(bias), token_weights, int(ignore_index), reduction,
             float(label_smoothing), float(z_loss), None if softcap is None else float(softcap), budget_bytes,
             str(precision))
-    if _fuses(input, weight, bias, reduction, return_lse):
+    if group is not None:
+        # Every check from here on is made on every rank and agreed on before the ring runs.
+        loss, lse = _ring_loss(args, _group_handle(group), ring)
+    elif _fuses(input, weight, bias, reduction, return_lse):
         if torch.compiler.is_compiling():
             return torch.ops.flatpeak.linear_cross_entropy_fused(*args)[0]
         return _EagerFused.apply(*args)
-    loss, lse = torch.ops.flatpeak.linear_cross_entropy_forward(*args)
+    else:
+        loss, lse = torch.ops.flatpeak.linear_cross_entropy_forward(*args)
     if reduction == "none":
         loss = loss.reshape(lead_shape)
     lse = lse.reshape(lead_shape)

@@ -24,25 +24,12 @@ import torch
 from torch import Tensor
 
 from .. import _flatpeak as _ext
-from ._loss import _once_differentiable
+from ._groups import handle as _handle
+from ._groups import resolve as _group
+from ._groups import world_size as _world_size
+from ._lce_common import _once_differentiable
 
 _SCHEMES = ("pipelined", "llep", "standard")
-
-#: Process groups by handle (custom ops take numbers, not groups); 0 is "no group".
-_GROUPS: dict = {}
-
-
-def _handle(group) -> int:
-    if group is None:
-        return 0
-    handle = id(group)
-    _GROUPS[handle] = group
-    return handle
-
-
-def _group(handle: int):
-    return None if handle == 0 else _GROUPS[handle]
-
 
 @functools.lru_cache(maxsize=64)
 def _options(scheme: str, pair_cap_rows: Optional[int], budget_bytes: Optional[int],
@@ -52,12 +39,6 @@ def _options(scheme: str, pair_cap_rows: Optional[int], budget_bytes: Optional[i
     return _ext.MoEOptions(scheme=scheme, pair_cap_rows=pair_cap_rows, budget_bytes=budget_bytes,
                            max_tokens_factor=max_tokens_factor, min_tokens_per_gemm=min_tokens_per_gemm,
                            imbalance_threshold=imbalance_threshold)
-
-
-def _world_size(group) -> int:
-    if group is None:
-        return 1
-    return torch.distributed.get_world_size(group)
 
 
 class MoEStats(NamedTuple):

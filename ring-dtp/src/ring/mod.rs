@@ -55,7 +55,7 @@ pub(crate) use schedule::run_ring;
 #[cfg(feature = "cuda")]
 pub(crate) use schedule::{RingOps, Step};
 
-use flatpeak_common::comm::{Communicator, CommunicatorExt};
+use flatpeak_common::comm::{Communicator, CommunicatorExt, agree_on_inputs, all_gather_words};
 use flatpeak_common::{DType, Workspace};
 
 use crate::config::Config;
@@ -64,7 +64,7 @@ use crate::cpu::{
     rounds_gradient,
 };
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, Inputs, Matrix};
+use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix, Upstream};
 use crate::loss::{self, Stats};
 use crate::plan::{RegionKind, RegionSource, RingKind, RingPlan};
 
@@ -156,6 +156,44 @@ fn validate<'a, C: Communicator + ?Sized>(
     Ok(Rank { rank, local })
 }
 
+/// [`validate`] on every rank, agreed on by the group before any data moves: bad input on one
+/// rank is an error on every rank ([`flatpeak_common::Error::PeerInput`] on the others), never a
+/// wait. The ranks then check that they run one schedule: the same plan, and a bias on every
+/// rank or on none (it decides which messages the ring sends).
+fn validate_agreed<'a, C: Communicator + ?Sized>(
+    comm: &C,
+    plan: &RingPlan,
+    inputs: &RankInputs<'a>,
+    local_check: impl FnOnce(&Rank<'a>) -> Result<()>,
+) -> Result<Rank<'a>> {
+    let local =
+        validate(comm, plan.config(), plan, inputs).and_then(|rank| local_check(&rank).map(|()| rank));
+    let rank = agree_on_inputs(comm, local)?;
+    let mine = [plan_fingerprint(plan), u64::from(inputs.bias_shard.is_some())];
+    let all = all_gather_words(comm, &mine)?;
+    let column = |i: usize| all.chunks_exact(mine.len()).map(|w| w[i]).collect::<Vec<u64>>();
+    if column(0).iter().any(|&f| f != mine[0]) {
+        return Err(Error::invalid_config(
+            "plan",
+            column(0),
+            "the same ring plan on every rank (the ranks' shapes, budgets, rings or options differ)",
+        ));
+    }
+    if column(1).iter().any(|&b| b != mine[1]) {
+        return Err(Error::invalid_config("bias", column(1), "a bias shard on every rank or on none"));
+    }
+    Ok(rank)
+}
+
+/// A digest of everything in `plan` (the same on every rank that made the same plan).
+fn plan_fingerprint(plan: &RingPlan) -> u64 {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same value in every process of one build.
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    format!("{plan:?}").hash(&mut hasher);
+    hasher.finish()
+}
+
 /// Sums `values` over ranks in f64, in rank order, identically on every rank.
 fn all_sum_f64<C: Communicator + ?Sized, const K: usize>(comm: &C, values: [f64; K]) -> Result<[f64; K]> {
     let p = comm.world_size();
@@ -177,7 +215,7 @@ enum Pass<'a> {
     /// Fold every logit into the statistics.
     Fold(&'a mut Stats),
     /// Form the logit gradient from the saved lse and project it.
-    Grad { coef: &'a [f32], lse: &'a [f32], dlse: Option<&'a [f32]>, grads: &'a mut Gradients },
+    Grad { coef: &'a [f32], lse: &'a [f32], dlse: Option<&'a [f32]>, grads: GradientsMut<'a> },
 }
 
 fn run_pass<C: Communicator + ?Sized>(
@@ -230,14 +268,15 @@ struct RingBackend<'a, C: ?Sized, B, S> {
 }
 
 /// The loss (over all ranks' tokens: the same scalar on every rank, or this rank's per-token
-/// losses) and this rank's tokens' lse.
+/// losses) and this rank's tokens' lse. The inputs are checked on every rank and the verdicts
+/// agreed on before the first message, so bad input on one rank is an error on all of them.
 pub fn forward<C: Communicator + ?Sized>(
     comm: &C,
     plan: &RingPlan,
     inputs: &RankInputs<'_>,
 ) -> Result<Forward> {
     let config = plan.config();
-    let rank = validate(comm, config, plan, inputs)?;
+    let rank = validate_agreed(comm, plan, inputs, |_| Ok(()))?;
     let mut stats = Stats::new(rank.local.n);
     run_pass(comm, config, plan, &rank, Pass::Fold(&mut stats))?;
     let (per_token, lse) = loss::per_token_losses(config, &rank.local, plan.vocab(), &stats);
@@ -256,24 +295,52 @@ pub fn backward<C: Communicator + ?Sized>(
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
-    let config = plan.config();
-    let rank = validate(comm, config, plan, inputs)?;
-    let n = rank.local.n;
-    check("lse (n_r)", n, forward.lse.len())?;
-    if let Some(g) = dlse {
-        check("dlse (n_r)", n, g.len())?;
-    }
-    let [denom] = all_sum_f64(comm, [rank.local.valid_weight(config)])?;
-    let coef = loss::coefficients(config, &rank.local, grad, denom)?;
-    let v_r = plan.shard(rank.rank).len();
+    let (n, v_r, d) = (plan.tokens(comm.rank()).len(), plan.shard(comm.rank()).len(), plan.hidden());
     let mut grads = Gradients {
-        dx: vec![0.0; n * plan.hidden()],
-        dw: vec![0.0; v_r * plan.hidden()],
+        dx: vec![0.0; n * d],
+        dw: vec![0.0; v_r * d],
         dbias: inputs.bias_shard.map(|_| vec![0.0; v_r]),
     };
-    let pass = Pass::Grad { coef: &coef, lse: &forward.lse, dlse, grads: &mut grads };
-    run_pass(comm, config, plan, &rank, pass)?;
+    let out = GradientsMut { dx: &mut grads.dx, dw: &mut grads.dw, dbias: grads.dbias.as_deref_mut() };
+    backward_into(comm, plan, inputs, &forward.lse, Upstream::loss(grad).with_dlse(dlse), out)?;
     Ok(grads)
+}
+
+/// [`backward`] into caller-owned fp32 buffers (their contents are overwritten): dX of this
+/// rank's tokens (n_r×D), dW and dbias of its shard (v_r×D, v_r), from forward's `lse` (n_r).
+/// The lengths are checked with the inputs, on every rank, before the first message.
+pub fn backward_into<C: Communicator + ?Sized>(
+    comm: &C,
+    plan: &RingPlan,
+    inputs: &RankInputs<'_>,
+    lse: &[f32],
+    upstream: Upstream<'_>,
+    out: GradientsMut<'_>,
+) -> Result<()> {
+    let config = plan.config();
+    let rank = validate_agreed(comm, plan, inputs, |rank| {
+        let (n, d, v_r) = (rank.local.n, plan.hidden(), plan.shard(rank.rank).len());
+        check("lse (n_r)", n, lse.len())?;
+        if let Some(g) = upstream.dlse {
+            check("dlse (n_r)", n, g.len())?;
+        }
+        if let GradOutput::PerToken(g) = upstream.grad {
+            check("grad_output (n_r)", n, g.len())?;
+        }
+        crate::inputs::check_gradient_lens((n, d, v_r), inputs.bias_shard.is_some(), out.lens())
+    })?;
+    let [denom] = all_sum_f64(comm, [rank.local.valid_weight(config)])?;
+    let coef = loss::coefficients(config, &rank.local, upstream.grad, denom)?;
+    let GradientsMut { dx, dw, mut dbias } = out;
+    // The rings accumulate into dW (and dX on the activation ring): they start from zero.
+    dx.fill(0.0);
+    dw.fill(0.0);
+    if let Some(db) = dbias.as_deref_mut() {
+        db.fill(0.0);
+    }
+    let grads = GradientsMut { dx, dw, dbias };
+    let pass = Pass::Grad { coef: &coef, lse, dlse: upstream.dlse, grads };
+    run_pass(comm, config, plan, &rank, pass)
 }
 
 /// `forward`, then `backward` with `grad` (4 GEMMs).

@@ -1,0 +1,118 @@
+"""``linear_cross_entropy(..., group=, ring=)``: the vocabulary-parallel loss over a
+``torch.distributed`` process group, ring-dtp's two rings.
+
+Each rank passes its own tokens and its shard of the projection (rank ``r`` of ``P`` holding
+vocabulary rows ``r * ceil(V / P)`` onwards, ``V`` the sum of the shards); the loss is the one over
+every rank's tokens and the whole vocabulary, the same scalar on every rank, and backward gives
+each rank its own tokens' ``dx`` and its shard's ``dw``. The ring runs in Rust; its messages go
+through the group's ``all_to_all_single`` (gloo for CPU tensors). Two ``torch.library`` custom
+ops carry it, wired with ``register_autograd`` as the single-process loss is.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import _flatpeak as _ext
+from ._groups import resolve
+from ._lce_common import _once_differentiable, _options
+
+RINGS = ("weight", "activation")
+
+
+@torch.library.custom_op("flatpeak::linear_cross_entropy_ring_forward", mutates_args=())
+def _forward(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    token_weights: Optional[Tensor],
+    group: int,
+    ring: Optional[str],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: Optional[float],
+    budget_bytes: Optional[int],
+    precision: str,
+) -> Tuple[Tensor, Tensor]:
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
+    n = input.shape[0]
+    loss = torch.empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    lse = torch.empty((n,), dtype=torch.float32)
+    _ext.lce_ring_forward(options, resolve(group), ring, (input, weight, target, bias, token_weights), (loss, lse))
+    return loss.to(input.dtype), lse
+
+
+@_forward.register_fake
+def _forward_fake(input, weight, target, bias, token_weights, group, ring, ignore_index, reduction,
+                  label_smoothing, z_loss, softcap, budget_bytes, precision):
+    n = input.shape[0]
+    return input.new_empty((n,) if reduction == "none" else ()), input.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.custom_op("flatpeak::linear_cross_entropy_ring_backward", mutates_args=())
+def _backward(
+    grad_loss: Tensor,
+    grad_lse: Optional[Tensor],
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    token_weights: Optional[Tensor],
+    lse: Tensor,
+    group: int,
+    ring: Optional[str],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: Optional[float],
+    budget_bytes: Optional[int],
+    precision: str,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
+    dx = torch.empty(input.shape, dtype=torch.float32)
+    dw = torch.empty(weight.shape, dtype=torch.float32)
+    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    upstream = (grad_loss.to(torch.float32).contiguous(),
+                None if grad_lse is None else grad_lse.to(torch.float32).contiguous())
+    _ext.lce_ring_backward(options, resolve(group), ring, (input, weight, target, bias, token_weights), lse,
+                           upstream, (dx, dw, dbias if bias is not None else None))
+    dx = dx.to(input.dtype)
+    return dx, dw.to(weight.dtype), dbias
+
+
+@_backward.register_fake
+def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse, group, ring,
+                   ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision):
+    dbias = input.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    return torch.empty_like(input), torch.empty_like(weight), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    input, weight, target, bias, token_weights, *options = inputs
+    ctx.save_for_backward(input, weight, target, bias, token_weights, output[1])
+    ctx.options = options
+
+
+def _backward_autograd(ctx, grad_loss, grad_lse):
+    input, weight, target, bias, token_weights, lse = ctx.saved_tensors
+    dx, dw, dbias = _backward(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse, *ctx.options)
+    dbias = None if bias is None else dbias
+    needs_graph = any(t is not None and t.requires_grad for t in (input, weight, bias, grad_loss, grad_lse))
+    return _once_differentiable((dx, dw, None, dbias, None), needs_graph) + (None,) * len(ctx.options)
+
+
+_forward.register_autograd(_backward_autograd, setup_context=_setup_context)
+
+
+def ring_loss(args: tuple, group: int, ring: Optional[str]) -> Tuple[Tensor, Tensor]:
+    """The loss and lse of ``args`` (``linear_cross_entropy``'s op arguments) over ``group``."""
+    input, weight, target, bias, token_weights, *options = args
+    return torch.ops.flatpeak.linear_cross_entropy_ring_forward(input, weight, target, bias, token_weights, group,
+                                                               ring, *options)
