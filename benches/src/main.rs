@@ -54,7 +54,8 @@ enum Command {
     /// Per-GPU memory of a long-context MoE training step: a tuned FSDP2 baseline against the
     /// flattened schedules, every peak, which is largest, and the longest context that fits.
     Plan {
-        /// A preset (gpt-oss-120b, Qwen3-235B-A22B, DeepSeek-V3) or a JSON model file.
+        /// A preset (gpt-oss-120b, Qwen3-235B-A22B, DeepSeek-V3), a JSON model file, or a Hugging
+        /// Face transformers config.json of a MoE model.
         #[arg(long)]
         model: String,
         /// Tokens of the sequence; a suffix K or M multiplies by 2^10 or 2^20.

@@ -28,6 +28,7 @@
 //! attention's context-parallel exchange buffers, the allocator's fragmentation, CUDA context and
 //! NCCL buffers, and routing skew in the baseline's dispatch (it only makes the baseline worse).
 
+mod hf_config;
 mod presets;
 
 use std::collections::BTreeMap;
@@ -42,6 +43,7 @@ use ring_dtp::paper::PaperPeaks;
 use ring_dtp::{Config, RingOptions, RingPlan};
 use serde::{Deserialize, Serialize};
 
+pub use hf_config::{from_hf_config, is_hf_config};
 pub use presets::{PRESET_NAMES, preset};
 
 /// Bytes of one transformer layer's recomputed activations per token per hidden unit (bf16,
@@ -90,6 +92,16 @@ pub enum PlanError {
         /// The presets.
         presets: String,
         /// Why the file could not be used.
+        message: String,
+    },
+    /// A transformers `config.json` that does not describe a MoE model flatpeak can plan.
+    #[error("{path} (model_type {model_type}): {message}")]
+    HfConfig {
+        /// The file.
+        path: String,
+        /// Its `model_type`.
+        model_type: String,
+        /// What is missing or wrong, naming the keys.
         message: String,
     },
     /// A crate's plan rejected the shape.
@@ -143,7 +155,9 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
-    /// Reads a preset by name, else a JSON file at that path.
+    /// Reads a preset by name, else a JSON file at that path: this spec's own schema, or a
+    /// Hugging Face transformers `config.json` (one with a `model_type`; see
+    /// [`from_hf_config`]).
     pub fn load(name_or_path: &str) -> Result<Self, PlanError> {
         if let Some(spec) = preset(name_or_path) {
             return Ok(spec);
@@ -154,7 +168,11 @@ impl ModelSpec {
             message,
         };
         let text = std::fs::read_to_string(Path::new(name_or_path)).map_err(|e| unknown(e.to_string()))?;
-        let spec: Self = serde_json::from_str(&text).map_err(|e| unknown(e.to_string()))?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| unknown(e.to_string()))?;
+        if is_hf_config(&json) {
+            return from_hf_config(name_or_path, &json);
+        }
+        let spec: Self = serde_json::from_value(json).map_err(|e| unknown(e.to_string()))?;
         spec.validate()?;
         Ok(spec)
     }

@@ -182,3 +182,111 @@ fn fuzz_seeds_plan() {
         }
     }
 }
+
+/// The published `config.json` of each preset's model, as transformers writes it (the keys that
+/// matter, and some that do not): reading it gives the preset.
+fn published_config(name: &str) -> serde_json::Value {
+    match name {
+        "Qwen3-235B-A22B" => serde_json::json!({
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+            "intermediate_size": 12288, "max_position_embeddings": 40960, "mlp_only_layers": [],
+            "moe_intermediate_size": 1536, "norm_topk_prob": true, "num_attention_heads": 64,
+            "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 94,
+            "num_key_value_heads": 4, "rope_theta": 1000000.0, "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16", "vocab_size": 151936
+        }),
+        "DeepSeek-V3" => serde_json::json!({
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "first_k_dense_replace": 3, "hidden_size": 7168, "intermediate_size": 18432,
+            "kv_lora_rank": 512, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+            "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+            "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+            "num_key_value_heads": 128, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "routed_scaling_factor": 2.5, "topk_group": 4,
+            "v_head_dim": 128, "vocab_size": 129280
+        }),
+        "gpt-oss-120b" => serde_json::json!({
+            "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 64,
+            "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64,
+            "num_experts_per_tok": 4, "num_hidden_layers": 36, "num_key_value_heads": 8,
+            "num_local_experts": 128, "vocab_size": 201088, "sliding_window": 128
+        }),
+        other => panic!("no published config for {other}"),
+    }
+}
+
+#[test]
+fn a_transformers_config_of_each_preset_reads_as_the_preset() {
+    let dir = std::env::temp_dir().join(format!("flatpeak-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for name in PRESET_NAMES {
+        let path = dir.join(format!("{name}.json"));
+        std::fs::write(&path, published_config(name).to_string()).expect("write");
+        let spec = ModelSpec::load(path.to_str().expect("utf-8")).expect("a transformers config");
+        let want = preset(name).expect("preset");
+        assert_eq!(ModelSpec { name: want.name.clone(), ..spec }, want, "{name}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn the_other_moe_families_read_with_their_own_keys() {
+    // Mixtral-8x7B: the experts' width is intermediate_size; head_dim defaults to H / heads.
+    let mixtral = serde_json::json!({
+        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "num_local_experts": 8, "vocab_size": 32000
+    });
+    let spec = from_hf_config("mixtral.json", &mixtral).expect("mixtral");
+    assert_eq!((spec.experts, spec.top_k, spec.expert_intermediate, spec.head_dim), (8, 2, 14336, 128));
+    // Qwen1.5-MoE-A2.7B: a shared expert of 4 experts' width; every other layer dense under a
+    // sparse step of 2 plus layer 0 listed MLP-only.
+    let mut qwen2 = serde_json::json!({
+        "model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_attention_heads": 16, "num_experts": 60, "num_experts_per_tok": 4,
+        "num_hidden_layers": 24, "num_key_value_heads": 16, "vocab_size": 151936,
+        "decoder_sparse_step": 1, "mlp_only_layers": []
+    });
+    let spec = from_hf_config("qwen2.json", &qwen2).expect("qwen2_moe");
+    assert_eq!((spec.shared_experts, spec.dense_layers, spec.dense_intermediate), (4, 0, 0));
+    qwen2["decoder_sparse_step"] = serde_json::json!(2);
+    qwen2["mlp_only_layers"] = serde_json::json!([1, 2]);
+    // Sparse: i with (i + 1) % 2 == 0 and i not in [1, 2] -> 3, 5, ..., 23 (11 of 24).
+    let spec = from_hf_config("qwen2.json", &qwen2).expect("qwen2_moe");
+    assert_eq!((spec.dense_layers, spec.dense_intermediate), (13, 5632));
+    let olmoe = serde_json::json!({
+        "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
+        "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+        "num_hidden_layers": 16, "num_key_value_heads": 16, "vocab_size": 50304
+    });
+    let spec = from_hf_config("olmoe.json", &olmoe).expect("olmoe");
+    assert_eq!((spec.experts, spec.top_k, spec.expert_intermediate, spec.layers), (64, 8, 1024, 16));
+}
+
+#[test]
+fn a_dense_or_incomplete_transformers_config_names_the_keys() {
+    let llama = serde_json::json!({
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "vocab_size": 32000
+    });
+    let err = from_hf_config("llama.json", &llama).expect_err("dense");
+    let text = err.to_string();
+    assert!(
+        text.contains("llama") && text.contains("num_experts, num_local_experts, n_routed_experts"),
+        "{text}"
+    );
+    let partial = serde_json::json!({ "model_type": "qwen3_moe", "num_experts": 8, "hidden_size": 64 });
+    let err = from_hf_config("partial.json", &partial).expect_err("missing keys").to_string();
+    for key in [
+        "num_hidden_layers",
+        "vocab_size",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "num_attention_heads",
+    ] {
+        assert!(err.contains(key), "{key} not named: {err}");
+    }
+    assert!(!err.contains("hidden_size"), "{err}");
+}

@@ -1,0 +1,145 @@
+//! A Hugging Face transformers `config.json` as a [`ModelSpec`], so `flatpeak plan --model
+//! path/to/config.json` answers for the model a user holds.
+//!
+//! Read for the MoE model types whose keys it knows: `qwen3_moe`, `qwen2_moe`, `mixtral`,
+//! `olmoe`, `gpt_oss` and `deepseek_v3` (any `model_type` with the same keys is read the same
+//! way). The mapping:
+//!
+//! | spec field | config keys |
+//! |---|---|
+//! | `layers`, `hidden`, `vocab` | `num_hidden_layers`, `hidden_size`, `vocab_size` |
+//! | `experts` | `num_experts` (Qwen, OLMoE), `num_local_experts` (Mixtral, gpt-oss) or `n_routed_experts` (DeepSeek) |
+//! | `top_k` | `num_experts_per_tok` (or gpt-oss's `experts_per_token`) |
+//! | `expert_intermediate` | `moe_intermediate_size`, else `intermediate_size` (Mixtral, OLMoE, gpt-oss: the experts' width) |
+//! | `dense_layers` | `first_k_dense_replace` (DeepSeek), or the layers Qwen's `mlp_only_layers` and `decoder_sparse_step` leave dense |
+//! | `dense_intermediate` | `intermediate_size` when some layers are dense |
+//! | `shared_experts` | `n_shared_experts` (DeepSeek), or Qwen2-MoE's `shared_expert_intermediate_size` in experts' widths (rounded up) |
+//! | `attention_heads`, `kv_heads`, `head_dim` | `num_attention_heads`, `num_key_value_heads` (default: the heads), `head_dim` (default: hidden / heads; MLA: `v_head_dim`) |
+//! | `attention_params_per_layer` | MLA only (`kv_lora_rank` present): `H·q_lora + q_lora·h·(d_nope + d_rope)` (or `H·h·(d_nope + d_rope)` without `q_lora_rank`) `+ H·(kv_lora + d_rope) + kv_lora·h·(d_nope + d_v) + h·d_v·H` |
+//!
+//! A config without routed experts (a dense model) or without a key it needs is an error that
+//! names the keys.
+
+use serde_json::Value;
+
+use super::{ModelSpec, PlanError};
+
+/// Config keys that name the routed experts' count, by model family.
+const EXPERT_KEYS: [&str; 3] = ["num_experts", "num_local_experts", "n_routed_experts"];
+
+/// Whether `json` is a transformers config (it names its `model_type`).
+pub fn is_hf_config(json: &Value) -> bool {
+    json.get("model_type").is_some_and(Value::is_string)
+}
+
+/// The spec of the transformers config `json` read from `path`.
+pub fn from_hf_config(path: &str, json: &Value) -> Result<ModelSpec, PlanError> {
+    let model_type = json.get("model_type").and_then(Value::as_str).unwrap_or("?").to_string();
+    let error = |message: String| PlanError::HfConfig {
+        path: path.to_string(),
+        model_type: model_type.clone(),
+        message,
+    };
+    let uint = |key: &str| json.get(key).and_then(Value::as_u64);
+    let first = |keys: &[&'static str]| keys.iter().find_map(|k| uint(k));
+    let Some(experts) = first(&EXPERT_KEYS) else {
+        return Err(error(format!(
+            "no routed experts (none of {}): flatpeak plans MoE models; a dense model has no dispatch to plan",
+            EXPERT_KEYS.join(", ")
+        )));
+    };
+    let mut missing: Vec<&str> = Vec::new();
+    let mut need = |keys: &[&'static str]| {
+        let value = first(keys);
+        if value.is_none() {
+            missing.push(keys[0]);
+        }
+        value.unwrap_or(0)
+    };
+    let layers = need(&["num_hidden_layers"]);
+    let hidden = need(&["hidden_size"]);
+    let vocab = need(&["vocab_size"]);
+    let top_k = need(&["num_experts_per_tok", "experts_per_token"]);
+    let expert_intermediate = need(&["moe_intermediate_size", "intermediate_size"]);
+    let heads = need(&["num_attention_heads"]);
+    if !missing.is_empty() {
+        return Err(error(format!("missing keys: {}", missing.join(", "))));
+    }
+    let kv_heads = uint("num_key_value_heads").unwrap_or(heads);
+    let dense_layers = dense_layer_count(json, layers);
+    let dense_intermediate = if dense_layers > 0 {
+        uint("intermediate_size").ok_or_else(|| {
+            error(format!("{dense_layers} dense layers, but no intermediate_size for their FFN"))
+        })?
+    } else {
+        0
+    };
+    let shared_experts = match (uint("n_shared_experts"), uint("shared_expert_intermediate_size")) {
+        (Some(n), _) => n,
+        (None, Some(width)) => width.div_ceil(expert_intermediate.max(1)),
+        (None, None) => 0,
+    };
+    let mla = mla_attention_params(json, hidden, heads);
+    let head_dim = match mla {
+        Some(_) => uint("v_head_dim").unwrap_or(0),
+        None => uint("head_dim").unwrap_or(if heads > 0 { hidden / heads } else { 0 }),
+    };
+    let name = json
+        .get("_name_or_path")
+        .and_then(Value::as_str)
+        .filter(|n| !n.is_empty())
+        .or_else(|| json.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str))
+        .unwrap_or(&model_type)
+        .to_string();
+    let spec = ModelSpec {
+        name,
+        layers,
+        dense_layers,
+        hidden,
+        vocab,
+        experts,
+        top_k,
+        expert_intermediate,
+        shared_experts,
+        dense_intermediate,
+        attention_heads: heads,
+        kv_heads,
+        head_dim,
+        attention_params_per_layer: mla,
+    };
+    spec.validate()?;
+    Ok(spec)
+}
+
+/// Layers with a dense FFN: DeepSeek's first `first_k_dense_replace`; under Qwen's
+/// `decoder_sparse_step` s and `mlp_only_layers`, layer i is sparse when `(i + 1) % s == 0` and
+/// i is not listed.
+fn dense_layer_count(json: &Value, layers: u64) -> u64 {
+    if let Some(k) = json.get("first_k_dense_replace").and_then(Value::as_u64) {
+        return k.min(layers);
+    }
+    let step = json.get("decoder_sparse_step").and_then(Value::as_u64).unwrap_or(1).max(1);
+    let mlp_only: Vec<u64> = json
+        .get("mlp_only_layers")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_u64).collect())
+        .unwrap_or_default();
+    (0..layers).filter(|i| mlp_only.contains(i) || (i + 1) % step != 0).count() as u64
+}
+
+/// Multi-head latent attention's parameters per layer (without its two norms), when the config
+/// has `kv_lora_rank`.
+fn mla_attention_params(json: &Value, hidden: u64, heads: u64) -> Option<u64> {
+    let uint = |key: &str| json.get(key).and_then(Value::as_u64);
+    let kv_lora = uint("kv_lora_rank")?;
+    let (nope, rope, v) = (uint("qk_nope_head_dim")?, uint("qk_rope_head_dim")?, uint("v_head_dim")?);
+    let qk = heads.checked_mul(nope.checked_add(rope)?)?;
+    let q = match uint("q_lora_rank") {
+        Some(q_lora) => hidden.checked_mul(q_lora)?.checked_add(q_lora.checked_mul(qk)?)?,
+        None => hidden.checked_mul(qk)?,
+    };
+    let kv_a = hidden.checked_mul(kv_lora.checked_add(rope)?)?;
+    let kv_b = kv_lora.checked_mul(heads.checked_mul(nope.checked_add(v)?)?)?;
+    let out = heads.checked_mul(v)?.checked_mul(hidden)?;
+    q.checked_add(kv_a)?.checked_add(kv_b)?.checked_add(out)
+}
