@@ -82,7 +82,7 @@ pub fn from_hf_config(path: &str, json: &Value) -> Result<ModelSpec, PlanError> 
     let mla = mla_attention_params(json, hidden, heads);
     let head_dim = match mla {
         Some(_) => uint("v_head_dim").unwrap_or(0),
-        None => uint("head_dim").unwrap_or(if heads > 0 { hidden / heads } else { 0 }),
+        None => uint("head_dim").unwrap_or(hidden.checked_div(heads).unwrap_or(0)),
     };
     let name = json
         .get("_name_or_path")
