@@ -6,14 +6,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
+from typing import Optional
 
 WORLD = 4
 
 
-def spawn(target, world: int = WORLD, timeout: float = 300.0, reporting: int = WORLD):
+def spawn(target, world: int = WORLD, timeout: float = 300.0, reporting: Optional[int] = None):
     """Runs ``target(rank, world, init_file, queue)`` in ``world`` spawned processes; returns the
-    reports of the first ``reporting`` ranks to report (a rank that never reports fails the
-    test after ``timeout`` seconds)."""
+    reports of the first ``reporting`` ranks to report (default: all of them; a rank that never
+    reports fails the test after ``timeout`` seconds)."""
+    reporting = world if reporting is None else reporting
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

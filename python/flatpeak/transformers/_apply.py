@@ -1,0 +1,174 @@
+"""``flatpeak.transformers.apply``: the loss and the experts of a transformers MoE causal LM,
+patched in place (one call per model, as Liger-Kernel's ``apply_*``)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..torch import linear_cross_entropy
+from ._experts import EXPERTS_IMPLEMENTATION
+
+#: The ``config.model_type`` values :func:`apply` patches.
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3")
+
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(hidden_states: torch.Tensor, lm_head: torch.nn.Linear, labels: Optional[torch.Tensor],
+                   shift_labels: Optional[torch.Tensor] = None, num_items_in_batch=None,
+                   budget_bytes: Optional[int] = None) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` without the logits: labels shifted inside (position ``t``
+    predicts label ``t + 1``; ``shift_labels`` when given is used as is), ``ignore_index=-100``, the
+    mean over the non-ignored labels, or the sum divided by ``num_items_in_batch`` when given (as
+    under gradient accumulation)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    shift_labels = shift_labels.to(hidden_states.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = linear_cross_entropy(hidden_states, lm_head.weight, shift_labels, lm_head.bias, reduction=reduction,
+                                ignore_index=IGNORE_INDEX, budget_bytes=budget_bytes)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                       inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
+                       logits_to_keep=0, shift_labels=None, num_items_in_batch=None, return_dict=None, **kwargs):
+    """The model's own causal-LM forward, with the loss computed from the hidden states: when
+    labels are given, ``logits`` is ``None``; without them, the logits of ``logits_to_keep``."""
+    from transformers.modeling_utils import slice_logits_to_keep
+
+    if "past_key_values" in kwargs:  # the name transformers deprecates in favour of `cache`
+        cache = kwargs.pop("past_key_values")
+    patch = self._flatpeak_patch
+    model_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                        inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    if patch.router_logits:
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        model_kwargs["output_router_logits"] = output_router_logits
+    outputs = self.model(**model_kwargs)
+    hidden_states = outputs.last_hidden_state
+    loss = logits = None
+    if labels is not None or shift_labels is not None:
+        loss = causal_lm_loss(hidden_states, self.lm_head, labels, shift_labels, num_items_in_batch,
+                              patch.budget_bytes)
+    else:
+        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+    aux_loss = None
+    if patch.router_logits and output_router_logits:
+        aux_loss = patch.load_balancing_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+                                             attention_mask)
+        if loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    fields = dict(loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+                  attentions=outputs.attentions, router_logits=outputs.router_logits)
+    if patch.router_logits:
+        fields["aux_loss"] = aux_loss
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    out = MoeCausalLMOutputWithPast(**fields)
+    return out.to_tuple() if return_dict is False else out
+
+
+class _Patch:
+    """What :func:`apply` recorded on a model (``model._flatpeak_patch``)."""
+
+    def __init__(self, model, loss: bool, experts: bool, group, budget_bytes: Optional[int]):
+        self.loss, self.experts, self.group, self.budget_bytes = loss, experts, group, budget_bytes
+        forward = type(model).forward
+        self.router_logits = "output_router_logits" in inspect.signature(forward).parameters
+        module = sys.modules[type(model).__module__]
+        self.load_balancing_loss = getattr(module, "load_balancing_loss_func", None)
+        if self.router_logits and self.load_balancing_loss is None:
+            raise ValueError(f"{type(model).__name__}: its module has no load_balancing_loss_func for the router's "
+                             f"auxiliary loss")
+
+
+def _experts_modules(model):
+    """Every experts module of the model (the ones transformers dispatches by
+    ``experts_implementation``), with its name."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "_apply_gate")]
+
+
+def _shard_experts(module: torch.nn.Module, name: str, group) -> None:
+    """Keeps this rank's slice ``r*E/P .. (r+1)*E/P - 1`` of the module's experts, the rest freed."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    experts = module.gate_up_proj.shape[0]
+    if experts % world:
+        raise ValueError(f"{name}: {experts} experts do not split over a group of {world} ranks "
+                         f"(expert-parallel needs E divisible by the group size)")
+    local = experts // world
+    rows = slice(rank * local, (rank + 1) * local)
+    for param in ("gate_up_proj", "down_proj"):
+        full = getattr(module, param)
+        setattr(module, param, torch.nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad))
+    module._flatpeak_group = group
+    module._flatpeak_num_experts = experts
+
+
+def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, group=None,
+          budget_bytes: Optional[int] = None) -> torch.nn.Module:
+    """Patches a transformers MoE causal LM in place and returns it.
+
+    Args:
+        model: a ``*ForCausalLM`` of a supported ``model_type`` (:data:`SUPPORTED_MODEL_TYPES`).
+        loss: when ``labels`` (or ``shift_labels``) are given, the loss is
+            :func:`flatpeak.torch.linear_cross_entropy` on the final hidden states and
+            ``lm_head.weight``, with transformers' conventions (labels shifted inside,
+            ``ignore_index=-100``, ``num_items_in_batch``); ``outputs.logits`` is then ``None``
+            (no ``[batch, seq, vocab]`` tensor is made) and the full logits when no labels are given
+            (so ``generate`` works). The router's auxiliary loss is still added.
+        experts: every sparse-MoE block's experts run :func:`flatpeak.torch.moe_swiglu`
+            (``experts_implementation="flatpeak"``). Shared experts stay dense.
+        group: a ``torch.distributed`` process group of ``P`` ranks: each rank keeps only experts
+            ``r*E/P .. (r+1)*E/P - 1`` of every experts module (the rest freed) and the dispatch
+            runs expert-parallel over the group; every rank runs its own batch.
+        budget_bytes: the working-set budget of the loss and the dispatch (default: theirs).
+
+    Raises:
+        ValueError: an unsupported ``model_type``, a model that is not a causal LM, experts that
+            are not SwiGLU in transformers' fused layout, or ``E`` not divisible by the group size.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported by flatpeak.transformers.apply; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not (hasattr(model, "lm_head") and hasattr(model, "model")):
+        raise ValueError(f"{type(model).__name__} is not a causal LM (no lm_head/model): pass the *ForCausalLM model")
+    if getattr(model, "_flatpeak_patch", None) is not None:
+        raise ValueError(f"{type(model).__name__} is already patched by flatpeak.transformers.apply")
+    patch = _Patch(model, loss, experts, group, budget_bytes)
+    modules = _experts_modules(model)
+    if experts:
+        if not modules:
+            raise ValueError(f"{type(model).__name__} has no experts modules (gate_up_proj/down_proj) to patch")
+        from ._experts import _check_module
+
+        for _, module in modules:
+            _check_module(module)  # every module checked before any is changed
+        if group is not None:
+            for name, module in modules:
+                _shard_experts(module, name, group)
+        for _, module in modules:
+            module._flatpeak_budget_bytes = budget_bytes
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    elif group is not None:
+        raise ValueError("group= shards the experts: it needs experts=True")
+    model._flatpeak_patch = patch
+    if loss:
+        model.forward = types.MethodType(_causal_lm_forward, model)
+    return model

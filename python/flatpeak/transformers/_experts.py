@@ -1,0 +1,49 @@
+"""flatpeak as a transformers experts implementation: ``moe_swiglu`` on an experts module's own
+``gate_up_proj`` and ``down_proj``, read in place."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..torch import moe_swiglu
+
+#: The name ``experts_implementation=`` selects flatpeak by.
+EXPERTS_IMPLEMENTATION = "flatpeak"
+
+_SWIGLU_ACTIVATIONS = ("silu", "swish")
+
+
+def _check_module(module: torch.nn.Module) -> None:
+    """The layouts and activation ``moe_swiglu`` computes, or a ``ValueError`` naming what differs."""
+    flags = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True,
+             "has_post_expert_norm": False}
+    for name, wanted in flags.items():
+        if getattr(module, name, wanted) != wanted:
+            raise ValueError(f"{type(module).__name__}.{name} = {getattr(module, name)!r}: flatpeak's experts take "
+                             f"{name}={wanted} (SwiGLU, gate_up_proj [E, 2I, H] with the gate's rows first, no bias)")
+    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
+    if act not in _SWIGLU_ACTIVATIONS:
+        raise ValueError(f"{type(module).__name__}: hidden_act={act!r}; flatpeak's experts compute SwiGLU "
+                         f"(hidden_act in {_SWIGLU_ACTIVATIONS})")
+
+
+def experts_forward(module: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                    top_k_weights: Tensor) -> Tensor:
+    """The experts module's forward as transformers calls an implementation: ``hidden_states
+    [T, H]``, ``top_k_index [T, k]`` (global expert ids), ``top_k_weights [T, k]`` -> ``[T, H]``.
+    Expert-parallel when :func:`flatpeak.transformers.apply` gave the module a group."""
+    _check_module(module)
+    if top_k_weights.dtype not in (torch.float32, hidden_states.dtype):
+        top_k_weights = top_k_weights.float()
+    return moe_swiglu(hidden_states.contiguous(), top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+                      group=getattr(module, "_flatpeak_group", None),
+                      num_experts=getattr(module, "_flatpeak_num_experts", None),
+                      budget_bytes=getattr(module, "_flatpeak_budget_bytes", None))
+
+
+def register_experts_implementation() -> None:
+    """Registers :func:`experts_forward` as ``experts_implementation="flatpeak"`` (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, experts_forward)
