@@ -34,7 +34,7 @@ macro_rules! into_py_err {
     )*};
 }
 
-into_py_err!(flatpeak_common::Error, llep::Error, ring_dtp::Error, stream_adamw::Error);
+into_py_err!(flatpeak_common::Error, llep::Error, ring_dtp::Error, sco::Error, stream_adamw::Error);
 
 /// `e` as its exception: `.map_err(to_py)`.
 pub(crate) fn to_py(e: impl IntoPyErr) -> PyErr {

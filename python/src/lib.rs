@@ -17,6 +17,7 @@ mod cuda_adamw;
 mod error;
 mod loss;
 mod moe;
+mod offload;
 mod ring_loss;
 mod tensor;
 mod torch_group;
@@ -38,6 +39,7 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<moe::MoEOptions>()?;
     m.add_function(wrap_pyfunction!(moe::moe_forward, m)?)?;
     m.add_function(wrap_pyfunction!(moe::moe_backward, m)?)?;
+    m.add_class::<offload::PySlotRing>()?;
     m.add_class::<adamw::AdamWOptions>()?;
     m.add_class::<adamw::Decision>()?;
     m.add_function(wrap_pyfunction!(adamw::adamw_step, m)?)?;

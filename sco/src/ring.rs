@@ -340,6 +340,13 @@ impl SlotRing {
     pub fn held_layers(&self) -> Vec<usize> {
         self.slots.iter().filter_map(|s| if let SlotUse::Layer(l) = s { Some(*l) } else { None }).collect()
     }
+
+    /// Each slot's boundary: `Some(layer)` for a slot holding one, `None` for a free or a reserved
+    /// slot. A backend that keeps its own handle per slot (a binding's tensor) drops the handle of
+    /// a slot whose layer changed.
+    pub fn slot_holders(&self) -> Vec<Option<usize>> {
+        self.slots.iter().map(|s| if let SlotUse::Layer(l) = s { Some(*l) } else { None }).collect()
+    }
 }
 
 #[cfg(test)]

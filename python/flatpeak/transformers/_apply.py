@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..torch import linear_cross_entropy
+from ..torch import linear_cross_entropy, offload_checkpoints as _offload_checkpoints
 from ._experts import EXPERTS_IMPLEMENTATION
 
 #: The ``config.model_type`` values :func:`apply` patches.
@@ -119,8 +119,8 @@ def _shard_experts(module: torch.nn.Module, name: str, group) -> None:
     module._flatpeak_num_experts = experts
 
 
-def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, group=None,
-          budget_bytes: Optional[int] = None) -> torch.nn.Module:
+def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, offload_checkpoints: bool = False,
+          group=None, budget_bytes: Optional[int] = None) -> torch.nn.Module:
     """Patches a transformers MoE causal LM in place and returns it.
 
     Args:
@@ -136,6 +136,9 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, gr
         group: a ``torch.distributed`` process group of ``P`` ranks: each rank keeps only experts
             ``r*E/P .. (r+1)*E/P - 1`` of every experts module (the rest freed) and the dispatch
             runs expert-parallel over the group; every rank runs its own batch.
+        offload_checkpoints: the decoder layers run under
+            :func:`flatpeak.torch.offload_checkpoints` (checkpointed, each layer's input kept by
+            sco's slot ring in host memory); leave transformers' own gradient checkpointing off.
         budget_bytes: the working-set budget of the loss and the dispatch (default: theirs).
 
     Raises:
@@ -168,6 +171,14 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, gr
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     elif group is not None:
         raise ValueError("group= shards the experts: it needs experts=True")
+    if offload_checkpoints:
+        layers = getattr(model.model, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            raise ValueError(f"{type(model).__name__}: no decoder layers (model.model.layers) to offload")
+        if getattr(model, "is_activation_checkpointing", False):
+            raise ValueError("offload_checkpoints=True checkpoints the decoder layers itself: disable transformers' "
+                             "gradient checkpointing (model.gradient_checkpointing_disable())")
+        _offload_checkpoints(layers)
     model._flatpeak_patch = patch
     if loss:
         model.forward = types.MethodType(_causal_lm_forward, model)

@@ -1,0 +1,328 @@
+"""``offload_checkpoints``: sco (selective checkpoint offload) for a sequence of PyTorch blocks.
+
+Each wrapped block runs under non-reentrant ``torch.utils.checkpoint``; the one tensor that
+outlives it, its input boundary, is held by sco's slot ring instead of by the checkpoint: copied
+to host memory as forward passes (pinned, on a side stream, on CUDA), kept on the device only
+while the ring says so (the ``keep_resident`` newest and the copies in flight), and brought back
+``prefetch_distance`` blocks ahead during backward. Whatever the depth, the device holds at most
+``slots = keep_resident + max(in_flight, prefetch_distance + 1)`` boundaries, against one per
+block under plain checkpointing.
+
+The ring's accounting (which slot a boundary gets, which copy to wait for, what stays resident,
+when a slot frees) is sco's ``SlotRing`` in Rust (``flatpeak._flatpeak.SlotRing``); this module
+performs the copies it asks for and reports when they land.
+
+How the boundary leaves the checkpoint: the block's input ``x`` goes through ``_Park`` (which
+hands ``x`` to the ring and returns a stride-0 placeholder of ``x``'s shape, one element of
+storage) and the checkpointed function starts with ``_Unpark`` (which returns the ring's
+boundary), so the checkpoint keeps only the placeholder. Gradients flow back through both as the
+identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _flatpeak as _ext
+
+
+class _Copy:
+    """One copy between the device and the host: done at once on the CPU, an event on CUDA."""
+
+    def __init__(self, event: Optional["torch.cuda.Event"]):
+        self.event = event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class _BoundaryRing:
+    """The device side of one sequence's slot ring: the tensors its slots hold, the host arena,
+    and the copies in flight. Made at the first training forward (when the boundary's shape,
+    dtype and device are known), reset at the start of each step."""
+
+    def __init__(self, layers: int, keep_resident: int, in_flight: int, prefetch_distance: int, pin_memory: bool):
+        self.layers, self.pin_memory = layers, pin_memory
+        self.options = dict(keep_resident=keep_resident, in_flight=in_flight, prefetch_distance=prefetch_distance)
+        # Checked now (a bad option fails at wrap time, not at the first batch).
+        _ext.SlotRing(layers, 1, **self.options)
+        self.ring: Optional[Any] = None
+        self.shape: Optional[torch.Size] = None
+        self.dtype: Optional[torch.dtype] = None
+        self.device: Optional[torch.device] = None
+        self.arena: Optional[Tensor] = None
+        self.held: Dict[int, tuple] = {}  # slot -> (layer, tensor)
+        self.d2h: Dict[int, _Copy] = {}
+        self.h2d: Dict[int, _Copy] = {}
+        self.side_stream = None
+        self.forwarded = 0  # boundaries offloaded this step
+        self.released = 0
+        self.high_water_bytes = 0
+
+    # -- set-up and step boundaries ------------------------------------------------------------
+
+    def start_step(self, x: Tensor) -> None:
+        """Before block 0's forward: a new step (the previous one is forgotten, even if an
+        exception ended it midway), and the ring made for ``x``'s boundary when it changed."""
+        if self.ring is not None:
+            self.reset()
+        if self.ring is None or x.shape != self.shape or x.dtype != self.dtype or x.device != self.device:
+            self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+            nbytes = x.numel() * x.element_size()
+            self.ring = _ext.SlotRing(self.layers, nbytes, **self.options)
+            pin = self.pin_memory and x.is_cuda
+            self.arena = torch.empty((self.layers, x.numel()), dtype=x.dtype, pin_memory=pin)
+            self.side_stream = torch.cuda.Stream(device=x.device) if x.is_cuda else None
+        self.forwarded = self.released = 0
+
+    def reset(self) -> None:
+        """Waits for every copy and forgets the step (slots freed, tensors dropped)."""
+        for copy in list(self.d2h.values()) + list(self.h2d.values()):
+            copy.wait()
+        self.d2h.clear()
+        self.h2d.clear()
+        self.held.clear()
+        if self.ring is not None:
+            self.ring.finish_step()
+
+    def _sync_held(self) -> None:
+        """Drops the tensor of every slot the ring no longer gives to its layer."""
+        holders = self.ring.slot_holders()
+        for slot in [s for s, (layer, _) in self.held.items() if holders[s] != layer]:
+            del self.held[slot]
+        held = sum(t.numel() * t.element_size() for _, t in self.held.values())
+        self.high_water_bytes = max(self.high_water_bytes, held)
+
+    def _reserve(self) -> int:
+        """A free slot, waiting for the copies to the host the ring names first."""
+        while True:
+            kind, value = self.ring.reserve()
+            if kind == "slot":
+                return value
+            self.d2h.pop(value, _Copy(None)).wait()
+            self.ring.d2h_landed(value)
+            self._sync_held()
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def offload(self, layer: int, x: Tensor) -> None:
+        """Block ``layer``'s boundary: takes a slot (it stays there while resident) and starts
+        its copy to the host."""
+        self.ring.offload(layer, self._reserve())
+        slot = self.ring.resident(layer)[1]
+        self.held[slot] = (layer, x)
+        host = self.arena[layer].view(x.shape)
+        if self.side_stream is None:
+            host.copy_(x)
+            self.ring.d2h_landed(layer)
+        else:
+            stream = self.side_stream
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):
+                host.copy_(x, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            # The caching allocator must not hand x's memory to another tensor while the copy
+            # reads it (the stream race torchtune's OffloadActivations once had).
+            x.record_stream(stream)
+            self.d2h[layer] = _Copy(event)
+        self.forwarded += 1
+        self._sync_held()
+
+    def resident(self, layer: int) -> Tensor:
+        """The boundary as forward left it (the block's own first forward)."""
+        kind, slot = self.ring.resident(layer)
+        return self.held[slot][1]
+
+    # -- backward ---------------------------------------------------------------------------------
+
+    def _bring_back(self, layer: int, wait: bool) -> None:
+        """Starts the copy of ``layer`` back to the device when the ring says it is needed; a
+        prefetch (``wait=False``) is skipped when no slot is free without waiting."""
+        if not self.ring.want(layer):
+            return
+        if wait:
+            slot = self._reserve()
+        else:
+            kind, slot = self.ring.reserve()
+            if kind != "slot":
+                return
+        if self.ring.start_h2d(layer, slot) is None:
+            return
+        host = self.arena[layer].view(self.shape)
+        if self.side_stream is None:
+            t = host.clone()
+            self.ring.h2d_landed(layer)
+        else:
+            current = torch.cuda.current_stream(self.device)
+            t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            stream = self.side_stream
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                t.copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            t.record_stream(stream)
+            self.h2d[layer] = _Copy(event)
+        self.held[slot] = (layer, t)
+        self._sync_held()
+
+    def fetch(self, layer: int, prefetch: Sequence[int]) -> Tensor:
+        """Block ``layer``'s boundary for its recomputation (lent until :meth:`release`), and
+        the copies back of the ``prefetch`` blocks started."""
+        self._bring_back(layer, wait=True)
+        while True:
+            kind, slot = self.ring.lend(layer)
+            if kind == "ready":
+                break
+            self.h2d.pop(layer, _Copy(None)).wait()
+            self.ring.h2d_landed(layer)
+        event = self.h2d.pop(layer, None)
+        if event is not None and event.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event.event)
+        t = self.held[slot][1]
+        for ahead in prefetch:
+            self._bring_back(ahead, wait=False)
+        return t
+
+    def release(self, layer: int) -> None:
+        """Block ``layer``'s backward is done with its boundary."""
+        self.ring.unlend(layer)
+        self.ring.release(layer)
+        self.released += 1
+        self._sync_held()
+        if self.released == self.forwarded:
+            self.reset()
+
+
+class _Park(torch.autograd.Function):
+    """Hands ``x`` to the ring; returns a stride-0 placeholder of its shape (what the checkpoint
+    keeps). Backward: the identity, and the block is done with its boundary."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, ring: _BoundaryRing, layer: int) -> Tensor:
+        ring.offload(layer, x.detach())
+        ctx.ring, ctx.layer = ring, layer
+        return x.new_zeros(()).expand(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.ring.release(ctx.layer)
+        return grad, None, None
+
+
+class _Unpark(torch.autograd.Function):
+    """The boundary in place of the placeholder: as forward left it in the block's first
+    forward, fetched back (and the next ones prefetched) in its recomputation. Backward: the
+    identity."""
+
+    @staticmethod
+    def forward(ctx, placeholder: Tensor, ring: _BoundaryRing, layer: int, first: bool) -> Tensor:
+        if first:
+            x = ring.resident(layer)
+        else:
+            distance = ring.options["prefetch_distance"]
+            x = ring.fetch(layer, [layer - k for k in range(1, distance + 1) if layer - k >= 0])
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None, None, None
+
+
+class OffloadedBlock(torch.nn.Module):
+    """One block of a sequence under :func:`offload_checkpoints`: takes and returns what the
+    block does; its first tensor argument is the boundary."""
+
+    def __init__(self, block: torch.nn.Module, ring: _BoundaryRing, index: int):
+        super().__init__()
+        self.block = block
+        self._ring, self._index = ring, index
+
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            raise RuntimeError("offload_checkpoints does not run under torch.compile (its copies and the slot ring "
+                               "are eager-mode side effects): compile the blocks themselves, then wrap them")
+        position = next((i for i, a in enumerate(args) if isinstance(a, Tensor)), None)
+        if position is None:
+            raise TypeError(f"{type(self.block).__name__}: offload_checkpoints needs a tensor argument (the "
+                            f"boundary) among the positional arguments")
+        x = args[position]
+        if not (torch.is_grad_enabled() and self.training and x.requires_grad):
+            return self.block(*args, **kwargs)
+        ring, layer = self._ring, self._index
+        if layer == 0:
+            ring.start_step(x)
+        elif ring.ring is None or x.shape != ring.shape or x.dtype != ring.dtype or x.device != ring.device:
+            raise ValueError(f"offload_checkpoints: block {layer}'s input is {tuple(x.shape)} {x.dtype} on "
+                             f"{x.device}, block 0's was {tuple(ring.shape or ())} {ring.dtype} on {ring.device}: "
+                             f"every block of the sequence takes the same boundary, called in order from block 0")
+        placeholder = _Park.apply(x, ring, layer)
+
+        def run(placeholder_, *rest):
+            # The first call runs inside this forward; a later one is the recomputation.
+            boundary = _Unpark.apply(placeholder_, ring, layer, bool(_FORWARDING))
+            full = list(rest)
+            full.insert(position, boundary)
+            return self.block(*full, **kwargs)
+
+        rest = [a for i, a in enumerate(args) if i != position]
+        _FORWARDING.append(layer)
+        try:
+            return torch.utils.checkpoint.checkpoint(run, placeholder, *rest, use_reentrant=False)
+        finally:
+            _FORWARDING.pop()
+
+
+#: The blocks whose forward is running (a stack): a checkpointed function called while it is
+#: not empty is forward's first call, otherwise backward's recomputation.
+_FORWARDING: List[int] = []
+
+
+def offload_checkpoints(layers, *, keep_resident: int = 1, in_flight: int = 2, prefetch_distance: int = 1,
+                        pin_memory: bool = True):
+    """Wraps, in place, each block of ``layers`` (an ``nn.ModuleList``, or a list of modules
+    called in order) so that it runs under non-reentrant checkpointing with its input boundary
+    kept by sco's slot ring, and returns ``layers``.
+
+    Each wrapper takes and returns what its block does; the block's first tensor argument is
+    the boundary (the same shape for every block). In training (grad enabled, ``.training``)
+    block ``i``'s boundary is copied to host memory as forward passes (pinned, on a side stream,
+    on CUDA) and fetched back during backward ``prefetch_distance`` blocks ahead; the device holds
+    at most ``keep_resident + max(in_flight, prefetch_distance + 1)`` boundaries at once,
+    whatever the depth. Gradients are bitwise those of plain non-reentrant checkpointing. Outside
+    training the blocks run as they are. CPU tensors run the same schedule with host slots.
+
+    Args:
+        layers: the blocks, called in order (block 0 starts a step).
+        keep_resident: the newest boundaries kept on the device after their copy (the last
+            block's backward comes first), at least 1.
+        in_flight: copies to the host in flight during forward, at least 1.
+        prefetch_distance: blocks fetched ahead during backward.
+        pin_memory: host memory pinned (CUDA only), so the copies overlap compute.
+
+    Raises:
+        ValueError: an option out of its domain (sco's ``Config``), or an empty sequence.
+    """
+    blocks = list(layers)
+    if not blocks:
+        raise ValueError("offload_checkpoints: the sequence has no blocks")
+    ring = _BoundaryRing(len(blocks), keep_resident, in_flight, prefetch_distance, pin_memory)
+    for i, block in enumerate(blocks):
+        if isinstance(block, OffloadedBlock):
+            raise ValueError(f"offload_checkpoints: block {i} is already wrapped")
+        layers[i] = OffloadedBlock(block, ring, i)
+    return layers
+
+
+def ring_of(layers) -> _BoundaryRing:
+    """The slot ring behind sequence ``layers`` wrapped by :func:`offload_checkpoints` (its
+    ``ring.high_water_slots()``, ``ring.slots()`` and ``high_water_bytes`` for measurements)."""
+    first = layers[0]
+    if not isinstance(first, OffloadedBlock):
+        raise ValueError("ring_of: the sequence is not wrapped by offload_checkpoints")
+    return first._ring
