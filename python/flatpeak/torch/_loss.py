@@ -313,9 +313,11 @@ def linear_cross_entropy(
 
     Args:
         input: ``[tokens, hidden]`` or ``[batch, seq, hidden]`` (flattened), float32 or bfloat16,
-            contiguous (never copied: a non-contiguous one is a ``ValueError``).
-        weight: ``[vocab, hidden]``, the dtype of ``input`` (the projection, not class weights),
-            contiguous.
+            read in place when contiguous; a non-contiguous view (transposed, sliced) is copied
+            once into a contiguous tensor of its size, as torch's own matmul would.
+        weight: ``[vocab, hidden]``, the dtype of ``input`` (the projection, not class weights);
+            as ``input``, copied once only when it is a non-contiguous view (a tied embedding's
+            transpose, for one).
         target: int64 class ids, ``[tokens]`` or ``[batch, seq]``.
         bias: optional ``[vocab]`` bias, the dtype of ``input``.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-token losses, shaped like ``target``).
@@ -364,10 +366,16 @@ def linear_cross_entropy(
             if t is not None and t.shape != input.shape[:-1]:
                 raise ValueError(f"{name}: expected shape {list(input.shape[:-1])}, got {list(t.shape)} (the "
                                  f"leading shape of input {list(input.shape)})")
+    # A non-contiguous input or weight (a transposed or sliced view) is copied once, as torch's
+    # own matmul would for such an operand; a contiguous one is read in place, never copied.
+    if isinstance(input, Tensor) and input.dim() >= 2 and not input.is_contiguous():
+        input = input.contiguous()
+    if isinstance(weight, Tensor) and weight.dim() == 2 and not weight.is_contiguous():
+        weight = weight.contiguous()
     if batched:
         input = _flatten_leading("input", input, 1)
     # Targets and token weights are N elements: a shifted (sliced) target is copied, as torch
-    # would. input and weight are never copied -- that copy is the memory this call saves.
+    # would.
     if batched:
         target = target.reshape(-1)
         token_weights = None if token_weights is None else token_weights.reshape(-1)
