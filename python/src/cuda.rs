@@ -108,7 +108,7 @@ pub(crate) unsafe fn borrow_on<T: TorchElement + DeviceRepr>(
 }
 
 /// Torch's current stream on device `ordinal`, wrapped for cudarc (not owned: never destroyed).
-fn torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<Arc<CudaStream>> {
+pub(crate) fn torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<Arc<CudaStream>> {
     let ctx = flatpeak_common::cuda::context(ordinal).map_err(to_py)?;
     let stream = py.import("torch.cuda")?.call_method1("current_stream", (ordinal,))?;
     let raw: usize = stream.getattr("cuda_stream")?.extract()?;

@@ -14,6 +14,8 @@ mod adamw;
 mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_adamw;
+#[cfg(feature = "cuda")]
+mod cuda_moe;
 mod error;
 mod loss;
 mod moe;
@@ -49,6 +51,8 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_function(wrap_pyfunction!(cuda::lce_forward_cuda, m)?)?;
         m.add_function(wrap_pyfunction!(cuda::lce_backward_cuda, m)?)?;
         m.add_class::<cuda_adamw::CudaAdamW>()?;
+        m.add_function(wrap_pyfunction!(cuda_moe::moe_forward_cuda, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda_moe::moe_backward_cuda, m)?)?;
     }
     m.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())

@@ -30,8 +30,8 @@ use crate::torch_group::{Comm, communicator, detached};
 #[pyclass(frozen, module = "flatpeak._flatpeak")]
 #[derive(Debug)]
 pub struct MoEOptions {
-    config: Config,
-    budget: Budget,
+    pub(crate) config: Config,
+    pub(crate) budget: Budget,
     executor: Mutex<Option<Executor>>,
 }
 
@@ -86,30 +86,30 @@ impl MoEOptions {
 #[derive(FromPyObject)]
 pub struct MoEArgs<'py> {
     #[pyo3(item(0))]
-    x: Bound<'py, PyAny>,
+    pub(crate) x: Bound<'py, PyAny>,
     #[pyo3(item(1))]
-    ids: Bound<'py, PyAny>,
+    pub(crate) ids: Bound<'py, PyAny>,
     #[pyo3(item(2))]
-    weights: Bound<'py, PyAny>,
+    pub(crate) weights: Bound<'py, PyAny>,
     #[pyo3(item(3))]
-    gate_up: Bound<'py, PyAny>,
+    pub(crate) gate_up: Bound<'py, PyAny>,
     #[pyo3(item(4))]
-    down: Bound<'py, PyAny>,
+    pub(crate) down: Bound<'py, PyAny>,
 }
 
 /// The sizes a rank's tensors give: T, H, I, M, k and the storage type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Sizes {
-    tokens: usize,
-    hidden: usize,
-    intermediate: usize,
-    local_experts: usize,
-    top_k: usize,
-    dtype: DType,
+pub(crate) struct Sizes {
+    pub(crate) tokens: usize,
+    pub(crate) hidden: usize,
+    pub(crate) intermediate: usize,
+    pub(crate) local_experts: usize,
+    pub(crate) top_k: usize,
+    pub(crate) dtype: DType,
 }
 
 impl Sizes {
-    fn of(args: &MoEArgs<'_>) -> PyResult<Self> {
+    pub(crate) fn of(args: &MoEArgs<'_>) -> PyResult<Self> {
         let x = shape_of("hidden_states", &args.x)?;
         let ids = shape_of("topk_ids", &args.ids)?;
         let gate_up = shape_of("gate_up_proj", &args.gate_up)?;
@@ -145,7 +145,11 @@ impl Sizes {
 
 /// The layer's shape over the group, agreed from every rank's sizes (the same verdict on every
 /// rank, computed from the same all-gathered words).
-fn agreed_shape(comm: &dyn Communicator, mine: Sizes, experts: Option<usize>) -> Result<Shape, Refusal> {
+pub(crate) fn agreed_shape(
+    comm: &dyn Communicator,
+    mine: Sizes,
+    experts: Option<usize>,
+) -> Result<Shape, Refusal> {
     let p = comm.world_size();
     let words = all_gather_words(comm, &mine.words(experts.unwrap_or(0)))?;
     let ranks: Vec<&[u64]> = words.chunks_exact(7).collect();
@@ -232,7 +236,7 @@ impl<T: TorchElement> Tensors<T> {
 
 /// What a forward reports: `(rounds, recv_high_water_rows, recv_high_water_bytes,
 /// workspace_bytes)`.
-type ForwardStats = (usize, usize, usize, usize);
+pub(crate) type ForwardStats = (usize, usize, usize, usize);
 
 /// The checks every rank agrees on, then the plan's executor (cached) for the agreed shape.
 fn prepare<T: TorchElement>(
@@ -250,17 +254,21 @@ fn prepare<T: TorchElement>(
 
 /// The cached executor of `plan` in `cached` (a new one, its working set reserved once, when
 /// the plan changed).
-fn executor_for(cached: &mut Option<Executor>, plan: Plan) -> llep::Result<&mut Executor> {
-    if cached.as_ref().is_none_or(|e| e.plan() != &plan) {
+pub(crate) fn executor_for(
+    cached: &mut Option<Executor>,
+    plan: Plan,
+    device: Device,
+) -> llep::Result<&mut Executor> {
+    if cached.as_ref().is_none_or(|e| e.plan() != &plan || e.device() != device) {
         *cached = None; // the old working set goes before the new one is reserved
-        *cached = Some(Executor::new(plan, Device::Cpu)?);
+        *cached = Some(Executor::new(plan, device)?);
     }
     cached.as_mut().ok_or(llep::Error::Internal { invariant: "an executor was cached just above" })
 }
 
 /// Locks `options`' executor; called with the GIL released (a thread waiting for the lock must
 /// not hold the GIL that the thread inside needs for its collectives).
-fn locked(options: &MoEOptions) -> std::sync::MutexGuard<'_, Option<Executor>> {
+pub(crate) fn locked(options: &MoEOptions) -> std::sync::MutexGuard<'_, Option<Executor>> {
     options.executor.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
@@ -279,7 +287,7 @@ fn forward_typed<T: TorchElement + LayerElement>(
     let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
     let ran = detached(py, comm, |comm| -> llep::Result<_> {
         let mut cached = locked(options);
-        let executor = executor_for(&mut cached, plan)?;
+        let executor = executor_for(&mut cached, plan, Device::Cpu)?;
         // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
         let inputs = unsafe { tensors.inputs() };
         let schedule = executor.schedule(comm, &inputs.routing)?;
@@ -298,7 +306,7 @@ fn forward_typed<T: TorchElement + LayerElement>(
 }
 
 /// The most rows rank `me` receives in one round.
-fn received_rows_high_water(schedule: &Schedule, me: usize) -> usize {
+pub(crate) fn received_rows_high_water(schedule: &Schedule, me: usize) -> usize {
     let p = schedule.shape().ranks;
     (0..schedule.rounds())
         .map(|j| (0..p).map(|s| schedule.round_pair_rows(s, me, j)).sum())
@@ -350,7 +358,7 @@ fn backward_typed<T: TorchElement + LayerElement>(
     let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
     let grads = detached(py, comm, |comm| -> llep::Result<_> {
         let mut cached = locked(options);
-        let executor = executor_for(&mut cached, plan)?;
+        let executor = executor_for(&mut cached, plan, Device::Cpu)?;
         // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
         let (inputs, dy) = unsafe { (tensors.inputs(), dy.as_slice()) };
         let schedule = executor.schedule(comm, &inputs.routing)?;

@@ -42,6 +42,9 @@ pub struct TorchGroup {
     rank: usize,
     world: usize,
     mailbox: Mutex<Mailbox>,
+    /// For a group whose backend moves only CUDA tensors (NCCL): the device each collective's
+    /// host bytes are staged through (`torch.device`); `None` for gloo.
+    staging: Option<Py<PyAny>>,
 }
 
 /// Point-to-point messages over collectives (see the module's documentation): the messages this
@@ -102,13 +105,25 @@ impl TorchGroup {
                 "group: this process is not a member of the group (torch.distributed.get_rank(group) = {rank})"
             ))
         })?;
+        let torch = py.import("torch")?;
+        let backend: String = dist.call_method1("get_backend", (&group,))?.str()?.to_string();
+        // NCCL carries CUDA tensors only: the schedule's host metadata (counts, verdicts) goes
+        // through small CUDA tensors on the current device.
+        let staging = if backend == "nccl" {
+            let cuda = torch.getattr("cuda")?;
+            let device = torch.call_method1("device", ("cuda", cuda.call_method0("current_device")?))?;
+            Some(device.unbind())
+        } else {
+            None
+        };
         Ok(Self {
             dist: dist.unbind(),
-            torch: py.import("torch")?.unbind(),
+            torch: torch.unbind(),
             group: group.unbind(),
             rank,
             world,
             mailbox: Mutex::new(Mailbox::new(world)),
+            staging,
         })
     }
 
@@ -179,6 +194,24 @@ impl TorchGroup {
         let kwargs = PyDict::new(py);
         kwargs.set_item("dtype", torch.getattr("uint8")?)?;
         torch.call_method("frombuffer", (view,), Some(&kwargs))
+    }
+
+    /// `host` on the staging device (a copy), or `host` itself for a group that takes CPU
+    /// tensors.
+    fn staged<'py>(&self, py: Python<'py>, host: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        match &self.staging {
+            Some(device) => host.call_method1("to", (device.bind(py),)),
+            None => Ok(host.clone()),
+        }
+    }
+
+    /// Copies a collective's staged result back into the host tensor it was staged from (a
+    /// copy from the device that waits for the collective).
+    fn unstage(&self, host: &Bound<'_, PyAny>, staged: &Bound<'_, PyAny>) -> PyResult<()> {
+        if self.staging.is_some() {
+            host.call_method1("copy_", (staged,))?;
+        }
+        Ok(())
     }
 
     /// Runs `f` with the GIL, a Python error becoming [`Error::Collective`] for `op`.
@@ -254,8 +287,9 @@ impl Communicator for TorchGroup {
             kwargs.set_item("output_split_sizes", PyList::new(py, recv_counts)?)?;
             kwargs.set_item("input_split_sizes", PyList::new(py, send_counts)?)?;
             kwargs.set_item("group", self.group.bind(py))?;
-            self.dist.bind(py).call_method("all_to_all_single", (recv_t, send_t), Some(&kwargs))?;
-            Ok(())
+            let (out, input) = (self.staged(py, &recv_t)?, self.staged(py, &send_t)?);
+            self.dist.bind(py).call_method("all_to_all_single", (&out, input), Some(&kwargs))?;
+            self.unstage(&recv_t, &out)
         })
     }
 
@@ -276,8 +310,9 @@ impl Communicator for TorchGroup {
                 })?,
             )?;
             kwargs.set_item("group", self.group.bind(py))?;
-            self.dist.bind(py).call_method("all_reduce", (tensor,), Some(&kwargs))?;
-            Ok(())
+            let staged = self.staged(py, &tensor)?;
+            self.dist.bind(py).call_method("all_reduce", (&staged,), Some(&kwargs))?;
+            self.unstage(&tensor, &staged)
         })
     }
 

@@ -211,3 +211,32 @@ def killed_rank(rank: int, world: int, init_file: str, queue) -> None:
         queue.close()
         queue.join_thread()
         os._exit(0)
+
+
+def cuda_nccl_one_rank(rank: int, world: int, init_file: str, queue) -> None:
+    """A one-rank NCCL group on the GPU: the group's metadata staged through CUDA tensors, the
+    rows over flatpeak's NCCL communicator; y and the gradients against the float64 reference."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        from flatpeak.torch import moe_swiglu
+
+        x, ids, w, gate_up, down, dy = global_problem(torch, world, [32], "random", 13)
+        leaves = [t.detach().cuda().requires_grad_() for t in (x, w, gate_up, down)]
+        y = moe_swiglu(leaves[0], ids.cuda(), leaves[1], leaves[2], leaves[3], group=dist.group.WORLD)
+        (y * dy.cuda()).sum().backward()
+        y_ref, grads_ref = reference(torch, x, ids, w, gate_up, down, dy)
+        errors = [rel(y.cpu(), y_ref)] + [rel(t.grad.cpu(), g) for t, g in zip(leaves, grads_ref)]
+        if max(errors) > 1e-4:
+            raise AssertionError(f"errors {errors}")
+        queue.put((rank, "ok", errors))
+    except BaseException:  # noqa: BLE001
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass

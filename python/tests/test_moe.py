@@ -136,3 +136,30 @@ def test_threads_sharing_the_cached_executor_neither_deadlock_nor_race():
     assert not any(th.is_alive() for th in threads), "a thread is stuck"
     assert not errors, errors
     assert len(results) == 40 and all(torch.equal(r, want) for r in results)
+
+
+CUDA = torch.cuda.is_available() and getattr(__import__("flatpeak._flatpeak", fromlist=["CUDA"]), "CUDA", False)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device and flatpeak built with `cuda`")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_tensors_match_the_cpu_path(dtype):
+    """One process, all experts, on the GPU (llep's device schedule on torch's current stream,
+    a one-rank NCCL communicator): y and every gradient as on the CPU."""
+    x, ids, w, gate_up, down, dy = workers.global_problem(torch, 1, [64], "hot", 5, dtype)
+
+    def run(device):
+        leaves = [t.detach().to(device).requires_grad_() for t in (x, w, gate_up, down)]
+        y = moe_swiglu(leaves[0], ids.to(device), leaves[1], leaves[2], leaves[3], pair_cap_rows=8)
+        (y.float() * dy.to(device).float()).sum().backward()
+        return [y.detach().cpu()] + [t.grad.cpu() for t in leaves]
+
+    bound = 1e-4 if dtype == torch.float32 else 3e-2
+    for got, want in zip(run("cuda"), run("cpu")):
+        assert workers.rel(got, want) <= bound
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device and flatpeak built with `cuda`")
+def test_cuda_over_a_one_rank_nccl_group():
+    reports = spawn(workers.cuda_nccl_one_rank, world=1, timeout=240)
+    assert reports[0][0] == "ok", reports[0][1]

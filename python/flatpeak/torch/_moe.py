@@ -57,6 +57,15 @@ class MoEStats(NamedTuple):
     workspace_bytes: int
 
 
+def _cuda_entry(name: str):
+    """The CUDA path's entry ``name``, or the error that says how to build it."""
+    entry = getattr(_ext, name, None)
+    if entry is None:
+        raise ValueError("hidden_states: CUDA tensors need flatpeak built with its `cuda` feature "
+                         "(MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python)")
+    return entry
+
+
 @torch.library.custom_op("flatpeak::moe_swiglu_forward", mutates_args=())
 def _forward(
     hidden_states: Tensor,
@@ -77,11 +86,19 @@ def _forward(
                        imbalance_threshold)
     pg = _group(group)
     experts = num_experts or gate_up_proj.shape[0] * _world_size(pg)
-    y = torch.empty(hidden_states.shape, dtype=torch.float32)
+    device = hidden_states.device
+    y = torch.empty(hidden_states.shape, dtype=torch.float32, device=device)
     counts = torch.empty((experts,), dtype=torch.int64)
-    stats = _ext.moe_forward(options, pg, (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
-                             num_experts or None, y, counts)
-    return y.to(hidden_states.dtype), counts, torch.tensor(stats, dtype=torch.int64)
+    if hidden_states.is_cuda:
+        # The schedule is planned on the host from the routing (T x k values); the rows and the
+        # expert weights stay on the device.
+        routing = (topk_ids.cpu(), topk_weights.cpu())
+        stats = _cuda_entry("moe_forward_cuda")(options, pg, (hidden_states, *routing, gate_up_proj, down_proj),
+                                                num_experts or None, y, counts)
+    else:
+        stats = _ext.moe_forward(options, pg, (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
+                                 num_experts or None, y, counts)
+    return y.to(hidden_states.dtype), counts.to(device), torch.tensor(stats, dtype=torch.int64, device=device)
 
 
 @_forward.register_fake
@@ -111,13 +128,19 @@ def _backward(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     options = _options(scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm,
                        imbalance_threshold)
-    f32 = dict(dtype=torch.float32)
+    f32 = dict(dtype=torch.float32, device=hidden_states.device)
     dx = torch.empty(hidden_states.shape, **f32)
     dw = torch.empty(topk_weights.shape, **f32)
     dgu = torch.empty(gate_up_proj.shape, **f32)
     dd = torch.empty(down_proj.shape, **f32)
-    _ext.moe_backward(options, _group(group), (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
-                      num_experts or None, grad_output.to(hidden_states.dtype).contiguous(), (dx, dw, dgu, dd))
+    dy = grad_output.to(hidden_states.dtype).contiguous()
+    if hidden_states.is_cuda:
+        routing = (topk_ids.cpu(), topk_weights.cpu())
+        _cuda_entry("moe_backward_cuda")(options, _group(group), (hidden_states, *routing, gate_up_proj, down_proj),
+                                         num_experts or None, dy, (dx, dw, dgu, dd))
+    else:
+        _ext.moe_backward(options, _group(group), (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
+                          num_experts or None, dy, (dx, dw, dgu, dd))
     return dx.to(hidden_states.dtype), dw, dgu.to(gate_up_proj.dtype), dd.to(down_proj.dtype)
 
 

@@ -1,0 +1,396 @@
+//! The CUDA path of `moe_swiglu` (feature `cuda`): llep's device schedule (`llep::cuda::CudaOps`)
+//! on CUDA tensors, **on torch's current stream**, expert-parallel over the caller's group.
+//!
+//! - The schedule's host metadata (the agreed verdicts and shapes, the route and row counts) goes
+//!   through the group itself ([`TorchGroup`]; over an NCCL group it is staged through small
+//!   CUDA tensors). The routing (`topk_ids`, `topk_weights`) comes from the host: the Python side
+//!   copies those `T × k` values there, as the schedule is planned on the host.
+//! - The token rows and weights move over an NCCL communicator spanning the group's ranks, made
+//!   once per (group, device, stream) from an id that rank 0 creates and the group all-gathers,
+//!   and ordered on torch's current stream (so a collective follows the torch work that produced
+//!   its buffers, and torch's later work follows it). It and the device state (compiled kernels,
+//!   cuBLAS handle, streams) are kept for the process's life, as torch keeps its own NCCL
+//!   communicators.
+//! - The inputs are torch tensors read in place; y and the gradients are copied from llep's
+//!   buffers into the float32 tensors the Python side allocated, on the same stream.
+
+use std::collections::HashMap;
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use flatpeak_common::comm::{agree_on_inputs, all_gather_words};
+use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, sys};
+use flatpeak_common::nccl::{NcclComm, NcclId, nccl_available};
+use flatpeak_common::{Communicator, Error as CommonError};
+use half::bf16;
+use llep::cuda::{CudaBuf, CudaOps};
+use llep::device::{DeviceInputs, DeviceOps};
+use llep::{DType, Device, Plan, Routing};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::cuda::{borrow_on, torch_stream};
+use crate::error::{Refusal, to_py};
+use crate::moe::{ForwardStats, MoEArgs, MoEOptions, Sizes, agreed_shape, executor_for, locked};
+use crate::tensor::{TensorDevice, TensorRef, TorchElement, checked, device_of};
+use crate::torch_group::{Comm, communicator, detached};
+
+/// A torch CUDA tensor's memory as one of llep's device buffers, for one call: built from the
+/// tensor's data pointer and leaked back at drop, never freed by cudarc (the tensor owns it).
+struct BorrowedBuf(ManuallyDrop<CudaBuf>);
+
+impl BorrowedBuf {
+    fn buf(&self) -> &CudaBuf {
+        &self.0
+    }
+}
+
+impl Drop for BorrowedBuf {
+    fn drop(&mut self) {
+        // SAFETY: the buffer is taken exactly once, here, and not used after.
+        let buf = unsafe { ManuallyDrop::take(&mut self.0) };
+        // The memory is the tensor's: give the pointers back instead of freeing them.
+        match buf {
+            CudaBuf::F32(s) => {
+                let _ = s.leak();
+            }
+            CudaBuf::Bf16(s) => {
+                let _ = s.leak();
+            }
+        }
+    }
+}
+
+/// A checked CUDA tensor of `T` as a [`BorrowedBuf`] on `stream`.
+///
+/// # Safety
+/// The tensor must outlive the returned value and nothing else may write it during the call.
+unsafe fn borrow_buf<T: TorchElement + DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    (name, tensor): (&'static str, &Bound<'_, PyAny>),
+    shape: &[Option<usize>],
+    ordinal: usize,
+    wrap: fn(CudaSlice<T>) -> CudaBuf,
+) -> PyResult<BorrowedBuf> {
+    let (address, len) = checked::<T>(name, tensor, shape, TensorDevice::Cuda(ordinal))?;
+    if len == 0 {
+        return Err(PyValueError::new_err(format!("{name}: empty CUDA tensors are not supported")));
+    }
+    // SAFETY: `checked` proved a live, contiguous CUDA tensor of `len` elements of `T` on this
+    // device at `address`; the caller keeps it alive and unaliased for the call; the slice is
+    // never freed as owned memory (`BorrowedBuf`'s drop leaks it).
+    let slice = unsafe { stream.upgrade_device_ptr::<T>(address as sys::CUdeviceptr, len) };
+    Ok(BorrowedBuf(ManuallyDrop::new(wrap(slice))))
+}
+
+/// The device state of one (group, device, stream): its NCCL communicator and llep's CUDA ops
+/// over it (compiled kernels, cuBLAS handle, streams). The communicator is leaked: it lives for
+/// the process, as the ops that borrow it do.
+struct DeviceState(CudaOps<'static, NcclComm>);
+
+// SAFETY: a `DeviceState` lives in the cache's mutex and is used only by the thread holding the
+// lock, so no two calls reach its NCCL communicator at once (NCCL's thread-safety rule, the
+// reason `NcclComm` is `Send` but not `Sync`); its other parts (streams, the kernel cache, the
+// cuBLAS handle) are cudarc handles that may move between threads.
+unsafe impl Send for DeviceState {}
+
+type DeviceCache = Mutex<HashMap<String, DeviceState>>;
+
+fn device_cache() -> &'static DeviceCache {
+    static CACHE: OnceLock<DeviceCache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The NCCL communicator of the group's ranks on `stream`: rank 0 makes the id, the group
+/// all-gathers it. Every rank calls this at the same point of the same call (the first CUDA
+/// call on that group, device and stream). A rank without NCCL refuses on every rank.
+fn bootstrap_nccl(host: &dyn Communicator, stream: Arc<CudaStream>) -> PyResult<NcclComm> {
+    let (rank, world) = (host.rank(), host.world_size());
+    let local: Result<[u64; 16], CommonError> = if !nccl_available() {
+        Err(CommonError::CudaUnavailable {
+            reason: format!("rank {rank}: the NCCL library (libnccl.so.2) cannot be loaded"),
+        })
+    } else if rank == 0 {
+        NcclId::new().map(|id| {
+            let mut words = [0u64; 16];
+            for (w, chunk) in words.iter_mut().zip(id.0.chunks_exact(8)) {
+                let mut bytes = [0u8; 8];
+                bytes.copy_from_slice(chunk);
+                *w = u64::from_le_bytes(bytes);
+            }
+            words
+        })
+    } else {
+        Ok([0u64; 16])
+    };
+    let mine = agree_on_inputs(host, local).map_err(to_py)?;
+    let all = all_gather_words(host, &mine).map_err(to_py)?;
+    let mut id = [0u8; 128];
+    for (chunk, w) in id.chunks_exact_mut(8).zip(&all[..16]) {
+        chunk.copy_from_slice(&w.to_le_bytes());
+    }
+    NcclComm::from_rank(stream, rank, world, NcclId(id)).map_err(to_py)
+}
+
+/// Runs `f` on the cached device state of (`group`, `ordinal`, `stream`), made at the first call
+/// (every rank of the group makes it at the same call). Called with the GIL released.
+fn with_device<R>(
+    host: &dyn Communicator,
+    key: String,
+    stream: &Arc<CudaStream>,
+    f: impl FnOnce(&CudaOps<'static, NcclComm>) -> PyResult<R>,
+) -> PyResult<R> {
+    let mut cache = device_cache().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if !cache.contains_key(&key) {
+        let comm: &'static NcclComm = Box::leak(Box::new(bootstrap_nccl(host, stream.clone())?));
+        let ops = CudaOps::new(comm).map_err(to_py)?;
+        cache.insert(key.clone(), DeviceState(ops));
+    }
+    let state =
+        cache.get(&key).ok_or_else(|| PyRuntimeError::new_err("the device state was cached just above"))?;
+    let ops = &state.0;
+    // Ordered after the torch work already on the stream (the inputs' producers).
+    ops.stream().join(stream).map_err(|e| PyRuntimeError::new_err(format!("cuStreamWaitEvent: {e:?}")))?;
+    let out = f(ops)?;
+    // Torch's later work on the stream (the outputs' readers) follows this call's.
+    stream.join(ops.stream()).map_err(|e| PyRuntimeError::new_err(format!("cuStreamWaitEvent: {e:?}")))?;
+    Ok(out)
+}
+
+/// The checked tensors of one CUDA call: hidden states and weights on the device (read in
+/// place), the routing on the host.
+struct CudaTensors {
+    ids: TensorRef<i64>,
+    weights: TensorRef<f32>,
+}
+
+/// Every rank's checks, agreed on; then the agreed shape.
+fn prepare(
+    py: Python<'_>,
+    comm: &dyn Communicator,
+    args: &MoEArgs<'_>,
+    num_experts: Option<usize>,
+    ordinal: usize,
+) -> PyResult<(CudaTensors, llep::Shape)> {
+    let local = Sizes::of(args).and_then(|s| {
+        let (t, h, i, m, k) = (s.tokens, s.hidden, s.intermediate, s.local_experts, s.top_k);
+        let ids = TensorRef::new("topk_ids (on the host)", &args.ids, &[Some(t), Some(k)])?;
+        let weights = TensorRef::new("topk_weights (on the host)", &args.weights, &[Some(t), Some(k)])?;
+        let on = TensorDevice::Cuda(ordinal);
+        match s.dtype {
+            DType::Bf16 => {
+                checked::<bf16>("hidden_states", &args.x, &[Some(t), Some(h)], on)?;
+                checked::<bf16>("gate_up_proj", &args.gate_up, &[Some(m), Some(2 * i), Some(h)], on)?;
+                checked::<bf16>("down_proj", &args.down, &[Some(m), Some(h), Some(i)], on)?;
+            }
+            _ => {
+                checked::<f32>("hidden_states", &args.x, &[Some(t), Some(h)], on)?;
+                checked::<f32>("gate_up_proj", &args.gate_up, &[Some(m), Some(2 * i), Some(h)], on)?;
+                checked::<f32>("down_proj", &args.down, &[Some(m), Some(h), Some(i)], on)?;
+            }
+        }
+        Ok((CudaTensors { ids, weights }, s))
+    });
+    let local = local.map_err(|e| Refusal::from_py(py, e));
+    let (tensors, sizes) = agree_on_inputs(comm, local).map_err(Refusal::into_py)?;
+    let shape = agreed_shape(comm, sizes, num_experts).map_err(Refusal::into_py)?;
+    Ok((tensors, shape))
+}
+
+/// The device ordinal of the call, its torch stream, and the cache key of its device state.
+fn device_of_call(
+    py: Python<'_>,
+    args: &MoEArgs<'_>,
+    group: &Option<Bound<'_, PyAny>>,
+) -> PyResult<(usize, Arc<CudaStream>, String)> {
+    let TensorDevice::Cuda(ordinal) = device_of("hidden_states", &args.x)? else {
+        return Err(PyRuntimeError::new_err("hidden_states: the CUDA path was called with a CPU tensor"));
+    };
+    let stream = torch_stream(py, ordinal)?;
+    let group_id = group.as_ref().map_or(0, |g| g.as_ptr() as usize);
+    let key = format!("{group_id:x}/{ordinal}/{:p}", stream.cu_stream());
+    Ok((ordinal, stream, key))
+}
+
+/// The f32 slice of one of llep's device outputs.
+fn f32_of<'a>(buf: &'a CudaBuf, what: &'static str) -> PyResult<&'a CudaSlice<f32>> {
+    match buf {
+        CudaBuf::F32(s) => Ok(s),
+        CudaBuf::Bf16(_) => {
+            Err(PyRuntimeError::new_err(format!("{what}: llep returned bf16 where it returns f32")))
+        }
+    }
+}
+
+/// The routing of a call, on the host.
+///
+/// # Safety
+/// The routing tensors must outlive the borrow, unwritten.
+unsafe fn routing(t: &CudaTensors) -> Routing<'_> {
+    // SAFETY: the caller's contract; both were checked (CPU, contiguous, dtype, shape).
+    unsafe { Routing { ids: t.ids.as_slice(), weights: t.weights.as_slice() } }
+}
+
+/// Borrows the call's device inputs on `stream`: hidden states, gate_up and down (and an empty
+/// up, which torch's fused layout does not have).
+///
+/// # Safety
+/// As [`borrow_buf`].
+unsafe fn device_inputs(
+    stream: &Arc<CudaStream>,
+    args: &MoEArgs<'_>,
+    shape: llep::Shape,
+    ordinal: usize,
+) -> PyResult<[BorrowedBuf; 3]> {
+    let (t, h, i, m) = (args_tokens(args)?, shape.hidden, shape.intermediate, shape.local_experts());
+    let take = |name: &'static str, tensor: &Bound<'_, PyAny>, dims: &[Option<usize>]| {
+        // SAFETY: the caller's contract (the Python frame holds the tensors, nothing writes them).
+        unsafe {
+            match shape.dtype {
+                DType::Bf16 => borrow_buf::<bf16>(stream, (name, tensor), dims, ordinal, CudaBuf::Bf16),
+                _ => borrow_buf::<f32>(stream, (name, tensor), dims, ordinal, CudaBuf::F32),
+            }
+        }
+    };
+    Ok([
+        take("hidden_states", &args.x, &[Some(t), Some(h)])?,
+        take("gate_up_proj", &args.gate_up, &[Some(m), Some(2 * i), Some(h)])?,
+        take("down_proj", &args.down, &[Some(m), Some(h), Some(i)])?,
+    ])
+}
+
+fn args_tokens(args: &MoEArgs<'_>) -> PyResult<usize> {
+    Ok(crate::tensor::shape_of("hidden_states", &args.x)?.first().copied().unwrap_or(0))
+}
+
+/// Forward on CUDA tensors: writes y (`[T, H]` float32, on the device) into `y_out` and the
+/// global routes per expert into the host `counts_out`; returns the forward's statistics.
+#[pyfunction]
+#[pyo3(signature = (options, group, args, num_experts, y_out, counts_out))]
+pub fn moe_forward_cuda(
+    py: Python<'_>,
+    options: &MoEOptions,
+    group: Option<Bound<'_, PyAny>>,
+    args: MoEArgs<'_>,
+    num_experts: Option<usize>,
+    y_out: Bound<'_, PyAny>,
+    counts_out: Bound<'_, PyAny>,
+) -> PyResult<ForwardStats> {
+    let (ordinal, stream, key) = device_of_call(py, &args, &group)?;
+    let mut comm: Comm = Some(communicator(py, group)?);
+    let host = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("no communicator"))?;
+    let (tensors, shape) = prepare(py, host, &args, num_experts, ordinal)?;
+    let n = tensors.ids.len() / shape.top_k.max(1);
+    let counts_out = TensorRef::<i64>::new("counts_out", &counts_out, &[Some(shape.experts)])?;
+    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
+    // SAFETY: the Python frame holds every tensor for this call; y_out is the caller's fresh
+    // output, read by nothing else.
+    let (inputs, mut y_dst) = unsafe {
+        (
+            device_inputs(&stream, &args, shape, ordinal)?,
+            borrow_on::<f32>(&stream, ("y_out", &y_out), &[Some(n), Some(shape.hidden)], ordinal)?,
+        )
+    };
+    let ran = detached(py, &mut comm, |host| -> PyResult<_> {
+        let mut cached = locked(options);
+        let executor = executor_for(&mut cached, plan, Device::Cuda(ordinal)).map_err(to_py)?;
+        // SAFETY: the routing tensors are held by the Python frame for the call.
+        let routing = unsafe { routing(&tensors) };
+        let schedule = executor.schedule(host, &routing).map_err(to_py)?;
+        with_device(host, key, &stream, |ops| {
+            let empty = DeviceOps::alloc(ops, 0, shape.dtype).map_err(to_py)?;
+            let [x, gate_up, down] = &inputs;
+            let dev = DeviceInputs { x: x.buf(), routing, gate: gate_up.buf(), up: &empty, down: down.buf() };
+            let y = executor.forward(ops, &schedule, &dev).map_err(to_py)?;
+            ops.stream()
+                .memcpy_dtod(f32_of(&y, "y")?, &mut *y_dst)
+                .map_err(|e| PyRuntimeError::new_err(format!("cuMemcpyDtoD: {e:?}")))?;
+            Ok(())
+        })?;
+        Ok((schedule, host.rank(), executor.workspace_bytes()))
+    })?;
+    let (schedule, me, workspace) = ran?;
+    // SAFETY: the host counts tensor was made by the caller for this call, read by nothing else.
+    let counts = unsafe { counts_out.as_mut_slice() };
+    for (e, c) in counts.iter_mut().enumerate() {
+        *c = schedule.assignment().counts().load(e) as i64;
+    }
+    let rows = crate::moe::received_rows_high_water(&schedule, me);
+    Ok((schedule.rounds(), rows, rows * shape.hidden * shape.elem_bytes(), workspace))
+}
+
+/// Backward on CUDA tensors from `grad_output` (`[T, H]`, the input's dtype, on the device):
+/// writes dX, d(topk_weights), d(gate_up_proj) and d(down_proj) into the float32 device tensors
+/// `grads_out`.
+#[pyfunction]
+#[pyo3(signature = (options, group, args, num_experts, grad_output, grads_out))]
+pub fn moe_backward_cuda(
+    py: Python<'_>,
+    options: &MoEOptions,
+    group: Option<Bound<'_, PyAny>>,
+    args: MoEArgs<'_>,
+    num_experts: Option<usize>,
+    grad_output: Bound<'_, PyAny>,
+    grads_out: (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>),
+) -> PyResult<()> {
+    let (ordinal, stream, key) = device_of_call(py, &args, &group)?;
+    let mut comm: Comm = Some(communicator(py, group)?);
+    let host = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("no communicator"))?;
+    let (tensors, shape) = prepare(py, host, &args, num_experts, ordinal)?;
+    let (h, i, m, k) = (shape.hidden, shape.intermediate, shape.local_experts(), shape.top_k);
+    let n = tensors.ids.len() / k.max(1);
+    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
+    // SAFETY: the Python frame holds every tensor for this call; the gradient tensors are the
+    // caller's fresh outputs, each read by nothing else.
+    let (inputs, dy, mut outs) = unsafe {
+        let dy = match shape.dtype {
+            DType::Bf16 => borrow_buf::<bf16>(
+                &stream,
+                ("grad_output", &grad_output),
+                &[Some(n), Some(h)],
+                ordinal,
+                CudaBuf::Bf16,
+            )?,
+            _ => borrow_buf::<f32>(
+                &stream,
+                ("grad_output", &grad_output),
+                &[Some(n), Some(h)],
+                ordinal,
+                CudaBuf::F32,
+            )?,
+        };
+        let outs = [
+            borrow_on::<f32>(&stream, ("dx", &grads_out.0), &[Some(n), Some(h)], ordinal)?,
+            borrow_on::<f32>(&stream, ("d_topk_weights", &grads_out.1), &[Some(n), Some(k)], ordinal)?,
+            borrow_on::<f32>(
+                &stream,
+                ("d_gate_up_proj", &grads_out.2),
+                &[Some(m), Some(2 * i), Some(h)],
+                ordinal,
+            )?,
+            borrow_on::<f32>(&stream, ("d_down_proj", &grads_out.3), &[Some(m), Some(h), Some(i)], ordinal)?,
+        ];
+        (device_inputs(&stream, &args, shape, ordinal)?, dy, outs)
+    };
+    detached(py, &mut comm, |host| -> PyResult<()> {
+        let mut cached = locked(options);
+        let executor = executor_for(&mut cached, plan, Device::Cuda(ordinal)).map_err(to_py)?;
+        // SAFETY: the routing tensors are held by the Python frame for the call.
+        let routing = unsafe { routing(&tensors) };
+        let schedule = executor.schedule(host, &routing).map_err(to_py)?;
+        with_device(host, key, &stream, |ops| {
+            let empty = DeviceOps::alloc(ops, 0, shape.dtype).map_err(to_py)?;
+            let [x, gate_up, down] = &inputs;
+            let dev = DeviceInputs { x: x.buf(), routing, gate: gate_up.buf(), up: &empty, down: down.buf() };
+            let g = executor.backward(ops, &schedule, &dev, dy.buf()).map_err(to_py)?;
+            let sources =
+                [(&g.dx, "dx"), (&g.d_weights, "d_weights"), (&g.d_gate, "d_gate_up"), (&g.d_down, "d_down")];
+            for ((src, what), dst) in sources.into_iter().zip(outs.iter_mut()) {
+                ops.stream()
+                    .memcpy_dtod(f32_of(src, what)?, &mut **dst)
+                    .map_err(|e| PyRuntimeError::new_err(format!("cuMemcpyDtoD ({what}): {e:?}")))?;
+            }
+            Ok(())
+        })
+    })?
+}
