@@ -5,23 +5,19 @@
 //!   through the group itself ([`TorchGroup`]; over an NCCL group it is staged through small
 //!   CUDA tensors). The routing (`topk_ids`, `topk_weights`) comes from the host: the Python side
 //!   copies those `T × k` values there, as the schedule is planned on the host.
-//! - The token rows and weights move over an NCCL communicator spanning the group's ranks, made
-//!   once per (group, device, stream) from an id that rank 0 creates and the group all-gathers,
-//!   and ordered on torch's current stream (so a collective follows the torch work that produced
-//!   its buffers, and torch's later work follows it). It and the device state (compiled kernels,
-//!   cuBLAS handle, streams) are kept for the process's life, as torch keeps its own NCCL
-//!   communicators.
+//! - The token rows and weights move over the NCCL communicator of the group's ranks that
+//!   [`crate::cuda_group`] keeps per (group, device, stream), on torch's current stream; llep's
+//!   device state (compiled kernels, cuBLAS handle, streams) is kept beside it.
 //! - The inputs are torch tensors read in place; y and the gradients are copied from llep's
 //!   buffers into the float32 tensors the Python side allocated, on the same stream.
 
-use std::collections::HashMap;
 use std::mem::ManuallyDrop;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
-use flatpeak_common::comm::{agree_on_inputs, all_gather_words};
+use flatpeak_common::Communicator;
+use flatpeak_common::comm::agree_on_inputs;
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, sys};
-use flatpeak_common::nccl::{NcclComm, NcclId, nccl_available};
-use flatpeak_common::{Communicator, Error as CommonError};
+use flatpeak_common::nccl::NcclComm;
 use half::bf16;
 use llep::cuda::{CudaBuf, CudaOps};
 use llep::device::{DeviceInputs, DeviceOps};
@@ -30,6 +26,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::cuda::{borrow_on, torch_stream};
+use crate::cuda_group::{cuda_states, group_key};
 use crate::error::{Refusal, to_py};
 use crate::moe::{ForwardStats, MoEArgs, MoEOptions, Sizes, agreed_shape, executor_for, locked};
 use crate::tensor::{TensorDevice, TensorRef, TorchElement, checked, device_of};
@@ -83,72 +80,16 @@ unsafe fn borrow_buf<T: TorchElement + DeviceRepr>(
     Ok(BorrowedBuf(ManuallyDrop::new(wrap(slice))))
 }
 
-/// The device state of one (group, device, stream): its NCCL communicator and llep's CUDA ops
-/// over it (compiled kernels, cuBLAS handle, streams). The communicator is leaked: it lives for
-/// the process, as the ops that borrow it do.
-struct DeviceState(CudaOps<'static, NcclComm>);
-
-// SAFETY: a `DeviceState` lives in the cache's mutex and is used only by the thread holding the
-// lock, so no two calls reach its NCCL communicator at once (NCCL's thread-safety rule, the
-// reason `NcclComm` is `Send` but not `Sync`); its other parts (streams, the kernel cache, the
-// cuBLAS handle) are cudarc handles that may move between threads.
-unsafe impl Send for DeviceState {}
-
-type DeviceCache = Mutex<HashMap<String, DeviceState>>;
-
-fn device_cache() -> &'static DeviceCache {
-    static CACHE: OnceLock<DeviceCache> = OnceLock::new();
-    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
-}
-
-/// The NCCL communicator of the group's ranks on `stream`: rank 0 makes the id, the group
-/// all-gathers it. Every rank calls this at the same point of the same call (the first CUDA
-/// call on that group, device and stream). A rank without NCCL refuses on every rank.
-fn bootstrap_nccl(host: &dyn Communicator, stream: Arc<CudaStream>) -> PyResult<NcclComm> {
-    let (rank, world) = (host.rank(), host.world_size());
-    let local: Result<[u64; 16], CommonError> = if !nccl_available() {
-        Err(CommonError::CudaUnavailable {
-            reason: format!("rank {rank}: the NCCL library (libnccl.so.2) cannot be loaded"),
-        })
-    } else if rank == 0 {
-        NcclId::new().map(|id| {
-            let mut words = [0u64; 16];
-            for (w, chunk) in words.iter_mut().zip(id.0.chunks_exact(8)) {
-                let mut bytes = [0u8; 8];
-                bytes.copy_from_slice(chunk);
-                *w = u64::from_le_bytes(bytes);
-            }
-            words
-        })
-    } else {
-        Ok([0u64; 16])
-    };
-    let mine = agree_on_inputs(host, local).map_err(to_py)?;
-    let all = all_gather_words(host, &mine).map_err(to_py)?;
-    let mut id = [0u8; 128];
-    for (chunk, w) in id.chunks_exact_mut(8).zip(&all[..16]) {
-        chunk.copy_from_slice(&w.to_le_bytes());
-    }
-    NcclComm::from_rank(stream, rank, world, NcclId(id)).map_err(to_py)
-}
-
-/// Runs `f` on the cached device state of (`group`, `ordinal`, `stream`), made at the first call
-/// (every rank of the group makes it at the same call). Called with the GIL released.
+/// Runs `f` on llep's CUDA ops of `key` (made at the first call), ordered on torch's `stream`.
+/// Called with the GIL released.
 fn with_device<R>(
     host: &dyn Communicator,
     key: String,
     stream: &Arc<CudaStream>,
     f: impl FnOnce(&CudaOps<'static, NcclComm>) -> PyResult<R>,
 ) -> PyResult<R> {
-    let mut cache = device_cache().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if !cache.contains_key(&key) {
-        let comm: &'static NcclComm = Box::leak(Box::new(bootstrap_nccl(host, stream.clone())?));
-        let ops = CudaOps::new(comm).map_err(to_py)?;
-        cache.insert(key.clone(), DeviceState(ops));
-    }
-    let state =
-        cache.get(&key).ok_or_else(|| PyRuntimeError::new_err("the device state was cached just above"))?;
-    let ops = &state.0;
+    let mut states = cuda_states();
+    let ops = states.moe_ops(host, &key, stream)?;
     // Ordered after the torch work already on the stream (the inputs' producers).
     ops.stream().join(stream).map_err(|e| PyRuntimeError::new_err(format!("cuStreamWaitEvent: {e:?}")))?;
     let out = f(ops)?;
@@ -207,8 +148,7 @@ fn device_of_call(
         return Err(PyRuntimeError::new_err("hidden_states: the CUDA path was called with a CPU tensor"));
     };
     let stream = torch_stream(py, ordinal)?;
-    let group_id = group.as_ref().map_or(0, |g| g.as_ptr() as usize);
-    let key = format!("{group_id:x}/{ordinal}/{:p}", stream.cu_stream());
+    let key = group_key(group, ordinal, &stream);
     Ok((ordinal, stream, key))
 }
 

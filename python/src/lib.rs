@@ -15,7 +15,11 @@ mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_adamw;
 #[cfg(feature = "cuda")]
+mod cuda_group;
+#[cfg(feature = "cuda")]
 mod cuda_moe;
+#[cfg(feature = "cuda")]
+mod cuda_ring;
 mod error;
 mod loss;
 mod moe;
@@ -53,6 +57,8 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_class::<cuda_adamw::CudaAdamW>()?;
         m.add_function(wrap_pyfunction!(cuda_moe::moe_forward_cuda, m)?)?;
         m.add_function(wrap_pyfunction!(cuda_moe::moe_backward_cuda, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda_ring::lce_ring_forward_cuda, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda_ring::lce_ring_backward_cuda, m)?)?;
     }
     m.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())

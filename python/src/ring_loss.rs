@@ -30,7 +30,7 @@ use crate::torch_group::{Comm, communicator, detached};
 
 /// The ring named by the Python argument (`None`: the plan's choice); checked with the rank's
 /// tensors, so a bad name on one rank raises on every rank.
-fn ring_choice(ring: Option<&str>) -> PyResult<RingChoice> {
+pub(crate) fn ring_choice(ring: Option<&str>) -> PyResult<RingChoice> {
     match ring {
         None => Ok(RingChoice::Auto),
         Some("weight") => Ok(RingChoice::Force(RingKind::Weight)),
@@ -49,7 +49,7 @@ fn words(shape: Shape) -> [u64; 4] {
 /// The ring's plan, agreed from every rank's sizes (the same verdict on every rank, computed
 /// from the same all-gathered words): D and the dtype equal everywhere, the weight shards in
 /// the ring's layout, ⌈N/P⌉ tokens per rank with N = P × the most any rank brings.
-fn agreed_plan(
+pub(crate) fn agreed_plan(
     comm: &dyn Communicator,
     options: &LossOptions,
     ring: RingChoice,

@@ -160,3 +160,38 @@ def bad_input(rank: int, world: int, init_file: str, queue) -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+
+
+def cuda_nccl_one_rank(rank: int, world: int, init_file: str, queue) -> None:
+    """The ring on CUDA tensors over a one-rank NCCL group (the GPU path: ring-dtp's CudaRing over
+    flatpeak's NCCL communicator, the group's metadata staged through CUDA tensors) against the
+    single-process call, both rings, with a bias, in f32."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        from flatpeak.torch import linear_cross_entropy
+
+        x, w, b, target, _, _ = problem(torch, [40], 21, torch.float32)
+        errors = []
+        for ring in ("weight", "activation"):
+            outs = []
+            for group, device in ((dist.group.WORLD, "cuda"), (None, "cpu")):
+                leaves = [t.detach().to(device).requires_grad_() for t in (x, w, b)]
+                loss = linear_cross_entropy(leaves[0], leaves[1], target.to(device), leaves[2], group=group,
+                                            ring=ring if group is not None else None)
+                loss.backward()
+                outs.append([loss.detach().cpu()] + [t.grad.cpu() for t in leaves])
+            errors += [rel(a, c) for a, c in zip(*outs)]
+        if max(errors) > 1e-5:
+            raise AssertionError(f"errors {errors}")
+        queue.put((rank, "ok", errors))
+    except BaseException:  # noqa: BLE001
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass

@@ -40,3 +40,12 @@ def test_a_ring_without_a_group_is_refused():
     x, w, t = torch.randn(4, 8), torch.randn(16, 8), torch.randint(0, 16, (4,))
     with pytest.raises(ValueError, match="needs group="):
         linear_cross_entropy(x, w, t, ring="weight")
+
+
+CUDA = torch.cuda.is_available() and getattr(__import__("flatpeak._flatpeak", fromlist=["CUDA"]), "CUDA", False)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device and flatpeak built with `cuda`")
+def test_cuda_tensors_over_a_one_rank_nccl_group_equal_the_single_process_loss():
+    reports = spawn(workers.cuda_nccl_one_rank, world=1, timeout=240)
+    assert reports[0][0] == "ok", reports[0][1]

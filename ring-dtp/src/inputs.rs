@@ -113,11 +113,7 @@ impl<'a> Inputs<'a> {
     /// Every target is `ignore_index` or in `0..V`: [`Error::TargetOutOfRange`] names the
     /// first that is not.
     pub(crate) fn check_targets(&self, config: &Config) -> Result<()> {
-        match self.targets.iter().position(|&t| t != config.ignore_index && !(0..self.v as i64).contains(&t))
-        {
-            Some(token) => Err(Error::TargetOutOfRange { token, target: self.targets[token], vocab: self.v }),
-            None => Ok(()),
-        }
+        check_targets(self.targets, self.v, config.ignore_index)
     }
 
     /// The sizes and dtypes every backend checks.
@@ -151,9 +147,18 @@ impl<'a> Inputs<'a> {
     }
 }
 
+/// Checks targets against a vocabulary of `vocab` rows: each is `ignore_index` or in `0..vocab`;
+/// [`Error::TargetOutOfRange`] names the first that is not.
+pub fn check_targets(targets: &[i64], vocab: usize, ignore_index: i64) -> Result<()> {
+    match targets.iter().position(|&t| t != ignore_index && !(0..vocab as i64).contains(&t)) {
+        Some(token) => Err(Error::TargetOutOfRange { token, target: targets[token], vocab }),
+        None => Ok(()),
+    }
+}
+
 /// Checks per-token weights: each finite and ≥ 0, so the mean's denominator Σω is finite and
 /// ≥ 0 and the loss and its gradient see the same one.
-pub(crate) fn check_weights(weights: &[f32]) -> Result<()> {
+pub fn check_weights(weights: &[f32]) -> Result<()> {
     match weights.iter().position(|w| !(w.is_finite() && *w >= 0.0)) {
         Some(token) => Err(Error::InvalidWeight { token, weight: weights[token] }),
         None => Ok(()),

@@ -64,6 +64,9 @@ pub use executor::{LinearCrossEntropy, LossInputs};
 pub use flatpeak_common::gemm_bf16::Bf16Kernel;
 pub use flatpeak_common::{Budget, DType, Device, Precision, Workspace};
 pub use half::bf16;
-pub use inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix, Upstream};
+pub use inputs::{
+    Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix, Upstream, check_targets,
+    check_weights,
+};
 pub use plan::{BlockRegions, BlockSchedule, Plan, RingChoice, RingKind, RingOptions, RingPlan, Shape};
 pub use ring::RankInputs;

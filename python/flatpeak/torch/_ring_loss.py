@@ -5,8 +5,10 @@ Each rank passes its own tokens and its shard of the projection (rank ``r`` of `
 vocabulary rows ``r * ceil(V / P)`` onwards, ``V`` the sum of the shards); the loss is the one over
 every rank's tokens and the whole vocabulary, the same scalar on every rank, and backward gives
 each rank its own tokens' ``dx`` and its shard's ``dw``. The ring runs in Rust; its messages go
-through the group's ``all_to_all_single`` (gloo for CPU tensors). Two ``torch.library`` custom
-ops carry it, wired with ``register_autograd`` as the single-process loss is.
+through the group's ``all_to_all_single`` (gloo, CPU tensors); on CUDA tensors (built with
+``cuda``) the ring runs on the GPU over an NCCL communicator of the group's ranks, on torch's
+current stream. Two ``torch.library`` custom ops carry it, wired with ``register_autograd`` as
+the single-process loss is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ from ._groups import resolve
 from ._lce_common import _once_differentiable, _options
 
 RINGS = ("weight", "activation")
+
+
+def _cuda_entry(name: str):
+    """The CUDA path's entry ``name``, or the error that says how to build it."""
+    entry = getattr(_ext, name, None)
+    if entry is None:
+        raise ValueError("input: CUDA tensors need flatpeak built with its `cuda` feature "
+                         "(MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python)")
+    return entry
 
 
 @torch.library.custom_op("flatpeak::linear_cross_entropy_ring_forward", mutates_args=())
@@ -44,6 +55,12 @@ def _forward(
     n = input.shape[0]
     loss = torch.empty((n,) if reduction == "none" else (), dtype=torch.float32)
     lse = torch.empty((n,), dtype=torch.float32)
+    if input.is_cuda:
+        # The targets and token weights (n values) are checked and padded on the host.
+        host = (target.cpu(), None if token_weights is None else token_weights.cpu())
+        _cuda_entry("lce_ring_forward_cuda")(options, resolve(group), ring, (input, weight, host[0], bias, host[1]),
+                                             (loss, lse))
+        return loss.to(input.device, input.dtype), lse.to(input.device)
     _ext.lce_ring_forward(options, resolve(group), ring, (input, weight, target, bias, token_weights), (loss, lse))
     return loss.to(input.dtype), lse
 
@@ -76,13 +93,22 @@ def _backward(
     precision: str,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
-    dx = torch.empty(input.shape, dtype=torch.float32)
-    dw = torch.empty(weight.shape, dtype=torch.float32)
-    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
-    upstream = (grad_loss.to(torch.float32).contiguous(),
-                None if grad_lse is None else grad_lse.to(torch.float32).contiguous())
-    _ext.lce_ring_backward(options, resolve(group), ring, (input, weight, target, bias, token_weights), lse,
-                           upstream, (dx, dw, dbias if bias is not None else None))
+    f32 = dict(dtype=torch.float32, device=input.device)
+    dx = torch.empty(input.shape, **f32)
+    dw = torch.empty(weight.shape, **f32)
+    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), **f32)
+    # Upstream gradients and the lse are n values: made dense on the host, where the ring forms
+    # the row scales.
+    upstream = (grad_loss.to("cpu", torch.float32).contiguous(),
+                None if grad_lse is None else grad_lse.to("cpu", torch.float32).contiguous())
+    grads = (dx, dw, dbias if bias is not None else None)
+    if input.is_cuda:
+        host = (target.cpu(), None if token_weights is None else token_weights.cpu())
+        _cuda_entry("lce_ring_backward_cuda")(options, resolve(group), ring, (input, weight, host[0], bias, host[1]),
+                                              lse.cpu().contiguous(), upstream, grads)
+    else:
+        _ext.lce_ring_backward(options, resolve(group), ring, (input, weight, target, bias, token_weights), lse,
+                               upstream, grads)
     dx = dx.to(input.dtype)
     return dx, dw.to(weight.dtype), dbias
 

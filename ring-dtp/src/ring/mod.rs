@@ -138,11 +138,7 @@ fn validate<'a, C: Communicator + ?Sized>(
             return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w_shard.dtype() });
         }
     }
-    for (token, &target) in inputs.targets.iter().enumerate() {
-        if target != config.ignore_index && !(0..plan.vocab() as i64).contains(&target) {
-            return Err(Error::TargetOutOfRange { token, target, vocab: plan.vocab() });
-        }
-    }
+    crate::inputs::check_targets(inputs.targets, plan.vocab(), config.ignore_index)?;
     let local = Inputs {
         x: inputs.x,
         w: inputs.w_shard,
