@@ -208,3 +208,27 @@ def test_cuda_device_memory_stays_within_the_ring_at_two_depths():
     params_12 = sum(p.numel() * 4 * 2 for p in stack(12, width).parameters())  # weights' grads of 12 more blocks
     assert peaks[("plain", 16)] - peaks[("plain", 4)] >= 12 * boundary
     assert peaks[("offloaded", 16)] - peaks[("offloaded", 4)] <= params_12 + 3 * boundary, peaks
+
+
+def test_backward_prefetches_the_next_boundaries_while_a_block_recomputes():
+    """torch's save_on_cpu and offloading checkpoint wrappers fetch each boundary when it is
+    needed; here block i's recomputation starts bringing back blocks i-1 .. i-d."""
+    for distance in (1, 2):
+        layers = offload_checkpoints(stack(6), prefetch_distance=distance)
+        step(layers, run, torch.randn(2, 8, 32))  # a first step makes the ring
+        boundary = ring_of(layers)
+        seen = []
+        fetch = boundary.fetch
+
+        def recording(layer, prefetch, fetch=fetch, boundary=boundary, seen=seen):
+            t = fetch(layer, prefetch)
+            held = {h for h in boundary.ring.slot_holders() if h is not None}
+            seen.append((layer, list(prefetch), held))
+            return t
+
+        boundary.fetch = recording
+        step(layers, run, torch.randn(2, 8, 32))
+        assert [layer for layer, _, _ in seen] == list(range(5, -1, -1))
+        for layer, prefetch, held in seen:
+            assert prefetch == [layer - k for k in range(1, distance + 1) if layer - k >= 0]
+            assert layer in held and set(prefetch) <= held, (layer, prefetch, held)
