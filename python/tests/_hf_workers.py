@@ -3,50 +3,44 @@ a gloo group, one thread (kept apart from the test module so spawned children im
 
 from __future__ import annotations
 
-import traceback
-
 import _hf_models as hf
+from _spawn import reporting
 
 
-def expert_parallel(rank, world, init_file, queue):
+@reporting
+def expert_parallel(rank: int, world: int, init_file: str):
     """Rank ``rank``'s patched model against the unpatched one: its loss on its own batch, its
     expert slice's gradients against those of the sum of every rank's loss, and every other
     gradient against those of its own loss."""
-    try:
-        from _moe_workers import _init
+    import copy
 
-        torch_, dist = _init(rank, world, init_file)
-        import flatpeak.transformers as fpt_
+    import flatpeak.transformers as fpt_
+    from _moe_workers import _init
 
-        import copy
+    _, dist = _init(rank, world, init_file)
 
-        ref = hf.tiny_model("qwen3_moe", seed=3)
-        patched = fpt_.apply(copy.deepcopy(ref), group=dist.group.WORLD)
-        ids, labels = hf.batch(50 + rank)
-        out = patched(input_ids=ids, labels=labels)
-        out.loss.backward()
-        own = ref(input_ids=ids, labels=labels).loss
-        errors = {"loss": hf.rel(out.loss, own)}
-        own.backward()
-        non_expert = {n: p.grad.clone() for n, p in ref.named_parameters() if "experts" not in n}
-        ref.zero_grad()
-        total = sum(ref(input_ids=i, labels=lab).loss for i, lab in (hf.batch(50 + r) for r in range(world)))
-        total.backward()
-        local = 8 // world
-        rows = slice(rank * local, (rank + 1) * local)
-        for (name, p), (_, q) in zip(ref.named_parameters(), patched.named_parameters()):
-            if "experts" in name:
-                errors[name] = hf.rel(q.grad, p.grad[rows])
-                if q.shape[0] != local:
-                    raise AssertionError(f"{name}: {tuple(q.shape)} kept, expected {local} experts")
-            else:
-                errors[name] = hf.rel(q.grad, non_expert[name])
-        bad = {k: v for k, v in errors.items() if v > (1e-5 if k == "loss" else 1e-4)}
-        queue.put((rank, "ok" if not bad else "error", bad))
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+    ref = hf.tiny_model("qwen3_moe", seed=3)
+    patched = fpt_.apply(copy.deepcopy(ref), group=dist.group.WORLD)
+    ids, labels = hf.batch(50 + rank)
+    out = patched(input_ids=ids, labels=labels)
+    out.loss.backward()
+    own = ref(input_ids=ids, labels=labels).loss
+    errors = {"loss": hf.rel(out.loss, own)}
+    own.backward()
+    non_expert = {n: p.grad.clone() for n, p in ref.named_parameters() if "experts" not in n}
+    ref.zero_grad()
+    total = sum(ref(input_ids=i, labels=lab).loss for i, lab in (hf.batch(50 + r) for r in range(world)))
+    total.backward()
+    local = 8 // world
+    rows = slice(rank * local, (rank + 1) * local)
+    for (name, p), (_, q) in zip(ref.named_parameters(), patched.named_parameters()):
+        if "experts" in name:
+            errors[name] = hf.rel(q.grad, p.grad[rows])
+            if q.shape[0] != local:
+                raise AssertionError(f"{name}: {tuple(q.shape)} kept, expected {local} experts")
+        else:
+            errors[name] = hf.rel(q.grad, non_expert[name])
+    bad = {k: v for k, v in errors.items() if v > (1e-5 if k == "loss" else 1e-4)}
+    if bad:
+        raise AssertionError(f"errors above their bounds: {bad}")
+    return errors["loss"]

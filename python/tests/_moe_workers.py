@@ -10,6 +10,8 @@ import os
 import time
 import traceback
 
+from _spawn import reporting
+
 H, I, K, E_LOCAL = 16, 8, 2, 2
 
 
@@ -90,97 +92,83 @@ def run_rank(torch, dist, rank, world, tokens, profile, scheme, seed, dtype=None
     return errors, stats
 
 
-def correctness(rank: int, world: int, init_file: str, queue) -> None:
+@reporting
+def correctness(rank: int, world: int, init_file: str):
     """Every scheme against the float64 reference under balanced, 95%:1 and random routing
     (duplicates) with ranks of different T (one with none); the receive high water against the
     plan's bound under balanced and skewed routing; bf16 against twice the naive bf16 error."""
-    try:
-        torch, dist = _init(rank, world, init_file)
-        out = []
-        q = 3
-        for tokens in ([12] * world, [13, 0, 7, 16][:world]):
-            for profile in ("balanced", "hot", "random"):
-                for scheme, opts in (("pipelined", dict(pair_cap_rows=q)), ("llep", {}), ("standard", {})):
-                    errors, stats = run_rank(torch, dist, rank, world, tokens, profile, scheme, 7, **opts)
-                    for name, err in errors.items():
-                        bound = 1e-4 if name.startswith("d_") and name != "d_weights" else 1e-5
-                        if err > bound:
-                            raise AssertionError(f"{tokens} {profile} {scheme}: {name} relative error {err:.2e}")
-                    if scheme == "pipelined":
-                        if stats.recv_high_water_rows > world * q:
-                            raise AssertionError(f"{profile}: received {stats.recv_high_water_rows} rows in a "
-                                                 f"round, above the plan's P*q = {world * q}")
-                        out.append((tuple(tokens), profile, stats.rounds, stats.recv_high_water_rows,
-                                    stats.workspace_bytes, int(stats.tokens_per_expert.sum())))
-        # bf16: no worse than twice the naive bf16 layer's error + 1e-2.
-        errors, _ = run_rank(torch, dist, rank, world, [12] * world, "hot", "pipelined", 9, torch.bfloat16,
-                             pair_cap_rows=q)
-        if errors["y"] > 2e-2 or errors["dx"] > 5e-2:
-            raise AssertionError(f"bf16 errors {errors}")
-        queue.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 -- reported to the parent, which fails the test
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+    torch, dist = _init(rank, world, init_file)
+    out = []
+    q = 3
+    for tokens in ([12] * world, [13, 0, 7, 16][:world]):
+        for profile in ("balanced", "hot", "random"):
+            for scheme, opts in (("pipelined", dict(pair_cap_rows=q)), ("llep", {}), ("standard", {})):
+                errors, stats = run_rank(torch, dist, rank, world, tokens, profile, scheme, 7, **opts)
+                for name, err in errors.items():
+                    bound = 1e-4 if name.startswith("d_") and name != "d_weights" else 1e-5
+                    if err > bound:
+                        raise AssertionError(f"{tokens} {profile} {scheme}: {name} relative error {err:.2e}")
+                if scheme == "pipelined":
+                    if stats.recv_high_water_rows > world * q:
+                        raise AssertionError(f"{profile}: received {stats.recv_high_water_rows} rows in a "
+                                             f"round, above the plan's P*q = {world * q}")
+                    out.append((tuple(tokens), profile, stats.rounds, stats.recv_high_water_rows,
+                                stats.workspace_bytes, int(stats.tokens_per_expert.sum())))
+    # bf16: no worse than twice the naive bf16 layer's error + 1e-2.
+    errors, _ = run_rank(torch, dist, rank, world, [12] * world, "hot", "pipelined", 9, torch.bfloat16,
+                         pair_cap_rows=q)
+    if errors["y"] > 2e-2 or errors["dx"] > 5e-2:
+        raise AssertionError(f"bf16 errors {errors}")
+    return out
 
 
-def bad_input(rank: int, world: int, init_file: str, queue) -> None:
+@reporting
+def bad_input(rank: int, world: int, init_file: str):
     """Bad input on one rank raises on every rank, naming that rank; the group still works."""
-    try:
-        torch, dist = _init(rank, world, init_file)
-        from flatpeak.torch import moe_swiglu
+    torch, dist = _init(rank, world, init_file)
+    from flatpeak.torch import moe_swiglu
 
-        x, ids, w, gate_up, down, _ = global_problem(torch, world, [6] * world, "random", 3)
-        mine, experts = slice(6 * rank, 6 * rank + 6), slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
-        base = dict(hidden_states=x[mine], topk_ids=ids[mine], topk_weights=w[mine],
-                    gate_up_proj=gate_up[experts].contiguous(), down_proj=down[experts].contiguous())
-        e = E_LOCAL * world
-        cases = [
-            ("an id >= E on rank 2", 2, lambda a: a.update(topk_ids=torch.full_like(a["topk_ids"], e)),
-             ValueError, rf"rank 2 .*{e}|outside 0\.\.{e}"),
-            ("bf16 on rank 1", 1, lambda a: a.update({k: a[k].bfloat16() for k in
-                                                      ("hidden_states", "gate_up_proj", "down_proj")}),
-             TypeError, r"rank 1 passed torch.bfloat16 tensors"),
-            ("hidden size differs on rank 3", 3 % world,
-             lambda a: a.update(hidden_states=torch.randn(6, H + 1), gate_up_proj=torch.randn(E_LOCAL, 2 * I, H + 1),
-                                down_proj=torch.randn(E_LOCAL, H + 1, I)),
-             ValueError, r"rank \d passed hidden=17"),
-        ]
-        seen = []
-        for what, bad_rank, edit, exc, pattern in cases:
-            args = dict(base)
-            if rank == bad_rank:
-                edit(args)
-            try:
-                moe_swiglu(group=dist.group.WORLD, **args)
-            except exc as err:
-                import re
-                if not re.search(pattern, str(err)):
-                    raise AssertionError(f"{what}: rank {rank}: message {err!s} does not match {pattern}") from err
-                seen.append(what)
-            else:
-                raise AssertionError(f"{what}: rank {rank} did not raise")
+    x, ids, w, gate_up, down, _ = global_problem(torch, world, [6] * world, "random", 3)
+    mine, experts = slice(6 * rank, 6 * rank + 6), slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    base = dict(hidden_states=x[mine], topk_ids=ids[mine], topk_weights=w[mine],
+                gate_up_proj=gate_up[experts].contiguous(), down_proj=down[experts].contiguous())
+    e = E_LOCAL * world
+    cases = [
+        ("an id >= E on rank 2", 2, lambda a: a.update(topk_ids=torch.full_like(a["topk_ids"], e)),
+         ValueError, rf"rank 2 .*{e}|outside 0\.\.{e}"),
+        ("bf16 on rank 1", 1, lambda a: a.update({k: a[k].bfloat16() for k in
+                                                  ("hidden_states", "gate_up_proj", "down_proj")}),
+         TypeError, r"rank 1 passed torch.bfloat16 tensors"),
+        ("hidden size differs on rank 3", 3 % world,
+         lambda a: a.update(hidden_states=torch.randn(6, H + 1), gate_up_proj=torch.randn(E_LOCAL, 2 * I, H + 1),
+                            down_proj=torch.randn(E_LOCAL, H + 1, I)),
+         ValueError, r"rank \d passed hidden=17"),
+    ]
+    seen = []
+    for what, bad_rank, edit, exc, pattern in cases:
+        args = dict(base)
+        if rank == bad_rank:
+            edit(args)
         try:
-            moe_swiglu(group=dist.group.WORLD, num_experts=e + 1, **base)
-        except ValueError as err:
-            if "num_experts" not in str(err):
-                raise
-            seen.append("num_experts")
+            moe_swiglu(group=dist.group.WORLD, **args)
+        except exc as err:
+            import re
+            if not re.search(pattern, str(err)):
+                raise AssertionError(f"{what}: rank {rank}: message {err!s} does not match {pattern}") from err
+            seen.append(what)
         else:
-            raise AssertionError("num_experts not E_local x P was accepted")
-        # The group is intact: a good call runs.
-        y = moe_swiglu(group=dist.group.WORLD, **base)
-        queue.put((rank, "ok", (seen, tuple(y.shape))))
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+            raise AssertionError(f"{what}: rank {rank} did not raise")
+    try:
+        moe_swiglu(group=dist.group.WORLD, num_experts=e + 1, **base)
+    except ValueError as err:
+        if "num_experts" not in str(err):
+            raise
+        seen.append("num_experts")
+    else:
+        raise AssertionError("num_experts not E_local x P was accepted")
+    # The group is intact: a good call runs.
+    y = moe_swiglu(group=dist.group.WORLD, **base)
+    return (seen, tuple(y.shape))
 
 
 def killed_rank(rank: int, world: int, init_file: str, queue) -> None:
@@ -213,30 +201,23 @@ def killed_rank(rank: int, world: int, init_file: str, queue) -> None:
         os._exit(0)
 
 
-def cuda_nccl_one_rank(rank: int, world: int, init_file: str, queue) -> None:
+@reporting
+def cuda_nccl_one_rank(rank: int, world: int, init_file: str):
     """A one-rank NCCL group on the GPU: the group's metadata staged through CUDA tensors, the
     rows over flatpeak's NCCL communicator; y and the gradients against the float64 reference."""
-    try:
-        import torch
-        import torch.distributed as dist
+    import torch
+    import torch.distributed as dist
 
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from flatpeak.torch import moe_swiglu
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from flatpeak.torch import moe_swiglu
 
-        x, ids, w, gate_up, down, dy = global_problem(torch, world, [32], "random", 13)
-        leaves = [t.detach().cuda().requires_grad_() for t in (x, w, gate_up, down)]
-        y = moe_swiglu(leaves[0], ids.cuda(), leaves[1], leaves[2], leaves[3], group=dist.group.WORLD)
-        (y * dy.cuda()).sum().backward()
-        y_ref, grads_ref = reference(torch, x, ids, w, gate_up, down, dy)
-        errors = [rel(y.cpu(), y_ref)] + [rel(t.grad.cpu(), g) for t, g in zip(leaves, grads_ref)]
-        if max(errors) > 1e-4:
-            raise AssertionError(f"errors {errors}")
-        queue.put((rank, "ok", errors))
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+    x, ids, w, gate_up, down, dy = global_problem(torch, world, [32], "random", 13)
+    leaves = [t.detach().cuda().requires_grad_() for t in (x, w, gate_up, down)]
+    y = moe_swiglu(leaves[0], ids.cuda(), leaves[1], leaves[2], leaves[3], group=dist.group.WORLD)
+    (y * dy.cuda()).sum().backward()
+    y_ref, grads_ref = reference(torch, x, ids, w, gate_up, down, dy)
+    errors = [rel(y.cpu(), y_ref)] + [rel(t.grad.cpu(), g) for t, g in zip(leaves, grads_ref)]
+    if max(errors) > 1e-4:
+        raise AssertionError(f"errors {errors}")
+    return errors

@@ -5,9 +5,9 @@ single-process call on the whole problem and reports through the result queue.""
 from __future__ import annotations
 
 import re
-import traceback
 
 from _moe_workers import _init
+from _spawn import reporting
 
 D, V = 24, 203  # V not a multiple of the group's size: the last shard is shorter
 
@@ -87,111 +87,90 @@ def one_case(torch, dist, rank, world, ring, tokens, options, with_bias, with_we
     return errors
 
 
-def correctness(rank: int, world: int, init_file: str, queue) -> None:
+@reporting
+def correctness(rank: int, world: int, init_file: str):
     """Both rings (and the plan's choice), equal and unequal token counts (a rank with none),
     bias, token weights, every reduction and the lse output, f32 to 1e-5; bf16 to 2e-2."""
-    try:
-        torch, dist = _init(rank, world, init_file)
-        checked = 0
-        for ring in ("weight", "activation", None):
-            for i, (tokens, options, with_bias, with_weights, return_lse) in enumerate(CASES):
-                errors = one_case(torch, dist, rank, world, ring, tokens, options, with_bias, with_weights,
-                                  return_lse, torch.float32, 11 + i)
-                for name, err in errors.items():
-                    if err > 1e-5:
-                        raise AssertionError(f"ring={ring} {tokens} {options}: {name} relative error {err:.2e}")
-                checked += 1
-        errors = one_case(torch, dist, rank, world, "weight", [8, 8, 8, 8], dict(reduction="mean"), True, False,
-                          False, torch.bfloat16, 5)
-        if max(errors.values()) > 2e-2:
-            raise AssertionError(f"bf16 errors {errors}")
-        queue.put((rank, "ok", checked))
-    except BaseException:  # noqa: BLE001 -- reported to the parent, which fails the test
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+    torch, dist = _init(rank, world, init_file)
+    checked = 0
+    for ring in ("weight", "activation", None):
+        for i, (tokens, options, with_bias, with_weights, return_lse) in enumerate(CASES):
+            errors = one_case(torch, dist, rank, world, ring, tokens, options, with_bias, with_weights,
+                              return_lse, torch.float32, 11 + i)
+            for name, err in errors.items():
+                if err > 1e-5:
+                    raise AssertionError(f"ring={ring} {tokens} {options}: {name} relative error {err:.2e}")
+            checked += 1
+    errors = one_case(torch, dist, rank, world, "weight", [8, 8, 8, 8], dict(reduction="mean"), True, False,
+                      False, torch.bfloat16, 5)
+    if max(errors.values()) > 2e-2:
+        raise AssertionError(f"bf16 errors {errors}")
+    return checked
 
 
-def bad_input(rank: int, world: int, init_file: str, queue) -> None:
+@reporting
+def bad_input(rank: int, world: int, init_file: str):
     """Bad input on one rank raises on every rank, naming it; the group still works after."""
-    try:
-        torch, dist = _init(rank, world, init_file)
-        from flatpeak.torch import linear_cross_entropy
+    torch, dist = _init(rank, world, init_file)
+    from flatpeak.torch import linear_cross_entropy
 
-        x, w, _, target, _, _ = problem(torch, [6] * world, 3, torch.float32)
-        mine, shard = slice(6 * rank, 6 * rank + 6), shard_rows(world, rank)
-        base = dict(input=x[mine], weight=w[shard].contiguous(), target=target[mine].clone(), ring="weight")
-        cases = [
-            ("a target >= V on rank 2", 2, lambda a: a.update(target=torch.full((6,), V)), ValueError,
-             rf"target {V} of token 0 is outside 0\.\.{V}"),
-            ("bf16 on rank 1", 1, lambda a: a.update(input=a["input"].bfloat16(), weight=a["weight"].bfloat16()),
-             TypeError, r"rank 1 passed torch.bfloat16 tensors"),
-            ("hidden size differs on rank 3", 3 % world,
-             lambda a: a.update(input=torch.randn(6, D + 1), weight=torch.randn(a["weight"].shape[0], D + 1)),
-             ValueError, rf"rank \d passed hidden size {D + 1}|passed hidden size {D} where rank 0 passed {D + 1}"),
-            ("a shard off the layout on rank 0", 0, lambda a: a.update(weight=a["weight"][:-1].contiguous()),
-             ValueError, r"weight shards"),
-            ("another ring on rank 1", 1, lambda a: a.update(ring="activation"), ValueError, r"plan"),
-            ("a ring that does not exist on rank 2", 2, lambda a: a.update(ring="vocab"), ValueError,
-             r"ring: expected 'weight', 'activation' or None, got \"vocab\""),
-        ]
-        seen = []
-        for what, bad_rank, edit, exc, pattern in cases:
-            args = dict(base)
-            if rank == bad_rank:
-                edit(args)
-            try:
-                linear_cross_entropy(group=dist.group.WORLD, **args)
-            except exc as err:
-                if not re.search(pattern, str(err)):
-                    raise AssertionError(f"{what}: rank {rank}: message {err!s} does not match {pattern}") from err
-                seen.append(what)
-            else:
-                raise AssertionError(f"{what}: rank {rank} did not raise")
-        loss = linear_cross_entropy(group=dist.group.WORLD, **base)
-        queue.put((rank, "ok", (seen, float(loss))))
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
+    x, w, _, target, _, _ = problem(torch, [6] * world, 3, torch.float32)
+    mine, shard = slice(6 * rank, 6 * rank + 6), shard_rows(world, rank)
+    base = dict(input=x[mine], weight=w[shard].contiguous(), target=target[mine].clone(), ring="weight")
+    cases = [
+        ("a target >= V on rank 2", 2, lambda a: a.update(target=torch.full((6,), V)), ValueError,
+         rf"target {V} of token 0 is outside 0\.\.{V}"),
+        ("bf16 on rank 1", 1, lambda a: a.update(input=a["input"].bfloat16(), weight=a["weight"].bfloat16()),
+         TypeError, r"rank 1 passed torch.bfloat16 tensors"),
+        ("hidden size differs on rank 3", 3 % world,
+         lambda a: a.update(input=torch.randn(6, D + 1), weight=torch.randn(a["weight"].shape[0], D + 1)),
+         ValueError, rf"rank \d passed hidden size {D + 1}|passed hidden size {D} where rank 0 passed {D + 1}"),
+        ("a shard off the layout on rank 0", 0, lambda a: a.update(weight=a["weight"][:-1].contiguous()),
+         ValueError, r"weight shards"),
+        ("another ring on rank 1", 1, lambda a: a.update(ring="activation"), ValueError, r"plan"),
+        ("a ring that does not exist on rank 2", 2, lambda a: a.update(ring="vocab"), ValueError,
+         r"ring: expected 'weight', 'activation' or None, got \"vocab\""),
+    ]
+    seen = []
+    for what, bad_rank, edit, exc, pattern in cases:
+        args = dict(base)
+        if rank == bad_rank:
+            edit(args)
         try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+            linear_cross_entropy(group=dist.group.WORLD, **args)
+        except exc as err:
+            if not re.search(pattern, str(err)):
+                raise AssertionError(f"{what}: rank {rank}: message {err!s} does not match {pattern}") from err
+            seen.append(what)
+        else:
+            raise AssertionError(f"{what}: rank {rank} did not raise")
+    loss = linear_cross_entropy(group=dist.group.WORLD, **base)
+    return (seen, float(loss))
 
 
-def cuda_nccl_one_rank(rank: int, world: int, init_file: str, queue) -> None:
+@reporting
+def cuda_nccl_one_rank(rank: int, world: int, init_file: str):
     """The ring on CUDA tensors over a one-rank NCCL group (the GPU path: ring-dtp's CudaRing over
     flatpeak's NCCL communicator, the group's metadata staged through CUDA tensors) against the
     single-process call, both rings, with a bias, in f32."""
-    try:
-        import torch
-        import torch.distributed as dist
+    import torch
+    import torch.distributed as dist
 
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from flatpeak.torch import linear_cross_entropy
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from flatpeak.torch import linear_cross_entropy
 
-        x, w, b, target, _, _ = problem(torch, [40], 21, torch.float32)
-        errors = []
-        for ring in ("weight", "activation"):
-            outs = []
-            for group, device in ((dist.group.WORLD, "cuda"), (None, "cpu")):
-                leaves = [t.detach().to(device).requires_grad_() for t in (x, w, b)]
-                loss = linear_cross_entropy(leaves[0], leaves[1], target.to(device), leaves[2], group=group,
-                                            ring=ring if group is not None else None)
-                loss.backward()
-                outs.append([loss.detach().cpu()] + [t.grad.cpu() for t in leaves])
-            errors += [rel(a, c) for a, c in zip(*outs)]
-        if max(errors) > 1e-5:
-            raise AssertionError(f"errors {errors}")
-        queue.put((rank, "ok", errors))
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+    x, w, b, target, _, _ = problem(torch, [40], 21, torch.float32)
+    errors = []
+    for ring in ("weight", "activation"):
+        outs = []
+        for group, device in ((dist.group.WORLD, "cuda"), (None, "cpu")):
+            leaves = [t.detach().to(device).requires_grad_() for t in (x, w, b)]
+            loss = linear_cross_entropy(leaves[0], leaves[1], target.to(device), leaves[2], group=group,
+                                        ring=ring if group is not None else None)
+            loss.backward()
+            outs.append([loss.detach().cpu()] + [t.grad.cpu() for t in leaves])
+        errors += [rel(a, c) for a, c in zip(*outs)]
+    if max(errors) > 1e-5:
+        raise AssertionError(f"errors {errors}")
+    return errors

@@ -34,3 +34,28 @@ def spawn(target, world: int = WORLD, timeout: float = 300.0, reporting: Optiona
                 if p.is_alive():
                     p.kill()
     return reports
+
+
+def reporting(body):
+    """A spawn target from ``body(rank, world, init_file) -> payload``: reports ``(rank, "ok",
+    payload)``, or the traceback of whatever ``body`` raised as ``(rank, "error", text)``, and
+    leaves the process group destroyed either way."""
+    import functools
+    import traceback
+
+    @functools.wraps(body)
+    def target(rank: int, world: int, init_file: str, queue) -> None:
+        try:
+            queue.put((rank, "ok", body(rank, world, init_file)))
+        except BaseException:  # noqa: BLE001 -- reported to the parent, which fails the test
+            queue.put((rank, "error", traceback.format_exc()))
+        finally:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    return target

@@ -7,7 +7,6 @@ The state lives in ``self.state[p]`` under torch's names (``step``, ``exp_avg``,
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch

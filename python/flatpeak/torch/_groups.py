@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import _flatpeak as _ext
+
 #: Process groups by handle; 0 is "no group" (one process).
 _GROUPS: dict = {}
 
@@ -28,3 +30,13 @@ def world_size(group) -> int:
     if group is None:
         return 1
     return torch.distributed.get_world_size(group)
+
+
+def cuda_entry(name: str, argument: str):
+    """The CUDA path's entry ``name`` of the extension, or the error that says how to build it
+    (``argument``: the tensor that is on a CUDA device)."""
+    entry = getattr(_ext, name, None)
+    if entry is None:
+        raise ValueError(f"{argument}: CUDA tensors need flatpeak built with its `cuda` feature "
+                         f"(MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python)")
+    return entry

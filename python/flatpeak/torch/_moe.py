@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import _flatpeak as _ext
+from ._groups import cuda_entry as _cuda_entry
 from ._groups import handle as _handle
 from ._groups import resolve as _group
 from ._groups import world_size as _world_size
@@ -57,15 +58,6 @@ class MoEStats(NamedTuple):
     workspace_bytes: int
 
 
-def _cuda_entry(name: str):
-    """The CUDA path's entry ``name``, or the error that says how to build it."""
-    entry = getattr(_ext, name, None)
-    if entry is None:
-        raise ValueError("hidden_states: CUDA tensors need flatpeak built with its `cuda` feature "
-                         "(MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python)")
-    return entry
-
-
 @torch.library.custom_op("flatpeak::moe_swiglu_forward", mutates_args=())
 def _forward(
     hidden_states: Tensor,
@@ -93,8 +85,9 @@ def _forward(
         # The schedule is planned on the host from the routing (T x k values); the rows and the
         # expert weights stay on the device.
         routing = (topk_ids.cpu(), topk_weights.cpu())
-        stats = _cuda_entry("moe_forward_cuda")(options, pg, (hidden_states, *routing, gate_up_proj, down_proj),
-                                                num_experts or None, y, counts)
+        forward_cuda = _cuda_entry("moe_forward_cuda", "hidden_states")
+        stats = forward_cuda(options, pg, (hidden_states, *routing, gate_up_proj, down_proj), num_experts or None,
+                             y, counts)
     else:
         stats = _ext.moe_forward(options, pg, (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
                                  num_experts or None, y, counts)
@@ -136,8 +129,9 @@ def _backward(
     dy = grad_output.to(hidden_states.dtype).contiguous()
     if hidden_states.is_cuda:
         routing = (topk_ids.cpu(), topk_weights.cpu())
-        _cuda_entry("moe_backward_cuda")(options, _group(group), (hidden_states, *routing, gate_up_proj, down_proj),
-                                         num_experts or None, dy, (dx, dw, dgu, dd))
+        backward_cuda = _cuda_entry("moe_backward_cuda", "hidden_states")
+        backward_cuda(options, _group(group), (hidden_states, *routing, gate_up_proj, down_proj), num_experts or None,
+                      dy, (dx, dw, dgu, dd))
     else:
         _ext.moe_backward(options, _group(group), (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
                           num_experts or None, dy, (dx, dw, dgu, dd))

@@ -19,19 +19,11 @@ import torch
 from torch import Tensor
 
 from .. import _flatpeak as _ext
+from ._groups import cuda_entry as _cuda_entry
 from ._groups import resolve
 from ._lce_common import _once_differentiable, _options
 
 RINGS = ("weight", "activation")
-
-
-def _cuda_entry(name: str):
-    """The CUDA path's entry ``name``, or the error that says how to build it."""
-    entry = getattr(_ext, name, None)
-    if entry is None:
-        raise ValueError("input: CUDA tensors need flatpeak built with its `cuda` feature "
-                         "(MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python)")
-    return entry
 
 
 @torch.library.custom_op("flatpeak::linear_cross_entropy_ring_forward", mutates_args=())
@@ -58,8 +50,8 @@ def _forward(
     if input.is_cuda:
         # The targets and token weights (n values) are checked and padded on the host.
         host = (target.cpu(), None if token_weights is None else token_weights.cpu())
-        _cuda_entry("lce_ring_forward_cuda")(options, resolve(group), ring, (input, weight, host[0], bias, host[1]),
-                                             (loss, lse))
+        forward_cuda = _cuda_entry("lce_ring_forward_cuda", "input")
+        forward_cuda(options, resolve(group), ring, (input, weight, host[0], bias, host[1]), (loss, lse))
         return loss.to(input.device, input.dtype), lse.to(input.device)
     _ext.lce_ring_forward(options, resolve(group), ring, (input, weight, target, bias, token_weights), (loss, lse))
     return loss.to(input.dtype), lse
@@ -104,8 +96,9 @@ def _backward(
     grads = (dx, dw, dbias if bias is not None else None)
     if input.is_cuda:
         host = (target.cpu(), None if token_weights is None else token_weights.cpu())
-        _cuda_entry("lce_ring_backward_cuda")(options, resolve(group), ring, (input, weight, host[0], bias, host[1]),
-                                              lse.cpu().contiguous(), upstream, grads)
+        backward_cuda = _cuda_entry("lce_ring_backward_cuda", "input")
+        backward_cuda(options, resolve(group), ring, (input, weight, host[0], bias, host[1]), lse.cpu().contiguous(),
+                      upstream, grads)
     else:
         _ext.lce_ring_backward(options, resolve(group), ring, (input, weight, target, bias, token_weights), lse,
                                upstream, grads)
