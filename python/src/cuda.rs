@@ -107,6 +107,22 @@ pub(crate) unsafe fn borrow_on<T: TorchElement + DeviceRepr>(
     Ok(unsafe { Borrowed::new(stream, name, address, len) })
 }
 
+/// As [`borrow_on`], an empty tensor included (a rank of a group may bring no tokens): its
+/// slice has no elements and is never dereferenced.
+///
+/// # Safety
+/// As [`borrow_on`].
+pub(crate) unsafe fn borrow_on_or_empty<T: TorchElement + DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    (name, tensor): (&'static str, &Bound<'_, PyAny>),
+    shape: &[Option<usize>],
+    ordinal: usize,
+) -> PyResult<Borrowed<T>> {
+    let (address, len) = checked::<T>(name, tensor, shape, TensorDevice::Cuda(ordinal))?;
+    // SAFETY: as `borrow_on`; an empty slice (len 0) is never read or written.
+    Ok(unsafe { Borrowed::new(stream, name, address, len) })
+}
+
 /// Torch's current stream on device `ordinal`, wrapped for cudarc (not owned: never destroyed).
 pub(crate) fn torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<Arc<CudaStream>> {
     let ctx = flatpeak_common::cuda::context(ordinal).map_err(to_py)?;

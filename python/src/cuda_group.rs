@@ -1,20 +1,24 @@
-//! The CUDA state the binding keeps per (group, device, stream) for the multi-rank CUDA paths
-//! (feature `cuda`): one NCCL communicator of the group's ranks, and the device state of each
-//! schedule that runs over it (llep's `CudaOps`, ring-dtp's `CudaRing` per plan).
+//! The CUDA state the binding keeps per (group, device) for the multi-rank CUDA paths (feature
+//! `cuda`): one NCCL communicator of the group's ranks on a stream of its own, and the device
+//! state of each schedule that runs over it (llep's `CudaOps`, ring-dtp's `CudaRing` per plan).
 //!
-//! The communicator is made at the first CUDA call on that group, device and stream, which every
-//! rank of the group makes at the same point: rank 0 creates the id and the group all-gathers it
+//! The communicator is made at the first CUDA call on that group and device, which every rank
+//! of the group makes at the same point: rank 0 creates the id and the group all-gathers it
 //! (through [`TorchGroup`](crate::torch_group::TorchGroup), the verdict on whether NCCL loads
-//! agreed first). It runs on torch's current stream, so a collective follows the torch work
-//! already on it and torch's later work follows the collective. Everything lives for the
-//! process, as torch keeps its own NCCL communicators; it sits behind one mutex, so no two calls
-//! ever reach one communicator at once (NCCL's thread-safety rule).
+//! agreed first). Each call orders the communicator's stream after torch's current stream on
+//! entry ([`enter`]) and torch's stream after it (and the schedule's own streams) on exit
+//! ([`leave`]), so a collective follows the torch work that produced its buffers and torch's later
+//! work follows every collective and kernel of the call. Whether every rank's device state is
+//! ready is agreed on before the first NCCL call of every call ([`agree_ready`]): NCCL has no
+//! timeout to end a wait on a rank that failed. Everything lives for the process, as torch keeps
+//! its own NCCL communicators, behind one mutex, so no two calls ever reach one communicator at
+//! once (NCCL's thread-safety rule).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use flatpeak_common::comm::{agree_on_inputs, all_gather_words};
-use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
+use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, sys};
 use flatpeak_common::cuda::cudarc::nccl::safe::NcclType;
 use flatpeak_common::nccl::{DeviceCommunicator, NcclComm, NcclId, nccl_available};
 use flatpeak_common::{Communicator, Error as CommonError, ReduceOp};
@@ -22,7 +26,12 @@ use llep::cuda::CudaOps;
 use pyo3::prelude::*;
 use ring_dtp::cuda::ring::CudaRing;
 
-use crate::error::to_py;
+use crate::error::{Refusal, to_py};
+use crate::tensor::{TensorDevice, TorchElement, checked};
+
+/// Rings kept at most (one per plan: a training loop uses a handful of shapes); a new one past
+/// it drops the others first.
+const CACHED_RINGS: usize = 8;
 
 /// A communicator that lives for the process, shared by the schedules of its group.
 #[derive(Debug, Clone, Copy)]
@@ -75,8 +84,8 @@ impl DeviceCommunicator for SharedNccl {
 #[derive(Default)]
 pub(crate) struct CudaStates {
     comms: HashMap<String, SharedNccl>,
-    pub(crate) moe: HashMap<String, CudaOps<'static, NcclComm>>,
-    pub(crate) rings: HashMap<String, CudaRing<SharedNccl>>,
+    moe: HashMap<String, CudaOps<'static, NcclComm>>,
+    rings: HashMap<String, CudaRing<SharedNccl>>,
 }
 
 // SAFETY: `CudaStates` lives in one mutex and is used only by the thread holding the lock, so no
@@ -95,29 +104,76 @@ pub(crate) fn cuda_states() -> MutexGuard<'static, CudaStates> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The key of (group, device, stream).
-pub(crate) fn group_key(
-    group: &Option<Bound<'_, PyAny>>,
-    ordinal: usize,
-    stream: &Arc<CudaStream>,
-) -> String {
+/// The key of (group, device): the group object's address (the Python side keeps every group it
+/// passes alive for the process) and the device.
+pub(crate) fn group_key(group: &Option<Bound<'_, PyAny>>, ordinal: usize) -> String {
     let group_id = group.as_ref().map_or(0, |g| g.as_ptr() as usize);
-    format!("{group_id:x}/{ordinal}/{:p}", stream.cu_stream())
+    format!("{group_id:x}/{ordinal}")
+}
+
+fn join_error(e: flatpeak_common::cuda::cudarc::driver::DriverError) -> PyErr {
+    pyo3::exceptions::PyRuntimeError::new_err(format!("cuStreamWaitEvent: {e:?}"))
+}
+
+/// On entry: `streams` (the communicator's, a schedule's compute stream) wait for the torch work
+/// already on `torch`.
+pub(crate) fn enter(torch: &CudaStream, streams: &[&CudaStream]) -> PyResult<()> {
+    streams.iter().try_for_each(|s| s.join(torch).map_err(join_error))
+}
+
+/// On exit, whatever the call's outcome: `torch` waits for everything issued on `streams`. The
+/// call's own result comes first; a failed wait is reported only when the call succeeded.
+pub(crate) fn leave<R>(torch: &CudaStream, streams: &[&CudaStream], result: PyResult<R>) -> PyResult<R> {
+    let joined = streams.iter().try_for_each(|s| torch.join(s).map_err(join_error));
+    let out = result?;
+    joined?;
+    Ok(out)
+}
+
+/// Agrees on every rank's readiness (its device state made, its buffers prepared) before the
+/// call's first NCCL operation: a rank that failed raises its error, the others the same kind of
+/// exception naming it, instead of waiting in NCCL. Called with the GIL released.
+pub(crate) fn agree_ready<T>(host: &dyn Communicator, local: PyResult<T>) -> PyResult<T> {
+    let local = local.map_err(|e| Python::attach(|py| Refusal::from_py(py, e)));
+    agree_on_inputs(host, local).map_err(|e| Python::attach(|_| e.into_py()))
+}
+
+/// A torch CUDA tensor of `T` (checked on device `ordinal` with `shape`) as a cudarc slice of
+/// `stream`, for one call; empty tensors included (a rank may bring no tokens). The slice must
+/// be given back with [`CudaSlice::leak`], never freed: the tensor owns the memory.
+///
+/// # Safety
+/// The tensor must outlive the slice, and nothing else may write it during the call.
+pub(crate) unsafe fn borrow_slice<T: TorchElement + DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    (name, tensor): (&'static str, &Bound<'_, PyAny>),
+    shape: &[Option<usize>],
+    ordinal: usize,
+) -> PyResult<CudaSlice<T>> {
+    let (address, len) = checked::<T>(name, tensor, shape, TensorDevice::Cuda(ordinal))?;
+    // SAFETY: `checked` proved a live, contiguous CUDA tensor of `len` elements of `T` on this
+    // device at `address` (an empty one is never dereferenced); the caller keeps it alive and
+    // unaliased for the call and gives the slice back with `leak`.
+    Ok(unsafe { stream.upgrade_device_ptr::<T>(address as sys::CUdeviceptr, len) })
 }
 
 impl CudaStates {
-    /// The communicator of `key`, made at the first call (every rank of `host`'s group makes it
-    /// at the same call).
+    /// The communicator of `key` (group, device `ordinal`), made at the first call on a stream of
+    /// its own (every rank of `host`'s group makes it at the same call).
     pub(crate) fn comm(
         &mut self,
         host: &dyn Communicator,
         key: &str,
-        stream: &Arc<CudaStream>,
+        ordinal: usize,
     ) -> PyResult<SharedNccl> {
         if let Some(comm) = self.comms.get(key) {
             return Ok(*comm);
         }
-        let comm = SharedNccl(Box::leak(Box::new(bootstrap(host, stream.clone())?)));
+        let ctx = flatpeak_common::cuda::context(ordinal).map_err(to_py)?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(format!("cuStreamCreate: {e:?}")))?;
+        let comm = SharedNccl(Box::leak(Box::new(bootstrap(host, stream)?)));
         self.comms.insert(key.to_string(), comm);
         Ok(comm)
     }
@@ -127,15 +183,36 @@ impl CudaStates {
         &mut self,
         host: &dyn Communicator,
         key: &str,
-        stream: &Arc<CudaStream>,
+        ordinal: usize,
     ) -> PyResult<&CudaOps<'static, NcclComm>> {
         if !self.moe.contains_key(key) {
-            let SharedNccl(comm) = self.comm(host, key, stream)?;
+            let SharedNccl(comm) = self.comm(host, key, ordinal)?;
             self.moe.insert(key.to_string(), CudaOps::new(comm).map_err(to_py)?);
         }
         self.moe.get(key).ok_or_else(|| {
             pyo3::exceptions::PyRuntimeError::new_err("llep's CUDA ops were cached just above")
         })
+    }
+
+    /// ring-dtp's ring of `plan` over the communicator of `key`, made at the first call of that
+    /// plan (its buffers reserved at the plan's size); at most [`CACHED_RINGS`] are kept.
+    pub(crate) fn ring(
+        &mut self,
+        host: &dyn Communicator,
+        (key, ordinal): (&str, usize),
+        plan: ring_dtp::RingPlan,
+    ) -> PyResult<&mut CudaRing<SharedNccl>> {
+        let ring_key = format!("{key}/{plan:?}");
+        if !self.rings.contains_key(&ring_key) {
+            if self.rings.len() >= CACHED_RINGS {
+                self.rings.clear(); // the old rings' buffers go before a new one's are reserved
+            }
+            let comm = self.comm(host, key, ordinal)?;
+            self.rings.insert(ring_key.clone(), CudaRing::new(plan, comm).map_err(to_py)?);
+        }
+        self.rings
+            .get_mut(&ring_key)
+            .ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("the CUDA ring was cached just above"))
     }
 }
 

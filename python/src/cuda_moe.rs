@@ -16,17 +16,17 @@ use std::sync::Arc;
 
 use flatpeak_common::Communicator;
 use flatpeak_common::comm::agree_on_inputs;
-use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, sys};
-use flatpeak_common::nccl::NcclComm;
+use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use flatpeak_common::nccl::{DeviceCommunicator, NcclComm};
 use half::bf16;
 use llep::cuda::{CudaBuf, CudaOps};
 use llep::device::{DeviceInputs, DeviceOps};
 use llep::{DType, Device, Plan, Routing};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-use crate::cuda::{borrow_on, torch_stream};
-use crate::cuda_group::{cuda_states, group_key};
+use crate::cuda::{Borrowed, borrow_on_or_empty, torch_stream};
+use crate::cuda_group::{agree_ready, borrow_slice, cuda_states, enter, group_key, leave};
 use crate::error::{Refusal, to_py};
 use crate::moe::{ForwardStats, MoEArgs, MoEOptions, Sizes, agreed_shape, executor_for, locked};
 use crate::tensor::{TensorDevice, TensorRef, TorchElement, checked, device_of};
@@ -58,44 +58,66 @@ impl Drop for BorrowedBuf {
     }
 }
 
-/// A checked CUDA tensor of `T` as a [`BorrowedBuf`] on `stream`.
+/// A checked CUDA tensor of `T` (an empty one included: a rank may bring no tokens) as a
+/// [`BorrowedBuf`] on `stream`.
 ///
 /// # Safety
 /// The tensor must outlive the returned value and nothing else may write it during the call.
 unsafe fn borrow_buf<T: TorchElement + DeviceRepr>(
     stream: &Arc<CudaStream>,
-    (name, tensor): (&'static str, &Bound<'_, PyAny>),
+    tensor: (&'static str, &Bound<'_, PyAny>),
     shape: &[Option<usize>],
     ordinal: usize,
     wrap: fn(CudaSlice<T>) -> CudaBuf,
 ) -> PyResult<BorrowedBuf> {
-    let (address, len) = checked::<T>(name, tensor, shape, TensorDevice::Cuda(ordinal))?;
-    if len == 0 {
-        return Err(PyValueError::new_err(format!("{name}: empty CUDA tensors are not supported")));
-    }
-    // SAFETY: `checked` proved a live, contiguous CUDA tensor of `len` elements of `T` on this
-    // device at `address`; the caller keeps it alive and unaliased for the call; the slice is
-    // never freed as owned memory (`BorrowedBuf`'s drop leaks it).
-    let slice = unsafe { stream.upgrade_device_ptr::<T>(address as sys::CUdeviceptr, len) };
+    // SAFETY: the caller's contract; `BorrowedBuf`'s drop leaks the slice, never frees it.
+    let slice = unsafe { borrow_slice::<T>(stream, tensor, shape, ordinal)? };
     Ok(BorrowedBuf(ManuallyDrop::new(wrap(slice))))
 }
 
-/// Runs `f` on llep's CUDA ops of `key` (made at the first call), ordered on torch's `stream`.
-/// Called with the GIL released.
+/// Runs `f` on llep's CUDA ops of `key` (made at the first call on the group and device), once
+/// every rank has them: the ops' compute stream and the communicator's wait for torch's `torch`
+/// stream first, and `torch` waits for both after `f`, whatever its outcome. Called with the GIL
+/// released.
 fn with_device<R>(
     host: &dyn Communicator,
-    key: String,
-    stream: &Arc<CudaStream>,
+    (key, ordinal): (String, usize),
+    torch: &Arc<CudaStream>,
     f: impl FnOnce(&CudaOps<'static, NcclComm>) -> PyResult<R>,
 ) -> PyResult<R> {
     let mut states = cuda_states();
-    let ops = states.moe_ops(host, &key, stream)?;
-    // Ordered after the torch work already on the stream (the inputs' producers).
-    ops.stream().join(stream).map_err(|e| PyRuntimeError::new_err(format!("cuStreamWaitEvent: {e:?}")))?;
-    let out = f(ops)?;
-    // Torch's later work on the stream (the outputs' readers) follows this call's.
-    stream.join(ops.stream()).map_err(|e| PyRuntimeError::new_err(format!("cuStreamWaitEvent: {e:?}")))?;
-    Ok(out)
+    let made = states.moe_ops(host, &key, ordinal).map(|_| ());
+    agree_ready(host, made)?;
+    let comm = states.comm(host, &key, ordinal)?;
+    let ops = states.moe_ops(host, &key, ordinal)?;
+    let streams = [ops.stream().as_ref(), comm.stream().as_ref()];
+    enter(torch, &streams)?;
+    let out = f(ops);
+    leave(torch, &streams, out)
+}
+
+/// Copies llep's f32 output `src` into the borrowed torch tensor `dst` (nothing for an empty one:
+/// llep's buffers hold at least one element) on `stream`.
+fn copy_out(
+    stream: &Arc<CudaStream>,
+    src: &CudaBuf,
+    dst: &mut Borrowed<f32>,
+    what: &'static str,
+) -> PyResult<()> {
+    let src = f32_of(src, what)?;
+    if dst.is_empty() {
+        return Ok(());
+    }
+    if src.len() < dst.len() {
+        return Err(PyRuntimeError::new_err(format!(
+            "{what}: llep returned {} elements for {} (an internal error of flatpeak)",
+            src.len(),
+            dst.len()
+        )));
+    }
+    stream
+        .memcpy_dtod(&src.slice(..dst.len()), &mut **dst)
+        .map_err(|e| PyRuntimeError::new_err(format!("cuMemcpyDtoD ({what}): {e:?}")))
 }
 
 /// The checked tensors of one CUDA call: hidden states and weights on the device (read in
@@ -134,7 +156,7 @@ fn prepare(
     });
     let local = local.map_err(|e| Refusal::from_py(py, e));
     let (tensors, sizes) = agree_on_inputs(comm, local).map_err(Refusal::into_py)?;
-    let shape = agreed_shape(comm, sizes, num_experts).map_err(Refusal::into_py)?;
+    let shape = agreed_shape(comm, sizes, num_experts, true).map_err(Refusal::into_py)?;
     Ok((tensors, shape))
 }
 
@@ -148,8 +170,7 @@ fn device_of_call(
         return Err(PyRuntimeError::new_err("hidden_states: the CUDA path was called with a CPU tensor"));
     };
     let stream = torch_stream(py, ordinal)?;
-    let key = group_key(group, ordinal, &stream);
-    Ok((ordinal, stream, key))
+    Ok((ordinal, stream, group_key(group, ordinal)))
 }
 
 /// The f32 slice of one of llep's device outputs.
@@ -226,9 +247,10 @@ pub fn moe_forward_cuda(
     // SAFETY: the Python frame holds every tensor for this call; y_out is the caller's fresh
     // output, read by nothing else.
     let (inputs, mut y_dst) = unsafe {
+        let y = ("y_out", &y_out);
         (
             device_inputs(&stream, &args, shape, ordinal)?,
-            borrow_on::<f32>(&stream, ("y_out", &y_out), &[Some(n), Some(shape.hidden)], ordinal)?,
+            borrow_on_or_empty::<f32>(&stream, y, &[Some(n), Some(shape.hidden)], ordinal)?,
         )
     };
     let ran = detached(py, &mut comm, |host| -> PyResult<_> {
@@ -237,15 +259,12 @@ pub fn moe_forward_cuda(
         // SAFETY: the routing tensors are held by the Python frame for the call.
         let routing = unsafe { routing(&tensors) };
         let schedule = executor.schedule(host, &routing).map_err(to_py)?;
-        with_device(host, key, &stream, |ops| {
+        with_device(host, (key, ordinal), &stream, |ops| {
             let empty = DeviceOps::alloc(ops, 0, shape.dtype).map_err(to_py)?;
             let [x, gate_up, down] = &inputs;
             let dev = DeviceInputs { x: x.buf(), routing, gate: gate_up.buf(), up: &empty, down: down.buf() };
             let y = executor.forward(ops, &schedule, &dev).map_err(to_py)?;
-            ops.stream()
-                .memcpy_dtod(f32_of(&y, "y")?, &mut *y_dst)
-                .map_err(|e| PyRuntimeError::new_err(format!("cuMemcpyDtoD: {e:?}")))?;
-            Ok(())
+            copy_out(ops.stream(), &y, &mut y_dst, "y")
         })?;
         Ok((schedule, host.rank(), executor.workspace_bytes()))
     })?;
@@ -283,32 +302,19 @@ pub fn moe_backward_cuda(
     // SAFETY: the Python frame holds every tensor for this call; the gradient tensors are the
     // caller's fresh outputs, each read by nothing else.
     let (inputs, dy, mut outs) = unsafe {
+        let g = ("grad_output", &grad_output);
         let dy = match shape.dtype {
-            DType::Bf16 => borrow_buf::<bf16>(
-                &stream,
-                ("grad_output", &grad_output),
-                &[Some(n), Some(h)],
-                ordinal,
-                CudaBuf::Bf16,
-            )?,
-            _ => borrow_buf::<f32>(
-                &stream,
-                ("grad_output", &grad_output),
-                &[Some(n), Some(h)],
-                ordinal,
-                CudaBuf::F32,
-            )?,
+            DType::Bf16 => borrow_buf::<bf16>(&stream, g, &[Some(n), Some(h)], ordinal, CudaBuf::Bf16)?,
+            _ => borrow_buf::<f32>(&stream, g, &[Some(n), Some(h)], ordinal, CudaBuf::F32)?,
+        };
+        let out = |name: &'static str, t: &Bound<'_, PyAny>, dims: &[Option<usize>]| {
+            borrow_on_or_empty::<f32>(&stream, (name, t), dims, ordinal)
         };
         let outs = [
-            borrow_on::<f32>(&stream, ("dx", &grads_out.0), &[Some(n), Some(h)], ordinal)?,
-            borrow_on::<f32>(&stream, ("d_topk_weights", &grads_out.1), &[Some(n), Some(k)], ordinal)?,
-            borrow_on::<f32>(
-                &stream,
-                ("d_gate_up_proj", &grads_out.2),
-                &[Some(m), Some(2 * i), Some(h)],
-                ordinal,
-            )?,
-            borrow_on::<f32>(&stream, ("d_down_proj", &grads_out.3), &[Some(m), Some(h), Some(i)], ordinal)?,
+            out("dx", &grads_out.0, &[Some(n), Some(h)])?,
+            out("d_topk_weights", &grads_out.1, &[Some(n), Some(k)])?,
+            out("d_gate_up_proj", &grads_out.2, &[Some(m), Some(2 * i), Some(h)])?,
+            out("d_down_proj", &grads_out.3, &[Some(m), Some(h), Some(i)])?,
         ];
         (device_inputs(&stream, &args, shape, ordinal)?, dy, outs)
     };
@@ -318,7 +324,7 @@ pub fn moe_backward_cuda(
         // SAFETY: the routing tensors are held by the Python frame for the call.
         let routing = unsafe { routing(&tensors) };
         let schedule = executor.schedule(host, &routing).map_err(to_py)?;
-        with_device(host, key, &stream, |ops| {
+        with_device(host, (key, ordinal), &stream, |ops| {
             let empty = DeviceOps::alloc(ops, 0, shape.dtype).map_err(to_py)?;
             let [x, gate_up, down] = &inputs;
             let dev = DeviceInputs { x: x.buf(), routing, gate: gate_up.buf(), up: &empty, down: down.buf() };
@@ -326,9 +332,7 @@ pub fn moe_backward_cuda(
             let sources =
                 [(&g.dx, "dx"), (&g.d_weights, "d_weights"), (&g.d_gate, "d_gate_up"), (&g.d_down, "d_down")];
             for ((src, what), dst) in sources.into_iter().zip(outs.iter_mut()) {
-                ops.stream()
-                    .memcpy_dtod(f32_of(src, what)?, &mut **dst)
-                    .map_err(|e| PyRuntimeError::new_err(format!("cuMemcpyDtoD ({what}): {e:?}")))?;
+                copy_out(ops.stream(), src, dst, what)?;
             }
             Ok(())
         })

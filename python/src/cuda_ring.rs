@@ -8,8 +8,11 @@
 //! weights against the whole vocabulary and the group agrees again, all before the first NCCL
 //! call (NCCL has no timeout to end a wait on a rank that refused). The targets and token
 //! weights come from the host (the Python side copies those n_r values there); a rank with fewer
-//! tokens than the plan's rows pads them on the device (zero rows, ignored targets). The ring
-//! (its buffers fixed at its plan's size) is kept per (group, device, stream, plan).
+//! tokens than the plan's rows pads them on the device (zero rows, ignored targets). Making the
+//! ring (its buffers fixed at its plan's size, kept per plan) and the padded buffers is agreed on
+//! too, so a rank that fails there raises on every rank instead of leaving them in NCCL. The
+//! communicator's stream waits for torch's current stream on entry, and torch's waits for it on
+//! exit; every copy of the call is issued on the communicator's stream.
 
 use std::sync::Arc;
 
@@ -22,24 +25,29 @@ use ring_dtp::cuda::DeviceMatrix;
 use ring_dtp::cuda::ring::{CudaRing, DeviceRankInputs};
 use ring_dtp::{DType, Forward, GradOutput, Loss, Reduction, RingPlan, bf16, check_targets, check_weights};
 
-use crate::cuda::{Borrowed, borrow_on, torch_stream};
-use crate::cuda_group::{cuda_states, group_key};
+use crate::cuda::{Borrowed, borrow_on_or_empty, torch_stream};
+use crate::cuda_group::{SharedNccl, agree_ready, cuda_states, enter, group_key, leave};
 use crate::error::{Refusal, to_py};
 use crate::loss::{LossOptions, TensorArgs};
 use crate::ring_loss::{agreed_plan, ring_choice};
 use crate::tensor::{TensorDevice, TensorRef, checked, device_of};
 use crate::torch_group::{Comm, communicator, detached};
+use flatpeak_common::nccl::DeviceCommunicator;
 
 fn cuda_error(op: &'static str) -> impl Fn(flatpeak_common::cuda::cudarc::driver::DriverError) -> PyErr {
     move |e| PyRuntimeError::new_err(format!("{op}: {e:?}"))
 }
 
-/// X rows on the device: the tensor in place, or padded to the plan's rows.
+/// X rows on the device, the tensor in place.
 enum Rows {
     F32(Borrowed<f32>),
     Bf16(Borrowed<bf16>),
-    PaddedF32(CudaSlice<f32>),
-    PaddedBf16(CudaSlice<bf16>),
+}
+
+/// X rows padded to the plan's rows, in a buffer of the call's.
+enum Padded {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<bf16>),
 }
 
 impl Rows {
@@ -47,8 +55,15 @@ impl Rows {
         match self {
             Rows::F32(b) => DeviceMatrix::F32(b),
             Rows::Bf16(b) => DeviceMatrix::Bf16(b),
-            Rows::PaddedF32(s) => DeviceMatrix::F32(s),
-            Rows::PaddedBf16(s) => DeviceMatrix::Bf16(s),
+        }
+    }
+}
+
+impl Padded {
+    fn matrix(&self) -> DeviceMatrix<'_> {
+        match self {
+            Padded::F32(s) => DeviceMatrix::F32(s),
+            Padded::Bf16(s) => DeviceMatrix::Bf16(s),
         }
     }
 }
@@ -59,23 +74,29 @@ enum Shard {
     Bf16(Borrowed<bf16>),
 }
 
-/// One rank's checked CUDA call: its device tensors, its host targets and weights (padded), the
-/// agreed plan, and its tokens (brought, and planned).
+/// One rank's checked CUDA call: its device tensors (borrowed), its host targets and weights
+/// (padded to the plan's rows), the agreed plan, and its tokens (brought, and planned).
 struct CudaRingCall {
     x: Rows,
     w: Shard,
     bias: Option<Borrowed<f32>>,
-    targets: CudaSlice<i64>,
-    weights: Option<CudaSlice<f32>>,
+    targets: Vec<i64>,
+    weights: Option<Vec<f32>>,
     plan: RingPlan,
     own: usize,
     rows: usize,
     ordinal: usize,
     stream: Arc<CudaStream>,
-    /// (group, device, stream): the communicator's key.
-    comm_key: String,
-    /// That and the plan: the ring's key.
-    ring_key: String,
+    /// (group, device): the communicator's key.
+    key: String,
+}
+
+/// The per-call device buffers: the padded rows (when the rank brings fewer than the plan's),
+/// the targets and the token weights.
+struct Uploaded {
+    padded: Option<Padded>,
+    targets: CudaSlice<i64>,
+    weights: Option<CudaSlice<f32>>,
 }
 
 impl CudaRingCall {
@@ -115,7 +136,7 @@ impl CudaRingCall {
         })();
         let (ring, shape, targets, weights) =
             agree_on_inputs(host, local.map_err(|e| Refusal::from_py(py, e))).map_err(Refusal::into_py)?;
-        let plan = agreed_plan(host, options, ring, shape).map_err(Refusal::into_py)?;
+        let plan = agreed_plan(host, options, ring, (shape, true)).map_err(Refusal::into_py)?;
         // SAFETY: the Python frame holds both host tensors for the call; nothing writes them.
         let (targets, weights) = unsafe { (targets.as_slice(), weights.map(|w| w.as_slice())) };
         // Second verdict: the targets against the whole vocabulary, the token weights.
@@ -125,90 +146,157 @@ impl CudaRingCall {
         agree_on_inputs(host, local).map_err(Refusal::into_py)?;
 
         let stream = torch_stream(py, ordinal)?;
-        let (own, rows, d) = (shape.tokens, plan.tokens(host.rank()).len(), shape.hidden);
+        let (own, rows, d, v) = (shape.tokens, plan.tokens(host.rank()).len(), shape.hidden, shape.vocab);
         let pad = rows - own;
-        let padded_targets: Vec<i64> =
-            targets.iter().copied().chain(std::iter::repeat_n(options.config.ignore_index, pad)).collect();
-        let padded_weights: Option<Vec<f32>> =
-            weights.map(|w| w.iter().copied().chain(std::iter::repeat_n(0.0, pad)).collect());
-        let v = shape.vocab;
-        // SAFETY: the Python frame holds every tensor for the call; nothing writes them.
+        // SAFETY: the Python frame holds every tensor for the call; nothing writes them. The
+        // shapes were checked (and agreed) above, so these borrows cannot fail on one rank only.
         let (x, w, bias) = unsafe {
             let (x, w) = match shape.dtype {
                 DType::Bf16 => (
-                    Rows::Bf16(borrow_on(&stream, ("input", &args.input), &[Some(own), Some(d)], ordinal)?),
-                    Shard::Bf16(borrow_on(&stream, ("weight", &args.weight), &[Some(v), Some(d)], ordinal)?),
+                    Rows::Bf16(borrow_on_or_empty(
+                        &stream,
+                        ("input", &args.input),
+                        &[Some(own), Some(d)],
+                        ordinal,
+                    )?),
+                    Shard::Bf16(borrow_on_or_empty(
+                        &stream,
+                        ("weight", &args.weight),
+                        &[Some(v), Some(d)],
+                        ordinal,
+                    )?),
                 ),
                 _ => (
-                    Rows::F32(borrow_on(&stream, ("input", &args.input), &[Some(own), Some(d)], ordinal)?),
-                    Shard::F32(borrow_on(&stream, ("weight", &args.weight), &[Some(v), Some(d)], ordinal)?),
+                    Rows::F32(borrow_on_or_empty(
+                        &stream,
+                        ("input", &args.input),
+                        &[Some(own), Some(d)],
+                        ordinal,
+                    )?),
+                    Shard::F32(borrow_on_or_empty(
+                        &stream,
+                        ("weight", &args.weight),
+                        &[Some(v), Some(d)],
+                        ordinal,
+                    )?),
                 ),
             };
             let bias = args
                 .bias
                 .as_ref()
-                .map(|b| borrow_on(&stream, ("bias", b), &[Some(v)], ordinal))
+                .map(|b| borrow_on_or_empty(&stream, ("bias", b), &[Some(v)], ordinal))
                 .transpose()?;
             (x, w, bias)
         };
-        let x = if pad == 0 { x } else { pad_rows(&stream, x, rows * d)? };
-        let targets = stream.clone_htod(&padded_targets).map_err(cuda_error("cuMemcpyHtoD"))?;
-        let weights =
-            padded_weights.map(|w| stream.clone_htod(&w)).transpose().map_err(cuda_error("cuMemcpyHtoD"))?;
-        let comm_key = group_key(group, ordinal, &stream);
-        let ring_key = format!("{comm_key}/{plan:?}");
-        Ok(Self { x, w, bias, targets, weights, plan, own, rows, ordinal, stream, comm_key, ring_key })
+        Ok(Self {
+            x,
+            w,
+            bias,
+            targets: targets
+                .iter()
+                .copied()
+                .chain(std::iter::repeat_n(options.config.ignore_index, pad))
+                .collect(),
+            weights: weights.map(|w| w.iter().copied().chain(std::iter::repeat_n(0.0, pad)).collect()),
+            plan,
+            own,
+            rows,
+            ordinal,
+            key: group_key(group, ordinal),
+            stream,
+        })
     }
 
-    fn inputs(&self) -> DeviceRankInputs<'_> {
+    /// The padded rows, targets and weights on the device, on `on` (the communicator's stream).
+    fn upload(&self, on: &Arc<CudaStream>) -> PyResult<Uploaded> {
+        let d = self.plan.hidden();
+        let padded = if self.rows == self.own { None } else { Some(pad_rows(on, &self.x, self.rows * d)?) };
+        let targets = on.clone_htod(&self.targets).map_err(cuda_error("cuMemcpyHtoD"))?;
+        let weights = self
+            .weights
+            .as_ref()
+            .map(|w| on.clone_htod(w))
+            .transpose()
+            .map_err(cuda_error("cuMemcpyHtoD"))?;
+        Ok(Uploaded { padded, targets, weights })
+    }
+
+    fn inputs<'a>(&'a self, up: &'a Uploaded) -> DeviceRankInputs<'a> {
         DeviceRankInputs {
-            x: self.x.matrix(),
+            x: up.padded.as_ref().map_or_else(|| self.x.matrix(), Padded::matrix),
             w_shard: match &self.w {
                 Shard::F32(b) => DeviceMatrix::F32(b),
                 Shard::Bf16(b) => DeviceMatrix::Bf16(b),
             },
             bias_shard: self.bias.as_deref(),
-            targets: &self.targets,
-            weights: self.weights.as_ref(),
+            targets: &up.targets,
+            weights: up.weights.as_ref(),
         }
     }
 
-    /// Runs `f` on the cached ring of this call's plan (made at the first call), with the GIL
-    /// released by the caller.
+    /// Runs `f` on this call's ring (made at the first call of its plan) and device buffers, once
+    /// every rank has them, between [`enter`] and [`leave`] on torch's stream. Called with the
+    /// GIL released.
     fn with_ring<R>(
         &self,
         host: &dyn Communicator,
-        f: impl FnOnce(&mut CudaRing<crate::cuda_group::SharedNccl>) -> PyResult<R>,
+        f: impl FnOnce(&mut CudaRing<SharedNccl>, &Uploaded) -> PyResult<R>,
     ) -> PyResult<R> {
         let mut states = cuda_states();
-        if !states.rings.contains_key(&self.ring_key) {
-            let comm = states.comm(host, &self.comm_key, &self.stream)?;
-            let ring = CudaRing::new(self.plan, comm).map_err(to_py)?;
-            states.rings.insert(self.ring_key.clone(), ring);
-        }
-        let ring = states
-            .rings
-            .get_mut(&self.ring_key)
-            .ok_or_else(|| PyRuntimeError::new_err("the CUDA ring was cached just above"))?;
-        f(ring)
+        let prepared = (|| {
+            let comm = states.comm(host, &self.key, self.ordinal)?;
+            enter(&self.stream, &[comm.stream()])?;
+            states.ring(host, (&self.key, self.ordinal), self.plan)?;
+            Ok((comm, self.upload(comm.stream())?))
+        })();
+        let (comm, uploaded) = agree_ready(host, prepared)?;
+        let ring = states.ring(host, (&self.key, self.ordinal), self.plan)?;
+        let out = f(ring, &uploaded);
+        // The ring ends with its compute stream and the communicator's waiting for each other.
+        leave(&self.stream, &[comm.stream()], out)
     }
 }
 
-/// `x` copied into zeroed rows of `len` elements (a rank with fewer tokens than the plan's rows).
-fn pad_rows(stream: &Arc<CudaStream>, x: Rows, len: usize) -> PyResult<Rows> {
+/// `x`'s rows copied into zeroed rows of `len` elements (a rank with fewer tokens than the plan's
+/// rows, none included), on `on`.
+fn pad_rows(on: &Arc<CudaStream>, x: &Rows, len: usize) -> PyResult<Padded> {
     Ok(match x {
         Rows::F32(b) => {
-            let mut p = stream.alloc_zeros::<f32>(len).map_err(cuda_error("cuMemAlloc"))?;
-            stream.memcpy_dtod(&*b, &mut p.slice_mut(..b.len())).map_err(cuda_error("cuMemcpyDtoD"))?;
-            Rows::PaddedF32(p)
+            let mut p = on.alloc_zeros::<f32>(len).map_err(cuda_error("cuMemAlloc"))?;
+            if !b.is_empty() {
+                on.memcpy_dtod(&**b, &mut p.slice_mut(..b.len())).map_err(cuda_error("cuMemcpyDtoD"))?;
+            }
+            Padded::F32(p)
         }
         Rows::Bf16(b) => {
-            let mut p = stream.alloc_zeros::<bf16>(len).map_err(cuda_error("cuMemAlloc"))?;
-            stream.memcpy_dtod(&*b, &mut p.slice_mut(..b.len())).map_err(cuda_error("cuMemcpyDtoD"))?;
-            Rows::PaddedBf16(p)
+            let mut p = on.alloc_zeros::<bf16>(len).map_err(cuda_error("cuMemAlloc"))?;
+            if !b.is_empty() {
+                on.memcpy_dtod(&**b, &mut p.slice_mut(..b.len())).map_err(cuda_error("cuMemcpyDtoD"))?;
+            }
+            Padded::Bf16(p)
         }
-        padded => padded,
     })
+}
+
+/// Copies the first `dst.len()` elements of the ring's output `src` into the borrowed torch
+/// tensor `dst` on `on` (nothing for an empty one: the ring's buffers hold at least one element).
+fn copy_into(
+    on: &Arc<CudaStream>,
+    src: &CudaSlice<f32>,
+    dst: &mut Borrowed<f32>,
+    what: &'static str,
+) -> PyResult<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    if src.len() < dst.len() {
+        return Err(PyRuntimeError::new_err(format!(
+            "{what}: the ring returned {} elements for {} (an internal error of flatpeak)",
+            src.len(),
+            dst.len()
+        )));
+    }
+    on.memcpy_dtod(&src.slice(..dst.len()), &mut **dst).map_err(cuda_error("cuMemcpyDtoD"))
 }
 
 /// Forward on CUDA tensors over `group`: the loss (0-dim for mean and sum, `[n_r]` for none) and
@@ -233,7 +321,7 @@ pub fn lce_ring_forward_cuda(
     let loss_out = TensorRef::<f32>::new("loss_out", &outputs.0, loss_shape)?;
     let lse_out = TensorRef::<f32>::new("lse_out", &outputs.1, &[Some(n)])?;
     let forward = detached(py, &mut comm, |host| {
-        call.with_ring(host, |ring| ring.forward(&call.inputs()).map_err(to_py))
+        call.with_ring(host, |ring, uploaded| ring.forward(&call.inputs(uploaded)).map_err(to_py))
     })??;
     // SAFETY: both are host float32 tensors of the checked shapes, made by the caller for this
     // call and read by nothing else.
@@ -289,12 +377,12 @@ pub fn lce_ring_backward_cuda(
     // caller's fresh outputs, each read by nothing else.
     let (mut dx, mut dw, mut dbias) = unsafe {
         (
-            borrow_on::<f32>(&stream, ("dx", &grads_out.0), &[Some(n), Some(d)], ordinal)?,
-            borrow_on::<f32>(&stream, ("dw", &grads_out.1), &[Some(v), Some(d)], ordinal)?,
+            borrow_on_or_empty::<f32>(&stream, ("dx", &grads_out.0), &[Some(n), Some(d)], ordinal)?,
+            borrow_on_or_empty::<f32>(&stream, ("dw", &grads_out.1), &[Some(v), Some(d)], ordinal)?,
             grads_out
                 .2
                 .as_ref()
-                .map(|b| borrow_on::<f32>(&stream, ("dbias", b), &[Some(v)], ordinal))
+                .map(|b| borrow_on_or_empty::<f32>(&stream, ("dbias", b), &[Some(v)], ordinal))
                 .transpose()?,
         )
     };
@@ -306,15 +394,18 @@ pub fn lce_ring_backward_cuda(
         unsafe { (padded(lse.as_slice()), grad.as_slice(), dlse.map(|g| padded(g.as_slice()))) };
     let grad_rows = if per_token { padded(grad) } else { Vec::new() };
     detached(py, &mut comm, |host| {
-        call.with_ring(host, |ring| {
+        call.with_ring(host, |ring, uploaded| {
             let grad = if per_token { GradOutput::PerToken(&grad_rows) } else { GradOutput::Scalar(grad[0]) };
             // Backward reads forward's lse only.
             let forward = Forward { loss: Loss::Scalar(0.0), lse };
-            let g = ring.backward(&call.inputs(), &forward, grad, dlse.as_deref()).map_err(to_py)?;
-            stream.memcpy_dtod(&g.dx.slice(..n * d), &mut *dx).map_err(cuda_error("cuMemcpyDtoD (dx)"))?;
-            stream.memcpy_dtod(&g.dw, &mut *dw).map_err(cuda_error("cuMemcpyDtoD (dw)"))?;
+            let g = ring.backward(&call.inputs(uploaded), &forward, grad, dlse.as_deref()).map_err(to_py)?;
+            // On the communicator's stream (whose context tracks the ring's buffers), which torch's
+            // stream waits for on exit.
+            let on = ring.comm().stream();
+            copy_into(on, &g.dx, &mut dx, "dx")?;
+            copy_into(on, &g.dw, &mut dw, "dw")?;
             if let (Some(src), Some(dst)) = (&g.dbias, dbias.as_mut()) {
-                stream.memcpy_dtod(src, &mut **dst).map_err(cuda_error("cuMemcpyDtoD (dbias)"))?;
+                copy_into(on, src, dst, "dbias")?;
             }
             Ok(())
         })

@@ -135,10 +135,11 @@ impl Sizes {
         Ok(Self { tokens: t, hidden: h, intermediate: two_i / 2, local_experts: m, top_k: k, dtype })
     }
 
-    /// T, H, I, M, k, E as given (0: not given) and the dtype (1: bf16), for the all-gather.
-    fn words(&self, experts: usize) -> [u64; 7] {
-        let dtype = usize::from(self.dtype == DType::Bf16);
-        [self.tokens, self.hidden, self.intermediate, self.local_experts, self.top_k, experts, dtype]
+    /// T, H, I, M, k, E as given (0: not given), the dtype (1: bf16) and where the tensors are
+    /// (1: a CUDA device; the two paths run different exchanges), for the all-gather.
+    fn words(&self, experts: usize, on_cuda: bool) -> [u64; 8] {
+        let (dtype, device) = (usize::from(self.dtype == DType::Bf16), usize::from(on_cuda));
+        [self.tokens, self.hidden, self.intermediate, self.local_experts, self.top_k, experts, dtype, device]
             .map(|v| v as u64)
     }
 }
@@ -149,12 +150,19 @@ pub(crate) fn agreed_shape(
     comm: &dyn Communicator,
     mine: Sizes,
     experts: Option<usize>,
+    on_cuda: bool,
 ) -> Result<Shape, Refusal> {
     let p = comm.world_size();
-    let words = all_gather_words(comm, &mine.words(experts.unwrap_or(0)))?;
-    let ranks: Vec<&[u64]> = words.chunks_exact(7).collect();
+    let words = all_gather_words(comm, &mine.words(experts.unwrap_or(0), on_cuda))?;
+    let ranks: Vec<&[u64]> = words.chunks_exact(8).collect();
     let names = ["hidden", "intermediate", "E_local", "top_k", "num_experts"];
     for (r, w) in ranks.iter().enumerate() {
+        if w[7] != ranks[0][7] {
+            let (theirs, first) =
+                (crate::ring_loss::device_name(w[7]), crate::ring_loss::device_name(ranks[0][7]));
+            let message = format!("rank {r} passed {theirs} tensors where rank 0 passed {first} tensors");
+            return Err(Refusal { kind: ErrorKind::Type, message });
+        }
         if w[6] != ranks[0][6] {
             let name = |code: u64| if code == 1 { "torch.bfloat16" } else { "torch.float32" };
             return Err(Refusal {
@@ -248,7 +256,7 @@ fn prepare<T: TorchElement>(
     let local = Sizes::of(args).and_then(|s| Tensors::<T>::new(args, s).map(|t| (t, s)));
     let local = local.map_err(|e| Refusal::from_py(py, e));
     let (tensors, sizes) = agree_on_inputs(comm, local).map_err(Refusal::into_py)?;
-    let shape = agreed_shape(comm, sizes, num_experts).map_err(Refusal::into_py)?;
+    let shape = agreed_shape(comm, sizes, num_experts, false).map_err(Refusal::into_py)?;
     Ok((tensors, shape))
 }
 

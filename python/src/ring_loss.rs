@@ -41,9 +41,16 @@ pub(crate) fn ring_choice(ring: Option<&str>) -> PyResult<RingChoice> {
     }
 }
 
-/// The sizes every rank shares for the all-gather: n_r, D, v_r and the dtype (1: bf16).
-fn words(shape: Shape) -> [u64; 4] {
-    [shape.tokens, shape.hidden, shape.vocab, usize::from(shape.dtype == DType::Bf16)].map(|v| v as u64)
+/// The sizes every rank shares for the all-gather: n_r, D, v_r, the dtype (1: bf16) and where
+/// the tensors are (1: a CUDA device; the two paths run different exchanges).
+fn words(shape: Shape, on_cuda: bool) -> [u64; 5] {
+    [shape.tokens, shape.hidden, shape.vocab, usize::from(shape.dtype == DType::Bf16), usize::from(on_cuda)]
+        .map(|v| v as u64)
+}
+
+/// Where a rank's tensors are, by its all-gathered code.
+pub(crate) fn device_name(code: u64) -> &'static str {
+    if code == 1 { "CUDA" } else { "CPU" }
 }
 
 /// The ring's plan, agreed from every rank's sizes (the same verdict on every rank, computed
@@ -53,12 +60,17 @@ pub(crate) fn agreed_plan(
     comm: &dyn Communicator,
     options: &LossOptions,
     ring: RingChoice,
-    mine: Shape,
+    (mine, on_cuda): (Shape, bool),
 ) -> Result<RingPlan, Refusal> {
     let p = comm.world_size();
-    let all = all_gather_words(comm, &words(mine))?;
-    let ranks: Vec<&[u64]> = all.chunks_exact(4).collect();
+    let all = all_gather_words(comm, &words(mine, on_cuda))?;
+    let ranks: Vec<&[u64]> = all.chunks_exact(5).collect();
     for (r, w) in ranks.iter().enumerate() {
+        if w[4] != ranks[0][4] {
+            let (theirs, first) = (device_name(w[4]), device_name(ranks[0][4]));
+            let message = format!("rank {r} passed {theirs} tensors where rank 0 passed {first} tensors");
+            return Err(Refusal { kind: ErrorKind::Type, message });
+        }
         if w[3] != ranks[0][3] {
             let name = |code: u64| if code == 1 { "torch.bfloat16" } else { "torch.float32" };
             let message =
@@ -128,7 +140,7 @@ impl RingCall {
         let local = ring_choice(ring).and_then(|ring| Ok((ring, Checked::new(args)?)));
         let (ring, checked) =
             agree_on_inputs(comm, local.map_err(|e| Refusal::from_py(py, e))).map_err(Refusal::into_py)?;
-        let plan = agreed_plan(comm, options, ring, checked.shape).map_err(Refusal::into_py)?;
+        let plan = agreed_plan(comm, options, ring, (checked.shape, false)).map_err(Refusal::into_py)?;
         let (own, rows) = (checked.shape.tokens, plan.tokens(comm.rank()).len());
         let mut call = Self { checked, plan, own, rows, padded: None };
         if own < rows {

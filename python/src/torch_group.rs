@@ -99,12 +99,12 @@ impl TorchGroup {
         let kwargs = PyDict::new(py);
         kwargs.set_item("group", &group)?;
         let rank: i64 = dist.call_method("get_rank", (), Some(&kwargs))?.extract()?;
-        let world: usize = dist.call_method("get_world_size", (), Some(&kwargs))?.extract()?;
         let rank = usize::try_from(rank).map_err(|_| {
             pyo3::exceptions::PyValueError::new_err(format!(
                 "group: this process is not a member of the group (torch.distributed.get_rank(group) = {rank})"
             ))
         })?;
+        let world: usize = dist.call_method("get_world_size", (), Some(&kwargs))?.extract()?;
         let torch = py.import("torch")?;
         let backend: String = dist.call_method1("get_backend", (&group,))?.str()?.to_string();
         // NCCL carries CUDA tensors only: the schedule's host metadata (counts, verdicts) goes
