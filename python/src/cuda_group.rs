@@ -79,7 +79,7 @@ impl DeviceCommunicator for SharedNccl {
     }
 }
 
-/// Everything kept, by key: communicators by (group, device, stream); llep's ops by the same
+/// Everything kept, by key: communicators by (group, device); llep's ops by the same
 /// key; ring-dtp's rings by that key and the plan.
 #[derive(Default)]
 pub(crate) struct CudaStates {

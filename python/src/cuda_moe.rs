@@ -6,7 +6,7 @@
 //!   CUDA tensors). The routing (`topk_ids`, `topk_weights`) comes from the host: the Python side
 //!   copies those `T × k` values there, as the schedule is planned on the host.
 //! - The token rows and weights move over the NCCL communicator of the group's ranks that
-//!   [`crate::cuda_group`] keeps per (group, device, stream), on torch's current stream; llep's
+//!   [`crate::cuda_group`] keeps per (group, device), ordered on torch's current stream; llep's
 //!   device state (compiled kernels, cuBLAS handle, streams) is kept beside it.
 //! - The inputs are torch tensors read in place; y and the gradients are copied from llep's
 //!   buffers into the float32 tensors the Python side allocated, on the same stream.
