@@ -48,6 +48,9 @@ fn words(shape: Shape, on_cuda: bool) -> [u64; 5] {
         .map(|v| v as u64)
 }
 
+/// The CUDA ring's rows per rank are a multiple of this (see [`agreed_plan`]).
+pub(crate) const CUDA_ROWS_QUANTUM: usize = 128;
+
 /// Where a rank's tensors are, by its all-gathered code.
 pub(crate) fn device_name(code: u64) -> &'static str {
     if code == 1 { "CUDA" } else { "CPU" }
@@ -95,6 +98,11 @@ pub(crate) fn agreed_plan(
         return Err(Refusal { kind: ErrorKind::Value, message });
     }
     let most = ranks.iter().map(|w| w[0] as usize).max().unwrap_or(0);
+    // On CUDA the ring (its buffers and compiled kernels) is kept per plan: the rows per rank are
+    // rounded up to a multiple of CUDA_ROWS_QUANTUM, so batches whose lengths vary a little share
+    // one ring (the extra rows are padded, ignored rows).
+    let most =
+        if on_cuda { most.div_ceil(CUDA_ROWS_QUANTUM).saturating_mul(CUDA_ROWS_QUANTUM) } else { most };
     let tokens = most.checked_mul(p).ok_or(Refusal {
         kind: ErrorKind::Value,
         message: format!("{most} tokens per rank × {p} ranks overflow"),
