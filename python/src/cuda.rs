@@ -98,13 +98,12 @@ pub(crate) unsafe fn borrow_on<T: TorchElement + DeviceRepr>(
     shape: &[Option<usize>],
     ordinal: usize,
 ) -> PyResult<Borrowed<T>> {
-    let (address, len) = checked::<T>(name, tensor, shape, TensorDevice::Cuda(ordinal))?;
-    if len == 0 {
+    // SAFETY: the caller's contract, which is `borrow_on_or_empty`'s.
+    let borrowed = unsafe { borrow_on_or_empty(stream, (name, tensor), shape, ordinal)? };
+    if borrowed.is_empty() {
         return Err(PyValueError::new_err(format!("{name}: empty CUDA tensors are not supported")));
     }
-    // SAFETY: `checked` proved a live, contiguous CUDA tensor of `len` elements of `T` on this
-    // device at `address`; the caller keeps it alive and unaliased for the call.
-    Ok(unsafe { Borrowed::new(stream, name, address, len) })
+    Ok(borrowed)
 }
 
 /// As [`borrow_on`], an empty tensor included (a rank of a group may bring no tokens): its
@@ -119,7 +118,9 @@ pub(crate) unsafe fn borrow_on_or_empty<T: TorchElement + DeviceRepr>(
     ordinal: usize,
 ) -> PyResult<Borrowed<T>> {
     let (address, len) = checked::<T>(name, tensor, shape, TensorDevice::Cuda(ordinal))?;
-    // SAFETY: as `borrow_on`; an empty slice (len 0) is never read or written.
+    // SAFETY: `checked` proved a live, contiguous CUDA tensor of `len` elements of `T` on this
+    // device at `address`; the caller keeps it alive and unaliased for the call; an empty slice
+    // (len 0) is never read or written.
     Ok(unsafe { Borrowed::new(stream, name, address, len) })
 }
 

@@ -157,6 +157,29 @@ pub(crate) unsafe fn borrow_slice<T: TorchElement + DeviceRepr>(
     Ok(unsafe { stream.upgrade_device_ptr::<T>(address as sys::CUdeviceptr, len) })
 }
 
+/// Copies the first `dst.len()` elements of a schedule's f32 output `src` into the borrowed
+/// torch tensor `dst` on `on` (nothing for an empty one: the schedules' buffers hold at least one
+/// element, so `src` may be longer than what it holds).
+pub(crate) fn copy_prefix(
+    on: &Arc<CudaStream>,
+    src: &CudaSlice<f32>,
+    dst: &mut crate::cuda::Borrowed<f32>,
+    what: &'static str,
+) -> PyResult<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    if src.len() < dst.len() {
+        return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+            "{what}: the schedule returned {} elements for {} (an internal error of flatpeak)",
+            src.len(),
+            dst.len()
+        )));
+    }
+    on.memcpy_dtod(&src.slice(..dst.len()), &mut **dst)
+        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(format!("cuMemcpyDtoD ({what}): {e:?}")))
+}
+
 impl CudaStates {
     /// The communicator of `key` (group, device `ordinal`), made at the first call on a stream of
     /// its own (every rank of `host`'s group makes it at the same call).

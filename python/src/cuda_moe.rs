@@ -26,7 +26,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
 use crate::cuda::{Borrowed, borrow_on_or_empty, torch_stream};
-use crate::cuda_group::{agree_ready, borrow_slice, cuda_states, enter, group_key, leave};
+use crate::cuda_group::{agree_ready, borrow_slice, copy_prefix, cuda_states, enter, group_key, leave};
 use crate::error::{Refusal, to_py};
 use crate::moe::{ForwardStats, MoEArgs, MoEOptions, Sizes, agreed_shape, executor_for, locked};
 use crate::tensor::{TensorDevice, TensorRef, TorchElement, checked, device_of};
@@ -96,28 +96,14 @@ fn with_device<R>(
     leave(torch, &streams, out)
 }
 
-/// Copies llep's f32 output `src` into the borrowed torch tensor `dst` (nothing for an empty one:
-/// llep's buffers hold at least one element) on `stream`.
+/// Copies llep's f32 output `src` into the borrowed torch tensor `dst` on `stream`.
 fn copy_out(
     stream: &Arc<CudaStream>,
     src: &CudaBuf,
     dst: &mut Borrowed<f32>,
     what: &'static str,
 ) -> PyResult<()> {
-    let src = f32_of(src, what)?;
-    if dst.is_empty() {
-        return Ok(());
-    }
-    if src.len() < dst.len() {
-        return Err(PyRuntimeError::new_err(format!(
-            "{what}: llep returned {} elements for {} (an internal error of flatpeak)",
-            src.len(),
-            dst.len()
-        )));
-    }
-    stream
-        .memcpy_dtod(&src.slice(..dst.len()), &mut **dst)
-        .map_err(|e| PyRuntimeError::new_err(format!("cuMemcpyDtoD ({what}): {e:?}")))
+    copy_prefix(stream, f32_of(src, what)?, dst, what)
 }
 
 /// The checked tensors of one CUDA call: hidden states and weights on the device (read in
@@ -224,6 +210,33 @@ fn args_tokens(args: &MoEArgs<'_>) -> PyResult<usize> {
     Ok(crate::tensor::shape_of("hidden_states", &args.x)?.first().copied().unwrap_or(0))
 }
 
+/// What both passes start from: the device, torch's current stream on it and the group's key;
+/// the group's communicator; the agreed tensors and shape, and the plan.
+struct Begun {
+    ordinal: usize,
+    stream: Arc<CudaStream>,
+    key: String,
+    comm: Comm,
+    tensors: CudaTensors,
+    shape: llep::Shape,
+    plan: Plan,
+}
+
+fn begin(
+    py: Python<'_>,
+    options: &MoEOptions,
+    group: Option<Bound<'_, PyAny>>,
+    args: &MoEArgs<'_>,
+    num_experts: Option<usize>,
+) -> PyResult<Begun> {
+    let (ordinal, stream, key) = device_of_call(py, args, &group)?;
+    let comm: Comm = Some(communicator(py, group)?);
+    let host = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("no communicator"))?;
+    let (tensors, shape) = prepare(py, host, args, num_experts, ordinal)?;
+    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
+    Ok(Begun { ordinal, stream, key, comm, tensors, shape, plan })
+}
+
 /// Forward on CUDA tensors: writes y (`[T, H]` float32, on the device) into `y_out` and the
 /// global routes per expert into the host `counts_out`; returns the forward's statistics.
 #[pyfunction]
@@ -237,13 +250,10 @@ pub fn moe_forward_cuda(
     y_out: Bound<'_, PyAny>,
     counts_out: Bound<'_, PyAny>,
 ) -> PyResult<ForwardStats> {
-    let (ordinal, stream, key) = device_of_call(py, &args, &group)?;
-    let mut comm: Comm = Some(communicator(py, group)?);
-    let host = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("no communicator"))?;
-    let (tensors, shape) = prepare(py, host, &args, num_experts, ordinal)?;
+    let Begun { ordinal, stream, key, mut comm, tensors, shape, plan } =
+        begin(py, options, group, &args, num_experts)?;
     let n = tensors.ids.len() / shape.top_k.max(1);
     let counts_out = TensorRef::<i64>::new("counts_out", &counts_out, &[Some(shape.experts)])?;
-    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
     // SAFETY: the Python frame holds every tensor for this call; y_out is the caller's fresh
     // output, read by nothing else.
     let (inputs, mut y_dst) = unsafe {
@@ -292,13 +302,10 @@ pub fn moe_backward_cuda(
     grad_output: Bound<'_, PyAny>,
     grads_out: (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>),
 ) -> PyResult<()> {
-    let (ordinal, stream, key) = device_of_call(py, &args, &group)?;
-    let mut comm: Comm = Some(communicator(py, group)?);
-    let host = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("no communicator"))?;
-    let (tensors, shape) = prepare(py, host, &args, num_experts, ordinal)?;
+    let Begun { ordinal, stream, key, mut comm, tensors, shape, plan } =
+        begin(py, options, group, &args, num_experts)?;
     let (h, i, m, k) = (shape.hidden, shape.intermediate, shape.local_experts(), shape.top_k);
     let n = tensors.ids.len() / k.max(1);
-    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
     // SAFETY: the Python frame holds every tensor for this call; the gradient tensors are the
     // caller's fresh outputs, each read by nothing else.
     let (inputs, dy, mut outs) = unsafe {

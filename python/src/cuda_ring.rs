@@ -26,10 +26,10 @@ use ring_dtp::cuda::ring::{CudaRing, DeviceRankInputs};
 use ring_dtp::{DType, Forward, GradOutput, Loss, Reduction, RingPlan, bf16, check_targets, check_weights};
 
 use crate::cuda::{Borrowed, borrow_on_or_empty, torch_stream};
-use crate::cuda_group::{SharedNccl, agree_ready, cuda_states, enter, group_key, leave};
+use crate::cuda_group::{SharedNccl, agree_ready, copy_prefix, cuda_states, enter, group_key, leave};
 use crate::error::{Refusal, to_py};
 use crate::loss::{LossOptions, TensorArgs};
-use crate::ring_loss::{agreed_plan, ring_choice};
+use crate::ring_loss::{Upstreams, agreed_plan, ring_choice, write_own_rows};
 use crate::tensor::{TensorDevice, TensorRef, checked, device_of};
 use crate::torch_group::{Comm, communicator, detached};
 use flatpeak_common::nccl::DeviceCommunicator;
@@ -278,27 +278,6 @@ fn pad_rows(on: &Arc<CudaStream>, x: &Rows, len: usize) -> PyResult<Padded> {
     })
 }
 
-/// Copies the first `dst.len()` elements of the ring's output `src` into the borrowed torch
-/// tensor `dst` on `on` (nothing for an empty one: the ring's buffers hold at least one element).
-fn copy_into(
-    on: &Arc<CudaStream>,
-    src: &CudaSlice<f32>,
-    dst: &mut Borrowed<f32>,
-    what: &'static str,
-) -> PyResult<()> {
-    if dst.is_empty() {
-        return Ok(());
-    }
-    if src.len() < dst.len() {
-        return Err(PyRuntimeError::new_err(format!(
-            "{what}: the ring returned {} elements for {} (an internal error of flatpeak)",
-            src.len(),
-            dst.len()
-        )));
-    }
-    on.memcpy_dtod(&src.slice(..dst.len()), &mut **dst).map_err(cuda_error("cuMemcpyDtoD"))
-}
-
 /// Forward on CUDA tensors over `group`: the loss (0-dim for mean and sum, `[n_r]` for none) and
 /// this rank's lse (`[n_r]`) into the host float32 tensors `outputs`.
 #[pyfunction]
@@ -323,14 +302,7 @@ pub fn lce_ring_forward_cuda(
     let forward = detached(py, &mut comm, |host| {
         call.with_ring(host, |ring, uploaded| ring.forward(&call.inputs(uploaded)).map_err(to_py))
     })??;
-    // SAFETY: both are host float32 tensors of the checked shapes, made by the caller for this
-    // call and read by nothing else.
-    let (loss, lse) = unsafe { (loss_out.as_mut_slice(), lse_out.as_mut_slice()) };
-    lse.copy_from_slice(&forward.lse[..n]);
-    match forward.loss {
-        Loss::Scalar(l) => loss[0] = l as f32,
-        Loss::PerToken(per) => loss.copy_from_slice(&per[..n]),
-    }
+    write_own_rows(forward, n, (&loss_out, &lse_out));
     Ok(())
 }
 
@@ -358,11 +330,7 @@ pub fn lce_ring_backward_cuda(
     let v = call.plan.shard(host.rank()).len();
     let per_token = options.config.reduction == Reduction::None;
     let local = (|| -> PyResult<_> {
-        let lse = TensorRef::<f32>::new("lse", &lse, &[Some(n)])?;
-        let grad_shape: &[Option<usize>] = if per_token { &[Some(n)] } else { &[] };
-        let grad = TensorRef::<f32>::new("grad_output", &upstream.0, grad_shape)?;
-        let dlse =
-            upstream.1.as_ref().map(|g| TensorRef::<f32>::new("grad_lse", g, &[Some(n)])).transpose()?;
+        let Upstreams { lse, grad, dlse } = Upstreams::new(n, per_token, &lse, &upstream)?;
         if grads_out.2.is_some() != call.bias.is_some() {
             return Err(pyo3::exceptions::PyValueError::new_err(
                 "dbias: expected exactly when there is a bias",
@@ -402,10 +370,10 @@ pub fn lce_ring_backward_cuda(
             // On the communicator's stream (whose context tracks the ring's buffers), which torch's
             // stream waits for on exit.
             let on = ring.comm().stream();
-            copy_into(on, &g.dx, &mut dx, "dx")?;
-            copy_into(on, &g.dw, &mut dw, "dw")?;
+            copy_prefix(on, &g.dx, &mut dx, "dx")?;
+            copy_prefix(on, &g.dw, &mut dw, "dw")?;
             if let (Some(src), Some(dst)) = (&g.dbias, dbias.as_mut()) {
-                copy_into(on, src, dst, "dbias")?;
+                copy_prefix(on, src, dst, "dbias")?;
             }
             Ok(())
         })

@@ -19,8 +19,8 @@ use flatpeak_common::{Communicator, ErrorKind};
 use pyo3::prelude::*;
 use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{
-    DType, GradOutput, GradientsMut, Loss, Matrix, Reduction, RingChoice, RingKind, RingOptions, RingPlan,
-    Shape, Upstream, bf16,
+    DType, Forward, GradOutput, GradientsMut, Loss, Matrix, Reduction, RingChoice, RingKind, RingOptions,
+    RingPlan, Shape, Upstream, bf16,
 };
 
 use crate::error::{Refusal, to_py};
@@ -217,6 +217,47 @@ impl RingCall {
     }
 }
 
+/// The host tensors of backward's upstream, checked: forward's lse (`[n_r]`), the loss's
+/// gradient (0-dim, or `[n_r]` for a per-token loss) and the lse's, if any.
+pub(crate) struct Upstreams {
+    pub(crate) lse: TensorRef<f32>,
+    pub(crate) grad: TensorRef<f32>,
+    pub(crate) dlse: Option<TensorRef<f32>>,
+}
+
+impl Upstreams {
+    pub(crate) fn new(
+        n: usize,
+        per_token: bool,
+        lse: &Bound<'_, PyAny>,
+        (grad, dlse): &(Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
+    ) -> PyResult<Self> {
+        let grad_shape: &[Option<usize>] = if per_token { &[Some(n)] } else { &[] };
+        Ok(Self {
+            lse: TensorRef::new("lse", lse, &[Some(n)])?,
+            grad: TensorRef::new("grad_output", grad, grad_shape)?,
+            dlse: dlse.as_ref().map(|g| TensorRef::new("grad_lse", g, &[Some(n)])).transpose()?,
+        })
+    }
+}
+
+/// Writes forward's loss (one value, or this rank's first `n` per-token losses) and its first
+/// `n` lse into the checked host float32 tensors `outputs` (the rows past them are padding).
+pub(crate) fn write_own_rows(
+    forward: Forward,
+    n: usize,
+    (loss_out, lse_out): (&TensorRef<f32>, &TensorRef<f32>),
+) {
+    // SAFETY: the callers checked both as float32 CPU tensors of the loss's and lse's shapes,
+    // made for this call and read by nothing else.
+    let (loss, lse) = unsafe { (loss_out.as_mut_slice(), lse_out.as_mut_slice()) };
+    lse.copy_from_slice(&forward.lse[..n]);
+    match forward.loss {
+        Loss::Scalar(l) => loss[0] = l as f32,
+        Loss::PerToken(per_token) => loss.copy_from_slice(&per_token[..n]),
+    }
+}
+
 /// Forward over `group` (`ring`: `"weight"`, `"activation"` or `None` for the plan's choice):
 /// writes the loss (0-dim fp32 for mean and sum, `[n_r]` for none) and this rank's tokens' lse
 /// (`[n_r]` fp32) into `outputs`.
@@ -247,14 +288,7 @@ pub fn lce_ring_forward(
         ring::forward(comm, &call.plan, &inputs)
     })?
     .map_err(to_py)?;
-    // SAFETY: both outputs are fp32 CPU tensors of the checked shapes, made by the caller for
-    // this call and disjoint from each other and from every input.
-    let (loss, lse) = unsafe { (loss_out.as_mut_slice(), lse_out.as_mut_slice()) };
-    lse.copy_from_slice(&forward.lse[..n]);
-    match forward.loss {
-        Loss::Scalar(l) => loss[0] = l as f32,
-        Loss::PerToken(per_token) => loss.copy_from_slice(&per_token[..n]),
-    }
+    write_own_rows(forward, n, (&loss_out, &lse_out));
     Ok(())
 }
 
@@ -283,11 +317,8 @@ pub fn lce_ring_backward(
     // Shapes checked here are collective too: a rank whose upstream or outputs are wrong refuses
     // before its peers wait on the ring.
     let local = (|| -> PyResult<_> {
-        let lse = TensorRef::<f32>::new("lse", &lse, &[Some(n)])?;
-        let grad_shape: &[Option<usize>] = if per_token { &[Some(n)] } else { &[] };
-        let grad_loss = TensorRef::<f32>::new("grad_output", &upstream.0, grad_shape)?;
-        let grad_lse =
-            upstream.1.as_ref().map(|g| TensorRef::<f32>::new("grad_lse", g, &[Some(n)])).transpose()?;
+        let Upstreams { lse, grad: grad_loss, dlse: grad_lse } =
+            Upstreams::new(n, per_token, &lse, &upstream)?;
         let dx = TensorRef::<f32>::new("dx", &grads_out.0, &[Some(n), Some(d)])?;
         let dw = TensorRef::<f32>::new("dw", &grads_out.1, &[Some(v), Some(d)])?;
         let dbias =
