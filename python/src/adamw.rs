@@ -9,7 +9,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use stream_adamw::cpu::{StateMut, grad_sq_sum};
+use stream_adamw::cpu::{StateMut, grad_sq_sums};
 use stream_adamw::{
     GradClip, Hyperparameters, InPlaceGroup, InPlaceParam, Objective, StepDecision, StepOptions, Variant,
     apply_in_place, in_place_grad_sq,
@@ -88,7 +88,8 @@ impl Decision {
 }
 
 /// One parameter's tensors: `(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step)`, `step`
-/// being the steps it has taken (≥ 0).
+/// being torch's step counter: a 0-dim float32 or float64 CPU tensor holding the steps taken
+/// (a whole number ≥ 0), advanced in place when the step is applied.
 #[derive(FromPyObject)]
 pub struct ParamState<'py> {
     #[pyo3(item(0))]
@@ -102,7 +103,66 @@ pub struct ParamState<'py> {
     #[pyo3(item(4))]
     max_exp_avg_sq: Option<Bound<'py, PyAny>>,
     #[pyo3(item(5))]
-    step: u64,
+    step: Bound<'py, PyAny>,
+}
+
+/// torch's step counter of one parameter: a 0-dim float tensor (float64 when torch's default
+/// dtype is), read and advanced in place.
+enum StepCounter {
+    F32(TensorRef<f32>),
+    F64(TensorRef<f64>),
+}
+
+impl StepCounter {
+    fn new(tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
+        cpu_only("step", tensor)?;
+        match TensorRef::<f32>::new("step", tensor, &[]) {
+            Ok(t) => Ok(Self::F32(t)),
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(tensor.py()) => {
+                TensorRef::<f64>::new("step", tensor, &[]).map(Self::F64).map_err(|_| e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The steps taken; a value that is not a whole number ≥ 0 is a `ValueError`.
+    fn read(&self) -> PyResult<u64> {
+        // SAFETY: the counter is a checked 0-dim tensor (one element) the caller holds for the
+        // call; it is read here, before any write, with the GIL held.
+        let value = unsafe {
+            match self {
+                Self::F32(t) => t.as_slice()[0] as f64,
+                Self::F64(t) => t.as_slice()[0],
+            }
+        };
+        if value.is_finite() && value >= 0.0 && value.fract() == 0.0 && value < u64::MAX as f64 {
+            Ok(value as u64)
+        } else {
+            Err(PyValueError::new_err(format!("step: expected a whole number of steps >= 0, got {value}")))
+        }
+    }
+
+    /// Stores `step` (exact in either dtype for any realistic count).
+    ///
+    /// # Safety
+    /// `check_disjoint` must have proved the counter overlaps no other tensor of the call, and
+    /// the caller must hold it for the call.
+    unsafe fn write(&self, step: u64) {
+        // SAFETY: the caller's contract: the one element is exclusively this call's to write.
+        unsafe {
+            match self {
+                Self::F32(t) => t.as_mut_slice()[0] = step as f32,
+                Self::F64(t) => t.as_mut_slice()[0] = step as f64,
+            }
+        }
+    }
+
+    fn span(&self) -> Span {
+        match self {
+            Self::F32(t) => t.into(),
+            Self::F64(t) => t.into(),
+        }
+    }
 }
 
 /// A parameter's checked tensors.
@@ -112,6 +172,7 @@ struct Checked {
     exp_avg: TensorRef<f32>,
     exp_avg_sq: TensorRef<f32>,
     max_exp_avg_sq: Option<TensorRef<f32>>,
+    counter: StepCounter,
     step: u64,
 }
 
@@ -148,7 +209,9 @@ impl Checked {
             (Some(_), false) => return Err(PyValueError::new_err("max_exp_avg_sq: given without amsgrad")),
             (None, true) => return Err(PyValueError::new_err("max_exp_avg_sq: amsgrad needs it")),
         };
-        Ok(Self { param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step: p.step })
+        let counter = StepCounter::new(&p.step)?;
+        let step = counter.read()?;
+        Ok(Self { param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, counter, step })
     }
 }
 
@@ -161,17 +224,13 @@ pub fn grad_sq_sum_all(py: Python<'_>, grads: Vec<Bound<'_, PyAny>>) -> PyResult
         cpu_only("grad", g)?;
         checked.push(TensorRef::<f32>::new("grad", g, &expected_shape("grad", g)?)?);
     }
-    Ok(py.detach(|| {
-        checked
-            .iter()
-            // SAFETY: each tensor is held by the caller's list for the call and only read.
-            .map(|g| grad_sq_sum(unsafe { g.as_slice() }))
-            .sum()
-    }))
+    // SAFETY: each tensor is held by the caller's list for the call and only read.
+    let slices: Vec<&[f32]> = checked.iter().map(|g| unsafe { g.as_slice() }).collect();
+    Ok(py.detach(|| grad_sq_sums(&slices).into_iter().sum()))
 }
 
-/// One AdamW step of every CPU parameter of every group, in place: `groups` is a list of
-/// `(options, params)`, and `other_grad_sq` the Σg² of the gradients stepped with them
+/// One AdamW step of every CPU parameter of every group, in place (each parameter's step
+/// counter advanced with it): `groups` is a list of `(options, params)`, and `other_grad_sq` the Σg² of the gradients stepped with them
 /// elsewhere (the offloaded CUDA parameters), so one non-finite gradient skips them all. Every
 /// tensor of every group is checked before any is written, so a bad one leaves all parameters
 /// and state untouched. Returns the crate's decision (skipped or applied), which the offloaded
@@ -195,6 +254,7 @@ pub fn adamw_step(
     for p in checked.iter().flat_map(|(_, params)| params) {
         outputs.extend([Span::from(&p.param), (&p.exp_avg).into(), (&p.exp_avg_sq).into()]);
         outputs.extend(p.max_exp_avg_sq.iter().map(Span::from));
+        outputs.push(p.counter.span());
         inputs.push((&p.grad).into());
     }
     check_disjoint(&outputs, &inputs)?;
@@ -223,6 +283,14 @@ pub fn adamw_step(
         let grad_sq = in_place_grad_sq(&in_place) + other_grad_sq;
         let decision = StepDecision::new(grad_sq, StepOptions::default(), GradClip::None)?;
         apply_in_place(&mut in_place, &decision)?;
+        if !decision.skips() {
+            let taken = in_place.iter().flat_map(|g| &g.params).map(|p| p.step);
+            for (p, step) in checked.iter().flat_map(|(_, params)| params).zip(taken) {
+                // SAFETY: `check_disjoint` proved each counter disjoint from every other tensor
+                // of the call, and the caller holds them all for the call.
+                unsafe { p.counter.write(step) };
+            }
+        }
         Ok(decision)
     });
     Ok(Decision { decision: decision.map_err(to_py)? })

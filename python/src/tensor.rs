@@ -12,26 +12,36 @@
 //! during the call while the GIL is released — is the same contract every torch op has.
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
 
 /// An element type a tensor may hold, with torch's name for it.
 pub trait TorchElement: Copy + Send + Sync + 'static {
     /// `str(tensor.dtype)`.
     const TORCH: &'static str;
+    /// Where torch's dtype object for this type is kept once looked up.
+    fn dtype_cell() -> &'static PyOnceLock<Py<PyAny>>;
 }
 
-impl TorchElement for f32 {
-    const TORCH: &'static str = "torch.float32";
+/// `TorchElement` for `$t`, torch's `$name`, with its own dtype cell.
+macro_rules! torch_element {
+    ($t:ty, $name:literal) => {
+        impl TorchElement for $t {
+            const TORCH: &'static str = $name;
+            fn dtype_cell() -> &'static PyOnceLock<Py<PyAny>> {
+                static DTYPE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+                &DTYPE
+            }
+        }
+    };
 }
-impl TorchElement for half::bf16 {
-    const TORCH: &'static str = "torch.bfloat16";
-}
-impl TorchElement for i64 {
-    const TORCH: &'static str = "torch.int64";
-}
-impl TorchElement for u8 {
-    const TORCH: &'static str = "torch.uint8";
-}
+torch_element!(f32, "torch.float32");
+torch_element!(f64, "torch.float64");
+torch_element!(half::bf16, "torch.bfloat16");
+torch_element!(i64, "torch.int64");
+torch_element!(u8, "torch.uint8");
 
 /// Where a tensor lives, as torch reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,8 +54,12 @@ pub enum TensorDevice {
 
 /// The device of `tensor` (`name` for the error): CPU or CUDA, anything else a `ValueError`.
 pub fn device_of(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<TensorDevice> {
-    let device = tensor.getattr("device")?;
-    let kind: String = device.getattr("type")?.extract()?;
+    let py = tensor.py();
+    if tensor.getattr(intern!(py, "is_cpu"))?.extract::<bool>()? {
+        return Ok(TensorDevice::Cpu);
+    }
+    let device = tensor.getattr(intern!(py, "device"))?;
+    let kind: String = device.getattr(intern!(py, "type"))?.extract()?;
     match kind.as_str() {
         "cpu" => Ok(TensorDevice::Cpu),
         "cuda" => Ok(TensorDevice::Cuda(device.getattr("index")?.extract::<Option<usize>>()?.unwrap_or(0))),
@@ -77,16 +91,25 @@ impl std::fmt::Display for TensorDevice {
 /// Checks `tensor` (a `torch.Tensor`, argument `name`) is a contiguous tensor of `T` on
 /// `device` whose shape is `shape` (`None` for a dimension: any size), with a data pointer
 /// aligned for `T`; returns its data address and element count.
+///
+/// This runs for every tensor of every call (an optimizer step checks four per parameter), so
+/// it asks torch as little as it can: attribute names interned, the dtype compared by identity
+/// with torch's own dtype object, and messages formatted only on a mismatch.
 pub fn checked<T: TorchElement>(
     name: &'static str,
     tensor: &Bound<'_, PyAny>,
     shape: &[Option<usize>],
     device: TensorDevice,
 ) -> PyResult<(usize, usize)> {
+    let py = tensor.py();
     let sizes = shape_of(name, tensor)?;
-    let dtype = tensor.getattr("dtype")?.str()?.to_string();
-    if dtype != T::TORCH {
-        return Err(PyTypeError::new_err(format!("{name}: expected dtype {}, got {dtype}", T::TORCH)));
+    let dtype = tensor.getattr(intern!(py, "dtype"))?;
+    if !dtype.is(torch_dtype::<T>(py)?) {
+        return Err(PyTypeError::new_err(format!(
+            "{name}: expected dtype {}, got {}",
+            T::TORCH,
+            dtype.str()?
+        )));
     }
     let found = device_of(name, tensor)?;
     if found != device {
@@ -103,14 +126,14 @@ pub fn checked<T: TorchElement>(
             want.join(", ")
         )));
     }
-    if !tensor.call_method0("is_contiguous")?.extract::<bool>()? {
+    if !tensor.call_method0(intern!(py, "is_contiguous"))?.extract::<bool>()? {
         return Err(PyValueError::new_err(format!(
             "{name}: expected a contiguous tensor (call .contiguous()), got strides {:?}",
             tensor.call_method0("stride")?.extract::<Vec<isize>>()?
         )));
     }
     let len: usize = sizes.iter().product();
-    let address: usize = tensor.call_method0("data_ptr")?.extract()?;
+    let address: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
     if len > 0 && (address == 0 || !address.is_multiple_of(std::mem::align_of::<T>())) {
         return Err(PyValueError::new_err(format!(
             "{name}: data pointer {address:#x} is not aligned for {}",
@@ -120,14 +143,29 @@ pub fn checked<T: TorchElement>(
     Ok((address, len))
 }
 
+/// `torch.Tensor`, looked up once per interpreter.
+fn torch_tensor_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    static TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    TENSOR.import(py, "torch", "Tensor")
+}
+
+/// torch's dtype object for `T` (`torch.float32`, …), looked up once per interpreter.
+fn torch_dtype<T: TorchElement>(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    T::dtype_cell()
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("torch")?.getattr(T::TORCH.trim_start_matches("torch."))?.unbind())
+        })
+        .map(|dtype| dtype.bind(py))
+}
+
 /// The shape of `tensor` (argument `name`), which must be a `torch.Tensor` (else `TypeError`).
 pub fn shape_of(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
-    let torch_tensor = tensor.py().import("torch")?.getattr("Tensor")?;
-    if !tensor.is_instance(&torch_tensor)? {
+    let py = tensor.py();
+    if !tensor.is_instance(torch_tensor_type(py)?)? {
         let kind = tensor.get_type().name()?;
         return Err(PyTypeError::new_err(format!("{name}: expected a torch.Tensor, got {kind}")));
     }
-    tensor.getattr("shape")?.extract()
+    tensor.getattr(intern!(py, "shape"))?.extract()
 }
 
 /// A checked CPU tensor's element range: start pointer and element count.

@@ -192,6 +192,68 @@ def test_an_integer_step_in_a_state_dict_loads_as_torch_adamw_loads_it():
     assert all(ours.state[p]["step"].item() == 3.0 for p in ours_p)
 
 
+def test_step_counters_advance_in_place_in_either_scalar_dtype():
+    """The step counter is torch's ``state["step"]`` tensor, advanced by the step itself: float32,
+    or float64 when torch's default dtype is (as torch.optim makes it)."""
+    for dtype in (torch.float32, torch.float64):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            p = torch.nn.Parameter(torch.ones(4, dtype=torch.float32))
+            opt = StreamAdamW([p], lr=1e-2)
+            for _ in range(3):
+                p.grad = torch.full((4,), 0.5, dtype=torch.float32)
+                opt.step()
+            counter = opt.state[p]["step"]
+            assert counter.dtype == dtype and counter.item() == 3.0
+        finally:
+            torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("value", [1.5, -1.0, float("nan")])
+def test_a_step_counter_that_is_not_a_whole_count_is_a_value_error(value):
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = StreamAdamW([p], lr=1e-2)
+    p.grad = torch.ones(4)
+    opt.step()
+    before = p.detach().clone()
+    opt.state[p]["step"].fill_(value)
+    with pytest.raises(ValueError, match="step"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+def test_one_step_counter_shared_by_two_parameters_is_refused_untouched():
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = StreamAdamW([a, b], lr=1e-2)
+    a.grad, b.grad = torch.ones(4), torch.ones(4)
+    opt.step()
+    opt.state[b]["step"] = opt.state[a]["step"]
+    before = (a.detach().clone(), b.detach().clone(), opt.state[a]["step"].item())
+    with pytest.raises(ValueError, match="step"):
+        opt.step()
+    assert torch.equal(a.detach(), before[0]) and torch.equal(b.detach(), before[1])
+    assert opt.state[a]["step"].item() == before[2]
+
+
+def test_many_parameters_in_one_step_equal_torch():
+    """Many small parameters take one parallel pass: each must still match torch's update."""
+    g = torch.Generator().manual_seed(3)
+    ours_p = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (1, 7, 64, 1000, 40000) * 20]
+    theirs_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    ours = StreamAdamW(ours_p, lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(theirs_p, lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(3):
+        for a, b in zip(ours_p, theirs_p):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        ours.step()
+        theirs.step()
+    worst = max(rel(a.detach(), b.detach()) for a, b in zip(ours_p, theirs_p))
+    assert worst <= 1e-6
+    assert all(ours.state[p]["step"].item() == 3.0 for p in ours_p)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"lr": -1.0}, "lr"), ({"betas": (1.0, 0.999)}, "beta1"), ({"eps": 0.0}, "eps"),
     ({"weight_decay": float("nan")}, "weight_decay"),

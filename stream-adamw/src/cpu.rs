@@ -112,9 +112,38 @@ pub fn adamw_update<G: GradElement, P: ParamElement>(
     sink: ParamSink<'_, P>,
     scalars: &StepScalars,
 ) {
-    let StateMut { param, exp_avg, exp_avg_sq, max_exp_avg_sq } = state;
+    adamw_update_shards(vec![Shard { state, grad, sink, scalars }]);
+}
+
+/// One shard of a step: its state, gradient, parameter sink and scalars.
+#[derive(Debug)]
+pub struct Shard<'a, G, P> {
+    /// θ, m, v (and max v with AMSGrad, else empty), each of the gradient's length.
+    pub state: StateMut<'a>,
+    /// The gradient.
+    pub grad: &'a [G],
+    /// Where θ is also written.
+    pub sink: ParamSink<'a, P>,
+    /// The step's scalars for this shard (its group's hyperparameters and its step count).
+    pub scalars: &'a StepScalars,
+}
+
+/// One AdamW step of every shard, in one parallel pass over all of their [`CHUNK`]-element
+/// chunks (so many small parameters cost one fork-join, not one each). Each element's update
+/// is [`adamw_update`]'s, whatever the split.
+pub fn adamw_update_shards<G: GradElement, P: ParamElement>(shards: Vec<Shard<'_, G, P>>) {
+    let chunks: usize = shards.iter().map(|s| s.grad.len().div_ceil(CHUNK)).sum();
+    let mut jobs = Vec::with_capacity(chunks);
+    for shard in shards {
+        split_into_chunks(shard, &mut jobs);
+    }
+    jobs.into_par_iter().for_each(|s| update_chunk(s.state, s.grad, s.sink, s.scalars));
+}
+
+/// Splits `shard` into shards of at most [`CHUNK`] elements, appended to `jobs` in order.
+fn split_into_chunks<'a, G, P>(shard: Shard<'a, G, P>, jobs: &mut Vec<Shard<'a, G, P>>) {
+    let Shard { state: StateMut { param, exp_avg, exp_avg_sq, max_exp_avg_sq }, grad, sink, scalars } = shard;
     let ams = !max_exp_avg_sq.is_empty();
-    let mut jobs = Vec::with_capacity(grad.len().div_ceil(CHUNK));
     let (mut p, mut m, mut v, mut vm, mut g) = (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad);
     let mut out = match sink {
         ParamSink::Copy(o) => Some(o),
@@ -136,10 +165,10 @@ pub fn adamw_update<G: GradElement, P: ParamElement>(
             }
             None => ParamSink::None,
         };
-        jobs.push((StateMut { param: p0, exp_avg: m0, exp_avg_sq: v0, max_exp_avg_sq: vm0 }, g0, sink));
+        let state = StateMut { param: p0, exp_avg: m0, exp_avg_sq: v0, max_exp_avg_sq: vm0 };
+        jobs.push(Shard { state, grad: g0, sink, scalars });
         (p, m, v, vm, g) = (p1, m1, v1, vm1, g1);
     }
-    jobs.into_par_iter().for_each(|(st, g, sink)| update_chunk(st, g, sink, scalars));
 }
 
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
@@ -163,14 +192,22 @@ fn sum_sq_tile(x: &[f32]) -> f64 {
 /// independent). A NaN or infinity anywhere makes the result non-finite: that is the
 /// non-finite check.
 pub fn grad_sq_sum<G: GradElement>(grad: &[G]) -> f64 {
-    let partials: Vec<f64> = grad
-        .par_chunks(CHUNK)
+    grad_sq_sums(&[grad])[0]
+}
+
+/// [`grad_sq_sum`] of each gradient, in one parallel pass over all of their chunks (one
+/// fork-join for many small gradients); each sum is reduced in the same fixed order as alone.
+pub fn grad_sq_sums<G: GradElement>(grads: &[&[G]]) -> Vec<f64> {
+    let chunks: Vec<&[G]> = grads.iter().flat_map(|g| g.chunks(CHUNK)).collect();
+    let partials: Vec<f64> = chunks
+        .par_iter()
         .map(|chunk| {
             let mut wide = [0f32; TILE];
             chunk.chunks(TILE).map(|t| sum_sq_tile(G::widen(t, &mut wide))).sum::<f64>()
         })
         .collect();
-    partials.iter().sum()
+    let mut partials = partials.into_iter();
+    grads.iter().map(|g| partials.by_ref().take(g.len().div_ceil(CHUNK)).sum()).collect()
 }
 
 /// The f64 reference of one torch AdamW step on f64 copies of the state (the test oracle).
@@ -265,6 +302,47 @@ mod tests {
         bad[CHUNK + 3] = f32::INFINITY;
         assert!(!grad_sq_sum(&bad).is_finite());
         assert_eq!(grad_sq_sum::<f32>(&[]), 0.0);
+    }
+
+    #[test]
+    fn many_gradients_in_one_pass_equal_each_alone() {
+        let mut rng = flatpeak_common::SplitMix64::new(11);
+        let lens = [0, 5, CHUNK, CHUNK + 1, 3 * CHUNK + 17];
+        let grads: Vec<Vec<f32>> = lens.iter().map(|&n| rng.uniform_f32(n, -1.0, 1.0)).collect();
+        let views: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
+        let each: Vec<u64> = views.iter().map(|g| grad_sq_sum(g).to_bits()).collect();
+        let together: Vec<u64> = grad_sq_sums(&views).iter().map(|s| s.to_bits()).collect();
+        assert_eq!(each, together);
+
+        // Every shard of one update_shards call ends as it would alone, each with its scalars.
+        let scalars: Vec<StepScalars> =
+            (1..=lens.len() as u64).map(|t| StepScalars::new(&Hyperparameters::default(), t, 1.0)).collect();
+        let params: Vec<Vec<f32>> = lens.iter().map(|&n| rng.normal_f32(n, 0.0, 1.0)).collect();
+        let mut alone = params.clone();
+        let mut moments = vec![(Vec::new(), Vec::new()); lens.len()];
+        for (k, p) in alone.iter_mut().enumerate() {
+            moments[k] = (vec![0.1f32; p.len()], vec![0.2f32; p.len()]);
+            let (m, v) = &mut moments[k];
+            let state = StateMut { param: p, exp_avg: m, exp_avg_sq: v, max_exp_avg_sq: &mut [] };
+            adamw_update::<f32, f32>(state, &grads[k], ParamSink::None, &scalars[k]);
+        }
+        let mut batched = params.clone();
+        let mut batched_moments: Vec<(Vec<f32>, Vec<f32>)> =
+            lens.iter().map(|&n| (vec![0.1f32; n], vec![0.2f32; n])).collect();
+        let shards = batched
+            .iter_mut()
+            .zip(&mut batched_moments)
+            .zip(&grads)
+            .zip(&scalars)
+            .map(|(((p, (m, v)), g), s)| Shard {
+                state: StateMut { param: p, exp_avg: m, exp_avg_sq: v, max_exp_avg_sq: &mut [] },
+                grad: g.as_slice(),
+                sink: ParamSink::<f32>::None,
+                scalars: s,
+            })
+            .collect();
+        adamw_update_shards(shards);
+        assert_eq!((alone, moments), (batched, batched_moments));
     }
 
     #[test]

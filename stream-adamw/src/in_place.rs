@@ -7,7 +7,7 @@
 //!
 //! Memory: nothing beyond the caller's buffers (the update runs in place, tile by tile).
 
-use crate::cpu::{ParamSink, StateMut, adamw_update, grad_sq_sum};
+use crate::cpu::{ParamSink, Shard, StateMut, adamw_update_shards, grad_sq_sums};
 use crate::error::{Error, Result};
 use crate::hyperparameters::{Hyperparameters, Variant};
 use crate::step::{StageTimes, StepDecision, StepOptions, StepReport};
@@ -55,7 +55,7 @@ fn check(param: &InPlaceParam<'_>, variant: Variant) -> Result<()> {
 /// (each group's hyperparameters, every buffer's length, every step count, one clipping rule
 /// for all groups: it is over the global norm), then Σg² over every gradient decides the step
 /// ([`StepDecision`]): a non-finite gradient skips it, touching nothing; otherwise every
-/// parameter is updated by torch's AdamW ([`adamw_update`]) with its group's hyperparameters
+/// parameter is updated by torch's AdamW ([`adamw_update`](crate::cpu::adamw_update)) with its group's hyperparameters
 /// and its own step count, which then advances. On an error nothing was written.
 pub fn step_in_place(groups: &mut [InPlaceGroup<'_>], options: StepOptions) -> Result<StepReport> {
     let clip = groups.first().map(|g| g.hyperparameters.clip).unwrap_or_default();
@@ -80,7 +80,8 @@ pub fn step_in_place(groups: &mut [InPlaceGroup<'_>], options: StepOptions) -> R
 
 /// Σ g² over every gradient of every group, in f64 (non-finite when any gradient is).
 pub fn in_place_grad_sq(groups: &[InPlaceGroup<'_>]) -> f64 {
-    groups.iter().flat_map(|g| &g.params).map(|p| grad_sq_sum(p.grad)).sum()
+    let grads: Vec<&[f32]> = groups.iter().flat_map(|g| &g.params).map(|p| p.grad).collect();
+    grad_sq_sums(&grads).into_iter().sum()
 }
 
 /// Checks every group's hyperparameters, buffers and step counts.
@@ -107,22 +108,35 @@ pub fn apply_in_place(groups: &mut [InPlaceGroup<'_>], decision: &StepDecision) 
         times.total = start.elapsed();
         return Ok(decision.report(steps.max().unwrap_or(0), times));
     }
-    let mut last_step = 0;
-    for group in groups.iter_mut() {
-        let hyperparameters = group.hyperparameters;
-        for param in &mut group.params {
+    // Every parameter's scalars first (its group's hyperparameters, its own step count), then
+    // one parallel pass over all of their chunks.
+    let mut scalars = Vec::new();
+    for group in groups.iter() {
+        for param in &group.params {
             let step = StepDecision::next_step(param.step)?;
-            let scalars = decision.scalars(&hyperparameters, step);
-            let state = StateMut {
+            scalars.push((step, decision.scalars(&group.hyperparameters, step)));
+        }
+    }
+    let params = groups.iter_mut().flat_map(|g| &mut g.params);
+    let shards = params
+        .zip(&scalars)
+        .map(|(param, (_, scalars))| Shard {
+            state: StateMut {
                 param: &mut *param.state.param,
                 exp_avg: &mut *param.state.exp_avg,
                 exp_avg_sq: &mut *param.state.exp_avg_sq,
                 max_exp_avg_sq: &mut *param.state.max_exp_avg_sq,
-            };
-            adamw_update::<f32, f32>(state, param.grad, ParamSink::None, &scalars);
-            param.step = step;
-            last_step = last_step.max(step);
-        }
+            },
+            grad: param.grad,
+            sink: ParamSink::<f32>::None,
+            scalars,
+        })
+        .collect();
+    adamw_update_shards::<f32, f32>(shards);
+    let mut last_step = 0;
+    for (param, &(step, _)) in groups.iter_mut().flat_map(|g| &mut g.params).zip(&scalars) {
+        param.step = step;
+        last_step = last_step.max(step);
     }
     times.adam = start.elapsed();
     times.total = times.adam;
@@ -132,6 +146,7 @@ pub fn apply_in_place(groups: &mut [InPlaceGroup<'_>], decision: &StepDecision) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::adamw_update;
     use crate::hyperparameters::GradClip;
 
     fn one(param: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &[f32], hp: Hyperparameters) -> StepReport {

@@ -128,7 +128,7 @@ class StreamAdamW(torch.optim.Optimizer):
             torch.cuda.current_stream(dev).synchronize()
         offloaded = [(p, group, self._offloaded(p, group)) for p, group in device]
         device_grad_sq = sum(opt.grad_sq_sum(p, p.grad) for p, _, opt in offloaded)
-        batches, counters = [], []
+        batches = []
         for group in self.param_groups:
             amsgrad = bool(group["amsgrad"])
             params = []
@@ -137,18 +137,16 @@ class StreamAdamW(torch.optim.Optimizer):
                     continue
                 state = self._state_of(p, amsgrad)
                 params.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                               state["max_exp_avg_sq"] if amsgrad else None, int(state["step"].item())))
-                counters.append(state["step"])
+                               state["max_exp_avg_sq"] if amsgrad else None, state["step"]))
             batches.append((_hyperparameters(group), params))
         # The crate checks every tensor of every group, sums the squares of every gradient (these
-        # and the offloaded ones) and decides: a non-finite one skips the step, touching nothing.
+        # and the offloaded ones) and decides: a non-finite one skips the step, touching nothing;
+        # otherwise it updates every parameter and advances its step counter (`state["step"]`).
         decision = _ext.adamw_step(batches, device_grad_sq)
         if decision.skipped:
             self.skipped_steps += 1
             self.last_step_skipped = True
             return loss
-        for step in counters:
-            step += 1
         for p, group, opt in offloaded:
             if opt.step(p, p.grad, _hyperparameters(group), decision):
                 state = self.state[p]
