@@ -10,8 +10,12 @@ inputs exist; its time the fastest of the repetitions of forward + backward. The
 turn, in rounds, so the machine's slow spells fall on all of them alike. "crate" is
 ring-dtp called directly from Rust the same way (`ring-dtp/examples/direct_call.rs`).
 
-StreamAdamW: GB/s of `step()` at 28 B/param against torch.optim.AdamW(fused=True) and
-(foreach=True), and how far it ends from AdamW(foreach=False) after 20 steps.
+StreamAdamW: `step()` at 28 B/param against torch.optim.AdamW(fused=True), (foreach=True), fused
+through a GradScaler (torch's way to skip a non-finite step) and DeepSpeed's DeepSpeedCPUAdam
+(when DeepSpeed is installed: `pip install deepspeed ninja`; its op builds on first use), all in
+one process, one step each in turn for a number of rounds, the fastest step of each kept; on one
+64M-element parameter and on 1,000 parameters of 64K elements. Then how far it ends from
+AdamW(foreach=False) after 20 steps.
 """
 
 import argparse
@@ -25,6 +29,8 @@ import time
 
 # Rounds of the linear_cross_entropy variants (see bench_lce).
 ROUNDS = 2
+# Rounds of the optimizers' steps (see bench_adamw).
+ADAMW_ROUNDS = 15
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LCE_VARIANTS = ["flatpeak", "torch_ce", "torch_lce", "torch_lce_chunked"]
 LABELS = {
@@ -150,36 +156,93 @@ def bench_lce(n, d, v, reps, rounds):
     print()
 
 
-def bench_adamw(n, steps):
+def deepspeed_cpu_adam():
+    """DeepSpeed's ``DeepSpeedCPUAdam`` class when DeepSpeed is installed and its CPU Adam op
+    builds (with ninja, on first use); else None and the reason, printed under the table."""
+    # The op is built by ninja, which pip installs beside this interpreter.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed logs to stdout
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            from deepspeed.ops.op_builder import CPUAdamBuilder
+            CPUAdamBuilder().load(verbose=False)
+        return DeepSpeedCPUAdam, None
+    except Exception as e:  # noqa: BLE001 - any failure to import or build means "not measured"
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+class ScaledFused:
+    """torch's fused AdamW stepped through a ``GradScaler`` at scale 1: what a torch user runs to
+    skip a step with a non-finite gradient, the guarantee StreamAdamW gives."""
+
+    def __init__(self, params, **kw):
+        import torch
+        self.opt = torch.optim.AdamW(params, fused=True, **kw)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
+        self.scaler.scale(torch.ones(()))  # the scaler's state is made by its first scale()
+
+    def step(self):
+        self.scaler.step(self.opt)
+        self.scaler.update()
+
+
+def bench_adamw(n_params, numel, rounds):
     import torch
     from flatpeak.torch import StreamAdamW
 
-    print(f"#### `StreamAdamW.step()`, {n / 2**20:.0f}M fp32 CPU parameters, 28 B/param\n")
-    print("| optimizer | step (ms) | GB/s |")
-    print("|---|---:|---:|")
-    g = torch.Generator().manual_seed(0)
-    grad = torch.randn(n, generator=g) * 1e-2
+    n = n_params * numel
+    what = (f"{n / 2**20:.0f}M fp32 CPU parameters" if n_params == 1
+            else f"{n_params} fp32 CPU parameters of {numel / 2**10:.0f}K elements")
+    print(f"#### `StreamAdamW.step()`, {what}, 28 B/param\n")
+    ds_class, ds_missing = deepspeed_cpu_adam()
+    kw = dict(lr=1e-3, weight_decay=0.01)
     makers = [
-        ("`flatpeak.torch.StreamAdamW`", lambda p: StreamAdamW([p], lr=1e-3)),
-        ("`torch.optim.AdamW(fused=True)`", lambda p: torch.optim.AdamW([p], lr=1e-3, fused=True)),
-        ("`torch.optim.AdamW(foreach=True)`", lambda p: torch.optim.AdamW([p], lr=1e-3, foreach=True)),
+        ("`flatpeak.torch.StreamAdamW`", lambda ps: StreamAdamW(ps, **kw)),
+        ("`torch.optim.AdamW(fused=True)`", lambda ps: torch.optim.AdamW(ps, fused=True, **kw)),
+        ("`torch.optim.AdamW(foreach=True)`", lambda ps: torch.optim.AdamW(ps, foreach=True, **kw)),
+        ("`torch.optim.AdamW(fused=True)` + `GradScaler` (skips a non-finite step, as StreamAdamW does)",
+         lambda ps: ScaledFused(ps, **kw)),
     ]
+    if ds_class is not None:
+        makers.append(("DeepSpeed `DeepSpeedCPUAdam` (ZeRO-Offload's CPU Adam)",
+                       lambda ps: ds_class(ps, adamw_mode=True, **kw)))
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(numel, generator=g) * 1e-2 for _ in range(n_params)]
+    optimizers = []
     for name, make in makers:
-        p = torch.nn.Parameter(torch.randn(n, generator=g))
-        p.grad = grad
-        opt = make(p)
-        best = float("inf")
-        for _ in range(steps):
+        params = [torch.nn.Parameter(torch.randn(numel, generator=g)) for _ in range(n_params)]
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        with contextlib.redirect_stdout(io.StringIO()):
+            opt = make(params)
+            opt.step()  # the state is made by the first step
+        optimizers.append((name, opt))
+    # Rounds of every optimizer in turn, one step each: the machine's slow spells fall on all.
+    best = {name: float("inf") for name, _ in optimizers}
+    for _ in range(rounds):
+        for name, opt in optimizers:
             start = time.perf_counter()
             opt.step()
-            best = min(best, time.perf_counter() - start)
-        print(f"| {name} | {best * 1e3:.1f} | {28 * n / best / 1e9:.2f} |")
-        del opt, p
+            best[name] = min(best[name], time.perf_counter() - start)
+    ours = best[optimizers[0][0]]
+    print("| optimizer | step (ms) | GB/s | speed-up of StreamAdamW over it |")
+    print("|---|---:|---:|---:|")
+    for name, _ in optimizers:
+        print(f"| {name} | {best[name] * 1e3:.1f} | {28 * n / best[name] / 1e9:.2f} | {best[name] / ours:.2f}× |")
+    if ds_missing is not None:
+        print(f"\nDeepSpeed's `DeepSpeedCPUAdam` not measured: {ds_missing}.")
     print()
+    del optimizers
 
-    # Against AdamW(foreach=False), 20 steps with weight decay and amsgrad.
+
+def adamw_agreement():
+    """How far StreamAdamW ends from torch.optim.AdamW(foreach=False) after 20 steps."""
+    import torch
+    from flatpeak.torch import StreamAdamW
+
+    g = torch.Generator().manual_seed(1)
     m = 1 << 20
-    a, b = torch.randn(m, generator=g), None
+    a = torch.randn(m, generator=g)
     b = a.clone()
     ours = StreamAdamW([a], lr=1e-2, weight_decay=0.1, amsgrad=True)
     theirs = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.1, amsgrad=True, foreach=False)
@@ -268,10 +331,13 @@ def run(args):
           f"{os.cpu_count()} CPUs\n")
     if args.quick:
         bench_lce(512, 64, 2003, 1, ROUNDS)
-        bench_adamw(1 << 20, 2)
+        bench_adamw(1, 1 << 20, 2)
+        bench_adamw(16, 1 << 12, 2)
     else:
         bench_lce(8192, 1024, 32768, 2, ROUNDS)
-        bench_adamw(64 << 20, 5)
+        bench_adamw(1, 64 << 20, ADAMW_ROUNDS)
+        bench_adamw(1000, 64 << 10, ADAMW_ROUNDS)
+    adamw_agreement()
 
 
 if __name__ == "__main__":

@@ -154,8 +154,8 @@ pub struct StepScalars {
     pub beta2: f32,
     /// 1 − β2.
     pub one_minus_beta2: f32,
-    /// √(1 − β2^t).
-    pub bias_correction2_sqrt: f32,
+    /// 1 / √(1 − β2^t), the second moment's bias correction as a factor.
+    pub inv_bias_correction2_sqrt: f32,
     /// ε.
     pub eps: f32,
     /// lr / (1 − β1^t).
@@ -178,7 +178,7 @@ impl StepScalars {
             lerp_weight: (1.0 - config.beta1) as f32,
             beta2: config.beta2 as f32,
             one_minus_beta2: (1.0 - config.beta2) as f32,
-            bias_correction2_sqrt: bias_correction2.sqrt() as f32,
+            inv_bias_correction2_sqrt: (1.0 / bias_correction2.sqrt()) as f32,
             eps: config.eps as f32,
             step_size: (config.lr / bias_correction1) as f32,
         }
@@ -236,7 +236,7 @@ mod tests {
         assert_eq!(s.sign, -1.0);
         assert_eq!(s.decay, 0.95);
         assert_eq!(s.step_size, (0.1 / (1.0 - 0.9f64 * 0.9)) as f32);
-        assert_eq!(s.bias_correction2_sqrt, (1.0 - 0.999f64 * 0.999).sqrt() as f32);
+        assert_eq!(s.inv_bias_correction2_sqrt, (1.0 / (1.0 - 0.999f64 * 0.999).sqrt()) as f32);
         assert_eq!(clip_coefficient(GradClip::GlobalNorm { max_norm: 1.0 }, 4.0), 1.0 / (4.0 + 1e-6));
         assert_eq!(clip_coefficient(GradClip::GlobalNorm { max_norm: 10.0 }, 4.0), 1.0);
     }

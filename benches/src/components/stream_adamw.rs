@@ -66,7 +66,7 @@ impl KernelInputs {
             let theta = self.param[i] * s.decay;
             self.exp_avg[i] += s.lerp_weight * (g - self.exp_avg[i]);
             self.exp_avg_sq[i] = self.exp_avg_sq[i] * s.beta2 + s.one_minus_beta2 * g * g;
-            let denom = self.exp_avg_sq[i].sqrt() / s.bias_correction2_sqrt + s.eps;
+            let denom = self.exp_avg_sq[i].sqrt() * s.inv_bias_correction2_sqrt + s.eps;
             self.param[i] = theta - s.step_size * (self.exp_avg[i] / denom);
         }
         std::hint::black_box(&self.param);
