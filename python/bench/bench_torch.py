@@ -32,13 +32,25 @@ ROUNDS = 2
 # Rounds of the optimizers' steps (see bench_adamw).
 ADAMW_ROUNDS = 15
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LCE_VARIANTS = ["flatpeak", "torch_ce", "torch_lce", "torch_lce_chunked"]
+LCE_VARIANTS = ["flatpeak", "torch_ce", "torch_lce", "torch_lce_chunked", "cce"]
 LABELS = {
     "flatpeak": "`flatpeak.torch.linear_cross_entropy`",
     "torch_ce": "`F.cross_entropy(F.linear(x, w), t)`",
     "torch_lce": "`F.linear_cross_entropy(x, w, t)` (reference path)",
     "torch_lce_chunked": "`F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())` (chunked)",
+    "cce": "Cut Cross-Entropy `linear_cross_entropy(..., impl=\"torch_compile\")` (its non-Triton path)",
 }
+
+
+def cut_cross_entropy_missing():
+    """Why Cut Cross-Entropy is not measured (None when it is): its Triton kernels need a GPU;
+    its `torch_compile` implementation runs on a CPU (`pip install --no-deps cut-cross-entropy`:
+    its declared dependencies are torch and triton, which torch's wheel brings)."""
+    try:
+        import cut_cross_entropy  # noqa: F401
+        return None
+    except Exception as e:  # noqa: BLE001 - not installed or not importable: not measured
+        return f"{type(e).__name__}: {e}"
 
 
 def rss_bytes():
@@ -83,6 +95,9 @@ def lce_child(variant, dtype_name, n, d, v, reps):
     t = torch.randint(0, v, (n,), generator=g)
     if variant == "flatpeak":
         fn = lambda: linear_cross_entropy(x, w, t)  # noqa: E731
+    elif variant == "cce":
+        from cut_cross_entropy import linear_cross_entropy as cce
+        fn = lambda: cce(x, w, t, impl="torch_compile")  # noqa: E731
     elif variant == "torch_ce":
         fn = lambda: F.cross_entropy(F.linear(x, w), t)  # noqa: E731
     elif variant == "torch_lce":
@@ -96,6 +111,11 @@ def lce_child(variant, dtype_name, n, d, v, reps):
     ts = t[:8] % 64
     if variant == "flatpeak":
         linear_cross_entropy(xs, ws, ts).backward()
+    elif variant == "cce":
+        # torch.compile specialises on the shape: the warm-up call is the full one, so the
+        # compilation (its time and memory) is not counted.
+        fn().backward()
+        x.grad = w.grad = None
     elif variant == "torch_ce":
         F.cross_entropy(F.linear(xs, ws), ts).backward()
     elif variant == "torch_lce":
@@ -135,24 +155,28 @@ def bench_lce(n, d, v, reps, rounds):
     print(f"#### `linear_cross_entropy`, N = {n}, D = {d}, V = {v}, CPU, forward + backward\n")
     print("| dtype | call | peak above inputs (MiB) | flatpeak's peak / this one's | time (s) | flatpeak's time / this one's |")
     print("|---|---|---:|---:|---:|---:|")
+    cce_missing = cut_cross_entropy_missing()
+    variants = [var for var in LCE_VARIANTS if var != "cce" or cce_missing is None]
     for dtype_name in ["f32", "bf16"]:
         # Rounds of every variant in turn, each in a fresh process: a slow spell of the machine
         # then lands on all of them alike, not on whichever happened to run in it. A variant's
         # peak is its largest over the rounds, its time its fastest.
         results = {}
         for _ in range(rounds):
-            for var in LCE_VARIANTS:
+            for var in variants:
                 peak, secs = run_child([var, dtype_name, n, d, v, reps])
                 old_peak, old_secs = results.get(var, (0, float("inf")))
                 results[var] = (max(peak, old_peak), min(secs, old_secs))
         ours_peak, ours_time = results["flatpeak"]
-        for var in LCE_VARIANTS:
+        for var in variants:
             peak, secs = results[var]
             print(f"| {dtype_name} | {LABELS[var]} | {peak / 2**20:.0f} | {ours_peak / max(peak, 1):.3f} | "
                   f"{secs:.2f} | {ours_time / secs:.2f} |")
         direct = crate_direct(n, d, v, dtype_name, reps * rounds)
         print(f"| {dtype_name} | ring-dtp called from Rust (`direct_call`) | | | {direct:.2f} | "
               f"{ours_time / direct:.3f} |")
+    if cce_missing is not None:
+        print(f"\nCut Cross-Entropy not measured ({cce_missing}).")
     print()
 
 
