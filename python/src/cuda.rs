@@ -30,7 +30,7 @@ use ring_dtp::cuda::{BlockBuffers, CudaLinearCrossEntropy, DeviceGradientsMut, D
 use ring_dtp::{DType, GradOutput, Plan, Reduction, Shape, bf16};
 
 use crate::error::to_py;
-use crate::loss::{LossOptions, TensorArgs, write_forward};
+use crate::loss::{GradArgs, LossOptions, TensorArgs, selection, write_forward};
 use crate::tensor::{Span, TensorDevice, TensorRef, TorchElement, check_disjoint, checked, device_of};
 
 /// Executors kept at most (a training loop uses a handful of shapes).
@@ -85,6 +85,14 @@ impl<T> Drop for Borrowed<T> {
         // The memory is the tensor's: give the pointer back instead of freeing it.
         let _ = slice.leak();
     }
+}
+
+/// An empty slice standing for a gradient that is not computed: no memory behind it.
+fn no_buffer(stream: &Arc<CudaStream>, name: &'static str) -> Borrowed<f32> {
+    // SAFETY: zero elements: nothing is read or written through the slice (the crate checks a
+    // skipped gradient's buffer is empty and never touches it), and dropping it leaks the null
+    // pointer back instead of freeing it.
+    unsafe { Borrowed::new(stream, name, 0, 0) }
 }
 
 /// A checked CUDA tensor of `T` on device `ordinal`, borrowed for the call.
@@ -367,7 +375,7 @@ pub fn lce_backward_cuda(
     lse: Bound<'_, PyAny>,
     upstream: (Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
     workspace: Bound<'_, PyAny>,
-    grads_out: (Bound<'_, PyAny>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
+    grads_out: GradArgs<'_>,
 ) -> PyResult<()> {
     let TensorDevice::Cuda(ordinal) = device_of("input", &args.input)? else {
         return Err(PyValueError::new_err("input: expected a CUDA tensor"));
@@ -383,15 +391,17 @@ pub fn lce_backward_cuda(
     let grad_loss = TensorRef::<f32>::new("grad_output", &upstream.0, grad_shape)?;
     let grad_lse =
         upstream.1.as_ref().map(|g| TensorRef::<f32>::new("grad_lse", g, &[Some(n)])).transpose()?;
-    // SAFETY: the Python frame holds the fresh output tensors (checked disjoint below).
-    let mut dx = unsafe { borrow_on::<f32>(&stream, ("dx", &grads_out.0), &[Some(n), Some(d)], ordinal)? };
-    // SAFETY: as above.
-    let mut dw = unsafe { borrow_on::<f32>(&stream, ("dw", &grads_out.1), &[Some(v), Some(d)], ordinal)? };
-    let mut dbias = match &grads_out.2 {
-        // SAFETY: as above.
-        Some(b) => Some(unsafe { borrow_on::<f32>(&stream, ("dbias", b), &[Some(v)], ordinal)? }),
-        None => None,
+    // A gradient that is not wanted comes as `None`: no tensor, no GEMM.
+    let given = [&grads_out.0, &grads_out.1, &grads_out.2].map(Option::is_some);
+    let wanted = selection(given, device.bias.is_some())?;
+    let output = |name, t: &Option<Bound<'_, PyAny>>, shape: &[Option<usize>]| match t {
+        // SAFETY: the Python frame holds the fresh output tensors (checked disjoint below).
+        Some(t) => unsafe { borrow_on::<f32>(&stream, (name, t), shape, ordinal) }.map(Some),
+        None => Ok(None),
     };
+    let mut dx = output("dx", &grads_out.0, &[Some(n), Some(d)])?.unwrap_or_else(|| no_buffer(&stream, "dx"));
+    let mut dw = output("dw", &grads_out.1, &[Some(v), Some(d)])?.unwrap_or_else(|| no_buffer(&stream, "dw"));
+    let mut dbias = output("dbias", &grads_out.2, &[Some(v)])?;
     let plan = Plan::new(&options.config, device.shape, options.budget).map_err(to_py)?;
     // SAFETY: the Python frame holds `workspace`, a fresh tensor.
     let (mut carved, workspace_span) = unsafe { block_buffers(&stream, &workspace, &plan, ordinal)? };
@@ -404,7 +414,7 @@ pub fn lce_backward_cuda(
     let result = py.detach(|| {
         let inputs = device.inputs();
         let grad = if per_token { GradOutput::PerToken(grad_loss) } else { GradOutput::Scalar(grad_loss[0]) };
-        let out = DeviceGradientsMut { dx: &mut dx, dw: &mut dw, dbias: dbias.as_deref_mut() };
+        let out = DeviceGradientsMut::new(&mut dx, &mut dw, dbias.as_deref_mut()).selecting(wanted);
         with_executor((ordinal, &stream), options, plan, |lce| {
             lce.backward_into_with(
                 carved.buffers(),

@@ -3,7 +3,9 @@
 //! Forward writes the loss and the per-row lse into tensors the Python side allocated; backward
 //! writes dX, dW (and dbias) into fp32 tensors it allocated ([`ring_dtp::GradientsMut`]), so the
 //! only memory the call adds is the plan's working set, fixed by `budget_bytes` before any data
-//! is read. The GIL is released while the blocks run.
+//! is read. A gradient Python does not want (a frozen input, weight or bias) is passed as `None`:
+//! it is neither allocated nor computed (its GEMM is skipped). The GIL is released while the
+//! blocks run.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -12,8 +14,8 @@ use std::sync::{Mutex, OnceLock};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ring_dtp::{
-    Budget, Config, DType, Device, Forward, GradOutput, GradientsMut, Inputs, LinearCrossEntropy, Loss,
-    Matrix, Plan, Precision, Reduction, Shape, Softcap, bf16,
+    Budget, Config, DType, Device, Forward, GradOutput, GradientSelection, GradientsMut, Inputs,
+    LinearCrossEntropy, Loss, Matrix, Plan, Precision, Reduction, Shape, Softcap, Want, bf16,
 };
 
 use crate::error::to_py;
@@ -240,6 +242,64 @@ impl TensorArgs<'_> {
     }
 }
 
+/// Whether a gradient whose output tensor is `given` (or `None`) is computed.
+pub(crate) fn want(given: bool) -> Want {
+    if given { Want::Compute } else { Want::Skip }
+}
+
+/// The selection of a call's gradient outputs as Python passes them, `None` for a gradient that
+/// is not wanted; a dbias without a bias is refused (there is nothing to differentiate).
+pub(crate) fn selection(given: [bool; 3], has_bias: bool) -> PyResult<GradientSelection> {
+    let [dx, dw, dbias] = given;
+    if dbias && !has_bias {
+        return Err(PyValueError::new_err("dbias: given, but the call has no bias"));
+    }
+    Ok(GradientSelection::ALL.dx(want(dx)).dw(want(dw)).dbias(want(dbias)))
+}
+
+/// The fp32 CPU tensors a backward writes, each `None` when its gradient is not wanted.
+pub(crate) struct GradTensors {
+    dx: Option<TensorRef<f32>>,
+    dw: Option<TensorRef<f32>>,
+    dbias: Option<TensorRef<f32>>,
+    wanted: GradientSelection,
+}
+
+/// The gradient outputs as Python passes them: `(dx, dw, dbias)`, each a tensor or `None`.
+pub(crate) type GradArgs<'py> =
+    (Option<Bound<'py, PyAny>>, Option<Bound<'py, PyAny>>, Option<Bound<'py, PyAny>>);
+
+impl GradTensors {
+    /// Checks each given tensor against the call's shape (dX `[N, D]`, dW `[V, D]`, dbias `[V]`).
+    fn new(grads_out: &GradArgs<'_>, checked: &Checked) -> PyResult<Self> {
+        let Shape { tokens: n, hidden: d, vocab: v, .. } = checked.shape;
+        let tensor = |name, t: &Option<Bound<'_, PyAny>>, shape: &[Option<usize>]| {
+            t.as_ref().map(|t| TensorRef::<f32>::new(name, t, shape)).transpose()
+        };
+        let dx = tensor("dx", &grads_out.0, &[Some(n), Some(d)])?;
+        let dw = tensor("dw", &grads_out.1, &[Some(v), Some(d)])?;
+        let dbias = tensor("dbias", &grads_out.2, &[Some(v)])?;
+        let wanted = selection([dx.is_some(), dw.is_some(), dbias.is_some()], checked.bias.is_some())?;
+        Ok(Self { dx, dw, dbias, wanted })
+    }
+
+    fn spans(&self) -> Vec<Span> {
+        [&self.dx, &self.dw, &self.dbias].into_iter().flatten().map(Span::from).collect()
+    }
+
+    /// The crate's gradient buffers over the tensors' storage (empty for a skipped one).
+    ///
+    /// # Safety
+    /// The tensors must outlive the returned borrow and [`check_disjoint`] must have passed for
+    /// them against every other tensor of the call.
+    unsafe fn as_mut(&self) -> GradientsMut<'_> {
+        // SAFETY: the caller's contract: each tensor is alive and no other borrow overlaps it.
+        let slice = |t: Option<TensorRef<f32>>| t.map(|t| unsafe { t.as_mut_slice() });
+        let (dx, dw) = (slice(self.dx).unwrap_or(&mut []), slice(self.dw).unwrap_or(&mut []));
+        GradientsMut::new(dx, dw, slice(self.dbias)).selecting(self.wanted)
+    }
+}
+
 /// Executors of the CPU path kept between calls, by (options, plan): each one's working set is
 /// reserved once and reused by every later call of the same shape and options (forward and
 /// then backward of one step included). At most this many are kept; a new one past it clears
@@ -320,7 +380,8 @@ pub fn lce_forward(
 
 /// Forward and backward in one pass, for a loss that is the last op before `.backward()`:
 /// writes the loss and lse as [`lce_forward`] does and dX, dW (and dbias) for an upstream
-/// gradient of 1 into the fp32 `grads_out`, as [`lce_backward`] does. On the full-vocabulary
+/// gradient of 1 into the fp32 `grads_out`, as [`lce_backward`] does (each `None` when not
+/// wanted: not computed). On the full-vocabulary
 /// schedule each block's logits serve both passes: 3 GEMMs per block instead of 4. Mean and
 /// sum only (a per-token upstream gradient is not known before backward).
 #[pyfunction]
@@ -329,7 +390,7 @@ pub fn lce_forward_backward(
     options: &LossOptions,
     args: TensorArgs<'_>,
     outputs: (Bound<'_, PyAny>, Bound<'_, PyAny>),
-    grads_out: (Bound<'_, PyAny>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
+    grads_out: GradArgs<'_>,
 ) -> PyResult<()> {
     if options.config.reduction == Reduction::None {
         return Err(PyValueError::new_err(
@@ -337,29 +398,17 @@ pub fn lce_forward_backward(
         ));
     }
     let checked = Checked::new(&args)?;
-    let Shape { tokens: n, hidden: d, vocab: v, .. } = checked.shape;
+    let n = checked.shape.tokens;
     let loss_out = TensorRef::<f32>::new("loss_out", &outputs.0, &[])?;
     let lse_out = TensorRef::<f32>::new("lse_out", &outputs.1, &[Some(n)])?;
-    let dx = TensorRef::<f32>::new("dx", &grads_out.0, &[Some(n), Some(d)])?;
-    let dw = TensorRef::<f32>::new("dw", &grads_out.1, &[Some(v), Some(d)])?;
-    let dbias = grads_out.2.as_ref().map(|b| TensorRef::<f32>::new("dbias", b, &[Some(v)])).transpose()?;
-    if dbias.is_some() != checked.bias.is_some() {
-        return Err(PyValueError::new_err("dbias: expected exactly when there is a bias"));
-    }
-    let mut out_spans = vec![(&loss_out).into(), (&lse_out).into(), (&dx).into(), (&dw).into()];
-    out_spans.extend(dbias.iter().map(Span::from));
+    let grads = GradTensors::new(&grads_out, &checked)?;
+    let mut out_spans = vec![(&loss_out).into(), (&lse_out).into()];
+    out_spans.extend(grads.spans());
     check_disjoint(&out_spans, &checked.spans())?;
     let forward = with_executor(py, options, checked.shape, |lce| {
         // SAFETY: every tensor is held by the caller's frame for this call; the outputs were
         // checked disjoint from each other and from every input, so the `&mut` are exclusive.
-        let (inputs, out) = unsafe {
-            let out = GradientsMut {
-                dx: dx.as_mut_slice(),
-                dw: dw.as_mut_slice(),
-                dbias: dbias.map(|b| b.as_mut_slice()),
-            };
-            (checked.inputs(), out)
-        };
+        let (inputs, out) = unsafe { (checked.inputs(), grads.as_mut()) };
         lce.forward_backward_into(&inputs, GradOutput::Scalar(1.0), out)
     })?;
     write_forward(forward, (&loss_out, &lse_out));
@@ -381,7 +430,8 @@ pub(crate) fn write_forward(forward: Forward, (loss_out, lse_out): (&TensorRef<f
 
 /// Backward from forward's `lse`: `grad_loss` is the upstream gradient of the loss (0-dim for
 /// mean and sum, `[N]` for none) and `grad_lse` that of the lse output, if any; dX, dW (and
-/// dbias) are written into the fp32 tensors `grads_out`.
+/// dbias) are written into the fp32 tensors `grads_out`, each `None` when its gradient is not
+/// wanted (then it is not computed: a frozen weight costs no dW GEMM).
 #[pyfunction]
 #[pyo3(signature = (options, args, lse, upstream, grads_out))]
 pub fn lce_backward(
@@ -390,37 +440,26 @@ pub fn lce_backward(
     args: TensorArgs<'_>,
     lse: Bound<'_, PyAny>,
     upstream: (Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
-    grads_out: (Bound<'_, PyAny>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
+    grads_out: GradArgs<'_>,
 ) -> PyResult<()> {
     let checked = Checked::new(&args)?;
-    let Shape { tokens: n, hidden: d, vocab: v, .. } = checked.shape;
+    let n = checked.shape.tokens;
     let lse = TensorRef::<f32>::new("lse", &lse, &[Some(n)])?;
     let per_token = options.config.reduction == Reduction::None;
     let grad_shape: &[Option<usize>] = if per_token { &[Some(n)] } else { &[] };
     let grad_loss = TensorRef::<f32>::new("grad_output", &upstream.0, grad_shape)?;
     let grad_lse =
         upstream.1.as_ref().map(|g| TensorRef::<f32>::new("grad_lse", g, &[Some(n)])).transpose()?;
-    let dx = TensorRef::<f32>::new("dx", &grads_out.0, &[Some(n), Some(d)])?;
-    let dw = TensorRef::<f32>::new("dw", &grads_out.1, &[Some(v), Some(d)])?;
-    let dbias = grads_out.2.as_ref().map(|b| TensorRef::<f32>::new("dbias", b, &[Some(v)])).transpose()?;
-    if dbias.is_some() != checked.bias.is_some() {
-        return Err(PyValueError::new_err("dbias: expected exactly when there is a bias"));
-    }
+    let grads = GradTensors::new(&grads_out, &checked)?;
     let mut inputs_spans = checked.spans();
     inputs_spans.extend([(&lse).into(), (&grad_loss).into()]);
     inputs_spans.extend(grad_lse.iter().map(Span::from));
-    let mut out_spans = vec![(&dx).into(), (&dw).into()];
-    out_spans.extend(dbias.iter().map(Span::from));
-    check_disjoint(&out_spans, &inputs_spans)?;
+    check_disjoint(&grads.spans(), &inputs_spans)?;
     with_executor(py, options, checked.shape, |lce| {
         // SAFETY: every tensor is held by the caller's frame for this call; the outputs were
         // checked disjoint from each other and from every input, so the `&mut` are exclusive.
         let (inputs, lse, grad_loss, grad_lse, out) = unsafe {
-            let out = GradientsMut {
-                dx: dx.as_mut_slice(),
-                dw: dw.as_mut_slice(),
-                dbias: dbias.map(|b| b.as_mut_slice()),
-            };
+            let out = grads.as_mut();
             (checked.inputs(), lse.as_slice(), grad_loss.as_slice(), grad_lse.map(|g| g.as_slice()), out)
         };
         let grad = if per_token { GradOutput::PerToken(grad_loss) } else { GradOutput::Scalar(grad_loss[0]) };

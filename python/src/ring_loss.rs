@@ -367,7 +367,7 @@ pub fn lce_ring_backward(
         let grad_loss = if pad && per_token { &grad_rows[..] } else { grad_loss };
         let grad = if per_token { GradOutput::PerToken(grad_loss) } else { GradOutput::Scalar(grad_loss[0]) };
         let dlse = if pad { dlse_rows.as_deref() } else { grad_lse };
-        let out = GradientsMut { dx: if pad { &mut dx_rows[..] } else { &mut *dx }, dw, dbias };
+        let out = GradientsMut::new(if pad { &mut dx_rows[..] } else { &mut *dx }, dw, dbias);
         ring::backward_into(comm, &call.plan, &inputs, lse, Upstream::loss(grad).with_dlse(dlse), out)
     })?;
     ran.map_err(to_py)?;

@@ -226,12 +226,81 @@ def test_opcheck_both_ops(reduction, bias):
     grad = torch.linspace(-1, 1, N) if reduction == "none" else torch.tensor(1.0)
     back = (grad, torch.linspace(0, 1, N), x.detach(), w.detach(), t, None if b is None else b.detach(), tw,
             lse.detach(), *opts)
-    torch.library.opcheck(torch.ops.flatpeak.linear_cross_entropy_backward.default, back)
+    # Every gradient, and each skipped in turn (an empty output for it).
+    for wanted in ([True, True, True], [False, True, True], [True, False, False]):
+        torch.library.opcheck(torch.ops.flatpeak.linear_cross_entropy_backward.default, (*back, wanted))
 
 
 def test_opcheck_fused_op():
     for bias in (False, True):
-        torch.library.opcheck(torch.ops.flatpeak.linear_cross_entropy_fused.default, _op_args(bias=bias))
+        for wanted in ([True, True, True], [False, True, True], [True, False, False]):
+            torch.library.opcheck(torch.ops.flatpeak.linear_cross_entropy_fused.default,
+                                  (*_op_args(bias=bias), wanted))
+
+
+def _frozen_grads(loss_fn, x, w, b, frozen):
+    """The gradients of ``loss_fn(x, w, b).sum() * 0.5`` with the tensor named ``frozen``
+    requiring no grad: ``.grad`` of each (``None`` for the frozen one)."""
+    leaves = {name: t.detach().clone().requires_grad_(name != frozen) for name, t in (("x", x), ("w", w), ("b", b))}
+    (loss_fn(leaves["x"], leaves["w"], leaves["b"]).sum() * 0.5).backward()
+    return {name: t.grad for name, t in leaves.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction,return_lse", [("mean", False), ("sum", False), ("none", False),
+                                                  ("mean", True)])
+@pytest.mark.parametrize("frozen", ["w", "x", "b"])
+def test_a_frozen_tensor_gets_no_gradient_and_costs_none(monkeypatch, dtype, reduction, return_lse, frozen):
+    """A frozen weight (or input, or bias) gets no gradient -- ``.grad`` stays ``None`` and the
+    binding is handed no buffer for it (``None``: nothing allocated, no GEMM) -- and the other
+    gradients are exactly those of the call where everything requires grad, on the fused path
+    (reduced loss) and the two-pass one (``none``, or with the lse)."""
+    from flatpeak.torch import _loss
+
+    handed = []
+    for name in ("lce_forward_backward", "lce_backward"):
+        real = getattr(_loss._ext, name)
+        monkeypatch.setattr(_loss._ext, name,
+                            lambda *a, real=real: handed.append(a[-1]) or real(*a))
+    x, w, t, b, _ = make(21, dtype=dtype, bias=True)
+
+    def loss_of(x, w, b):
+        out = linear_cross_entropy(x, w, t, b, reduction=reduction, label_smoothing=0.1, return_lse=return_lse)
+        return out[0] + 1e-2 * out[1].sum() if return_lse else out
+
+    full = _frozen_grads(loss_of, x, w, b, frozen=None)
+    assert [all(g is not None for g in h) for h in handed] == [True]
+    handed.clear()
+    some = _frozen_grads(loss_of, x, w, b, frozen=frozen)
+    index = {"x": 0, "w": 1, "b": 2}[frozen]
+    assert len(handed) == 1 and handed[0][index] is None
+    assert all(g is not None for i, g in enumerate(handed[0]) if i != index)
+    for name, g in some.items():
+        if name == frozen:
+            assert g is None
+        else:
+            assert g.dtype == full[name].dtype and torch.equal(g, full[name]), name
+
+
+def test_torch_compile_with_a_frozen_weight_matches_eager():
+    """Under ``torch.compile(fullgraph=True)`` a frozen weight gets no gradient either, on both
+    ops, and the input's and bias's match eager mode's."""
+    x, w, t, b, _ = make(22, bias=True)
+
+    def two_pass(x, w, b):
+        loss, lse = linear_cross_entropy(x, w, t, b, label_smoothing=0.1, return_lse=True)
+        return loss + 1e-2 * lse.sum()
+
+    def fused(x, w, b):
+        return 2.0 * linear_cross_entropy(x, w, t, b, label_smoothing=0.1)
+
+    for step in (two_pass, fused):
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        eager = _frozen_grads(step, x, w, b, frozen="w")
+        traced = _frozen_grads(compiled, x, w, b, frozen="w")
+        assert eager["w"] is None and traced["w"] is None
+        for name in ("x", "b"):
+            assert torch.equal(eager[name], traced[name]), (step.__name__, name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

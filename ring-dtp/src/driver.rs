@@ -13,7 +13,7 @@
 use crate::blocks::{BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::inputs::{CallSizes, Forward, GradOutput, Gradients, Inputs, check_weights};
+use crate::inputs::{CallSizes, Forward, GradOutput, GradientLens, Gradients, Inputs, check_weights};
 use crate::loss::{self, Stats};
 use crate::plan::{BlockSchedule, Plan};
 
@@ -38,13 +38,14 @@ pub(crate) struct Saved<'s> {
 
 /// The checks every backend makes before it touches a tensor: the config's domains, the
 /// tensors' sizes and dtypes against each other and against the plan, and the gradient
-/// buffers' lengths (`gradients`, for a call that writes them). Targets are checked where they
+/// buffers' lengths against the gradients they select (`gradients`, for a call that writes
+/// them). Targets are checked where they
 /// are resolved (on the host, or by the device's kernel), weights by [`check_rows`].
 pub(crate) fn check_call(
     config: &Config,
     plan: &Plan,
     sizes: CallSizes,
-    gradients: Option<(usize, usize, Option<usize>)>,
+    gradients: Option<GradientLens>,
 ) -> Result<()> {
     config.validate()?;
     sizes.check_plan(plan)?;
@@ -84,7 +85,8 @@ pub(crate) fn forward<B: BlockOps + ?Sized>(ops: &mut B, call: Call<'_>) -> Resu
     Ok(finish_forward(call, &stats))
 }
 
-/// dX, dW (and dbias) from forward's lse, into the gradients `ops` writes.
+/// dX, dW (and dbias) from forward's lse, into the gradients `ops` writes (those its buffers'
+/// selection computes).
 pub(crate) fn backward<B: BlockOps + ?Sized>(ops: &mut B, call: Call<'_>, saved: Saved<'_>) -> Result<()> {
     check_saved(call.rows.n, saved.lse, saved.dlse)?;
     let coef = scales(call, saved.grad)?;

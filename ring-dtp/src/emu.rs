@@ -13,7 +13,7 @@ use crate::config::Config;
 use crate::cpu::{self, gemm};
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix};
+use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix, Upstream};
 use crate::kernels::{LINEAR_THREADS, NO_TARGET, softcap_arg};
 use crate::loss::Stats;
 use crate::plan::Plan;
@@ -423,14 +423,28 @@ pub fn backward(
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
     let mut grads = driver::zero_gradients(plan, inputs)?;
-    let call = Call { config, plan, rows: inputs };
-    let saved = Saved { lse: &forward.lse, grad, dlse };
-    driver::backward(&mut EmuBlocks::open(call, Some(grads.as_mut()))?, call, saved)?;
+    let upstream = Upstream::loss(grad).with_dlse(dlse);
+    backward_into(config, plan, inputs, &forward.lse, upstream, grads.as_mut())?;
     Ok(grads)
 }
 
+/// [`backward`] from forward's per-row `lse` into caller-owned buffers `out` (overwritten),
+/// computing the gradients its selection wants: a skipped dX or dW has no GEMM.
+pub fn backward_into(
+    config: &Config,
+    plan: &Plan,
+    inputs: &Inputs<'_>,
+    lse: &[f32],
+    upstream: Upstream<'_>,
+    out: GradientsMut<'_>,
+) -> Result<()> {
+    let call = Call { config, plan, rows: inputs };
+    let saved = Saved { lse, grad: upstream.grad, dlse: upstream.dlse };
+    driver::backward(&mut EmuBlocks::open(call, Some(out))?, call, saved)
+}
+
 /// `dX_rows += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel, G being the
-/// gradient block in `buf.logits`.
+/// gradient block in `buf.logits`; each only for a gradient `grads` computes.
 fn project_block(
     buf: &mut Buffers,
     (t0, c, v0, vb, d): (usize, usize, usize, usize, usize),
@@ -446,11 +460,15 @@ fn project_block(
         narrow_rows(&mut buf.logits, (c, vb))?;
     }
     let g = MatRef::row_major(&buf.logits[..c * vb], c, vb)?;
-    let w_blk = MatRef::row_major(&buf.w[..vb * d], vb, d)?;
-    gemm(MatMut::row_major(&mut grads.dx[t0 * d..(t0 + c) * d], c, d)?, g, w_blk, Accumulate::Add)?;
-    let x_blk = MatRef::row_major(&buf.x[..c * d], c, d)?;
-    let dw = MatMut::row_major(&mut grads.dw[v0 * d..(v0 + vb) * d], vb, d)?;
-    gemm(dw, g.t(), x_blk, Accumulate::Add)?;
+    if grads.wanted.dx.is_computed() {
+        let w_blk = MatRef::row_major(&buf.w[..vb * d], vb, d)?;
+        gemm(MatMut::row_major(&mut grads.dx[t0 * d..(t0 + c) * d], c, d)?, g, w_blk, Accumulate::Add)?;
+    }
+    if grads.wanted.dw.is_computed() {
+        let x_blk = MatRef::row_major(&buf.x[..c * d], c, d)?;
+        let dw = MatMut::row_major(&mut grads.dw[v0 * d..(v0 + vb) * d], vb, d)?;
+        gemm(dw, g.t(), x_blk, Accumulate::Add)?;
+    }
     Ok(())
 }
 
@@ -498,9 +516,21 @@ pub fn forward_backward(
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
     let mut grads = driver::zero_gradients(plan, inputs)?;
-    let call = Call { config, plan, rows: inputs };
-    let forward = driver::forward_backward(&mut EmuBlocks::open(call, Some(grads.as_mut()))?, call, grad)?;
+    let forward = forward_backward_into(config, plan, inputs, grad, grads.as_mut())?;
     Ok((forward, grads))
+}
+
+/// [`forward_backward`] writing the gradients `out` selects into it (overwritten); returns the
+/// loss and lse.
+pub fn forward_backward_into(
+    config: &Config,
+    plan: &Plan,
+    inputs: &Inputs<'_>,
+    grad: GradOutput<'_>,
+    out: GradientsMut<'_>,
+) -> Result<Forward> {
+    let call = Call { config, plan, rows: inputs };
+    driver::forward_backward(&mut EmuBlocks::open(call, Some(out))?, call, grad)
 }
 
 #[cfg(test)]

@@ -56,6 +56,15 @@ pub enum Error {
         /// Where it was asked for.
         backend: &'static str,
     },
+    /// A selection of gradients a schedule does not honour (the rings compute every gradient
+    /// there is): refused, never silently computed in full or left unwritten.
+    #[error("{backend} computes every gradient; it was asked for {selection:?}")]
+    UnsupportedSelection {
+        /// The selection asked for.
+        selection: crate::selection::GradientSelection,
+        /// The schedule that refused it.
+        backend: &'static str,
+    },
 }
 }
 
@@ -67,7 +76,8 @@ impl Error {
             Self::TargetOutOfRange { .. }
             | Self::InvalidWeight { .. }
             | Self::GradOutputKind { .. }
-            | Self::UnsupportedPrecision { .. } => ErrorKind::Value,
+            | Self::UnsupportedPrecision { .. }
+            | Self::UnsupportedSelection { .. } => ErrorKind::Value,
             Self::DtypeMismatch { .. } => ErrorKind::Type,
             // The shared variants, sorted by `kind()` before this is asked.
             _ => ErrorKind::Runtime,

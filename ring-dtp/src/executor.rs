@@ -313,7 +313,7 @@ mod tests {
         let want = lce.backward(&inputs, &fwd, GradOutput::Scalar(0.5), Some(&dlse)).unwrap();
         // Stale values in the caller's buffers must not leak into the result.
         let (mut dx, mut dw, mut db) = (vec![f32::NAN; 23 * 6], vec![7.0; 57 * 6], vec![-1.0; 57]);
-        let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: Some(&mut db) };
+        let out = GradientsMut::new(&mut dx, &mut dw, Some(&mut db));
         lce.backward_into(
             &inputs,
             &fwd.lse,
@@ -324,7 +324,7 @@ mod tests {
         assert_eq!((dx, dw, Some(db)), (want.dx, want.dw, want.dbias));
 
         let (mut dx, mut dw) = (vec![0.0; 23 * 6], vec![0.0; 57 * 6 - 1]);
-        let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: None };
+        let out = GradientsMut::new(&mut dx, &mut dw, None);
         let err =
             lce.backward_into(&inputs, &fwd.lse, Upstream::loss(GradOutput::Scalar(1.0)), out).unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { what: "dw (v·d)", expected: 342, got: 341 }), "{err:?}");
@@ -346,7 +346,7 @@ mod tests {
             let mut lce = LinearCrossEntropy::new(plan, Device::Cpu).unwrap();
             let (want_fwd, want) = lce.forward_backward(&inputs, GradOutput::Scalar(0.5)).unwrap();
             let (mut dx, mut dw, mut db) = (vec![f32::NAN; 23 * 6], vec![7.0; 57 * 6], vec![-1.0; 57]);
-            let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: Some(&mut db) };
+            let out = GradientsMut::new(&mut dx, &mut dw, Some(&mut db));
             let fwd = lce.forward_backward_into(&inputs, GradOutput::Scalar(0.5), out).unwrap();
             assert_eq!(fwd, want_fwd, "{blocks:?}");
             assert_eq!((dx, dw, Some(db)), (want.dx, want.dw, want.dbias), "{blocks:?}");

@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::plan::{Plan, Shape};
+pub use crate::selection::{GradientSelection, Want};
 
 /// Elements one task widens from bf16.
 const WIDEN_CHUNK: usize = 1 << 16;
@@ -308,34 +309,55 @@ impl Gradients {
 
     /// Borrowed views of these gradients, to write into.
     pub fn as_mut(&mut self) -> GradientsMut<'_> {
-        GradientsMut { dx: &mut self.dx, dw: &mut self.dw, dbias: self.dbias.as_deref_mut() }
+        GradientsMut::new(&mut self.dx, &mut self.dw, self.dbias.as_deref_mut())
     }
 }
 
 /// Caller-owned fp32 gradient buffers a backward writes into (overwriting them): a binding's
-/// own tensors, so no gradient is copied out of the crate.
+/// own tensors, so no gradient is copied out of the crate. `wanted` says which are computed; a
+/// skipped one's buffer is empty (dX, dW) or `None` (dbias) and is never touched.
 #[derive(Debug)]
 pub struct GradientsMut<'a> {
-    /// dX, N×D.
+    /// dX, N×D (empty when skipped).
     pub dx: &'a mut [f32],
-    /// dW, V×D.
+    /// dW, V×D (empty when skipped).
     pub dw: &'a mut [f32],
-    /// d(bias), V: present exactly when the inputs have a bias.
+    /// d(bias), V: present exactly when the inputs have a bias and dbias is computed.
     pub dbias: Option<&'a mut [f32]>,
+    /// Which gradients are computed ([`GradientSelection::ALL`] from [`GradientsMut::new`]).
+    pub wanted: GradientSelection,
+}
+
+impl<'a> GradientsMut<'a> {
+    /// Buffers for every gradient (dbias present exactly with a bias).
+    pub fn new(dx: &'a mut [f32], dw: &'a mut [f32], dbias: Option<&'a mut [f32]>) -> Self {
+        Self { dx, dw, dbias, wanted: GradientSelection::ALL }
+    }
+
+    /// These buffers computing only the gradients `wanted` selects (the skipped ones' buffers
+    /// empty or `None`; [`check`](Self::check) says so otherwise).
+    pub fn selecting(self, wanted: GradientSelection) -> Self {
+        Self { wanted, ..self }
+    }
 }
 
 impl GradientsMut<'_> {
-    /// Checks each buffer's length (and dbias's presence) against `inputs`.
+    /// Checks each buffer's length (and dbias's presence) against `inputs` and the selection.
     pub fn check(&self, inputs: &Inputs<'_>) -> Result<()> {
         check_gradient_lens((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), self.lens())
     }
 
-    /// The lengths of dX, dW and dbias.
-    pub(crate) fn lens(&self) -> (usize, usize, Option<usize>) {
-        (self.dx.len(), self.dw.len(), self.dbias.as_ref().map(|b| b.len()))
+    /// The lengths of dX, dW and dbias, with the selection they are checked against.
+    pub(crate) fn lens(&self) -> GradientLens {
+        GradientLens {
+            dx: self.dx.len(),
+            dw: self.dw.len(),
+            dbias: self.dbias.as_ref().map(|b| b.len()),
+            wanted: self.wanted,
+        }
     }
 
-    /// Sets every element to 0.
+    /// Sets every element to 0 (a skipped buffer is empty: nothing to set).
     pub(crate) fn fill_zero(&mut self) {
         self.dx.fill(0.0);
         self.dw.fill(0.0);
@@ -350,22 +372,45 @@ impl GradientsMut<'_> {
     }
 }
 
-/// Checks gradient buffers of lengths `(dx, dw, dbias)` against N, D, V: dX N·D, dW V·D, and
-/// dbias V present exactly when there is a bias (host and device buffers alike).
+/// The lengths of a call's gradient buffers (host or device) and the selection they serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GradientLens {
+    pub dx: usize,
+    pub dw: usize,
+    pub dbias: Option<usize>,
+    pub wanted: GradientSelection,
+}
+
+/// Checks gradient buffers against N, D, V and their selection: a computed dX is N·D long and
+/// a skipped one empty, likewise dW (V·D); dbias is V long and present exactly when there is a
+/// bias and it is computed (host and device buffers alike).
 pub(crate) fn check_gradient_lens(
     (n, d, v): (usize, usize, usize),
     has_bias: bool,
-    (dx, dw, dbias): (usize, usize, Option<usize>),
+    lens: GradientLens,
 ) -> Result<()> {
+    let GradientLens { dx, dw, dbias, wanted } = lens;
     let check = |what, expected: usize, got: usize| {
         if expected == got { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got }) }
     };
-    check("dx (n·d)", n * d, dx)?;
-    check("dw (v·d)", v * d, dw)?;
-    match (dbias, has_bias) {
+    match wanted.dx {
+        Want::Compute => check("dx (n·d)", n * d, dx)?,
+        Want::Skip => check("dx (skipped: empty)", 0, dx)?,
+    }
+    match wanted.dw {
+        Want::Compute => check("dw (v·d)", v * d, dw)?,
+        Want::Skip => check("dw (skipped: empty)", 0, dw)?,
+    }
+    match (dbias, has_bias && wanted.dbias.is_computed()) {
         (Some(b), true) => check("dbias (v)", v, b),
         (None, false) => Ok(()),
-        (got, _) => check("dbias (v, present exactly with a bias)", v, got.unwrap_or(0)),
+        (None, true) => check("dbias (v, present with a bias whose gradient is computed)", v, 0),
+        // Even an empty one: a buffer where none belongs is a caller's mistake, never ignored.
+        (Some(b), false) => Err(Error::ShapeMismatch {
+            what: "dbias (absent: no bias, or its gradient skipped)",
+            expected: 0,
+            got: b,
+        }),
     }
 }
 

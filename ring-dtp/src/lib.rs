@@ -57,6 +57,7 @@ mod loss;
 pub mod paper;
 pub mod plan;
 pub mod ring;
+mod selection;
 
 pub use config::{Config, Reduction, Softcap};
 pub use error::{Error, Result};
@@ -65,8 +66,8 @@ pub use flatpeak_common::gemm_bf16::Bf16Kernel;
 pub use flatpeak_common::{Budget, DType, Device, Precision, Workspace};
 pub use half::bf16;
 pub use inputs::{
-    Forward, GradOutput, Gradients, GradientsMut, Inputs, Loss, Matrix, Upstream, check_targets,
-    check_weights,
+    Forward, GradOutput, GradientSelection, Gradients, GradientsMut, Inputs, Loss, Matrix, Upstream, Want,
+    check_targets, check_weights,
 };
 pub use plan::{BlockRegions, BlockSchedule, Plan, RingChoice, RingKind, RingOptions, RingPlan, Shape};
 pub use ring::RankInputs;

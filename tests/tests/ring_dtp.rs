@@ -438,7 +438,7 @@ fn into_buffers_are_overwritten_whatever_they_held() {
                 let (f, g) = lce.forward_backward(inp, GradOutput::Scalar(1.0)).expect("runs");
                 let (mut dx, mut dw) = (vec![f32::NAN; n * d], vec![f32::NAN; v * d]);
                 let mut db = vec![f32::NAN; if with_bias { v } else { 0 }];
-                let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: with_bias.then_some(&mut db[..]) };
+                let out = GradientsMut::new(&mut dx, &mut dw, with_bias.then_some(&mut db[..]));
                 let f_into = lce.forward_backward_into(inp, GradOutput::Scalar(1.0), out).expect("runs");
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 let what = format!("{dtype:?} {:?} bias={with_bias}", plan.schedule());

@@ -188,7 +188,7 @@ pub(crate) fn backward(
         let Some(SavedLse::Host(lse)) = saved.as_ref() else {
             return Err(Error::MissingForward { op: crate::loss::NAME });
         };
-        let out = DeviceGradientsMut { dx: &mut dx, dw: &mut dw, dbias: dbias.as_mut() };
+        let out = DeviceGradientsMut::new(&mut dx, &mut dw, dbias.as_mut());
         Ok(lce.backward_into_with(
             &mut buffers,
             inputs,

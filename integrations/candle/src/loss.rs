@@ -386,7 +386,7 @@ impl FusedLinearCrossEntropy {
             let Some(SavedLse::Host(lse)) = saved.as_ref() else {
                 return Err(Error::MissingForward { op: NAME });
             };
-            let out = GradientsMut { dx: &mut dx, dw: &mut dw, dbias: dbias.as_deref_mut() };
+            let out = GradientsMut::new(&mut dx, &mut dw, dbias.as_deref_mut());
             self.executor(Device::Cpu)?.backward_into(&inputs, lse, ring_dtp::Upstream::loss(grad), out)?;
         }
         let cpu = CandleDevice::Cpu;

@@ -33,6 +33,10 @@ def _once_differentiable(grads, needs_graph: bool):
     if not (needs_graph and torch.is_grad_enabled()):
         return grads
     tensors = [g for g in grads if isinstance(g, Tensor)]
+    if not tensors:  # every gradient skipped (a frozen tensor gets None)
+        return grads
     refuse = torch._C._functions.DelayedError(_NOT_TWICE, len(tensors))
-    guarded = iter(refuse(*[g.detach().requires_grad_() for g in tensors]))
+    guarded = refuse(*[g.detach().requires_grad_() for g in tensors])
+    # One input gives one tensor, not a tuple of one (a frozen weight leaves dX alone).
+    guarded = iter((guarded,) if isinstance(guarded, Tensor) else guarded)
     return tuple(next(guarded) if isinstance(g, Tensor) else g for g in grads)

@@ -16,11 +16,18 @@ pass instead (3 GEMMs per block: each block's logits serve both): it returns dX,
 for an upstream gradient of 1, held until backward multiplies them by the real one. A loss is
 usually the last op before ``.backward()``; the gradients it holds meanwhile are the size of
 ``input`` and ``weight``.
+
+Only the gradients autograd wants are computed: a frozen ``weight`` (``requires_grad=False``)
+costs no dW GEMM and no ``[vocab, hidden]`` buffer, a frozen ``input`` no dX GEMM, a frozen
+``bias`` no dbias. Both gradient ops take ``grads_wanted`` (for ``input``, ``weight``, ``bias``:
+``ctx.needs_input_grad`` in backward, ``requires_grad`` at the fused forward) and return an
+empty tensor for a gradient not wanted (an op's outputs cannot be ``None``), which the autograd
+functions hand back as ``None``.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -48,6 +55,43 @@ def _workspace(options, input: Tensor, weight: Tensor) -> Tensor:
 
 def _as_f32(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.to(torch.float32)
+
+
+def _grad_buffers(input: Tensor, weight: Tensor, bias: Optional[Tensor], wanted: Sequence[bool],
+                  device=None):
+    """The fp32 gradient buffers of the wanted gradients (``input``, ``weight``, ``bias``), ``None``
+    for one not wanted (never allocated, never computed) and for a bias that is not there; a list,
+    which :func:`_op_grads` empties."""
+    want_dx, want_dw, want_dbias = wanted
+    empty = lambda shape: torch.empty(shape, dtype=torch.float32, device=device)  # noqa: E731
+    return [empty(input.shape) if want_dx else None, empty(weight.shape) if want_dw else None,
+            empty((weight.shape[0],)) if want_dbias and bias is not None else None]
+
+
+def _op_grads(input: Tensor, weight: Tensor, grads: list) -> Tuple[Tensor, Tensor, Tensor]:
+    """The gradient op's outputs from :func:`_grad_buffers`' list (emptied): dX and dW narrowed to
+    their inputs' dtypes one at a time (each fp32 buffer freed before the next is narrowed: the
+    peak is the fp32 dW plus the narrowed dX and dW, not both fp32 buffers plus both narrowed
+    ones); an empty tensor for one not computed (an op's outputs cannot be ``None``; its autograd
+    function returns ``None`` for it)."""
+    dx, dw, dbias = grads
+    grads.clear()
+    dx = input.new_empty((0,)) if dx is None else dx.to(input.dtype)
+    dw = weight.new_empty((0,)) if dw is None else dw.to(weight.dtype)
+    return dx, dw, input.new_empty((0,), dtype=torch.float32) if dbias is None else dbias
+
+
+def _grads_fake(input: Tensor, weight: Tensor, bias: Optional[Tensor], wanted: Sequence[bool]):
+    """The fake implementations' gradients: the shapes :func:`_op_grads` returns."""
+    want_dx, want_dw, want_dbias = wanted
+    return (torch.empty_like(input) if want_dx else input.new_empty((0,)),
+            torch.empty_like(weight) if want_dw else weight.new_empty((0,)),
+            input.new_empty((weight.shape[0] if want_dbias and bias is not None else 0,), dtype=torch.float32))
+
+
+def _wanted_only(grads, wanted: Sequence[bool]):
+    """Backward's ``(dx, dw, dbias)``: ``None`` for a gradient not wanted."""
+    return tuple(g if want else None for g, want in zip(grads, wanted))
 
 
 def _check_tensors(tensors) -> None:
@@ -120,34 +164,29 @@ def _backward(
     softcap: Optional[float],
     budget_bytes: Optional[int],
     precision: str,
+    grads_wanted: List[bool],
 ) -> Tuple[Tensor, Tensor, Tensor]:
+    """dX, dW and dbias (for ``input``, ``weight``, ``bias``) as ``grads_wanted`` selects them; an
+    empty tensor for each one not wanted (not computed: a frozen weight costs no dW GEMM)."""
     options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
-    device = input.device
-    dx = torch.empty(input.shape, dtype=torch.float32, device=device)
-    dw = torch.empty(weight.shape, dtype=torch.float32, device=device)
-    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32, device=device)
+    grads = _grad_buffers(input, weight, bias, grads_wanted, device=input.device)
     # Upstream gradients are [N] or scalars, often expanded (stride 0) by autograd: made dense
     # (and, on the CUDA path, brought to the host, where the crate forms the row scales).
     upstream = (grad_loss.to("cpu", torch.float32).contiguous(),
                 None if grad_lse is None else grad_lse.to("cpu", torch.float32).contiguous())
     args = (input, weight, target, bias, token_weights)
-    grads = (dx, dw, dbias if bias is not None else None)
     if _cuda_path(input):
         _ext.lce_backward_cuda(options, args, lse.to("cpu").contiguous(), upstream, _workspace(options, input, weight),
-                               grads)
+                               tuple(grads))
     else:
-        _ext.lce_backward(options, args, lse, upstream, grads)
-    # Narrowed one at a time, each fp32 buffer freed before the next is narrowed: the peak is
-    # the fp32 dW plus the narrowed dX and dW, not both fp32 buffers plus both narrowed ones.
-    dx = dx.to(input.dtype)
-    return dx, dw.to(weight.dtype), dbias
+        _ext.lce_backward(options, args, lse, upstream, tuple(grads))
+    return _op_grads(input, weight, grads)
 
 
 @_backward.register_fake
 def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse, ignore_index,
-                   reduction, label_smoothing, z_loss, softcap, budget_bytes, precision):
-    dbias = input.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
-    return torch.empty_like(input), torch.empty_like(weight), dbias
+                   reduction, label_smoothing, z_loss, softcap, budget_bytes, precision, grads_wanted):
+    return _grads_fake(input, weight, bias, grads_wanted)
 
 
 def _setup_context(ctx, inputs, output):
@@ -159,9 +198,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_autograd(ctx, grad_loss, grad_lse):
     input, weight, target, bias, token_weights, lse = ctx.saved_tensors
-    dx, dw, dbias = _backward(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse,
-                              *ctx.options)
-    dbias = None if bias is None else dbias
+    # Only what autograd asks for: a frozen input, weight or bias gets no gradient computed.
+    wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]]
+    grads = _backward(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse, *ctx.options, wanted)
+    dx, dw, dbias = _wanted_only(grads, wanted)
     needs_graph = any(t is not None and t.requires_grad for t in (input, weight, bias, grad_loss, grad_lse))
     return _once_differentiable((dx, dw, None, dbias, None), needs_graph) + (None,) * len(ctx.options)
 
@@ -170,22 +210,17 @@ _forward.register_autograd(_backward_autograd, setup_context=_setup_context)
 
 
 def _fused_impl(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
-                softcap, budget_bytes, precision):
-    """The loss, and dX, dW and dbias for an upstream gradient of 1, in one pass (CPU, ``mean`` or
-    ``sum``)."""
+                softcap, budget_bytes, precision, grads_wanted):
+    """The loss, and dX, dW and dbias for an upstream gradient of 1 as ``grads_wanted`` selects
+    them (an empty tensor for one not wanted), in one pass (CPU, ``mean`` or ``sum``)."""
     options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
     n = input.shape[0]
     loss = torch.empty((), dtype=torch.float32)
     lse = torch.empty((n,), dtype=torch.float32)
-    dx = torch.empty(input.shape, dtype=torch.float32)
-    dw = torch.empty(weight.shape, dtype=torch.float32)
-    dbias = torch.empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
-    _ext.lce_forward_backward(options, (input, weight, target, bias, token_weights), (loss, lse),
-                              (dx, dw, dbias if bias is not None else None))
+    grads = _grad_buffers(input, weight, bias, grads_wanted)
+    _ext.lce_forward_backward(options, (input, weight, target, bias, token_weights), (loss, lse), tuple(grads))
     del lse
-    # Narrowed one at a time, as in backward.
-    dx = dx.to(input.dtype)
-    return loss.to(input.dtype), dx, dw.to(weight.dtype), dbias
+    return (loss.to(input.dtype), *_op_grads(input, weight, grads))
 
 
 @torch.library.custom_op("flatpeak::linear_cross_entropy_fused", mutates_args=())
@@ -202,24 +237,24 @@ def _fused(
     softcap: Optional[float],
     budget_bytes: Optional[int],
     precision: str,
+    grads_wanted: List[bool],
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`_fused_impl` as an op, for traced graphs (``torch.compile``); eager calls take
     :class:`_EagerFused`."""
     return _fused_impl(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing,
-                       z_loss, softcap, budget_bytes, precision)
+                       z_loss, softcap, budget_bytes, precision, grads_wanted)
 
 
 @_fused.register_fake
 def _fused_fake(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
-                softcap, budget_bytes, precision):
-    dbias = input.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
-    return input.new_empty(()), torch.empty_like(input), torch.empty_like(weight), dbias
+                softcap, budget_bytes, precision, grads_wanted):
+    return (input.new_empty(()), *_grads_fake(input, weight, bias, grads_wanted))
 
 
 def _fused_setup_context(ctx, inputs, output):
     _, dx, dw, dbias = output
     ctx.save_for_backward(dx, dw, dbias)
-    ctx.has_bias = inputs[3] is not None
+    ctx.wanted = _wanted_at_forward(inputs[3], inputs[-1])
     ctx.n_options = len(inputs) - 5
     ctx.needs_graph = any(t is not None and t.requires_grad for t in inputs[:4])
 
@@ -232,7 +267,8 @@ def _scaled(ctx, grad_loss, eager):
     # is freed, and copies them while a retained graph still holds them).
     if not (eager and grad_loss.item() == 1.0):
         dx, dw, dbias = (g * grad_loss for g in (dx, dw, dbias))
-    grads = (dx, dw, None, dbias if ctx.has_bias else None, None)
+    dx, dw, dbias = _wanted_only((dx, dw, dbias), ctx.wanted)
+    grads = (dx, dw, None, dbias, None)
     return _once_differentiable(grads, ctx.needs_graph or grad_loss.requires_grad) + (None,) * ctx.n_options
 
 
@@ -252,7 +288,7 @@ class _EagerFused(torch.autograd.Function):
     def forward(ctx, input, weight, target, bias, token_weights, *options):
         loss, dx, dw, dbias = _fused_impl(input, weight, target, bias, token_weights, *options)
         ctx.save_for_backward(dx, dw, dbias)
-        ctx.has_bias = bias is not None
+        ctx.wanted = _wanted_at_forward(bias, options[-1])
         ctx.n_options = len(options)
         ctx.needs_graph = any(t is not None and t.requires_grad for t in (input, weight, bias))
         return loss
@@ -260,6 +296,13 @@ class _EagerFused(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         return _scaled(ctx, grad_loss, eager=True)
+
+
+def _wanted_at_forward(bias: Optional[Tensor], grads_wanted) -> Tuple[bool, ...]:
+    """The fused call's selection as its autograd function hands it back: what it computed, and
+    no dbias without a bias."""
+    want_dx, want_dw, want_dbias = grads_wanted
+    return bool(want_dx), bool(want_dw), bool(want_dbias) and bias is not None
 
 
 def _fuses(input: Tensor, weight: Tensor, bias: Optional[Tensor], reduction: str, return_lse: bool) -> bool:
@@ -391,9 +434,12 @@ def linear_cross_entropy(
         # Every check from here on is made on every rank and agreed on before the ring runs.
         loss, lse = _ring_loss(args, _group_handle(group), ring)
     elif _fuses(input, weight, bias, reduction, return_lse):
+        # Forward computes backward's gradients now: only those of the tensors that require
+        # grad (a frozen weight costs no dW GEMM, a frozen input no dX GEMM).
+        wanted = [input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad]
         if torch.compiler.is_compiling():
-            return torch.ops.flatpeak.linear_cross_entropy_fused(*args)[0]
-        return _EagerFused.apply(*args)
+            return torch.ops.flatpeak.linear_cross_entropy_fused(*args, wanted)[0]
+        return _EagerFused.apply(*args, wanted)
     else:
         loss, lse = torch.ops.flatpeak.linear_cross_entropy_forward(*args)
     if reduction == "none":

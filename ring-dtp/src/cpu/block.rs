@@ -342,12 +342,15 @@ fn softcap_derivative(softcap: Softcap, z: f32) -> f32 {
 /// The gradient slices one block accumulates into, and whether each of dX and dW already
 /// holds a contribution ([`Accumulate::Add`]) or this block is its first
 /// ([`Accumulate::Replace`]: written without being read, so a freshly allocated output is not
-/// faulted in twice).
+/// faulted in twice). A gradient that is not computed ([`Want::Skip`]) has no slice, and its
+/// GEMM is not run.
+///
+/// [`Want::Skip`]: crate::inputs::Want::Skip
 #[derive(Debug)]
 pub(crate) struct BlockGrads<'a> {
-    pub dx_rows: &'a mut [f32],
+    pub dx_rows: Option<&'a mut [f32]>,
     pub dx_mode: Accumulate,
-    pub dw_blk: &'a mut [f32],
+    pub dw_blk: Option<&'a mut [f32]>,
     pub dw_mode: Accumulate,
     pub dbias_blk: Option<&'a mut [f32]>,
     pub dx_partial: Option<DxPartial<'a>>,
@@ -433,7 +436,7 @@ fn add_partial(dx: &mut [f32], partial: Option<&mut DxPartial<'_>>) {
 }
 
 /// `dX[rows] += Gᵀ·W_blk`, `dW[blk] += G·X_blk` and `dbias[blk] += G·1` for a `vb×c` gradient
-/// block G, the GEMMs on `threads`.
+/// block G, the GEMMs on `threads` (each only for a gradient `out` has a slice of).
 pub(crate) fn accumulate_grads(
     d: usize,
     g: &[f32],
@@ -448,12 +451,16 @@ pub(crate) fn accumulate_grads(
     }
     let BlockGrads { dx_rows, dx_mode, dw_blk, dw_mode, dbias_blk, mut dx_partial } = out;
     let g = &g[..vb * c];
-    let dx_rows = &mut dx_rows[..c * d];
-    accumulate_dx((dx_rows, dx_mode), dx_partial.as_mut(), (g, vocab.w), (c, vb, d), threads)?;
-    add_partial(dx_rows, dx_partial.as_mut());
-    let g_mat = MatRef::row_major(g, vb, c)?;
-    let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
-    gemm_on(MatMut::row_major(&mut dw_blk[..vb * d], vb, d)?, g_mat, x, dw_mode, threads)?;
+    if let Some(dx_rows) = dx_rows {
+        let dx_rows = &mut dx_rows[..c * d];
+        accumulate_dx((dx_rows, dx_mode), dx_partial.as_mut(), (g, vocab.w), (c, vb, d), threads)?;
+        add_partial(dx_rows, dx_partial.as_mut());
+    }
+    if let Some(dw_blk) = dw_blk {
+        let g_mat = MatRef::row_major(g, vb, c)?;
+        let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
+        gemm_on(MatMut::row_major(&mut dw_blk[..vb * d], vb, d)?, g_mat, x, dw_mode, threads)?;
+    }
     if let Some(db) = dbias_blk {
         row_sums(g, c, &mut db[..vb]);
     }
@@ -461,7 +468,8 @@ pub(crate) fn accumulate_grads(
 }
 
 /// [`accumulate_grads`] for a bf16 W: per `WIDEN_ROWS` rows, widen W's rows into `w_buf`, then
-/// `dX += G_subᵀ·W_sub` and `dW_sub += G_sub·X_blk`.
+/// `dX += G_subᵀ·W_sub` and `dW_sub += G_sub·X_blk` (W is widened only for dX's GEMM: not at
+/// all when dX is skipped).
 pub(crate) fn accumulate_grads_widening(
     d: usize,
     g: &[f32],
@@ -474,26 +482,31 @@ pub(crate) fn accumulate_grads_widening(
     if c == 0 || vb == 0 {
         return Ok(());
     }
-    let BlockGrads { dx_rows, dx_mode, dw_blk, dw_mode, dbias_blk, mut dx_partial } = out;
+    let BlockGrads { mut dx_rows, dx_mode, mut dw_blk, dw_mode, dbias_blk, mut dx_partial } = out;
     let g = &g[..vb * c];
-    let dx_rows = &mut dx_rows[..c * d];
     let x = MatRef::row_major(&tokens.x[..c * d], c, d)?;
     for j0 in (0..vb).step_by(WIDEN_ROWS) {
         let j1 = (j0 + WIDEN_ROWS).min(vb);
-        w.rows_f32(v0 + j0..v0 + j1, d, w_buf);
-        let dx_mode = if j0 == 0 { dx_mode } else { Accumulate::Add };
-        let (g_sub, w_sub) = (&g[j0 * c..j1 * c], &w_buf[..(j1 - j0) * d]);
-        accumulate_dx(
-            (dx_rows, dx_mode),
-            dx_partial.as_mut(),
-            (g_sub, w_sub),
-            (c, j1 - j0, d),
-            Threads::All,
-        )?;
-        let g_sub = MatRef::row_major(g_sub, j1 - j0, c)?;
-        gemm(MatMut::row_major(&mut dw_blk[j0 * d..j1 * d], j1 - j0, d)?, g_sub, x, dw_mode)?;
+        let g_sub = &g[j0 * c..j1 * c];
+        if let Some(dx_rows) = dx_rows.as_deref_mut() {
+            w.rows_f32(v0 + j0..v0 + j1, d, w_buf);
+            let dx_mode = if j0 == 0 { dx_mode } else { Accumulate::Add };
+            accumulate_dx(
+                (&mut dx_rows[..c * d], dx_mode),
+                dx_partial.as_mut(),
+                (g_sub, &w_buf[..(j1 - j0) * d]),
+                (c, j1 - j0, d),
+                Threads::All,
+            )?;
+        }
+        if let Some(dw_blk) = dw_blk.as_deref_mut() {
+            let g_sub = MatRef::row_major(g_sub, j1 - j0, c)?;
+            gemm(MatMut::row_major(&mut dw_blk[j0 * d..j1 * d], j1 - j0, d)?, g_sub, x, dw_mode)?;
+        }
     }
-    add_partial(dx_rows, dx_partial.as_mut());
+    if let Some(dx_rows) = dx_rows {
+        add_partial(&mut dx_rows[..c * d], dx_partial.as_mut());
+    }
     if let Some(db) = dbias_blk {
         row_sums(g, c, &mut db[..vb]);
     }
@@ -532,7 +545,12 @@ pub(crate) fn accumulate_grads_bf16(
     let w_blk = MatRef::row_major(&w[v0 * d..(v0 + vb) * d], vb, d)?;
     let x_blk = MatRef::row_major(&x[..c * d], c, d)?;
     let options = |mode, threads| MatmulOptions::with_accumulate(mode).threads(threads);
-    let dx = MatMut::row_major(&mut out.dx_rows[..c * d], c, d)?;
+    if let Some(dw_blk) = out.dw_blk.take() {
+        let dw = MatMut::row_major(&mut dw_blk[..vb * d], vb, d)?;
+        gemm.matmul(dw, g16, x_blk, options(out.dw_mode, Threads::All))?;
+    }
+    let Some(dx_rows) = out.dx_rows.take() else { return Ok(()) };
+    let dx = MatMut::row_major(&mut dx_rows[..c * d], c, d)?;
     match out.dx_partial.as_mut().filter(|p| vb >= SPLIT_K_MIN_ROWS && p.buf.len() >= c * d) {
         // As `accumulate_dx`: k (the block's vocabulary rows) split at ⌊vb/2⌋, the halves side by
         // side, each packing its own half of W and Gᵀ.
@@ -548,12 +566,10 @@ pub(crate) fn accumulate_grads_bf16(
                 |t| Ok(gemm.matmul(part, g2.t(), w2, options(part_mode, t))?),
             )?;
             partial.holds = true;
-            add_partial(&mut out.dx_rows[..c * d], Some(partial));
+            add_partial(&mut dx_rows[..c * d], Some(partial));
         }
         None => gemm.matmul(dx, g16.t(), w_blk, options(out.dx_mode, Threads::All))?,
     }
-    let dw = MatMut::row_major(&mut out.dw_blk[..vb * d], vb, d)?;
-    gemm.matmul(dw, g16, x_blk, options(out.dw_mode, Threads::All))?;
     Ok(())
 }
 

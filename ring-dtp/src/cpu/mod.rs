@@ -180,6 +180,8 @@ impl BlockOps for CpuBlocks<'_, '_, '_> {
             // least one block only dbias, which the blocks add into, starts at zero here
             // (zeroing dX and dW too would cost a pass over V·D + N·D floats). A shape with no
             // block (N = 0 or V = 0) touches nothing: the caller's buffers start at zero then.
+            // A skipped gradient's buffer is empty (or absent): nothing of it is zeroed or
+            // written.
             match self.inputs.n == 0 || self.inputs.v == 0 {
                 true => g.fill_zero(),
                 false => g.zero_dbias(),
@@ -270,10 +272,12 @@ impl BlockOps for CpuBlocks<'_, '_, '_> {
         let tokens = TokenBlock { x: &xblk[..c * d], targets: &self.targets[..c] };
         // The first block to touch a slice of dX or dW writes it without reading it.
         let first = |is_first: bool| if is_first { Accumulate::Replace } else { Accumulate::Add };
+        // A skipped gradient has no slice: its GEMM is not run (its buffer is empty).
+        let (dx, dw) = (g.wanted.dx.is_computed(), g.wanted.dw.is_computed());
         let out = BlockGrads {
-            dx_rows: &mut g.dx[t0 * d..(t0 + c) * d],
+            dx_rows: dx.then(|| &mut g.dx[t0 * d..(t0 + c) * d]),
             dx_mode: first(v0 == 0),
-            dw_blk: &mut g.dw[v0 * d..(v0 + vb) * d],
+            dw_blk: dw.then(|| &mut g.dw[v0 * d..(v0 + vb) * d]),
             dw_mode: first(t0 == 0),
             dbias_blk: g.dbias.as_mut().map(|b| &mut b[v0..v0 + vb]),
             dx_partial: (!dx_part.is_empty()).then(|| DxPartial::new(&mut dx_part[..])),

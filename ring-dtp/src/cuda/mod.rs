@@ -32,7 +32,7 @@ use crate::config::Config;
 use crate::cpu;
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Inputs, Matrix};
+use crate::inputs::{Forward, GradOutput, GradientLens, GradientSelection, Inputs, Matrix};
 use crate::loss::Stats;
 use crate::plan::Plan;
 use engine::{Engine, LogitsBlock, RowViews, StatsViews};
@@ -123,15 +123,36 @@ impl DeviceInputs<'_> {
 }
 
 /// Caller-owned device gradient buffers a backward writes into (overwriting them): a binding's
-/// own tensors, so no gradient is copied out of the crate.
+/// own tensors, so no gradient is copied out of the crate. As on the host
+/// ([`GradientsMut`](crate::GradientsMut)), `wanted` says which are computed; a skipped one's
+/// buffer is empty (dX, dW) or `None` (dbias), and its GEMM is not launched.
 #[derive(Debug)]
 pub struct DeviceGradientsMut<'a> {
-    /// dX, N×D.
+    /// dX, N×D (empty when skipped).
     pub dx: &'a mut CudaSlice<f32>,
-    /// dW, V×D.
+    /// dW, V×D (empty when skipped).
     pub dw: &'a mut CudaSlice<f32>,
-    /// dbias, V: present exactly when the inputs have a bias.
+    /// dbias, V: present exactly when the inputs have a bias and dbias is computed.
     pub dbias: Option<&'a mut CudaSlice<f32>>,
+    /// Which gradients are computed ([`GradientSelection::ALL`] from [`DeviceGradientsMut::new`]).
+    pub wanted: GradientSelection,
+}
+
+impl<'a> DeviceGradientsMut<'a> {
+    /// Buffers for every gradient (dbias present exactly with a bias).
+    pub fn new(
+        dx: &'a mut CudaSlice<f32>,
+        dw: &'a mut CudaSlice<f32>,
+        dbias: Option<&'a mut CudaSlice<f32>>,
+    ) -> Self {
+        Self { dx, dw, dbias, wanted: GradientSelection::ALL }
+    }
+
+    /// These buffers computing only the gradients `wanted` selects (the skipped ones' buffers
+    /// empty or `None`, as the call checks).
+    pub fn selecting(self, wanted: GradientSelection) -> Self {
+        Self { wanted, ..self }
+    }
 }
 
 /// The plan's block buffers on a device: the logits block (`C·Vb` f32) and, for bf16 inputs
@@ -422,13 +443,22 @@ fn run<'s, R>(
 }
 
 impl DeviceGradientsMut<'_> {
-    /// The lengths of dX, dW and dbias.
-    fn lens(&self) -> (usize, usize, Option<usize>) {
-        (self.dx.len(), self.dw.len(), self.dbias.as_ref().map(|b| b.len()))
+    /// The lengths of dX, dW and dbias, with the selection they are checked against.
+    fn lens(&self) -> GradientLens {
+        GradientLens {
+            dx: self.dx.len(),
+            dw: self.dw.len(),
+            dbias: self.dbias.as_ref().map(|b| b.len()),
+            wanted: self.wanted,
+        }
     }
 
+    /// Zeroes every buffer (a skipped one is empty: no memset is issued for it).
     fn fill_zero(&mut self, e: &Engine) -> Result<()> {
-        let zero = |s: &mut CudaSlice<f32>| e.stream.memset_zeros(s).map_err(cuda_error("cuMemsetD8"));
+        let zero = |s: &mut CudaSlice<f32>| match s.len() {
+            0 => Ok(()),
+            _ => e.stream.memset_zeros(s).map_err(cuda_error("cuMemsetD8")),
+        };
         zero(self.dx)?;
         zero(self.dw)?;
         if let Some(b) = self.dbias.as_deref_mut() {
@@ -441,7 +471,7 @@ impl DeviceGradientsMut<'_> {
 impl DeviceGradients {
     /// Borrowed views of these gradients, to write into.
     pub fn as_mut(&mut self) -> DeviceGradientsMut<'_> {
-        DeviceGradientsMut { dx: &mut self.dx, dw: &mut self.dw, dbias: self.dbias.as_mut() }
+        DeviceGradientsMut::new(&mut self.dx, &mut self.dw, self.dbias.as_mut())
     }
 
     /// Zeroed gradients of `inputs`, once N, D and V are checked against the plan (so N·D and
@@ -628,18 +658,31 @@ impl BlockOps for CudaBlocks<'_, '_> {
         if let Some(db) = grads.dbias.as_mut() {
             self.e.bias_grad(self.logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;
         }
+        let (want_dx, want_dw) = (grads.wanted.dx.is_computed(), grads.wanted.dw.is_computed());
         if let (true, DeviceMatrix::Bf16(x), DeviceMatrix::Bf16(w)) =
             (self.native_bf16, self.inputs.x, self.inputs.w)
         {
-            self.e.narrow_rows(self.logits, (c, vb))?;
+            if want_dx || want_dw {
+                self.e.narrow_rows(self.logits, (c, vb))?;
+            }
             let (x, w) = (x.slice(t0 * d..(t0 + c) * d), w.slice(v0 * d..(v0 + vb) * d));
-            self.e.dx(&w, self.logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
-            return self.e.dw(&x, self.logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d));
+            if want_dx {
+                self.e.dx(&w, self.logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
+            }
+            if want_dw {
+                self.e.dw(&x, self.logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
+            }
+            return Ok(());
         }
-        let x = block_rows(&self.inputs.x, self.x_wide, t0, c, d);
-        let w = block_rows(&self.inputs.w, self.w_wide, v0, vb, d);
-        self.e.dx(&w, self.logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
-        self.e.dw(&x, self.logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
+        // A skipped gradient's GEMM is not launched (its buffer is empty).
+        if want_dx {
+            let w = block_rows(&self.inputs.w, self.w_wide, v0, vb, d);
+            self.e.dx(&w, self.logits, (c, vb, d), &mut grads.dx.slice_mut(t0 * d..(t0 + c) * d))?;
+        }
+        if want_dw {
+            let x = block_rows(&self.inputs.x, self.x_wide, t0, c, d);
+            self.e.dw(&x, self.logits, (c, vb, d), &mut grads.dw.slice_mut(v0 * d..(v0 + vb) * d))?;
+        }
         Ok(())
     }
 }

@@ -142,9 +142,9 @@ impl<C: Communicator + ?Sized> RingOps for ActivationRing<'_, '_, C> {
                     // dW is fresh output memory: the first packet writes it without reading it
                     // (no read-then-write page faults).
                     let out = BlockGrads {
-                        dx_rows: &mut cur.dx[..c * d],
+                        dx_rows: Some(&mut cur.dx[..c * d]),
                         dx_mode: Accumulate::Add,
-                        dw_blk: &mut grads.dw[v0 * d..(v0 + vb) * d],
+                        dw_blk: Some(&mut grads.dw[v0 * d..(v0 + vb) * d]),
                         dw_mode: if step.first() { Accumulate::Replace } else { Accumulate::Add },
                         dbias_blk: grads.dbias.as_mut().map(|db| &mut db[v0..v0 + vb]),
                         dx_partial: None,

@@ -297,14 +297,16 @@ pub fn backward<C: Communicator + ?Sized>(
         dw: vec![0.0; v_r * d],
         dbias: inputs.bias_shard.map(|_| vec![0.0; v_r]),
     };
-    let out = GradientsMut { dx: &mut grads.dx, dw: &mut grads.dw, dbias: grads.dbias.as_deref_mut() };
+    let out = GradientsMut::new(&mut grads.dx, &mut grads.dw, grads.dbias.as_deref_mut());
     backward_into(comm, plan, inputs, &forward.lse, Upstream::loss(grad).with_dlse(dlse), out)?;
     Ok(grads)
 }
 
 /// [`backward`] into caller-owned fp32 buffers (their contents are overwritten): dX of this
 /// rank's tokens (n_r×D), dW and dbias of its shard (v_r×D, v_r), from forward's `lse` (n_r).
-/// The lengths are checked with the inputs, on every rank, before the first message.
+/// The lengths are checked with the inputs, on every rank, before the first message. The rings
+/// compute every gradient: a selection that skips one ([`GradientsMut::wanted`]) is
+/// [`Error::UnsupportedSelection`] (on every rank).
 pub fn backward_into<C: Communicator + ?Sized>(
     comm: &C,
     plan: &RingPlan,
@@ -323,18 +325,22 @@ pub fn backward_into<C: Communicator + ?Sized>(
         if let GradOutput::PerToken(g) = upstream.grad {
             check("grad_output (n_r)", n, g.len())?;
         }
-        crate::inputs::check_gradient_lens((n, d, v_r), inputs.bias_shard.is_some(), out.lens())
+        let has_bias = inputs.bias_shard.is_some();
+        if !out.wanted.is_all(has_bias) {
+            return Err(Error::UnsupportedSelection { selection: out.wanted, backend: "the CPU rings" });
+        }
+        crate::inputs::check_gradient_lens((n, d, v_r), has_bias, out.lens())
     })?;
     let [denom] = all_sum_f64(comm, [rank.local.valid_weight(config)])?;
     let coef = loss::coefficients(config, &rank.local, upstream.grad, denom)?;
-    let GradientsMut { dx, dw, mut dbias } = out;
+    let GradientsMut { dx, dw, mut dbias, wanted } = out;
     // The rings accumulate into dW (and dX on the activation ring): they start from zero.
     dx.fill(0.0);
     dw.fill(0.0);
     if let Some(db) = dbias.as_deref_mut() {
         db.fill(0.0);
     }
-    let grads = GradientsMut { dx, dw, dbias };
+    let grads = GradientsMut { dx, dw, dbias, wanted };
     let pass = Pass::Grad { coef: &coef, lse, dlse: upstream.dlse, grads };
     run_pass(comm, config, plan, &rank, pass)
 }

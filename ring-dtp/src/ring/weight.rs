@@ -100,9 +100,9 @@ impl<C: Communicator + ?Sized> RingOps for WeightRing<'_, '_, C> {
                     // dX is fresh output memory: the first step's first sub-block writes it
                     // without reading it (no read-then-write page faults).
                     let out = BlockGrads {
-                        dx_rows: &mut grads.dx[t0 * d..(t0 + c) * d],
+                        dx_rows: Some(&mut grads.dx[t0 * d..(t0 + c) * d]),
                         dx_mode: if step.first() { Accumulate::Replace } else { Accumulate::Add },
-                        dw_blk: &mut cur.dw[..vb * d],
+                        dw_blk: Some(&mut cur.dw[..vb * d]),
                         dw_mode: Accumulate::Add,
                         dbias_blk: has_bias.then_some(&mut cur.dbias[..vb]),
                         dx_partial: None,
