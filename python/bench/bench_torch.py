@@ -151,13 +151,41 @@ def crate_direct(n, d, v, dtype_name, reps):
     return float(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout.strip())
 
 
+# A torch call whose GEMMs would take longer than this (at the probed bf16 GEMM rate) is not run.
+LONGEST_TORCH_CALL_S = 600
+
+
+def torch_gemm_gflops(dtype):
+    """torch's GEMM rate in GFLOP/s for `dtype` on this CPU, from a 256x1024x1024 product (best
+    of 3): CPUs without native bf16 (AVX512-BF16 or AMX) run torch's bf16 GEMM far slower."""
+    import torch
+    a, b = torch.randn(256, 1024).to(dtype), torch.randn(1024, 1024).to(dtype)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * 256 * 1024 * 1024 / best / 1e9
+
+
 def bench_lce(n, d, v, reps, rounds):
     print(f"#### `linear_cross_entropy`, N = {n}, D = {d}, V = {v}, CPU, forward + backward\n")
     print("| dtype | call | peak above inputs (MiB) | flatpeak's peak / this one's | time (s) | flatpeak's time / this one's |")
     print("|---|---|---:|---:|---:|---:|")
+    import torch
+
     cce_missing = cut_cross_entropy_missing()
-    variants = [var for var in LCE_VARIANTS if var != "cce" or cce_missing is None]
+    skipped = []
     for dtype_name in ["f32", "bf16"]:
+        variants = [var for var in LCE_VARIANTS if var != "cce" or cce_missing is None]
+        # Three GEMMs of 2·N·D·V each (forward logits, dX, dW) at torch's rate for this dtype.
+        gflops = torch_gemm_gflops({"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name])
+        estimate = 3 * 2 * n * d * v / gflops / 1e9
+        if estimate > LONGEST_TORCH_CALL_S:
+            variants = ["flatpeak"]
+            skipped.append(f"torch's {dtype_name} calls not run: torch's {dtype_name} GEMM runs at "
+                           f"{gflops:.1f} GFLOP/s on this CPU (no native {dtype_name} instructions), "
+                           f"so one call would take about {estimate / 60:.0f} minutes")
         # Rounds of every variant in turn, each in a fresh process: a slow spell of the machine
         # then lands on all of them alike, not on whichever happened to run in it. A variant's
         # peak is its largest over the rounds, its time its fastest.
@@ -177,6 +205,8 @@ def bench_lce(n, d, v, reps, rounds):
               f"{ours_time / direct:.3f} |")
     if cce_missing is not None:
         print(f"\nCut Cross-Entropy not measured ({cce_missing}).")
+    for note in skipped:
+        print(f"\n{note}.")
     print()
 
 
