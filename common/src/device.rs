@@ -135,6 +135,27 @@ mod imp {
     }
 }
 
+/// What an element of a device buffer needs: with feature `cuda`, that cudarc can copy it and
+/// zero it (`DeviceRepr`, `ValidAsZeroBits`: every float and integer type can); without it,
+/// nothing. The bound every crate's device-generic code states once.
+#[cfg(feature = "cuda")]
+pub trait DeviceElement:
+    crate::cuda::cudarc::driver::DeviceRepr + crate::cuda::cudarc::driver::ValidAsZeroBits
+{
+}
+#[cfg(feature = "cuda")]
+impl<T> DeviceElement for T where
+    T: crate::cuda::cudarc::driver::DeviceRepr + crate::cuda::cudarc::driver::ValidAsZeroBits
+{
+}
+/// What an element of a device buffer needs: with feature `cuda`, that cudarc can copy it and
+/// zero it (`DeviceRepr`, `ValidAsZeroBits`: every float and integer type can); without it,
+/// nothing. The bound every crate's device-generic code states once.
+#[cfg(not(feature = "cuda"))]
+pub trait DeviceElement {}
+#[cfg(not(feature = "cuda"))]
+impl<T> DeviceElement for T {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

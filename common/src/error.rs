@@ -278,8 +278,9 @@ impl HasErrorKind for Error {
 /// `Internal { invariant }` (a bug in flatpeak, never the caller's mistake) and
 /// `Common(flatpeak_common::Error)` — with `Error::invalid_config(field, value, reason)`, which
 /// writes the offending value with `{:?}`, `Error::internal(invariant)`, and `Error::kind()`,
-/// which sorts every variant into an [`ErrorKind`]: the shared ones here, the crate's own by the
-/// crate's `fn own_kind(&self) -> ErrorKind` (which the crate writes, naming each variant).
+/// which sorts every variant into an [`ErrorKind`]: the shared ones here, the crate's own as its
+/// `kinds { Kind: Variant, …; }` list after the enum says (the match is exhaustive: a variant
+/// left out of the list does not compile).
 /// `From<flatpeak_common::Error>` lifts common's `InvalidConfig`, `ShapeMismatch` and `Internal`
 /// into the crate's own variants, so one mistake is one variant. The enum derives `Debug`,
 /// `Clone`, `PartialEq` and `thiserror::Error` (the crate depends on `thiserror`) and is
@@ -296,13 +297,8 @@ impl HasErrorKind for Error {
 ///             layer: usize,
 ///         },
 ///     }
-/// }
-/// impl Error {
-///     fn own_kind(&self) -> flatpeak_common::ErrorKind {
-///         match self {
-///             Self::LayerOutOfRange { .. } => flatpeak_common::ErrorKind::Value,
-///             _ => unreachable!("the shared variants are sorted by kind()"),
-///         }
+///     kinds {
+///         Value: LayerOutOfRange;
 ///     }
 /// }
 /// let e = Error::invalid_config("slots", 0usize, "at least 1");
@@ -318,7 +314,10 @@ impl HasErrorKind for Error {
 /// ```
 #[macro_export]
 macro_rules! error_vocabulary {
-    ($(#[$attr:meta])* $vis:vis enum $name:ident { $($variants:tt)* }) => {
+    (
+        $(#[$attr:meta])* $vis:vis enum $name:ident { $($variants:tt)* }
+        kinds { $($kind:ident: $($variant:ident),+;)+ }
+    ) => {
         $(#[$attr])*
         #[derive(Debug, Clone, PartialEq, ::thiserror::Error)]
         #[non_exhaustive]
@@ -393,8 +392,7 @@ macro_rules! error_vocabulary {
                     Self::WrongDevice { .. } => $crate::ErrorKind::Type,
                     Self::Internal { .. } => $crate::ErrorKind::Runtime,
                     Self::Common(e) => e.kind(),
-                    #[allow(unreachable_patterns)]
-                    _ => self.own_kind(),
+                    $($(Self::$variant { .. })|+ => $crate::ErrorKind::$kind,)+
                 }
             }
         }

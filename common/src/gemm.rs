@@ -89,13 +89,11 @@ impl<T: GemmScalar> MatmulOptions<T> {
     pub fn with_accumulate(accumulate: Accumulate) -> Self {
         Self { accumulate, ..Self::default() }
     }
-    /// These options on the given number of threads.
-    pub fn threads(self, threads: Threads) -> Self {
-        Self { threads, ..self }
-    }
-    /// These options with the product scaled by `scale`.
-    pub fn scale(self, scale: T) -> Self {
-        Self { scale, ..self }
+    crate::setters! {
+        /// These options on the given number of threads.
+        threads: Threads,
+        /// These options with the product scaled by `scale`.
+        scale: T,
     }
 }
 

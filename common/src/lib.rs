@@ -49,6 +49,7 @@ pub mod numerics;
 pub mod peak;
 pub mod precision;
 pub mod rng;
+mod setters;
 pub mod workspace;
 
 #[cfg(feature = "cuda")]
@@ -70,7 +71,7 @@ pub mod testing;
 pub use arena::{Arena, Region};
 pub use budget::Budget;
 pub use comm::{Communicator, CommunicatorExt, LocalComm, LocalGroup, LocalGroupOptions, ReduceOp};
-pub use device::{Device, cuda_available, cuda_device_count, nvrtc_available};
+pub use device::{Device, DeviceElement, cuda_available, cuda_device_count, nvrtc_available};
 pub use dtype::DType;
 pub use error::{Error, ErrorKind, HasErrorKind, Result};
 pub use link::Link;

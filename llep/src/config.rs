@@ -282,58 +282,33 @@ impl Config {
     pub fn with_scheme(scheme: Scheme) -> Self {
         Self { scheme, ..Self::default() }
     }
-    /// This config with another scheme.
-    pub fn scheme(self, scheme: Scheme) -> Self {
-        Self { scheme, ..self }
-    }
-    /// This config with capacity factor α.
-    pub fn alpha(self, alpha: f64) -> Self {
-        Self { alpha, ..self }
-    }
-    /// This config with minimum spill chunk m.
-    pub fn min_chunk(self, min_chunk: usize) -> Self {
-        Self { min_chunk, ..self }
-    }
-    /// This config with imbalance threshold λ.
-    pub fn imbalance_threshold(self, imbalance_threshold: f64) -> Self {
-        Self { imbalance_threshold, ..self }
-    }
-    /// This config with another pair cap.
-    pub fn pair_cap(self, pair_cap: PairCap) -> Self {
-        Self { pair_cap, ..self }
-    }
-    /// This config with F_max foreign-expert slots.
-    pub fn foreign_slots(self, foreign_slots: usize) -> Self {
-        Self { foreign_slots, ..self }
-    }
-    /// This config with another spill split.
-    pub fn spill_split(self, spill_split: SpillSplit) -> Self {
-        Self { spill_split, ..self }
-    }
-    /// This config with another chunking.
-    pub fn chunking(self, chunking: Chunking) -> Self {
-        Self { chunking, ..self }
-    }
-    /// This config in another mode.
-    pub fn mode(self, mode: Mode) -> Self {
-        Self { mode, ..self }
-    }
-    /// This config with D copies of the dispatch buffers.
-    pub fn pipeline_depth(self, pipeline_depth: usize) -> Self {
-        Self { pipeline_depth, ..self }
-    }
-
-    /// This config with expert GEMMs on these threads.
-    pub fn gemm_threads(self, gemm_threads: Threads) -> Self {
-        Self { gemm_threads, ..self }
-    }
-    /// This config with this CPU kernel for bf16 GEMMs ([`Bf16Kernel`]).
-    pub fn bf16_kernel(self, bf16_kernel: Bf16Kernel) -> Self {
-        Self { bf16_kernel, ..self }
-    }
-    /// This config reading the expert weights in another layout.
-    pub fn weight_layout(self, weight_layout: WeightLayout) -> Self {
-        Self { weight_layout, ..self }
+    flatpeak_common::setters! {
+        /// This config with another scheme.
+        scheme: Scheme,
+        /// This config with capacity factor α.
+        alpha: f64,
+        /// This config with minimum spill chunk m.
+        min_chunk: usize,
+        /// This config with imbalance threshold λ.
+        imbalance_threshold: f64,
+        /// This config with another pair cap.
+        pair_cap: PairCap,
+        /// This config with F_max foreign-expert slots.
+        foreign_slots: usize,
+        /// This config with another spill split.
+        spill_split: SpillSplit,
+        /// This config with another chunking.
+        chunking: Chunking,
+        /// This config in another mode.
+        mode: Mode,
+        /// This config with D copies of the dispatch buffers.
+        pipeline_depth: usize,
+        /// This config with expert GEMMs on these threads.
+        gemm_threads: Threads,
+        /// This config with this CPU kernel for bf16 GEMMs ([`Bf16Kernel`]).
+        bf16_kernel: Bf16Kernel,
+        /// This config reading the expert weights in another layout.
+        weight_layout: WeightLayout,
     }
 
     /// Checks every option's domain (NaN is never valid).

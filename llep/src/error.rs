@@ -90,22 +90,8 @@ pub enum Error {
         found: flatpeak_common::DType,
     },
 }
+kinds {
+    Value: ExpertOutOfRange, NegativeExpert, NonFiniteWeight, ExpertsNotDivisible, InvalidProfile, ScheduleMismatch;
+    Type: UnsupportedDtype, DtypeMismatch;
 }
-
-impl Error {
-    /// The kind of this crate's own variants (the shared ones are sorted by `kind()`).
-    fn own_kind(&self) -> flatpeak_common::ErrorKind {
-        use flatpeak_common::ErrorKind;
-        match self {
-            Self::ExpertOutOfRange { .. }
-            | Self::NegativeExpert { .. }
-            | Self::NonFiniteWeight { .. }
-            | Self::ExpertsNotDivisible { .. }
-            | Self::InvalidProfile { .. }
-            | Self::ScheduleMismatch { .. } => ErrorKind::Value,
-            Self::UnsupportedDtype { .. } | Self::DtypeMismatch { .. } => ErrorKind::Type,
-            // The shared variants, sorted by `kind()` before this is asked.
-            _ => ErrorKind::Runtime,
-        }
-    }
 }

@@ -83,37 +83,23 @@ impl Default for Config {
 }
 
 impl Config {
-    /// This config skipping targets equal to `ignore_index`.
-    pub fn ignore_index(self, ignore_index: i64) -> Self {
-        Self { ignore_index, ..self }
-    }
-    /// This config with this reduction.
-    pub fn reduction(self, reduction: Reduction) -> Self {
-        Self { reduction, ..self }
-    }
-    /// This config with label smoothing α.
-    pub fn label_smoothing(self, label_smoothing: f32) -> Self {
-        Self { label_smoothing, ..self }
-    }
-    /// This config with z-loss coefficient λ.
-    pub fn z_loss(self, z_loss: f32) -> Self {
-        Self { z_loss, ..self }
-    }
-    /// This config with this logit soft-capping.
-    pub fn softcap(self, softcap: Softcap) -> Self {
-        Self { softcap, ..self }
-    }
-    /// This config predicting `targets[i + shift]` from row i.
-    pub fn shift(self, shift: usize) -> Self {
-        Self { shift, ..self }
-    }
-    /// This config with these GEMMs ([`Precision`]).
-    pub fn precision(self, precision: Precision) -> Self {
-        Self { precision, ..self }
-    }
-    /// This config with this CPU kernel for bf16 GEMMs ([`Bf16Kernel`]).
-    pub fn bf16_kernel(self, bf16_kernel: Bf16Kernel) -> Self {
-        Self { bf16_kernel, ..self }
+    flatpeak_common::setters! {
+        /// This config skipping targets equal to `ignore_index`.
+        ignore_index: i64,
+        /// This config with this reduction.
+        reduction: Reduction,
+        /// This config with label smoothing α.
+        label_smoothing: f32,
+        /// This config with z-loss coefficient λ.
+        z_loss: f32,
+        /// This config with this logit soft-capping.
+        softcap: Softcap,
+        /// This config predicting `targets[i + shift]` from row i.
+        shift: usize,
+        /// This config with these GEMMs ([`Precision`]).
+        precision: Precision,
+        /// This config with this CPU kernel for bf16 GEMMs ([`Bf16Kernel`]).
+        bf16_kernel: Bf16Kernel,
     }
 
     /// The precision on a host backend (the CPU path, the host ring, the emulator): every

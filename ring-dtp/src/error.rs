@@ -66,21 +66,8 @@ pub enum Error {
         backend: &'static str,
     },
 }
+kinds {
+    Value: TargetOutOfRange, InvalidWeight, GradOutputKind, UnsupportedPrecision, UnsupportedSelection;
+    Type: DtypeMismatch;
 }
-
-impl Error {
-    /// The kind of this crate's own variants (the shared ones are sorted by `kind()`).
-    fn own_kind(&self) -> flatpeak_common::ErrorKind {
-        use flatpeak_common::ErrorKind;
-        match self {
-            Self::TargetOutOfRange { .. }
-            | Self::InvalidWeight { .. }
-            | Self::GradOutputKind { .. }
-            | Self::UnsupportedPrecision { .. }
-            | Self::UnsupportedSelection { .. } => ErrorKind::Value,
-            Self::DtypeMismatch { .. } => ErrorKind::Type,
-            // The shared variants, sorted by `kind()` before this is asked.
-            _ => ErrorKind::Runtime,
-        }
-    }
 }

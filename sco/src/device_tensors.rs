@@ -19,34 +19,8 @@ use crate::store::{Host, Tensors};
 
 /// An element both backends built in can hold: plain old data, and with the `cuda` feature one
 /// cudarc can copy (every float and integer type is both).
-#[cfg(feature = "cuda")]
-pub trait BoundaryElement:
-    Pod
-    + Send
-    + Sync
-    + Debug
-    + 'static
-    + flatpeak_common::cuda::cudarc::driver::DeviceRepr
-    + flatpeak_common::cuda::cudarc::driver::ValidAsZeroBits
-{
-}
-#[cfg(feature = "cuda")]
-impl<T> BoundaryElement for T where
-    T: Pod
-        + Send
-        + Sync
-        + Debug
-        + 'static
-        + flatpeak_common::cuda::cudarc::driver::DeviceRepr
-        + flatpeak_common::cuda::cudarc::driver::ValidAsZeroBits
-{
-}
-/// An element both backends built in can hold: plain old data, and with the `cuda` feature one
-/// cudarc can copy (every float and integer type is both).
-#[cfg(not(feature = "cuda"))]
-pub trait BoundaryElement: Pod + Send + Sync + Debug + 'static {}
-#[cfg(not(feature = "cuda"))]
-impl<T: Pod + Send + Sync + Debug + 'static> BoundaryElement for T {}
+pub trait BoundaryElement: Pod + Send + Sync + Debug + flatpeak_common::DeviceElement + 'static {}
+impl<T: Pod + Send + Sync + Debug + flatpeak_common::DeviceElement + 'static> BoundaryElement for T {}
 
 /// Where a family's tensors live.
 #[derive(Debug)]

@@ -57,20 +57,8 @@ pub enum Error {
         waited: std::time::Duration,
     },
 }
+kinds {
+    Value: LayerOutOfRange, AlreadyOffloaded, NotOffloaded, RingFull;
+    Runtime: EngineStopped, Timeout;
 }
-
-impl Error {
-    /// The kind of this crate's own variants (the shared ones are sorted by `kind()`).
-    fn own_kind(&self) -> flatpeak_common::ErrorKind {
-        use flatpeak_common::ErrorKind;
-        match self {
-            Self::LayerOutOfRange { .. }
-            | Self::AlreadyOffloaded { .. }
-            | Self::NotOffloaded { .. }
-            | Self::RingFull { .. } => ErrorKind::Value,
-            Self::EngineStopped { .. } | Self::Timeout { .. } => ErrorKind::Runtime,
-            // The shared variants, sorted by `kind()` before this is asked.
-            _ => ErrorKind::Runtime,
-        }
-    }
 }

@@ -68,25 +68,17 @@ impl Default for Config {
 }
 
 impl Config {
-    /// This config with this schedule.
-    pub fn schedule(self, schedule: StepSchedule) -> Self {
-        Self { schedule, ..self }
-    }
-    /// This config with buckets of `bucket_elems` elements.
-    pub fn bucket_elems(self, bucket_elems: usize) -> Self {
-        Self { bucket_elems, ..self }
-    }
-    /// This config with `slots` staging slots per direction.
-    pub fn slots(self, slots: usize) -> Self {
-        Self { slots, ..self }
-    }
-    /// This config leaving `on_failure` behind a step that fails partway.
-    pub fn on_failure(self, on_failure: OnFailure) -> Self {
-        Self { on_failure, ..self }
-    }
-    /// This config starting with `hyperparameters`.
-    pub fn hyperparameters(self, hyperparameters: Hyperparameters) -> Self {
-        Self { hyperparameters, ..self }
+    flatpeak_common::setters! {
+        /// This config with this schedule.
+        schedule: StepSchedule,
+        /// This config with buckets of `bucket_elems` elements.
+        bucket_elems: usize,
+        /// This config with `slots` staging slots per direction.
+        slots: usize,
+        /// This config leaving `on_failure` behind a step that fails partway.
+        on_failure: OnFailure,
+        /// This config starting with `hyperparameters`.
+        hyperparameters: Hyperparameters,
     }
 
     /// Checks every field's domain: `bucket_elems` a positive multiple of [`BUCKET_ALIGN`],

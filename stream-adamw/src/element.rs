@@ -11,28 +11,8 @@ mod sealed {
     impl Sealed for half::f16 {}
 }
 
-/// What a device buffer element needs: with feature `cuda`, cudarc's `DeviceRepr` and
-/// `ValidAsZeroBits`; without it, nothing.
-#[cfg(feature = "cuda")]
-pub trait DeviceElement:
-    flatpeak_common::cuda::cudarc::driver::DeviceRepr + flatpeak_common::cuda::cudarc::driver::ValidAsZeroBits
-{
-}
-#[cfg(feature = "cuda")]
-impl<T> DeviceElement for T where
-    T: flatpeak_common::cuda::cudarc::driver::DeviceRepr
-        + flatpeak_common::cuda::cudarc::driver::ValidAsZeroBits
-{
-}
-/// What a device buffer element needs: with feature `cuda`, cudarc's `DeviceRepr` and
-/// `ValidAsZeroBits`; without it, nothing.
-#[cfg(not(feature = "cuda"))]
-pub trait DeviceElement {}
-#[cfg(not(feature = "cuda"))]
-impl<T> DeviceElement for T {}
-
 /// A gradient element type.
-pub trait GradElement: bytemuck::Pod + Send + Sync + DeviceElement + sealed::Sealed {
+pub trait GradElement: bytemuck::Pod + Send + Sync + flatpeak_common::DeviceElement + sealed::Sealed {
     /// The storage type.
     const DTYPE: DType;
     /// The gradients as f32: `src` itself for f32, else widened (exactly) into `tmp`.
@@ -68,7 +48,9 @@ impl GradElement for f16 {
 }
 
 /// A parameter element type for the copy sent back to the device.
-pub trait ParamElement: bytemuck::Pod + Send + Sync + DeviceElement + sealed::Sealed {
+pub trait ParamElement:
+    bytemuck::Pod + Send + Sync + flatpeak_common::DeviceElement + sealed::Sealed
+{
     /// The storage type.
     const DTYPE: DType;
     /// Writes `src` rounded to nearest even into `dst` (same length).

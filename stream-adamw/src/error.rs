@@ -55,19 +55,8 @@ pub enum Error {
         buckets: usize,
     },
 }
+kinds {
+    Value: StateMismatch, InvalidState, StepOverflow;
+    Runtime: PipelineStage, Poisoned;
 }
-
-impl Error {
-    /// The kind of this crate's own variants (the shared ones are sorted by `kind()`).
-    fn own_kind(&self) -> flatpeak_common::ErrorKind {
-        use flatpeak_common::ErrorKind;
-        match self {
-            Self::StateMismatch { .. } | Self::InvalidState { .. } | Self::StepOverflow { .. } => {
-                ErrorKind::Value
-            }
-            Self::PipelineStage { .. } | Self::Poisoned { .. } => ErrorKind::Runtime,
-            // The shared variants, sorted by `kind()` before this is asked.
-            _ => ErrorKind::Runtime,
-        }
-    }
 }

@@ -79,33 +79,25 @@ fn check(name: &'static str, value: f64, ok: bool, expected: &'static str) -> Re
 }
 
 impl Hyperparameters {
-    /// These hyperparameters with learning rate `lr`.
-    pub fn lr(self, lr: f64) -> Self {
-        Self { lr, ..self }
+    flatpeak_common::setters! {
+        /// These hyperparameters with learning rate `lr`.
+        lr: f64,
     }
     /// These hyperparameters with `(β1, β2)`.
     pub fn betas(self, beta1: f64, beta2: f64) -> Self {
         Self { beta1, beta2, ..self }
     }
-    /// These hyperparameters with ε.
-    pub fn eps(self, eps: f64) -> Self {
-        Self { eps, ..self }
-    }
-    /// These hyperparameters with decoupled weight decay λ.
-    pub fn weight_decay(self, weight_decay: f64) -> Self {
-        Self { weight_decay, ..self }
-    }
-    /// These hyperparameters with this variant (Adam or AMSGrad).
-    pub fn variant(self, variant: Variant) -> Self {
-        Self { variant, ..self }
-    }
-    /// These hyperparameters minimizing or maximizing.
-    pub fn objective(self, objective: Objective) -> Self {
-        Self { objective, ..self }
-    }
-    /// These hyperparameters with this gradient clipping.
-    pub fn clip(self, clip: GradClip) -> Self {
-        Self { clip, ..self }
+    flatpeak_common::setters! {
+        /// These hyperparameters with ε.
+        eps: f64,
+        /// These hyperparameters with decoupled weight decay λ.
+        weight_decay: f64,
+        /// These hyperparameters with this variant (Adam or AMSGrad).
+        variant: Variant,
+        /// These hyperparameters minimizing or maximizing.
+        objective: Objective,
+        /// These hyperparameters with this gradient clipping.
+        clip: GradClip,
     }
 
     /// Checks every hyperparameter's domain, in the precision the kernel uses (f32); NaN is
