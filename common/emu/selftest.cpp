@@ -278,11 +278,37 @@ void test_semantics() {
     check("oversized dynamic shared request is rejected", o.rc == FLATPEAK_EMU_BAD_CONFIG, o.message);
 }
 
+// A broken kernel of one block writing `out`: the block size and schedule that break it, and
+// what the emulator must report.
+struct BrokenLaunch {
+    std::string name;
+    unsigned threads;
+    unsigned schedule;
+    void (*kernel)(float* out);
+    const char* report;
+};
+
 void test_broken() {
     std::vector<float> out(1024), x(1024, 1.0f);
-    expect_error("(a) static shared array indexed out of bounds",
-                 launch(dim3(1), dim3(64), 0, [&] { broken_oob_shared(out.data()); }),
-                 "index 32 out of bounds for type 'float [32]' at ");
+    const BrokenLaunch one_block[] = {
+        {"(a) static shared array indexed out of bounds", 64, 0, broken_oob_shared,
+         "index 32 out of bounds for type 'float [32]' at "},
+        {"(c) __shfl_down_sync, mask 0x0000ffff, all 32 lanes, schedule 0", 32, 0, broken_shfl_mask,
+         "with mask 0x0000ffff that excludes itself"},
+        {"(c) __shfl_down_sync, mask 0x0000ffff, all 32 lanes, schedule 1", 32, 1, broken_shfl_mask,
+         "with mask 0x0000ffff that excludes itself"},
+        {"(d) __syncthreads inside if (threadIdx.x < 16)", 32, 0, broken_sync_in_branch,
+         "reached by 16 of 32 threads; the others exited"},
+        {"(d') __syncthreads at different call sites", 32, 1, broken_sync_divergent, "divergent __syncthreads"},
+        {"lanes exiting before a full-mask shuffle: a deadlock naming op, mask, lanes", 64, 0,
+         broken_exit_before_shfl, "deadlock in __shfl_down_sync with mask 0xffffffff"},
+        {"__shfl_sync source lane outside the mask", 32, 0, broken_shfl_src_outside, "reads lane 16 not in mask"},
+        {"full mask in a partial warp (48 threads)", 48, 0, [](float* o) { partial_warp(o, 1); },
+         "lanes 16-31 do not exist"},
+    };
+    for (const BrokenLaunch& c : one_block)
+        expect_error(c.name, launch(dim3(1), dim3(c.threads), c.schedule, [&] { c.kernel(out.data()); }),
+                     c.report);
 
     std::vector<float> xs(512), s0(2), s1(2);
     for (size_t i = 0; i < xs.size(); ++i) xs[i] = (float)(i + 1);
@@ -294,17 +320,6 @@ void test_broken() {
     check("(b) missing __syncthreads: outputs differ between schedule 0 and 1",
           a.rc == 0 && b.rc == 0 && s0 != s1, d);
 
-    for (unsigned sched = 0; sched < 2; ++sched)
-        expect_error("(c) __shfl_down_sync, mask 0x0000ffff, all 32 lanes, schedule " + std::to_string(sched),
-                     launch(dim3(1), dim3(32), sched, [&] { broken_shfl_mask(out.data()); }),
-                     "with mask 0x0000ffff that excludes itself");
-    expect_error("(d) __syncthreads inside if (threadIdx.x < 16)",
-                 launch(dim3(1), dim3(32), 0, [&] { broken_sync_in_branch(out.data()); }),
-                 "reached by 16 of 32 threads; the others exited");
-    expect_error("(d') __syncthreads at different call sites",
-                 launch(dim3(1), dim3(32), 1, [&] { broken_sync_divergent(out.data()); }),
-                 "divergent __syncthreads");
-
     std::vector<float> rev(64);
     const size_t bytes = 64 * sizeof(float);
     Outcome ok = launch(dim3(2), dim3(64), 0, [&] { dyn_shared_reverse(x.data(), rev.data(), 0); }, bytes);
@@ -313,16 +328,6 @@ void test_broken() {
     expect_error("(e) dynamic shared write past the requested bytes",
                  launch(dim3(2), dim3(64), 0, [&] { dyn_shared_reverse(x.data(), rev.data(), 1); }, bytes),
                  "dynamic shared memory written out of bounds (requested 256 bytes, written at offset 256)");
-
-    expect_error("lanes exiting before a full-mask shuffle: a deadlock naming op, mask, lanes",
-                 launch(dim3(1), dim3(64), 0, [&] { broken_exit_before_shfl(out.data()); }),
-                 "deadlock in __shfl_down_sync with mask 0xffffffff");
-    expect_error("__shfl_sync source lane outside the mask",
-                 launch(dim3(1), dim3(32), 0, [&] { broken_shfl_src_outside(out.data()); }),
-                 "reads lane 16 not in mask");
-    expect_error("full mask in a partial warp (48 threads)",
-                 launch(dim3(1), dim3(48), 0, [&] { partial_warp(out.data(), 1); }),
-                 "lanes 16-31 do not exist");
 }
 
 }  // namespace

@@ -3,33 +3,35 @@
 // like every project kernel: g++ -x c++ -include simt_emu.hpp -I include -fsanitize=bounds.
 #include <cuda_bf16.h>
 
+// Whether the shared-memory tree below waits for every thread after each level.
+enum class LevelBarrier { On, Off };
+
 // out[blockIdx.x] = Σ x over the block's slice, by the classic shared-memory tree (blockDim.x a
-// power of two, at most 256).
-extern "C" __global__ void block_reduce_sum(const float* __restrict__ x, unsigned n,
-                                            float* __restrict__ out) {
+// power of two, at most 256), with or without the barrier inside the loop.
+template <LevelBarrier barrier>
+__device__ void tree_sum(const float* __restrict__ x, unsigned n, float* __restrict__ out) {
     __shared__ float s[256];
     const unsigned t = threadIdx.x, i = blockIdx.x * blockDim.x + t;
     s[t] = i < n ? x[i] : 0.0f;
     __syncthreads();
     for (unsigned stride = blockDim.x / 2; stride > 0; stride >>= 1) {
         if (t < stride) s[t] += s[t + stride];
-        __syncthreads();
+        if (barrier == LevelBarrier::On) __syncthreads();
     }
     if (t == 0) out[blockIdx.x] = s[0];
+}
+
+// The correct tree.
+extern "C" __global__ void block_reduce_sum(const float* __restrict__ x, unsigned n,
+                                            float* __restrict__ out) {
+    tree_sum<LevelBarrier::On>(x, n, out);
 }
 
 // BROKEN (b): the same tree without the barrier inside the loop. A thread may read s[t + stride]
 // before its owner updated it, so the result depends on the interleaving.
 extern "C" __global__ void broken_reduce_nosync(const float* __restrict__ x, unsigned n,
                                                 float* __restrict__ out) {
-    __shared__ float s[256];
-    const unsigned t = threadIdx.x, i = blockIdx.x * blockDim.x + t;
-    s[t] = i < n ? x[i] : 0.0f;
-    __syncthreads();
-    for (unsigned stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (t < stride) s[t] += s[t + stride];
-    }
-    if (t == 0) out[blockIdx.x] = s[0];
+    tree_sum<LevelBarrier::Off>(x, n, out);
 }
 
 // BROKEN (a): a 32-entry tile indexed by a 64-thread block.
