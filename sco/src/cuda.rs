@@ -228,12 +228,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
     }
 
     fn copy_out(&mut self, layer: usize, slot: usize) -> Result<()> {
-        let s = self.plan.boundary_elems();
         let (src, record_read) = self.slots[slot].device_ptr(&self.d2h);
-        let arena = self.arena.as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
-        let dst = arena
-            .get_mut(layer * s..(layer + 1) * s)
-            .ok_or(Error::LayerOutOfRange { layer, layers: self.plan.layers() })?;
+        let dst = arena_layer_mut(&mut self.arena, &self.plan, layer)?;
         // SAFETY: the arena outlives the copy (it is only freed with `self`, after `finish_step`
         // or drop synchronises); `layer`'s region is not read before `d2h_done[layer]` fires;
         // `src` holds `s` elements; the d2h stream waits on the slot's write event (cudarc).
@@ -255,13 +251,9 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
         let Some(slot) = self.ring.start_h2d(layer, reserved)? else {
             return Ok(());
         };
-        let s = self.plan.boundary_elems();
         self.h2d.wait(&self.d2h_done[layer]).map_err(cuda_error("cuStreamWaitEvent"))?;
         let (dst, record_write) = self.slots[slot].device_ptr_mut(&self.h2d);
-        let arena = self.arena.as_slice().map_err(cuda_error("cuEventSynchronize"))?;
-        let src = arena
-            .get(layer * s..(layer + 1) * s)
-            .ok_or(Error::LayerOutOfRange { layer, layers: self.plan.layers() })?;
+        let src = arena_layer(&self.arena, &self.plan, layer)?;
         // SAFETY: the h2d stream waits on the boundary's D2H (above) and on the slot's last
         // read and write (cudarc's events), so it neither reads a half-written arena region nor
         // overwrites a slot still in use; the arena outlives the copy.
@@ -380,6 +372,36 @@ impl<T: DeviceRepr + ValidAsZeroBits + fmt::Debug + 'static> CheckpointStore for
     fn high_water_bytes(&self) -> usize {
         CudaCheckpointOffloader::high_water_bytes(self)
     }
+}
+
+/// `layer`'s boundary in the pinned host arena (`s` elements at `layer·s`), once the arena's
+/// last recorded use has completed.
+fn arena_layer<'a, T: flatpeak_common::DeviceElement>(
+    arena: &'a PinnedHostSlice<T>,
+    plan: &Plan,
+    layer: usize,
+) -> Result<&'a [T]> {
+    let range = arena_range(plan, layer);
+    let all = arena.as_slice().map_err(cuda_error("cuEventSynchronize"))?;
+    all.get(range).ok_or(Error::LayerOutOfRange { layer, layers: plan.layers() })
+}
+
+/// [`arena_layer`], writable.
+fn arena_layer_mut<'a, T: flatpeak_common::DeviceElement>(
+    arena: &'a mut PinnedHostSlice<T>,
+    plan: &Plan,
+    layer: usize,
+) -> Result<&'a mut [T]> {
+    let range = arena_range(plan, layer);
+    let all = arena.as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
+    all.get_mut(range).ok_or(Error::LayerOutOfRange { layer, layers: plan.layers() })
+}
+
+/// The elements of `layer`'s boundary in the arena (saturating: a layer past the end is then
+/// out of range of the arena).
+fn arena_range(plan: &Plan, layer: usize) -> std::ops::Range<usize> {
+    let s = plan.boundary_elems();
+    layer.saturating_mul(s)..layer.saturating_add(1).saturating_mul(s)
 }
 
 #[cfg(test)]
