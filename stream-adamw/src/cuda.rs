@@ -22,7 +22,7 @@ use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::hyperparameters::StepScalars;
 use crate::kernels::{STATS_THREADS, STREAM_ADAMW, grad_sq_entry};
-use crate::pipeline::{CopyEngines, Fault, FaultPoints, StepState, injected, run_step};
+use crate::pipeline::{CopyEngines, FaultPoints, Staged, StepState, injected, run_step};
 use crate::plan::Plan;
 use crate::state::OptimizerState;
 use crate::step::StageTimes;
@@ -136,15 +136,15 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
     /// An injected `fault` (feature `testing`) fails its stage when the stage is issued.
     pub(crate) fn run(
         &mut self,
-        (plan, fault): (&Plan, Option<Fault>),
+        plan: &Plan,
+        faults: &FaultPoints,
         state: StepState<'_>,
         device: &mut CudaDevice<G, P>,
         scalars: &StepScalars,
         times: &mut StageTimes,
     ) -> Result<()> {
-        let faults = FaultPoints::new(plan, fault);
         let mut engines = CudaEngines { offload: self, device, waited: [Duration::ZERO; 2], faults };
-        let ran = run_step(&mut engines, plan, state, scalars, times);
+        let ran = run_step(&mut engines, plan, faults, state, scalars, times);
         // On an error the copies already issued still land before the step returns.
         let drained = engines.drain();
         ran.and(drained)
@@ -157,7 +157,7 @@ struct CudaEngines<'a, G: DeviceRepr, P: DeviceRepr> {
     offload: &'a mut CudaOffload<G, P>,
     device: &'a mut CudaDevice<G, P>,
     waited: [Duration; 2],
-    faults: FaultPoints,
+    faults: &'a FaultPoints,
 }
 
 impl<G: DeviceRepr, P: DeviceRepr> CudaEngines<'_, G, P> {
@@ -179,8 +179,10 @@ fn timed_wait(event: &CudaEvent, waited: &mut Duration) -> Result<()> {
 }
 
 impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
-    /// D2H of `grads[range]` into grad slot `slot` on the D2H stream; records `d2h_done[slot]`.
-    fn start_d2h(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
+    /// D2H of the bucket's gradients into its grad slot on the D2H stream; records the slot's
+    /// `d2h_done`.
+    fn start_d2h(&mut self, bucket: Staged) -> Result<()> {
+        let Staged { elements: range, slot } = bucket;
         injected("d2h", self.faults.d2h, &range)?;
         let o = &mut *self.offload;
         let view = self.device.grads.slice(range.clone());
@@ -199,8 +201,10 @@ impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
         timed_wait(&self.offload.d2h_done[slot], &mut self.waited[0])
     }
 
-    /// H2D of param slot `slot` into `params[range]` on the H2D stream; records `h2d_done[slot]`.
-    fn start_h2d(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
+    /// H2D of the bucket's param slot into its parameters on the H2D stream; records the slot's
+    /// `h2d_done`.
+    fn start_h2d(&mut self, bucket: Staged) -> Result<()> {
+        let Staged { elements: range, slot } = bucket;
         injected("h2d", self.faults.h2d, &range)?;
         let o = &mut *self.offload;
         let len = range.len();
@@ -222,11 +226,10 @@ impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
     fn adam(
         &mut self,
         state: &mut OptimizerState,
-        range: Range<usize>,
-        slot: usize,
+        bucket: Staged,
         scalars: &StepScalars,
     ) -> Result<Duration> {
-        injected("adam", self.faults.adam, &range)?;
+        let Staged { elements: range, slot } = bucket;
         let o = &mut *self.offload;
         let len = range.len();
         let grads = o.grad_slots[slot].as_slice().map_err(cuda_error("cuEventSynchronize"))?;

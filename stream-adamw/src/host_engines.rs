@@ -2,7 +2,6 @@
 //! order by the schedule of `pipeline.rs` (the one the CUDA path runs), with per-stage
 //! completion counters the schedule waits on; Adam runs on the calling thread's rayon pool.
 
-use std::ops::Range;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ScopedJoinHandle;
@@ -13,7 +12,7 @@ use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
 use crate::hyperparameters::StepScalars;
-use crate::pipeline::{CopyEngines, Fault, FaultPoints, StepState, injected, run_step};
+use crate::pipeline::{CopyEngines, FaultPoints, Staged, StepState, injected, run_step};
 use crate::plan::Plan;
 use crate::state::OptimizerState;
 use crate::step::StageTimes;
@@ -109,71 +108,86 @@ impl Drop for StageGuard<'_> {
     }
 }
 
-/// One copy job: the bucket's element range and its slot.
-type Job = (Range<usize>, usize);
-
 /// The CPU fallback's copy engines: a D2H and an H2D thread, each taking its jobs in issue
 /// order from a channel and counting them done in [`Progress`].
 struct HostEngines<'scope, 'a, G, P> {
     staging: &'a Staging<G, P>,
     progress: &'a Progress,
-    d2h: Option<Sender<Job>>,
-    h2d: Option<Sender<Job>>,
+    d2h: Option<Sender<Staged>>,
+    h2d: Option<Sender<Staged>>,
     threads: Option<[ScopedJoinHandle<'scope, Result<Duration>>; 2]>,
-    /// Jobs issued per direction, and per slot the count up to its latest job (0: none yet).
+    /// Copies issued per direction, and per slot the count up to its latest copy (0: none yet).
     issued: [usize; 2],
-    slot_job: [Vec<usize>; 2],
-    /// The first element of the bucket whose Adam an injected fault fails.
-    adam_fault: Option<usize>,
+    slot_copy: [Vec<usize>; 2],
 }
 
-const D2H: usize = 0;
-const H2D: usize = 1;
+/// Which way a copy goes (the index of its engine's counters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    D2h = 0,
+    H2d = 1,
+}
+
+impl Direction {
+    /// The stage name its errors carry.
+    fn stage(self) -> &'static str {
+        match self {
+            Self::D2h => "d2h",
+            Self::H2d => "h2d",
+        }
+    }
+}
 
 impl<G: GradElement, P: ParamElement> HostEngines<'_, '_, G, P> {
-    fn issue(&mut self, direction: usize, job: Job) -> Result<()> {
-        let stage = if direction == D2H { "d2h" } else { "h2d" };
-        let slot = job.1;
-        let sender = if direction == D2H { &self.d2h } else { &self.h2d };
-        let stopped = || Error::PipelineStage { stage, reason: "copy engine stopped".into() };
-        sender.as_ref().ok_or_else(stopped)?.send(job).map_err(|_| stopped())?;
-        self.issued[direction] += 1;
-        self.slot_job[direction][slot] = self.issued[direction];
+    fn issue(&mut self, direction: Direction, bucket: Staged) -> Result<()> {
+        let slot = bucket.slot;
+        let sender = match direction {
+            Direction::D2h => &self.d2h,
+            Direction::H2d => &self.h2d,
+        };
+        let stopped =
+            || Error::PipelineStage { stage: direction.stage(), reason: "copy engine stopped".into() };
+        sender.as_ref().ok_or_else(stopped)?.send(bucket).map_err(|_| stopped())?;
+        let d = direction as usize;
+        self.issued[d] += 1;
+        self.slot_copy[d][slot] = self.issued[d];
         Ok(())
     }
 
-    fn wait(&self, direction: usize, slot: usize) -> Result<()> {
-        let job = self.slot_job[direction][slot];
-        self.progress.wait(|c| if direction == D2H { c.d2h >= job } else { c.h2d >= job })
+    fn wait(&self, direction: Direction, slot: usize) -> Result<()> {
+        let copy = self.slot_copy[direction as usize][slot];
+        self.progress.wait(|c| match direction {
+            Direction::D2h => c.d2h >= copy,
+            Direction::H2d => c.h2d >= copy,
+        })
     }
 }
 
 impl<G: GradElement, P: ParamElement> CopyEngines for HostEngines<'_, '_, G, P> {
-    fn start_d2h(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
-        self.issue(D2H, (range, slot))
+    fn start_d2h(&mut self, bucket: Staged) -> Result<()> {
+        self.issue(Direction::D2h, bucket)
     }
     fn wait_d2h(&mut self, slot: usize) -> Result<()> {
-        self.wait(D2H, slot)
+        self.wait(Direction::D2h, slot)
     }
-    fn start_h2d(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
-        self.issue(H2D, (range, slot))
+    fn start_h2d(&mut self, bucket: Staged) -> Result<()> {
+        self.issue(Direction::H2d, bucket)
     }
     fn wait_h2d(&mut self, slot: usize) -> Result<()> {
-        self.wait(H2D, slot)
+        self.wait(Direction::H2d, slot)
     }
 
     fn adam(
         &mut self,
         state: &mut OptimizerState,
-        range: Range<usize>,
-        slot: usize,
+        bucket: Staged,
         scalars: &StepScalars,
     ) -> Result<Duration> {
-        injected("adam", self.adam_fault, &range)?;
+        let Staged { elements, slot } = bucket;
         let (grads, mut params) = (lock(&self.staging.grads[slot]), lock(&self.staging.params[slot]));
-        let len = range.len();
+        let len = elements.len();
         let start = Instant::now();
-        adamw_update(state.view(range), &grads[..len], ParamSink::Copy(&mut params[..len]), scalars);
+        adamw_update(state.view(elements), &grads[..len], ParamSink::Copy(&mut params[..len]), scalars);
         Ok(start.elapsed())
     }
 
@@ -192,20 +206,24 @@ impl<G: GradElement, P: ParamElement> CopyEngines for HostEngines<'_, '_, G, P> 
     }
 }
 
-/// One copy engine: takes jobs in order, copies each over `link`, counts it done; its busy time.
+/// One copy engine: takes its buckets in order, copies each over `link`, counts it done; its
+/// busy time.
 fn engine(
-    stage: &'static str,
-    jobs: Receiver<Job>,
+    direction: Direction,
+    buckets: Receiver<Staged>,
     progress: &Progress,
-    mut copy: impl FnMut(Range<usize>, usize) -> Result<Duration>,
+    mut copy: impl FnMut(Staged) -> Result<Duration>,
 ) -> Result<Duration> {
-    let guard = StageGuard::new(progress, stage);
+    let guard = StageGuard::new(progress, direction.stage());
     let mut busy = Duration::ZERO;
-    for (range, slot) in jobs {
+    for bucket in buckets {
         // A failing copy ends the engine: the guard marks the stage failed and every wait on it
         // returns an error instead of hanging.
-        busy += copy(range, slot)?;
-        progress.advance(|c| if stage == "d2h" { c.d2h += 1 } else { c.h2d += 1 });
+        busy += copy(bucket)?;
+        progress.advance(|c| match direction {
+            Direction::D2h => c.d2h += 1,
+            Direction::H2d => c.h2d += 1,
+        });
     }
     guard.finish(busy)
 }
@@ -213,7 +231,8 @@ fn engine(
 /// Runs `plan`'s schedule ([`run_step`]) on the CPU fallback's device: the copy engines are two
 /// threads for the length of the step.
 pub(crate) fn run_host<G: GradElement, P: ParamElement>(
-    (plan, fault): (&Plan, Option<Fault>),
+    plan: &Plan,
+    faults: &FaultPoints,
     state: StepState<'_>,
     staging: &Staging<G, P>,
     device: &mut HostDevice<G, P>,
@@ -222,27 +241,27 @@ pub(crate) fn run_host<G: GradElement, P: ParamElement>(
 ) -> Result<()> {
     let progress = Progress::default();
     let link = device.link;
-    let FaultPoints { d2h: d2h_fault, adam: adam_fault, h2d: h2d_fault } = FaultPoints::new(plan, fault);
+    let (d2h_fault, h2d_fault) = (faults.d2h, faults.h2d);
     let (device_grads, device_params) = (&device.grads, &mut device.params);
     let slots = staging.grads.len();
     std::thread::scope(|scope| {
-        let (d2h_tx, d2h_rx) = channel::<Job>();
-        let (h2d_tx, h2d_rx) = channel::<Job>();
+        let (d2h_tx, d2h_rx) = channel::<Staged>();
+        let (h2d_tx, h2d_rx) = channel::<Staged>();
         let progress = &progress;
         let d2h = scope.spawn(move || {
-            engine("d2h", d2h_rx, progress, |range, slot| {
-                injected("d2h", d2h_fault, &range)?;
+            engine(Direction::D2h, d2h_rx, progress, |Staged { elements, slot }| {
+                injected("d2h", d2h_fault, &elements)?;
                 let mut dst = lock(&staging.grads[slot]);
-                let len = range.len();
-                Ok(link.copy(&device_grads[range], &mut dst[..len]))
+                let len = elements.len();
+                Ok(link.copy(&device_grads[elements], &mut dst[..len]))
             })
         });
         let h2d = scope.spawn(move || {
-            engine("h2d", h2d_rx, progress, |range, slot| {
-                injected("h2d", h2d_fault, &range)?;
+            engine(Direction::H2d, h2d_rx, progress, |Staged { elements, slot }| {
+                injected("h2d", h2d_fault, &elements)?;
                 let src = lock(&staging.params[slot]);
-                let len = range.len();
-                Ok(link.copy(&src[..len], &mut device_params[range]))
+                let len = elements.len();
+                Ok(link.copy(&src[..len], &mut device_params[elements]))
             })
         });
         let mut engines = HostEngines {
@@ -252,10 +271,9 @@ pub(crate) fn run_host<G: GradElement, P: ParamElement>(
             h2d: Some(h2d_tx),
             threads: Some([d2h, h2d]),
             issued: [0, 0],
-            slot_job: [vec![0; slots], vec![0; slots]],
-            adam_fault,
+            slot_copy: [vec![0; slots], vec![0; slots]],
         };
-        let ran = run_step(&mut engines, plan, state, scalars, times);
+        let ran = run_step(&mut engines, plan, faults, state, scalars, times);
         // On an error the engines still end (their channels close) before the scope joins them.
         let finished = engines.finish();
         ran.and(finished.map(|_| ()))

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::host::HostDevice;
 use crate::host_engines::{Staging, run_host};
 use crate::hyperparameters::{Hyperparameters, Variant};
-use crate::pipeline::{Fault, StepState};
+use crate::pipeline::{Fault, FaultPoints, StepState};
 use crate::plan::{Plan, Shape};
 use crate::state::{OptimizerState, StateDict};
 use crate::step::{StageTimes, StepDecision, StepOptions, StepReport};
@@ -336,16 +336,16 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         }
         let step = StepDecision::next_step(self.state.step)?;
         let scalars = decision.scalars(&self.hyperparameters, step);
-        let (mut applied, fault) = (0, self.fault.take());
+        let (mut applied, faults) = (0, FaultPoints::new(&self.plan, self.fault.take()));
         let step_state =
             StepState { state: &mut self.state, applied: &mut applied, journal: self.journal.as_mut() };
         let ran = match (&mut self.backend, &mut *buffers) {
             (Backend::Host(staging), StepBuffers::Host(device)) => {
-                run_host((&self.plan, fault), step_state, staging, device, &scalars, &mut times)
+                run_host(&self.plan, &faults, step_state, staging, device, &scalars, &mut times)
             }
             #[cfg(feature = "cuda")]
             (Backend::Cuda(offload), StepBuffers::Cuda(device)) => {
-                offload.run((&self.plan, fault), step_state, device, &scalars, &mut times)
+                offload.run(&self.plan, &faults, step_state, device, &scalars, &mut times)
             }
             #[cfg(feature = "cuda")]
             _ => Err(Error::internal("the buffers' device was checked against the backend's")),

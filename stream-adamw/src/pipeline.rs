@@ -57,6 +57,14 @@ impl FaultPoints {
     }
 }
 
+/// One bucket on its way through the pipeline: its elements of the flat parameter vector and
+/// the staging slot (a grad slot down, a param slot up) it passes through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Staged {
+    pub elements: Range<usize>,
+    pub slot: usize,
+}
+
 /// An injected failure of `stage` when it reaches the bucket starting at `fails_at`.
 pub(crate) fn injected(stage: &'static str, fails_at: Option<usize>, range: &Range<usize>) -> Result<()> {
     match fails_at {
@@ -78,23 +86,18 @@ pub(crate) struct StepState<'a> {
 /// A backend's copy engines and staging slots. Copies are issued in order and complete in
 /// order within a direction; the waits name the copy most recently issued for a slot.
 pub(crate) trait CopyEngines {
-    /// Issues the D2H copy of device gradients `range` into grad slot `slot`.
-    fn start_d2h(&mut self, range: Range<usize>, slot: usize) -> Result<()>;
+    /// Issues the D2H copy of the bucket's device gradients into its grad slot.
+    fn start_d2h(&mut self, bucket: Staged) -> Result<()>;
     /// Waits until the last D2H copy issued into grad slot `slot` has landed.
     fn wait_d2h(&mut self, slot: usize) -> Result<()>;
-    /// Issues the H2D copy of param slot `slot` into device parameters `range`.
-    fn start_h2d(&mut self, range: Range<usize>, slot: usize) -> Result<()>;
+    /// Issues the H2D copy of the bucket's param slot into its device parameters.
+    fn start_h2d(&mut self, bucket: Staged) -> Result<()>;
     /// Waits until the last H2D copy issued out of param slot `slot` has drained it.
     fn wait_h2d(&mut self, slot: usize) -> Result<()>;
-    /// AdamW of the parameters `range` from grad slot `slot`, the updated parameters (in the
-    /// device dtype) into param slot `slot`; its busy time.
-    fn adam(
-        &mut self,
-        state: &mut OptimizerState,
-        range: Range<usize>,
-        slot: usize,
-        scalars: &StepScalars,
-    ) -> Result<Duration>;
+    /// AdamW of the bucket's parameters from its grad slot, the updated parameters (in the
+    /// device dtype) into its param slot; its busy time.
+    fn adam(&mut self, state: &mut OptimizerState, bucket: Staged, scalars: &StepScalars)
+    -> Result<Duration>;
     /// Waits for every issued copy; the D2H and H2D engines' times.
     fn finish(&mut self) -> Result<(Duration, Duration)>;
 }
@@ -104,6 +107,7 @@ pub(crate) trait CopyEngines {
 pub(crate) fn run_step<E: CopyEngines>(
     engines: &mut E,
     plan: &Plan,
+    faults: &FaultPoints,
     step: StepState<'_>,
     scalars: &StepScalars,
     times: &mut StageTimes,
@@ -117,13 +121,14 @@ pub(crate) fn run_step<E: CopyEngines>(
     };
     match plan.schedule() {
         StepSchedule::Serial => {
-            let n = plan.n_params();
-            engines.start_d2h(0..n, 0)?;
+            let all = Staged { elements: 0..plan.n_params(), slot: 0 };
+            engines.start_d2h(all.clone())?;
             engines.wait_d2h(0)?;
-            save(state, 0..n);
-            times.adam += engines.adam(state, 0..n, 0, scalars)?;
+            save(state, all.elements.clone());
+            injected("adam", faults.adam, &all.elements)?;
+            times.adam += engines.adam(state, all.clone(), scalars)?;
             *applied += 1;
-            engines.start_h2d(0..n, 0)?;
+            engines.start_h2d(all)?;
         }
         StepSchedule::Pipelined => {
             let (buckets, slots) = (plan.n_buckets(), plan.staged_slots().max(1));
@@ -131,16 +136,17 @@ pub(crate) fn run_step<E: CopyEngines>(
             for j in 0..buckets {
                 // Every D2H whose grad slot is free: its last reader, Adam(m − R), has run.
                 while next < buckets && next < j + slots {
-                    engines.start_d2h(plan.bucket(next), next % slots)?;
+                    engines.start_d2h(Staged { elements: plan.bucket(next), slot: next % slots })?;
                     next += 1;
                 }
-                let slot = j % slots;
-                engines.wait_d2h(slot)?;
-                engines.wait_h2d(slot)?;
-                save(state, plan.bucket(j));
-                times.adam += engines.adam(state, plan.bucket(j), slot, scalars)?;
+                let bucket = Staged { elements: plan.bucket(j), slot: j % slots };
+                engines.wait_d2h(bucket.slot)?;
+                engines.wait_h2d(bucket.slot)?;
+                save(state, bucket.elements.clone());
+                injected("adam", faults.adam, &bucket.elements)?;
+                times.adam += engines.adam(state, bucket.clone(), scalars)?;
                 *applied += 1;
-                engines.start_h2d(plan.bucket(j), slot)?;
+                engines.start_h2d(bucket)?;
             }
         }
     }
@@ -170,8 +176,8 @@ mod tests {
     }
 
     impl CopyEngines for Trace {
-        fn start_d2h(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
-            let bucket = range.start / self.bucket_elems;
+        fn start_d2h(&mut self, Staged { elements, slot }: Staged) -> Result<()> {
+            let bucket = elements.start / self.bucket_elems;
             // Never overwrite gradients Adam has not read yet.
             assert!(self.grad_slot[slot].is_none(), "D2H({bucket}) over slot {slot} before Adam read it");
             self.grad_slot[slot] = Some((bucket, false));
@@ -184,23 +190,18 @@ mod tests {
             }
             Ok(())
         }
-        fn start_h2d(&mut self, range: Range<usize>, slot: usize) -> Result<()> {
+        fn start_h2d(&mut self, Staged { elements, slot }: Staged) -> Result<()> {
             self.param_busy[slot] = true;
-            self.ops.push(format!("h{}", range.start / self.bucket_elems));
+            self.ops.push(format!("h{}", elements.start / self.bucket_elems));
             Ok(())
         }
         fn wait_h2d(&mut self, slot: usize) -> Result<()> {
             self.param_busy[slot] = false;
             Ok(())
         }
-        fn adam(
-            &mut self,
-            _: &mut OptimizerState,
-            range: Range<usize>,
-            slot: usize,
-            _: &StepScalars,
-        ) -> Result<Duration> {
-            let bucket = range.start / self.bucket_elems;
+        fn adam(&mut self, _: &mut OptimizerState, bucket: Staged, _: &StepScalars) -> Result<Duration> {
+            let Staged { elements, slot } = bucket;
+            let bucket = elements.start / self.bucket_elems;
             assert_eq!(
                 self.grad_slot[slot],
                 Some((bucket, true)),
@@ -229,7 +230,7 @@ mod tests {
         let mut state = OptimizerState::new(vec![0.0; 256], Default::default());
         let scalars = StepScalars::new(&Default::default(), 1, 1.0);
         let step = StepState { state: &mut state, applied: &mut 0, journal: None };
-        run_step(&mut t, &plan, step, &scalars, &mut StageTimes::default()).unwrap();
+        run_step(&mut t, &plan, &FaultPoints::default(), step, &scalars, &mut StageTimes::default()).unwrap();
         t.ops.join(" ")
     }
 
