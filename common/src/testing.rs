@@ -202,13 +202,11 @@ impl<C: crate::Communicator> crate::Communicator for FaultyComm<C> {
     }
     fn all_to_all_v_bytes(
         &self,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
+        send: crate::comm::Parts<'_>,
+        recv: crate::comm::PartsMut<'_>,
     ) -> crate::Result<()> {
         self.next()?;
-        self.inner.all_to_all_v_bytes(send, send_counts, recv, recv_counts)
+        self.inner.all_to_all_v_bytes(send, recv)
     }
     fn all_reduce_f32(&self, buf: &mut [f32], op: crate::ReduceOp) -> crate::Result<()> {
         self.next()?;

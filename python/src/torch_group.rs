@@ -24,6 +24,7 @@ use std::collections::VecDeque;
 use std::os::raw::{c_char, c_int};
 use std::sync::Mutex;
 
+use flatpeak_common::comm::{Parts, PartsMut, check_parts};
 use flatpeak_common::{Communicator, Error, LocalGroup, LocalGroupOptions, ReduceOp, Result};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -133,7 +134,10 @@ impl TorchGroup {
         let words: Vec<u8> = counts.iter().flat_map(|&c| (c as u64).to_le_bytes()).collect();
         let mut incoming = vec![0u8; FRAME * self.world];
         let frames = vec![FRAME; self.world];
-        self.all_to_all_v_bytes(&words, &frames, &mut incoming, &frames)?;
+        self.all_to_all_v_bytes(
+            Parts { bytes: &words, counts: &frames },
+            PartsMut { bytes: &mut incoming, counts: &frames },
+        )?;
         let incoming = incoming
             .chunks_exact(FRAME)
             .map(|w| {
@@ -146,7 +150,10 @@ impl TorchGroup {
         let send: Vec<u8> = mailbox.outbox.iter_mut().flat_map(std::mem::take).collect();
         let total = incoming.iter().try_fold(0usize, |sum, &c| sum.checked_add(c));
         let mut recv = vec![0u8; total.ok_or(Error::SizeOverflow { what: "point-to-point bytes" })?];
-        self.all_to_all_v_bytes(&send, &counts, &mut recv, &incoming)?;
+        self.all_to_all_v_bytes(
+            Parts { bytes: &send, counts: &counts },
+            PartsMut { bytes: &mut recv, counts: &incoming },
+        )?;
         let mut start = 0;
         for (peer, &len) in incoming.iter().enumerate() {
             mailbox.deliver(peer, &recv[start..start + len])?;
@@ -260,32 +267,21 @@ impl Communicator for TorchGroup {
         Ok(())
     }
 
-    fn all_to_all_v_bytes(
-        &self,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        let p = self.world;
-        let sums = (send_counts.iter().sum::<usize>(), recv_counts.iter().sum::<usize>());
-        if send_counts.len() != p || recv_counts.len() != p || sums.0 > send.len() || sums.1 > recv.len() {
-            return Err(Error::ShapeMismatch {
-                what: "all_to_all_v counts (P, within the buffers)",
-                expected: p,
-                got: send_counts.len(),
-            });
-        }
+    fn all_to_all_v_bytes(&self, send: Parts<'_>, recv: PartsMut<'_>) -> Result<()> {
+        check_parts(self.world, &send, &recv)?;
+        let (send_len, recv_len) = (send.bytes.len(), recv.bytes.len());
         self.call("torch.distributed.all_to_all_single", |py| {
-            // SAFETY: `send` and `recv` are borrowed for this whole call, which the tensors do not
+            // SAFETY: both buffers are borrowed for this whole call, which the tensors do not
             // outlive (all_to_all_single is synchronous: async_op=False); torch only reads the
-            // send tensor and writes `sums.1` bytes of the receive one, the counts checked above.
+            // send tensor and writes the receive one within its length, which the counts sum to
+            // (`check_parts` above).
             let (send_t, recv_t) = unsafe {
-                (self.wrap(py, send.as_ptr().cast_mut(), sums.0)?, self.wrap(py, recv.as_mut_ptr(), sums.1)?)
+                let send_ptr = send.bytes.as_ptr().cast_mut();
+                (self.wrap(py, send_ptr, send_len)?, self.wrap(py, recv.bytes.as_mut_ptr(), recv_len)?)
             };
             let kwargs = PyDict::new(py);
-            kwargs.set_item("output_split_sizes", PyList::new(py, recv_counts)?)?;
-            kwargs.set_item("input_split_sizes", PyList::new(py, send_counts)?)?;
+            kwargs.set_item("output_split_sizes", PyList::new(py, recv.counts)?)?;
+            kwargs.set_item("input_split_sizes", PyList::new(py, send.counts)?)?;
             kwargs.set_item("group", self.group.bind(py))?;
             let (out, input) = (self.staged(py, &recv_t)?, self.staged(py, &send_t)?);
             self.dist.bind(py).call_method("all_to_all_single", (&out, input), Some(&kwargs))?;

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::Duration;
 
+use super::parts::{Parts, PartsMut, check_parts};
 use super::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -274,26 +275,6 @@ impl LocalComm {
     }
 }
 
-fn check_counts(what: &'static str, counts: &[usize], world: usize, len: usize) -> Result<()> {
-    if counts.len() != world {
-        return Err(Error::ShapeMismatch { what, expected: world, got: counts.len() });
-    }
-    let total =
-        counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).ok_or(Error::SizeOverflow { what })?;
-    if total != len {
-        return Err(Error::ShapeMismatch { what, expected: total, got: len });
-    }
-    Ok(())
-}
-
-fn offsets(counts: &[usize]) -> impl Iterator<Item = (usize, usize)> + '_ {
-    counts.iter().scan(0usize, |start, &n| {
-        let range = (*start, *start + n);
-        *start += n;
-        Some(range)
-    })
-}
-
 impl Communicator for LocalComm {
     fn rank(&self) -> usize {
         self.rank
@@ -313,20 +294,13 @@ impl Communicator for LocalComm {
         self.take_exact(peer, Op::PointToPoint, out, "received message bytes")
     }
 
-    fn all_to_all_v_bytes(
-        &self,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        check_counts("all_to_all_v send counts", send_counts, self.world_size, send.len())?;
-        check_counts("all_to_all_v recv counts", recv_counts, self.world_size, recv.len())?;
-        for (dst, (lo, hi)) in offsets(send_counts).enumerate() {
-            self.post(dst, Op::AllToAllV, &send[lo..hi])?;
+    fn all_to_all_v_bytes(&self, send: Parts<'_>, mut recv: PartsMut<'_>) -> Result<()> {
+        check_parts(self.world_size, &send, &recv)?;
+        for (dst, part) in send.iter().enumerate() {
+            self.post(dst, Op::AllToAllV, part)?;
         }
-        for (src, (lo, hi)) in offsets(recv_counts).enumerate() {
-            self.take_exact(src, Op::AllToAllV, &mut recv[lo..hi], "all_to_all_v bytes from a peer")?;
+        for (src, part) in recv.iter_mut().enumerate() {
+            self.take_exact(src, Op::AllToAllV, part, "all_to_all_v bytes from a peer")?;
         }
         Ok(())
     }

@@ -10,9 +10,11 @@
 
 mod agree;
 mod local;
+mod parts;
 
 pub use agree::{agree_on_inputs, all_gather_words};
 pub use local::{LocalComm, LocalGroup, LocalGroupOptions, MAX_LOCAL_WORLD};
+pub use parts::{Parts, PartsMut, check_parts};
 
 use bytemuck::Pod;
 
@@ -41,16 +43,10 @@ pub trait Communicator: Send {
     /// Receives exactly `out.len()` bytes from `peer`; a message of another size is
     /// [`Error::ShapeMismatch`].
     fn recv_bytes(&self, peer: usize, out: &mut [u8]) -> Result<()>;
-    /// All-to-all with variable counts: `send` is the concatenation of the slices for ranks
-    /// 0..P (`send_counts[d]` bytes for rank d); `recv` receives `recv_counts[s]` bytes from each
-    /// rank s, in rank order. Counts must agree pairwise across ranks.
-    fn all_to_all_v_bytes(
-        &self,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-    ) -> Result<()>;
+    /// All-to-all with variable counts: `send` holds the parts for ranks 0..P in rank order,
+    /// `recv` receives rank s's part in its s-th part. Counts must agree pairwise across ranks;
+    /// an implementation checks both sides with [`check_parts`] before any byte moves.
+    fn all_to_all_v_bytes(&self, send: Parts<'_>, recv: PartsMut<'_>) -> Result<()>;
     /// In-place all-reduce of `buf` (same length on every rank).
     fn all_reduce_f32(&self, buf: &mut [f32], op: ReduceOp) -> Result<()>;
     /// Returns once every rank has entered the barrier.
@@ -96,11 +92,10 @@ pub trait CommunicatorExt: Communicator {
                 })
                 .collect()
         };
+        let (send_counts, recv_counts) = (to_bytes(send_counts)?, to_bytes(recv_counts)?);
         self.all_to_all_v_bytes(
-            bytemuck::cast_slice(send),
-            &to_bytes(send_counts)?,
-            bytemuck::cast_slice_mut(recv),
-            &to_bytes(recv_counts)?,
+            Parts { bytes: bytemuck::cast_slice(send), counts: &send_counts },
+            PartsMut { bytes: bytemuck::cast_slice_mut(recv), counts: &recv_counts },
         )
     }
 }
