@@ -139,15 +139,9 @@ mod imp {
 /// zero it (`DeviceRepr`, `ValidAsZeroBits`: every float and integer type can); without it,
 /// nothing. The bound every crate's device-generic code states once.
 #[cfg(feature = "cuda")]
-pub trait DeviceElement:
-    crate::cuda::cudarc::driver::DeviceRepr + crate::cuda::cudarc::driver::ValidAsZeroBits
-{
-}
+pub trait DeviceElement: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {}
 #[cfg(feature = "cuda")]
-impl<T> DeviceElement for T where
-    T: crate::cuda::cudarc::driver::DeviceRepr + crate::cuda::cudarc::driver::ValidAsZeroBits
-{
-}
+impl<T> DeviceElement for T where T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {}
 /// What an element of a device buffer needs: with feature `cuda`, that cudarc can copy it and
 /// zero it (`DeviceRepr`, `ValidAsZeroBits`: every float and integer type can); without it,
 /// nothing. The bound every crate's device-generic code states once.
