@@ -188,18 +188,16 @@ pub trait DeviceOps {
     where
         F: FnOnce(&mut [u32]) -> Result<usize>,
     {
-        let staged = staged("index entries written (at most the length filled)", len, fill)?;
-        self.write_index(&staged, dst)?;
-        Ok(staged.len())
+        let what = "index entries written (at most the length filled)";
+        write_staged(what, len, fill, |staged| self.write_index(staged, dst))
     }
     /// [`fill_index`](DeviceOps::fill_index) of f32.
     fn fill<F>(&self, dst: &mut Self::Buf, len: usize, fill: F) -> Result<usize>
     where
         F: FnOnce(&mut [f32]) -> Result<usize>,
     {
-        let staged = staged("elements written (at most the length filled)", len, fill)?;
-        self.write(&staged, dst)?;
-        Ok(staged.len())
+        let what = "elements written (at most the length filled)";
+        write_staged(what, len, fill, |staged| self.write(staged, dst))
     }
     /// `dst[..len] = 0`.
     fn zero(&self, dst: &mut Self::Buf, len: usize) -> Result<()>;
@@ -427,20 +425,24 @@ macro_rules! typed_buf {
 #[cfg(any(feature = "cuda", feature = "cuda-emu"))]
 pub(crate) use typed_buf;
 
-/// What `fill` wrote into `len` zeroed host elements: the first `written` of them, or
-/// [`Error::ShapeMismatch`] naming `what` when it says it wrote more than `len`.
-fn staged<T: Copy + Default>(
+/// The default [`fill_index`](DeviceOps::fill_index) and [`fill`](DeviceOps::fill): `fill`
+/// writes into `len` zeroed host elements, and the first `written` of them go to the device by
+/// `write`; returns `written`, or [`Error::ShapeMismatch`] naming `what` when `fill` says it
+/// wrote more than `len`.
+fn write_staged<T: Copy + Default>(
     what: &'static str,
     len: usize,
     fill: impl FnOnce(&mut [T]) -> Result<usize>,
-) -> Result<Vec<T>> {
+    write: impl FnOnce(&[T]) -> Result<()>,
+) -> Result<usize> {
     let mut staging = vec![T::default(); len];
     let written = fill(&mut staging)?;
     if written > len {
         return Err(Error::ShapeMismatch { what, expected: len, got: written });
     }
     staging.truncate(written);
-    Ok(staging)
+    write(&staging)?;
+    Ok(written)
 }
 
 /// `found ≥ expected`, or [`Error::ShapeMismatch`] naming `what`: the length check every
