@@ -13,47 +13,31 @@ use crate::kernels::LINEAR_THREADS;
 mod ffi {
     use half::bf16;
 
+    /// Declares row kernels, every one of the same C signature ([`super::RowKernel`]).
+    macro_rules! row_kernels {
+        ($($name:ident: $s:ty => $d:ty;)*) => {
+            unsafe extern "C" {
+                $(pub fn $name(
+                    src: *const $s,
+                    index: *const u32,
+                    scale: *const f32,
+                    rows: u32,
+                    width: u32,
+                    dst: *mut $d,
+                );)*
+            }
+        };
+    }
+
+    row_kernels! {
+        llep_gather_rows: f32 => f32;
+        llep_gather_rows_bf16: bf16 => bf16;
+        llep_scatter_add_rows: f32 => f32;
+        llep_scatter_add_rows_bf16: bf16 => f32;
+        llep_scatter_add_rows_bf16_bf16: bf16 => bf16;
+    }
+
     unsafe extern "C" {
-        pub fn llep_gather_rows(
-            src: *const f32,
-            index: *const u32,
-            scale: *const f32,
-            rows: u32,
-            width: u32,
-            dst: *mut f32,
-        );
-        pub fn llep_gather_rows_bf16(
-            src: *const bf16,
-            index: *const u32,
-            scale: *const f32,
-            rows: u32,
-            width: u32,
-            dst: *mut bf16,
-        );
-        pub fn llep_scatter_add_rows(
-            src: *const f32,
-            index: *const u32,
-            scale: *const f32,
-            rows: u32,
-            width: u32,
-            acc: *mut f32,
-        );
-        pub fn llep_scatter_add_rows_bf16(
-            src: *const bf16,
-            index: *const u32,
-            scale: *const f32,
-            rows: u32,
-            width: u32,
-            acc: *mut f32,
-        );
-        pub fn llep_scatter_add_rows_bf16_bf16(
-            src: *const bf16,
-            index: *const u32,
-            scale: *const f32,
-            rows: u32,
-            width: u32,
-            acc: *mut bf16,
-        );
         pub fn llep_swiglu(gate: *const f32, up: *const f32, n: u64, h: *mut f32);
         pub fn llep_swiglu_bf16(gate: *const bf16, up: *const bf16, n: u64, h: *mut bf16);
         pub fn llep_swiglu_backward(gate: *mut f32, up: *mut f32, dh: *const f32, n: u64);
@@ -63,45 +47,34 @@ mod ffi {
     }
 }
 
-/// An element type `kernels/llep.cu` is instantiated for (f32 and bf16): its entry points.
-/// Sealed by the private module it names.
+/// One instantiation of a kernel: its entry point and its name (for race reports).
+#[derive(Debug, Clone, Copy)]
+pub struct Kernel<F> {
+    /// The instantiation's name.
+    pub name: &'static str,
+    /// The instantiation's entry point.
+    pub entry: F,
+}
+
+/// The C signature of a row kernel (`llep_gather_rows`, `llep_scatter_add_rows`): `(src, index,
+/// scale, rows, width, dst)`, `index` holding `rows` entries, `scale` null or holding `rows`, rows
+/// of width `width`.
+pub type RowKernel<S, D> = unsafe extern "C" fn(*const S, *const u32, *const f32, u32, u32, *mut D);
+
+/// An element type `kernels/llep.cu` is instantiated for (f32 and bf16): its entry points, each
+/// unsafe to call with the contract of its kernel. Sealed by the private module it names.
 pub trait KernelElem: bytemuck::Pod + sealed::Sealed {
-    /// The name of the instantiation's `llep_gather_rows`, for race reports.
-    const GATHER: &'static str;
-    /// The `llep_swiglu` instantiation's name.
-    const SWIGLU: &'static str;
-    /// The `llep_swiglu_backward` instantiation's name.
-    const SWIGLU_BACKWARD: &'static str;
-    /// The `llep_row_dot` instantiation's name.
-    const ROW_DOT: &'static str;
-    /// `llep_gather_rows` of this type.
-    ///
-    /// # Safety
-    /// As the kernel: `index` holds `rows` entries, each a row of `src`; `scale` is null or
-    /// holds `rows`; `dst` holds rows·width.
-    unsafe fn gather(
-        src: *const Self,
-        index: *const u32,
-        scale: *const f32,
-        rows: u32,
-        width: u32,
-        dst: *mut Self,
-    );
-    /// `llep_swiglu` of this type.
-    ///
-    /// # Safety
-    /// `gate`, `up` and `h` hold `n` elements.
-    unsafe fn swiglu(gate: *const Self, up: *const Self, n: u64, h: *mut Self);
-    /// `llep_swiglu_backward` of this type.
-    ///
-    /// # Safety
-    /// `gate`, `up` and `dh` hold `n` elements.
-    unsafe fn swiglu_backward(gate: *mut Self, up: *mut Self, dh: *const Self, n: u64);
-    /// `llep_row_dot` of this type (one block per row of `out`).
-    ///
-    /// # Safety
-    /// `a` and `b` hold (blocks)·width elements, `out` one per block.
-    unsafe fn row_dot(a: *const Self, b: *const Self, width: u32, out: *mut f32);
+    /// `llep_gather_rows` of this type: `index` holds `rows` entries, each a row of `src`;
+    /// `scale` is null or holds `rows`; `dst` holds rows·width.
+    const GATHER: Kernel<RowKernel<Self, Self>>;
+    /// `llep_swiglu` of this type, `(gate, up, n, h)`: `gate`, `up` and `h` hold `n` elements.
+    const SWIGLU: Kernel<unsafe extern "C" fn(*const Self, *const Self, u64, *mut Self)>;
+    /// `llep_swiglu_backward` of this type, `(gate, up, dh, n)`: `gate`, `up` and `dh` hold `n`
+    /// elements.
+    const SWIGLU_BACKWARD: Kernel<unsafe extern "C" fn(*mut Self, *mut Self, *const Self, u64)>;
+    /// `llep_row_dot` of this type, `(a, b, width, out)`, one block per row of `out`: `a` and `b`
+    /// hold (blocks)·width elements, `out` one per block.
+    const ROW_DOT: Kernel<unsafe extern "C" fn(*const Self, *const Self, u32, *mut f32)>;
 }
 
 mod sealed {
@@ -110,36 +83,23 @@ mod sealed {
     impl Sealed for half::bf16 {}
 }
 
+/// The [`Kernel`] of entry point `ffi::$f`.
+macro_rules! kernel {
+    ($f:ident) => {
+        Kernel { name: stringify!($f), entry: ffi::$f }
+    };
+}
+
 macro_rules! kernel_elem {
     ($t:ty, $gather:ident, $swiglu:ident, $swiglu_backward:ident, $row_dot:ident) => {
         impl KernelElem for $t {
-            const GATHER: &'static str = stringify!($gather);
-            const SWIGLU: &'static str = stringify!($swiglu);
-            const SWIGLU_BACKWARD: &'static str = stringify!($swiglu_backward);
-            const ROW_DOT: &'static str = stringify!($row_dot);
-            unsafe fn gather(
-                src: *const Self,
-                index: *const u32,
-                scale: *const f32,
-                rows: u32,
-                width: u32,
-                dst: *mut Self,
-            ) {
-                // SAFETY: forwarded from this function's contract.
-                unsafe { ffi::$gather(src, index, scale, rows, width, dst) }
-            }
-            unsafe fn swiglu(gate: *const Self, up: *const Self, n: u64, h: *mut Self) {
-                // SAFETY: forwarded from this function's contract.
-                unsafe { ffi::$swiglu(gate, up, n, h) }
-            }
-            unsafe fn swiglu_backward(gate: *mut Self, up: *mut Self, dh: *const Self, n: u64) {
-                // SAFETY: forwarded from this function's contract.
-                unsafe { ffi::$swiglu_backward(gate, up, dh, n) }
-            }
-            unsafe fn row_dot(a: *const Self, b: *const Self, width: u32, out: *mut f32) {
-                // SAFETY: forwarded from this function's contract.
-                unsafe { ffi::$row_dot(a, b, width, out) }
-            }
+            const GATHER: Kernel<RowKernel<Self, Self>> = kernel!($gather);
+            const SWIGLU: Kernel<unsafe extern "C" fn(*const Self, *const Self, u64, *mut Self)> =
+                kernel!($swiglu);
+            const SWIGLU_BACKWARD: Kernel<unsafe extern "C" fn(*mut Self, *mut Self, *const Self, u64)> =
+                kernel!($swiglu_backward);
+            const ROW_DOT: Kernel<unsafe extern "C" fn(*const Self, *const Self, u32, *mut f32)> =
+                kernel!($row_dot);
         }
     };
 }
@@ -156,38 +116,15 @@ kernel_elem!(
 /// A scatter-add instantiation: rows of `Self` into accumulators of `A` (f32 → f32, bf16 → f32,
 /// bf16 → bf16).
 pub trait ScatterInto<A>: KernelElem {
-    /// The instantiation's name, for race reports.
-    const SCATTER: &'static str;
-    /// `llep_scatter_add_rows` of this pair.
-    ///
-    /// # Safety
-    /// As the kernel: `src` holds rows·width, `index` `rows` entries each a row of `acc`,
-    /// `scale` null or `rows`.
-    unsafe fn scatter(
-        src: *const Self,
-        index: *const u32,
-        scale: *const f32,
-        rows: u32,
-        width: u32,
-        acc: *mut A,
-    );
+    /// `llep_scatter_add_rows` of this pair: `src` holds rows·width, `index` `rows` entries each a
+    /// row of `dst` (the accumulators), `scale` null or `rows`.
+    const SCATTER: Kernel<RowKernel<Self, A>>;
 }
 
 macro_rules! scatter_into {
     ($s:ty => $a:ty, $f:ident) => {
         impl ScatterInto<$a> for $s {
-            const SCATTER: &'static str = stringify!($f);
-            unsafe fn scatter(
-                src: *const Self,
-                index: *const u32,
-                scale: *const f32,
-                rows: u32,
-                width: u32,
-                acc: *mut $a,
-            ) {
-                // SAFETY: forwarded from this function's contract.
-                unsafe { ffi::$f(src, index, scale, rows, width, acc) }
-            }
+            const SCATTER: Kernel<RowKernel<Self, $a>> = kernel!($f);
         }
     };
 }
@@ -224,6 +161,76 @@ fn linear_cfg(n: usize) -> EmuLaunchConfig {
     EmuLaunchConfig::linear(grid_stride_blocks(n, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS)
 }
 
+/// Runs one launch of kernel `name` over `cfg`, race-checked ([`race_checked`]) from the values
+/// of `out`, and writes its outputs back to `out`: `call(o)` calls the kernel's entry point with
+/// `o` pointing at (a copy of) `out`.
+///
+/// # Safety
+/// `call(o)` is a call valid for the whole grid as [`launch`] requires, for `o` pointing at
+/// `out.len()` elements that the kernel may read and write, and `cfg`'s threads per block are a
+/// multiple of 32.
+unsafe fn launch_into<D: bytemuck::Pod>(
+    name: &'static str,
+    cfg: &EmuLaunchConfig,
+    out: &mut [D],
+    call: impl Fn(*mut D),
+) -> Result<()> {
+    let res = race_checked(name, out, |schedule, o| {
+        let o = o.as_mut_ptr();
+        // SAFETY: `o` points at `out.len()` elements; the rest is this function's contract.
+        unsafe { launch(name, cfg, schedule, &|| call(o)) }
+    })?;
+    out.copy_from_slice(&res);
+    Ok(())
+}
+
+/// The side of a row kernel that its `index` addresses.
+#[derive(Debug, Clone, Copy)]
+enum Indexed {
+    /// `index[r]` is a row of `src`, `dst` holds the rows in order (gather; a thread per element
+    /// of the output).
+    Src,
+    /// `index[r]` is a row of `dst`, `src` holds the rows in order (scatter-add; a thread per
+    /// column).
+    Dst,
+}
+
+/// Launches row kernel `kernel`, race-checked, on the `index.len()` rows of width `width` that
+/// `index` names on its `indexed` side, after checking the lengths and indices.
+fn launch_rows<S, D: bytemuck::Pod>(
+    kernel: Kernel<RowKernel<S, D>>,
+    indexed: Indexed,
+    src: &[S],
+    index: &[u32],
+    scale: Option<&[f32]>,
+    width: usize,
+    dst: &mut [D],
+) -> Result<()> {
+    let rows = index.len();
+    let (dst, cfg) = match indexed {
+        Indexed::Src => {
+            check("gather dst (rows·width)", rows * width, dst.len())?;
+            check_rows(index, width, src.len(), scale)?;
+            (&mut dst[..rows * width], linear_cfg(rows * width))
+        }
+        Indexed::Dst => {
+            check("scatter src (rows·width)", rows * width, src.len())?;
+            check_rows(index, width, dst.len(), scale)?;
+            (dst, linear_cfg(width))
+        }
+    };
+    let sp = scale.map_or(std::ptr::null(), |s| s.as_ptr());
+    let call = |o: *mut D| {
+        // SAFETY: `index` holds `rows` entries, each a row of its `indexed` side (checked),
+        // the other side holds rows·width (checked), `o` the output `dst`, `scale` holds
+        // `rows` (or is null); a gather's thread writes its own element of `o`, a scatter's
+        // thread column c of `o` only.
+        unsafe { (kernel.entry)(src.as_ptr(), index.as_ptr(), sp, rows as u32, width as u32, o) }
+    };
+    // SAFETY: `call` is valid for the whole grid (see it); LINEAR_THREADS is a multiple of 32.
+    unsafe { launch_into(kernel.name, &cfg, dst, call) }
+}
+
 /// `dst[r] = scale_r·src[index[r]]` for the first `index.len()` rows of width `width`.
 pub fn gather_rows<T: KernelElem>(
     src: &[T],
@@ -232,20 +239,7 @@ pub fn gather_rows<T: KernelElem>(
     width: usize,
     dst: &mut [T],
 ) -> Result<()> {
-    let rows = index.len();
-    check("gather dst (rows·width)", rows * width, dst.len())?;
-    check_rows(index, width, src.len(), scale)?;
-    let cfg = linear_cfg(rows * width);
-    let out = race_checked(T::GATHER, &dst[..rows * width], |schedule, out| {
-        let (o, sp) = (out.as_mut_ptr(), scale.map_or(std::ptr::null(), |s| s.as_ptr()));
-        // SAFETY: `index` holds `rows` entries, each < src rows (checked); `scale` holds `rows`
-        // (or is null); `out` holds rows·width; the kernel touches nothing else.
-        let call = || unsafe { T::gather(src.as_ptr(), index.as_ptr(), sp, rows as u32, width as u32, o) };
-        // SAFETY: see `call`; LINEAR_THREADS is a multiple of 32.
-        unsafe { launch(T::GATHER, &cfg, schedule, &call) }
-    })?;
-    dst[..rows * width].copy_from_slice(&out);
-    Ok(())
+    launch_rows(T::GATHER, Indexed::Src, src, index, scale, width, dst)
 }
 
 /// `acc[index[r]] += scale_r·src[r]` for r in order, rows of width `width`.
@@ -256,20 +250,7 @@ pub fn scatter_add_rows<S: ScatterInto<A>, A: KernelElem>(
     width: usize,
     acc: &mut [A],
 ) -> Result<()> {
-    let rows = index.len();
-    check("scatter src (rows·width)", rows * width, src.len())?;
-    check_rows(index, width, acc.len(), scale)?;
-    let cfg = linear_cfg(width);
-    let out = race_checked(S::SCATTER, acc, |schedule, out| {
-        let (o, sp) = (out.as_mut_ptr(), scale.map_or(std::ptr::null(), |s| s.as_ptr()));
-        // SAFETY: `src` holds rows·width, `index` rows entries each < acc rows (checked),
-        // `scale` rows (or null); thread c touches column c of `acc` only.
-        let call = || unsafe { S::scatter(src.as_ptr(), index.as_ptr(), sp, rows as u32, width as u32, o) };
-        // SAFETY: see `call`.
-        unsafe { launch(S::SCATTER, &cfg, schedule, &call) }
-    })?;
-    acc.copy_from_slice(&out);
-    Ok(())
+    launch_rows(S::SCATTER, Indexed::Dst, src, index, scale, width, acc)
 }
 
 /// `h = silu(gate) ⊙ up` over `h.len()` elements.
@@ -277,16 +258,12 @@ pub fn swiglu<T: KernelElem>(gate: &[T], up: &[T], h: &mut [T]) -> Result<()> {
     let n = h.len();
     check("swiglu gate", n, gate.len())?;
     check("swiglu up", n, up.len())?;
-    let cfg = linear_cfg(n);
-    let out = race_checked(T::SWIGLU, h, |schedule, out| {
-        let o = out.as_mut_ptr();
-        // SAFETY: `gate`, `up` and `out` hold `n` elements (checked).
-        let call = || unsafe { T::swiglu(gate.as_ptr(), up.as_ptr(), n as u64, o) };
-        // SAFETY: see `call`.
-        unsafe { launch(T::SWIGLU, &cfg, schedule, &call) }
-    })?;
-    h.copy_from_slice(&out);
-    Ok(())
+    let call = |o: *mut T| {
+        // SAFETY: `gate`, `up` and `o` hold `n` elements (checked).
+        unsafe { (T::SWIGLU.entry)(gate.as_ptr(), up.as_ptr(), n as u64, o) }
+    };
+    // SAFETY: `call` is valid for the whole grid (see it); LINEAR_THREADS is a multiple of 32.
+    unsafe { launch_into(T::SWIGLU.name, &linear_cfg(n), h, call) }
 }
 
 /// In place: `gate ← dh ⊙ up ⊙ silu'(gate)`, `up ← dh ⊙ silu(gate)`.
@@ -294,18 +271,15 @@ pub fn swiglu_backward<T: KernelElem>(gate: &mut [T], up: &mut [T], dh: &[T]) ->
     let n = dh.len();
     check("swiglu_backward gate", n, gate.len())?;
     check("swiglu_backward up", n, up.len())?;
-    let cfg = linear_cfg(n);
-    let both: Vec<T> = gate[..n].iter().chain(&up[..n]).copied().collect();
-    let out = race_checked(T::SWIGLU_BACKWARD, &both, |schedule, out| {
-        let (g, u) = out.split_at_mut(n);
-        let (g, u) = (g.as_mut_ptr(), u.as_mut_ptr());
-        // SAFETY: `g`, `u` and `dh` hold `n` elements each.
-        let call = || unsafe { T::swiglu_backward(g, u, dh.as_ptr(), n as u64) };
-        // SAFETY: see `call`.
-        unsafe { launch(T::SWIGLU_BACKWARD, &cfg, schedule, &call) }
-    })?;
-    gate[..n].copy_from_slice(&out[..n]);
-    up[..n].copy_from_slice(&out[n..]);
+    let mut both: Vec<T> = gate[..n].iter().chain(&up[..n]).copied().collect();
+    let call = |o: *mut T| {
+        // SAFETY: `o` holds 2n elements, gate's then up's, and `dh` holds `n`.
+        unsafe { (T::SWIGLU_BACKWARD.entry)(o, o.add(n), dh.as_ptr(), n as u64) }
+    };
+    // SAFETY: `call` is valid for the whole grid (see it); LINEAR_THREADS is a multiple of 32.
+    unsafe { launch_into(T::SWIGLU_BACKWARD.name, &linear_cfg(n), &mut both, call)? };
+    gate[..n].copy_from_slice(&both[..n]);
+    up[..n].copy_from_slice(&both[n..]);
     Ok(())
 }
 
@@ -318,13 +292,10 @@ pub fn row_dot<T: KernelElem>(a: &[T], b: &[T], width: usize, out: &mut [f32]) -
         return Ok(());
     }
     let cfg = EmuLaunchConfig::linear(rows as u32, EMU_ROW_THREADS);
-    let res = race_checked(T::ROW_DOT, out, |schedule, o| {
-        let o = o.as_mut_ptr();
+    let call = |o: *mut f32| {
         // SAFETY: `a` and `b` hold rows·width, `o` rows; block r writes o[r] only.
-        let call = || unsafe { T::row_dot(a.as_ptr(), b.as_ptr(), width as u32, o) };
-        // SAFETY: see `call`; EMU_ROW_THREADS is a multiple of 32.
-        unsafe { launch(T::ROW_DOT, &cfg, schedule, &call) }
-    })?;
-    out.copy_from_slice(&res);
-    Ok(())
+        unsafe { (T::ROW_DOT.entry)(a.as_ptr(), b.as_ptr(), width as u32, o) }
+    };
+    // SAFETY: `call` is valid for the whole grid (see it); EMU_ROW_THREADS is a multiple of 32.
+    unsafe { launch_into(T::ROW_DOT.name, &cfg, out, call) }
 }

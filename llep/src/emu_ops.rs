@@ -13,7 +13,7 @@ use half::bf16;
 
 use crate::cpu::elem::{IndexScale, ViewMut, gemm_bf16, mismatch};
 use crate::cpu::{host_gemm, span, span_mut};
-use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, need, same_type};
+use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, need, same_type, typed_buf};
 use crate::emu;
 use crate::error::{Error, Result};
 
@@ -35,48 +35,10 @@ impl<'c, C: Communicator + ?Sized> EmuOps<'c, C> {
     }
 }
 
-/// A buffer of the emulated device: f32 or bf16 elements.
-#[derive(Debug, Clone, PartialEq)]
-pub enum EmuBuf {
-    /// f32 elements.
-    F32(Vec<f32>),
-    /// bf16 elements.
-    Bf16(Vec<bf16>),
-}
-
-impl EmuBuf {
-    /// Elements it holds.
-    pub fn len(&self) -> usize {
-        match self {
-            EmuBuf::F32(v) => v.len(),
-            EmuBuf::Bf16(v) => v.len(),
-        }
-    }
-    /// Whether it holds no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Its element type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            EmuBuf::F32(_) => DType::F32,
-            EmuBuf::Bf16(_) => DType::Bf16,
-        }
-    }
-    /// Its f32 elements, or [`Error::DtypeMismatch`] naming `what`.
-    fn f32s(&self, what: &'static str) -> Result<&[f32]> {
-        match self {
-            EmuBuf::F32(v) => Ok(v),
-            EmuBuf::Bf16(_) => Err(mismatch(what, DType::F32, DType::Bf16)),
-        }
-    }
-    /// Its f32 elements, writable, or [`Error::DtypeMismatch`] naming `what`.
-    fn f32s_mut(&mut self, what: &'static str) -> Result<&mut [f32]> {
-        match self {
-            EmuBuf::F32(v) => Ok(v),
-            EmuBuf::Bf16(_) => Err(mismatch(what, DType::F32, DType::Bf16)),
-        }
-    }
+typed_buf! {
+    /// A buffer of the emulated device: f32 or bf16 elements.
+    #[derive(Debug, Clone, PartialEq)]
+    EmuBuf(Vec)
 }
 
 /// The rows of a gather or scatter under the emulator.
@@ -89,7 +51,10 @@ fn emu_rows<'a>(sel: &EmuRows<'a>) -> Result<Option<IndexScale<'a>>> {
         return Ok(None);
     }
     let index = span("gather/scatter index (rows)", sel.index, 0, sel.rows)?;
-    Ok(Some((index, sel.scale.map(|s| s.f32s("gather/scatter scale (f32)")).transpose()?)))
+    Ok(Some((
+        index,
+        sel.scale.map(|s| s.as_f32("gather/scatter scale (f32)").map(Vec::as_slice)).transpose()?,
+    )))
 }
 
 impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
@@ -138,12 +103,12 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
     }
 
     fn write(&self, host: &[f32], dst: &mut EmuBuf) -> Result<()> {
-        span_mut("buffer", dst.f32s_mut("write (an f32 buffer)")?, 0, host.len())?.copy_from_slice(host);
+        span_mut("buffer", dst.as_f32_mut("write (an f32 buffer)")?, 0, host.len())?.copy_from_slice(host);
         Ok(())
     }
 
     fn download(&self, src: &EmuBuf, len: usize) -> Result<Vec<f32>> {
-        Ok(span("download", src.f32s("download (an f32 buffer)")?, 0, len)?.to_vec())
+        Ok(span("download", src.as_f32("download (an f32 buffer)")?, 0, len)?.to_vec())
     }
 
     fn download_index(&self, src: &Vec<u32>, len: usize) -> Result<Vec<u32>> {
@@ -210,7 +175,7 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
         if rows == 0 {
             return Ok(());
         }
-        let out = span_mut("row_dot out (rows)", out.f32s_mut("row_dot out (f32)")?, 0, rows)?;
+        let out = span_mut("row_dot out (rows)", out.as_f32_mut("row_dot out (f32)")?, 0, rows)?;
         same_type!(EmuBuf, "row_dot (a and b)"; a, b => emu::row_dot(a, b, width, out))
     }
 
@@ -230,7 +195,7 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
                 host_gemm(
                     dims,
                     (x, y),
-                    (c.f32s_mut("gemm C of f32 operands")?, c_offset),
+                    (c.as_f32_mut("gemm C of f32 operands")?, c_offset),
                     accumulate,
                     Threads::All,
                 )

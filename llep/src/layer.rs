@@ -123,22 +123,23 @@ impl<T: LayerElement> RankInputs<'_, T> {
 }
 
 /// What backward returns on one rank: gradients of its inputs and of its native experts
-/// (foreign contributions already returned and added).
+/// (foreign contributions already returned and added), in f32. The reference's, in f64 over all
+/// E experts, are [`ReferenceGrads`](crate::cpu::reference::ReferenceGrads) (`T = f64`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Gradients {
+pub struct Gradients<T = f32> {
     /// dL/dx, N×H.
-    pub dx: Vec<f32>,
+    pub dx: Vec<T>,
     /// dL/dw_ij = ⟨dY_i, FFN_{e_ij}(x_i)⟩, N×k: what an upstream router trains on.
-    pub d_weights: Vec<f32>,
-    /// dL/dW_gate of the native experts, M·H·I.
-    pub d_gate: Vec<f32>,
-    /// dL/dW_up, M·H·I.
-    pub d_up: Vec<f32>,
-    /// dL/dW_down, M·I·H.
-    pub d_down: Vec<f32>,
+    pub d_weights: Vec<T>,
+    /// dL/dW_gate of the native experts, M·H·I (the reference's: all E, E·H·I).
+    pub d_gate: Vec<T>,
+    /// dL/dW_up, M·H·I (E·H·I).
+    pub d_up: Vec<T>,
+    /// dL/dW_down, M·I·H (E·I·H).
+    pub d_down: Vec<T>,
 }
 
-impl HeapSize for Gradients {
+impl<T: HeapSize> HeapSize for Gradients<T> {
     fn heap_bytes(&self) -> usize {
         self.dx.heap_bytes()
             + self.d_weights.heap_bytes()

@@ -106,6 +106,12 @@ fn host_device_inputs<'b, 'a: 'b, T>(
     DeviceInputs { x, routing: inputs.routing, gate, up, down }
 }
 
+/// Checks dY's length: the call's N·H.
+fn check_dy<T>(plan: &Schedule, inputs: &RankInputs<'_, T>, dy: &[T]) -> Result<()> {
+    let n = plan.shape().for_call(inputs.routing.ids.len())?.tokens;
+    check_len("dY (n·H)", n * plan.shape().hidden, dy.len())
+}
+
 fn host_grads(g: DeviceGradients<HostBuf<'_>>) -> Result<Gradients> {
     Ok(Gradients {
         dx: g.dx.into_vec()?,
@@ -138,8 +144,7 @@ pub(crate) fn backward<C: Communicator + ?Sized, T: LayerElement>(
     dy: &[T],
 ) -> Result<Gradients> {
     let ops = host_ops(comm, ws, plan, inputs)?;
-    let n = plan.shape().for_call(inputs.routing.ids.len())?.tokens;
-    check_len("dY (n·H)", n * plan.shape().hidden, dy.len())?;
+    check_dy(plan, inputs, dy)?;
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
     host_grads(device::backward(&ops, ws, plan, &dev, &host_tensor(dy))?)

@@ -16,23 +16,10 @@
 
 use crate::config::Shape;
 use crate::error::{Error, Result};
-use crate::layer::{ExpertWeights, RankInputs, check_len};
+use crate::layer::{ExpertWeights, Gradients, RankInputs, check_len};
 
-/// Gradients of the reference, in f64 (layouts as in [`Gradients`](crate::Gradients), over
-/// all E experts).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ReferenceGrads {
-    /// dX, N×H.
-    pub dx: Vec<f64>,
-    /// d(routing weights), N×k.
-    pub d_weights: Vec<f64>,
-    /// dW_gate, E·H·I.
-    pub d_gate: Vec<f64>,
-    /// dW_up, E·H·I.
-    pub d_up: Vec<f64>,
-    /// dW_down, E·I·H.
-    pub d_down: Vec<f64>,
-}
+/// Gradients of the reference: [`Gradients`] in f64, over all E experts.
+pub type ReferenceGrads = Gradients<f64>;
 
 fn sigmoid(g: f64) -> f64 {
     1.0 / (1.0 + (-g).exp())

@@ -15,7 +15,7 @@
 use flatpeak_common::{Communicator, DType, Workspace};
 
 use super::ops::HostBuf;
-use super::{host_device_inputs, host_grads, host_inputs, host_ops};
+use super::{check_dy, host_device_inputs, host_grads, host_inputs, host_ops};
 use crate::config::Mode;
 use crate::device::{self, Store};
 use crate::error::{Error, Result};
@@ -122,8 +122,7 @@ pub(crate) fn backward_saved<C: Communicator + ?Sized, T: LayerElement>(
 ) -> Result<Gradients> {
     check_mode(plan)?;
     let ops = host_ops(comm, ws, plan, inputs)?;
-    let n = plan.shape().for_call(inputs.routing.ids.len())?.tokens;
-    crate::layer::check_len("dY (n·H)", n * plan.shape().hidden, dy.len())?;
+    check_dy(plan, inputs, dy)?;
     let me = comm.rank();
     let stamp = SavedActivations::stamp(plan, me);
     if saved.filled != Some(stamp) {

@@ -5,7 +5,7 @@ use flatpeak_common::DType;
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
-use crate::device::{IndexedRows, need};
+use crate::device::{IndexedRows, need, typed_buf};
 use crate::error::{Error, Result};
 
 pub(super) fn view<'a, T>(
@@ -29,49 +29,11 @@ pub(super) fn view_mut<'a, T>(
     s.try_slice_mut(at..at + len).ok_or(Error::ShapeMismatch { what, expected: at + len, got: found })
 }
 
-/// A buffer on the CUDA device: f32 or bf16 elements (a bf16 layer's tokens, expert weights,
-/// dY, dispatch rows and expert scratch; everything else f32).
-#[derive(Debug)]
-pub enum CudaBuf {
-    /// f32 elements.
-    F32(CudaSlice<f32>),
-    /// bf16 elements.
-    Bf16(CudaSlice<bf16>),
-}
-
-impl CudaBuf {
-    /// Elements it holds.
-    pub fn len(&self) -> usize {
-        match self {
-            CudaBuf::F32(s) => s.len(),
-            CudaBuf::Bf16(s) => s.len(),
-        }
-    }
-    /// Whether it holds no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Its element type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            CudaBuf::F32(_) => DType::F32,
-            CudaBuf::Bf16(_) => DType::Bf16,
-        }
-    }
-    /// Its f32 slice, or [`Error::DtypeMismatch`] naming `what`.
-    pub fn as_f32(&self, what: &'static str) -> Result<&CudaSlice<f32>> {
-        match self {
-            CudaBuf::F32(s) => Ok(s),
-            CudaBuf::Bf16(_) => Err(Error::DtypeMismatch { what, expected: DType::F32, found: DType::Bf16 }),
-        }
-    }
-    /// Its f32 slice, writable, or [`Error::DtypeMismatch`] naming `what`.
-    pub fn as_f32_mut(&mut self, what: &'static str) -> Result<&mut CudaSlice<f32>> {
-        match self {
-            CudaBuf::F32(s) => Ok(s),
-            CudaBuf::Bf16(_) => Err(Error::DtypeMismatch { what, expected: DType::F32, found: DType::Bf16 }),
-        }
-    }
+typed_buf! {
+    /// A buffer on the CUDA device: f32 or bf16 elements (a bf16 layer's tokens, expert weights,
+    /// dY, dispatch rows and expert scratch; everything else f32).
+    #[derive(Debug)]
+    CudaBuf(CudaSlice)
 }
 
 impl From<CudaSlice<f32>> for CudaBuf {

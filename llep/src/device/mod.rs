@@ -188,18 +188,16 @@ pub trait DeviceOps {
     where
         F: FnOnce(&mut [u32]) -> Result<usize>,
     {
-        let staged = staged("index entries written (at most the length filled)", len, fill)?;
-        self.write_index(&staged, dst)?;
-        Ok(staged.len())
+        let what = "index entries written (at most the length filled)";
+        write_staged(what, len, fill, |staged| self.write_index(staged, dst))
     }
     /// [`fill_index`](DeviceOps::fill_index) of f32.
     fn fill<F>(&self, dst: &mut Self::Buf, len: usize, fill: F) -> Result<usize>
     where
         F: FnOnce(&mut [f32]) -> Result<usize>,
     {
-        let staged = staged("elements written (at most the length filled)", len, fill)?;
-        self.write(&staged, dst)?;
-        Ok(staged.len())
+        let what = "elements written (at most the length filled)";
+        write_staged(what, len, fill, |staged| self.write(staged, dst))
     }
     /// `dst[..len] = 0`.
     fn zero(&self, dst: &mut Self::Buf, len: usize) -> Result<()>;
@@ -364,23 +362,90 @@ macro_rules! same_type {
 }
 pub(crate) use same_type;
 
-/// `found ≥ expected`, or [`Error::ShapeMismatch`] naming `what`: the length check every
-/// What `fill` wrote into `len` zeroed host elements: the first `written` of them, or
-/// [`Error::ShapeMismatch`] naming `what` when it says it wrote more than `len`.
-fn staged<T: Copy + Default>(
+/// Defines a backend's typed buffer `$name`, the enum [`same_type!`] dispatches on: elements in a
+/// `$store<f32>` (`F32`) or a `$store<bf16>` (`Bf16`), with its length, its element type and its
+/// f32 elements checked ([`Error::DtypeMismatch`] on bf16).
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+macro_rules! typed_buf {
+    ($(#[$attr:meta])* $name:ident($store:ident)) => {
+        $(#[$attr])*
+        pub enum $name {
+            /// f32 elements.
+            F32($store<f32>),
+            /// bf16 elements.
+            Bf16($store<half::bf16>),
+        }
+
+        impl $name {
+            /// Elements it holds.
+            pub fn len(&self) -> usize {
+                match self {
+                    $name::F32(s) => s.len(),
+                    $name::Bf16(s) => s.len(),
+                }
+            }
+            /// Whether it holds no elements.
+            pub fn is_empty(&self) -> bool {
+                self.len() == 0
+            }
+            /// Its element type.
+            pub fn dtype(&self) -> flatpeak_common::DType {
+                match self {
+                    $name::F32(_) => flatpeak_common::DType::F32,
+                    $name::Bf16(_) => flatpeak_common::DType::Bf16,
+                }
+            }
+            /// Its f32 elements, or [`Error::DtypeMismatch`](crate::Error::DtypeMismatch) naming
+            /// `what`.
+            pub fn as_f32(&self, what: &'static str) -> $crate::error::Result<&$store<f32>> {
+                match self {
+                    $name::F32(s) => Ok(s),
+                    $name::Bf16(_) => Err($name::not_f32(what)),
+                }
+            }
+            /// Its f32 elements, writable, or
+            /// [`Error::DtypeMismatch`](crate::Error::DtypeMismatch) naming `what`.
+            pub fn as_f32_mut(&mut self, what: &'static str) -> $crate::error::Result<&mut $store<f32>> {
+                match self {
+                    $name::F32(s) => Ok(s),
+                    $name::Bf16(_) => Err($name::not_f32(what)),
+                }
+            }
+            /// A bf16 buffer where f32 elements were asked for (`what`).
+            fn not_f32(what: &'static str) -> $crate::error::Error {
+                $crate::error::Error::DtypeMismatch {
+                    what,
+                    expected: flatpeak_common::DType::F32,
+                    found: flatpeak_common::DType::Bf16,
+                }
+            }
+        }
+    };
+}
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+pub(crate) use typed_buf;
+
+/// The default [`fill_index`](DeviceOps::fill_index) and [`fill`](DeviceOps::fill): `fill`
+/// writes into `len` zeroed host elements, and the first `written` of them go to the device by
+/// `write`; returns `written`, or [`Error::ShapeMismatch`] naming `what` when `fill` says it
+/// wrote more than `len`.
+fn write_staged<T: Copy + Default>(
     what: &'static str,
     len: usize,
     fill: impl FnOnce(&mut [T]) -> Result<usize>,
-) -> Result<Vec<T>> {
+    write: impl FnOnce(&[T]) -> Result<()>,
+) -> Result<usize> {
     let mut staging = vec![T::default(); len];
     let written = fill(&mut staging)?;
     if written > len {
         return Err(Error::ShapeMismatch { what, expected: len, got: written });
     }
     staging.truncate(written);
-    Ok(staging)
+    write(&staging)?;
+    Ok(written)
 }
 
+/// `found ≥ expected`, or [`Error::ShapeMismatch`] naming `what`: the length check every
 /// implementation runs before touching a buffer.
 pub fn need(what: &'static str, expected: usize, found: usize) -> Result<()> {
     if found >= expected { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }

@@ -12,8 +12,8 @@ use super::reserve::Reserved;
 use super::{DeviceGradients, DeviceInputs, DeviceOps, IndexedRows, Store, need};
 use crate::config::{Mode, Shape, WeightLayout};
 use crate::error::{Error, Result};
-use crate::plan::{Pass, RouteMeta};
-use crate::route_tables::round_counts;
+use crate::plan::{Buffers, GroupEntry, Pass, RouteMeta};
+use crate::route_tables::{Tables, round_counts};
 use crate::schedule::Schedule;
 
 fn check_inputs<O: DeviceOps>(
@@ -38,6 +38,9 @@ fn check_inputs<O: DeviceOps>(
     need("W_up (M·H·I; empty in the Linear layout)", up, ops.buf_len(inputs.up))?;
     need("W_down (M·I·H)", down, ops.buf_len(inputs.down))
 }
+
+/// What a pass from (or into) the saved-activation store asks of the plan's mode.
+const SAVING: &str = "Mode::SaveActivations (checkpointed plans run through forward and backward)";
 
 fn check_mode(plan: &Schedule, mode: Mode, how: &'static str) -> Result<()> {
     if plan.config().mode == mode {
@@ -163,21 +166,93 @@ pub fn forward_saving<O: DeviceOps>(
     inputs: &DeviceInputs<'_, O::Buf>,
     store: &mut Store<'_, O::Buf>,
 ) -> Result<O::Buf> {
-    check_mode(
-        plan,
-        Mode::SaveActivations,
-        "Mode::SaveActivations (checkpointed plans run through forward and backward)",
-    )?;
+    check_mode(plan, Mode::SaveActivations, SAVING)?;
     run_forward(ops, host, plan, inputs, Some(store))
 }
 
-/// Where the saving forward writes.
-struct Keep<'a, B> {
+/// The saved-activation store as a pass uses it (the saving forward writes it, the backward
+/// from it reads it), but for its metadata, which goes to the pipeline.
+struct Saved<'a, B> {
     x: &'a mut B,
     gate: &'a mut B,
     up: &'a mut B,
     route_start: &'a mut [u32],
+    /// Round j's first row of `x` (and of the metadata).
     row_start: Vec<usize>,
+}
+
+impl<'a, B> Saved<'a, B> {
+    /// Splits `store` into its metadata and the rest, after checking it has the plan's K + 1
+    /// round starts.
+    fn open(plan: &Schedule, me: usize, store: &'a mut Store<'_, B>) -> Result<(&'a mut [RouteMeta], Self)> {
+        let row_start = row_starts(plan, me);
+        let rounds = (0, plan.rounds() + 1);
+        store_holds(store.route_start.len(), 1, rounds, "rounds of the saved-activation store")?;
+        let Store { x, meta, gate, up, route_start } = store;
+        Ok((&mut **meta, Self { x, gate, up, route_start, row_start }))
+    }
+
+    /// Round `round`'s first route and first row in the store, after checking that its `routes`
+    /// routes' pre-activations and its received rows are there.
+    fn round_at<O: DeviceOps<Buf = B>>(
+        &self,
+        ops: &O,
+        s: &Shape,
+        round: &Issued,
+        routes: usize,
+    ) -> Result<(usize, usize)> {
+        let (cursor, row) = (self.route_start[round.round] as usize, self.row_start[round.round]);
+        let what = "routes computed on this rank (saved pre-activations)";
+        store_holds(ops.buf_len(self.gate), s.intermediate, (cursor, routes), what)?;
+        let rows = (row, round.got());
+        store_holds(ops.buf_len(self.x), s.hidden, rows, "rows of the saved-activation store")?;
+        Ok((cursor, row))
+    }
+}
+
+/// What a pass sets up before its rounds: the call's shape, the plan's buffers for the pass, the
+/// route tables, and every buffer reserved (the foreign experts fetched into theirs).
+struct SetUp<'h, O: DeviceOps> {
+    me: usize,
+    s: Shape,
+    bufs: Buffers,
+    t: Tables<'h>,
+    c: Reserved<'h, O::Buf, O::Index>,
+}
+
+/// Checks the call (and `dy`, where given) and sets up pass `pass`.
+fn set_up<'h, O: DeviceOps>(
+    ops: &O,
+    host: &'h Workspace,
+    plan: &Schedule,
+    inputs: &DeviceInputs<'_, O::Buf>,
+    pass: Pass,
+    dy: Option<&O::Buf>,
+) -> Result<SetUp<'h, O>> {
+    let me = ops.rank();
+    let s = check_call(plan, me, ops.world_size(), &inputs.routing)?;
+    check_inputs(ops, (&s, plan.config().weight_layout), inputs)?;
+    if let Some(dy) = dy {
+        need("dY (N·H)", s.tokens * s.hidden, ops.buf_len(dy))?;
+    }
+    let bufs = plan.buffers(me, pass);
+    ops.fence()?;
+    let t = tables(plan, me, &inputs.routing, host)?;
+    let mut c = Reserved::new(ops, host, &bufs)?;
+    fetch_foreign(ops, plan, inputs, &mut c.foreign)?;
+    Ok(SetUp { me, s, bufs, t, c })
+}
+
+/// A round's groups, slot by slot, in chunks of at most `chunk_rows` routes: `(slot, chunk)`.
+fn slot_chunks<'g>(
+    groups: &'g [GroupEntry],
+    offsets: &'g [u32],
+    slots: usize,
+    chunk_rows: usize,
+) -> impl Iterator<Item = (usize, &'g [GroupEntry])> {
+    (0..slots).flat_map(move |slot| {
+        groups[offsets[slot] as usize..offsets[slot + 1] as usize].chunks(chunk_rows).map(move |c| (slot, c))
+    })
 }
 
 fn run_forward<O: DeviceOps>(
@@ -187,37 +262,16 @@ fn run_forward<O: DeviceOps>(
     inputs: &DeviceInputs<'_, O::Buf>,
     store: Option<&mut Store<'_, O::Buf>>,
 ) -> Result<O::Buf> {
-    let me = ops.rank();
-    let s = check_call(plan, me, ops.world_size(), &inputs.routing)?;
-    check_inputs(ops, (&s, plan.config().weight_layout), inputs)?;
-    let bufs = plan.buffers(me, Pass::Forward);
-    ops.fence()?;
-    let t = tables(plan, me, &inputs.routing, host)?;
-    let mut c = Reserved::new(ops, host, &bufs)?;
-    fetch_foreign(ops, plan, inputs, &mut c.foreign)?;
+    let SetUp { me, s, bufs, t, mut c } = set_up(ops, host, plan, inputs, Pass::Forward, None)?;
     let (h, i, k) = (s.hidden, s.intermediate, s.top_k);
     let mut y = ops.alloc_output(s.tokens * h)?;
     let order: Vec<usize> = (0..plan.rounds()).collect();
     let Reserved { sets, foreign, scratch, groups, offsets, lists, staging, staging_slots, .. } = &mut c;
     let (meta_host, mut keep) = match store {
         Some(st) => {
-            let row_start = row_starts(plan, me);
-            store_holds(
-                st.route_start.len(),
-                1,
-                (0, plan.rounds() + 1),
-                "rounds of the saved-activation store",
-            )?;
-            st.route_start[0] = 0;
-            let host = MetaHost::Store { meta: &mut *st.meta, row_start: row_start.clone(), download: true };
-            let keep = Keep {
-                x: &mut *st.x,
-                gate: &mut *st.gate,
-                up: &mut *st.up,
-                route_start: &mut *st.route_start,
-                row_start,
-            };
-            (host, Some(keep))
+            let (meta, keep) = Saved::open(plan, me, st)?;
+            keep.route_start[0] = 0;
+            (MetaHost::Store { meta, row_start: keep.row_start.clone(), download: true }, Some(keep))
         }
         None => (MetaHost::Staging { meta: staging, slots: *staging_slots, len: bufs.recv_rows() * k }, None),
     };
@@ -230,30 +284,23 @@ fn run_forward<O: DeviceOps>(
             let filled = group(meta, k, slots, groups, offsets)?;
             let mut cursor = 0usize;
             if let Some(kp) = keep.as_mut() {
-                cursor = kp.route_start[round.round] as usize;
-                let what = "routes computed on this rank (saved pre-activations)";
-                store_holds(ops.buf_len(kp.gate), i, (cursor, filled), what)?;
-                let row = kp.row_start[round.round];
-                store_holds(ops.buf_len(kp.x), h, (row, got), "rows of the saved-activation store")?;
+                let row;
+                (cursor, row) = kp.round_at(ops, &s, round, filled)?;
                 ops.copy((&set.recv_x, 0), (&mut *kp.x, row * h), got * h)?;
             }
             ops.zero(&mut set.out, got * h)?;
-            for slot in 0..slots {
-                let entries = &groups[offsets[slot] as usize..offsets[slot + 1] as usize];
-                for chunk in entries.chunks(chunk_rows) {
-                    let n = chunk.len();
-                    group_lists(ops, chunk, meta, (&mut lists.rows, &mut lists.weights, None))?;
-                    ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, n, h), &mut scratch.x)?;
-                    let w = expert_at((&s, plan.config().weight_layout), inputs, foreign, slot);
-                    let pre =
-                        keep.as_mut().map(|kp| KeepPre { gate: &mut *kp.gate, up: &mut *kp.up, cursor });
-                    expert::forward(ops, w, (h, i), n, scratch, pre)?;
-                    ops.scatter_add_rows(
-                        IndexedRows::new(&scratch.x, &lists.rows, n, h).scaled(&lists.weights),
-                        &mut set.out,
-                    )?;
-                    cursor += n;
-                }
+            for (slot, chunk) in slot_chunks(groups, offsets, slots, chunk_rows) {
+                let n = chunk.len();
+                group_lists(ops, chunk, meta, (&mut lists.rows, &mut lists.weights, None))?;
+                ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, n, h), &mut scratch.x)?;
+                let w = expert_at((&s, plan.config().weight_layout), inputs, foreign, slot);
+                let pre = keep.as_mut().map(|kp| KeepPre { gate: &mut *kp.gate, up: &mut *kp.up, cursor });
+                expert::forward(ops, w, (h, i), n, scratch, pre)?;
+                ops.scatter_add_rows(
+                    IndexedRows::new(&scratch.x, &lists.rows, n, h).scaled(&lists.weights),
+                    &mut set.out,
+                )?;
+                cursor += n;
             }
             if let Some(kp) = keep.as_mut() {
                 kp.route_start[round.round + 1] = cursor as u32;
@@ -300,21 +347,8 @@ pub fn backward_saved<O: DeviceOps>(
     dy: &O::Buf,
     store: &mut Store<'_, O::Buf>,
 ) -> Result<DeviceGradients<O::Buf>> {
-    check_mode(
-        plan,
-        Mode::SaveActivations,
-        "Mode::SaveActivations (checkpointed plans run through forward and backward)",
-    )?;
+    check_mode(plan, Mode::SaveActivations, SAVING)?;
     run_backward(ops, host, plan, inputs, dy, Some(store))
-}
-
-/// What the backward from saved activations reads.
-struct SavedIn<'a, B> {
-    x: &'a B,
-    gate: &'a B,
-    up: &'a B,
-    route_start: &'a [u32],
-    row_start: Vec<usize>,
 }
 
 fn run_backward<O: DeviceOps>(
@@ -325,15 +359,7 @@ fn run_backward<O: DeviceOps>(
     dy: &O::Buf,
     store: Option<&mut Store<'_, O::Buf>>,
 ) -> Result<DeviceGradients<O::Buf>> {
-    let me = ops.rank();
-    let s = check_call(plan, me, ops.world_size(), &inputs.routing)?;
-    check_inputs(ops, (&s, plan.config().weight_layout), inputs)?;
-    need("dY (N·H)", s.tokens * s.hidden, ops.buf_len(dy))?;
-    let bufs = plan.buffers(me, Pass::Backward);
-    ops.fence()?;
-    let t = tables(plan, me, &inputs.routing, host)?;
-    let mut c = Reserved::new(ops, host, &bufs)?;
-    fetch_foreign(ops, plan, inputs, &mut c.foreign)?;
+    let SetUp { me, s, bufs, t, mut c } = set_up(ops, host, plan, inputs, Pass::Backward, Some(dy))?;
     ops.zero(&mut c.foreign_grad, bufs.foreign_slots() * s.expert_elems())?;
     let (n, h, i, k) = (s.tokens, s.hidden, s.intermediate, s.top_k);
     let [gate, up, down] = plan.config().weight_layout.native_lens(&s);
@@ -363,22 +389,8 @@ fn run_backward<O: DeviceOps>(
         } = &mut c;
         let (meta_host, saved, sends) = match store {
             Some(st) => {
-                let row_start = row_starts(plan, me);
-                store_holds(
-                    st.route_start.len(),
-                    1,
-                    (0, plan.rounds() + 1),
-                    "rounds of the saved-activation store",
-                )?;
-                let host =
-                    MetaHost::Store { meta: &mut *st.meta, row_start: row_start.clone(), download: false };
-                let saved = SavedIn {
-                    x: &*st.x,
-                    gate: &*st.gate,
-                    up: &*st.up,
-                    route_start: &*st.route_start,
-                    row_start,
-                };
+                let (meta, saved) = Saved::open(plan, me, st)?;
+                let host = MetaHost::Store { meta, row_start: saved.row_start.clone(), download: false };
                 (host, Some(saved), Sends::Dy)
             }
             None => {
@@ -407,43 +419,32 @@ fn run_backward<O: DeviceOps>(
                         found: filled,
                     });
                 }
-                cursor = start;
-                let what = "routes computed on this rank (saved pre-activations)";
-                store_holds(ops.buf_len(sv.gate), i, (cursor, filled), what)?;
-                let row = sv.row_start[j];
-                store_holds(ops.buf_len(sv.x), h, (row, got), "rows of the saved-activation store")?;
-                ops.copy((sv.x, row * h), (&mut set.recv_x, 0), got * h)?;
+                let row;
+                (cursor, row) = sv.round_at(ops, &s, round, filled)?;
+                ops.copy((&*sv.x, row * h), (&mut set.recv_x, 0), got * h)?;
             }
             ops.zero(&mut set.out, got * h)?;
             ops.zero(&mut set.dw_out, got * k)?;
-            for slot in 0..slots {
-                let entries = &groups[offsets[slot] as usize..offsets[slot + 1] as usize];
-                for chunk in entries.chunks(chunk_rows) {
-                    let rows = chunk.len();
-                    group_lists(
-                        ops,
-                        chunk,
-                        meta,
-                        (&mut lists.rows, &mut lists.weights, Some(&mut lists.meta)),
-                    )?;
-                    ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, rows, h), &mut scratch.x)?;
-                    let w = expert_at((&s, plan.config().weight_layout), inputs, foreign, slot);
-                    let grad = grad_at((&s, plan.config().weight_layout), g, foreign_grad, slot);
-                    let io = GroupIo::<O> {
-                        recv_dy: &set.recv_dy,
-                        dx_rows: &mut set.out,
-                        dw: &mut set.dw_out,
-                        lists: &mut *lists,
-                    };
-                    match &saved {
-                        Some(sv) => {
-                            let pre = (sv.gate, sv.up);
-                            expert::backward_saved(ops, w, grad, (h, i), (rows, cursor), pre, io, scratch)?
-                        }
-                        None => expert::backward(ops, w, grad, (h, i), rows, io, scratch)?,
+            for (slot, chunk) in slot_chunks(groups, offsets, slots, chunk_rows) {
+                let rows = chunk.len();
+                group_lists(ops, chunk, meta, (&mut lists.rows, &mut lists.weights, Some(&mut lists.meta)))?;
+                ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, rows, h), &mut scratch.x)?;
+                let w = expert_at((&s, plan.config().weight_layout), inputs, foreign, slot);
+                let grad = grad_at((&s, plan.config().weight_layout), g, foreign_grad, slot);
+                let io = GroupIo::<O> {
+                    recv_dy: &set.recv_dy,
+                    dx_rows: &mut set.out,
+                    dw: &mut set.dw_out,
+                    lists: &mut *lists,
+                };
+                match &saved {
+                    Some(sv) => {
+                        let pre = (&*sv.gate, &*sv.up);
+                        expert::backward_saved(ops, w, grad, (h, i), (rows, cursor), pre, io, scratch)?
                     }
-                    cursor += rows;
+                    None => expert::backward(ops, w, grad, (h, i), rows, io, scratch)?,
                 }
+                cursor += rows;
             }
             let (sh, rh) = (scale(&round.send_counts, h), scale(&round.recv_counts, h));
             let (sk, rk) = (scale(&round.send_counts, k), scale(&round.recv_counts, k));
