@@ -124,6 +124,29 @@ pub fn race_checked<T: Pod>(
     Ok(outputs)
 }
 
+/// Runs one launch whose only output is `out` under both thread schedules, each from `out`'s
+/// current contents ([`race_checked`]: the outputs must agree bitwise), and leaves the result
+/// in `out`. `kernel(o)` calls the emulated entry point with `o` pointing at (a copy of) `out`.
+///
+/// # Safety
+/// As [`launch`]: `kernel(o)` calls an emulated entry point whose every access is valid for
+/// `cfg`'s grid (its threads per block a multiple of 32 where the kernel requires it), for `o`
+/// pointing at `out.len()` elements, and it writes no memory but those.
+pub unsafe fn launch_into<T: Pod>(
+    name: &str,
+    cfg: &EmuLaunchConfig,
+    out: &mut [T],
+    kernel: impl Fn(*mut T),
+) -> Result<()> {
+    let result = race_checked(name, out, |schedule, o| {
+        let o = o.as_mut_ptr();
+        // SAFETY: `o` points at `out.len()` elements; the rest is this function's contract.
+        unsafe { launch(name, cfg, schedule, &|| kernel(o)) }
+    })?;
+    out.copy_from_slice(&result);
+    Ok(())
+}
+
 /// Runs `launch_one` under both schedules on copies of `state` (any outputs a launch writes,
 /// `bytes` serializing them for the comparison) and keeps the forward schedule's `state`, or
 /// [`Error::EmuRace`] when the two differ anywhere (compared bitwise).
@@ -163,13 +186,8 @@ fn grid(n: usize) -> EmuLaunchConfig {
 /// Emulated `fill_f32`: `out[i] = value`.
 pub fn fill_f32(out: &mut [f32], value: f32) -> Result<()> {
     let n = out.len();
-    let filled = race_checked("fill_f32", out, |schedule, buf| {
-        let ptr = buf.as_mut_ptr();
-        // SAFETY: `fill_f32` writes `out[0..n)` only and `buf` holds `n` elements for the launch.
-        unsafe { launch("fill_f32", &grid(n), schedule, &|| ffi::fill_f32(ptr, value, n as u64)) }
-    })?;
-    out.copy_from_slice(&filled);
-    Ok(())
+    // SAFETY: `fill_f32` writes `out[0..n)` only, and the pointer it gets holds `n` elements.
+    unsafe { launch_into("fill_f32", &grid(n), out, |ptr| ffi::fill_f32(ptr, value, n as u64)) }
 }
 
 /// Emulated `checksum_f32`: per-block f64 partial sums, added on the host in block order.
@@ -190,15 +208,7 @@ pub fn cast_f32_to_bf16(x: &[f32], out: &mut [half::bf16]) -> Result<()> {
     if x.len() != out.len() {
         return Err(Error::ShapeMismatch { what: "cast output length", expected: x.len(), got: out.len() });
     }
-    let cast = race_checked("cast_f32_to_bf16", out, |schedule, buf| {
-        let (xp, op) = (x.as_ptr(), buf.as_mut_ptr());
-        // SAFETY: both buffers hold `n` elements and the kernel touches indices below `n` only.
-        unsafe {
-            launch("cast_f32_to_bf16", &grid(x.len()), schedule, &|| {
-                ffi::cast_f32_to_bf16(xp, op, x.len() as u64)
-            })
-        }
-    })?;
-    out.copy_from_slice(&cast);
-    Ok(())
+    let (n, xp) = (x.len(), x.as_ptr());
+    // SAFETY: both buffers hold `n` elements and the kernel touches indices below `n` only.
+    unsafe { launch_into("cast_f32_to_bf16", &grid(n), out, |op| ffi::cast_f32_to_bf16(xp, op, n as u64)) }
 }

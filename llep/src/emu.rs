@@ -4,7 +4,7 @@
 //! takes host slices of an element type the kernels are instantiated for ([`KernelElem`]: f32
 //! and bf16) and checks their lengths before the launch.
 
-use flatpeak_common::emu::{EmuLaunchConfig, launch, race_checked};
+use flatpeak_common::emu::{EmuLaunchConfig, launch_into};
 use flatpeak_common::kernels::grid_stride_blocks;
 
 use crate::error::{Error, Result};
@@ -161,29 +161,6 @@ fn linear_cfg(n: usize) -> EmuLaunchConfig {
     EmuLaunchConfig::linear(grid_stride_blocks(n, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS)
 }
 
-/// Runs one launch of kernel `name` over `cfg`, race-checked ([`race_checked`]) from the values
-/// of `out`, and writes its outputs back to `out`: `call(o)` calls the kernel's entry point with
-/// `o` pointing at (a copy of) `out`.
-///
-/// # Safety
-/// `call(o)` is a call valid for the whole grid as [`launch`] requires, for `o` pointing at
-/// `out.len()` elements that the kernel may read and write, and `cfg`'s threads per block are a
-/// multiple of 32.
-unsafe fn launch_into<D: bytemuck::Pod>(
-    name: &'static str,
-    cfg: &EmuLaunchConfig,
-    out: &mut [D],
-    call: impl Fn(*mut D),
-) -> Result<()> {
-    let res = race_checked(name, out, |schedule, o| {
-        let o = o.as_mut_ptr();
-        // SAFETY: `o` points at `out.len()` elements; the rest is this function's contract.
-        unsafe { launch(name, cfg, schedule, &|| call(o)) }
-    })?;
-    out.copy_from_slice(&res);
-    Ok(())
-}
-
 /// The side of a row kernel that its `index` addresses.
 #[derive(Debug, Clone, Copy)]
 enum Indexed {
@@ -228,7 +205,7 @@ fn launch_rows<S, D: bytemuck::Pod>(
         unsafe { (kernel.entry)(src.as_ptr(), index.as_ptr(), sp, rows as u32, width as u32, o) }
     };
     // SAFETY: `call` is valid for the whole grid (see it); LINEAR_THREADS is a multiple of 32.
-    unsafe { launch_into(kernel.name, &cfg, dst, call) }
+    Ok(unsafe { launch_into(kernel.name, &cfg, dst, call) }?)
 }
 
 /// `dst[r] = scale_r·src[index[r]]` for the first `index.len()` rows of width `width`.
@@ -263,7 +240,7 @@ pub fn swiglu<T: KernelElem>(gate: &[T], up: &[T], h: &mut [T]) -> Result<()> {
         unsafe { (T::SWIGLU.entry)(gate.as_ptr(), up.as_ptr(), n as u64, o) }
     };
     // SAFETY: `call` is valid for the whole grid (see it); LINEAR_THREADS is a multiple of 32.
-    unsafe { launch_into(T::SWIGLU.name, &linear_cfg(n), h, call) }
+    Ok(unsafe { launch_into(T::SWIGLU.name, &linear_cfg(n), h, call) }?)
 }
 
 /// In place: `gate ← dh ⊙ up ⊙ silu'(gate)`, `up ← dh ⊙ silu(gate)`.
@@ -297,5 +274,5 @@ pub fn row_dot<T: KernelElem>(a: &[T], b: &[T], width: usize, out: &mut [f32]) -
         unsafe { (T::ROW_DOT.entry)(a.as_ptr(), b.as_ptr(), width as u32, o) }
     };
     // SAFETY: `call` is valid for the whole grid (see it); EMU_ROW_THREADS is a multiple of 32.
-    unsafe { launch_into(T::ROW_DOT.name, &cfg, out, call) }
+    Ok(unsafe { launch_into(T::ROW_DOT.name, &cfg, out, call) }?)
 }

@@ -4,7 +4,7 @@
 //! compiled as host C++ and run by the SIMT emulator under two thread schedules (a race is an
 //! error), and the CPU GEMM in place of cuBLAS.
 
-use flatpeak_common::emu::{EmuLaunchConfig, launch, race_checked, race_checked_state};
+use flatpeak_common::emu::{EmuLaunchConfig, launch, launch_into, race_checked_state};
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef};
 use flatpeak_common::kernels::grid_stride_blocks;
 
@@ -71,29 +71,6 @@ const EMU_ROW_THREADS: u32 = 64;
 /// Blocks of an emulated grid-stride launch.
 const EMU_MAX_BLOCKS: u32 = 4;
 
-/// Runs one launch whose only output is `out` under both thread schedules from `out`'s current
-/// contents (the outputs must agree bitwise), leaving the result in `out`. `kernel` calls the
-/// emulated entry point with the output's pointer.
-///
-/// # Safety
-/// As [`launch`]: `kernel(out)` calls an emulated entry point whose every access is valid for
-/// `cfg`'s grid, and it writes no memory but `out` (`out.len()` elements).
-unsafe fn launch_into<T: bytemuck::Pod>(
-    name: &'static str,
-    cfg: &EmuLaunchConfig,
-    out: &mut [T],
-    kernel: impl Fn(*mut T),
-) -> Result<()> {
-    let result = race_checked(name, out, |schedule, o| {
-        let o = o.as_mut_ptr();
-        let call = || kernel(o);
-        // SAFETY: this function's contract: `call` is a valid launch writing only `o`.
-        unsafe { launch(name, cfg, schedule, &call) }
-    })?;
-    out.copy_from_slice(&result);
-    Ok(())
-}
-
 fn bytes_of<T: bytemuck::Pod>(parts: &[&[T]]) -> Vec<u8> {
     parts.iter().flat_map(|p| bytemuck::cast_slice::<T, u8>(p).iter().copied()).collect()
 }
@@ -154,11 +131,11 @@ fn widen_rows(m: &Matrix<'_>, rows: std::ops::Range<usize>, d: usize, out: &mut 
     let cfg =
         EmuLaunchConfig::linear(grid_stride_blocks(len, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
     // SAFETY: `src` and `out[..len]` both hold `len` elements; thread i writes out[i] only.
-    unsafe {
+    Ok(unsafe {
         launch_into("lce_widen_bf16", &cfg, &mut out[..len], |dst| {
             ffi::lce_widen_bf16(src.as_ptr(), dst, len as u64)
         })
-    }
+    }?)
 }
 
 /// Raw `logits (c×vb) = X_blk·W_blkᵀ` (the epilogue is in the kernels).
@@ -244,7 +221,7 @@ fn gradient_block(config: &Config, b: Block<'_>, rows: RowGrad<'_>) -> Result<()
     let dlse = rows.dlse.map_or(std::ptr::null(), |s| s.as_ptr());
     // SAFETY: the logits hold c×vb floats, `bias` vb (or null), `targets`, `coef`, `lse` and
     // `dlse` (or null) c rows: block k touches row k only, and writes only the logits.
-    unsafe {
+    Ok(unsafe {
         launch_into("lce_gradient", &cfg, &mut b.logits[..c * b.vb], |g| {
             ffi::lce_gradient(
                 g,
@@ -261,7 +238,7 @@ fn gradient_block(config: &Config, b: Block<'_>, rows: RowGrad<'_>) -> Result<()
                 rows.vocab as u64,
             )
         })
-    }
+    }?)
 }
 
 /// `lse[k] = M_k + ln S_k` of a token block's finished statistics (`lce_row_lse`).
@@ -271,21 +248,21 @@ fn row_lse(stats: &Stats, t0: usize, lse: &mut [f32]) -> Result<()> {
         EmuLaunchConfig::linear(grid_stride_blocks(rows, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
     let (max, sum) = (&stats.max[t0..t0 + rows], &stats.sum[t0..t0 + rows]);
     // SAFETY: `max`, `sum` and `lse` hold `rows` entries; thread k writes lse[k] only.
-    unsafe {
+    Ok(unsafe {
         launch_into("lce_row_lse", &cfg, lse, |out| {
             ffi::lce_row_lse(max.as_ptr(), sum.as_ptr(), out, rows as u32)
         })
-    }
+    }?)
 }
 
 fn bias_grad(g: &[f32], (c, vb): (usize, usize), dbias: &mut [f32]) -> Result<()> {
     let cfg = EmuLaunchConfig::linear(grid_stride_blocks(vb, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
     // SAFETY: `g` holds c×vb floats, `dbias[..vb]` vb; thread j writes column j only.
-    unsafe {
+    Ok(unsafe {
         launch_into("lce_bias_grad", &cfg, &mut dbias[..vb], |db| {
             ffi::lce_bias_grad(g.as_ptr(), c as u32, vb as u32, db)
         })
-    }
+    }?)
 }
 
 /// Block buffers of the device schedule: the plan's logits block ([`Plan::device_regions`]),
@@ -501,7 +478,7 @@ pub fn round_bf16(g: &mut [f32]) -> Result<()> {
     let cfg =
         EmuLaunchConfig::linear(grid_stride_blocks(len, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
     // SAFETY: `g` holds `len` floats; each thread rewrites its own elements only.
-    unsafe { launch_into("lce_round_bf16", &cfg, g, |data| ffi::lce_round_bf16(data, len as u64)) }
+    Ok(unsafe { launch_into("lce_round_bf16", &cfg, g, |data| ffi::lce_round_bf16(data, len as u64)) }?)
 }
 
 /// Forward and backward in one pass, as on the device: on [`BlockSchedule::FullVocab`] each
