@@ -116,6 +116,7 @@ fn rings(c: &mut Criterion) {
 #[cfg(feature = "cuda")]
 fn cuda_blocked_vs_one_block(c: &mut Criterion) {
     use criterion::Throughput;
+    use flatpeak_common::cuda::SquareOperands;
     use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
     use ring_dtp::Precision;
     use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
@@ -135,7 +136,8 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
         group.sample_size(10).throughput(Throughput::Elements(2 * (probe as u64).pow(3)));
         group.bench_function("sgemm_8192", |b| {
             b.iter(|| {
-                flatpeak_common::cuda::sgemm_square(&blas, probe, (&a, &a), &mut out).expect("sgemm");
+                flatpeak_common::cuda::sgemm_square(&blas, probe, SquareOperands { a: &a, b: &a }, &mut out)
+                    .expect("sgemm");
                 s.synchronize().expect("sync");
             })
         });
@@ -147,8 +149,16 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
         group.bench_function("gemm_bf16_8192", |b| {
             b.iter(|| {
                 // SAFETY: `blas` was created on `s`, and every buffer is on `s`'s context.
-                unsafe { flatpeak_common::cuda::gemm_bf16_square(&blas, &s, probe, (&a16, &a16), &mut out) }
-                    .expect("gemm bf16");
+                unsafe {
+                    flatpeak_common::cuda::gemm_bf16_square(
+                        &blas,
+                        &s,
+                        probe,
+                        SquareOperands { a: &a16, b: &a16 },
+                        &mut out,
+                    )
+                }
+                .expect("gemm bf16");
                 s.synchronize().expect("sync");
             })
         });

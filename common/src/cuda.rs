@@ -21,6 +21,13 @@ use crate::error::{Error, Result};
 use crate::kernels::{COMMON, KernelSource, grid_stride_blocks};
 use crate::nvrtc::{Arch, Target, compile};
 
+mod cublas;
+
+pub use cublas::{
+    Bf16GemmOutput, GemmShape, Operand, Output, SquareOperands, gemm_bf16, gemm_bf16_square, sgemm,
+    sgemm_square, tf32_math,
+};
+
 /// Maps a cudarc error (driver, cuBLAS, NCCL) to [`Error::Cuda`] naming the call:
 /// `stream.synchronize().map_err(cuda_error("cuStreamSynchronize"))?` (a crate's `?` then converts it
 /// to its own `Error::Common`).
@@ -63,168 +70,6 @@ pub fn per_row_launch(rows: usize, threads: u32) -> Result<LaunchConfig> {
         got: rows,
     })?;
     Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
-}
-
-fn gemm_dim(what: &'static str, value: usize) -> Result<i32> {
-    i32::try_from(value).map_err(|_| Error::ShapeMismatch { what, expected: i32::MAX as usize, got: value })
-}
-
-/// One cuBLAS SGEMM on `blas`'s stream, in column-major terms: `C (m×n) = op_a(A)·op_b(B) +
-/// beta·C` with α = 1, leading dimensions `lda`, `ldb`, `ldc`; a no-op when `m` or `n` is 0.
-/// [`Error::ShapeMismatch`] when a dimension does not fit cuBLAS's `i32`.
-///
-/// # Safety
-///
-/// `a`, `b` and `c` must hold the column-major extents the operations and leading dimensions
-/// imply (`A`: `lda·k` elements for `op_a = N`, `lda·m` for `T`; likewise `B`; `C`: `ldc·n`),
-/// belong to `blas`'s context, and be ordered on its stream after every earlier write to them;
-/// `c` must not alias `a` or `b`.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn sgemm<A, B, C>(
-    blas: &cudarc::cublas::CudaBlas,
-    (op_a, op_b): (cudarc::cublas::sys::cublasOperation_t, cudarc::cublas::sys::cublasOperation_t),
-    (m, n, k): (usize, usize, usize),
-    (a, lda): (&A, usize),
-    (b, ldb): (&B, usize),
-    (c, ldc): (&mut C, usize),
-    beta: f32,
-) -> Result<()>
-where
-    A: cudarc::driver::DevicePtr<f32>,
-    B: cudarc::driver::DevicePtr<f32>,
-    C: cudarc::driver::DevicePtrMut<f32>,
-{
-    use cudarc::cublas::{Gemm, GemmConfig};
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    let cfg = GemmConfig {
-        transa: op_a,
-        transb: op_b,
-        m: gemm_dim("sgemm m (i32)", m)?,
-        n: gemm_dim("sgemm n (i32)", n)?,
-        k: gemm_dim("sgemm k (i32)", k)?,
-        alpha: 1.0f32,
-        lda: gemm_dim("sgemm lda (i32)", lda.max(1))?,
-        ldb: gemm_dim("sgemm ldb (i32)", ldb.max(1))?,
-        beta,
-        ldc: gemm_dim("sgemm ldc (i32)", ldc.max(1))?,
-    };
-    // SAFETY: the caller guarantees the extents, context, stream order and non-aliasing this
-    // GEMM needs (this function's `# Safety`); every dimension was checked to fit i32.
-    unsafe { blas.gemm(cfg, a, b, c) }.map_err(cuda_error("cublasSgemm"))
-}
-
-/// Puts `blas` in TF32 tensor-op math (`CUBLAS_TF32_TENSOR_OP_MATH`): its f32 GEMMs ([`sgemm`])
-/// then round their operands to TF32 and run on tensor cores, summing in f32 — faster and not
-/// exact ([`Precision::Tf32`](crate::Precision::Tf32)). For a handle of its own: the mode stays
-/// for every later GEMM on it.
-pub fn tf32_math(blas: &cudarc::cublas::CudaBlas) -> Result<()> {
-    use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode, cublasStatus_t};
-    // SAFETY: `blas.handle()` is a live cuBLAS handle (CudaBlas owns it until it drops, after
-    // this call); setting its math mode touches no memory of ours.
-    let status = unsafe { cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH) };
-    if status == cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Cuda { op: "cublasSetMathMode(TF32)", message: format!("{status:?}") })
-    }
-}
-
-/// The element type of a [`gemm_bf16`]'s C: f32, or bf16 (the f32 result rounded once, to
-/// nearest even; with β = 1 the stored C is widened and added before that rounding). Sealed.
-pub trait Bf16GemmOutput: cudarc::driver::DeviceRepr + sealed::Sealed {
-    /// cuBLAS's name for it.
-    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t;
-}
-
-impl Bf16GemmOutput for f32 {
-    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
-}
-
-impl Bf16GemmOutput for half::bf16 {
-    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
-}
-
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for half::bf16 {}
-}
-
-/// bf16 operands of a [`gemm_bf16`]: cuBLAS `GemmEx` with `CUDA_R_16BF` A and B, a C of f32 or
-/// bf16 ([`Bf16GemmOutput`]) and `CUBLAS_COMPUTE_32F` (tensor cores; each bf16 product exact,
-/// sums in f32).
-///
-/// Column-major, as [`sgemm`]: `C (m×n) = op_a(A)·op_b(B) + beta·C`, α = 1; a no-op when `m`
-/// or `n` is 0; [`Error::ShapeMismatch`] when a dimension does not fit cuBLAS's `i32`.
-///
-/// # Safety
-///
-/// As [`sgemm`] (extents, context, non-aliasing), with `A` and `B` bf16; besides, `blas` must
-/// be bound to `stream` (every operand is ordered on it).
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gemm_bf16<A, B, C, T>(
-    blas: &cudarc::cublas::CudaBlas,
-    stream: &CudaStream,
-    (op_a, op_b): (cudarc::cublas::sys::cublasOperation_t, cudarc::cublas::sys::cublasOperation_t),
-    (m, n, k): (usize, usize, usize),
-    (a, lda): (&A, usize),
-    (b, ldb): (&B, usize),
-    (c, ldc): (&mut C, usize),
-    beta: f32,
-) -> Result<()>
-where
-    A: cudarc::driver::DevicePtr<half::bf16>,
-    B: cudarc::driver::DevicePtr<half::bf16>,
-    C: cudarc::driver::DevicePtrMut<T>,
-    T: Bf16GemmOutput,
-{
-    use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    let (m, n, k) =
-        (gemm_dim("gemm m (i32)", m)?, gemm_dim("gemm n (i32)", n)?, gemm_dim("gemm k (i32)", k)?);
-    let (lda, ldb, ldc) = (
-        gemm_dim("gemm lda (i32)", lda.max(1))?,
-        gemm_dim("gemm ldb (i32)", ldb.max(1))?,
-        gemm_dim("gemm ldc (i32)", ldc.max(1))?,
-    );
-    let (alpha, beta) = (1.0f32, beta);
-    // The guards order each operand on `stream` (cudarc's per-buffer events) until they drop,
-    // after the call.
-    let (a, _a) = a.device_ptr(stream);
-    let (b, _b) = b.device_ptr(stream);
-    let (c, _c) = c.device_ptr_mut(stream);
-    // SAFETY: the caller guarantees the extents, context, stream binding, order and
-    // non-aliasing this GEMM needs (this function's `# Safety`); every dimension fits i32, the
-    // pointers are live device addresses held by the guards above, and α, β are f32 as
-    // `CUBLAS_COMPUTE_32F` reads them.
-    unsafe {
-        cudarc::cublas::result::gemm_ex(
-            *blas.handle(),
-            op_a,
-            op_b,
-            m,
-            n,
-            k,
-            (&alpha as *const f32).cast(),
-            a as *const std::ffi::c_void,
-            cudaDataType_t::CUDA_R_16BF,
-            lda,
-            b as *const std::ffi::c_void,
-            cudaDataType_t::CUDA_R_16BF,
-            ldb,
-            (&beta as *const f32).cast(),
-            c as *mut std::ffi::c_void,
-            T::CUDA_TYPE,
-            ldc,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(cuda_error("cublasGemmEx(bf16)"))
 }
 
 /// Opens the primary context of CUDA device `ordinal`, after checking (without panicking) that
@@ -413,54 +258,6 @@ pub fn cast_f32_to_bf16(
     unsafe { launch.launch(grid_for(n as usize, 4096)) }
         .map_err(cuda_error("cuLaunchKernel(cast_f32_to_bf16)"))?;
     Ok(())
-}
-
-/// `c = a·b` for `n×n` bf16 matrices `a`, `b` into an f32 `c` with [`gemm_bf16`] (tensor
-/// cores, f32 accumulation): the bf16 counterpart of [`sgemm_square`], the ceiling a bf16 path's
-/// `gemm_efficiency` is measured against on a GPU (2n³ FLOPs per call).
-///
-/// # Safety
-///
-/// `blas` must be bound to `stream` (created on it), and the three buffers belong to its context.
-pub unsafe fn gemm_bf16_square(
-    blas: &cudarc::cublas::CudaBlas,
-    stream: &CudaStream,
-    n: usize,
-    (a, b): (&CudaSlice<half::bf16>, &CudaSlice<half::bf16>),
-    c: &mut CudaSlice<f32>,
-) -> Result<()> {
-    use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
-    for (what, len) in [("gemm a (n·n)", a.len()), ("gemm b (n·n)", b.len()), ("gemm c (n·n)", c.len())] {
-        if len != n * n {
-            return Err(Error::ShapeMismatch { what, expected: n * n, got: len });
-        }
-    }
-    // SAFETY: a, b and c each hold exactly n·n elements (checked above), the column-major
-    // extents of an n×n×n product with leading dimensions n; `c` is a `&mut` borrow distinct
-    // from `a` and `b`; the binding of `blas` to `stream` and the context are the caller's.
-    unsafe { gemm_bf16(blas, stream, (CUBLAS_OP_N, CUBLAS_OP_N), (n, n, n), (a, n), (b, n), (c, n), 0.0) }
-}
-
-/// `c = a·b` for `n×n` f32 matrices with cuBLAS SGEMM on `blas`'s stream, in cuBLAS's default
-/// math mode (true f32, no TF32): the device's GEMM rate probe, the ceiling `gemm_efficiency`
-/// is measured against on a GPU (2n³ FLOPs per call).
-pub fn sgemm_square(
-    blas: &cudarc::cublas::CudaBlas,
-    n: usize,
-    (a, b): (&CudaSlice<f32>, &CudaSlice<f32>),
-    c: &mut CudaSlice<f32>,
-) -> Result<()> {
-    use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
-    for (what, len) in [("sgemm a (n·n)", a.len()), ("sgemm b (n·n)", b.len()), ("sgemm c (n·n)", c.len())]
-    {
-        if len != n * n {
-            return Err(Error::ShapeMismatch { what, expected: n * n, got: len });
-        }
-    }
-    // SAFETY: a, b and c each hold exactly n·n floats (checked above), the column-major extents
-    // of an n×n×n product with leading dimensions n; all three belong to `blas`'s context, and
-    // `c` is a `&mut` borrow distinct from `a` and `b`.
-    unsafe { sgemm(blas, (CUBLAS_OP_N, CUBLAS_OP_N), (n, n, n), (a, n), (b, n), (c, n), 0.0) }
 }
 
 #[cfg(test)]

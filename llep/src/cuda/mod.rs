@@ -1,4 +1,4 @@
-//! [`DeviceOps`] on a CUDA device (feature `cuda`): buffers are cudarc [`CudaSlice`]s of f32 or
+//! [`DeviceOps`] on a CUDA device (feature `cuda`): buffers are cudarc [`CudaSlice`](flatpeak_common::cuda::cudarc::driver::CudaSlice)s of f32 or
 //! bf16 ([`CudaBuf`]), the kernels are `kernels/llep.cu` compiled by NVRTC through
 //! [`KernelCache`] (the instantiation of the buffers' type), the GEMM is cuBLAS — SGEMM on f32
 //! operands (default math mode: f32 with f32 accumulation, no TF32), `GemmEx` on bf16 operands
@@ -38,7 +38,9 @@ use flatpeak_common::DType;
 use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
 use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
 use flatpeak_common::cuda::cudarc::driver::CudaStream;
-use flatpeak_common::cuda::{KernelCache, alloc_error, cuda_error, gemm_bf16, sgemm};
+use flatpeak_common::cuda::{
+    self as blas, GemmShape, KernelCache, alloc_error, cuda_error, gemm_bf16, sgemm,
+};
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::nccl::DeviceCommunicator;
 use half::bf16;
@@ -341,24 +343,25 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         }
         let ((op_b, ld_b), (op_a, ld_a)) = column_major_ops(dims, (a.orientation, b.orientation));
         let beta = if accumulate == Accumulate::Add { 1.0 } else { 0.0 };
+        // Row-major C = A·B is column-major Cᵀ (n×m) = op(B)ᵀ·op(A)ᵀ.
+        let shape = GemmShape { op_a: op_b, op_b: op_a, m: n, n: m, k };
         match (a.buf, b.buf, c) {
             (CudaBuf::F32(ab), CudaBuf::F32(bb), CudaBuf::F32(cb)) => {
                 let av = view("gemm A (m·k)", ab, a.offset, m * k)?;
                 let bv = view("gemm B (k·n)", bb, b.offset, k * n)?;
                 let mut cv = view_mut("gemm C (m·n)", cb, c_offset, m * n)?;
+                let (lhs, rhs) = (blas::Operand { buf: &bv, ld: ld_b }, blas::Operand { buf: &av, ld: ld_a });
                 // SAFETY: the views hold exactly the extents this product reads and writes:
                 // op(B)ᵀ n×k (k·n elements, ld n or k), op(A)ᵀ k×m (m·k, ld k or m) and C n×m
                 // (m·n, ld n), checked when the views were made; all three are ordered on
                 // `self.stream`, the handle's stream, and C is a `&mut` borrow distinct from A
                 // and B.
-                Ok(unsafe {
-                    sgemm(&self.blas, (op_b, op_a), (n, m, k), (&bv, ld_b), (&av, ld_a), (&mut cv, n), beta)
-                }?)
+                Ok(unsafe { sgemm(&self.blas, shape, lhs, rhs, blas::Output { buf: &mut cv, ld: n, beta }) }?)
             }
             (CudaBuf::Bf16(ab), CudaBuf::Bf16(bb), c) => {
                 let av = view("gemm A (m·k)", ab, a.offset, m * k)?;
                 let bv = view("gemm B (k·n)", bb, b.offset, k * n)?;
-                let (ops, dims, a_ld, b_ld) = ((op_b, op_a), (n, m, k), (&bv, ld_b), (&av, ld_a));
+                let (lhs, rhs) = (blas::Operand { buf: &bv, ld: ld_b }, blas::Operand { buf: &av, ld: ld_a });
                 let s = &self.stream;
                 match c {
                     CudaBuf::F32(cb) => {
@@ -367,12 +370,30 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
                         // written (checked when made), C is a distinct `&mut` borrow, and
                         // `self.blas` is bound to `self.stream`, on which every operand is
                         // ordered; A and B are bf16, C f32.
-                        Ok(unsafe { gemm_bf16(&self.blas, s, ops, dims, a_ld, b_ld, (&mut cv, n), beta) }?)
+                        Ok(unsafe {
+                            gemm_bf16(
+                                &self.blas,
+                                s,
+                                shape,
+                                lhs,
+                                rhs,
+                                blas::Output { buf: &mut cv, ld: n, beta },
+                            )
+                        }?)
                     }
                     CudaBuf::Bf16(cb) => {
                         let mut cv = view_mut("gemm C (m·n)", cb, c_offset, m * n)?;
                         // SAFETY: as above, with a bf16 C (cuBLAS rounds the f32 result once).
-                        Ok(unsafe { gemm_bf16(&self.blas, s, ops, dims, a_ld, b_ld, (&mut cv, n), beta) }?)
+                        Ok(unsafe {
+                            gemm_bf16(
+                                &self.blas,
+                                s,
+                                shape,
+                                lhs,
+                                rhs,
+                                blas::Output { buf: &mut cv, ld: n, beta },
+                            )
+                        }?)
                     }
                 }
             }

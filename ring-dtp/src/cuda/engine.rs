@@ -13,8 +13,8 @@ use flatpeak_common::cuda::cudarc::driver::{
     PushKernelArg,
 };
 use flatpeak_common::cuda::{
-    KernelCache, alloc_error, cuda_error, fill_f32, gemm_bf16, linear_launch, per_row_launch, sgemm,
-    tf32_math,
+    GemmShape, KernelCache, Operand, Output, alloc_error, cuda_error, fill_f32, gemm_bf16, linear_launch,
+    per_row_launch, sgemm, tf32_math,
 };
 use half::bf16;
 
@@ -42,22 +42,19 @@ pub(crate) trait GemmElement: DeviceRepr + Sized {
     /// the first half of each row's bytes (`2·vb`).
     fn gradient_operand(g: &CudaSlice<f32>, dims: (usize, usize)) -> Result<(CudaView<'_, Self>, usize)>;
 
-    /// `C = op(A)·op(B) + beta·C`.
+    /// `C = op(A)·op(B) + β·C`, f32 C.
     ///
     /// # Safety
     /// As `flatpeak_common::cuda::sgemm`: a, b and c hold the column-major extents of the
     /// product, `c` is distinct from a and b, and every operand is ordered on `stream`, the
     /// handle's stream.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn gemm<A: DevicePtr<Self>, B: DevicePtr<Self>, C: DevicePtrMut<f32>>(
         blas: &CudaBlas,
         stream: &CudaStream,
-        ops: (cublasOperation_t, cublasOperation_t),
-        dims: (usize, usize, usize),
-        a: (&A, usize),
-        b: (&B, usize),
-        c: (&mut C, usize),
-        beta: f32,
+        shape: GemmShape,
+        a: Operand<'_, A>,
+        b: Operand<'_, B>,
+        c: Output<'_, C>,
     ) -> Result<()>;
 }
 
@@ -70,15 +67,13 @@ impl GemmElement for f32 {
     unsafe fn gemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
         blas: &CudaBlas,
         _stream: &CudaStream,
-        ops: (cublasOperation_t, cublasOperation_t),
-        dims: (usize, usize, usize),
-        a: (&A, usize),
-        b: (&B, usize),
-        c: (&mut C, usize),
-        beta: f32,
+        shape: GemmShape,
+        a: Operand<'_, A>,
+        b: Operand<'_, B>,
+        c: Output<'_, C>,
     ) -> Result<()> {
         // SAFETY: this function's contract is `sgemm`'s; the handle runs on its own stream.
-        Ok(unsafe { sgemm(blas, ops, dims, a, b, c, beta) }?)
+        Ok(unsafe { sgemm(blas, shape, a, b, c) }?)
     }
 }
 
@@ -98,15 +93,13 @@ impl GemmElement for bf16 {
     unsafe fn gemm<A: DevicePtr<bf16>, B: DevicePtr<bf16>, C: DevicePtrMut<f32>>(
         blas: &CudaBlas,
         stream: &CudaStream,
-        ops: (cublasOperation_t, cublasOperation_t),
-        dims: (usize, usize, usize),
-        a: (&A, usize),
-        b: (&B, usize),
-        c: (&mut C, usize),
-        beta: f32,
+        shape: GemmShape,
+        a: Operand<'_, A>,
+        b: Operand<'_, B>,
+        c: Output<'_, C>,
     ) -> Result<()> {
         // SAFETY: this function's contract is `gemm_bf16`'s, `stream` the handle's.
-        Ok(unsafe { gemm_bf16(blas, stream, ops, dims, a, b, c, beta) }?)
+        Ok(unsafe { gemm_bf16(blas, stream, shape, a, b, c) }?)
     }
 }
 
@@ -268,25 +261,22 @@ impl Engine {
         Ok(())
     }
 
-    /// `C = op(A)·op(B) + beta·C` on this engine's cuBLAS handle and stream, with f32
+    /// `C = op(A)·op(B) + β·C` on this engine's cuBLAS handle and stream, with f32
     /// accumulation and output, for operands of element `T` (column-major, leading dimensions
     /// given).
-    #[allow(clippy::too_many_arguments)]
     fn gemm<T: GemmElement, A: DevicePtr<T>, B: DevicePtr<T>, C: DevicePtrMut<f32>>(
         &self,
-        ops: (cublasOperation_t, cublasOperation_t),
-        dims: (usize, usize, usize),
-        a: (&A, usize),
-        b: (&B, usize),
-        c: (&mut C, usize),
-        beta: f32,
+        shape: GemmShape,
+        a: Operand<'_, A>,
+        b: Operand<'_, B>,
+        c: Output<'_, C>,
     ) -> Result<()> {
         // SAFETY: every public caller checks that a, b and c hold the column-major extents of
         // the product (lda·cols etc., stated at each call) and passes a `c` distinct from a and
         // b; the GEMM runs on `self.stream`, the handle's stream, after every earlier write to
         // a, b or c (issued on this stream, or on another stream of the context and ordered by
         // cudarc's per-buffer events).
-        unsafe { T::gemm(&self.blas, &self.stream, ops, dims, a, b, c, beta) }
+        unsafe { T::gemm(&self.blas, &self.stream, shape, a, b, c) }
     }
 
     /// Raw `logits (c×vb, row-major) = X_blk·W_blkᵀ`: column-major `(vb×c) = Wᵀ·X` with W and X
@@ -303,7 +293,13 @@ impl Engine {
         need("x block (c·d)", c * d, x.len())?;
         need("logits block (c·vb)", c * vb, out.len())?;
         let (t, n) = (cublasOperation_t::CUBLAS_OP_T, cublasOperation_t::CUBLAS_OP_N);
-        self.gemm((t, n), (vb, c, d), (w, d), (x, d), (out, vb), 0.0)
+        let shape = GemmShape { op_a: t, op_b: n, m: vb, n: c, k: d };
+        self.gemm(
+            shape,
+            Operand { buf: w, ld: d },
+            Operand { buf: x, ld: d },
+            Output { buf: out, ld: vb, beta: 0.0 },
+        )
     }
 
     /// Rounds each row of the `rows×vb` gradient block `g` to bf16 in place
@@ -340,7 +336,13 @@ impl Engine {
         need("dx rows (c·d)", c * d, dx.len())?;
         let (g, ldg) = T::gradient_operand(g, (c, vb))?;
         let n = cublasOperation_t::CUBLAS_OP_N;
-        self.gemm((n, n), (d, c, vb), (w, d), (&g, ldg), (dx, d), 1.0)
+        let shape = GemmShape { op_a: n, op_b: n, m: d, n: c, k: vb };
+        self.gemm(
+            shape,
+            Operand { buf: w, ld: d },
+            Operand { buf: &g, ld: ldg },
+            Output { buf: dx, ld: d, beta: 1.0 },
+        )
     }
 
     /// `dW_blk (vb×d) += Gᵀ (vb×c)·X_blk (c×d)`: column-major `dWᵀ (d×vb) += Xᵀ (d×c)·G (c×vb)`.
@@ -356,7 +358,13 @@ impl Engine {
         need("dw rows (vb·d)", vb * d, dw.len())?;
         let (g, ldg) = T::gradient_operand(g, (c, vb))?;
         let (n, t) = (cublasOperation_t::CUBLAS_OP_N, cublasOperation_t::CUBLAS_OP_T);
-        self.gemm((n, t), (d, vb, c), (x, d), (&g, ldg), (dw, d), 1.0)
+        let shape = GemmShape { op_a: n, op_b: t, m: d, n: vb, k: c };
+        self.gemm(
+            shape,
+            Operand { buf: x, ld: d },
+            Operand { buf: &g, ld: ldg },
+            Output { buf: dw, ld: d, beta: 1.0 },
+        )
     }
 
     fn check_block(b: &LogitsBlock<'_, '_>) -> Result<()> {
