@@ -37,9 +37,9 @@ use std::sync::Arc;
 use flatpeak_common::DType;
 use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
 use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
-use flatpeak_common::cuda::cudarc::driver::CudaStream;
+use flatpeak_common::cuda::cudarc::driver::{CudaStream, CudaView, CudaViewMut};
 use flatpeak_common::cuda::{
-    self as blas, GemmShape, KernelCache, alloc_error, cuda_error, gemm_bf16, sgemm,
+    self as blas, Bf16GemmOutput, GemmShape, KernelCache, alloc_error, cuda_error, gemm_bf16, sgemm,
 };
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::nccl::DeviceCommunicator;
@@ -104,6 +104,24 @@ impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
             return self.alloc(1, DType::Bf16);
         }
         Ok(CudaBuf::Bf16(self.stream.clone_htod(host).map_err(cuda_error("cuMemcpyHtoD"))?))
+    }
+
+    /// `C = op(A)·op(B) + β·C` with bf16 A and B into a C of f32 or bf16 (cuBLAS rounds a bf16
+    /// result once), on this handle and stream.
+    ///
+    /// # Safety
+    /// As `gemm_bf16`'s: the views hold the column-major extents `shape` and their leading
+    /// dimensions imply, and C is distinct from A and B.
+    unsafe fn gemm_bf16_views<T: Bf16GemmOutput>(
+        &self,
+        shape: GemmShape,
+        a: blas::Operand<'_, CudaView<'_, bf16>>,
+        b: blas::Operand<'_, CudaView<'_, bf16>>,
+        c: blas::Output<'_, CudaViewMut<'_, T>>,
+    ) -> Result<()> {
+        // SAFETY: the extents and the non-aliasing are this function's contract; `self.blas` is
+        // bound to `self.stream`, on which every operand is ordered.
+        Ok(unsafe { gemm_bf16(&self.blas, &self.stream, shape, a, b, c) }?)
     }
 }
 
@@ -362,38 +380,19 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
                 let av = view("gemm A (m·k)", ab, a.offset, m * k)?;
                 let bv = view("gemm B (k·n)", bb, b.offset, k * n)?;
                 let (lhs, rhs) = (blas::Operand { buf: &bv, ld: ld_b }, blas::Operand { buf: &av, ld: ld_a });
-                let s = &self.stream;
                 match c {
                     CudaBuf::F32(cb) => {
                         let mut cv = view_mut("gemm C (m·n)", cb, c_offset, m * n)?;
+                        let out = blas::Output { buf: &mut cv, ld: n, beta };
                         // SAFETY: as the f32 case: the views hold exactly the extents read and
-                        // written (checked when made), C is a distinct `&mut` borrow, and
-                        // `self.blas` is bound to `self.stream`, on which every operand is
-                        // ordered; A and B are bf16, C f32.
-                        Ok(unsafe {
-                            gemm_bf16(
-                                &self.blas,
-                                s,
-                                shape,
-                                lhs,
-                                rhs,
-                                blas::Output { buf: &mut cv, ld: n, beta },
-                            )
-                        }?)
+                        // written (checked when made) and C is a distinct `&mut` borrow; C f32.
+                        unsafe { self.gemm_bf16_views(shape, lhs, rhs, out) }
                     }
                     CudaBuf::Bf16(cb) => {
                         let mut cv = view_mut("gemm C (m·n)", cb, c_offset, m * n)?;
+                        let out = blas::Output { buf: &mut cv, ld: n, beta };
                         // SAFETY: as above, with a bf16 C (cuBLAS rounds the f32 result once).
-                        Ok(unsafe {
-                            gemm_bf16(
-                                &self.blas,
-                                s,
-                                shape,
-                                lhs,
-                                rhs,
-                                blas::Output { buf: &mut cv, ld: n, beta },
-                            )
-                        }?)
+                        unsafe { self.gemm_bf16_views(shape, lhs, rhs, out) }
                     }
                 }
             }
