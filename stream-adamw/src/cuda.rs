@@ -17,14 +17,12 @@ use flatpeak_common::cuda::cudarc::driver::{
 use flatpeak_common::cuda::{KernelCache, alloc_error, context, cuda_error, pinned_error};
 use flatpeak_common::kernels::grid_stride_blocks;
 
-use crate::cpu::{ParamSink, adamw_update};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::hyperparameters::StepScalars;
 use crate::kernels::{STATS_THREADS, STREAM_ADAMW, grad_sq_entry};
 use crate::pipeline::{CopyEngines, FaultPoints, Staged, StepState, injected, run_step};
 use crate::plan::Plan;
-use crate::state::OptimizerState;
 use crate::step::StageTimes;
 
 /// Gradients and parameters in device memory.
@@ -179,6 +177,9 @@ fn timed_wait(event: &CudaEvent, waited: &mut Duration) -> Result<()> {
 }
 
 impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
+    type Grad = G;
+    type Param = P;
+
     /// D2H of the bucket's gradients into its grad slot on the D2H stream; records the slot's
     /// `d2h_done`.
     fn start_d2h(&mut self, bucket: Staged) -> Result<()> {
@@ -223,22 +224,12 @@ impl<G: GradElement, P: ParamElement> CopyEngines for CudaEngines<'_, G, P> {
         timed_wait(&self.offload.h2d_done[slot], &mut self.waited[1])
     }
 
-    fn adam(
-        &mut self,
-        state: &mut OptimizerState,
-        bucket: Staged,
-        scalars: &StepScalars,
-    ) -> Result<Duration> {
-        let Staged { elements: range, slot } = bucket;
-        let o = &mut *self.offload;
-        let len = range.len();
-        let grads = o.grad_slots[slot].as_slice().map_err(cuda_error("cuEventSynchronize"))?;
-        let grads: &[G] = &grads[..len];
+    fn with_staged<R>(&mut self, bucket: &Staged, f: impl FnOnce(&[G], &mut [P]) -> R) -> Result<R> {
+        let (o, len) = (&mut *self.offload, bucket.elements.len());
+        let grads = o.grad_slots[bucket.slot].as_slice().map_err(cuda_error("cuEventSynchronize"))?;
         // The two slot vectors are distinct fields: borrow them apart.
-        let params = o.param_slots[slot].as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
-        let start = Instant::now();
-        adamw_update(state.view(range), grads, ParamSink::Copy(&mut params[..len]), scalars);
-        Ok(start.elapsed())
+        let params = o.param_slots[bucket.slot].as_mut_slice().map_err(cuda_error("cuEventSynchronize"))?;
+        Ok(f(&grads[..len], &mut params[..len]))
     }
 
     fn finish(&mut self) -> Result<(Duration, Duration)> {

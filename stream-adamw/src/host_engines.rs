@@ -5,16 +5,14 @@
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::thread::ScopedJoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::cpu::{ParamSink, adamw_update};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::host::HostDevice;
 use crate::hyperparameters::StepScalars;
 use crate::pipeline::{CopyEngines, FaultPoints, Staged, StepState, injected, run_step};
 use crate::plan::Plan;
-use crate::state::OptimizerState;
 use crate::step::StageTimes;
 
 /// Pinned-host staging of the plan: `staged_slots` slots per direction, allocated once.
@@ -164,6 +162,9 @@ impl<G: GradElement, P: ParamElement> HostEngines<'_, '_, G, P> {
 }
 
 impl<G: GradElement, P: ParamElement> CopyEngines for HostEngines<'_, '_, G, P> {
+    type Grad = G;
+    type Param = P;
+
     fn start_d2h(&mut self, bucket: Staged) -> Result<()> {
         self.issue(Direction::D2h, bucket)
     }
@@ -177,18 +178,11 @@ impl<G: GradElement, P: ParamElement> CopyEngines for HostEngines<'_, '_, G, P> 
         self.wait(Direction::H2d, slot)
     }
 
-    fn adam(
-        &mut self,
-        state: &mut OptimizerState,
-        bucket: Staged,
-        scalars: &StepScalars,
-    ) -> Result<Duration> {
-        let Staged { elements, slot } = bucket;
+    fn with_staged<R>(&mut self, bucket: &Staged, f: impl FnOnce(&[G], &mut [P]) -> R) -> Result<R> {
+        let slot = bucket.slot;
         let (grads, mut params) = (lock(&self.staging.grads[slot]), lock(&self.staging.params[slot]));
-        let len = elements.len();
-        let start = Instant::now();
-        adamw_update(state.view(elements), &grads[..len], ParamSink::Copy(&mut params[..len]), scalars);
-        Ok(start.elapsed())
+        let len = bucket.elements.len();
+        Ok(f(&grads[..len], &mut params[..len]))
     }
 
     fn finish(&mut self) -> Result<(Duration, Duration)> {

@@ -11,9 +11,11 @@
 //!   ahead of Adam, and D2H(k) ‖ Adam(k−1) ‖ H2D(k−2) in the steady state.
 
 use std::ops::Range;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::config::StepSchedule;
+use crate::cpu::{ParamSink, adamw_update};
+use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::hyperparameters::StepScalars;
 use crate::plan::Plan;
@@ -86,6 +88,10 @@ pub(crate) struct StepState<'a> {
 /// A backend's copy engines and staging slots. Copies are issued in order and complete in
 /// order within a direction; the waits name the copy most recently issued for a slot.
 pub(crate) trait CopyEngines {
+    /// The gradients' element.
+    type Grad: GradElement;
+    /// The device parameters' element.
+    type Param: ParamElement;
     /// Issues the D2H copy of the bucket's device gradients into its grad slot.
     fn start_d2h(&mut self, bucket: Staged) -> Result<()>;
     /// Waits until the last D2H copy issued into grad slot `slot` has landed.
@@ -94,10 +100,14 @@ pub(crate) trait CopyEngines {
     fn start_h2d(&mut self, bucket: Staged) -> Result<()>;
     /// Waits until the last H2D copy issued out of param slot `slot` has drained it.
     fn wait_h2d(&mut self, slot: usize) -> Result<()>;
-    /// AdamW of the bucket's parameters from its grad slot, the updated parameters (in the
-    /// device dtype) into its param slot; its busy time.
-    fn adam(&mut self, state: &mut OptimizerState, bucket: Staged, scalars: &StepScalars)
-    -> Result<Duration>;
+    /// Runs `f` on the bucket's staged gradients (in its grad slot) and parameters (in its
+    /// param slot): the operands of its Adam, which reads the former and writes the updated
+    /// parameters, in the device dtype, into the latter.
+    fn with_staged<R>(
+        &mut self,
+        bucket: &Staged,
+        f: impl FnOnce(&[Self::Grad], &mut [Self::Param]) -> R,
+    ) -> Result<R>;
     /// Waits for every issued copy; the D2H and H2D engines' times.
     fn finish(&mut self) -> Result<(Duration, Duration)>;
 }
@@ -125,8 +135,7 @@ pub(crate) fn run_step<E: CopyEngines>(
             engines.start_d2h(all.clone())?;
             engines.wait_d2h(0)?;
             save(state, all.elements.clone());
-            injected("adam", faults.adam, &all.elements)?;
-            times.adam += engines.adam(state, all.clone(), scalars)?;
+            times.adam += adam(engines, state, &all, faults, scalars)?;
             *applied += 1;
             engines.start_h2d(all)?;
         }
@@ -143,8 +152,7 @@ pub(crate) fn run_step<E: CopyEngines>(
                 engines.wait_d2h(bucket.slot)?;
                 engines.wait_h2d(bucket.slot)?;
                 save(state, bucket.elements.clone());
-                injected("adam", faults.adam, &bucket.elements)?;
-                times.adam += engines.adam(state, bucket.clone(), scalars)?;
+                times.adam += adam(engines, state, &bucket, faults, scalars)?;
                 *applied += 1;
                 engines.start_h2d(bucket)?;
             }
@@ -156,6 +164,23 @@ pub(crate) fn run_step<E: CopyEngines>(
     Ok(())
 }
 
+/// AdamW of `bucket`'s parameters from its staged gradients into its param slot (after an
+/// injected Adam fault, if one strikes it); its busy time.
+fn adam<E: CopyEngines>(
+    engines: &mut E,
+    state: &mut OptimizerState,
+    bucket: &Staged,
+    faults: &FaultPoints,
+    scalars: &StepScalars,
+) -> Result<Duration> {
+    injected("adam", faults.adam, &bucket.elements)?;
+    engines.with_staged(bucket, |grads, params| {
+        let start = Instant::now();
+        adamw_update(state.view(bucket.elements.clone()), grads, ParamSink::Copy(params), scalars);
+        start.elapsed()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -163,6 +188,7 @@ mod tests {
     use crate::element::GradElement;
     use crate::plan::Shape;
     use flatpeak_common::{Budget, DType};
+    use half::bf16;
 
     /// Records the order of operations and checks every slot rule as it goes.
     #[derive(Default)]
@@ -176,6 +202,8 @@ mod tests {
     }
 
     impl CopyEngines for Trace {
+        type Grad = f32;
+        type Param = bf16;
         fn start_d2h(&mut self, Staged { elements, slot }: Staged) -> Result<()> {
             let bucket = elements.start / self.bucket_elems;
             // Never overwrite gradients Adam has not read yet.
@@ -199,9 +227,9 @@ mod tests {
             self.param_busy[slot] = false;
             Ok(())
         }
-        fn adam(&mut self, _: &mut OptimizerState, bucket: Staged, _: &StepScalars) -> Result<Duration> {
-            let Staged { elements, slot } = bucket;
-            let bucket = elements.start / self.bucket_elems;
+        fn with_staged<R>(&mut self, staged: &Staged, f: impl FnOnce(&[f32], &mut [bf16]) -> R) -> Result<R> {
+            let (slot, len) = (staged.slot, staged.elements.len());
+            let bucket = staged.elements.start / self.bucket_elems;
             assert_eq!(
                 self.grad_slot[slot],
                 Some((bucket, true)),
@@ -210,7 +238,7 @@ mod tests {
             assert!(!self.param_busy[slot], "Adam({bucket}) over a param slot still going up");
             self.grad_slot[slot] = None; // read
             self.ops.push(format!("a{bucket}"));
-            Ok(Duration::ZERO)
+            Ok(f(&vec![0.0; len], &mut vec![bf16::ZERO; len]))
         }
         fn finish(&mut self) -> Result<(Duration, Duration)> {
             Ok((Duration::ZERO, Duration::ZERO))
@@ -219,7 +247,8 @@ mod tests {
 
     fn trace(slots: usize, schedule: StepSchedule) -> String {
         let config = Config::default().bucket_elems(64).slots(slots).schedule(schedule);
-        let shape = Shape { params: 64 * 4, grad_dtype: f32::DTYPE, param_dtype: DType::Bf16 };
+        let shape =
+            Shape { params: 64 * 4, grad_dtype: <f32 as GradElement>::DTYPE, param_dtype: DType::Bf16 };
         let plan = Plan::new(&config, shape, Budget::Unlimited).unwrap();
         let mut t = Trace {
             grad_slot: vec![None; slots],
