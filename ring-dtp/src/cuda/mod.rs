@@ -66,6 +66,20 @@ impl DeviceMatrix<'_> {
             DeviceMatrix::Bf16(_) => flatpeak_common::DType::Bf16,
         }
     }
+    /// Widens `rows` (of width `d`) of a bf16 matrix into `wide`, for GEMMs that read f32; an
+    /// f32 matrix is read in place (nothing to do).
+    pub(crate) fn widen_rows(
+        &self,
+        e: &Engine,
+        rows: std::ops::Range<usize>,
+        d: usize,
+        wide: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        match self {
+            DeviceMatrix::Bf16(s) => e.widen(&s.slice(rows.start * d..rows.end * d), wide),
+            DeviceMatrix::F32(_) => Ok(()),
+        }
+    }
 }
 
 /// Rows `rows` (width `d`) of `m` as f32: a view of an f32 matrix, or widened into `buf`.
@@ -583,23 +597,17 @@ impl BlockOps for CudaBlocks<'_, '_> {
     }
 
     fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
-        let d = self.inputs.d;
-        match self.inputs.x {
-            DeviceMatrix::Bf16(s) if !self.native_bf16 => {
-                self.e.widen(&s.slice(t0 * d..(t0 + c) * d), self.x_wide)
-            }
-            _ => Ok(()),
+        if self.native_bf16 {
+            return Ok(());
         }
+        self.inputs.x.widen_rows(self.e, t0..t0 + c, self.inputs.d, self.x_wide)
     }
 
     fn load_vocab(&mut self, v0: usize, vb: usize) -> Result<()> {
-        let d = self.inputs.d;
-        match self.inputs.w {
-            DeviceMatrix::Bf16(s) if !self.native_bf16 => {
-                self.e.widen(&s.slice(v0 * d..(v0 + vb) * d), self.w_wide)
-            }
-            _ => Ok(()),
+        if self.native_bf16 {
+            return Ok(());
         }
+        self.inputs.w.widen_rows(self.e, v0..v0 + vb, self.inputs.d, self.w_wide)
     }
 
     fn logits(&mut self, at: BlockAt) -> Result<()> {

@@ -304,44 +304,34 @@ mod tests {
 
     use super::*;
 
+    /// N tokens of width D against a vocabulary of V, in `dtype`.
+    fn shape(tokens: usize, hidden: usize, vocab: usize, dtype: DType) -> Shape {
+        Shape { tokens, hidden, vocab, dtype }
+    }
+
     #[test]
     fn explicit_blocks_are_capped_and_pick_the_schedule() {
         let cfg = Config::default();
-        let all = Plan::with_blocks(
-            &cfg,
-            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
-            (1 << 20, 1 << 20),
-        )
-        .unwrap();
+        let all = Plan::with_blocks(&cfg, shape(8192, 1024, 32768, DType::F32), (1 << 20, 1 << 20)).unwrap();
         assert_eq!(
             (all.schedule(), all.token_block(), all.vocab_block()),
             (BlockSchedule::FullVocab, 8192, 32768)
         );
         // logits, X block and dX's second partial (k = V splits); no W sub-block for f32.
         assert_eq!(all.workspace_bytes(), 4 * (8192 * 32768 + 2 * 8192 * 1024) + 4 * REGION_ALIGN);
-        let short = Plan::with_blocks(
-            &cfg,
-            Shape { tokens: 64, hidden: 32, vocab: 1000, dtype: DType::F32 },
-            (64, 1000),
-        )
-        .unwrap();
+        let short = Plan::with_blocks(&cfg, shape(64, 32, 1000, DType::F32), (64, 1000)).unwrap();
         assert_eq!(short.workspace_bytes(), 4 * (64 * 1000 + 64 * 32) + 3 * REGION_ALIGN);
-        let blocked = Plan::with_blocks(
-            &cfg,
-            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::Bf16 },
-            (2048, 4096),
-        )
-        .unwrap();
+        let blocked = Plan::with_blocks(&cfg, shape(8192, 1024, 32768, DType::Bf16), (2048, 4096)).unwrap();
         assert_eq!(
             (blocked.schedule(), blocked.token_block(), blocked.vocab_block()),
             (BlockSchedule::VocabBlocked, 2048, 4096)
         );
         assert!(matches!(
-            Plan::with_blocks(&cfg, Shape { tokens: 8, hidden: 4, vocab: 16, dtype: DType::F32 }, (0, 16)),
+            Plan::with_blocks(&cfg, shape(8, 4, 16, DType::F32), (0, 16)),
             Err(Error::InvalidConfig { field: "token_block", .. })
         ));
         assert!(matches!(
-            Plan::with_blocks(&cfg, Shape { tokens: 8, hidden: 4, vocab: 16, dtype: DType::F32 }, (8, 0)),
+            Plan::with_blocks(&cfg, shape(8, 4, 16, DType::F32), (8, 0)),
             Err(Error::InvalidConfig { field: "vocab_block", .. })
         ));
     }
@@ -349,30 +339,15 @@ mod tests {
     #[test]
     fn budget_picks_the_schedule() {
         let cfg = Config::default();
-        let big = Plan::new(
-            &cfg,
-            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
-            Budget::Bytes(1 << 30),
-        )
-        .unwrap();
+        let big = Plan::new(&cfg, shape(8192, 1024, 32768, DType::F32), Budget::Bytes(1 << 30)).unwrap();
         assert_eq!(
             (big.schedule(), big.token_block(), big.vocab_block()),
             (BlockSchedule::FullVocab, 1024, 32768)
         );
-        let small = Plan::new(
-            &cfg,
-            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
-            Budget::Bytes(8 << 20),
-        )
-        .unwrap();
+        let small = Plan::new(&cfg, shape(8192, 1024, 32768, DType::F32), Budget::Bytes(8 << 20)).unwrap();
         assert_eq!(small.schedule(), BlockSchedule::VocabBlocked);
         assert!(small.workspace_bytes() <= 8 << 20);
-        let err = Plan::new(
-            &cfg,
-            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
-            Budget::Bytes(1000),
-        )
-        .unwrap_err();
+        let err = Plan::new(&cfg, shape(8192, 1024, 32768, DType::F32), Budget::Bytes(1000)).unwrap_err();
         assert!(matches!(err, Error::BudgetTooSmall { budget: 1000, .. }));
     }
 
@@ -388,7 +363,7 @@ mod tests {
     fn sizes_that_overflow_are_an_error_not_a_panic() {
         let cfg = Config::default();
         for (n, d, v) in [(usize::MAX, 16, 1000), (1000, usize::MAX / 2, 1000), (1 << 40, 1 << 30, 1 << 20)] {
-            let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 };
+            let shape = shape(n, d, v, DType::F32);
             for budget in [Budget::Unlimited, Budget::mib(64)] {
                 match Plan::new(&cfg, shape, budget) {
                     Err(Error::Common(flatpeak_common::Error::SizeOverflow { .. }))
@@ -403,18 +378,8 @@ mod tests {
     #[test]
     fn workspace_does_not_grow_with_tokens() {
         let cfg = Config::default();
-        let a = Plan::new(
-            &cfg,
-            Shape { tokens: 1 << 10, hidden: 512, vocab: 4096, dtype: DType::Bf16 },
-            Budget::Bytes(64 << 20),
-        )
-        .unwrap();
-        let b = Plan::new(
-            &cfg,
-            Shape { tokens: 1 << 20, hidden: 512, vocab: 4096, dtype: DType::Bf16 },
-            Budget::Bytes(64 << 20),
-        )
-        .unwrap();
+        let a = Plan::new(&cfg, shape(1 << 10, 512, 4096, DType::Bf16), Budget::Bytes(64 << 20)).unwrap();
+        let b = Plan::new(&cfg, shape(1 << 20, 512, 4096, DType::Bf16), Budget::Bytes(64 << 20)).unwrap();
         assert_eq!(a.workspace_bytes(), b.workspace_bytes());
         assert_eq!(b.per_token_bytes() - a.per_token_bytes(), PER_TOKEN_BYTES * ((1 << 20) - (1 << 10)));
     }

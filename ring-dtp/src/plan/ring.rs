@@ -291,12 +291,10 @@ impl RingPlan {
     /// Bytes of one ring buffer ([`Slot`] or [`Packet`]), each region aligned; `None` on
     /// overflow.
     fn buffer_bytes(&self) -> Option<usize> {
-        let mut bytes = RegionBytes(Some(0));
-        let laid_out = match self.kind {
-            RingKind::Weight => self.slot::<Bytes>(&mut bytes).map(drop),
-            RingKind::Activation => self.packet::<Bytes>(&mut bytes).map(drop),
-        };
-        laid_out.ok().and(bytes.0)
+        RegionBytes::of(|bytes| match self.kind {
+            RingKind::Weight => self.slot::<Bytes>(bytes).map(drop),
+            RingKind::Activation => self.packet::<Bytes>(bytes).map(drop),
+        })
     }
 
     /// The CPU weight ring's block scratch ([`WeightScratch`]), laid out by `source`.
@@ -317,12 +315,10 @@ impl RingPlan {
 
     /// Bytes of the CPU ring's block scratch, each region aligned; `None` on overflow.
     fn scratch_bytes(&self) -> Option<usize> {
-        let mut bytes = RegionBytes(Some(0));
-        let laid_out = match self.kind {
-            RingKind::Weight => self.weight_scratch::<Bytes>(&mut bytes).map(drop),
-            RingKind::Activation => self.activation_scratch::<Bytes>(&mut bytes).map(drop),
-        };
-        laid_out.ok().and(bytes.0)
+        RegionBytes::of(|bytes| match self.kind {
+            RingKind::Weight => self.weight_scratch::<Bytes>(bytes).map(drop),
+            RingKind::Activation => self.activation_scratch::<Bytes>(bytes).map(drop),
+        })
     }
 
     /// [`workspace_bytes`](Self::workspace_bytes), `None` on overflow.

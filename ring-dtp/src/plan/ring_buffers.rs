@@ -160,6 +160,13 @@ impl RegionKind for Bytes {
 pub(crate) struct RegionBytes(pub Option<usize>);
 
 impl RegionBytes {
+    /// The bytes of everything `layout` lays out from a fresh count; `None` when a size
+    /// overflows or the layout fails.
+    pub(crate) fn of(layout: impl FnOnce(&mut Self) -> Result<()>) -> Option<usize> {
+        let mut bytes = Self(Some(0));
+        layout(&mut bytes).ok().and(bytes.0)
+    }
+
     fn add(&mut self, elems: usize, elem_bytes: usize) -> Result<()> {
         let aligned = elems.checked_mul(elem_bytes).and_then(|b| b.checked_next_multiple_of(REGION_ALIGN));
         self.0 = self.0.zip(aligned).and_then(|(sum, b)| sum.checked_add(b));
