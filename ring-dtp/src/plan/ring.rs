@@ -418,6 +418,11 @@ pub const TRANSPORT_OVERHEAD: usize = 16 << 10;
 mod tests {
     use super::*;
 
+    /// N tokens of width D against a vocabulary of V, in `dtype`.
+    fn shape(tokens: usize, hidden: usize, vocab: usize, dtype: DType) -> Shape {
+        Shape { tokens, hidden, vocab, dtype }
+    }
+
     #[test]
     fn sizes_that_overflow_are_an_error_not_a_panic() {
         let cfg = Config::default();
@@ -431,7 +436,7 @@ mod tests {
         ];
         for (n, d, v) in sizes {
             for p in [1, 3, 25] {
-                let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::Bf16 };
+                let shape = shape(n, d, v, DType::Bf16);
                 let options = RingOptions::default().ranks(p);
                 for budget in [Budget::Unlimited, Budget::mib(64)] {
                     match RingPlan::new(&cfg, shape, budget, options) {
@@ -452,7 +457,7 @@ mod tests {
         for (n, v, p) in [(10, 7, 3), (8192, 32768, 4), (5, 3, 7), (1, 1, 1)] {
             let plan = RingPlan::new(
                 &cfg,
-                Shape { tokens: n, hidden: 16, vocab: v, dtype: DType::F32 },
+                shape(n, 16, v, DType::F32),
                 Budget::mib(64),
                 RingOptions::default().ranks(p),
             )
@@ -471,35 +476,23 @@ mod tests {
     fn auto_ring_and_budget() {
         let cfg = Config::default();
         let (budget, opts) = (Budget::mib(48), RingOptions::default());
-        let a = RingPlan::new(
-            &cfg,
-            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
-            budget,
-            opts.ranks(4),
-        )
-        .unwrap();
+        let a = RingPlan::new(&cfg, shape(8192, 1024, 32768, DType::F32), budget, opts.ranks(4)).unwrap();
         assert_eq!(a.kind(), RingKind::Activation);
         assert!(a.bound_bytes() <= 48 << 20);
         let w = RingPlan::new(
             &cfg,
-            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
+            shape(8192, 1024, 32768, DType::F32),
             budget,
             opts.ring(RingKind::Weight).ranks(4),
         )
         .unwrap();
         assert_eq!(w.kind(), RingKind::Weight);
         assert!(w.bound_bytes() <= 48 << 20 && w.vocab_block() >= 512);
-        let b = RingPlan::new(
-            &cfg,
-            Shape { tokens: 1 << 20, hidden: 1024, vocab: 32768, dtype: DType::F32 },
-            budget,
-            opts.ranks(4),
-        )
-        .unwrap();
+        let b = RingPlan::new(&cfg, shape(1 << 20, 1024, 32768, DType::F32), budget, opts.ranks(4)).unwrap();
         assert_eq!(b.kind(), RingKind::Weight);
         let err = RingPlan::new(
             &cfg,
-            Shape { tokens: 8192, hidden: 1024, vocab: 32768, dtype: DType::F32 },
+            shape(8192, 1024, 32768, DType::F32),
             Budget::Bytes(1 << 10),
             RingOptions::default().ranks(4),
         );
@@ -510,20 +503,8 @@ mod tests {
     fn bound_does_not_grow_with_tokens() {
         let cfg = Config::default();
         let (budget, opts) = (Budget::mib(32), RingOptions::default().ring(RingKind::Weight));
-        let a = RingPlan::new(
-            &cfg,
-            Shape { tokens: 1 << 12, hidden: 512, vocab: 50_000, dtype: DType::Bf16 },
-            budget,
-            opts.ranks(4),
-        )
-        .unwrap();
-        let b = RingPlan::new(
-            &cfg,
-            Shape { tokens: 1 << 20, hidden: 512, vocab: 50_000, dtype: DType::Bf16 },
-            budget,
-            opts.ranks(4),
-        )
-        .unwrap();
+        let a = RingPlan::new(&cfg, shape(1 << 12, 512, 50_000, DType::Bf16), budget, opts.ranks(4)).unwrap();
+        let b = RingPlan::new(&cfg, shape(1 << 20, 512, 50_000, DType::Bf16), budget, opts.ranks(4)).unwrap();
         assert_eq!(a.bound_bytes(), b.bound_bytes());
     }
 }
