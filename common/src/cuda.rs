@@ -24,7 +24,7 @@ use crate::nvrtc::{Arch, Target, compile};
 mod cublas;
 
 pub use cublas::{
-    Bf16GemmOutput, GemmShape, Operand, Output, SquareOperands, gemm_bf16, gemm_bf16_square, sgemm,
+    Bf16GemmOutput, GemmCall, GemmShape, Operand, Output, SquareOperands, gemm_bf16, gemm_bf16_square, sgemm,
     sgemm_square, tf32_math,
 };
 

@@ -48,6 +48,19 @@ pub struct Output<'a, P> {
     pub beta: f32,
 }
 
+/// One GEMM call: its shape, its operands and its output.
+#[derive(Debug)]
+pub struct GemmCall<'a, A, B, C> {
+    /// `C = op_a(A)·op_b(B) + β·C`, column-major.
+    pub shape: GemmShape,
+    /// A.
+    pub a: Operand<'a, A>,
+    /// B.
+    pub b: Operand<'a, B>,
+    /// C and β.
+    pub c: Output<'a, C>,
+}
+
 /// cuBLAS's `i32` dimensions, checked.
 struct Dims {
     m: i32,
@@ -98,8 +111,8 @@ impl Dims {
     }
 }
 
-/// One cuBLAS SGEMM on `blas`'s stream: `C = op_a(A)·op_b(B) + β·C` as `shape` describes; a
-/// no-op when `m` or `n` is 0. [`Error::ShapeMismatch`] when a dimension does not fit cuBLAS's
+/// One cuBLAS SGEMM on `blas`'s stream: `C = op_a(A)·op_b(B) + β·C` as `call.shape` describes;
+/// a no-op when `m` or `n` is 0. [`Error::ShapeMismatch`] when a dimension does not fit cuBLAS's
 /// `i32`.
 ///
 /// # Safety
@@ -108,19 +121,14 @@ impl Dims {
 /// (`A`: `lda·k` elements for `op_a = N`, `lda·m` for `T`; likewise `B`; `C`: `ldc·n`),
 /// belong to `blas`'s context, and be ordered on its stream after every earlier write to them;
 /// `c` must not alias `a` or `b`.
-pub unsafe fn sgemm<A, B, C>(
-    blas: &CudaBlas,
-    shape: GemmShape,
-    a: Operand<'_, A>,
-    b: Operand<'_, B>,
-    c: Output<'_, C>,
-) -> Result<()>
+pub unsafe fn sgemm<A, B, C>(blas: &CudaBlas, call: GemmCall<'_, A, B, C>) -> Result<()>
 where
     A: DevicePtr<f32>,
     B: DevicePtr<f32>,
     C: DevicePtrMut<f32>,
 {
     use cudarc::cublas::{Gemm, GemmConfig};
+    let GemmCall { shape, a, b, c } = call;
     if shape.m == 0 || shape.n == 0 {
         return Ok(());
     }
@@ -183,7 +191,7 @@ mod sealed {
 /// bf16 ([`Bf16GemmOutput`]) and `CUBLAS_COMPUTE_32F` (tensor cores; each bf16 product exact,
 /// sums in f32).
 ///
-/// Column-major, as [`sgemm`]: `C = op_a(A)·op_b(B) + β·C` as `shape` describes, α = 1; a
+/// Column-major, as [`sgemm`]: `C = op_a(A)·op_b(B) + β·C` as `call.shape` describes, α = 1; a
 /// no-op when `m` or `n` is 0; [`Error::ShapeMismatch`] when a dimension does not fit cuBLAS's
 /// `i32`.
 ///
@@ -194,10 +202,7 @@ mod sealed {
 pub unsafe fn gemm_bf16<A, B, C, T>(
     blas: &CudaBlas,
     stream: &CudaStream,
-    shape: GemmShape,
-    a: Operand<'_, A>,
-    b: Operand<'_, B>,
-    c: Output<'_, C>,
+    call: GemmCall<'_, A, B, C>,
 ) -> Result<()>
 where
     A: DevicePtr<half::bf16>,
@@ -206,6 +211,7 @@ where
     T: Bf16GemmOutput,
 {
     use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+    let GemmCall { shape, a, b, c } = call;
     if shape.m == 0 || shape.n == 0 {
         return Ok(());
     }
@@ -255,9 +261,13 @@ pub struct SquareOperands<'a, T> {
     pub b: &'a CudaSlice<T>,
 }
 
-/// The shape of `C = A·B` for `n×n` matrices with leading dimensions `n`, after checking that
-/// the three buffers hold `n·n` elements each.
-fn square_shape<T, U>(n: usize, ab: &SquareOperands<'_, T>, c: &CudaSlice<U>) -> Result<GemmShape> {
+/// `C = A·B` for `n×n` matrices with leading dimensions `n`, after checking that the three
+/// buffers hold `n·n` elements each.
+fn square_call<'a, T, U>(
+    n: usize,
+    ab: SquareOperands<'a, T>,
+    c: &'a mut CudaSlice<U>,
+) -> Result<GemmCall<'a, CudaSlice<T>, CudaSlice<T>, CudaSlice<U>>> {
     let lens = [("gemm a (n·n)", ab.a.len()), ("gemm b (n·n)", ab.b.len()), ("gemm c (n·n)", c.len())];
     for (what, len) in lens {
         if Some(len) != n.checked_mul(n) {
@@ -265,7 +275,12 @@ fn square_shape<T, U>(n: usize, ab: &SquareOperands<'_, T>, c: &CudaSlice<U>) ->
         }
     }
     let op = cublasOperation_t::CUBLAS_OP_N;
-    Ok(GemmShape { op_a: op, op_b: op, m: n, n, k: n })
+    Ok(GemmCall {
+        shape: GemmShape { op_a: op, op_b: op, m: n, n, k: n },
+        a: Operand { buf: ab.a, ld: n },
+        b: Operand { buf: ab.b, ld: n },
+        c: Output { buf: c, ld: n, beta: 0.0 },
+    })
 }
 
 /// `c = a·b` for `n×n` bf16 matrices into an f32 `c` with [`gemm_bf16`] (tensor cores, f32
@@ -282,12 +297,11 @@ pub unsafe fn gemm_bf16_square(
     ab: SquareOperands<'_, half::bf16>,
     c: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let shape = square_shape(n, &ab, c)?;
-    let (a, b) = (Operand { buf: ab.a, ld: n }, Operand { buf: ab.b, ld: n });
+    let call = square_call(n, ab, c)?;
     // SAFETY: a, b and c each hold exactly n·n elements (checked above), the column-major
     // extents of an n×n×n product with leading dimensions n; `c` is a `&mut` borrow distinct
     // from `a` and `b`; the binding of `blas` to `stream` and the context are the caller's.
-    unsafe { gemm_bf16(blas, stream, shape, a, b, Output { buf: c, ld: n, beta: 0.0 }) }
+    unsafe { gemm_bf16(blas, stream, call) }
 }
 
 /// `c = a·b` for `n×n` f32 matrices with cuBLAS SGEMM on `blas`'s stream, in cuBLAS's default
@@ -299,10 +313,9 @@ pub fn sgemm_square(
     ab: SquareOperands<'_, f32>,
     c: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let shape = square_shape(n, &ab, c)?;
-    let (a, b) = (Operand { buf: ab.a, ld: n }, Operand { buf: ab.b, ld: n });
+    let call = square_call(n, ab, c)?;
     // SAFETY: a, b and c each hold exactly n·n floats (checked above), the column-major extents
     // of an n×n×n product with leading dimensions n; all three belong to `blas`'s context, and
     // `c` is a `&mut` borrow distinct from `a` and `b`.
-    unsafe { sgemm(blas, shape, a, b, Output { buf: c, ld: n, beta: 0.0 }) }
+    unsafe { sgemm(blas, call) }
 }

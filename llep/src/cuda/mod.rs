@@ -110,18 +110,15 @@ impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
     /// result once), on this handle and stream.
     ///
     /// # Safety
-    /// As `gemm_bf16`'s: the views hold the column-major extents `shape` and their leading
+    /// As `gemm_bf16`'s: the views hold the column-major extents `call.shape` and their leading
     /// dimensions imply, and C is distinct from A and B.
     unsafe fn gemm_bf16_views<T: Bf16GemmOutput>(
         &self,
-        shape: GemmShape,
-        a: blas::Operand<'_, CudaView<'_, bf16>>,
-        b: blas::Operand<'_, CudaView<'_, bf16>>,
-        c: blas::Output<'_, CudaViewMut<'_, T>>,
+        call: blas::GemmCall<'_, CudaView<'_, bf16>, CudaView<'_, bf16>, CudaViewMut<'_, T>>,
     ) -> Result<()> {
         // SAFETY: the extents and the non-aliasing are this function's contract; `self.blas` is
         // bound to `self.stream`, on which every operand is ordered.
-        Ok(unsafe { gemm_bf16(&self.blas, &self.stream, shape, a, b, c) }?)
+        Ok(unsafe { gemm_bf16(&self.blas, &self.stream, call) }?)
     }
 }
 
@@ -369,12 +366,13 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
                 let bv = view("gemm B (k·n)", bb, b.offset, k * n)?;
                 let mut cv = view_mut("gemm C (m·n)", cb, c_offset, m * n)?;
                 let (lhs, rhs) = (blas::Operand { buf: &bv, ld: ld_b }, blas::Operand { buf: &av, ld: ld_a });
+                let out = blas::Output { buf: &mut cv, ld: n, beta };
                 // SAFETY: the views hold exactly the extents this product reads and writes:
                 // op(B)ᵀ n×k (k·n elements, ld n or k), op(A)ᵀ k×m (m·k, ld k or m) and C n×m
                 // (m·n, ld n), checked when the views were made; all three are ordered on
                 // `self.stream`, the handle's stream, and C is a `&mut` borrow distinct from A
                 // and B.
-                Ok(unsafe { sgemm(&self.blas, shape, lhs, rhs, blas::Output { buf: &mut cv, ld: n, beta }) }?)
+                Ok(unsafe { sgemm(&self.blas, blas::GemmCall { shape, a: lhs, b: rhs, c: out }) }?)
             }
             (CudaBuf::Bf16(ab), CudaBuf::Bf16(bb), c) => {
                 let av = view("gemm A (m·k)", ab, a.offset, m * k)?;
@@ -386,13 +384,13 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
                         let out = blas::Output { buf: &mut cv, ld: n, beta };
                         // SAFETY: as the f32 case: the views hold exactly the extents read and
                         // written (checked when made) and C is a distinct `&mut` borrow; C f32.
-                        unsafe { self.gemm_bf16_views(shape, lhs, rhs, out) }
+                        unsafe { self.gemm_bf16_views(blas::GemmCall { shape, a: lhs, b: rhs, c: out }) }
                     }
                     CudaBuf::Bf16(cb) => {
                         let mut cv = view_mut("gemm C (m·n)", cb, c_offset, m * n)?;
                         let out = blas::Output { buf: &mut cv, ld: n, beta };
                         // SAFETY: as above, with a bf16 C (cuBLAS rounds the f32 result once).
-                        unsafe { self.gemm_bf16_views(shape, lhs, rhs, out) }
+                        unsafe { self.gemm_bf16_views(blas::GemmCall { shape, a: lhs, b: rhs, c: out }) }
                     }
                 }
             }

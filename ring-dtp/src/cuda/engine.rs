@@ -13,8 +13,8 @@ use flatpeak_common::cuda::cudarc::driver::{
     PushKernelArg,
 };
 use flatpeak_common::cuda::{
-    GemmShape, KernelCache, Operand, Output, alloc_error, cuda_error, fill_f32, gemm_bf16, linear_launch,
-    per_row_launch, sgemm, tf32_math,
+    GemmCall, GemmShape, KernelCache, Operand, Output, alloc_error, cuda_error, fill_f32, gemm_bf16,
+    linear_launch, per_row_launch, sgemm, tf32_math,
 };
 use half::bf16;
 
@@ -51,10 +51,7 @@ pub(crate) trait GemmElement: DeviceRepr + Sized {
     unsafe fn gemm<A: DevicePtr<Self>, B: DevicePtr<Self>, C: DevicePtrMut<f32>>(
         blas: &CudaBlas,
         stream: &CudaStream,
-        shape: GemmShape,
-        a: Operand<'_, A>,
-        b: Operand<'_, B>,
-        c: Output<'_, C>,
+        call: GemmCall<'_, A, B, C>,
     ) -> Result<()>;
 }
 
@@ -67,13 +64,10 @@ impl GemmElement for f32 {
     unsafe fn gemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
         blas: &CudaBlas,
         _stream: &CudaStream,
-        shape: GemmShape,
-        a: Operand<'_, A>,
-        b: Operand<'_, B>,
-        c: Output<'_, C>,
+        call: GemmCall<'_, A, B, C>,
     ) -> Result<()> {
         // SAFETY: this function's contract is `sgemm`'s; the handle runs on its own stream.
-        Ok(unsafe { sgemm(blas, shape, a, b, c) }?)
+        Ok(unsafe { sgemm(blas, call) }?)
     }
 }
 
@@ -93,13 +87,10 @@ impl GemmElement for bf16 {
     unsafe fn gemm<A: DevicePtr<bf16>, B: DevicePtr<bf16>, C: DevicePtrMut<f32>>(
         blas: &CudaBlas,
         stream: &CudaStream,
-        shape: GemmShape,
-        a: Operand<'_, A>,
-        b: Operand<'_, B>,
-        c: Output<'_, C>,
+        call: GemmCall<'_, A, B, C>,
     ) -> Result<()> {
         // SAFETY: this function's contract is `gemm_bf16`'s, `stream` the handle's.
-        Ok(unsafe { gemm_bf16(blas, stream, shape, a, b, c) }?)
+        Ok(unsafe { gemm_bf16(blas, stream, call) }?)
     }
 }
 
@@ -266,17 +257,14 @@ impl Engine {
     /// given).
     fn gemm<T: GemmElement, A: DevicePtr<T>, B: DevicePtr<T>, C: DevicePtrMut<f32>>(
         &self,
-        shape: GemmShape,
-        a: Operand<'_, A>,
-        b: Operand<'_, B>,
-        c: Output<'_, C>,
+        call: GemmCall<'_, A, B, C>,
     ) -> Result<()> {
         // SAFETY: every public caller checks that a, b and c hold the column-major extents of
         // the product (lda·cols etc., stated at each call) and passes a `c` distinct from a and
         // b; the GEMM runs on `self.stream`, the handle's stream, after every earlier write to
         // a, b or c (issued on this stream, or on another stream of the context and ordered by
         // cudarc's per-buffer events).
-        unsafe { T::gemm(&self.blas, &self.stream, shape, a, b, c) }
+        unsafe { T::gemm(&self.blas, &self.stream, call) }
     }
 
     /// Raw `logits (c×vb, row-major) = X_blk·W_blkᵀ`: column-major `(vb×c) = Wᵀ·X` with W and X
@@ -293,13 +281,12 @@ impl Engine {
         need("x block (c·d)", c * d, x.len())?;
         need("logits block (c·vb)", c * vb, out.len())?;
         let (t, n) = (cublasOperation_t::CUBLAS_OP_T, cublasOperation_t::CUBLAS_OP_N);
-        let shape = GemmShape { op_a: t, op_b: n, m: vb, n: c, k: d };
-        self.gemm(
-            shape,
-            Operand { buf: w, ld: d },
-            Operand { buf: x, ld: d },
-            Output { buf: out, ld: vb, beta: 0.0 },
-        )
+        self.gemm(GemmCall {
+            shape: GemmShape { op_a: t, op_b: n, m: vb, n: c, k: d },
+            a: Operand { buf: w, ld: d },
+            b: Operand { buf: x, ld: d },
+            c: Output { buf: out, ld: vb, beta: 0.0 },
+        })
     }
 
     /// Rounds each row of the `rows×vb` gradient block `g` to bf16 in place
@@ -336,13 +323,12 @@ impl Engine {
         need("dx rows (c·d)", c * d, dx.len())?;
         let (g, ldg) = T::gradient_operand(g, (c, vb))?;
         let n = cublasOperation_t::CUBLAS_OP_N;
-        let shape = GemmShape { op_a: n, op_b: n, m: d, n: c, k: vb };
-        self.gemm(
-            shape,
-            Operand { buf: w, ld: d },
-            Operand { buf: &g, ld: ldg },
-            Output { buf: dx, ld: d, beta: 1.0 },
-        )
+        self.gemm(GemmCall {
+            shape: GemmShape { op_a: n, op_b: n, m: d, n: c, k: vb },
+            a: Operand { buf: w, ld: d },
+            b: Operand { buf: &g, ld: ldg },
+            c: Output { buf: dx, ld: d, beta: 1.0 },
+        })
     }
 
     /// `dW_blk (vb×d) += Gᵀ (vb×c)·X_blk (c×d)`: column-major `dWᵀ (d×vb) += Xᵀ (d×c)·G (c×vb)`.
@@ -358,13 +344,12 @@ impl Engine {
         need("dw rows (vb·d)", vb * d, dw.len())?;
         let (g, ldg) = T::gradient_operand(g, (c, vb))?;
         let (n, t) = (cublasOperation_t::CUBLAS_OP_N, cublasOperation_t::CUBLAS_OP_T);
-        let shape = GemmShape { op_a: n, op_b: t, m: d, n: vb, k: c };
-        self.gemm(
-            shape,
-            Operand { buf: x, ld: d },
-            Operand { buf: &g, ld: ldg },
-            Output { buf: dw, ld: d, beta: 1.0 },
-        )
+        self.gemm(GemmCall {
+            shape: GemmShape { op_a: n, op_b: t, m: d, n: vb, k: c },
+            a: Operand { buf: x, ld: d },
+            b: Operand { buf: &g, ld: ldg },
+            c: Output { buf: dw, ld: d, beta: 1.0 },
+        })
     }
 
     fn check_block(b: &LogitsBlock<'_, '_>) -> Result<()> {
