@@ -232,7 +232,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
         let dst = arena_layer_mut(&mut self.arena, &self.plan, layer)?;
         // SAFETY: the arena outlives the copy (it is only freed with `self`, after `finish_step`
         // or drop synchronises); `layer`'s region is not read before `d2h_done[layer]` fires;
-        // `src` holds `s` elements; the d2h stream waits on the slot's write event (cudarc).
+        // `src`, a slot, holds at least a boundary's elements, as many as `dst` (the layer's
+        // arena region); the d2h stream waits on the slot's write event (cudarc).
         unsafe { result::memcpy_dtoh_async(dst, src, self.d2h.cu_stream()) }
             .map_err(cuda_error("cuMemcpyDtoHAsync"))?;
         drop(record_read);

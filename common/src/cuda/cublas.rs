@@ -84,14 +84,11 @@ const GEMM_EX_DIMS: [&str; 6] =
     ["gemm m (i32)", "gemm n (i32)", "gemm k (i32)", "gemm lda (i32)", "gemm ldb (i32)", "gemm ldc (i32)"];
 
 impl Dims {
-    /// The shape's dimensions and the leading dimensions (at least 1, as cuBLAS requires even
+    /// The call's dimensions and leading dimensions (at least 1, as cuBLAS requires even
     /// of an empty operand) as `i32`, or [`Error::ShapeMismatch`] naming (from `names`) the one
     /// that does not fit.
-    fn new(
-        names: [&'static str; 6],
-        shape: &GemmShape,
-        (lda, ldb, ldc): (usize, usize, usize),
-    ) -> Result<Self> {
+    fn new<A, B, C>(names: [&'static str; 6], call: &GemmCall<'_, A, B, C>) -> Result<Self> {
+        let (shape, lda, ldb, ldc) = (&call.shape, call.a.ld, call.b.ld, call.c.ld);
         let [m, n, k, name_lda, name_ldb, name_ldc] = names;
         let fit = |what: &'static str, value: usize| {
             i32::try_from(value).map_err(|_| Error::ShapeMismatch {
@@ -128,11 +125,11 @@ where
     C: DevicePtrMut<f32>,
 {
     use cudarc::cublas::{Gemm, GemmConfig};
-    let GemmCall { shape, a, b, c } = call;
-    if shape.m == 0 || shape.n == 0 {
+    if call.shape.m == 0 || call.shape.n == 0 {
         return Ok(());
     }
-    let d = Dims::new(SGEMM_DIMS, &shape, (a.ld, b.ld, c.ld))?;
+    let d = Dims::new(SGEMM_DIMS, &call)?;
+    let GemmCall { shape, a, b, c } = call;
     let cfg = GemmConfig {
         transa: shape.op_a,
         transb: shape.op_b,
@@ -211,11 +208,11 @@ where
     T: Bf16GemmOutput,
 {
     use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
-    let GemmCall { shape, a, b, c } = call;
-    if shape.m == 0 || shape.n == 0 {
+    if call.shape.m == 0 || call.shape.n == 0 {
         return Ok(());
     }
-    let d = Dims::new(GEMM_EX_DIMS, &shape, (a.ld, b.ld, c.ld))?;
+    let d = Dims::new(GEMM_EX_DIMS, &call)?;
+    let GemmCall { shape, a, b, c } = call;
     let (alpha, beta) = (1.0f32, c.beta);
     // The guards order each operand on `stream` (cudarc's per-buffer events) until they drop,
     // after the call.
@@ -262,14 +259,14 @@ pub struct SquareOperands<'a, T> {
 }
 
 /// `C = A·B` for `n×n` matrices with leading dimensions `n`, after checking that the three
-/// buffers hold `n·n` elements each.
+/// buffers hold `n·n` elements each (a shortfall names the buffer by `names`: A, B, C).
 fn square_call<'a, T, U>(
+    names: [&'static str; 3],
     n: usize,
     ab: SquareOperands<'a, T>,
     c: &'a mut CudaSlice<U>,
 ) -> Result<GemmCall<'a, CudaSlice<T>, CudaSlice<T>, CudaSlice<U>>> {
-    let lens = [("gemm a (n·n)", ab.a.len()), ("gemm b (n·n)", ab.b.len()), ("gemm c (n·n)", c.len())];
-    for (what, len) in lens {
+    for (what, len) in names.into_iter().zip([ab.a.len(), ab.b.len(), c.len()]) {
         if Some(len) != n.checked_mul(n) {
             return Err(Error::ShapeMismatch { what, expected: n.saturating_mul(n), got: len });
         }
@@ -297,8 +294,8 @@ pub unsafe fn gemm_bf16_square(
     ab: SquareOperands<'_, half::bf16>,
     c: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let call = square_call(n, ab, c)?;
-    // SAFETY: a, b and c each hold exactly n·n elements (checked above), the column-major
+    let call = square_call(["gemm a (n·n)", "gemm b (n·n)", "gemm c (n·n)"], n, ab, c)?;
+    // SAFETY: a, b and c each hold exactly n·n elements (checked by `square_call`), the column-major
     // extents of an n×n×n product with leading dimensions n; `c` is a `&mut` borrow distinct
     // from `a` and `b`; the binding of `blas` to `stream` and the context are the caller's.
     unsafe { gemm_bf16(blas, stream, call) }
@@ -313,8 +310,8 @@ pub fn sgemm_square(
     ab: SquareOperands<'_, f32>,
     c: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let call = square_call(n, ab, c)?;
-    // SAFETY: a, b and c each hold exactly n·n floats (checked above), the column-major extents
+    let call = square_call(["sgemm a (n·n)", "sgemm b (n·n)", "sgemm c (n·n)"], n, ab, c)?;
+    // SAFETY: a, b and c each hold exactly n·n floats (checked by `square_call`), the column-major extents
     // of an n×n×n product with leading dimensions n; all three belong to `blas`'s context, and
     // `c` is a `&mut` borrow distinct from `a` and `b`.
     unsafe { sgemm(blas, call) }
