@@ -44,10 +44,6 @@ pub(super) type Scratch<'w> = crate::plan::ActivationScratch<Host<'w>>;
 type ActivationRing<'a, 'w, C> = RingBackend<'a, C, Packet<'w>, Scratch<'w>>;
 
 impl<C: Communicator + ?Sized> ActivationRing<'_, '_, C> {
-    /// Bytes of one X row on the wire, and D.
-    fn widths(&self) -> (usize, usize) {
-        (elem_bytes(self.plan.dtype()), self.plan.hidden())
-    }
     fn backward(&self) -> bool {
         matches!(self.pass, Pass::Grad { .. })
     }

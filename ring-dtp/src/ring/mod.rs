@@ -263,6 +263,14 @@ struct RingBackend<'a, C: ?Sized, B, S> {
     credit: LinkCredit,
 }
 
+impl<C: ?Sized, B, S> RingBackend<'_, C, B, S> {
+    /// Bytes of one travelling row on the wire (an X row of the activation ring, a W row of
+    /// the weight ring), and D.
+    fn widths(&self) -> (usize, usize) {
+        (elem_bytes(self.plan.dtype()), self.plan.hidden())
+    }
+}
+
 /// The loss (over all ranks' tokens: the same scalar on every rank, or this rank's per-token
 /// losses) and this rank's tokens' lse. The inputs are checked on every rank and the verdicts
 /// agreed on before the first message, so bad input on one rank is an error on all of them.

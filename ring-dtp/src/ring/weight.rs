@@ -29,10 +29,6 @@ pub(super) type Scratch<'w> = crate::plan::WeightScratch<Host<'w>>;
 type WeightRing<'a, 'w, C> = RingBackend<'a, C, Slot<'w>, Scratch<'w>>;
 
 impl<C: Communicator + ?Sized> WeightRing<'_, '_, C> {
-    /// Bytes of one W row on the wire, and D.
-    fn widths(&self) -> (usize, usize) {
-        (elem_bytes(self.plan.dtype()), self.plan.hidden())
-    }
     fn has_bias(&self) -> bool {
         self.rank.local.bias.is_some()
     }
