@@ -10,14 +10,23 @@ use crate::config::{Config, Reduction};
 use crate::error::{Error, Result};
 use crate::inputs::{GradOutput, Inputs, Loss};
 
-/// Per-token running statistics of the fold, owned.
+/// The fold's per-token running statistics, one entry per row in each field, held as `F` (the
+/// f32 fields) and `D` (the f64 ones): owned ([`Stats`]), borrowed ([`StatsMut`]), or on a CUDA
+/// device.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Stats {
-    pub max: Vec<f32>,
-    pub sum: Vec<f64>,
-    pub target_logit: Vec<f32>,
-    pub logit_sum: Vec<f64>,
+pub(crate) struct RowStats<F, D> {
+    /// The running max `M`.
+    pub max: F,
+    /// `S = Σ e^(z − M)`.
+    pub sum: D,
+    /// The target logit `z_y`.
+    pub target_logit: F,
+    /// `Σz` (for label smoothing).
+    pub logit_sum: D,
 }
+
+/// Per-token running statistics of the fold, owned.
+pub(crate) type Stats = RowStats<Vec<f32>, Vec<f64>>;
 
 impl Stats {
     pub fn new(n: usize) -> Self {
@@ -44,13 +53,7 @@ impl Stats {
 }
 
 /// A token block's statistics, borrowed (from [`Stats`] or a ring packet).
-#[derive(Debug)]
-pub(crate) struct StatsMut<'a> {
-    pub max: &'a mut [f32],
-    pub sum: &'a mut [f64],
-    pub target_logit: &'a mut [f32],
-    pub logit_sum: &'a mut [f64],
-}
+pub(crate) type StatsMut<'a> = RowStats<&'a mut [f32], &'a mut [f64]>;
 
 /// Per-row gradient scale c_i from the reduction and the upstream gradient (0 for ignored rows).
 /// `mean_denominator` is Σ of the valid rows' weights (over every rank, for a ring).

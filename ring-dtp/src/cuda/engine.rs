@@ -21,6 +21,7 @@ use half::bf16;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kernels::{LINEAR_THREADS, RING_DTP, ROW_THREADS, softcap_arg};
+use crate::loss::RowStats;
 
 fn linear(n: usize, max_blocks: u32) -> LaunchConfig {
     linear_launch(n, LINEAR_THREADS, max_blocks)
@@ -95,13 +96,7 @@ impl GemmElement for bf16 {
 }
 
 /// Per-row statistics of a token block on the device (fold state).
-#[derive(Debug)]
-pub(crate) struct StatsViews<'a> {
-    pub max: CudaViewMut<'a, f32>,
-    pub sum: CudaViewMut<'a, f64>,
-    pub target_logit: CudaViewMut<'a, f32>,
-    pub logit_sum: CudaViewMut<'a, f64>,
-}
+pub(crate) type StatsViews<'a> = RowStats<CudaViewMut<'a, f32>, CudaViewMut<'a, f64>>;
 
 /// Per-row inputs of the gradient kernel.
 #[derive(Debug)]

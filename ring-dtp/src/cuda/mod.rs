@@ -33,7 +33,7 @@ use crate::cpu;
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, GradientLens, GradientSelection, Inputs, Matrix};
-use crate::loss::Stats;
+use crate::loss::{RowStats, Stats};
 use crate::plan::Plan;
 use engine::{Engine, LogitsBlock, RowViews, StatsViews};
 
@@ -269,12 +269,7 @@ impl HostRows {
 }
 
 /// Device statistics of N rows.
-pub(crate) struct DeviceStats {
-    pub max: CudaSlice<f32>,
-    pub sum: CudaSlice<f64>,
-    pub target_logit: CudaSlice<f32>,
-    pub logit_sum: CudaSlice<f64>,
-}
+pub(crate) type DeviceStats = RowStats<CudaSlice<f32>, CudaSlice<f64>>;
 
 impl DeviceStats {
     pub fn new(e: &Engine, n: usize) -> Result<Self> {
