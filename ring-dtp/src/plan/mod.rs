@@ -10,6 +10,41 @@
 //! per-token statistics (`PER_TOKEN_BYTES`·N, besides the lse output), plus the CPU GEMM's own
 //! packing buffers.
 
+/// The accessors [`Plan`] and [`RingPlan`] share, over their fields of the same names (`config`,
+/// `n`, `d`, `v`, `dtype`, `token_block`, `vocab_block`), with the docs that differ between them.
+macro_rules! plan_accessors {
+    (config: $config:literal, n_tokens: $n_tokens:literal, vocab_block: $vocab_block:literal $(,)?) => {
+        #[doc = $config]
+        pub fn config(&self) -> &Config {
+            &self.config
+        }
+        #[doc = $n_tokens]
+        pub fn n_tokens(&self) -> usize {
+            self.n
+        }
+        /// Hidden size D.
+        pub fn hidden(&self) -> usize {
+            self.d
+        }
+        /// Vocabulary V.
+        pub fn vocab(&self) -> usize {
+            self.v
+        }
+        /// Input dtype.
+        pub fn dtype(&self) -> DType {
+            self.dtype
+        }
+        /// Tokens per block, C.
+        pub fn token_block(&self) -> usize {
+            self.token_block
+        }
+        #[doc = $vocab_block]
+        pub fn vocab_block(&self) -> usize {
+            self.vocab_block
+        }
+    };
+}
+
 mod layout;
 mod ring;
 mod ring_buffers;
@@ -190,37 +225,14 @@ impl Plan {
         Ok(Self { n, d, v, dtype, token_block: c, vocab_block: vb, schedule, config: *config })
     }
 
-    /// The config it was planned for (and an executor made from it runs).
-    pub fn config(&self) -> &Config {
-        &self.config
+    plan_accessors! {
+        config: "The config it was planned for (and an executor made from it runs).",
+        n_tokens: "Tokens N.",
+        vocab_block: "Vocabulary rows per block, Vb (= V for the full-vocabulary schedule).",
     }
     /// The shape planned for.
     pub fn shape(&self) -> Shape {
         Shape { tokens: self.n, hidden: self.d, vocab: self.v, dtype: self.dtype }
-    }
-    /// Tokens N.
-    pub fn n_tokens(&self) -> usize {
-        self.n
-    }
-    /// Hidden size D.
-    pub fn hidden(&self) -> usize {
-        self.d
-    }
-    /// Vocabulary V.
-    pub fn vocab(&self) -> usize {
-        self.v
-    }
-    /// Input dtype.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-    /// Tokens per block, C.
-    pub fn token_block(&self) -> usize {
-        self.token_block
-    }
-    /// Vocabulary rows per block, Vb (= V for the full-vocabulary schedule).
-    pub fn vocab_block(&self) -> usize {
-        self.vocab_block
     }
     /// The GEMMs' arithmetic (the config's), which decides whether the CUDA path widens bf16
     /// blocks ([`Precision::F32`]) or reads them in place.

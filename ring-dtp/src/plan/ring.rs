@@ -193,41 +193,18 @@ impl RingPlan {
         })
     }
 
-    /// The config it was planned for (and the ring runs).
-    pub fn config(&self) -> &Config {
-        &self.config
+    plan_accessors! {
+        config: "The config it was planned for (and the ring runs).",
+        n_tokens: "Tokens N over all ranks.",
+        vocab_block: "Vocabulary rows per block, Vb (the travelling sub-block of the weight ring).",
     }
     /// Ranks P.
     pub fn world(&self) -> usize {
         self.world
     }
-    /// Tokens N over all ranks.
-    pub fn n_tokens(&self) -> usize {
-        self.n
-    }
-    /// Hidden size D.
-    pub fn hidden(&self) -> usize {
-        self.d
-    }
-    /// Vocabulary V.
-    pub fn vocab(&self) -> usize {
-        self.v
-    }
-    /// Input dtype.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
     /// The ring.
     pub fn kind(&self) -> RingKind {
         self.kind
-    }
-    /// Tokens per block, C.
-    pub fn token_block(&self) -> usize {
-        self.token_block
-    }
-    /// Vocabulary rows per block, Vb (the travelling sub-block of the weight ring).
-    pub fn vocab_block(&self) -> usize {
-        self.vocab_block
     }
     /// Threads of each block GEMM on the CPU (see [`RingOptions::gemm_threads`]).
     pub fn gemm_threads(&self) -> Threads {
