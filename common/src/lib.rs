@@ -43,6 +43,7 @@ pub mod dtype;
 pub mod error;
 pub mod gemm;
 pub mod gemm_bf16;
+mod host_pages;
 pub mod kernels;
 pub mod link;
 pub mod numerics;
@@ -74,6 +75,7 @@ pub use comm::{Communicator, CommunicatorExt, LocalComm, LocalGroup, LocalGroupO
 pub use device::{Device, DeviceElement, cuda_available, cuda_device_count, nvrtc_available};
 pub use dtype::DType;
 pub use error::{Error, ErrorKind, HasErrorKind, Result};
+pub use host_pages::advise_huge_pages;
 pub use link::Link;
 pub use numerics::relative_error;
 pub use peak::{CountingAllocator, HeapSize, Measured, PeakMeter};

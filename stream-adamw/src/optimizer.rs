@@ -397,6 +397,8 @@ fn zeroed_state(n: usize, variant: Variant, what: &'static str) -> Result<Optimi
     let zeros = |len: usize| -> Result<Vec<f32>> {
         let mut v = Vec::new();
         v.try_reserve_exact(len).map_err(|_| refused())?;
+        // Every step streams the whole state: huge pages, asked for before the first touch.
+        flatpeak_common::advise_huge_pages(v.spare_capacity_mut());
         v.resize(len, 0.0);
         Ok(v)
     };
