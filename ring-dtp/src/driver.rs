@@ -13,7 +13,9 @@
 use crate::blocks::{BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::inputs::{CallSizes, Forward, GradOutput, GradientLens, Gradients, Inputs, check_weights};
+use crate::inputs::{
+    CallSizes, Forward, GradOutput, GradientLens, Gradients, GradientsMut, Inputs, check_weights,
+};
 use crate::loss::{self, Stats};
 use crate::plan::{BlockSchedule, Plan};
 
@@ -60,11 +62,18 @@ pub(crate) fn check_rows(rows: &Inputs<'_>) -> Result<()> {
     rows.weights.map_or(Ok(()), check_weights)
 }
 
-/// The gradients of a call's host inputs, zeroed, once their sizes are checked against the
-/// plan (so N·D and V·D are sizes the plan accepted).
-pub(crate) fn zero_gradients(plan: &Plan, inputs: &Inputs<'_>) -> Result<Gradients> {
+/// The gradients of a call's host inputs, zeroed once their sizes are checked against the plan
+/// (so N·D and V·D are sizes the plan accepted), then written by `write`: how an entry point
+/// that returns new gradients runs its `_into` form. Returns what `write` returned, with them.
+pub(crate) fn with_gradients<T>(
+    plan: &Plan,
+    inputs: &Inputs<'_>,
+    write: impl FnOnce(GradientsMut<'_>) -> Result<T>,
+) -> Result<(T, Gradients)> {
     inputs.sizes().check_plan(plan)?;
-    Ok(Gradients::zeros(inputs))
+    let mut grads = Gradients::zeros(inputs);
+    let written = write(grads.as_mut())?;
+    Ok((written, grads))
 }
 
 /// Forward's lse and the optional dlse, one per row of `n`.

@@ -399,9 +399,10 @@ pub fn backward(
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
-    let mut grads = driver::zero_gradients(plan, inputs)?;
     let upstream = Upstream::loss(grad).with_dlse(dlse);
-    backward_into(config, plan, inputs, &forward.lse, upstream, grads.as_mut())?;
+    let ((), grads) = driver::with_gradients(plan, inputs, |out| {
+        backward_into(config, plan, inputs, &forward.lse, upstream, out)
+    })?;
     Ok(grads)
 }
 
@@ -492,9 +493,7 @@ pub fn forward_backward(
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
-    let mut grads = driver::zero_gradients(plan, inputs)?;
-    let forward = forward_backward_into(config, plan, inputs, grad, grads.as_mut())?;
-    Ok((forward, grads))
+    driver::with_gradients(plan, inputs, |out| forward_backward_into(config, plan, inputs, grad, out))
 }
 
 /// [`forward_backward`] writing the gradients `out` selects into it (overwritten); returns the

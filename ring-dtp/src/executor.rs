@@ -71,8 +71,10 @@ impl LossInputs for Inputs<'_> {
         grad: GradOutput<'_>,
         dlse: Option<&[f32]>,
     ) -> Result<Gradients> {
-        let mut grads = crate::driver::zero_gradients(&lce.plan, self)?;
-        lce.backward_into(self, &forward.lse, Upstream { grad, dlse }, grads.as_mut())?;
+        let plan = lce.plan;
+        let ((), grads) = crate::driver::with_gradients(&plan, self, |out| {
+            lce.backward_into(self, &forward.lse, Upstream { grad, dlse }, out)
+        })?;
         Ok(grads)
     }
     fn forward_backward_on(
@@ -80,9 +82,8 @@ impl LossInputs for Inputs<'_> {
         lce: &mut LinearCrossEntropy,
         grad: GradOutput<'_>,
     ) -> Result<(Forward, Gradients)> {
-        let mut grads = crate::driver::zero_gradients(&lce.plan, self)?;
-        let forward = lce.forward_backward_into(self, grad, grads.as_mut())?;
-        Ok((forward, grads))
+        let plan = lce.plan;
+        crate::driver::with_gradients(&plan, self, |out| lce.forward_backward_into(self, grad, out))
     }
 }
 

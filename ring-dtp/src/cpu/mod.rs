@@ -329,10 +329,11 @@ pub fn backward(
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<Gradients> {
-    let mut grads = driver::zero_gradients(plan, inputs)?;
     let call = Call { config, plan, rows: inputs };
     let saved = Saved { lse: &forward.lse, grad, dlse };
-    backward_into(&mut call_workspace(plan)?, call, saved, grads.as_mut())?;
+    let ((), grads) = driver::with_gradients(plan, inputs, |out| {
+        backward_into(&mut call_workspace(plan)?, call, saved, out)
+    })?;
     Ok(grads)
 }
 
@@ -356,10 +357,10 @@ pub fn forward_backward(
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
-    let mut grads = driver::zero_gradients(plan, inputs)?;
     let call = Call { config, plan, rows: inputs };
-    let fwd = forward_backward_into(&mut call_workspace(plan)?, call, grad, grads.as_mut())?;
-    Ok((fwd, grads))
+    driver::with_gradients(plan, inputs, |out| {
+        forward_backward_into(&mut call_workspace(plan)?, call, grad, out)
+    })
 }
 
 /// [`forward_backward`] writing dX, dW (and dbias) into `out`, which is overwritten, with the
