@@ -37,9 +37,24 @@ cargo test --release --workspace --exclude flatpeak-candle --features cuda --no-
   done
 cargo bench -p flatpeak-bench --features cuda --no-run --message-format=json \
   | executables | while read -r kind name path; do
-    [[ "$kind" == bench ]] && cp "$path" "$bundle/benches/$name"
+    if [[ "$kind" == bench ]]; then cp "$path" "$bundle/benches/$name"; fi
   done
+# Only the executables with device tests (ignored elsewhere) travel, and the NVRTC compile check.
+for t in "$bundle"/tests/*; do
+  if [[ "$t" != *.nvrtc_compile ]] && ! "$t" --list --ignored 2>/dev/null | grep -q ': test$'; then
+    rm "$t"
+  fi
+done
 strip "$bundle"/tests/* "$bundle"/benches/*
+# The PyTorch package built with `cuda`, an abi3 wheel that gpu-check.sh installs beside the
+# GPU machine's own torch (FLATPEAK_BUNDLE_PYTHON: a python with pip, which fetches maturin).
+py="${FLATPEAK_BUNDLE_PYTHON:-python3}"
+if "$py" -m pip --version >/dev/null 2>&1; then
+  MATURIN_PEP517_ARGS="--features cuda" "$py" -m pip wheel --quiet --disable-pip-version-check \
+    --no-deps -w "$bundle/wheel" ./python
+else
+  echo "gpu-bundle: no pip for $py: the PyTorch package's CUDA tests will be skipped" >&2
+fi
 git rev-parse --short HEAD >"$bundle/commit"
 ls "$bundle/tests" "$bundle/benches" >&2
 du -sh "$bundle" >&2

@@ -62,22 +62,46 @@ run_stage() { # name, command...
 }
 
 bench_flags=(--warm-up-time 1 --measurement-time 3)
+# FLATPEAK_GPU_STAGES picks what a bundle run does (a rerun of one part saves device time):
+# any of `tests py py-bench benches`, all by default.
+stages=" ${FLATPEAK_GPU_STAGES:-tests py py-bench benches} "
+want() { [[ "$stages" == *" $1 "* ]]; }
 if [[ "${FLATPEAK_GPU_BUNDLE:-}" == 1 ]] || ! command -v cargo >/dev/null; then
   [[ -d .gpu-bundle/tests ]] || { echo "gpu-check: no cargo and no .gpu-bundle/ (run scripts/gpu-bundle.sh)" >&2; exit 1; }
   echo "bundle built at commit $(cat .gpu-bundle/commit 2>/dev/null)"
+  : >"$out/gpu-tests.log"
   for t in .gpu-bundle/tests/*; do
+    want tests || break
     # The NVRTC compile check is not ignored (CI runs it): run it here against this toolkit too.
     which=--ignored
     [[ "$t" == *.nvrtc_compile ]] && which=--include-ignored
     run_stage "test.$(basename "$t")" "$t" "$which" --test-threads 1
-  done
-  : >"$out/gpu-tests.log"
-  for t in .gpu-bundle/tests/*; do
     echo "     Running $(basename "$t")" >>"$out/gpu-tests.log"
     cat "$out/test.$(basename "$t").log" >>"$out/gpu-tests.log"
   done
+  # The PyTorch package's CUDA path from the wheel gpu-bundle.sh built with `cuda` (abi3): installed
+  # beside the machine's own torch, its CUDA tests run (the CPU ones run in CI).
+  wheel=$(ls .gpu-bundle/wheel/*.whl 2>/dev/null | head -1)
+  if [[ -n "$wheel" ]] && python3 -c "import torch, pytest; assert torch.cuda.is_available()" 2>/dev/null; then
+    site="$root/target/gpu-check-site"
+    run_stage py-install python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$wheel"
+    if want py; then
+      run_stage py-tests env PYTHONPATH="$site" OMP_NUM_THREADS=4 python3 -m pytest -q -p no:cacheprovider -k cuda \
+        python/tests/test_linear_cross_entropy.py python/tests/test_moe.py python/tests/test_ring_loss.py \
+        python/tests/test_stream_adamw.py python/tests/test_offload.py python/tests/test_bad_input.py
+    fi
+    # flatpeak.torch against torch on this GPU: docs/gpu.md's section, written to $out/gpu.md.
+    if want py-bench; then
+      cp docs/gpu.md "$out/gpu.md"
+      run_stage py-bench env PYTHONPATH="$site" python3 python/bench/bench_cuda.py --markdown "$out/gpu.md"
+    fi
+  else
+    status+=("py-tests|skipped (no .gpu-bundle/wheel, or no torch with CUDA here)|0 s")
+  fi
+  # The benches last: the tests' verdicts come first when the machine's time is short.
   : >"$out/gpu-benches.log"
   for b in .gpu-bundle/benches/*; do
+    want benches || break
     run_stage "bench.$(basename "$b")" "$b" --bench cuda "${bench_flags[@]}"
     cat "$out/bench.$(basename "$b").log" >>"$out/gpu-benches.log"
   done
@@ -100,6 +124,8 @@ else
   if python3 -c "import torch, maturin, pytest; assert torch.cuda.is_available()" 2>/dev/null; then
     run_stage py-build env MATURIN_PEP517_ARGS="--features cuda" python3 -m pip install --no-build-isolation ./python
     run_stage py-tests python3 -m pytest -q -p no:cacheprovider python/tests
+    cp docs/gpu.md "$out/gpu.md"
+    run_stage py-bench python3 python/bench/bench_cuda.py --markdown "$out/gpu.md"
   else
     status+=("py-tests|skipped (no torch+maturin+pytest with CUDA here)|0 s")
   fi
@@ -138,6 +164,9 @@ awk '
 echo
 echo "== PyTorch package on CUDA"
 tail -n 3 "$out/py-tests.log" 2>/dev/null
+echo
+echo "== flatpeak.torch against torch on this GPU"
+grep -E "^\| " "$out/py-bench.log" 2>/dev/null
 echo
 echo "== stages"
 printf '%s\n' "${status[@]}" | table -t -s '|'

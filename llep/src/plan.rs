@@ -138,6 +138,15 @@ impl Plan {
     pub fn workspace_bytes(&self) -> usize {
         self.buffers(Pass::Forward).workspace_bytes().max(self.buffers(Pass::Backward).workspace_bytes())
     }
+
+    /// The least budget PipelinedLLEP runs `shape` in: its working set at one row per rank pair
+    /// (q = 1), foreign weight slots and expert scratch included. A budget below it is
+    /// [`Error::BudgetTooSmall`]; the other schemes take no budget. Checked for overflow.
+    pub fn least_workspace_bytes(config: &Config, shape: &Shape) -> Result<usize> {
+        config.validate()?;
+        shape.validate()?;
+        Self::bytes_at(config, shape, 1)
+    }
 }
 
 /// The buffers one rank reserves for one pass, in rows (all sizes fixed before the call): what

@@ -226,6 +226,7 @@ fn a_budget_gives_the_largest_pair_cap_that_fits() {
             pass(Pass::Forward).max(pass(Pass::Backward))
         };
         let one_row = bytes_at(1);
+        assert_eq!(llep::Plan::least_workspace_bytes(&base, &shape), Ok(one_row));
         for bytes in [one_row, 7 * one_row + 5, 1 << 20, 1 << 30] {
             let plan = llep::Plan::new(&base, shape, llep::Budget::Bytes(bytes)).expect("plan");
             let q = plan.pair_cap();

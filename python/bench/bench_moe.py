@@ -9,7 +9,7 @@ The baseline: every routed row sent to its expert's rank with
 ``torch.distributed.nn.functional.all_to_all_single`` (autograd through the exchange), the rank's
 experts as a loop of ``F.linear`` over the rows sorted by expert, the reverse exchange, and the
 rows weighted and summed per token; flatpeak: ``moe_swiglu(..., scheme="pipelined")`` with its
-default working-set budget (64 MiB: the largest pair cap whose buffers fit) and with 16 MiB. Each variant runs in its own group of processes (peak RSS is a high-water mark): per rank,
+working-set budget of 64 MiB (the largest pair cap whose buffers fit) and of 16 MiB. Each variant runs in its own group of processes (peak RSS is a high-water mark): per rank,
 the peak is the RSS high-water mark of one forward + backward above the RSS once the inputs exist
 (after a tiny warm-up call), the time the fastest of the repetitions. The variants run in turn,
 in rounds, so the machine's slow spells fall on all of them alike.
@@ -120,7 +120,7 @@ def worker(rank, world, init_file, variant, shape, profile, reps, queue):
         if variant == "baseline":
             y = baseline(torch, leaves[0], ids, leaves[1], leaves[2], leaves[3], group)
         else:
-            budget = None if variant == "flatpeak" else 16 << 20
+            budget = (64 if variant == "flatpeak" else 16) << 20
             y = moe_swiglu(leaves[0], ids, leaves[1], leaves[2], leaves[3], group=group, budget_bytes=budget)
         y.square().mean().backward()
 
@@ -162,7 +162,7 @@ def run_variant(variant, shape, profile, reps, world=4):
 
 LABELS = {
     "baseline": "all_to_all_single + `F.linear` per expert (torchtitan-style EP)",
-    "flatpeak": "`moe_swiglu`, pipelined, default budget (64 MiB)",
+    "flatpeak": "`moe_swiglu`, pipelined, 64 MiB budget",
     "flatpeak_q": "`moe_swiglu`, pipelined, `budget_bytes` = 16 MiB",
 }
 

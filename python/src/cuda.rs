@@ -180,7 +180,8 @@ fn carve(plan: &Plan) -> ring_dtp::Result<([usize; 3], [usize; 3], usize)> {
 
 /// Bytes of the `uint8` CUDA tensor the CUDA path carves `options`' block buffers from.
 pub fn workspace_bytes(options: &LossOptions, shape: Shape) -> PyResult<usize> {
-    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
+    // Every GPU has the same default budget: device 0 stands for any.
+    let plan = options.plan(shape, TensorDevice::Cuda(0))?;
     Ok(carve(&plan).map_err(to_py)?.2)
 }
 
@@ -351,7 +352,7 @@ pub fn lce_forward_cuda(
     let loss_out = TensorRef::<f32>::new("loss_out", &outputs.0, loss_shape)?;
     let lse_out = TensorRef::<f32>::new("lse_out", &outputs.1, &[Some(n)])?;
     check_disjoint(&[(&loss_out).into(), (&lse_out).into()], &[])?;
-    let plan = Plan::new(&options.config, device.shape, options.budget).map_err(to_py)?;
+    let plan = options.plan(device.shape, TensorDevice::Cuda(ordinal))?;
     // SAFETY: the Python frame holds `workspace`; it is a fresh tensor no other tensor shares.
     let (mut carved, workspace_span) = unsafe { block_buffers(&stream, &workspace, &plan, ordinal)? };
     check_disjoint(&[workspace_span], &device.spans())?;
@@ -362,6 +363,53 @@ pub fn lce_forward_cuda(
     drop(carved);
     write_forward(forward.map_err(to_py)?, (&loss_out, &lse_out));
     Ok(())
+}
+
+/// The gradient outputs of one call on the device: dX and dW (an empty buffer for one not
+/// wanted: no tensor, no GEMM), dbias where given, and the selection they make.
+struct DeviceGradOutputs {
+    dx: Borrowed<f32>,
+    dw: Borrowed<f32>,
+    dbias: Option<Borrowed<f32>>,
+    wanted: ring_dtp::GradientSelection,
+}
+
+impl DeviceGradOutputs {
+    /// Borrows the given CUDA fp32 tensors, dX `[N, D]`, dW `[V, D]`, dbias `[V]`.
+    ///
+    /// # Safety
+    /// The Python frame holds the given tensors for the call and nothing else writes them; the
+    /// caller checks them disjoint from each other and from every input ([`Self::spans`])
+    /// before any launch.
+    unsafe fn borrow(
+        stream: &Arc<CudaStream>,
+        grads_out: &GradArgs<'_>,
+        device: &DeviceArgs,
+        ordinal: usize,
+    ) -> PyResult<Self> {
+        let Shape { tokens: n, hidden: d, vocab: v, .. } = device.shape;
+        let given = [&grads_out.0, &grads_out.1, &grads_out.2].map(Option::is_some);
+        let wanted = selection(given, device.bias.is_some())?;
+        let output = |name, t: &Option<Bound<'_, PyAny>>, shape: &[Option<usize>]| match t {
+            // SAFETY: the caller's contract: held by the Python frame, written by nothing else.
+            Some(t) => unsafe { borrow_on::<f32>(stream, (name, t), shape, ordinal) }.map(Some),
+            None => Ok(None),
+        };
+        let dx = output("dx", &grads_out.0, &[Some(n), Some(d)])?.unwrap_or_else(|| no_buffer(stream, "dx"));
+        let dw = output("dw", &grads_out.1, &[Some(v), Some(d)])?.unwrap_or_else(|| no_buffer(stream, "dw"));
+        let dbias = output("dbias", &grads_out.2, &[Some(v)])?;
+        Ok(Self { dx, dw, dbias, wanted })
+    }
+
+    fn spans(&self) -> Vec<Span> {
+        let mut spans = vec![self.dx.span(), self.dw.span()];
+        spans.extend(self.dbias.iter().map(Borrowed::span));
+        spans
+    }
+
+    fn as_mut(&mut self) -> DeviceGradientsMut<'_> {
+        DeviceGradientsMut::new(&mut self.dx, &mut self.dw, self.dbias.as_deref_mut()).selecting(self.wanted)
+    }
 }
 
 /// The CUDA backward: `lse` and the upstream gradients on the CPU (fp32), dX, dW (and dbias)
@@ -384,29 +432,20 @@ pub fn lce_backward_cuda(
     // SAFETY: the Python frame holds `args`; backward writes none of them (the outputs are
     // checked disjoint below).
     let device = unsafe { DeviceArgs::new(&stream, &args, ordinal)? };
-    let Shape { tokens: n, hidden: d, vocab: v, .. } = device.shape;
+    let n = device.shape.tokens;
     let lse = TensorRef::<f32>::new("lse", &lse, &[Some(n)])?;
     let per_token = options.config.reduction == Reduction::None;
     let grad_shape: &[Option<usize>] = if per_token { &[Some(n)] } else { &[] };
     let grad_loss = TensorRef::<f32>::new("grad_output", &upstream.0, grad_shape)?;
     let grad_lse =
         upstream.1.as_ref().map(|g| TensorRef::<f32>::new("grad_lse", g, &[Some(n)])).transpose()?;
-    // A gradient that is not wanted comes as `None`: no tensor, no GEMM.
-    let given = [&grads_out.0, &grads_out.1, &grads_out.2].map(Option::is_some);
-    let wanted = selection(given, device.bias.is_some())?;
-    let output = |name, t: &Option<Bound<'_, PyAny>>, shape: &[Option<usize>]| match t {
-        // SAFETY: the Python frame holds the fresh output tensors (checked disjoint below).
-        Some(t) => unsafe { borrow_on::<f32>(&stream, (name, t), shape, ordinal) }.map(Some),
-        None => Ok(None),
-    };
-    let mut dx = output("dx", &grads_out.0, &[Some(n), Some(d)])?.unwrap_or_else(|| no_buffer(&stream, "dx"));
-    let mut dw = output("dw", &grads_out.1, &[Some(v), Some(d)])?.unwrap_or_else(|| no_buffer(&stream, "dw"));
-    let mut dbias = output("dbias", &grads_out.2, &[Some(v)])?;
-    let plan = Plan::new(&options.config, device.shape, options.budget).map_err(to_py)?;
+    // SAFETY: the Python frame holds the fresh output tensors; checked disjoint below.
+    let mut grads = unsafe { DeviceGradOutputs::borrow(&stream, &grads_out, &device, ordinal)? };
+    let plan = options.plan(device.shape, TensorDevice::Cuda(ordinal))?;
     // SAFETY: the Python frame holds `workspace`, a fresh tensor.
     let (mut carved, workspace_span) = unsafe { block_buffers(&stream, &workspace, &plan, ordinal)? };
-    let mut outputs = vec![dx.span(), dw.span(), workspace_span];
-    outputs.extend(dbias.iter().map(Borrowed::span));
+    let mut outputs = grads.spans();
+    outputs.push(workspace_span);
     check_disjoint(&outputs, &device.spans())?;
     // SAFETY: CPU tensors held by the Python frame, only read.
     let (lse, grad_loss, grad_lse) =
@@ -414,17 +453,65 @@ pub fn lce_backward_cuda(
     let result = py.detach(|| {
         let inputs = device.inputs();
         let grad = if per_token { GradOutput::PerToken(grad_loss) } else { GradOutput::Scalar(grad_loss[0]) };
-        let out = DeviceGradientsMut::new(&mut dx, &mut dw, dbias.as_deref_mut()).selecting(wanted);
         with_executor((ordinal, &stream), options, plan, |lce| {
             lce.backward_into_with(
                 carved.buffers(),
                 &inputs,
                 lse,
                 ring_dtp::Upstream::loss(grad).with_dlse(grad_lse),
-                out,
+                grads.as_mut(),
             )
         })
     });
     drop(carved);
     result.map_err(to_py)
+}
+
+/// The CUDA forward and backward in one pass for a reduced loss (`mean` or `sum`), the
+/// gradients for an upstream gradient of 1: the loss and lse into CPU fp32 tensors `outputs`
+/// (0-dim and `[N]`), dX, dW (and dbias) into the CUDA fp32 tensors `grads_out` (each `None`
+/// when not wanted), the block buffers carved from `workspace`. On the full-vocabulary schedule
+/// each block's logits serve both passes (3 GEMMs instead of 4).
+#[pyfunction]
+pub fn lce_forward_backward_cuda(
+    py: Python<'_>,
+    options: &LossOptions,
+    args: TensorArgs<'_>,
+    workspace: Bound<'_, PyAny>,
+    outputs: (Bound<'_, PyAny>, Bound<'_, PyAny>),
+    grads_out: GradArgs<'_>,
+) -> PyResult<()> {
+    if options.config.reduction == Reduction::None {
+        return Err(PyValueError::new_err(
+            "reduction: the fused call takes 'mean' or 'sum' (a per-token upstream gradient is known only in backward)",
+        ));
+    }
+    let TensorDevice::Cuda(ordinal) = device_of("input", &args.input)? else {
+        return Err(PyValueError::new_err("input: expected a CUDA tensor"));
+    };
+    let stream = torch_stream(py, ordinal)?;
+    // SAFETY: the Python frame holds `args`; the call writes none of them (the outputs are
+    // checked disjoint below).
+    let device = unsafe { DeviceArgs::new(&stream, &args, ordinal)? };
+    let n = device.shape.tokens;
+    let loss_out = TensorRef::<f32>::new("loss_out", &outputs.0, &[])?;
+    let lse_out = TensorRef::<f32>::new("lse_out", &outputs.1, &[Some(n)])?;
+    check_disjoint(&[(&loss_out).into(), (&lse_out).into()], &[])?;
+    // SAFETY: the Python frame holds the fresh output tensors; checked disjoint below.
+    let mut grads = unsafe { DeviceGradOutputs::borrow(&stream, &grads_out, &device, ordinal)? };
+    let plan = options.plan(device.shape, TensorDevice::Cuda(ordinal))?;
+    // SAFETY: the Python frame holds `workspace`, a fresh tensor.
+    let (mut carved, workspace_span) = unsafe { block_buffers(&stream, &workspace, &plan, ordinal)? };
+    let mut device_outputs = grads.spans();
+    device_outputs.push(workspace_span);
+    check_disjoint(&device_outputs, &device.spans())?;
+    let forward = py.detach(|| {
+        let inputs = device.inputs();
+        with_executor((ordinal, &stream), options, plan, |lce| {
+            lce.forward_backward_into_with(carved.buffers(), &inputs, GradOutput::Scalar(1.0), grads.as_mut())
+        })
+    });
+    drop(carved);
+    write_forward(forward.map_err(to_py)?, (&loss_out, &lse_out));
+    Ok(())
 }

@@ -28,7 +28,7 @@ enum Inner {
 }
 
 /// The offloaded optimizer of one CUDA parameter (`flatpeak._flatpeak.CudaAdamW`).
-#[pyclass(unsendable, module = "flatpeak._flatpeak")]
+#[pyclass(module = "flatpeak._flatpeak")]
 #[derive(Debug)]
 pub struct CudaAdamW {
     inner: Inner,
@@ -43,14 +43,23 @@ fn with_device<G: GradElement + TorchElement, P: ParamElement + TorchElement, R>
     (ordinal, numel): (usize, usize),
     f: impl FnOnce(&mut CudaDevice<G, P>) -> stream_adamw::Result<R>,
 ) -> PyResult<R> {
+    // The parameter keeps its shape (any, of the optimizer's `numel` elements); its gradient has
+    // the same shape, as torch requires of `.grad`.
+    let sizes = shape_of("param", param)?;
+    if sizes.iter().product::<usize>() != numel {
+        return Err(PyValueError::new_err(format!(
+            "param: expected {numel} elements (the parameter this optimizer was made for), got shape {sizes:?}"
+        )));
+    }
+    let shape: Vec<Option<usize>> = sizes.into_iter().map(Some).collect();
     let stream = flatpeak_common::cuda::context(ordinal).map_err(to_py)?.default_stream();
     // SAFETY: the Python frame holds both tensors for the call; they are distinct tensors (a
     // parameter and its `.grad`, checked not to overlap below) and only this call touches them
     // meanwhile.
     let (grads, params): (Borrowed<G>, Borrowed<P>) = unsafe {
         (
-            borrow_on(&stream, ("grad", grad), &[Some(numel)], ordinal)?,
-            borrow_on(&stream, ("param", param), &[Some(numel)], ordinal)?,
+            borrow_on(&stream, ("grad", grad), &shape, ordinal)?,
+            borrow_on(&stream, ("param", param), &shape, ordinal)?,
         )
     };
     if grads.span().overlaps(&params.span()) {

@@ -233,7 +233,7 @@ fn begin(
     let comm: Comm = Some(communicator(py, group)?);
     let host = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("no communicator"))?;
     let (tensors, shape) = prepare(py, host, args, num_experts, ordinal)?;
-    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
+    let plan = options.plan(shape)?;
     Ok(Begun { ordinal, stream, key, comm, tensors, shape, plan })
 }
 

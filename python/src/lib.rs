@@ -54,6 +54,7 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
     {
         m.add_function(wrap_pyfunction!(cuda::lce_forward_cuda, m)?)?;
         m.add_function(wrap_pyfunction!(cuda::lce_backward_cuda, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::lce_forward_backward_cuda, m)?)?;
         m.add_class::<cuda_adamw::CudaAdamW>()?;
         m.add_function(wrap_pyfunction!(cuda_moe::moe_forward_cuda, m)?)?;
         m.add_function(wrap_pyfunction!(cuda_moe::moe_backward_cuda, m)?)?;

@@ -19,19 +19,41 @@ use ring_dtp::{
 };
 
 use crate::error::to_py;
-use crate::tensor::{Span, TensorRef, check_disjoint, shape_of};
+use crate::tensor::TensorDevice;
 #[cfg(not(feature = "cuda"))]
-use crate::tensor::{TensorDevice, device_of};
+use crate::tensor::device_of;
+use crate::tensor::{Span, TensorRef, check_disjoint, shape_of};
 
-/// The default working-set budget: 64 MiB, ample for the GEMM-sized blocks at any shape.
+/// The default working-set budget on a CPU: 64 MiB, ample for the GEMM-sized blocks at any shape.
 pub const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
+/// The default working-set budget on a GPU: 256 MiB. A GPU's GEMMs need larger blocks to fill
+/// its multiprocessors (on an H200, 256-token blocks over a 32K vocabulary ran at 0.79 of the
+/// SGEMM rate, 1024-token blocks at 0.92: docs/gpu.md), still a fraction of the logits' bytes.
+pub const DEFAULT_CUDA_BUDGET_BYTES: usize = 256 << 20;
 
 /// The loss's options, checked once (`flatpeak._flatpeak.LossOptions`).
 #[pyclass(frozen, module = "flatpeak._flatpeak")]
 #[derive(Debug, Clone, Copy)]
 pub struct LossOptions {
     pub(crate) config: Config,
-    pub(crate) budget: Budget,
+    /// The caller's bound; `None`: the device's default ([`LossOptions::budget`]).
+    budget_bytes: Option<usize>,
+}
+
+impl LossOptions {
+    /// The working-set budget on `device`: the caller's, else [`DEFAULT_BUDGET_BYTES`] on a CPU
+    /// and [`DEFAULT_CUDA_BUDGET_BYTES`] on a GPU.
+    pub(crate) fn budget(&self, device: TensorDevice) -> Budget {
+        Budget::Bytes(self.budget_bytes.unwrap_or(match device {
+            TensorDevice::Cpu => DEFAULT_BUDGET_BYTES,
+            TensorDevice::Cuda(_) => DEFAULT_CUDA_BUDGET_BYTES,
+        }))
+    }
+
+    /// The plan of `shape` on `device` under these options.
+    pub(crate) fn plan(&self, shape: Shape, device: TensorDevice) -> PyResult<Plan> {
+        Plan::new(&self.config, shape, self.budget(device)).map_err(to_py)
+    }
 }
 
 #[pymethods]
@@ -89,15 +111,15 @@ impl LossOptions {
         if budget_bytes == Some(0) {
             return Err(PyValueError::new_err("budget_bytes: expected a positive number of bytes, got 0"));
         }
-        Ok(Self { config, budget: Budget::Bytes(budget_bytes.unwrap_or(DEFAULT_BUDGET_BYTES)) })
+        Ok(Self { config, budget_bytes })
     }
 
-    /// Bytes of the working set the plan reserves for this shape (`torch.float32` or
+    /// Bytes of the working set the plan reserves for this shape on a CPU (`torch.float32` or
     /// `torch.bfloat16` inputs), the bound the call's added memory keeps under.
     fn workspace_bytes(&self, tokens: usize, hidden: usize, vocab: usize, bf16: bool) -> PyResult<usize> {
         let dtype = if bf16 { DType::Bf16 } else { DType::F32 };
         let shape = Shape { tokens, hidden, vocab, dtype };
-        Ok(Plan::new(&self.config, shape, self.budget).map_err(to_py)?.workspace_bytes())
+        Ok(self.plan(shape, TensorDevice::Cpu)?.workspace_bytes())
     }
 
     /// Bytes of the `uint8` CUDA tensor the CUDA path carves its block buffers from (the plan's
@@ -115,7 +137,7 @@ impl LossOptions {
     }
 
     fn __repr__(&self) -> String {
-        format!("LossOptions({:?}, budget_bytes={})", self.config, self.budget.bytes())
+        format!("LossOptions({:?}, budget_bytes={:?})", self.config, self.budget_bytes)
     }
 }
 
@@ -321,8 +343,9 @@ fn with_executor<R: Send>(
     shape: Shape,
     f: impl FnOnce(&mut LinearCrossEntropy) -> ring_dtp::Result<R> + Send,
 ) -> PyResult<R> {
-    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
-    let key = format!("{:?}/{:?}/{plan:?}", options.config, options.budget);
+    let budget = options.budget(TensorDevice::Cpu);
+    let plan = Plan::new(&options.config, shape, budget).map_err(to_py)?;
+    let key = format!("{:?}/{budget:?}/{plan:?}", options.config);
     // The cache's lock is taken with the GIL released: a thread waiting for it must not hold
     // the GIL that the thread inside needs to return.
     py.detach(|| {

@@ -31,7 +31,8 @@ use crate::torch_group::{Comm, communicator, detached};
 #[derive(Debug)]
 pub struct MoEOptions {
     pub(crate) config: Config,
-    pub(crate) budget: Budget,
+    /// The caller's bound; `None`: [`DEFAULT_ROWS_BUDGET_BYTES`] above the shape's least.
+    budget_bytes: Option<usize>,
     executor: Mutex<Option<Executor>>,
 }
 
@@ -39,7 +40,8 @@ pub struct MoEOptions {
 impl MoEOptions {
     /// Options under the LLEP reference code's names: `scheme` (`"pipelined"`, `"llep"` or
     /// `"standard"`), `pair_cap_rows` (q; `None`: the largest the budget holds),
-    /// `budget_bytes` (`None`: 64 MiB, the loss's default), `max_tokens_factor` (α), `min_tokens_per_gemm` (m)
+    /// `budget_bytes` (`None`: 64 MiB above the least the shape runs in, one row per rank pair
+    /// with its foreign expert slots), `max_tokens_factor` (α), `min_tokens_per_gemm` (m)
     /// and `imbalance_threshold` (λ), with llep's defaults.
     #[new]
     #[pyo3(signature = (*, scheme="pipelined", pair_cap_rows=None, budget_bytes=None, max_tokens_factor=None, min_tokens_per_gemm=None, imbalance_threshold=None))]
@@ -72,12 +74,29 @@ impl MoEOptions {
         if budget_bytes == Some(0) {
             return Err(PyValueError::new_err("budget_bytes: expected a positive number of bytes, got 0"));
         }
-        let budget = Budget::Bytes(budget_bytes.unwrap_or(crate::loss::DEFAULT_BUDGET_BYTES));
-        Ok(Self { config, budget, executor: Mutex::new(None) })
+        Ok(Self { config, budget_bytes, executor: Mutex::new(None) })
     }
 
     fn __repr__(&self) -> String {
-        format!("MoEOptions({:?}, budget={:?})", self.config, self.budget)
+        format!("MoEOptions({:?}, budget_bytes={:?})", self.config, self.budget_bytes)
+    }
+}
+
+/// What the default budget gives the rows of a round above the least a shape runs in: the
+/// loss's default working set. A fixed 64 MiB in all would refuse real layers, whose foreign
+/// expert slots alone exceed it (3·H·I weights and their gradients per slot).
+pub(crate) const DEFAULT_ROWS_BUDGET_BYTES: usize = crate::loss::DEFAULT_BUDGET_BYTES;
+
+impl MoEOptions {
+    /// The plan of one call's `shape` under these options' budget.
+    pub(crate) fn plan(&self, shape: llep::Shape) -> PyResult<Plan> {
+        let budget = match self.budget_bytes {
+            Some(bytes) => bytes,
+            None => Plan::least_workspace_bytes(&self.config, &shape)
+                .map_err(to_py)?
+                .saturating_add(DEFAULT_ROWS_BUDGET_BYTES),
+        };
+        Plan::new(&self.config, shape, Budget::Bytes(budget)).map_err(to_py)
     }
 }
 
@@ -292,7 +311,7 @@ fn forward_typed<T: TorchElement + LayerElement>(
     let n = tensors.ids.len() / shape.top_k.max(1);
     let y_out = TensorRef::<f32>::new("y_out", y_out, &[Some(n), Some(shape.hidden)])?;
     let counts_out = TensorRef::<i64>::new("counts_out", counts_out, &[Some(shape.experts)])?;
-    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
+    let plan = options.plan(shape)?;
     let ran = detached(py, comm, |comm| -> llep::Result<_> {
         let mut cached = locked(options);
         let executor = executor_for(&mut cached, plan, Device::Cpu)?;
@@ -363,7 +382,7 @@ fn backward_typed<T: TorchElement + LayerElement>(
     let dw = TensorRef::<f32>::new("d_topk_weights", dw, &[Some(n), Some(k)])?;
     let dgu = TensorRef::<f32>::new("d_gate_up_proj", dgu, &[Some(m), Some(2 * i), Some(h)])?;
     let dd = TensorRef::<f32>::new("d_down_proj", dd, &[Some(m), Some(h), Some(i)])?;
-    let plan = Plan::new(&options.config, shape, options.budget).map_err(to_py)?;
+    let plan = options.plan(shape)?;
     let grads = detached(py, comm, |comm| -> llep::Result<_> {
         let mut cached = locked(options);
         let executor = executor_for(&mut cached, plan, Device::Cpu)?;

@@ -25,7 +25,7 @@ use ring_dtp::{
 
 use crate::error::{Refusal, to_py};
 use crate::loss::{Checked, LossOptions, Operands, TensorArgs};
-use crate::tensor::{Span, TensorRef, check_disjoint};
+use crate::tensor::{Span, TensorDevice, TensorRef, check_disjoint};
 use crate::torch_group::{Comm, communicator, detached};
 
 /// The ring named by the Python argument (`None`: the plan's choice); checked with the rank's
@@ -110,7 +110,10 @@ pub(crate) fn agreed_plan(
     let shape = Shape { tokens, hidden: mine.hidden, vocab, dtype: mine.dtype };
     let mut ring_options = RingOptions::default().ranks(p);
     ring_options.ring = ring;
-    RingPlan::new(&options.config, shape, options.budget, ring_options)
+    // Every rank agreed on the device kind above; the default budget follows it (any GPU's is
+    // the same: device 0 stands for it).
+    let device = if on_cuda { TensorDevice::Cuda(0) } else { TensorDevice::Cpu };
+    RingPlan::new(&options.config, shape, options.budget(device), ring_options)
         .map_err(|e| Refusal { kind: e.kind(), message: e.to_string() })
 }
 

@@ -171,9 +171,12 @@ class StreamAdamW(torch.optim.Optimizer):
             if max_sq is not None:
                 state["max_exp_avg_sq"] = max_sq
         sd = super().state_dict()
-        for p in self._cuda:  # the snapshot lives on in `sd` only
-            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
-                self.state[p].pop(key, None)
+        # The snapshot lives on in `sd` only. torch's state_dict shares each parameter's state
+        # dict with `self.state` (it does not copy them): give each CUDA parameter a new one
+        # rather than emptying the one `sd` holds.
+        offloaded_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+        for p in self._cuda:
+            self.state[p] = {k: v for k, v in self.state[p].items() if k not in offloaded_keys}
         return sd
 
     def load_state_dict(self, state_dict):

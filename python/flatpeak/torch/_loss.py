@@ -10,8 +10,8 @@ Forward saves the per-row log-sum-exp (4 bytes a token); backward recomputes eac
 logits from it (4 GEMMs in all, against the materialized path's 3), never holding more than
 one block of ``tokens x vocab``.
 
-When gradients are wanted from a reduced loss (``mean`` or ``sum``) without ``return_lse``, on
-the CPU, a third op, ``flatpeak::linear_cross_entropy_fused``, runs forward and backward in one
+When gradients are wanted from a reduced loss (``mean`` or ``sum``) without ``return_lse``, a
+third op, ``flatpeak::linear_cross_entropy_fused``, runs forward and backward in one
 pass instead (3 GEMMs per block: each block's logits serve both): it returns dX, dW and dbias
 for an upstream gradient of 1, held until backward multiplies them by the real one. A loss is
 usually the last op before ``.backward()``; the gradients it holds meanwhile are the size of
@@ -212,13 +212,19 @@ _forward.register_autograd(_backward_autograd, setup_context=_setup_context)
 def _fused_impl(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
                 softcap, budget_bytes, precision, grads_wanted):
     """The loss, and dX, dW and dbias for an upstream gradient of 1 as ``grads_wanted`` selects
-    them (an empty tensor for one not wanted), in one pass (CPU, ``mean`` or ``sum``)."""
+    them (an empty tensor for one not wanted), in one pass (``mean`` or ``sum``)."""
     options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
     n = input.shape[0]
+    # The loss is finished on the host on either path; the gradients live where the inputs do.
     loss = torch.empty((), dtype=torch.float32)
     lse = torch.empty((n,), dtype=torch.float32)
-    grads = _grad_buffers(input, weight, bias, grads_wanted)
-    _ext.lce_forward_backward(options, (input, weight, target, bias, token_weights), (loss, lse), tuple(grads))
+    grads = _grad_buffers(input, weight, bias, grads_wanted, device=input.device)
+    args = (input, weight, target, bias, token_weights)
+    if _cuda_path(input):
+        _ext.lce_forward_backward_cuda(options, args, _workspace(options, input, weight), (loss, lse), tuple(grads))
+        loss = loss.to(input.device)
+    else:
+        _ext.lce_forward_backward(options, args, (loss, lse), tuple(grads))
     del lse
     return (loss.to(input.dtype), *_op_grads(input, weight, grads))
 
@@ -307,10 +313,12 @@ def _wanted_at_forward(bias: Optional[Tensor], grads_wanted) -> Tuple[bool, ...]
 
 def _fuses(input: Tensor, weight: Tensor, bias: Optional[Tensor], reduction: str, return_lse: bool) -> bool:
     """Whether forward also runs backward: a reduced loss (its upstream gradient is a scalar that
-    backward applies), no lse output, gradients wanted, on the CPU."""
+    backward applies), no lse output, gradients wanted; on the CPU, or on a GPU with the
+    ``cuda`` build (without it the forward op says how to build it)."""
     wanted = torch.is_grad_enabled() and (
         input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    return wanted and reduction != "none" and not return_lse and not input.is_cuda
+    where = not input.is_cuda or _cuda_path(input)
+    return wanted and reduction != "none" and not return_lse and where
 
 
 def _flatten_leading(name: str, t: Tensor, trailing: int) -> Tensor:
@@ -371,8 +379,9 @@ def linear_cross_entropy(
         token_weights: optional float32 per-token weights (finite, ``>= 0``), shaped like
             ``target``.
         return_lse: also return the per-token log-sum-exp (float32, differentiable).
-        budget_bytes: bound of the working set (default 64 MiB); the plan picks its blocks
-            within it before any data is read.
+        budget_bytes: bound of the working set (default 64 MiB on a CPU, 256 MiB on a GPU,
+            whose GEMMs need larger blocks to fill it); the plan picks its blocks within it
+            before any data is read.
         precision: ``"native"`` (GEMMs in the dtype of ``input``: bf16 dot products or tensor
             cores for bfloat16, the logit gradient rounded to bfloat16 before the two gradient
             GEMMs, as autograd of a bfloat16 matmul does), ``"f32"`` (every GEMM in float32,

@@ -201,8 +201,9 @@ def moe_swiglu(
             ``"standard"`` (the baselines, whose buffers follow the routing).
         pair_cap_rows: q, the rows any rank sends any other in one round (``None``: the largest
             ``budget_bytes`` holds).
-        budget_bytes: bound of the working set (``None``: 64 MiB); the plan takes the largest
-            pair cap whose buffers fit it, before any routing is known.
+        budget_bytes: bound of the working set (``None``: 64 MiB above the least this shape
+            runs in, one row per rank pair with its foreign expert slots); the plan takes the
+            largest pair cap whose buffers fit it, before any routing is known.
         max_tokens_factor, min_tokens_per_gemm, imbalance_threshold: the least-loaded
             assignment's alpha, minimum chunk and imbalance threshold (llep's defaults).
         return_stats: also return a :class:`MoEStats`.

@@ -411,6 +411,21 @@ impl CudaLinearCrossEntropy {
         })?;
         Ok((forward, grads))
     }
+
+    /// [`forward_backward`](Self::forward_backward) with the caller's block buffers, writing
+    /// the gradients its selection wants into the caller's device buffers `out` (overwritten).
+    pub fn forward_backward_into_with(
+        &mut self,
+        buffers: &mut BlockBuffers,
+        inputs: &DeviceInputs<'_>,
+        grad: GradOutput<'_>,
+        out: DeviceGradientsMut<'_>,
+    ) -> Result<Forward> {
+        let Self { config, plan, engine, .. } = self;
+        run(engine, (config, plan, buffers), inputs, Some(out), |ops, call| {
+            driver::forward_backward(ops, call, grad)
+        })
+    }
 }
 
 /// The executor's fixed parts for one call: its config, its plan and the block buffers.
