@@ -41,7 +41,7 @@ fn single_device(c: &mut Criterion) {
         )
         .expect("plan");
         group.bench_function(name, |b| {
-            b.iter(|| cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)).expect("runs"))
+            b.iter(|| cpu::forward_backward(&plan, &inputs, GradOutput::Scalar(1.0)).expect("runs"))
         });
     }
     group.finish();
@@ -66,7 +66,7 @@ fn single_device(c: &mut Criterion) {
     )
     .expect("plan");
     group.bench_function("fused_full_vocab", |b| {
-        b.iter(|| cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)).expect("runs"))
+        b.iter(|| cpu::forward_backward(&plan, &inputs, GradOutput::Scalar(1.0)).expect("runs"))
     });
     group.finish();
 }
@@ -235,7 +235,7 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
                 let g = match call {
                     Call::Separate => {
                         let f = lce.forward(&inputs).expect("forward");
-                        lce.backward(&inputs, &f, GradOutput::Scalar(1.0), None).expect("backward")
+                        lce.backward(&inputs, &f, GradOutput::Scalar(1.0).into()).expect("backward")
                     }
                     Call::Fused => lce.forward_backward(&inputs, GradOutput::Scalar(1.0)).expect("fused").1,
                 };

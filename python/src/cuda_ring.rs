@@ -23,7 +23,9 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use ring_dtp::cuda::DeviceMatrix;
 use ring_dtp::cuda::ring::{CudaRing, DeviceRankInputs};
-use ring_dtp::{DType, Forward, GradOutput, Loss, Reduction, RingPlan, bf16, check_targets, check_weights};
+use ring_dtp::{
+    DType, Forward, GradOutput, Loss, Reduction, RingPlan, Upstream, bf16, check_targets, check_weights,
+};
 
 use crate::cuda::{Borrowed, borrow_on_or_empty, torch_stream};
 use crate::cuda_group::{SharedNccl, agree_ready, copy_prefix, cuda_states, enter, group_key, leave};
@@ -366,7 +368,9 @@ pub fn lce_ring_backward_cuda(
             let grad = if per_token { GradOutput::PerToken(&grad_rows) } else { GradOutput::Scalar(grad[0]) };
             // Backward reads forward's lse only.
             let forward = Forward { loss: Loss::Scalar(0.0), lse };
-            let g = ring.backward(&call.inputs(uploaded), &forward, grad, dlse.as_deref()).map_err(to_py)?;
+            let g = ring
+                .backward(&call.inputs(uploaded), &forward, Upstream::loss(grad).with_dlse(dlse.as_deref()))
+                .map_err(to_py)?;
             // On the communicator's stream (whose context tracks the ring's buffers), which torch's
             // stream waits for on exit.
             let on = ring.comm().stream();

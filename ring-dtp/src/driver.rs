@@ -14,7 +14,7 @@ use crate::blocks::{BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::inputs::{
-    CallSizes, Forward, GradOutput, GradientLens, Gradients, GradientsMut, Inputs, check_weights,
+    CallSizes, Forward, GradOutput, GradientLens, Gradients, GradientsMut, Inputs, Upstream, check_weights,
 };
 use crate::loss::{self, Stats};
 use crate::plan::{BlockSchedule, Plan};
@@ -29,6 +29,13 @@ pub(crate) struct Call<'c> {
     pub rows: &'c Inputs<'c>,
 }
 
+impl<'c> Call<'c> {
+    /// A call of `rows` under `plan` and the config it was made from.
+    pub fn new(plan: &'c Plan, rows: &'c Inputs<'c>) -> Self {
+        Self { config: plan.config(), plan, rows }
+    }
+}
+
 /// What backward reads besides the inputs: forward's per-row lse, the loss's upstream gradient,
 /// and an optional upstream gradient of the lse.
 #[derive(Clone, Copy)]
@@ -36,6 +43,13 @@ pub(crate) struct Saved<'s> {
     pub lse: &'s [f32],
     pub grad: GradOutput<'s>,
     pub dlse: Option<&'s [f32]>,
+}
+
+impl<'s> Saved<'s> {
+    /// Forward's `lse` with the call's upstream gradients.
+    pub fn of(lse: &'s [f32], upstream: Upstream<'s>) -> Self {
+        Self { lse, grad: upstream.grad, dlse: upstream.dlse }
+    }
 }
 
 /// The checks every backend makes before it touches a tensor: the config's domains, the

@@ -384,40 +384,35 @@ impl BlockOps for EmuBlocks<'_, '_> {
 }
 
 /// The loss and per-row lse by the device schedule (fold kernel per block).
-pub fn forward(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
-    let call = Call { config, plan, rows: inputs };
+pub fn forward(plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
+    let call = Call::new(plan, inputs);
     driver::forward(&mut EmuBlocks::open(call, None)?, call)
 }
 
 /// dX, dW (and dbias) by the device schedule: recompute each block's raw logits, the gradient
 /// kernel, then `dX += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel.
 pub fn backward(
-    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     forward: &Forward,
-    grad: GradOutput<'_>,
-    dlse: Option<&[f32]>,
+    upstream: Upstream<'_>,
 ) -> Result<Gradients> {
-    let upstream = Upstream::loss(grad).with_dlse(dlse);
-    let ((), grads) = driver::with_gradients(plan, inputs, |out| {
-        backward_into(config, plan, inputs, &forward.lse, upstream, out)
-    })?;
+    let ((), grads) =
+        driver::with_gradients(plan, inputs, |out| backward_into(plan, inputs, &forward.lse, upstream, out))?;
     Ok(grads)
 }
 
 /// [`backward`] from forward's per-row `lse` into caller-owned buffers `out` (overwritten),
 /// computing the gradients its selection wants: a skipped dX or dW has no GEMM.
 pub fn backward_into(
-    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     lse: &[f32],
     upstream: Upstream<'_>,
     out: GradientsMut<'_>,
 ) -> Result<()> {
-    let call = Call { config, plan, rows: inputs };
-    let saved = Saved { lse, grad: upstream.grad, dlse: upstream.dlse };
+    let call = Call::new(plan, inputs);
+    let saved = Saved::of(lse, upstream);
     driver::backward(&mut EmuBlocks::open(call, Some(out))?, call, saved)
 }
 
@@ -488,24 +483,22 @@ pub fn round_bf16(g: &mut [f32]) -> Result<()> {
 ///
 /// [`BlockSchedule::FullVocab`]: crate::plan::BlockSchedule::FullVocab
 pub fn forward_backward(
-    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
-    driver::with_gradients(plan, inputs, |out| forward_backward_into(config, plan, inputs, grad, out))
+    driver::with_gradients(plan, inputs, |out| forward_backward_into(plan, inputs, grad, out))
 }
 
 /// [`forward_backward`] writing the gradients `out` selects into it (overwritten); returns the
 /// loss and lse.
 pub fn forward_backward_into(
-    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
     out: GradientsMut<'_>,
 ) -> Result<Forward> {
-    let call = Call { config, plan, rows: inputs };
+    let call = Call::new(plan, inputs);
     driver::forward_backward(&mut EmuBlocks::open(call, Some(out))?, call, grad)
 }
 

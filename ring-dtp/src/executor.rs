@@ -42,8 +42,7 @@ pub trait LossInputs {
         &self,
         lce: &mut LinearCrossEntropy,
         forward: &Forward,
-        grad: GradOutput<'_>,
-        dlse: Option<&[f32]>,
+        upstream: Upstream<'_>,
     ) -> Result<Self::Gradients>;
     /// Both in one pass. Called by [`LinearCrossEntropy::forward_backward`].
     #[doc(hidden)]
@@ -62,18 +61,17 @@ impl LossInputs for Inputs<'_> {
     }
     fn forward_on(&self, lce: &mut LinearCrossEntropy) -> Result<Forward> {
         let plan = lce.plan;
-        cpu::forward_in(lce.host_workspace()?, Call { config: plan.config(), plan: &plan, rows: self })
+        cpu::forward_in(lce.host_workspace()?, Call::new(&plan, self))
     }
     fn backward_on(
         &self,
         lce: &mut LinearCrossEntropy,
         forward: &Forward,
-        grad: GradOutput<'_>,
-        dlse: Option<&[f32]>,
+        upstream: Upstream<'_>,
     ) -> Result<Gradients> {
         let plan = lce.plan;
         let ((), grads) = crate::driver::with_gradients(&plan, self, |out| {
-            lce.backward_into(self, &forward.lse, Upstream { grad, dlse }, out)
+            lce.backward_into(self, &forward.lse, upstream, out)
         })?;
         Ok(grads)
     }
@@ -155,18 +153,17 @@ impl LinearCrossEntropy {
         inputs.forward_on(self)
     }
 
-    /// dX, dW (and dbias) of `inputs` from forward's lse, recomputing each block's logits;
-    /// `dlse` is an optional upstream gradient of the lse output. On a CUDA device the
-    /// gradients stay there.
+    /// dX, dW (and dbias) of `inputs` from forward's lse, recomputing each block's logits, for
+    /// the upstream gradients of the loss (a [`GradOutput`] converts) and, optionally, of the
+    /// lse output. On a CUDA device the gradients stay there.
     pub fn backward<I: LossInputs + ?Sized>(
         &mut self,
         inputs: &I,
         forward: &Forward,
-        grad: GradOutput<'_>,
-        dlse: Option<&[f32]>,
+        upstream: Upstream<'_>,
     ) -> Result<I::Gradients> {
         self.check_device(inputs.device())?;
-        inputs.backward_on(self, forward, grad, dlse)
+        inputs.backward_on(self, forward, upstream)
     }
 
     /// Forward and backward of `inputs` in one pass when the loss is the last op (3 GEMMs per
@@ -191,9 +188,7 @@ impl LinearCrossEntropy {
         out: GradientsMut<'_>,
     ) -> Result<()> {
         let plan = self.plan;
-        let Upstream { grad, dlse } = upstream;
-        let call = Call { config: plan.config(), plan: &plan, rows: inputs };
-        cpu::backward_into(self.host_workspace()?, call, Saved { lse, grad, dlse }, out)
+        cpu::backward_into(self.host_workspace()?, Call::new(&plan, inputs), Saved::of(lse, upstream), out)
     }
 
     /// [`forward_backward`](Self::forward_backward) writing dX, dW (and dbias) into `out`,
@@ -206,8 +201,7 @@ impl LinearCrossEntropy {
         out: GradientsMut<'_>,
     ) -> Result<Forward> {
         let plan = self.plan;
-        let call = Call { config: plan.config(), plan: &plan, rows: inputs };
-        cpu::forward_backward_into(self.host_workspace()?, call, grad, out)
+        cpu::forward_backward_into(self.host_workspace()?, Call::new(&plan, inputs), grad, out)
     }
 }
 
@@ -252,10 +246,9 @@ impl LossInputs for crate::cuda::DeviceInputs<'_> {
         &self,
         lce: &mut LinearCrossEntropy,
         forward: &Forward,
-        grad: GradOutput<'_>,
-        dlse: Option<&[f32]>,
+        upstream: Upstream<'_>,
     ) -> Result<crate::cuda::DeviceGradients> {
-        lce.cuda_backend()?.backward(self, forward, grad, dlse)
+        lce.cuda_backend()?.backward(self, forward, upstream)
     }
     fn forward_backward_on(
         &self,
@@ -284,17 +277,14 @@ mod tests {
         let targets: Vec<i64> = (0..37).map(|i| if i % 7 == 0 { -100 } else { i * 5 % 101 }).collect();
         let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, 8);
         let mut lce = LinearCrossEntropy::new(plan, Device::Cpu).unwrap();
-        let want = cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)).unwrap();
+        let want = cpu::forward_backward(&plan, &inputs, GradOutput::Scalar(1.0)).unwrap();
         for _ in 0..2 {
             assert_eq!(lce.forward_backward(&inputs, GradOutput::Scalar(1.0)).unwrap(), want);
         }
         let fwd = lce.forward(&inputs).unwrap();
         assert!(matches!(fwd.loss, Loss::Scalar(l) if l > 0.0));
-        let grads = lce.backward(&inputs, &fwd, GradOutput::Scalar(1.0), None).unwrap();
-        assert_eq!(
-            grads,
-            cpu::backward(&config, &plan, &inputs, &fwd, GradOutput::Scalar(1.0), None).unwrap()
-        );
+        let grads = lce.backward(&inputs, &fwd, GradOutput::Scalar(1.0).into()).unwrap();
+        assert_eq!(grads, cpu::backward(&plan, &inputs, &fwd, GradOutput::Scalar(1.0).into()).unwrap());
         assert_eq!((lce.device(), lce.workspace_bytes()), (Device::Cpu, plan.workspace_bytes()));
     }
 
@@ -311,7 +301,9 @@ mod tests {
         let mut lce = LinearCrossEntropy::new(plan, Device::Cpu).unwrap();
         let fwd = lce.forward(&inputs).unwrap();
         let dlse: Vec<f32> = (0..23).map(|i| (i as f32 * 0.7).cos()).collect();
-        let want = lce.backward(&inputs, &fwd, GradOutput::Scalar(0.5), Some(&dlse)).unwrap();
+        let want = lce
+            .backward(&inputs, &fwd, Upstream::loss(GradOutput::Scalar(0.5)).with_dlse(Some(&dlse)))
+            .unwrap();
         // Stale values in the caller's buffers must not leak into the result.
         let (mut dx, mut dw, mut db) = (vec![f32::NAN; 23 * 6], vec![7.0; 57 * 6], vec![-1.0; 57]);
         let out = GradientsMut::new(&mut dx, &mut dw, Some(&mut db));
@@ -368,7 +360,7 @@ mod tests {
         refused(LinearCrossEntropy::new(plan, Device::Cpu).map(drop));
         let (x, w, targets) = (vec![0f32; 1 << 20], vec![0f32; 1 << 20], vec![0i64; 1 << 20]);
         let inputs = Inputs::new(Matrix::F32(&x), Matrix::F32(&w), &targets, 1);
-        refused(cpu::forward(&Config::default(), &plan, &inputs).map(drop));
+        refused(cpu::forward(&plan, &inputs).map(drop));
     }
 
     #[test]

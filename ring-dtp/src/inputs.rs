@@ -289,6 +289,13 @@ impl<'a> Upstream<'a> {
     }
 }
 
+impl<'a> From<GradOutput<'a>> for Upstream<'a> {
+    /// The loss's gradient only ([`Upstream::loss`]).
+    fn from(grad: GradOutput<'a>) -> Self {
+        Self::loss(grad)
+    }
+}
+
 /// What backward returns: fp32 gradients.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gradients {

@@ -10,7 +10,7 @@ use ring_dtp::cpu::reference::Rounding;
 use ring_dtp::cpu::{self, reference};
 use ring_dtp::{
     Bf16Kernel, BlockSchedule, Budget, Config, Device, Error, GradOutput, GradientsMut, Inputs,
-    LinearCrossEntropy, Loss, Matrix, Plan, Reduction, Shape, Softcap,
+    LinearCrossEntropy, Loss, Matrix, Plan, Reduction, Shape, Softcap, Upstream,
 };
 
 /// f32 bound (`docs/design.md`, exactness), on norm-wise errors normalised by the magnitudes each
@@ -131,10 +131,11 @@ fn run_case(c: &Case, config: &Config, dtype: DType, budget: usize) -> Result<Bl
             .expect("budget holds the smallest schedule");
     let grad = grad_of(config, c);
     let r = reference::run(&inp, config, grad, c.dlse.as_deref()).expect("reference");
-    let fwd = cpu::forward(config, &plan, &inp).expect("forward");
+    let fwd = cpu::forward(&plan, &inp).expect("forward");
     check_loss(config, &fwd.loss, &r)?;
     check("lse", &fwd.lse, &r.lse)?;
-    let g = cpu::backward(config, &plan, &inp, &fwd, grad, c.dlse.as_deref()).expect("backward");
+    let g = cpu::backward(&plan, &inp, &fwd, Upstream::loss(grad).with_dlse(c.dlse.as_deref()))
+        .expect("backward");
     check_scaled("dx", &g.dx, &r.dx, &r.dx_scale)?;
     check_scaled("dw", &g.dw, &r.dw, &r.dw_scale)?;
     if let Some(db) = &g.dbias {
@@ -142,7 +143,7 @@ fn run_case(c: &Case, config: &Config, dtype: DType, budget: usize) -> Result<Bl
     }
     // Fused (no dlse): against the reference without it.
     let r0 = reference::run(&inp, config, grad, None).expect("reference");
-    let (f2, g2) = cpu::forward_backward(config, &plan, &inp, grad).expect("fused");
+    let (f2, g2) = cpu::forward_backward(&plan, &inp, grad).expect("fused");
     check_loss(config, &f2.loss, &r0)?;
     check_scaled("fused dx", &g2.dx, &r0.dx, &r0.dx_scale)?;
     check_scaled("fused dw", &g2.dw, &r0.dw, &r0.dw_scale)?;
@@ -165,10 +166,11 @@ fn run_case_bf16_native(
     )
     .expect("budget holds the smallest schedule");
     let grad = grad_of(config, c);
-    let fwd = cpu::forward(config, &plan, inp).expect("forward");
-    let g = cpu::backward(config, &plan, inp, &fwd, grad, c.dlse.as_deref()).expect("backward");
+    let fwd = cpu::forward(&plan, inp).expect("forward");
+    let g =
+        cpu::backward(&plan, inp, &fwd, Upstream::loss(grad).with_dlse(c.dlse.as_deref())).expect("backward");
     let separate = check_bf16_native(config, inp, (grad, c.dlse.as_deref()), &(fwd, g))?;
-    let fused = cpu::forward_backward(config, &plan, inp, grad).expect("fused");
+    let fused = cpu::forward_backward(&plan, inp, grad).expect("fused");
     let fused = check_bf16_native(config, inp, (grad, None), &fused)?;
     Ok([separate, fused].concat())
 }
@@ -346,7 +348,7 @@ fn an_all_ignored_batch_has_zero_loss_and_gradients() {
             Budget::Bytes(1 << 20),
         )
         .expect("plan");
-        let (fwd, g) = cpu::forward_backward(&config, &plan, &inp, grad_of(&config, &c)).expect("runs");
+        let (fwd, g) = cpu::forward_backward(&plan, &inp, grad_of(&config, &c)).expect("runs");
         match fwd.loss {
             Loss::Scalar(l) => assert_eq!(l, 0.0),
             Loss::PerToken(l) => assert!(l.iter().all(|&x| x == 0.0)),
@@ -368,8 +370,8 @@ fn bitwise_reproducible_run_to_run() {
             Budget::Bytes(budget),
         )
         .expect("plan");
-        let a = cpu::forward_backward(&config, &plan, &inp, GradOutput::Scalar(1.0)).expect("run");
-        let b = cpu::forward_backward(&config, &plan, &inp, GradOutput::Scalar(1.0)).expect("run");
+        let a = cpu::forward_backward(&plan, &inp, GradOutput::Scalar(1.0)).expect("run");
+        let b = cpu::forward_backward(&plan, &inp, GradOutput::Scalar(1.0)).expect("run");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a.1.dx), bits(&b.1.dx));
         assert_eq!(bits(&a.1.dw), bits(&b.1.dw));
@@ -396,10 +398,11 @@ fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
             let plan = Plan::with_blocks(config, Shape { tokens: n, hidden: d, vocab: v, dtype }, blocks)
                 .expect("plan");
             assert!(ring_dtp::plan::splits_dx(plan.vocab_block(), dtype), "{plan:?}");
-            let fused = cpu::forward_backward(config, &plan, inp, grad).expect("runs");
+            let fused = cpu::forward_backward(&plan, inp, grad).expect("runs");
             check_against_reference(config, &fused, &without);
-            let f = cpu::forward(config, &plan, inp).expect("forward");
-            let g = cpu::backward(config, &plan, inp, &f, grad, c.dlse.as_deref()).expect("backward");
+            let f = cpu::forward(&plan, inp).expect("forward");
+            let g = cpu::backward(&plan, inp, &f, Upstream::loss(grad).with_dlse(c.dlse.as_deref()))
+                .expect("backward");
             check_against_reference(config, &(f, g), &with_dlse);
         }
     });
@@ -410,9 +413,8 @@ fn split_dx_reduction_matches_the_reference_on_any_thread_count() {
                 .expect("plan");
         let bits = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-            let (f, g) = pool
-                .install(|| cpu::forward_backward(&config, &plan, inp, GradOutput::Scalar(1.0)))
-                .expect("runs");
+            let (f, g) =
+                pool.install(|| cpu::forward_backward(&plan, inp, GradOutput::Scalar(1.0))).expect("runs");
             let to_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             (to_bits(&f.lse), to_bits(&g.dx), to_bits(&g.dw))
         };
@@ -465,13 +467,13 @@ fn bad_input_is_a_typed_error() {
     targets[3] = 20;
     let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 4);
     assert_eq!(
-        cpu::forward(&config, &plan, &inp).unwrap_err(),
+        cpu::forward(&plan, &inp).unwrap_err(),
         Error::TargetOutOfRange { token: 3, target: 20, vocab: 20 }
     );
     targets[3] = -7;
     let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 4);
     assert_eq!(
-        cpu::forward(&config, &plan, &inp).unwrap_err(),
+        cpu::forward(&plan, &inp).unwrap_err(),
         Error::TargetOutOfRange { token: 3, target: -7, vocab: 20 }
     );
     // The f64 reference checks its inputs as the fast path does (it indexed W by the target).
@@ -493,12 +495,12 @@ fn bad_input_is_a_typed_error() {
     ));
     let short = Inputs::new(Matrix::F32(&c.x[..39]), Matrix::F32(&c.w), &c.targets, 4);
     assert!(matches!(
-        cpu::forward(&config, &plan, &short),
+        cpu::forward(&plan, &short),
         Err(Error::ShapeMismatch { what: "x (n·d)", expected: 40, got: 39 })
     ));
     let wb: Vec<bf16> = c.w.iter().map(|&x| bf16::from_f32(x)).collect();
     let mixed = Inputs::new(Matrix::F32(&c.x), Matrix::Bf16(&wb), &c.targets, 4);
-    assert!(matches!(cpu::forward(&config, &plan, &mixed), Err(Error::DtypeMismatch { .. })));
+    assert!(matches!(cpu::forward(&plan, &mixed), Err(Error::DtypeMismatch { .. })));
     let ok = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, 4);
     let other = Plan::new(
         &config,
@@ -506,19 +508,20 @@ fn bad_input_is_a_typed_error() {
         Budget::Bytes(1 << 20),
     )
     .expect("plan");
-    assert!(matches!(cpu::forward(&config, &other, &ok), Err(Error::ShapeMismatch { what: "n", .. })));
+    assert!(matches!(cpu::forward(&other, &ok), Err(Error::ShapeMismatch { what: "n", .. })));
     let none = Config::default().reduction(Reduction::None);
-    let fwd = cpu::forward(&none, &plan, &ok).expect("forward");
+    let per_token_plan = Plan::new(&none, plan.shape(), Budget::Bytes(1 << 20)).expect("plan");
+    let fwd = cpu::forward(&per_token_plan, &ok).expect("forward");
     assert!(matches!(
-        cpu::backward(&none, &plan, &ok, &fwd, GradOutput::Scalar(1.0), None),
+        cpu::backward(&per_token_plan, &ok, &fwd, GradOutput::Scalar(1.0).into()),
         Err(Error::GradOutputKind { .. })
     ));
     assert!(matches!(
-        cpu::backward(&none, &plan, &ok, &fwd, GradOutput::PerToken(&[1.0; 3]), None),
+        cpu::backward(&per_token_plan, &ok, &fwd, GradOutput::PerToken(&[1.0; 3]).into()),
         Err(Error::ShapeMismatch { what: "grad_output (n)", .. })
     ));
     assert!(matches!(
-        cpu::backward(&config, &plan, &ok, &fwd, GradOutput::PerToken(&[1.0; 10]), None),
+        cpu::backward(&plan, &ok, &fwd, GradOutput::PerToken(&[1.0; 10]).into()),
         Err(Error::GradOutputKind { .. })
     ));
     assert!(matches!(
@@ -531,13 +534,12 @@ fn bad_input_is_a_typed_error() {
 /// GEMM, then the fold / gradient / bias-gradient kernels) emulated or on a GPU.
 fn run_on(
     backend: Backend,
-    config: &Config,
     plan: &Plan,
     inp: &Inputs<'_>,
     grad: GradOutput<'_>,
     dlse: Option<&[f32]>,
 ) -> Result<(ring_dtp::Forward, ring_dtp::Gradients), Error> {
-    run_pass_on(backend, (config, plan), inp, grad, Pass::Separate { dlse })
+    run_pass_on(backend, plan, inp, grad, Pass::Separate { dlse })
 }
 
 /// How forward and backward are called.
@@ -551,28 +553,28 @@ enum Pass<'a> {
 
 fn run_pass_on(
     backend: Backend,
-    (config, plan): (&Config, &Plan),
+    plan: &Plan,
     inp: &Inputs<'_>,
     grad: GradOutput<'_>,
     pass: Pass<'_>,
 ) -> Result<(ring_dtp::Forward, ring_dtp::Gradients), Error> {
     match (backend, pass) {
-        (Backend::Cpu, Pass::Fused) => cpu::forward_backward(config, plan, inp, grad),
+        (Backend::Cpu, Pass::Fused) => cpu::forward_backward(plan, inp, grad),
         (Backend::Cpu, Pass::Separate { dlse }) => {
-            let f = cpu::forward(config, plan, inp)?;
-            let g = cpu::backward(config, plan, inp, &f, grad, dlse)?;
+            let f = cpu::forward(plan, inp)?;
+            let g = cpu::backward(plan, inp, &f, Upstream::loss(grad).with_dlse(dlse))?;
             Ok((f, g))
         }
         #[cfg(feature = "cuda-emu")]
-        (Backend::CudaEmu, Pass::Fused) => ring_dtp::emu::forward_backward(config, plan, inp, grad),
+        (Backend::CudaEmu, Pass::Fused) => ring_dtp::emu::forward_backward(plan, inp, grad),
         #[cfg(feature = "cuda-emu")]
         (Backend::CudaEmu, Pass::Separate { dlse }) => {
-            let f = ring_dtp::emu::forward(config, plan, inp)?;
-            let g = ring_dtp::emu::backward(config, plan, inp, &f, grad, dlse)?;
+            let f = ring_dtp::emu::forward(plan, inp)?;
+            let g = ring_dtp::emu::backward(plan, inp, &f, Upstream::loss(grad).with_dlse(dlse))?;
             Ok((f, g))
         }
         #[cfg(feature = "cuda")]
-        (Backend::Cuda, pass) => cuda_run(config, plan, inp, grad, pass),
+        (Backend::Cuda, pass) => cuda_run(plan, inp, grad, pass),
         #[allow(unreachable_patterns)]
         other => panic!("{other:?} is not built in"),
     }
@@ -580,14 +582,12 @@ fn run_pass_on(
 
 #[cfg(feature = "cuda")]
 fn cuda_run(
-    config: &Config,
     plan: &Plan,
     inp: &Inputs<'_>,
     grad: GradOutput<'_>,
     pass: Pass<'_>,
 ) -> Result<(ring_dtp::Forward, ring_dtp::Gradients), Error> {
     use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
-    assert_eq!(config, plan.config(), "the CUDA executor runs its plan's config");
     let mut lce = CudaLinearCrossEntropy::new(*plan, 0)?;
     let s = lce.stream().clone();
     let up = |e| Error::Common(flatpeak_common::Error::Cuda { op: "upload", message: format!("{e:?}") });
@@ -619,7 +619,7 @@ fn cuda_run(
     let (f, g) = match pass {
         Pass::Separate { dlse } => {
             let f = lce.forward(&dev)?;
-            let g = lce.backward(&dev, &f, grad, dlse)?;
+            let g = lce.backward(&dev, &f, Upstream::loss(grad).with_dlse(dlse))?;
             (f, g)
         }
         Pass::Fused => lce.forward_backward(&dev, grad)?,
@@ -648,14 +648,14 @@ fn device_schedule_matches_the_reference(backend: Backend) {
             assert!(plan.vocab_block() < v, "several vocabulary blocks");
             let grad = grad_of(config, &c);
             let r = reference::run(inp, config, grad, c.dlse.as_deref()).expect("reference");
-            let out = run_on(backend, config, &plan, inp, grad, c.dlse.as_deref()).expect("runs");
+            let out = run_on(backend, &plan, inp, grad, c.dlse.as_deref()).expect("runs");
             check_against_reference(config, &out, &r);
             if dtype == DType::Bf16 {
                 // The default bf16 arithmetic: bf16 GEMMs, G narrowed to bf16 (on CUDA in place
                 // by `lce_narrow_rows_bf16`, run here by the emulator or the GPU).
                 let native = config.precision(Precision::Native);
                 let plan = Plan::new(&native, plan.shape(), Budget::Bytes(budget)).expect("plan");
-                let out = run_on(backend, &native, &plan, inp, grad, c.dlse.as_deref()).expect("runs");
+                let out = run_on(backend, &plan, inp, grad, c.dlse.as_deref()).expect("runs");
                 check_bf16_native(&native, inp, (grad, c.dlse.as_deref()), &out).unwrap();
             }
         });
@@ -671,7 +671,7 @@ fn device_schedule_matches_the_reference(backend: Backend) {
     )
     .expect("plan");
     let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &targets, 4);
-    let err = run_on(backend, &config, &plan, &inp, GradOutput::Scalar(1.0), None).unwrap_err();
+    let err = run_on(backend, &plan, &inp, GradOutput::Scalar(1.0), None).unwrap_err();
     assert_eq!(err, Error::TargetOutOfRange { token: 6, target: 20, vocab: 20 });
     // A NaN, infinite or negative per-token weight is refused (it gave a loss of 0 with NaN or
     // nonzero gradients).
@@ -679,7 +679,7 @@ fn device_schedule_matches_the_reference(backend: Backend) {
         let mut weights = vec![1.0f32; 10];
         weights[4] = bad;
         let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, 4).with_weights(&weights);
-        let err = run_on(backend, &config, &plan, &inp, GradOutput::Scalar(1.0), None).unwrap_err();
+        let err = run_on(backend, &plan, &inp, GradOutput::Scalar(1.0), None).unwrap_err();
         assert!(matches!(err, Error::InvalidWeight { token: 4, .. }), "{bad}: {err}");
     }
 }
@@ -696,7 +696,7 @@ fn a_shift_past_the_tokens_ignores_every_row(backend: Backend) {
             let shape = Shape { tokens: 12, hidden: 4, vocab: 20, dtype: DType::F32 };
             let plan = Plan::new(&config, shape, Budget::Bytes(1 << 20)).expect("plan");
             let inp = inputs(&c, Matrix::F32(&c.x), Matrix::F32(&c.w));
-            let (fwd, g) = run_on(backend, &config, &plan, &inp, grad_of(&config, &c), None).expect("runs");
+            let (fwd, g) = run_on(backend, &plan, &inp, grad_of(&config, &c), None).expect("runs");
             match fwd.loss {
                 Loss::Scalar(l) => assert_eq!(l, 0.0, "shift {shift}"),
                 Loss::PerToken(l) => assert!(l.iter().all(|&x| x == 0.0), "shift {shift}: {l:?}"),
@@ -748,13 +748,13 @@ fn fused_schedule_matches_the_reference(backend: Backend) {
             let r = reference::run(inp, config, grad, None).expect("reference");
             let native = config.precision(Precision::Native);
             for plan in [plan, explicit] {
-                let out = run_pass_on(backend, (config, &plan), inp, grad, Pass::Fused).expect("runs");
+                let out = run_pass_on(backend, &plan, inp, grad, Pass::Fused).expect("runs");
                 check_against_reference(config, &out, &r);
                 if dtype == DType::Bf16 {
                     // The default bf16 arithmetic on the same blocks.
                     let blocks = (plan.token_block(), plan.vocab_block());
                     let plan = Plan::with_blocks(&native, plan.shape(), blocks).expect("plan");
-                    let out = run_pass_on(backend, (&native, &plan), inp, grad, Pass::Fused).expect("runs");
+                    let out = run_pass_on(backend, &plan, inp, grad, Pass::Fused).expect("runs");
                     check_bf16_native(&native, inp, (grad, None), &out).unwrap();
                 }
             }
@@ -809,7 +809,7 @@ fn tf32_runs_on_cuda_for_f32_inputs_only(backend: Backend) {
     let plan = Plan::new(&tf32, shape, Budget::Bytes(64 << 20)).expect("plan");
     let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, d);
     let grad = GradOutput::Scalar(1.0);
-    let out = run_pass_on(backend, (&tf32, &plan), &inp, grad, Pass::Fused);
+    let out = run_pass_on(backend, &plan, &inp, grad, Pass::Fused);
     if backend != Backend::Cuda {
         assert!(
             matches!(

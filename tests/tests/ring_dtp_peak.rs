@@ -45,8 +45,8 @@ fn measure(n: usize, d: usize, v: usize, budget: usize, dtype: DType) -> (usize,
     };
     let inputs = Inputs::new(xm, wm, &targets, d);
     // Warm rayon's pool outside the measurement (a one-time cost).
-    cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)).expect("warm-up");
-    let m = PeakMeter::measure(|| cpu::forward_backward(&config, &plan, &inputs, GradOutput::Scalar(1.0)))
+    cpu::forward_backward(&plan, &inputs, GradOutput::Scalar(1.0)).expect("warm-up");
+    let m = PeakMeter::measure(|| cpu::forward_backward(&plan, &inputs, GradOutput::Scalar(1.0)))
         .expect("counting allocator installed");
     assert!(m.value.is_ok());
     (m.peak_bytes, plan)

@@ -14,7 +14,7 @@ use ring_dtp::cpu::{self, reference};
 use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{
     Budget, Config, Error, Forward, GradOutput, Gradients, Inputs, Loss, Matrix, Plan, Reduction, RingKind,
-    RingOptions, RingPlan, Shape, Softcap,
+    RingOptions, RingPlan, Shape, Softcap, Upstream,
 };
 
 /// f32 bound, on errors normalised by the magnitudes each quantity sums (see tests/ring_dtp.rs).
@@ -121,7 +121,7 @@ fn run_ring(
                 .with_weights(&c.weights[t.clone()]);
         let fwd = ring::forward(comm, &plan, &inputs)?;
         let grad = grad_of(config, &c.grad_tokens[t.clone()]);
-        let g = ring::backward(comm, &plan, &inputs, &fwd, grad, Some(&c.dlse[t]))?;
+        let g = ring::backward(comm, &plan, &inputs, &fwd, Upstream::loss(grad).with_dlse(Some(&c.dlse[t])))?;
         // No message of the ring outlives its pass: a stray one would fail the barrier.
         comm.barrier()?;
         Ok((fwd, g))
@@ -232,9 +232,14 @@ fn single_device(c: &Case, config: &Config, dtype: DType) -> (Forward, Gradients
     let plan =
         Plan::new(config, Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype }, Budget::Bytes(1 << 24))
             .expect("single-device plan");
-    let fwd = cpu::forward(config, &plan, &full).expect("forward");
-    let grads = cpu::backward(config, &plan, &full, &fwd, grad_of(config, &c.grad_tokens), Some(&c.dlse))
-        .expect("backward");
+    let fwd = cpu::forward(&plan, &full).expect("forward");
+    let grads = cpu::backward(
+        &plan,
+        &full,
+        &fwd,
+        Upstream::loss(grad_of(config, &c.grad_tokens)).with_dlse(Some(&c.dlse)),
+    )
+    .expect("backward");
     (fwd, grads)
 }
 
@@ -565,8 +570,9 @@ fn device_rings_match_the_reference() {
                             let mut ring = CudaRing::new(*plan, comm).expect("ring");
                             let fwd = ring.forward(&inputs).expect("forward");
                             let grad = grad_of(config, &c.grad_tokens[t.clone()]);
-                            let g: DeviceGradients =
-                                ring.backward(&inputs, &fwd, grad, Some(&c.dlse[t])).expect("backward");
+                            let g: DeviceGradients = ring
+                                .backward(&inputs, &fwd, Upstream::loss(grad).with_dlse(Some(&c.dlse[t])))
+                                .expect("backward");
                             let down = |v: &flatpeak_common::cuda::cudarc::driver::CudaSlice<f32>,
                                         len: usize| {
                                 s.clone_dtoh(&v.slice(..len)).unwrap()
@@ -589,19 +595,16 @@ fn device_rings_match_the_reference() {
     }
 }
 
-/// A config made invalid after planning is refused by the single-device CPU path that takes it,
-/// with the offending field named; a ring's config is its plan's, refused when it is planned.
+/// Every path runs the config its plan carries, checked when the plan is made: an invalid one is
+/// refused there, with the offending field named, for a single device and for a ring alike.
 #[test]
 fn executors_revalidate_the_config_they_are_given() {
     let c = make_case(12, 4, 10, 9);
     let config = Config::default();
     let shape = Shape { tokens: c.n, hidden: c.d, vocab: c.v, dtype: DType::F32 };
     let bad = config.label_smoothing(1.5);
-    let plan = Plan::new(&config, shape, Budget::Unlimited).expect("plan");
-    let inputs = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, c.d);
-    let err = cpu::forward(&bad, &plan, &inputs).unwrap_err();
+    let err = Plan::new(&bad, shape, Budget::Unlimited).unwrap_err();
     assert!(matches!(err, Error::InvalidConfig { field: "label_smoothing", .. }), "{err}");
-    // A ring runs the config its plan carries, checked when the plan is made.
     let refused = RingPlan::new(&bad, shape, Budget::Unlimited, RingOptions::default().ranks(2));
     assert!(matches!(refused, Err(Error::InvalidConfig { field: "label_smoothing", .. })), "{refused:?}");
 }
@@ -649,7 +652,7 @@ fn a_rank_failing_at_any_ring_step_fails_promptly_and_the_next_pass_runs() {
                                     &targets[t],
                                 );
                                 let fwd = ring::forward(&comm, plan, &inputs)?;
-                                ring::backward(&comm, plan, &inputs, &fwd, GradOutput::Scalar(1.0), None)?;
+                                ring::backward(&comm, plan, &inputs, &fwd, GradOutput::Scalar(1.0).into())?;
                                 Ok(comm.ops())
                             })
                         })

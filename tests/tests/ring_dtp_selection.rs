@@ -102,14 +102,12 @@ fn run(
             }
         }
         #[cfg(feature = "cuda-emu")]
-        Backend::CudaEmu => {
-            let config = plan.config();
-            match call {
-                Call::Backward => ring_dtp::emu::backward_into(config, plan, inp, &fwd.lse, upstream, out)
-                    .map(|()| fwd.clone()),
-                Call::Fused => ring_dtp::emu::forward_backward_into(config, plan, inp, grad, out),
+        Backend::CudaEmu => match call {
+            Call::Backward => {
+                ring_dtp::emu::backward_into(plan, inp, &fwd.lse, upstream, out).map(|()| fwd.clone())
             }
-        }
+            Call::Fused => ring_dtp::emu::forward_backward_into(plan, inp, grad, out),
+        },
         #[allow(unreachable_patterns)]
         other => panic!("{other:?} is not built in"),
     }
@@ -156,7 +154,7 @@ fn skipped_gradients_leave_the_others_bitwise_unchanged(backend: Backend) {
                             blocks,
                         )
                         .expect("plan");
-                        let fwd = ring_dtp::cpu::forward(&config, &plan, &inp).expect("forward");
+                        let fwd = ring_dtp::cpu::forward(&plan, &inp).expect("forward");
                         for call in [Call::Backward, Call::Fused] {
                             let what = format!(
                                 "{backend:?} {dtype:?} {precision:?} bias={has_bias} {blocks:?} {call:?}"
@@ -198,7 +196,7 @@ fn a_buffer_that_disagrees_with_the_selection_is_a_shape_mismatch(backend: Backe
     let plan =
         Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 }, Budget::Unlimited)
             .expect("plan");
-    let fwd = ring_dtp::cpu::forward(&config, &plan, &inp).expect("forward");
+    let fwd = ring_dtp::cpu::forward(&plan, &inp).expect("forward");
     let all = GradientSelection::ALL;
     let cases: [Mismatch; 6] = [
         // A skipped gradient given its full buffer.

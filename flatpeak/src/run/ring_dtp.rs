@@ -6,7 +6,9 @@
 //! gradient of the lse output). Outputs: `loss` (F64 \[\] for mean or sum, F32 \[N\] for none),
 //! `lse` \[N\], `dx` \[N, D\], `dw` \[V, D\] and, with a bias, `dbias` \[V\], all F32.
 
-use ring_dtp::{Budget, Config, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Shape, Softcap, cpu};
+use ring_dtp::{
+    Budget, Config, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Shape, Softcap, Upstream, cpu,
+};
 use serde::Deserialize;
 
 use super::{Dim, Floats, Outputs, RunError, TensorFile};
@@ -130,8 +132,8 @@ pub fn run(t: &TensorFile, cfg: &RingDtpConfig) -> Result<Outputs, RunError> {
     }
     let plan =
         Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, Budget::Bytes(cfg.budget_bytes))?;
-    let fwd = cpu::forward(&config, &plan, &inputs)?;
-    let grads = cpu::backward(&config, &plan, &inputs, &fwd, grad, dlse.as_deref())?;
+    let fwd = cpu::forward(&plan, &inputs)?;
+    let grads = cpu::backward(&plan, &inputs, &fwd, Upstream::loss(grad).with_dlse(dlse.as_deref()))?;
 
     let mut out = Outputs::default();
     match &fwd.loss {

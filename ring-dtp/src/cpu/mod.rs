@@ -37,7 +37,7 @@ use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
 use crate::config::{Config, Softcap};
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix};
+use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix, Upstream};
 use crate::loss::Stats;
 use crate::plan::Plan;
 
@@ -309,9 +309,9 @@ fn call_workspace(plan: &Plan) -> Result<Workspace> {
     Ok(Workspace::new(plan.workspace_bytes())?)
 }
 
-/// The loss and per-row lse, one GEMM per block.
-pub fn forward(config: &Config, plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
-    forward_in(&mut call_workspace(plan)?, Call { config, plan, rows: inputs })
+/// The loss and per-row lse, one GEMM per block, under the plan's config.
+pub fn forward(plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
+    forward_in(&mut call_workspace(plan)?, Call::new(plan, inputs))
 }
 
 /// [`forward`] with the blocks carved from `ws` (at least the plan's bytes).
@@ -320,17 +320,15 @@ pub(crate) fn forward_in(ws: &mut Workspace, call: Call<'_>) -> Result<Forward> 
 }
 
 /// dX, dW (and dbias) from forward's lse, recomputing each block's logits (so forward +
-/// backward cost 4 GEMMs). `dlse` is an optional upstream gradient of the lse output.
+/// backward cost 4 GEMMs), for the upstream gradients of the loss and, optionally, the lse.
 pub fn backward(
-    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     forward: &Forward,
-    grad: GradOutput<'_>,
-    dlse: Option<&[f32]>,
+    upstream: Upstream<'_>,
 ) -> Result<Gradients> {
-    let call = Call { config, plan, rows: inputs };
-    let saved = Saved { lse: &forward.lse, grad, dlse };
+    let call = Call::new(plan, inputs);
+    let saved = Saved::of(&forward.lse, upstream);
     let ((), grads) = driver::with_gradients(plan, inputs, |out| {
         backward_into(&mut call_workspace(plan)?, call, saved, out)
     })?;
@@ -352,12 +350,11 @@ pub(crate) fn backward_into(
 /// known): on the full-vocabulary schedule each block's logits serve both (3 GEMMs); on the
 /// blocked schedule it runs `forward` then `backward`.
 pub fn forward_backward(
-    config: &Config,
     plan: &Plan,
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
-    let call = Call { config, plan, rows: inputs };
+    let call = Call::new(plan, inputs);
     driver::with_gradients(plan, inputs, |out| {
         forward_backward_into(&mut call_workspace(plan)?, call, grad, out)
     })

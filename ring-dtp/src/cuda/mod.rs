@@ -365,9 +365,8 @@ impl CudaLinearCrossEntropy {
         upstream: crate::inputs::Upstream<'_>,
         out: DeviceGradientsMut<'_>,
     ) -> Result<()> {
-        let crate::inputs::Upstream { grad, dlse } = upstream;
         let Self { config, plan, engine, .. } = self;
-        let saved = Saved { lse, grad, dlse };
+        let saved = Saved::of(lse, upstream);
         run(engine, (config, plan, buffers), inputs, Some(out), |ops, call| {
             driver::backward(ops, call, saved)
         })
@@ -379,12 +378,11 @@ impl CudaLinearCrossEntropy {
         &mut self,
         inputs: &DeviceInputs<'_>,
         forward: &Forward,
-        grad: GradOutput<'_>,
-        dlse: Option<&[f32]>,
+        upstream: crate::inputs::Upstream<'_>,
     ) -> Result<DeviceGradients> {
         let Self { config, plan, engine, buffers } = self;
         let mut grads = DeviceGradients::zeros(engine, plan, inputs)?;
-        let saved = Saved { lse: &forward.lse, grad, dlse };
+        let saved = Saved::of(&forward.lse, upstream);
         let out = Some(grads.as_mut());
         run(engine, (config, plan, buffers), inputs, out, |ops, call| driver::backward(ops, call, saved))?;
         Ok(grads)

@@ -289,15 +289,14 @@ pub fn forward<C: Communicator + ?Sized>(
     Ok(Forward { loss: loss::reduce_loss(config, per_token, total, denom), lse })
 }
 
-/// This rank's dX (its tokens), dW and dbias (its shard), from forward's lse; `dlse` is an
-/// optional upstream gradient of the lse output.
+/// This rank's dX (its tokens), dW and dbias (its shard), from forward's lse, for the upstream
+/// gradients of the loss and, optionally, of the lse output.
 pub fn backward<C: Communicator + ?Sized>(
     comm: &C,
     plan: &RingPlan,
     inputs: &RankInputs<'_>,
     forward: &Forward,
-    grad: GradOutput<'_>,
-    dlse: Option<&[f32]>,
+    upstream: Upstream<'_>,
 ) -> Result<Gradients> {
     let (n, v_r, d) = (plan.tokens(comm.rank()).len(), plan.shard(comm.rank()).len(), plan.hidden());
     let mut grads = Gradients {
@@ -306,7 +305,7 @@ pub fn backward<C: Communicator + ?Sized>(
         dbias: inputs.bias_shard.map(|_| vec![0.0; v_r]),
     };
     let out = GradientsMut::new(&mut grads.dx, &mut grads.dw, grads.dbias.as_deref_mut());
-    backward_into(comm, plan, inputs, &forward.lse, Upstream::loss(grad).with_dlse(dlse), out)?;
+    backward_into(comm, plan, inputs, &forward.lse, upstream, out)?;
     Ok(grads)
 }
 
@@ -361,7 +360,7 @@ pub fn forward_backward<C: Communicator + ?Sized>(
     grad: GradOutput<'_>,
 ) -> Result<(Forward, Gradients)> {
     let fwd = forward(comm, plan, inputs)?;
-    let grads = backward(comm, plan, inputs, &fwd, grad, None)?;
+    let grads = backward(comm, plan, inputs, &fwd, grad.into())?;
     Ok((fwd, grads))
 }
 

@@ -44,7 +44,7 @@ use super::engine::Engine;
 use super::{DeviceGradients, DeviceMatrix, DeviceStats, HostRows};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput};
+use crate::inputs::Forward;
 use crate::loss;
 use crate::plan::{RegionKind, RegionSource, RingKind, RingPlan, Slot};
 use crate::ring::run_ring;
@@ -321,14 +321,15 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         Ok(Forward { loss: loss::reduce_loss(&self.config, per_token, total, denom), lse })
     }
 
-    /// This rank's dX (its tokens), dW and dbias (its shard) from forward's lse.
+    /// This rank's dX (its tokens), dW and dbias (its shard) from forward's lse, for the
+    /// upstream gradients of the loss and, optionally, of the lse output.
     pub fn backward(
         &mut self,
         inputs: &DeviceRankInputs<'_>,
         forward: &Forward,
-        grad: GradOutput<'_>,
-        dlse: Option<&[f32]>,
+        upstream: crate::inputs::Upstream<'_>,
     ) -> Result<DeviceGradients> {
+        let crate::inputs::Upstream { grad, dlse } = upstream;
         let (n, v_r) = self.check(inputs)?;
         self.after_caller()?;
         let (d, v) = (self.plan.hidden(), self.plan.vocab());
