@@ -11,8 +11,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use stream_adamw::cpu::{StateMut, grad_sq_sums};
 use stream_adamw::{
-    GradClip, Hyperparameters, InPlaceGroup, InPlaceParam, Objective, StepDecision, StepOptions, Variant,
-    apply_in_place, in_place_grad_sq,
+    GradClip, GradRef, Hyperparameters, InPlaceGroup, InPlaceParam, Objective, StepDecision, StepOptions,
+    Variant, apply_in_place, bf16, in_place_grad_sq,
 };
 
 use crate::error::to_py;
@@ -87,9 +87,12 @@ impl Decision {
     }
 }
 
-/// One parameter's tensors: `(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step)`, `step`
-/// being torch's step counter: a 0-dim float32 or float64 CPU tensor holding the steps taken
-/// (a whole number ≥ 0), advanced in place when the step is applied.
+/// One parameter's tensors: `(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
+/// bf16_param)`, `step` being torch's step counter: a 0-dim float32 or float64 CPU tensor
+/// holding the steps taken (a whole number ≥ 0), advanced in place when the step is applied.
+/// `bf16_param` is `None` for a float32 parameter (`param`, with a float32 `grad`); for a
+/// bfloat16 one it is the parameter, with its bfloat16 `grad`, and `param` its float32 master
+/// copy: the step updates the master and writes it, rounded, into `bf16_param`.
 #[derive(FromPyObject)]
 pub struct ParamState<'py> {
     #[pyo3(item(0))]
@@ -104,6 +107,35 @@ pub struct ParamState<'py> {
     max_exp_avg_sq: Option<Bound<'py, PyAny>>,
     #[pyo3(item(5))]
     step: Bound<'py, PyAny>,
+    #[pyo3(item(6))]
+    bf16_param: Option<Bound<'py, PyAny>>,
+}
+
+/// A parameter's gradient, in its dtype.
+enum CheckedGrad {
+    F32(TensorRef<f32>),
+    Bf16(TensorRef<bf16>),
+}
+
+impl CheckedGrad {
+    /// # Safety
+    /// As [`TensorRef::as_slice`]: the caller holds the tensor for the call and nothing writes it.
+    unsafe fn as_grad(&self) -> GradRef<'_> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                Self::F32(g) => GradRef::F32(g.as_slice()),
+                Self::Bf16(g) => GradRef::Bf16(g.as_slice()),
+            }
+        }
+    }
+
+    fn span(&self) -> Span {
+        match self {
+            Self::F32(g) => g.into(),
+            Self::Bf16(g) => g.into(),
+        }
+    }
 }
 
 /// torch's step counter of one parameter: a 0-dim float tensor (float64 when torch's default
@@ -168,7 +200,8 @@ impl StepCounter {
 /// A parameter's checked tensors.
 struct Checked {
     param: TensorRef<f32>,
-    grad: TensorRef<f32>,
+    grad: CheckedGrad,
+    bf16_param: Option<TensorRef<bf16>>,
     exp_avg: TensorRef<f32>,
     exp_avg_sq: TensorRef<f32>,
     max_exp_avg_sq: Option<TensorRef<f32>>,
@@ -200,7 +233,15 @@ impl Checked {
         cpu_only("param", &p.param)?;
         let shape = expected_shape("param", &p.param)?;
         let param = TensorRef::new("param", &p.param, &shape)?;
-        let grad = TensorRef::new("grad", &p.grad, &shape)?;
+        // torch's rule: the gradient has the parameter's dtype (bfloat16 with a master copy).
+        let (grad, bf16_param) = match &p.bf16_param {
+            None => (CheckedGrad::F32(TensorRef::new("grad", &p.grad, &shape)?), None),
+            Some(model) => {
+                cpu_only("bf16_param", model)?;
+                let model = TensorRef::new("bf16_param", model, &shape)?;
+                (CheckedGrad::Bf16(TensorRef::new("grad", &p.grad, &shape)?), Some(model))
+            }
+        };
         let exp_avg = TensorRef::new("exp_avg", &p.exp_avg, &shape)?;
         let exp_avg_sq = TensorRef::new("exp_avg_sq", &p.exp_avg_sq, &shape)?;
         let max_exp_avg_sq = match (&p.max_exp_avg_sq, amsgrad) {
@@ -211,7 +252,7 @@ impl Checked {
         };
         let counter = StepCounter::new(&p.step)?;
         let step = counter.read()?;
-        Ok(Self { param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, counter, step })
+        Ok(Self { param, grad, bf16_param, exp_avg, exp_avg_sq, max_exp_avg_sq, counter, step })
     }
 }
 
@@ -254,8 +295,9 @@ pub fn adamw_step(
     for p in checked.iter().flat_map(|(_, params)| params) {
         outputs.extend([Span::from(&p.param), (&p.exp_avg).into(), (&p.exp_avg_sq).into()]);
         outputs.extend(p.max_exp_avg_sq.iter().map(Span::from));
+        outputs.extend(p.bf16_param.iter().map(Span::from));
         outputs.push(p.counter.span());
-        inputs.push((&p.grad).into());
+        inputs.push(p.grad.span());
     }
     check_disjoint(&outputs, &inputs)?;
     let decision = py.detach(|| -> stream_adamw::Result<StepDecision> {
@@ -266,7 +308,7 @@ pub fn adamw_step(
                 // SAFETY: the caller holds every tensor for the call; `check_disjoint` above
                 // proved every written tensor of every parameter disjoint from every other
                 // tensor of the step (written or read), so these `&mut` slices are exclusive.
-                let (state, grad) = unsafe {
+                let (state, grad, bf16_param) = unsafe {
                     let max_exp_avg_sq = p.max_exp_avg_sq.as_ref().map_or(&mut [][..], |m| m.as_mut_slice());
                     let state = StateMut {
                         param: p.param.as_mut_slice(),
@@ -274,9 +316,9 @@ pub fn adamw_step(
                         exp_avg_sq: p.exp_avg_sq.as_mut_slice(),
                         max_exp_avg_sq,
                     };
-                    (state, p.grad.as_slice())
+                    (state, p.grad.as_grad(), p.bf16_param.as_ref().map(|m| m.as_mut_slice()))
                 };
-                group.params.push(InPlaceParam { state, grad, step: p.step });
+                group.params.push(InPlaceParam { state, grad, bf16_param, step: p.step });
             }
             in_place.push(group);
         }

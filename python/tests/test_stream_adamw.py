@@ -32,7 +32,7 @@ def groups_of(params, amsgrad, maximize):
 def set_grads(params, step, seed=100):
     g = torch.Generator().manual_seed(seed + step)
     for p in params:
-        p.grad = (torch.randn(p.shape, generator=g) * (0.1 + step * 0.05)).to(p.device)
+        p.grad = (torch.randn(p.shape, generator=g) * (0.1 + step * 0.05)).to(p.device, p.dtype)
 
 
 def compare_state(ours, theirs, params_ours, params_theirs):
@@ -252,6 +252,54 @@ def test_many_parameters_in_one_step_equal_torch():
     worst = max(rel(a.detach(), b.detach()) for a, b in zip(ours_p, theirs_p))
     assert worst <= 1e-6
     assert all(ours.state[p]["step"].item() == 3.0 for p in ours_p)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_bf16_parameters_step_an_fp32_master_copy(amsgrad):
+    """bfloat16 parameters keep a float32 master copy and float32 moments: the master follows
+    torch's AdamW on float32 parameters fed the same (widened) gradients, each parameter is its
+    master rounded to bfloat16, a non-finite gradient skips the step touching neither, and the
+    state (the master included) round-trips through state_dict in float32."""
+    ours_p = [p.to(torch.bfloat16) for p in make_params(5)]
+    theirs_p = [p.float() for p in ours_p]
+    ours = StreamAdamW(groups_of(ours_p, amsgrad, False), lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(groups_of(theirs_p, amsgrad, False), lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(STEPS):
+        set_grads(ours_p, step)
+        for po, pt in zip(ours_p, theirs_p):
+            pt.grad = po.grad.float()
+        ours.step()
+        theirs.step()
+        assert not ours.last_step_skipped
+        for po, pt in zip(ours_p, theirs_p):
+            state = ours.state[po]
+            assert state["master_param"].dtype == torch.float32 and state["exp_avg"].dtype == torch.float32
+            assert rel(state["master_param"], pt) <= 1e-6, step
+            assert torch.equal(po, state["master_param"].to(torch.bfloat16))
+    # A NaN gradient skips the step: parameters, masters and moments untouched.
+    keys = ("master_param", "exp_avg", "exp_avg_sq")
+    before = [(p.clone(), {k: ours.state[p][k].clone() for k in keys}) for p in ours_p]
+    set_grads(ours_p, 99)
+    ours_p[1].grad[3] = float("nan")
+    ours.step()
+    assert ours.last_step_skipped
+    for p, (param_before, state_before) in zip(ours_p, before):
+        assert torch.equal(p, param_before)
+        assert all(torch.equal(ours.state[p][k], v) for k, v in state_before.items())
+    # The state round-trips in float32 (torch's loading would cast it to bfloat16).
+    again_p = [p.detach().clone() for p in ours_p]
+    again = StreamAdamW(groups_of(again_p, amsgrad, False), lr=1e-2, weight_decay=0.1)
+    again.load_state_dict(copy.deepcopy(ours.state_dict()))
+    for p, q in zip(ours_p, again_p):
+        for key in keys:
+            assert again.state[q][key].dtype == torch.float32
+            assert torch.equal(again.state[q][key], ours.state[p][key]), key
+    set_grads(ours_p, 100)
+    for p, q in zip(ours_p, again_p):
+        q.grad = p.grad.clone()
+    ours.step()
+    again.step()
+    assert all(torch.equal(p, q) for p, q in zip(ours_p, again_p))
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -5,12 +5,49 @@
 //! global-norm clipping and the step counts, before the first write. A binding keeps only the
 //! glue that finds its tensors.
 //!
+//! A bf16 model keeps an fp32 master copy of each parameter (DeepSpeed's and torch AMP's
+//! "master weights"): its `state.param` is the master, its gradient bf16, and
+//! [`InPlaceParam::bf16_param`] the model's parameter, written as θ rounded to bf16 (nearest
+//! even) after each applied step. An fp32 parameter's step is unchanged by it (bitwise).
+//!
 //! Memory: nothing beyond the caller's buffers (the update runs in place, tile by tile).
 
+use half::bf16;
+
 use crate::cpu::{ParamSink, Shard, StateMut, adamw_update_shards, grad_sq_sums};
+use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::hyperparameters::{Hyperparameters, Variant};
 use crate::step::{StageTimes, StepDecision, StepOptions, StepReport};
+
+/// A gradient in the dtype the framework keeps it in.
+#[derive(Debug, Clone, Copy)]
+pub enum GradRef<'a> {
+    /// fp32.
+    F32(&'a [f32]),
+    /// bf16 (widened to f32 tile by tile, as the offloaded step widens it).
+    Bf16(&'a [bf16]),
+}
+
+impl GradRef<'_> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(g) => g.len(),
+            Self::Bf16(g) => g.len(),
+        }
+    }
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<'a> From<&'a [f32]> for GradRef<'a> {
+    fn from(grad: &'a [f32]) -> Self {
+        Self::F32(grad)
+    }
+}
 
 /// One parameter: its state (θ, m, v and, with AMSGrad, max v), its gradient, and the steps it
 /// has taken. [`step_in_place`] advances `step` when the step is applied.
@@ -19,7 +56,11 @@ pub struct InPlaceParam<'a> {
     /// θ, m, v (and max v with AMSGrad, else empty), each of the gradient's length.
     pub state: StateMut<'a>,
     /// The gradient.
-    pub grad: &'a [f32],
+    pub grad: GradRef<'a>,
+    /// A bf16 model's parameter, of the gradient's length, whose fp32 master copy is
+    /// `state.param`: written as the updated θ rounded to bf16. `None`: `state.param` is the
+    /// parameter itself.
+    pub bf16_param: Option<&'a mut [bf16]>,
     /// Steps taken so far (0 before the first).
     pub step: u64,
 }
@@ -38,8 +79,10 @@ fn check(param: &InPlaceParam<'_>, variant: Variant) -> Result<()> {
     let n = param.grad.len();
     let s = &param.state;
     let max_len = if variant == Variant::AmsGrad { n } else { 0 };
+    let bf16_len = param.bf16_param.as_ref().map_or(n, |p| p.len());
     for (what, expected, got) in [
         ("param (the gradient's length)", n, s.param.len()),
+        ("bf16 param (the gradient's length)", n, bf16_len),
         ("exp_avg (the gradient's length)", n, s.exp_avg.len()),
         ("exp_avg_sq (the gradient's length)", n, s.exp_avg_sq.len()),
         ("max_exp_avg_sq (the gradient's length with AMSGrad, else 0)", max_len, s.max_exp_avg_sq.len()),
@@ -78,10 +121,24 @@ pub fn step_in_place(groups: &mut [InPlaceGroup<'_>], options: StepOptions) -> R
     Ok(report)
 }
 
-/// Σ g² over every gradient of every group, in f64 (non-finite when any gradient is).
+/// Σ g² over every gradient of every group, in f64 (non-finite when any gradient is): each
+/// gradient's sum (one parallel pass per dtype), added in the parameters' order.
 pub fn in_place_grad_sq(groups: &[InPlaceGroup<'_>]) -> f64 {
-    let grads: Vec<&[f32]> = groups.iter().flat_map(|g| &g.params).map(|p| p.grad).collect();
-    grad_sq_sums(&grads).into_iter().sum()
+    let grads: Vec<GradRef<'_>> = groups.iter().flat_map(|g| &g.params).map(|p| p.grad).collect();
+    let of_f32: Vec<&[f32]> =
+        grads.iter().filter_map(|g| if let GradRef::F32(g) = g { Some(*g) } else { None }).collect();
+    let of_bf16: Vec<&[bf16]> =
+        grads.iter().filter_map(|g| if let GradRef::Bf16(g) = g { Some(*g) } else { None }).collect();
+    let (mut f32_sums, mut bf16_sums) =
+        (grad_sq_sums(&of_f32).into_iter(), grad_sq_sums(&of_bf16).into_iter());
+    grads
+        .iter()
+        .map(|g| match g {
+            GradRef::F32(_) => f32_sums.next(),
+            GradRef::Bf16(_) => bf16_sums.next(),
+        })
+        .map(|sum| sum.unwrap_or(0.0))
+        .sum()
 }
 
 /// Checks every group's hyperparameters, buffers and step counts.
@@ -117,22 +174,19 @@ pub fn apply_in_place(groups: &mut [InPlaceGroup<'_>], decision: &StepDecision) 
             scalars.push((step, decision.scalars(&group.hyperparameters, step)));
         }
     }
-    let params = groups.iter_mut().flat_map(|g| &mut g.params);
-    let shards = params
-        .zip(&scalars)
-        .map(|(param, (_, scalars))| Shard {
-            state: StateMut {
-                param: &mut *param.state.param,
-                exp_avg: &mut *param.state.exp_avg,
-                exp_avg_sq: &mut *param.state.exp_avg_sq,
-                max_exp_avg_sq: &mut *param.state.max_exp_avg_sq,
-            },
-            grad: param.grad,
-            sink: ParamSink::<f32>::None,
-            scalars,
-        })
-        .collect();
-    adamw_update_shards::<f32, f32>(shards);
+    // One parallel pass per kind of parameter (the kernel is generic over the gradient's dtype
+    // and the copy it writes): an all-fp32 model's is the one pass it always was.
+    let mut kinds = ShardsByKind::default();
+    for (param, (_, scalars)) in groups.iter_mut().flat_map(|g| &mut g.params).zip(&scalars) {
+        let state = StateMut {
+            param: &mut *param.state.param,
+            exp_avg: &mut *param.state.exp_avg,
+            exp_avg_sq: &mut *param.state.exp_avg_sq,
+            max_exp_avg_sq: &mut *param.state.max_exp_avg_sq,
+        };
+        kinds.push(state, param.grad, param.bf16_param.as_deref_mut(), scalars);
+    }
+    kinds.update();
     let mut last_step = 0;
     for (param, &(step, _)) in groups.iter_mut().flat_map(|g| &mut g.params).zip(&scalars) {
         param.step = step;
@@ -143,6 +197,52 @@ pub fn apply_in_place(groups: &mut [InPlaceGroup<'_>], decision: &StepDecision) 
     Ok(decision.report(last_step, times))
 }
 
+/// The shards of one step, split by gradient dtype and by whether a bf16 copy is written.
+#[derive(Default)]
+struct ShardsByKind<'a> {
+    f32_grad: Vec<Shard<'a, f32, f32>>,
+    f32_grad_bf16_param: Vec<Shard<'a, f32, bf16>>,
+    bf16_grad: Vec<Shard<'a, bf16, f32>>,
+    bf16_grad_bf16_param: Vec<Shard<'a, bf16, bf16>>,
+}
+
+impl<'a> ShardsByKind<'a> {
+    fn push(
+        &mut self,
+        state: StateMut<'a>,
+        grad: GradRef<'a>,
+        bf16_param: Option<&'a mut [bf16]>,
+        scalars: &'a crate::StepScalars,
+    ) {
+        match (grad, bf16_param) {
+            (GradRef::F32(grad), None) => {
+                self.f32_grad.push(Shard { state, grad, sink: ParamSink::None, scalars })
+            }
+            (GradRef::F32(grad), Some(p)) => {
+                self.f32_grad_bf16_param.push(Shard { state, grad, sink: ParamSink::Copy(p), scalars })
+            }
+            (GradRef::Bf16(grad), None) => {
+                self.bf16_grad.push(Shard { state, grad, sink: ParamSink::None, scalars })
+            }
+            (GradRef::Bf16(grad), Some(p)) => {
+                self.bf16_grad_bf16_param.push(Shard { state, grad, sink: ParamSink::Copy(p), scalars })
+            }
+        }
+    }
+
+    fn update(self) {
+        fn pass<G: GradElement, P: ParamElement>(shards: Vec<Shard<'_, G, P>>) {
+            if !shards.is_empty() {
+                adamw_update_shards(shards);
+            }
+        }
+        pass(self.f32_grad);
+        pass(self.f32_grad_bf16_param);
+        pass(self.bf16_grad);
+        pass(self.bf16_grad_bf16_param);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,8 +251,10 @@ mod tests {
 
     fn one(param: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &[f32], hp: Hyperparameters) -> StepReport {
         let state = StateMut { param, exp_avg: m, exp_avg_sq: v, max_exp_avg_sq: &mut [] };
-        let mut groups =
-            [InPlaceGroup { hyperparameters: hp, params: vec![InPlaceParam { state, grad, step: 0 }] }];
+        let mut groups = [InPlaceGroup {
+            hyperparameters: hp,
+            params: vec![InPlaceParam { state, grad: grad.into(), bf16_param: None, step: 0 }],
+        }];
         step_in_place(&mut groups, StepOptions::default()).unwrap()
     }
 
@@ -192,7 +294,8 @@ mod tests {
                         exp_avg_sq: &mut v2,
                         max_exp_avg_sq: &mut [],
                     },
-                    grad: &grad[..2],
+                    grad: GradRef::F32(&grad[..2]),
+                    bf16_param: None,
                     step: 0,
                 }],
             },
@@ -205,7 +308,8 @@ mod tests {
                         exp_avg_sq: &mut v,
                         max_exp_avg_sq: &mut [],
                     },
-                    grad: &grad,
+                    grad: GradRef::F32(&grad),
+                    bf16_param: None,
                     step: 0,
                 }],
             },
@@ -218,5 +322,49 @@ mod tests {
         let e = step_in_place(&mut bad, StepOptions::default()).unwrap_err();
         assert!(matches!(e, Error::InvalidConfig { field: "clip", .. }), "{e}");
         assert_eq!(bad[0].params[0].state.param, &[1.0, 1.0]);
+    }
+
+    /// A bf16 parameter with an fp32 master: the master, m and v take exactly the fp32 step on
+    /// the widened gradient, the bf16 parameter is the master rounded to bf16, and a
+    /// non-finite bf16 gradient skips the step, touching neither; a bf16 copy of the wrong
+    /// length is refused before anything is written.
+    #[test]
+    fn a_bf16_parameter_steps_its_fp32_master_and_takes_the_rounded_result() {
+        let hp = Hyperparameters::default();
+        let grad32 = [0.5f32, -1.25, 3.0, 0.0078125, -2.5];
+        let grad16: Vec<bf16> = grad32.iter().map(|&g| bf16::from_f32(g)).collect();
+        let start = [1.0f32, -0.3, 0.7, 2.0, -1.1];
+        let (mut want_p, mut want_m, mut want_v) = (start, [0.0f32; 5], [0.0f32; 5]);
+        one(&mut want_p, &mut want_m, &mut want_v, &grad32, hp);
+        let (mut p, mut m, mut v) = (start, [0.0f32; 5], [0.0f32; 5]);
+        let mut model = [bf16::ZERO; 5];
+        let state = StateMut { param: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v, max_exp_avg_sq: &mut [] };
+        let param =
+            InPlaceParam { state, grad: GradRef::Bf16(&grad16), bf16_param: Some(&mut model), step: 0 };
+        let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param] }];
+        let report = step_in_place(&mut groups, StepOptions::default()).unwrap();
+        assert_eq!(report.step, 1);
+        assert_eq!((p, m, v), (want_p, want_m, want_v));
+        assert_eq!(model.map(f32::from), want_p.map(|x| bf16::from_f32(x).to_f32()));
+
+        let before = (p, m, v, model);
+        let nan: Vec<bf16> = [1.0, f32::NAN, 0.0, 0.0, 0.0].iter().map(|&g| bf16::from_f32(g)).collect();
+        let state = StateMut { param: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v, max_exp_avg_sq: &mut [] };
+        let param = InPlaceParam { state, grad: GradRef::Bf16(&nan), bf16_param: Some(&mut model), step: 1 };
+        let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param] }];
+        assert!(
+            step_in_place(&mut groups, StepOptions::default()).unwrap().outcome
+                != crate::StepOutcome::Applied
+        );
+        assert_eq!((p, m, v, model), before);
+
+        let mut short = [bf16::ZERO; 4];
+        let state = StateMut { param: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v, max_exp_avg_sq: &mut [] };
+        let param =
+            InPlaceParam { state, grad: GradRef::Bf16(&grad16), bf16_param: Some(&mut short), step: 1 };
+        let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param] }];
+        let e = step_in_place(&mut groups, StepOptions::default()).unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch { expected: 5, got: 4, .. }), "{e}");
+        assert_eq!((p, m, v, model), before);
     }
 }

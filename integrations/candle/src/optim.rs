@@ -188,7 +188,8 @@ impl StreamAdamW {
                         exp_avg_sq: &mut state.exp_avg_sq,
                         max_exp_avg_sq: &mut state.max_exp_avg_sq,
                     },
-                    grad: g,
+                    grad: g.into(),
+                    bf16_param: None,
                     step: state.step,
                 };
                 let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param] }];

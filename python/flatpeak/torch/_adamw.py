@@ -7,6 +7,7 @@ The state lives in ``self.state[p]`` under torch's names (``step``, ``exp_avg``,
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Callable, Optional
 
 import torch
@@ -28,7 +29,7 @@ def _hyperparameters(group) -> "_ext.AdamWOptions":
 
 
 class StreamAdamW(torch.optim.Optimizer):
-    r"""AdamW with ``torch.optim.AdamW``'s constructor, update and state, on fp32 CPU parameters.
+    r"""AdamW with ``torch.optim.AdamW``'s constructor, update and state, on CPU parameters.
 
     The update (decoupled weight decay, bias corrections in float64, AMSGrad's running max of
     the raw second moment, ``maximize``) is torch's, in torch's order of float32 operations; it
@@ -41,7 +42,11 @@ class StreamAdamW(torch.optim.Optimizer):
     :attr:`last_step_skipped` is set and :attr:`skipped_steps` counts it. :meth:`step` returns
     the closure's loss, as torch's optimizers do.
 
-    CPU parameters must be contiguous float32 tensors with dense float32 gradients. CUDA
+    CPU parameters are contiguous float32 tensors with dense float32 gradients, or bfloat16 ones
+    with bfloat16 gradients and an fp32 master copy (mixed precision, as DeepSpeed's CPU Adam
+    keeps one): the master lives in ``state[p]["master_param"]`` with fp32 moments, the update
+    runs on it, and ``p`` receives it rounded to bfloat16 (nearest even). ``state_dict()``
+    carries the master; loading one without it (torch's own AdamW's) starts it from ``p``. CUDA
     parameters (float32 or bfloat16; the ``cuda`` build) are offloaded: each keeps an fp32 master
     copy and its moments in host memory, and its step is stream-adamw's bucket pipeline (D2H of
     gradients, CPU AdamW, H2D of parameters, through pinned staging). ``state_dict()`` carries
@@ -78,13 +83,22 @@ class StreamAdamW(torch.optim.Optimizer):
                 state["step"] = torch.tensor(float(state["step"]), dtype=_get_scalar_dtype())
 
     def _state_of(self, p: torch.Tensor, amsgrad: bool):
+        """``p``'s state, made at its first step: float32 moments (and, for a bfloat16 ``p``, its
+        float32 master copy, from ``p``; moments loaded in bfloat16 are widened)."""
         state = self.state[p]
+        zeros = lambda: torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)  # noqa: E731
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = zeros()
+            state["exp_avg_sq"] = zeros()
         if amsgrad and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["max_exp_avg_sq"] = zeros()
+        if p.dtype == torch.bfloat16:
+            if "master_param" not in state:
+                state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if key in state and state[key].dtype != torch.float32:
+                    state[key] = state[key].to(torch.float32)
         return state
 
     def _offloaded(self, p: torch.Tensor, group):
@@ -136,8 +150,10 @@ class StreamAdamW(torch.optim.Optimizer):
                 if p.grad is None or p.is_cuda:
                     continue
                 state = self._state_of(p, amsgrad)
-                params.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                               state["max_exp_avg_sq"] if amsgrad else None, state["step"]))
+                # A bfloat16 parameter steps its float32 master and takes the rounded result.
+                master, model = (state["master_param"], p) if p.dtype == torch.bfloat16 else (p, None)
+                params.append((master, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                               state["max_exp_avg_sq"] if amsgrad else None, state["step"], model))
             batches.append((_hyperparameters(group), params))
         # The crate checks every tensor of every group, sums the squares of every gradient (these
         # and the offloaded ones) and decides: a non-finite one skips the step, touching nothing;
@@ -181,8 +197,19 @@ class StreamAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """torch's ``load_state_dict``; a CUDA parameter's state goes into its offloaded optimizer
-        (the master copy from ``master_param`` when present, else from the parameter)."""
+        (the master copy from ``master_param`` when present, else from the parameter). The
+        float32 state of a bfloat16 parameter (moments, master) is kept in float32: torch's own
+        loading would cast it to the parameter's dtype."""
         super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id, {})
+            if p.dtype != torch.bfloat16:
+                continue
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                if key in saved:
+                    self.state[p][key] = saved[key].detach().to("cpu", torch.float32, copy=True)
         self._cuda.clear()
         for group in self.param_groups:
             for p in group["params"]:
