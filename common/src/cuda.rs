@@ -18,7 +18,7 @@ use cudarc::nvrtc::Ptx;
 use crate::arena::{Arena, Region};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernels::{COMMON, KernelSource, grid_stride_blocks};
+use crate::kernels::{COMMON, KernelSource, LINEAR_THREADS, grid_stride_blocks};
 use crate::nvrtc::{Arch, Target, compile};
 
 mod cublas;
@@ -54,11 +54,11 @@ pub fn pinned_error(what: &'static str, bytes: usize) -> impl Fn(cudarc::driver:
     move |e| Error::PinnedAlloc { what, bytes, reason: format!("{e:?}") }
 }
 
-/// A 1-D grid-stride launch over `n` elements: `threads` per block, at most `max_blocks` blocks
-/// (the kernel's loop covers the rest).
-pub fn linear_launch(n: usize, threads: u32, max_blocks: u32) -> LaunchConfig {
-    let blocks = grid_stride_blocks(n, threads, max_blocks);
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+/// A 1-D grid-stride launch over `n` elements: [`LINEAR_THREADS`] per block, at most
+/// `max_blocks` blocks (the kernel's loop covers the rest).
+pub fn linear_launch(n: usize, max_blocks: u32) -> LaunchConfig {
+    let blocks = grid_stride_blocks(n, LINEAR_THREADS, max_blocks);
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (LINEAR_THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// One block of `threads` per row, or [`Error::ShapeMismatch`] when `rows` exceeds a grid's
@@ -197,12 +197,6 @@ impl DeviceWorkspace {
     }
 }
 
-const THREADS: u32 = 256;
-
-fn grid_for(n: usize, max_blocks: u32) -> LaunchConfig {
-    linear_launch(n, THREADS, max_blocks)
-}
-
 /// `out[i] = value` on `stream`.
 pub fn fill_f32(
     cache: &KernelCache,
@@ -216,7 +210,8 @@ pub fn fill_f32(
     launch.arg(out).arg(&value).arg(&n);
     // SAFETY: `fill_f32(float*, float, u64)` matches the three arguments in order; the kernel
     // writes only `out[0..n)` (grid-stride loop bounded by `n = out.len()`).
-    unsafe { launch.launch(grid_for(n as usize, 4096)) }.map_err(cuda_error("cuLaunchKernel(fill_f32)"))?;
+    unsafe { launch.launch(linear_launch(n as usize, 4096)) }
+        .map_err(cuda_error("cuLaunchKernel(fill_f32)"))?;
     Ok(())
 }
 
@@ -225,7 +220,7 @@ pub fn fill_f32(
 pub fn checksum_f32(cache: &KernelCache, stream: &Arc<CudaStream>, x: &CudaView<'_, f32>) -> Result<f64> {
     let f = cache.function(&COMMON, "checksum_f32")?;
     let n = x.len() as u64;
-    let cfg = grid_for(x.len(), 1024);
+    let cfg = linear_launch(x.len(), 1024);
     let blocks = cfg.grid_dim.0 as usize;
     let mut partial =
         stream.alloc_zeros::<f64>(blocks).map_err(alloc_error("checksum partials", blocks * 8))?;
@@ -255,7 +250,7 @@ pub fn cast_f32_to_bf16(
     launch.arg(x).arg(out).arg(&n);
     // SAFETY: `cast_f32_to_bf16(const float*, __nv_bfloat16*, u64)` matches; both buffers hold
     // `n` elements (checked above) and the kernel touches indices below `n` only.
-    unsafe { launch.launch(grid_for(n as usize, 4096)) }
+    unsafe { launch.launch(linear_launch(n as usize, 4096)) }
         .map_err(cuda_error("cuLaunchKernel(cast_f32_to_bf16)"))?;
     Ok(())
 }

@@ -15,7 +15,7 @@ use std::ffi::{c_char, c_int, c_void};
 use bytemuck::Pod;
 
 use crate::error::{Error, Result};
-use crate::kernels::grid_stride_blocks;
+use crate::kernels::{LINEAR_THREADS, grid_stride_blocks};
 
 #[repr(C)]
 struct RawConfig {
@@ -61,6 +61,12 @@ impl EmuLaunchConfig {
     /// A 1-D launch of `blocks × threads`.
     pub fn linear(blocks: u32, threads: u32) -> Self {
         Self { grid: (blocks, 1, 1), block: (threads, 1, 1), dynamic_shared_bytes: 0 }
+    }
+
+    /// A 1-D grid-stride launch over `n` elements: [`LINEAR_THREADS`] per block, at most
+    /// `max_blocks` blocks (the kernel's loop covers the rest).
+    pub fn grid_stride(n: usize, max_blocks: u32) -> Self {
+        Self::linear(grid_stride_blocks(n, LINEAR_THREADS, max_blocks), LINEAR_THREADS)
     }
 }
 
@@ -174,13 +180,12 @@ mod ffi {
     }
 }
 
-/// Threads per block and the block cap of the emulated launches: small grids, since the
-/// emulator runs every thread as a fiber (the grid-stride loops cover any length).
-const THREADS: u32 = 256;
+/// The block cap of the emulated launches: small grids, since the emulator runs every thread
+/// as a fiber (the grid-stride loops cover any length).
 const MAX_BLOCKS: u32 = 4;
 
 fn grid(n: usize) -> EmuLaunchConfig {
-    EmuLaunchConfig::linear(grid_stride_blocks(n, THREADS, MAX_BLOCKS), THREADS)
+    EmuLaunchConfig::grid_stride(n, MAX_BLOCKS)
 }
 
 /// Emulated `fill_f32`: `out[i] = value`.

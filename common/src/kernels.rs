@@ -43,6 +43,10 @@ pub const COMMON: KernelSource = KernelSource {
 /// Every kernel source of this crate.
 pub const KERNELS: &[KernelSource] = &[COMMON];
 
+/// Threads per block of every crate's 1-D grid-stride kernels (a multiple of the warp size; the
+/// kernels' loops cover any length, so the count is a launch choice, not a kernel constant).
+pub const LINEAR_THREADS: u32 = 256;
+
 /// Grid of a 1-D grid-stride kernel over `n` elements: `threads` per block, enough blocks to
 /// give every element a thread, clamped to `1..=max_blocks` (the loop covers the rest).
 pub fn grid_stride_blocks(n: usize, threads: u32, max_blocks: u32) -> u32 {

@@ -5,10 +5,8 @@
 //! and bf16) and checks their lengths before the launch.
 
 use flatpeak_common::emu::{EmuLaunchConfig, launch_into};
-use flatpeak_common::kernels::grid_stride_blocks;
 
 use crate::error::{Error, Result};
-use crate::kernels::LINEAR_THREADS;
 
 mod ffi {
     use half::bf16;
@@ -158,7 +156,7 @@ fn check_rows(index: &[u32], width: usize, len: usize, scale: Option<&[f32]>) ->
 
 /// The emulated grid-stride launch over `n` elements.
 fn linear_cfg(n: usize) -> EmuLaunchConfig {
-    EmuLaunchConfig::linear(grid_stride_blocks(n, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS)
+    EmuLaunchConfig::grid_stride(n, EMU_MAX_BLOCKS)
 }
 
 /// The side of a row kernel that its `index` addresses.
@@ -204,7 +202,7 @@ fn launch_rows<S, D: bytemuck::Pod>(
         // thread column c of `o` only.
         unsafe { (kernel.entry)(src.as_ptr(), index.as_ptr(), sp, rows as u32, width as u32, o) }
     };
-    // SAFETY: `call` is valid for the whole grid (see it); LINEAR_THREADS is a multiple of 32.
+    // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps (LINEAR_THREADS).
     Ok(unsafe { launch_into(kernel.name, &cfg, dst, call) }?)
 }
 
@@ -239,7 +237,7 @@ pub fn swiglu<T: KernelElem>(gate: &[T], up: &[T], h: &mut [T]) -> Result<()> {
         // SAFETY: `gate`, `up` and `o` hold `n` elements (checked).
         unsafe { (T::SWIGLU.entry)(gate.as_ptr(), up.as_ptr(), n as u64, o) }
     };
-    // SAFETY: `call` is valid for the whole grid (see it); LINEAR_THREADS is a multiple of 32.
+    // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps (LINEAR_THREADS).
     Ok(unsafe { launch_into(T::SWIGLU.name, &linear_cfg(n), h, call) }?)
 }
 
@@ -253,7 +251,7 @@ pub fn swiglu_backward<T: KernelElem>(gate: &mut [T], up: &mut [T], dh: &[T]) ->
         // SAFETY: `o` holds 2n elements, gate's then up's, and `dh` holds `n`.
         unsafe { (T::SWIGLU_BACKWARD.entry)(o, o.add(n), dh.as_ptr(), n as u64) }
     };
-    // SAFETY: `call` is valid for the whole grid (see it); LINEAR_THREADS is a multiple of 32.
+    // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps (LINEAR_THREADS).
     unsafe { launch_into(T::SWIGLU_BACKWARD.name, &linear_cfg(n), &mut both, call)? };
     gate[..n].copy_from_slice(&both[..n]);
     up[..n].copy_from_slice(&both[n..]);

@@ -28,8 +28,5 @@ pub const LLEP: KernelSource = KernelSource {
 /// Every kernel source of this crate.
 pub const KERNELS: &[KernelSource] = &[LLEP];
 
-/// Threads per block of the grid-stride kernels.
-pub const LINEAR_THREADS: u32 = 256;
-
 /// Threads per block of `llep_row_dot` (one block per row).
 pub const ROW_THREADS: u32 = 128;

@@ -6,7 +6,6 @@
 
 use flatpeak_common::emu::{EmuLaunchConfig, launch, launch_into, race_checked_state};
 use flatpeak_common::gemm::{Accumulate, MatMut, MatRef};
-use flatpeak_common::kernels::grid_stride_blocks;
 
 use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
 use crate::config::Config;
@@ -14,7 +13,7 @@ use crate::cpu::{self, gemm};
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix, Upstream};
-use crate::kernels::{LINEAR_THREADS, NO_TARGET, softcap_arg};
+use crate::kernels::{NO_TARGET, softcap_arg};
 use crate::loss::Stats;
 use crate::plan::Plan;
 
@@ -79,10 +78,7 @@ fn bytes_of<T: bytemuck::Pod>(parts: &[&[T]]) -> Vec<u8> {
 /// 0..V: [`Error::TargetOutOfRange`] names the first bad one.
 pub fn resolve_targets(config: &Config, inputs: &Inputs<'_>) -> Result<Vec<u32>> {
     let (n, nt) = (inputs.n, inputs.targets.len());
-    let cfg = EmuLaunchConfig::linear(
-        grid_stride_blocks(n.max(nt), LINEAR_THREADS, EMU_MAX_BLOCKS),
-        LINEAR_THREADS,
-    );
+    let cfg = EmuLaunchConfig::grid_stride(n.max(nt), EMU_MAX_BLOCKS);
     let mut state = (vec![NO_TARGET; n], [u64::MAX]);
     race_checked_state(
         "lce_resolve_targets",
@@ -106,7 +102,7 @@ pub fn resolve_targets(config: &Config, inputs: &Inputs<'_>) -> Result<Vec<u32>>
                     )
                 }
             };
-            // SAFETY: see `call`; LINEAR_THREADS is a multiple of 32.
+            // SAFETY: see `call`; its blocks are whole warps (LINEAR_THREADS).
             unsafe { launch("lce_resolve_targets", &cfg, schedule, &call) }.map_err(Error::from)
         },
     )?;
@@ -128,8 +124,7 @@ fn widen_rows(m: &Matrix<'_>, rows: std::ops::Range<usize>, d: usize, out: &mut 
         }
         Matrix::Bf16(s) => &s[rows.start * d..rows.end * d],
     };
-    let cfg =
-        EmuLaunchConfig::linear(grid_stride_blocks(len, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    let cfg = EmuLaunchConfig::grid_stride(len, EMU_MAX_BLOCKS);
     // SAFETY: `src` and `out[..len]` both hold `len` elements; thread i writes out[i] only.
     Ok(unsafe {
         launch_into("lce_widen_bf16", &cfg, &mut out[..len], |dst| {
@@ -244,8 +239,7 @@ fn gradient_block(config: &Config, b: Block<'_>, rows: RowGrad<'_>) -> Result<()
 /// `lse[k] = M_k + ln S_k` of a token block's finished statistics (`lce_row_lse`).
 fn row_lse(stats: &Stats, t0: usize, lse: &mut [f32]) -> Result<()> {
     let rows = lse.len();
-    let cfg =
-        EmuLaunchConfig::linear(grid_stride_blocks(rows, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    let cfg = EmuLaunchConfig::grid_stride(rows, EMU_MAX_BLOCKS);
     let (max, sum) = (&stats.max[t0..t0 + rows], &stats.sum[t0..t0 + rows]);
     // SAFETY: `max`, `sum` and `lse` hold `rows` entries; thread k writes lse[k] only.
     Ok(unsafe {
@@ -256,7 +250,7 @@ fn row_lse(stats: &Stats, t0: usize, lse: &mut [f32]) -> Result<()> {
 }
 
 fn bias_grad(g: &[f32], (c, vb): (usize, usize), dbias: &mut [f32]) -> Result<()> {
-    let cfg = EmuLaunchConfig::linear(grid_stride_blocks(vb, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    let cfg = EmuLaunchConfig::grid_stride(vb, EMU_MAX_BLOCKS);
     // SAFETY: `g` holds c×vb floats, `dbias[..vb]` vb; thread j writes column j only.
     Ok(unsafe {
         launch_into("lce_bias_grad", &cfg, &mut dbias[..vb], |db| {
@@ -471,8 +465,7 @@ fn narrow_rows(g: &mut [f32], (c, vb): (usize, usize)) -> Result<()> {
 /// rings do to the logit gradient of bf16 inputs before their f32 GEMMs.
 pub fn round_bf16(g: &mut [f32]) -> Result<()> {
     let len = g.len();
-    let cfg =
-        EmuLaunchConfig::linear(grid_stride_blocks(len, LINEAR_THREADS, EMU_MAX_BLOCKS), LINEAR_THREADS);
+    let cfg = EmuLaunchConfig::grid_stride(len, EMU_MAX_BLOCKS);
     // SAFETY: `g` holds `len` floats; each thread rewrites its own elements only.
     Ok(unsafe { launch_into("lce_round_bf16", &cfg, g, |data| ffi::lce_round_bf16(data, len as u64)) }?)
 }

@@ -27,9 +27,6 @@ pub const KERNELS: &[KernelSource] = &[RING_DTP];
 /// Threads per block of the per-row kernels (one block per token row).
 pub const ROW_THREADS: u32 = 256;
 
-/// Threads per block of the grid-stride kernels.
-pub const LINEAR_THREADS: u32 = 256;
-
 /// A resolved target meaning "this row predicts nothing" (`LCE_NO_TARGET` in the source).
 pub const NO_TARGET: u32 = u32::MAX;
 

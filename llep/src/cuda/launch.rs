@@ -9,10 +9,10 @@ use flatpeak_common::nccl::DeviceCommunicator;
 use super::{CudaIndex, CudaOps};
 use crate::device::need;
 use crate::error::Result;
-use crate::kernels::{LINEAR_THREADS, LLEP, ROW_THREADS};
+use crate::kernels::{LLEP, ROW_THREADS};
 
 fn linear(n: usize) -> LaunchConfig {
-    linear_launch(n, LINEAR_THREADS, 4096)
+    linear_launch(n, 4096)
 }
 
 /// Which of the two row kernels of `kernels/llep.cu` (one argument list) a launch runs.

@@ -20,11 +20,11 @@ use half::bf16;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::kernels::{LINEAR_THREADS, RING_DTP, ROW_THREADS, softcap_arg};
+use crate::kernels::{RING_DTP, ROW_THREADS, softcap_arg};
 use crate::loss::RowStats;
 
 fn linear(n: usize, max_blocks: u32) -> LaunchConfig {
-    linear_launch(n, LINEAR_THREADS, max_blocks)
+    linear_launch(n, max_blocks)
 }
 
 fn per_row(rows: usize) -> Result<LaunchConfig> {
