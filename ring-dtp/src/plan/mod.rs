@@ -316,8 +316,8 @@ mod tests {
 
     use super::*;
 
-    /// N tokens of width D against a vocabulary of V, in `dtype`.
-    fn shape(tokens: usize, hidden: usize, vocab: usize, dtype: DType) -> Shape {
+    /// N tokens of width D against a vocabulary of V, in `dtype` (the ring plan's tests too).
+    pub(super) fn shape(tokens: usize, hidden: usize, vocab: usize, dtype: DType) -> Shape {
         Shape { tokens, hidden, vocab, dtype }
     }
 

@@ -394,11 +394,7 @@ pub const TRANSPORT_OVERHEAD: usize = 16 << 10;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// N tokens of width D against a vocabulary of V, in `dtype`.
-    fn shape(tokens: usize, hidden: usize, vocab: usize, dtype: DType) -> Shape {
-        Shape { tokens, hidden, vocab, dtype }
-    }
+    use crate::plan::tests::shape;
 
     #[test]
     fn sizes_that_overflow_are_an_error_not_a_panic() {
