@@ -11,9 +11,8 @@ the loop a single-GPU user writes (rows sorted by expert, ``F.linear`` per exper
 summed per token), forward + backward of ``y.square().mean()``. Times: CUDA events around each
 call, the median of the repetitions after warm-ups; the variants alternate, repetition by
 repetition. Peak: ``torch.cuda.max_memory_allocated()`` during one call above what was allocated
-before it: the inputs and the previous call's gradients, which each call drops before its
-backward makes new ones (so a variant's gradients count only where they coexist with more
-than the previous ones: the peak is the call's working set, not the gradients' bytes).
+before it, the inputs with no gradients (each call starts without the previous one's): the
+call's working set and the gradients it makes.
 """
 
 from __future__ import annotations
@@ -45,8 +44,10 @@ def timed(device: str, fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def peak_bytes(device: str, fn: Callable[[], None]) -> int:
-    """The device memory one call of ``fn`` takes above what is allocated before it (0 on a CPU)."""
+def peak_bytes(device: str, fn: Callable[[], None], clear: Callable[[], None]) -> int:
+    """The device memory one call of ``fn`` takes above what is allocated before it, its inputs'
+    gradients cleared first (0 on a CPU)."""
+    clear()
     if device != "cuda":
         fn()
         return 0
@@ -58,15 +59,20 @@ def peak_bytes(device: str, fn: Callable[[], None]) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def compare(device: str, variants: Dict[str, Callable[[], None]], reps: int, warmups: int = 2):
-    """{name: (median seconds, peak bytes)}, the variants alternating repetition by repetition."""
+def compare(device: str, case, reps: int, warmups: int = 2):
+    """{name: (median seconds, peak bytes)} of ``case`` (its variants and the function that
+    clears its inputs' gradients), the variants alternating repetition by repetition, each call
+    starting without gradients."""
+    variants, clear = case
     for fn in variants.values():
         for _ in range(warmups):
+            clear()
             fn()
-    peaks = {name: peak_bytes(device, fn) for name, fn in variants.items()}
+    peaks = {name: peak_bytes(device, fn, clear) for name, fn in variants.items()}
     times: Dict[str, List[float]] = {name: [] for name in variants}
     for _ in range(reps):
         for name, fn in variants.items():
+            clear()
             times[name].append(timed(device, fn))
     return {name: (statistics.median(times[name]), peaks[name]) for name in variants}
 
@@ -80,10 +86,10 @@ def lce_variants(device: str, dtype: torch.dtype, n: int, d: int, v: int):
     t = torch.randint(0, v, (n,), generator=g).to(device)
 
     def run(loss_fn):
-        def call():
-            x.grad, w.grad = None, None
-            loss_fn().backward()
-        return call
+        return lambda: loss_fn().backward()
+
+    def clear():
+        x.grad, w.grad = None, None
 
     variants = {
         "flatpeak": run(lambda: linear_cross_entropy(x, w, t)),
@@ -91,7 +97,7 @@ def lce_variants(device: str, dtype: torch.dtype, n: int, d: int, v: int):
     }
     if hasattr(F, "linear_cross_entropy"):
         variants["torch_lce"] = run(lambda: F.linear_cross_entropy(x, w, t))
-    return variants
+    return variants, clear
 
 
 def moe_problem(device: str, dtype: torch.dtype, shape: Tuple[int, int, int, int, int]):
@@ -128,16 +134,16 @@ def moe_variants(device: str, dtype: torch.dtype, shape):
     x, ids, w, gate_up, down = moe_problem(device, dtype, shape)
 
     def run(layer):
-        def call():
-            for p in (x, w, gate_up, down):
-                p.grad = None
-            layer().square().mean().backward()
-        return call
+        return lambda: layer().square().mean().backward()
+
+    def clear():
+        for p in (x, w, gate_up, down):
+            p.grad = None
 
     return {
         "flatpeak": run(lambda: moe_swiglu(x, ids, w, gate_up, down)),
         "torch_loop": run(lambda: moe_loop(x, ids, w, gate_up, down)),
-    }
+    }, clear
 
 
 def mib(b: int) -> str:
@@ -158,7 +164,7 @@ def main() -> int:
     machine = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [BEGIN, "", f"`python python/bench/bench_cuda.py --markdown docs/gpu.md` on one {machine}, "
              f"torch {torch.__version__}; median of {args.reps} after warm-ups, the variants alternating; "
-             "peak: above the inputs and the previous call's gradients.", ""]
+             "peak: above the inputs, the call's gradients included.", ""]
     lines += ["| call | dtype | shape | variant | time | peak above inputs | flatpeak's speed-up |",
               "|---|---|---|---|---|---|---|"]
     cases = []
@@ -172,15 +178,15 @@ def main() -> int:
         cases.append(("moe_swiglu", dtype, f"T={t} H={h} I={i} E={e} k={k}",
                       lambda dtype=dtype: moe_variants(args.device, dtype, moe_shape)))
     for call, dtype, shape, make in cases:
-        variants = make()
-        results = compare(args.device, variants, args.reps)
+        case = make()
+        results = compare(args.device, case, args.reps)
         ours = results["flatpeak"][0]
         for name, (seconds, peak) in results.items():
             speedup = "" if name == "flatpeak" else f"{seconds / ours:.2f}×"
             lines.append(f"| `{call}` | {str(dtype).removeprefix('torch.')} | {shape} | {name} | "
                          f"{seconds * 1e3:.2f} ms | {mib(peak)} | {speedup} |")
             print(lines[-1], flush=True)
-        del variants
+        del case
         if args.device == "cuda":
             torch.cuda.empty_cache()
     lines += ["", END]
