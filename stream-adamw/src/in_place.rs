@@ -30,16 +30,11 @@ pub enum GradRef<'a> {
 }
 
 impl GradRef<'_> {
-    /// Elements.
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         match self {
             Self::F32(g) => g.len(),
             Self::Bf16(g) => g.len(),
         }
-    }
-    /// Whether it has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -338,33 +333,26 @@ mod tests {
         one(&mut want_p, &mut want_m, &mut want_v, &grad32, hp);
         let (mut p, mut m, mut v) = (start, [0.0f32; 5], [0.0f32; 5]);
         let mut model = [bf16::ZERO; 5];
-        let state = StateMut { param: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v, max_exp_avg_sq: &mut [] };
-        let param =
-            InPlaceParam { state, grad: GradRef::Bf16(&grad16), bf16_param: Some(&mut model), step: 0 };
-        let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param] }];
-        let report = step_in_place(&mut groups, StepOptions::default()).unwrap();
+        let mut bf16_step = |grad: &[bf16], model: &mut [bf16], step| {
+            let state =
+                StateMut { param: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v, max_exp_avg_sq: &mut [] };
+            let param = InPlaceParam { state, grad: GradRef::Bf16(grad), bf16_param: Some(model), step };
+            step_in_place(
+                &mut [InPlaceGroup { hyperparameters: hp, params: vec![param] }],
+                StepOptions::default(),
+            )
+        };
+        let report = bf16_step(&grad16, &mut model, 0).unwrap();
         assert_eq!(report.step, 1);
+        let nan: Vec<bf16> = [1.0, f32::NAN, 0.0, 0.0, 0.0].iter().map(|&g| bf16::from_f32(g)).collect();
+        let skipped = bf16_step(&nan, &mut model, 1).unwrap();
+        let mut short = [bf16::ZERO; 4];
+        let refused = bf16_step(&grad16, &mut short, 1).unwrap_err();
+        // The first step took the fp32 step; the skipped one and the refused one touched nothing.
         assert_eq!((p, m, v), (want_p, want_m, want_v));
         assert_eq!(model.map(f32::from), want_p.map(|x| bf16::from_f32(x).to_f32()));
-
-        let before = (p, m, v, model);
-        let nan: Vec<bf16> = [1.0, f32::NAN, 0.0, 0.0, 0.0].iter().map(|&g| bf16::from_f32(g)).collect();
-        let state = StateMut { param: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v, max_exp_avg_sq: &mut [] };
-        let param = InPlaceParam { state, grad: GradRef::Bf16(&nan), bf16_param: Some(&mut model), step: 1 };
-        let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param] }];
-        assert!(
-            step_in_place(&mut groups, StepOptions::default()).unwrap().outcome
-                != crate::StepOutcome::Applied
-        );
-        assert_eq!((p, m, v, model), before);
-
-        let mut short = [bf16::ZERO; 4];
-        let state = StateMut { param: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v, max_exp_avg_sq: &mut [] };
-        let param =
-            InPlaceParam { state, grad: GradRef::Bf16(&grad16), bf16_param: Some(&mut short), step: 1 };
-        let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param] }];
-        let e = step_in_place(&mut groups, StepOptions::default()).unwrap_err();
-        assert!(matches!(e, Error::ShapeMismatch { expected: 5, got: 4, .. }), "{e}");
-        assert_eq!((p, m, v, model), before);
+        assert!(skipped.outcome != crate::StepOutcome::Applied);
+        assert!(matches!(refused, Error::ShapeMismatch { expected: 5, got: 4, .. }), "{refused}");
+        assert_eq!(short, [bf16::ZERO; 4]);
     }
 }
