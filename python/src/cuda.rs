@@ -30,7 +30,7 @@ use ring_dtp::cuda::{BlockBuffers, CudaLinearCrossEntropy, DeviceGradientsMut, D
 use ring_dtp::{DType, GradOutput, Plan, Reduction, Shape, bf16};
 
 use crate::error::to_py;
-use crate::loss::{GradArgs, LossOptions, TensorArgs, selection, write_forward};
+use crate::loss::{GradArgs, LossOptions, TensorArgs, check_fused, selection, write_forward};
 use crate::tensor::{Span, TensorDevice, TensorRef, TorchElement, check_disjoint, checked, device_of};
 
 /// Executors kept at most (a training loop uses a handful of shapes).
@@ -330,6 +330,14 @@ pub(crate) fn take<T>(b: Borrowed<T>) -> CudaSlice<T> {
     unsafe { ManuallyDrop::take(&mut b.slice) }
 }
 
+/// The CUDA device of the call (its `input`'s).
+fn cuda_ordinal(args: &TensorArgs<'_>) -> PyResult<usize> {
+    match device_of("input", &args.input)? {
+        TensorDevice::Cuda(ordinal) => Ok(ordinal),
+        TensorDevice::Cpu => Err(PyValueError::new_err("input: expected a CUDA tensor")),
+    }
+}
+
 /// The CUDA forward: the loss and lse into CPU fp32 tensors `loss_out` (0-dim, or `[N]` for
 /// reduction none) and `lse_out` (`[N]`), the block buffers carved from `workspace`.
 #[pyfunction]
@@ -340,9 +348,7 @@ pub fn lce_forward_cuda(
     workspace: Bound<'_, PyAny>,
     outputs: (Bound<'_, PyAny>, Bound<'_, PyAny>),
 ) -> PyResult<()> {
-    let TensorDevice::Cuda(ordinal) = device_of("input", &args.input)? else {
-        return Err(PyValueError::new_err("input: expected a CUDA tensor"));
-    };
+    let ordinal = cuda_ordinal(&args)?;
     let stream = torch_stream(py, ordinal)?;
     // SAFETY: the Python frame holds `args` for the call; forward writes none of them.
     let device = unsafe { DeviceArgs::new(&stream, &args, ordinal)? };
@@ -425,9 +431,7 @@ pub fn lce_backward_cuda(
     workspace: Bound<'_, PyAny>,
     grads_out: GradArgs<'_>,
 ) -> PyResult<()> {
-    let TensorDevice::Cuda(ordinal) = device_of("input", &args.input)? else {
-        return Err(PyValueError::new_err("input: expected a CUDA tensor"));
-    };
+    let ordinal = cuda_ordinal(&args)?;
     let stream = torch_stream(py, ordinal)?;
     // SAFETY: the Python frame holds `args`; backward writes none of them (the outputs are
     // checked disjoint below).
@@ -481,14 +485,8 @@ pub fn lce_forward_backward_cuda(
     outputs: (Bound<'_, PyAny>, Bound<'_, PyAny>),
     grads_out: GradArgs<'_>,
 ) -> PyResult<()> {
-    if options.config.reduction == Reduction::None {
-        return Err(PyValueError::new_err(
-            "reduction: the fused call takes 'mean' or 'sum' (a per-token upstream gradient is known only in backward)",
-        ));
-    }
-    let TensorDevice::Cuda(ordinal) = device_of("input", &args.input)? else {
-        return Err(PyValueError::new_err("input: expected a CUDA tensor"));
-    };
+    check_fused(options)?;
+    let ordinal = cuda_ordinal(&args)?;
     let stream = torch_stream(py, ordinal)?;
     // SAFETY: the Python frame holds `args`; the call writes none of them (the outputs are
     // checked disjoint below).

@@ -415,11 +415,7 @@ pub fn lce_forward_backward(
     outputs: (Bound<'_, PyAny>, Bound<'_, PyAny>),
     grads_out: GradArgs<'_>,
 ) -> PyResult<()> {
-    if options.config.reduction == Reduction::None {
-        return Err(PyValueError::new_err(
-            "reduction: the fused call takes 'mean' or 'sum' (a per-token upstream gradient is known only in backward)",
-        ));
-    }
+    check_fused(options)?;
     let checked = Checked::new(&args)?;
     let n = checked.shape.tokens;
     let loss_out = TensorRef::<f32>::new("loss_out", &outputs.0, &[])?;
@@ -435,6 +431,17 @@ pub fn lce_forward_backward(
         lce.forward_backward_into(&inputs, GradOutput::Scalar(1.0), out)
     })?;
     write_forward(forward, (&loss_out, &lse_out));
+    Ok(())
+}
+
+/// The fused call (forward with backward) takes a reduced loss: its upstream gradient is one
+/// number, applied in backward; a per-token one is known only there.
+pub(crate) fn check_fused(options: &LossOptions) -> PyResult<()> {
+    if options.config.reduction == Reduction::None {
+        return Err(PyValueError::new_err(
+            "reduction: the fused call takes 'mean' or 'sum' (a per-token upstream gradient is known only in backward)",
+        ));
+    }
     Ok(())
 }
 
