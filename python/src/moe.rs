@@ -82,10 +82,10 @@ impl MoEOptions {
     }
 }
 
-/// What the default budget gives the rows of a round above the least a shape runs in: the
-/// loss's default working set. A fixed 64 MiB in all would refuse real layers, whose foreign
-/// expert slots alone exceed it (3·H·I weights and their gradients per slot).
-pub(crate) const DEFAULT_ROWS_BUDGET_BYTES: usize = crate::loss::DEFAULT_BUDGET_BYTES;
+/// What the default budget gives the rows of a round above the least a shape runs in: 64 MiB.
+/// A fixed 64 MiB in all would refuse real layers, whose foreign expert slots alone exceed it
+/// (3·H·I weights and their gradients per slot).
+pub(crate) const DEFAULT_ROWS_BUDGET_BYTES: usize = 64 << 20;
 
 impl MoEOptions {
     /// The plan of one call's `shape` under these options' budget.

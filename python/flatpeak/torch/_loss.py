@@ -379,7 +379,7 @@ def linear_cross_entropy(
         token_weights: optional float32 per-token weights (finite, ``>= 0``), shaped like
             ``target``.
         return_lse: also return the per-token log-sum-exp (float32, differentiable).
-        budget_bytes: bound of the working set (default 64 MiB on a CPU, 256 MiB on a GPU,
+        budget_bytes: bound of the working set (default 128 MiB on a CPU, 256 MiB on a GPU,
             whose GEMMs need larger blocks to fill it); the plan picks its blocks within it
             before any data is read.
         precision: ``"native"`` (GEMMs in the dtype of ``input``: bf16 dot products or tensor
