@@ -14,8 +14,9 @@ StreamAdamW: `step()` at 28 B/param against torch.optim.AdamW(fused=True), (fore
 through a GradScaler (torch's way to skip a non-finite step) and DeepSpeed's DeepSpeedCPUAdam
 (when DeepSpeed is installed: `pip install deepspeed ninja`; its op builds on first use), all in
 one process, one step each in turn for a number of rounds, the fastest step of each kept; on one
-64M-element parameter and on 1,000 parameters of 64K elements. Then how far it ends from
-AdamW(foreach=False) after 20 steps.
+64M-element parameter and on 1,000 parameters of 64K elements; then clipping the global gradient
+norm (StreamAdamW's `max_norm` against `clip_grad_norm_` before the others' steps). Then how far
+it ends from AdamW(foreach=False) after 20 steps.
 """
 
 import argparse
@@ -240,33 +241,61 @@ class ScaledFused:
         self.scaler.update()
 
 
-def bench_adamw(n_params, numel, rounds):
+class Clipped:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` and then ``opt.step()``: how a torch
+    user clips the global gradient norm."""
+
+    def __init__(self, opt, params, max_norm):
+        self.opt, self.params, self.max_norm = opt, params, max_norm
+
+    def step(self):
+        import torch
+        torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        self.opt.step()
+
+
+def bench_adamw(n_params, numel, rounds, max_norm=None):
+    """The optimizers' steps; with ``max_norm``, each clipping the global gradient norm to it
+    (StreamAdamW from its own pass over the gradients, the others after ``clip_grad_norm_``)."""
     import torch
     from flatpeak.torch import StreamAdamW
 
     n = n_params * numel
     what = (f"{n / 2**20:.0f}M fp32 CPU parameters" if n_params == 1
             else f"{n_params} fp32 CPU parameters of {numel / 2**10:.0f}K elements")
-    print(f"#### `StreamAdamW.step()`, {what}, 28 B/param\n")
+    clipping = "" if max_norm is None else f", clipping the gradient norm to {max_norm}"
+    print(f"#### `StreamAdamW.step()`, {what}{clipping}, 28 B/param\n")
     ds_class, ds_missing = deepspeed_cpu_adam()
     kw = dict(lr=1e-3, weight_decay=0.01)
-    makers = [
-        ("`flatpeak.torch.StreamAdamW`", lambda ps: StreamAdamW(ps, **kw)),
-        ("`torch.optim.AdamW(fused=True)`", lambda ps: torch.optim.AdamW(ps, fused=True, **kw)),
-        ("`torch.optim.AdamW(foreach=True)`", lambda ps: torch.optim.AdamW(ps, foreach=True, **kw)),
-        ("`torch.optim.AdamW(fused=True)` + `GradScaler` (skips a non-finite step, as StreamAdamW does)",
-         lambda ps: ScaledFused(ps, **kw)),
-    ]
-    if ds_class is not None:
-        makers.append(("DeepSpeed `DeepSpeedCPUAdam` (ZeRO-Offload's CPU Adam)",
-                       lambda ps: ds_class(ps, adamw_mode=True, **kw)))
+    if max_norm is None:
+        makers = [
+            ("`flatpeak.torch.StreamAdamW`", lambda ps: StreamAdamW(ps, **kw)),
+            ("`torch.optim.AdamW(fused=True)`", lambda ps: torch.optim.AdamW(ps, fused=True, **kw)),
+            ("`torch.optim.AdamW(foreach=True)`", lambda ps: torch.optim.AdamW(ps, foreach=True, **kw)),
+            ("`torch.optim.AdamW(fused=True)` + `GradScaler` (skips a non-finite step, as StreamAdamW does)",
+             lambda ps: ScaledFused(ps, **kw)),
+        ]
+        if ds_class is not None:
+            makers.append(("DeepSpeed `DeepSpeedCPUAdam` (ZeRO-Offload's CPU Adam)",
+                           lambda ps: ds_class(ps, adamw_mode=True, **kw)))
+    else:
+        makers = [
+            (f"`flatpeak.torch.StreamAdamW(max_norm={max_norm})`",
+             lambda ps: StreamAdamW(ps, max_norm=max_norm, **kw)),
+            ("`clip_grad_norm_` + `torch.optim.AdamW(fused=True)`",
+             lambda ps: Clipped(torch.optim.AdamW(ps, fused=True, **kw), ps, max_norm)),
+        ]
+        if ds_class is not None:
+            makers.append(("`clip_grad_norm_` + DeepSpeed `DeepSpeedCPUAdam`",
+                           lambda ps: Clipped(ds_class(ps, adamw_mode=True, **kw), ps, max_norm)))
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(numel, generator=g) * 1e-2 for _ in range(n_params)]
     optimizers = []
     for name, make in makers:
         params = [torch.nn.Parameter(torch.randn(numel, generator=g)) for _ in range(n_params)]
         for p, grad in zip(params, grads):
-            p.grad = grad
+            # clip_grad_norm_ scales gradients in place: each clipping optimizer has its own.
+            p.grad = grad if max_norm is None else grad.clone()
         with contextlib.redirect_stdout(io.StringIO()):
             opt = make(params)
             opt.step()  # the state is made by the first step
@@ -387,10 +416,12 @@ def run(args):
         bench_lce(512, 64, 2003, 1, ROUNDS)
         bench_adamw(1, 1 << 20, 2)
         bench_adamw(16, 1 << 12, 2)
+        bench_adamw(1, 1 << 20, 2, max_norm=1.0)
     else:
         bench_lce(8192, 1024, 32768, 2, ROUNDS)
         bench_adamw(1, 64 << 20, ADAMW_ROUNDS)
         bench_adamw(1000, 64 << 10, ADAMW_ROUNDS)
+        bench_adamw(1, 64 << 20, ADAMW_ROUNDS, max_norm=1.0)
     adamw_agreement()
 
 

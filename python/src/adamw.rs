@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use stream_adamw::cpu::{StateMut, grad_sq_sums};
 use stream_adamw::{
     GradClip, GradRef, Hyperparameters, InPlaceGroup, InPlaceParam, Objective, StepDecision, StepOptions,
-    Variant, apply_in_place, bf16, in_place_grad_sq,
+    Variant, apply_in_place, bf16, global_clip, in_place_grad_sq,
 };
 
 use crate::error::to_py;
@@ -34,9 +34,10 @@ impl AdamWOptions {
 
 #[pymethods]
 impl AdamWOptions {
-    /// torch.optim.AdamW's hyperparameters.
+    /// torch.optim.AdamW's hyperparameters, and the global-norm clipping of
+    /// `torch.nn.utils.clip_grad_norm_(params, max_norm)` (`None`: none).
     #[new]
-    #[pyo3(signature = (*, lr, betas, eps, weight_decay, amsgrad, maximize))]
+    #[pyo3(signature = (*, lr, betas, eps, weight_decay, amsgrad, maximize, max_norm=None))]
     fn new(
         lr: f64,
         betas: (f64, f64),
@@ -44,6 +45,7 @@ impl AdamWOptions {
         weight_decay: f64,
         amsgrad: bool,
         maximize: bool,
+        max_norm: Option<f64>,
     ) -> PyResult<Self> {
         let hyperparameters = Hyperparameters::default()
             .lr(lr)
@@ -51,7 +53,8 @@ impl AdamWOptions {
             .eps(eps)
             .weight_decay(weight_decay)
             .variant(if amsgrad { Variant::AmsGrad } else { Variant::Adam })
-            .objective(if maximize { Objective::Maximize } else { Objective::Minimize });
+            .objective(if maximize { Objective::Maximize } else { Objective::Minimize })
+            .clip(max_norm.map_or(GradClip::None, |max_norm| GradClip::GlobalNorm { max_norm }));
         hyperparameters.validate().map_err(to_py)?;
         Ok(Self { hyperparameters })
     }
@@ -80,10 +83,15 @@ impl Decision {
     fn skipped(&self) -> bool {
         self.decision.skips()
     }
-    /// The global gradient norm (non-finite when skipped).
+    /// The global gradient norm before clipping (non-finite when skipped).
     #[getter]
     fn grad_norm(&self) -> f64 {
         self.decision.grad_norm()
+    }
+    /// What clipping scaled every gradient by (1 when not clipping).
+    #[getter]
+    fn clip_coef(&self) -> f64 {
+        self.decision.clip_coef()
     }
 }
 
@@ -274,7 +282,9 @@ pub fn grad_sq_sum_all(py: Python<'_>, grads: Vec<Bound<'_, PyAny>>) -> PyResult
 /// counter advanced with it): `groups` is a list of `(options, params)`, and `other_grad_sq` the Σg² of the gradients stepped with them
 /// elsewhere (the offloaded CUDA parameters), so one non-finite gradient skips them all. Every
 /// tensor of every group is checked before any is written, so a bad one leaves all parameters
-/// and state untouched. Returns the crate's decision (skipped or applied), which the offloaded
+/// and state untouched. The groups' global-norm clipping (one for all of them) scales every
+/// gradient, these and the offloaded ones, by the coefficient of the norm over all of them.
+/// Returns the crate's decision (skipped, or applied with that coefficient), which the offloaded
 /// parameters then take.
 #[pyfunction]
 #[pyo3(signature = (groups, other_grad_sq=0.0))]
@@ -322,8 +332,9 @@ pub fn adamw_step(
             }
             in_place.push(group);
         }
+        let clip = global_clip(&in_place)?;
         let grad_sq = in_place_grad_sq(&in_place) + other_grad_sq;
-        let decision = StepDecision::new(grad_sq, StepOptions::default(), GradClip::None)?;
+        let decision = StepDecision::new(grad_sq, StepOptions::default(), clip)?;
         apply_in_place(&mut in_place, &decision)?;
         if !decision.skips() {
             let taken = in_place.iter().flat_map(|g| &g.params).map(|p| p.step);

@@ -302,6 +302,64 @@ def test_bf16_parameters_step_an_fp32_master_copy(amsgrad):
     assert all(torch.equal(p, q) for p, q in zip(ours_p, again_p))
 
 
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+def test_max_norm_clips_as_clip_grad_norm_then_adamw(max_norm):
+    """``max_norm`` (the global norm over both groups) equals ``clip_grad_norm_`` followed by
+    torch's AdamW, leaves the gradients as they were, and reports the norm it returns; a bound
+    above the norm clips nothing."""
+    ours_p, theirs_p = make_params(7), make_params(7)
+    ours = StreamAdamW(groups_of(ours_p, False, False), lr=1e-2, max_norm=max_norm)
+    theirs = torch.optim.AdamW(groups_of(theirs_p, False, False), lr=1e-2, foreach=False)
+    for step in range(STEPS):
+        set_grads(ours_p, step)
+        set_grads(theirs_p, step)
+        grads_before = [p.grad.clone() for p in ours_p]
+        ours.step()
+        norm = torch.nn.utils.clip_grad_norm_(theirs_p, max_norm, foreach=False)
+        theirs.step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(ours_p, grads_before))
+        assert ours.last_grad_norm == pytest.approx(norm.item(), rel=1e-6)
+        worst, _ = compare_state(ours, theirs, ours_p, theirs_p)
+        assert worst <= 1e-6, f"step {step}: {worst}"
+    clipped = max_norm < norm.item()
+    assert clipped == (max_norm == 0.5)
+    # The clipping is a param-group setting: it survives the state dict, and torch's own loads it.
+    again = StreamAdamW(groups_of([p.detach().clone() for p in ours_p], False, False), lr=1e-2)
+    again.load_state_dict(copy.deepcopy(ours.state_dict()))
+    assert [g["max_norm"] for g in again.param_groups] == [max_norm, max_norm]
+    torch.optim.AdamW(groups_of(make_params(7), False, False)).load_state_dict(copy.deepcopy(ours.state_dict()))
+
+
+def test_max_norm_that_differs_between_groups_or_is_not_positive_is_refused_untouched():
+    params = make_params(8)
+    groups = groups_of(params, False, False)
+    groups[1]["max_norm"] = 2.0
+    opt = StreamAdamW(groups, lr=1e-2, max_norm=1.0)
+    set_grads(params, 0)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="clip"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    # The state made for the first step is a fresh one: no step was taken.
+    assert all(s["step"].item() == 0 and not s["exp_avg"].any() for s in opt.state.values())
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="max_norm"):
+            StreamAdamW([torch.nn.Parameter(torch.ones(3))], max_norm=bad)
+
+
+def test_a_non_finite_gradient_skips_a_clipped_step_too():
+    params = make_params(9)
+    opt = StreamAdamW(params, lr=1e-2, max_norm=1.0)
+    set_grads(params, 0)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    set_grads(params, 1)
+    params[0].grad[3, 4] = float("nan")
+    opt.step()
+    assert opt.last_step_skipped and not torch.isfinite(torch.tensor(opt.last_grad_norm))
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"lr": -1.0}, "lr"), ({"betas": (1.0, 0.999)}, "beta1"), ({"eps": 0.0}, "eps"),
     ({"weight_decay": float("nan")}, "weight_decay"),

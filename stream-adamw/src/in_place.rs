@@ -17,7 +17,7 @@ use half::bf16;
 use crate::cpu::{ParamSink, Shard, StateMut, adamw_update_shards, grad_sq_sums};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
-use crate::hyperparameters::{Hyperparameters, Variant};
+use crate::hyperparameters::{GradClip, Hyperparameters, Variant};
 use crate::step::{StageTimes, StepDecision, StepOptions, StepReport};
 
 /// A gradient in the dtype the framework keeps it in.
@@ -96,16 +96,7 @@ fn check(param: &InPlaceParam<'_>, variant: Variant) -> Result<()> {
 /// parameter is updated by torch's AdamW ([`adamw_update`](crate::cpu::adamw_update)) with its group's hyperparameters
 /// and its own step count, which then advances. On an error nothing was written.
 pub fn step_in_place(groups: &mut [InPlaceGroup<'_>], options: StepOptions) -> Result<StepReport> {
-    let clip = groups.first().map(|g| g.hyperparameters.clip).unwrap_or_default();
-    for group in groups.iter() {
-        if group.hyperparameters.clip != clip {
-            return Err(Error::invalid_config(
-                "clip",
-                group.hyperparameters.clip,
-                "the same global-norm clipping in every group (it clips the norm over all of them)",
-            ));
-        }
-    }
+    let clip = global_clip(groups)?;
     check_groups(groups)?;
     let start = std::time::Instant::now();
     let decision = StepDecision::new(in_place_grad_sq(groups), options, clip)?;
@@ -114,6 +105,21 @@ pub fn step_in_place(groups: &mut [InPlaceGroup<'_>], options: StepOptions) -> R
     report.times.stats = stats;
     report.times.total = start.elapsed();
     Ok(report)
+}
+
+/// The clipping of a step over `groups`: one rule for all of them, since it bounds the norm
+/// over all of their gradients ([`GradClip::None`] without groups); groups that disagree are
+/// [`Error::InvalidConfig`].
+pub fn global_clip(groups: &[InPlaceGroup<'_>]) -> Result<GradClip> {
+    let clip = groups.first().map(|g| g.hyperparameters.clip).unwrap_or_default();
+    match groups.iter().find(|g| g.hyperparameters.clip != clip) {
+        Some(other) => Err(Error::invalid_config(
+            "clip",
+            other.hyperparameters.clip,
+            "the same global-norm clipping in every group (it clips the norm over all of them)",
+        )),
+        None => Ok(clip),
+    }
 }
 
 /// Σ g² over every gradient of every group, in f64 (non-finite when any gradient is): each
@@ -242,7 +248,6 @@ impl<'a> ShardsByKind<'a> {
 mod tests {
     use super::*;
     use crate::cpu::adamw_update;
-    use crate::hyperparameters::GradClip;
 
     fn one(param: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &[f32], hp: Hyperparameters) -> StepReport {
         let state = StateMut { param, exp_avg: m, exp_avg_sq: v, max_exp_avg_sq: &mut [] };

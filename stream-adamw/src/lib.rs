@@ -67,7 +67,9 @@ pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use half::bf16;
 pub use host::{HostDevice, Link};
 pub use hyperparameters::{GradClip, Hyperparameters, Objective, StepScalars, Variant};
-pub use in_place::{GradRef, InPlaceGroup, InPlaceParam, apply_in_place, in_place_grad_sq, step_in_place};
+pub use in_place::{
+    GradRef, InPlaceGroup, InPlaceParam, apply_in_place, global_clip, in_place_grad_sq, step_in_place,
+};
 pub use optimizer::{StepBuffers, StreamAdamW};
 pub use pipeline::{Fault, Stage};
 pub use plan::{Plan, Shape, ideal_speedup, pipelined_time};

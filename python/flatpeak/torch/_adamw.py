@@ -25,6 +25,7 @@ def _hyperparameters(group) -> "_ext.AdamWOptions":
         weight_decay=float(group["weight_decay"]),
         amsgrad=bool(group["amsgrad"]),
         maximize=bool(group["maximize"]),
+        max_norm=None if group["max_norm"] is None else float(group["max_norm"]),
     )
 
 
@@ -42,6 +43,12 @@ class StreamAdamW(torch.optim.Optimizer):
     :attr:`last_step_skipped` is set and :attr:`skipped_steps` counts it. :meth:`step` returns
     the closure's loss, as torch's optimizers do.
 
+    ``max_norm`` clips gradients as ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` before
+    the update would (every gradient scaled by ``min(1, max_norm / (norm + 1e-6))``, the norm
+    over all parameters of all groups, which must agree on it), from that same pass: the
+    gradients themselves are not modified. :attr:`last_grad_norm` is the norm before clipping,
+    what ``clip_grad_norm_`` returns.
+
     CPU parameters are contiguous float32 tensors with dense float32 gradients, or bfloat16 ones
     with bfloat16 gradients and an fp32 master copy (mixed precision, as DeepSpeed's CPU Adam
     keeps one): the master lives in ``state[p]["master_param"]`` with fp32 moments, the update
@@ -54,15 +61,19 @@ class StreamAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False):
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 max_norm: Optional[float] = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize)
+                        maximize=maximize, max_norm=max_norm)
         _hyperparameters(defaults)  # a bad hyperparameter fails here, naming its value
         super().__init__(params, defaults)
         #: Steps skipped for non-finite gradients so far.
         self.skipped_steps = 0
         #: Whether the last :meth:`step` was skipped for a non-finite gradient.
         self.last_step_skipped = False
+        #: The global gradient norm of the last :meth:`step`, before clipping (``nan`` before the
+        #: first, and non-finite when it was skipped).
+        self.last_grad_norm = float("nan")
         #: Elements per bucket of the offloaded step of a CUDA parameter.
         self.bucket_elems = 1 << 22
         self._cuda = {}
@@ -72,10 +83,12 @@ class StreamAdamW(torch.optim.Optimizer):
         self.__dict__.setdefault("bucket_elems", 1 << 22)
         self.__dict__.setdefault("skipped_steps", 0)
         self.__dict__.setdefault("last_step_skipped", False)
+        self.__dict__.setdefault("last_grad_norm", float("nan"))
         self.__dict__.setdefault("_cuda", {})
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
+            group.setdefault("max_norm", None)
         # Older torch checkpoints keep a step as a Python number: torch.optim.AdamW loads them as
         # the tensor it uses today, and so does this optimizer (load_state_dict comes here).
         for state in self.state.values():
@@ -159,6 +172,7 @@ class StreamAdamW(torch.optim.Optimizer):
         # and the offloaded ones) and decides: a non-finite one skips the step, touching nothing;
         # otherwise it updates every parameter and advances its step counter (`state["step"]`).
         decision = _ext.adamw_step(batches, device_grad_sq)
+        self.last_grad_norm = decision.grad_norm
         if decision.skipped:
             self.skipped_steps += 1
             self.last_step_skipped = True
