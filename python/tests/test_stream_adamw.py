@@ -401,3 +401,25 @@ def test_offloaded_cuda_step_matches_torch_adamw_on_the_gpu(amsgrad):
     ours.step()
     assert ours.last_step_skipped
     assert all(torch.equal(p, b) for p, b in zip(ours_p, before))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU and the cuda build")
+def test_offloaded_cuda_step_clips_as_clip_grad_norm_on_the_gpu():
+    """max_norm on offloaded CUDA parameters and a CPU one in the same step: the norm over all of
+    them clips every one, as ``clip_grad_norm_`` + torch's AdamW does."""
+    def params():
+        p = make_params(10)
+        return [p[0].cuda(), p[1], p[2].cuda()]
+    ours_p, theirs_p = params(), params()
+    ours = StreamAdamW(ours_p, lr=1e-2, max_norm=0.5)
+    ours.bucket_elems = 256
+    theirs = torch.optim.AdamW(theirs_p, lr=1e-2, foreach=False)
+    for step in range(5):
+        set_grads(ours_p, step)
+        set_grads(theirs_p, step)
+        ours.step()
+        norm = torch.nn.utils.clip_grad_norm_(theirs_p, 0.5, foreach=False)
+        theirs.step()
+        assert ours.last_grad_norm == pytest.approx(norm.item(), rel=1e-5)
+        for po, pt in zip(ours_p, theirs_p):
+            assert rel(po.cpu(), pt.cpu()) <= 1e-6, step
