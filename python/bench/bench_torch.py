@@ -358,11 +358,13 @@ def main():
         # The document (and the commit it names) before the file is opened: opening it for
         # writing truncates it, which `git describe --dirty` would see.
         text = document(out.getvalue())
-        # The MoE section is bench_moe.py's, measured by it: kept as it is.
-        begin, end = "<!-- bench_moe.py: begin -->", "<!-- bench_moe.py: end -->"
+        # The MoE and transformers sections are bench_moe.py's and bench_transformers.py's,
+        # measured by them: kept as they are.
         old = open(args.markdown).read() if os.path.exists(args.markdown) else ""
-        if begin in old and end in old:
-            text = text.rstrip("\n") + "\n\n" + old[old.index(begin):old.index(end) + len(end)] + "\n"
+        for bench in ("bench_moe.py", "bench_transformers.py"):
+            begin, end = f"<!-- {bench}: begin -->", f"<!-- {bench}: end -->"
+            if begin in old and end in old:
+                text = text.rstrip("\n") + "\n\n" + old[old.index(begin):old.index(end) + len(end)] + "\n"
         with open(args.markdown, "w") as f:
             f.write(text)
         print(f"wrote {args.markdown}", file=sys.stderr)
