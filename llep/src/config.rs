@@ -245,9 +245,10 @@ pub struct Config {
     /// (D ≥ 2), and round j−1's combine too (D ≥ 3; the device executor's issue order, see
     /// `device`). The CPU executor's rounds run in order whatever D is.
     pub pipeline_depth: usize,
-    /// Threads of each expert GEMM. [`Threads::Single`] keeps a rank's compute on its own
-    /// thread (P ranks as threads already fill the cores, and the rank's thread CPU time is
-    /// then its compute); results are bitwise identical for every choice.
+    /// Threads of each expert GEMM and of the CPU's row operations around it (gathers,
+    /// scatter-adds, SwiGLU, row dot products). [`Threads::Single`] keeps a rank's compute on
+    /// its own thread (P ranks as threads already fill the cores, and the rank's thread CPU
+    /// time is then its compute); results are bitwise identical for every choice.
     pub gemm_threads: Threads,
     /// The CPU kernel of bf16 expert GEMMs ([`Bf16Kernel`]): by default AMX tiles or
     /// AVX512-BF16, where the CPU has them; [`Bf16Kernel::Widened`] runs the widening fallback on any CPU. The device

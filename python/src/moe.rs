@@ -23,7 +23,7 @@ use pyo3::prelude::*;
 
 use crate::error::{Refusal, to_py};
 use crate::tensor::{TensorRef, TorchElement, shape_of};
-use crate::torch_group::{Comm, communicator, detached};
+use crate::torch_group::{Comm, communicator, detached_in_pool};
 
 /// The MoE layer's options, checked once, with the cached plan and executor
 /// (`flatpeak._flatpeak.MoEOptions`).
@@ -312,7 +312,7 @@ fn forward_typed<T: TorchElement + LayerElement>(
     let y_out = TensorRef::<f32>::new("y_out", y_out, &[Some(n), Some(shape.hidden)])?;
     let counts_out = TensorRef::<i64>::new("counts_out", counts_out, &[Some(shape.experts)])?;
     let plan = options.plan(shape)?;
-    let ran = detached(py, comm, |comm| -> llep::Result<_> {
+    let ran = detached_in_pool(py, comm, |comm| -> llep::Result<_> {
         let mut cached = locked(options);
         let executor = executor_for(&mut cached, plan, Device::Cpu)?;
         // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
@@ -383,7 +383,7 @@ fn backward_typed<T: TorchElement + LayerElement>(
     let dgu = TensorRef::<f32>::new("d_gate_up_proj", dgu, &[Some(m), Some(2 * i), Some(h)])?;
     let dd = TensorRef::<f32>::new("d_down_proj", dd, &[Some(m), Some(h), Some(i)])?;
     let plan = options.plan(shape)?;
-    let grads = detached(py, comm, |comm| -> llep::Result<_> {
+    let grads = detached_in_pool(py, comm, |comm| -> llep::Result<_> {
         let mut cached = locked(options);
         let executor = executor_for(&mut cached, plan, Device::Cpu)?;
         // SAFETY: the Python frame holds every tensor for this call; nothing writes them.

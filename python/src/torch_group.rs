@@ -336,6 +336,26 @@ pub(crate) fn detached<R: Send>(
     Ok(out)
 }
 
+/// [`detached`], with `f` run on a thread of the global rayon pool (the calling thread waits):
+/// a CPU executor's many parallel steps (each GEMM, gather and SwiGLU of every expert) then
+/// fork from a pool thread, which shares its work with the others directly, instead of each
+/// handing a job to the pool and sleeping until it returns.
+pub(crate) fn detached_in_pool<R: Send>(
+    py: Python<'_>,
+    comm: &mut Option<Box<dyn Communicator>>,
+    f: impl FnOnce(&dyn Communicator) -> R + Send,
+) -> PyResult<R> {
+    let owned = comm.take().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
+    let (owned, out) = py.detach(move || {
+        rayon::scope(move |_| {
+            let out = f(owned.as_ref());
+            (owned, out)
+        })
+    });
+    *comm = Some(owned);
+    Ok(out)
+}
+
 /// The group's communicator: the caller's torch group, or one process alone.
 pub(crate) fn communicator(
     py: Python<'_>,

@@ -29,7 +29,7 @@ use crate::layer::{Gradients, LayerElement, RankInputs, Routing, check_len};
 use crate::plan::Plan;
 use crate::route_tables::{check_call_shape, check_world_size};
 use crate::schedule::{Schedule, pair_rows};
-pub use elem::STAGE_ROWS;
+pub use elem::{MIN_STAGE_ROWS, STAGE_BYTES, stage_rows};
 #[cfg(feature = "cuda-emu")]
 pub(crate) use elem::{span, span_mut};
 #[cfg(feature = "cuda-emu")]

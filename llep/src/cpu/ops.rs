@@ -363,7 +363,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         let Some((index, scale)) = host_rows(&sel, sel.src.len())? else { return Ok(()) };
         let (src, width) = (slice("gather src", sel.src, 0, sel.src.len())?, sel.width);
         let dst = slice_mut("gather dst (rows·width)", dst, 0, sel.rows * width)?;
-        same_type!(ElemRef, "gather_rows (src and dst)"; src, dst => elem::gather(src, index, scale, width, dst));
+        same_type!(ElemRef, "gather_rows (src and dst)"; src, dst => elem::gather(src, index, scale, width, dst, self.threads));
         Ok(())
     }
 
@@ -373,9 +373,11 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         let src = slice("scatter src (rows·width)", sel.src, 0, sel.rows * width)?;
         let acc = slice_mut("scatter acc", acc, 0, acc_len)?;
         match (src, acc) {
-            (ElemRef::F32(s), ElemRef::F32(a)) => elem::scatter_add(s, index, scale, width, a),
-            (ElemRef::Bf16(s), ElemRef::F32(a)) => elem::scatter_add(s, index, scale, width, a),
-            (ElemRef::Bf16(s), ElemRef::Bf16(a)) => elem::scatter_add(s, index, scale, width, a),
+            (ElemRef::F32(s), ElemRef::F32(a)) => elem::scatter_add(s, index, scale, width, a, self.threads),
+            (ElemRef::Bf16(s), ElemRef::F32(a)) => elem::scatter_add(s, index, scale, width, a, self.threads),
+            (ElemRef::Bf16(s), ElemRef::Bf16(a)) => {
+                elem::scatter_add(s, index, scale, width, a, self.threads)
+            }
             (ElemRef::F32(_), ElemRef::Bf16(_)) => {
                 return Err(mismatch(
                     "scatter_add_rows acc (at least as wide as src)",
@@ -390,7 +392,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
     fn swiglu(&self, gate: &HostBuf<'w>, up: &HostBuf<'w>, n: usize, h: &mut HostBuf<'w>) -> Result<()> {
         let (g, u) = (slice("swiglu gate", gate, 0, n)?, slice("swiglu up", up, 0, n)?);
         let h = slice_mut("swiglu h", h, 0, n)?;
-        same_type!(ElemRef, "swiglu (gate, up and h)"; g, u, h => elem::swiglu(g, u, h));
+        same_type!(ElemRef, "swiglu (gate, up and h)"; g, u, h => elem::swiglu(g, u, h, self.threads));
         Ok(())
     }
 
@@ -404,7 +406,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         let dh = slice("swiglu_backward dh", dh, 0, n)?;
         let g = slice_mut("swiglu_backward gate", gate, 0, n)?;
         let u = slice_mut("swiglu_backward up", up, 0, n)?;
-        same_type!(ElemRef, "swiglu_backward (gate, up and dh)"; g, u, dh => elem::swiglu_backward(g, u, dh));
+        same_type!(ElemRef, "swiglu_backward (gate, up and dh)"; g, u, dh => elem::swiglu_backward(g, u, dh, self.threads));
         Ok(())
     }
 
@@ -422,7 +424,7 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         let a = slice("row_dot a", a, 0, rows * width)?;
         let b = slice("row_dot b", b, 0, rows * width)?;
         let out = span_mut("row_dot out (rows)", out.as_mut_slice()?, 0, rows)?;
-        same_type!(ElemRef, "row_dot (a and b)"; a, b => elem::row_dot(a, b, width, out));
+        same_type!(ElemRef, "row_dot (a and b)"; a, b => elem::row_dot(a, b, width, out, self.threads));
         Ok(())
     }
 
