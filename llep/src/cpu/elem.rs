@@ -23,7 +23,7 @@ use crate::device::{GemmDims, Orientation};
 use crate::error::{Error, Result};
 
 /// Bytes of f32 staging a GEMM into a bf16 C may use for its rows ([`stage_rows`]).
-pub const STAGE_BYTES: usize = 4 << 20;
+pub const STAGE_BYTES: usize = 1 << 20;
 
 /// Fewest rows of a bf16 C staged at once, whatever n is.
 pub const MIN_STAGE_ROWS: usize = 256;
