@@ -312,15 +312,19 @@ fn forward_typed<T: TorchElement + LayerElement>(
     let y_out = TensorRef::<f32>::new("y_out", y_out, &[Some(n), Some(shape.hidden)])?;
     let counts_out = TensorRef::<i64>::new("counts_out", counts_out, &[Some(shape.experts)])?;
     let plan = options.plan(shape)?;
-    let ran = detached_in_pool(py, comm, |comm| -> llep::Result<_> {
-        let mut cached = locked(options);
-        let executor = executor_for(&mut cached, plan, Device::Cpu)?;
-        // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
-        let inputs = unsafe { tensors.inputs() };
-        let schedule = executor.schedule(comm, &inputs.routing)?;
-        let y = executor.forward(comm, &schedule, &inputs)?;
-        Ok((y, schedule, comm.rank(), executor.workspace_bytes()))
-    })?;
+    let ran = detached_in_pool(
+        py,
+        comm,
+        || locked(options),
+        |comm, cached| -> llep::Result<_> {
+            let executor = executor_for(cached, plan, Device::Cpu)?;
+            // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
+            let inputs = unsafe { tensors.inputs() };
+            let schedule = executor.schedule(comm, &inputs.routing)?;
+            let y = executor.forward(comm, &schedule, &inputs)?;
+            Ok((y, schedule, comm.rank(), executor.workspace_bytes()))
+        },
+    )?;
     let (y, schedule, me, workspace) = ran.map_err(to_py)?;
     // SAFETY: both outputs were made by the caller for this call and are read by nothing else.
     let (y_dst, counts_dst) = unsafe { (y_out.as_mut_slice(), counts_out.as_mut_slice()) };
@@ -383,14 +387,18 @@ fn backward_typed<T: TorchElement + LayerElement>(
     let dgu = TensorRef::<f32>::new("d_gate_up_proj", dgu, &[Some(m), Some(2 * i), Some(h)])?;
     let dd = TensorRef::<f32>::new("d_down_proj", dd, &[Some(m), Some(h), Some(i)])?;
     let plan = options.plan(shape)?;
-    let grads = detached_in_pool(py, comm, |comm| -> llep::Result<_> {
-        let mut cached = locked(options);
-        let executor = executor_for(&mut cached, plan, Device::Cpu)?;
-        // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
-        let (inputs, dy) = unsafe { (tensors.inputs(), dy.as_slice()) };
-        let schedule = executor.schedule(comm, &inputs.routing)?;
-        executor.backward(comm, &schedule, &inputs, dy)
-    })?
+    let grads = detached_in_pool(
+        py,
+        comm,
+        || locked(options),
+        |comm, cached| -> llep::Result<_> {
+            let executor = executor_for(cached, plan, Device::Cpu)?;
+            // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
+            let (inputs, dy) = unsafe { (tensors.inputs(), dy.as_slice()) };
+            let schedule = executor.schedule(comm, &inputs.routing)?;
+            executor.backward(comm, &schedule, &inputs, dy)
+        },
+    )?
     .map_err(to_py)?;
     // SAFETY: the gradient tensors were made by the caller for this call, each read by nothing
     // else; their shapes match the gradients' lengths (n·H, n·k, M·2I·H, M·H·I).

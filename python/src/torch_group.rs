@@ -336,19 +336,32 @@ pub(crate) fn detached<R: Send>(
     Ok(out)
 }
 
-/// [`detached`], with `f` run on a thread of the global rayon pool (the calling thread waits):
-/// a CPU executor's many parallel steps (each GEMM, gather and SwiGLU of every expert) then
-/// fork from a pool thread, which shares its work with the others directly, instead of each
-/// handing a job to the pool and sleeping until it returns.
-pub(crate) fn detached_in_pool<R: Send>(
+/// [`detached`], with `f` run on a thread of the global rayon pool (the calling thread waits)
+/// on what `hold` returns: a CPU executor's many parallel steps (each GEMM, gather and SwiGLU
+/// of every expert) then fork from a pool thread, which shares its work with the others
+/// directly, instead of each handing a job to the pool and sleeping until it returns.
+///
+/// `hold` runs first, on the calling thread with the GIL released: it takes the locks `f`
+/// needs (the cached executor's). A pool thread therefore never waits for a lock: one that
+/// did could be the very thread the lock's holder is parked on (a pool thread waiting at a
+/// join runs queued jobs, another call's included), a deadlock.
+pub(crate) fn detached_in_pool<G, T, R>(
     py: Python<'_>,
     comm: &mut Option<Box<dyn Communicator>>,
-    f: impl FnOnce(&dyn Communicator) -> R + Send,
-) -> PyResult<R> {
+    hold: impl FnOnce() -> G + Send,
+    f: impl FnOnce(&dyn Communicator, &mut T) -> R + Send,
+) -> PyResult<R>
+where
+    G: std::ops::DerefMut<Target = T>,
+    T: Send + ?Sized,
+    R: Send,
+{
     let owned = comm.take().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
     let (owned, out) = py.detach(move || {
+        let mut held = hold();
+        let target: &mut T = &mut held;
         rayon::scope(move |_| {
-            let out = f(owned.as_ref());
+            let out = f(owned.as_ref(), target);
             (owned, out)
         })
     });

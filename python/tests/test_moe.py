@@ -158,6 +158,48 @@ def test_threads_sharing_the_cached_executor_neither_deadlock_nor_race():
     assert len(results) == 40 and all(torch.equal(r, want) for r in results)
 
 
+def test_threads_sharing_the_executor_at_a_size_whose_steps_split_on_the_pool():
+    """The CPU executor runs on a rayon pool thread and splits its row operations there: calls
+    from several Python threads on one cached executor (its lock taken before the pool) finish,
+    each forward and backward bitwise the sequential one."""
+    import threading
+
+    g = torch.Generator().manual_seed(5)
+    t, h, i, e, k = 2048, 128, 128, 8, 2
+    x = torch.randn(t, h, generator=g)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    gate_up = torch.randn(e, 2 * i, h, generator=g) / h ** 0.5
+    down = torch.randn(e, h, i, generator=g) / i ** 0.5
+    dy = torch.randn(t, h, generator=g)
+
+    def step():
+        leaves = [a.clone().requires_grad_() for a in (x, w, gate_up, down)]
+        y = moe_swiglu(leaves[0], ids, leaves[1], leaves[2], leaves[3])
+        y.backward(dy)
+        return [y.detach()] + [a.grad for a in leaves]
+
+    want = step()
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(3):
+                results.append(step())
+        except BaseException as err:  # noqa: BLE001 -- reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), "a thread is stuck"
+    assert not errors, errors
+    assert len(results) == 12
+    assert all(torch.equal(a, b) for got in results for a, b in zip(got, want))
+
+
 CUDA = torch.cuda.is_available() and getattr(__import__("flatpeak._flatpeak", fromlist=["CUDA"]), "CUDA", False)
 
 
