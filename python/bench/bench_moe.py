@@ -22,30 +22,19 @@ import datetime
 import multiprocessing
 import os
 import subprocess
-import sys
 import tempfile
 import time
+
+from _bench import emit, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BEGIN, END = "<!-- bench_moe.py: begin -->", "<!-- bench_moe.py: end -->"
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def problem(torch, rank, world, shape, profile, seed=0):
@@ -210,18 +199,7 @@ def main():
             secs = max(results[(profile, v, r)][1] for r in range(4))
             lines.append(f"| {profile} | {LABELS[v]} | {peaks[0] / 2**20:.1f} | {max(peaks) / 2**20:.1f} | "
                          f"{ours_peak / max(max(peaks), 1):.3f} | {secs:.2f} | {ours_time / secs:.2f} |")
-    lines += ["", END]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        old = open(args.markdown).read() if os.path.exists(args.markdown) else ""
-        if BEGIN in old and END in old:
-            new = old[:old.index(BEGIN)] + text.rstrip("\n") + old[old.index(END) + len(END):]
-        else:
-            new = old.rstrip("\n") + "\n\n" + text
-        with open(args.markdown, "w") as f:
-            f.write(new)
-        print(f"wrote {args.markdown}", file=sys.stderr)
+    emit(lines, BEGIN, END, args.markdown)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from _bench import peak_rss_bytes, reset_peak_rss, rss_bytes
+
 # Rounds of the linear_cross_entropy variants (see bench_lce).
 ROUNDS = 2
 # Rounds of the optimizers' steps (see bench_adamw).
@@ -54,30 +56,10 @@ def cut_cross_entropy_missing():
         return f"{type(e).__name__}: {e}"
 
 
-def rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def reset_peak_rss():
-    """Resets the kernel's peak-RSS mark (VmHWM) to the current RSS: what making the inputs
-    allocated and freed (a float32 copy of a bfloat16 weight, a scaled temporary) must not stand
-    in for the call's own peak. Returns False where the kernel refuses it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
-def peak_rss_bytes():
-    """VmHWM: the peak RSS since the last reset_peak_rss()."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def max_rss_bytes():

@@ -26,8 +26,9 @@ import argparse
 import multiprocessing
 import os
 import subprocess
-import sys
 import time
+
+from _bench import emit, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BEGIN, END = "<!-- bench_transformers.py: begin -->", "<!-- bench_transformers.py: end -->"
@@ -42,22 +43,10 @@ VARIANTS = {
 }
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def config(quick: bool):
@@ -187,18 +176,7 @@ def main():
             diff = abs(loss - ref_loss) / abs(ref_loss)
             lines.append(f"| {short} | {label(v, impl)} | {peak / 2**20:.0f} | {ours_peak / max(peak, 1):.3f} | "
                          f"{secs:.2f} | {secs / ours_time:.2f}× | {diff:.1e} |")
-    lines += ["", END]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        old = open(args.markdown).read() if os.path.exists(args.markdown) else ""
-        if BEGIN in old and END in old:
-            new = old[:old.index(BEGIN)] + text.rstrip("\n") + old[old.index(END) + len(END):]
-        else:
-            new = old.rstrip("\n") + "\n\n" + text
-        with open(args.markdown, "w") as f:
-            f.write(new)
-        print(f"wrote {args.markdown}", file=sys.stderr)
+    emit(lines, BEGIN, END, args.markdown)
 
 
 if __name__ == "__main__":

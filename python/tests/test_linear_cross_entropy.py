@@ -426,26 +426,11 @@ def test_the_plan_and_working_set_are_made_once_per_shape_and_options():
 
 
 def test_threads_sharing_the_cached_executor_neither_deadlock_nor_race():
-    import threading
+    from _threads import results_of_threads
 
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(64, 16, generator=g), torch.randn(100, 16, generator=g)
     t = torch.randint(0, 100, (64,), generator=g)
     want = F.cross_entropy(x @ w.T, t)
-    results, errors = [], []
-
-    def work():
-        try:
-            for _ in range(20):
-                results.append(linear_cross_entropy(x, w, t))
-        except BaseException as e:  # noqa: BLE001 -- reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=120)
-    assert not any(th.is_alive() for th in threads), "a thread is stuck"
-    assert not errors, errors
-    assert len(results) == 80 and all(torch.allclose(r, want, rtol=1e-5, atol=1e-6) for r in results)
+    results = results_of_threads(lambda: linear_cross_entropy(x, w, t), threads=4, steps=20)
+    assert all(torch.allclose(r, want, rtol=1e-5, atol=1e-6) for r in results)

@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import _moe_workers as workers  # noqa: E402
 from _spawn import WORLD, spawn  # noqa: E402
+from _threads import results_of_threads  # noqa: E402
 
 from flatpeak.torch import MoEExperts, moe_swiglu  # noqa: E402
 
@@ -135,35 +136,16 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 def test_threads_sharing_the_cached_executor_neither_deadlock_nor_race():
-    import threading
-
     x, ids, w, gate_up, down, _ = workers.global_problem(torch, 1, [32], "random", 13)
     want = moe_swiglu(x, ids, w, gate_up, down)
-    results, errors = [], []
-
-    def work():
-        try:
-            for _ in range(10):
-                results.append(moe_swiglu(x, ids, w, gate_up, down))
-        except BaseException as e:  # noqa: BLE001 -- reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=120)
-    assert not any(th.is_alive() for th in threads), "a thread is stuck"
-    assert not errors, errors
-    assert len(results) == 40 and all(torch.equal(r, want) for r in results)
+    results = results_of_threads(lambda: moe_swiglu(x, ids, w, gate_up, down), threads=4, steps=10)
+    assert all(torch.equal(r, want) for r in results)
 
 
 def test_threads_sharing_the_executor_at_a_size_whose_steps_split_on_the_pool():
     """The CPU executor runs on a rayon pool thread and splits its row operations there: calls
     from several Python threads on one cached executor (its lock taken before the pool) finish,
     each forward and backward bitwise the sequential one."""
-    import threading
-
     g = torch.Generator().manual_seed(5)
     t, h, i, e, k = 2048, 128, 128, 8, 2
     x = torch.randn(t, h, generator=g)
@@ -180,23 +162,7 @@ def test_threads_sharing_the_executor_at_a_size_whose_steps_split_on_the_pool():
         return [y.detach()] + [a.grad for a in leaves]
 
     want = step()
-    results, errors = [], []
-
-    def work():
-        try:
-            for _ in range(3):
-                results.append(step())
-        except BaseException as err:  # noqa: BLE001 -- reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=120)
-    assert not any(th.is_alive() for th in threads), "a thread is stuck"
-    assert not errors, errors
-    assert len(results) == 12
+    results = results_of_threads(step, threads=4, steps=3)
     assert all(torch.equal(a, b) for got in results for a, b in zip(got, want))
 
 
