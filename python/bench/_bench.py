@@ -4,6 +4,7 @@ markers."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import List, Optional
@@ -34,6 +35,16 @@ def peak_rss_bytes() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def section_arguments(doc: str) -> argparse.Namespace:
+    """The command line of a benchmark that writes one section of docs/torch.md: ``--quick``
+    (small shapes, to check it runs), ``--markdown PATH`` and ``--rounds N`` (default 2)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, to check the script runs")
+    parser.add_argument("--markdown", metavar="PATH", help="write this bench's section of PATH (docs/torch.md)")
+    parser.add_argument("--rounds", type=int, default=2)
+    return parser.parse_args()
 
 
 def write_section(path: str, begin: str, end: str, text: str) -> None:

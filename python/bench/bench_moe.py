@@ -17,7 +17,6 @@ in rounds, so the machine's slow spells fall on all of them alike.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import multiprocessing
 import os
@@ -25,7 +24,7 @@ import subprocess
 import tempfile
 import time
 
-from _bench import emit, peak_rss_bytes, reset_peak_rss, rss_bytes
+from _bench import emit, peak_rss_bytes, reset_peak_rss, rss_bytes, section_arguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BEGIN, END = "<!-- bench_moe.py: begin -->", "<!-- bench_moe.py: end -->"
@@ -157,11 +156,7 @@ LABELS = {
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes, to check the script runs")
-    parser.add_argument("--markdown", metavar="PATH", help="write this bench's section of PATH (docs/torch.md)")
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+    args = section_arguments(__doc__)
     shape = (256, 64, 32, 8, 2) if args.quick else (4096, 512, 256, 32, 4)
     reps = 1 if args.quick else 2
     rounds = 1 if args.quick else args.rounds

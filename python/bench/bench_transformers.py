@@ -22,13 +22,12 @@ transformers' own.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import subprocess
 import time
 
-from _bench import emit, peak_rss_bytes, reset_peak_rss, rss_bytes
+from _bench import emit, peak_rss_bytes, reset_peak_rss, rss_bytes, section_arguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BEGIN, END = "<!-- bench_transformers.py: begin -->", "<!-- bench_transformers.py: end -->"
@@ -129,11 +128,7 @@ def label(variant: str, experts_impl: str) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes, to check the script runs")
-    parser.add_argument("--markdown", metavar="PATH", help="write this bench's section of PATH (docs/torch.md)")
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+    args = section_arguments(__doc__)
     reps = 1 if args.quick else 2
     rounds = 1 if args.quick else args.rounds
     dtypes = ("float32", "bfloat16")
