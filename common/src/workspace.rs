@@ -34,13 +34,25 @@ struct CacheLine([u8; REGION_ALIGN]);
 /// Carving takes `&self` and hands out disjoint `&mut` slices (like an arena allocator);
 /// [`Workspace::reset`] takes `&mut self`, so it can only run once every slice is gone.
 pub struct Workspace {
-    /// Start of the reservation, from `Box::into_raw`; owned, freed in `Drop`.
+    /// Start of the reservation: from `Box::into_raw` (freed in `Drop`) or the caller's memory
+    /// ([`Workspace::from_raw`], never freed here), as `owner` says.
     lines: NonNull<[CacheLine]>,
+    owner: Owner,
     arena: RefCell<Arena>,
 }
 
-// SAFETY: `Workspace` uniquely owns its reservation (like a `Box<[u8]>`), and the slices it hands
-// out borrow it, so moving it to another thread moves sole access with it.
+/// Who frees a workspace's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Owner {
+    /// The workspace: it allocated the memory and frees it when dropped.
+    Workspace,
+    /// The caller of [`Workspace::from_raw`]: the memory outlives the workspace.
+    Caller,
+}
+
+// SAFETY: `Workspace` has sole access to its reservation, owned (like a `Box<[u8]>`) or lent for
+// its whole life under `from_raw`'s contract, and the slices it hands out borrow it, so moving
+// it to another thread moves sole access with it.
 unsafe impl Send for Workspace {}
 
 impl std::fmt::Debug for Workspace {
@@ -71,7 +83,28 @@ impl Workspace {
             unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, n_lines)) }
         };
         let lines = NonNull::from(Box::leak(boxed));
-        Ok(Self { lines, arena: RefCell::new(Arena::new(capacity)) })
+        Ok(Self { lines, owner: Owner::Workspace, arena: RefCell::new(Arena::new(capacity)) })
+    }
+
+    /// A workspace carved from the caller's `capacity` bytes at `ptr` (a framework's tensor),
+    /// which it neither zeroes nor frees. `ptr` must be aligned to 64 bytes
+    /// ([`Error::InvalidConfig`](crate::Error::InvalidConfig) otherwise); only whole 64-byte lines
+    /// are carved, so the capacity is rounded down to one.
+    ///
+    /// # Safety
+    /// For as long as the workspace lives, the `capacity` bytes at `ptr` must be valid for reads
+    /// and writes, initialised, and accessed by nothing else.
+    pub unsafe fn from_raw(ptr: NonNull<u8>, capacity: usize) -> Result<Self> {
+        if !(ptr.as_ptr() as usize).is_multiple_of(REGION_ALIGN) {
+            return Err(crate::Error::InvalidConfig {
+                field: "workspace address",
+                value: format!("{:#x}", ptr.as_ptr() as usize),
+                reason: "a multiple of 64 (a cache line)",
+            });
+        }
+        let n_lines = capacity / REGION_ALIGN;
+        let lines = NonNull::slice_from_raw_parts(ptr.cast::<CacheLine>(), n_lines);
+        Ok(Self { lines, owner: Owner::Caller, arena: RefCell::new(Arena::new(n_lines * REGION_ALIGN)) })
     }
 
     /// Carves `len` elements of `T`. Their contents are whatever the last user of those bytes
@@ -83,8 +116,9 @@ impl Workspace {
         // SAFETY: the arena returned `[offset, offset + bytes)` inside the reservation (it checks
         // `end <= capacity <= n_lines·64`), disjoint from every region carved since the last
         // `reset`, which needs `&mut self` and so cannot run while this borrow of `self` lives.
-        // The offset is 64-aligned and `align_of::<T>() <= 64`; every byte was initialised (zero
-        // or a previous `Pod` value) and any bit pattern is a valid `T: Pod`.
+        // The offset and the base are 64-aligned and `align_of::<T>() <= 64`; every byte was
+        // initialised (zero, a previous `Pod` value, or the caller's initialised bytes under
+        // `from_raw`) and any bit pattern is a valid `T: Pod`.
         unsafe {
             let ptr = base.add(region.offset()) as *mut T;
             Ok(std::slice::from_raw_parts_mut(ptr, region.len()))
@@ -120,8 +154,11 @@ impl Workspace {
 
 impl Drop for Workspace {
     fn drop(&mut self) {
-        // SAFETY: `lines` came from `Box::leak` in `new` and is freed only here, once; no
-        // carved slice can outlive `&self`, so none is alive now.
+        if self.owner == Owner::Caller {
+            return; // the caller's memory, lent for the workspace's life
+        }
+        // SAFETY: an owned `lines` came from `Box::leak` in `new` and is freed only here, once;
+        // no carved slice can outlive `&self`, so none is alive now.
         drop(unsafe { Box::from_raw(self.lines.as_ptr()) });
     }
 }
@@ -130,6 +167,24 @@ impl Drop for Workspace {
 mod tests {
     use super::*;
     use crate::Error;
+
+    #[test]
+    fn a_workspace_over_caller_memory_carves_it_and_leaves_it_to_the_caller() {
+        let mut backing = vec![CacheLine([7; REGION_ALIGN]); 4];
+        let ptr = NonNull::new(backing.as_mut_ptr().cast::<u8>()).unwrap();
+        // SAFETY: `backing` holds 256 initialised bytes, 64-aligned, untouched while `ws` lives.
+        let ws = unsafe { Workspace::from_raw(ptr, 4 * REGION_ALIGN + 10) }.unwrap();
+        assert_eq!(ws.capacity(), 4 * REGION_ALIGN); // whole lines only
+        let a = ws.take::<u32>(3).unwrap();
+        assert_eq!(a, [0x0707_0707; 3]); // not zeroed: the caller's bytes
+        a.fill(1);
+        assert!(ws.take::<u8>(4 * REGION_ALIGN).is_err());
+        drop(ws);
+        assert_eq!(&backing[0].0[..4], &[1, 0, 0, 0]); // written through, not freed
+        // SAFETY: the address is one byte past a 64-aligned one; refused before any access.
+        let odd = unsafe { Workspace::from_raw(ptr.add(1), 64) };
+        assert!(matches!(odd, Err(Error::InvalidConfig { field: "workspace address", .. })));
+    }
 
     #[test]
     fn carves_are_disjoint_and_aligned() {

@@ -21,14 +21,16 @@ use flatpeak_common::nccl::{DeviceCommunicator, NcclComm};
 use half::bf16;
 use llep::cuda::{CudaBuf, CudaOps};
 use llep::device::{DeviceInputs, DeviceOps};
-use llep::{DType, Device, Plan, Routing};
-use pyo3::exceptions::PyRuntimeError;
+use llep::{DType, Device, Mode, Plan, Routing};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 
 use crate::cuda::{Borrowed, borrow_on_or_empty, torch_stream};
 use crate::cuda_group::{agree_ready, borrow_slice, copy_prefix, cuda_states, enter, group_key, leave};
 use crate::error::{Refusal, to_py};
-use crate::moe::{ForwardStats, MoEArgs, MoEOptions, Sizes, agreed_shape, executor_for, locked};
+use crate::moe::{
+    Backward, CallTerms, ForwardStats, MoEArgs, MoEOptions, Sizes, agreed_shape, executor_for, locked,
+};
 use crate::tensor::{TensorDevice, TensorRef, TorchElement, checked, device_of};
 use crate::torch_group::{Comm, communicator, detached};
 
@@ -117,11 +119,18 @@ struct CudaTensors {
 fn prepare(
     py: Python<'_>,
     comm: &dyn Communicator,
-    args: &MoEArgs<'_>,
+    (options, args): (&MoEOptions, &MoEArgs<'_>),
     num_experts: Option<usize>,
     ordinal: usize,
 ) -> PyResult<(CudaTensors, llep::Shape)> {
+    let terms = CallTerms::new(options, Backward::Recomputing);
     let local = Sizes::of(args).and_then(|s| {
+        if options.config.mode == Mode::SaveActivations {
+            return Err(PyTypeError::new_err(
+                "activations='save' keeps its store in host memory and runs on CPU tensors: llep's CUDA \
+                 executor recomputes in backward (pass activations='recompute' for CUDA tensors)",
+            ));
+        }
         let (t, h, i, m, k) = (s.tokens, s.hidden, s.intermediate, s.local_experts, s.top_k);
         let ids = TensorRef::new("topk_ids (on the host)", &args.ids, &[Some(t), Some(k)])?;
         let weights = TensorRef::new("topk_weights (on the host)", &args.weights, &[Some(t), Some(k)])?;
@@ -142,7 +151,7 @@ fn prepare(
     });
     let local = local.map_err(|e| Refusal::from_py(py, e));
     let (tensors, sizes) = agree_on_inputs(comm, local).map_err(Refusal::into_py)?;
-    let shape = agreed_shape(comm, sizes, num_experts, true).map_err(Refusal::into_py)?;
+    let shape = agreed_shape(comm, sizes, (num_experts, true), terms).map_err(Refusal::into_py)?;
     Ok((tensors, shape))
 }
 
@@ -232,7 +241,7 @@ fn begin(
     let (ordinal, stream, key) = device_of_call(py, args, &group)?;
     let comm: Comm = Some(communicator(py, group)?);
     let host = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("no communicator"))?;
-    let (tensors, shape) = prepare(py, host, args, num_experts, ordinal)?;
+    let (tensors, shape) = prepare(py, host, (options, args), num_experts, ordinal)?;
     let plan = options.plan(shape)?;
     Ok(Begun { ordinal, stream, key, comm, tensors, shape, plan })
 }
@@ -285,7 +294,7 @@ pub fn moe_forward_cuda(
         *c = schedule.assignment().counts().load(e) as i64;
     }
     let rows = crate::moe::received_rows_high_water(&schedule, me);
-    Ok((schedule.rounds(), rows, rows * shape.hidden * shape.elem_bytes(), workspace))
+    Ok((schedule.rounds(), rows, rows * shape.hidden * shape.elem_bytes(), workspace, 0))
 }
 
 /// Backward on CUDA tensors from `grad_output` (`[T, H]`, the input's dtype, on the device):

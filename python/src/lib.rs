@@ -45,6 +45,7 @@ fn _flatpeak(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<moe::MoEOptions>()?;
     m.add_function(wrap_pyfunction!(moe::moe_forward, m)?)?;
     m.add_function(wrap_pyfunction!(moe::moe_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(moe::moe_saved_bytes, m)?)?;
     m.add_class::<offload::PySlotRing>()?;
     m.add_class::<adamw::AdamWOptions>()?;
     m.add_class::<adamw::Decision>()?;

@@ -14,9 +14,10 @@ use std::sync::Mutex;
 use flatpeak_common::comm::{agree_on_inputs, all_gather_words};
 use flatpeak_common::{Communicator, ErrorKind};
 use half::bf16;
+use llep::cpu::SavedActivations;
 use llep::{
-    Budget, Config, DType, Device, Executor, ExpertWeights, LayerElement, PairCap, Plan, RankInputs, Routing,
-    Schedule, Scheme, Shape, WeightLayout,
+    Budget, Config, DType, Device, Executor, ExpertWeights, LayerElement, Mode, PairCap, Plan, RankInputs,
+    Routing, Schedule, Scheme, Shape, WeightLayout,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -42,9 +43,12 @@ impl MoEOptions {
     /// `"standard"`), `pair_cap_rows` (q; `None`: the largest the budget holds),
     /// `budget_bytes` (`None`: 64 MiB above the least the shape runs in, one row per rank pair
     /// with its foreign expert slots), `max_tokens_factor` (α), `min_tokens_per_gemm` (m)
-    /// and `imbalance_threshold` (λ), with llep's defaults.
+    /// and `imbalance_threshold` (λ), with llep's defaults; `activations` is `"recompute"`
+    /// (llep's [`Mode::Checkpointed`]: forward keeps nothing, backward recomputes each round) or
+    /// `"save"` ([`Mode::SaveActivations`]: a forward that needs a gradient keeps its rows and
+    /// SwiGLU pre-activations for a backward without recompute).
     #[new]
-    #[pyo3(signature = (*, scheme="pipelined", pair_cap_rows=None, budget_bytes=None, max_tokens_factor=None, min_tokens_per_gemm=None, imbalance_threshold=None))]
+    #[pyo3(signature = (*, scheme="pipelined", pair_cap_rows=None, budget_bytes=None, max_tokens_factor=None, min_tokens_per_gemm=None, imbalance_threshold=None, activations="recompute"))]
     fn new(
         scheme: &str,
         pair_cap_rows: Option<usize>,
@@ -52,6 +56,7 @@ impl MoEOptions {
         max_tokens_factor: Option<f64>,
         min_tokens_per_gemm: Option<usize>,
         imbalance_threshold: Option<f64>,
+        activations: &str,
     ) -> PyResult<Self> {
         let scheme = match scheme {
             "pipelined" => Scheme::PipelinedLlep,
@@ -63,8 +68,18 @@ impl MoEOptions {
                 )));
             }
         };
+        let mode = match activations {
+            "recompute" => Mode::Checkpointed,
+            "save" => Mode::SaveActivations,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "activations: expected 'recompute' or 'save', got {other:?}"
+                )));
+            }
+        };
         let defaults = Config::default();
         let config = Config::with_scheme(scheme)
+            .mode(mode)
             .pair_cap(pair_cap_rows.map_or(PairCap::FitBudget, PairCap::Rows))
             .alpha(max_tokens_factor.unwrap_or(defaults.alpha))
             .min_chunk(min_tokens_per_gemm.unwrap_or(defaults.min_chunk))
@@ -88,6 +103,13 @@ impl MoEOptions {
 pub(crate) const DEFAULT_ROWS_BUDGET_BYTES: usize = 64 << 20;
 
 impl MoEOptions {
+    /// A digest of the options (the config and the budget), the same in every process of one
+    /// build: ranks compare it before they exchange anything (FNV-1a over their `Debug` form).
+    pub(crate) fn fingerprint(&self) -> u64 {
+        let text = format!("{:?} {:?}", self.config, self.budget_bytes);
+        text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    }
+
     /// The plan of one call's `shape` under these options' budget.
     pub(crate) fn plan(&self, shape: llep::Shape) -> PyResult<Plan> {
         let budget = match self.budget_bytes {
@@ -154,12 +176,55 @@ impl Sizes {
         Ok(Self { tokens: t, hidden: h, intermediate: two_i / 2, local_experts: m, top_k: k, dtype })
     }
 
-    /// T, H, I, M, k, E as given (0: not given), the dtype (1: bf16) and where the tensors are
-    /// (1: a CUDA device; the two paths run different exchanges), for the all-gather.
-    fn words(&self, experts: usize, on_cuda: bool) -> [u64; 8] {
+    /// T, H, I, M, k, E as given (0: not given), the dtype (1: bf16), where the tensors are
+    /// (1: a CUDA device; the two paths run different exchanges) and the call's terms, for the
+    /// all-gather.
+    fn words(&self, experts: usize, on_cuda: bool, terms: CallTerms) -> [u64; WORDS] {
         let (dtype, device) = (usize::from(self.dtype == DType::Bf16), usize::from(on_cuda));
-        [self.tokens, self.hidden, self.intermediate, self.local_experts, self.top_k, experts, dtype, device]
-            .map(|v| v as u64)
+        let sizes = [
+            self.tokens,
+            self.hidden,
+            self.intermediate,
+            self.local_experts,
+            self.top_k,
+            experts,
+            dtype,
+            device,
+        ]
+        .map(|v| v as u64);
+        let mut words = [0u64; WORDS];
+        words[..8].copy_from_slice(&sizes);
+        words[8] = terms.options;
+        words[9] = u64::from(terms.backward == Backward::FromSaved);
+        words
+    }
+}
+
+/// Words each rank contributes to the agreement of a call.
+const WORDS: usize = 10;
+
+/// What a backward runs from: the exchanges differ (a saved backward dispatches dY rows only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Backward {
+    /// Recomputing each round (and every forward: its exchanges do not depend on what it keeps).
+    Recomputing,
+    /// From the activations a saving forward kept.
+    FromSaved,
+}
+
+/// The terms every rank of a call must share besides its tensors' sizes: the options (the plan,
+/// and so every exchange, follows from them) and what a backward runs from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CallTerms {
+    /// [`MoEOptions::fingerprint`].
+    pub(crate) options: u64,
+    pub(crate) backward: Backward,
+}
+
+impl CallTerms {
+    /// The terms of a call of `options` whose backward (if it is one) runs as `backward`.
+    pub(crate) fn new(options: &MoEOptions, backward: Backward) -> Self {
+        Self { options: options.fingerprint(), backward }
     }
 }
 
@@ -168,12 +233,12 @@ impl Sizes {
 pub(crate) fn agreed_shape(
     comm: &dyn Communicator,
     mine: Sizes,
-    experts: Option<usize>,
-    on_cuda: bool,
+    (experts, on_cuda): (Option<usize>, bool),
+    terms: CallTerms,
 ) -> Result<Shape, Refusal> {
     let p = comm.world_size();
-    let words = all_gather_words(comm, &mine.words(experts.unwrap_or(0), on_cuda))?;
-    let ranks: Vec<&[u64]> = words.chunks_exact(8).collect();
+    let words = all_gather_words(comm, &mine.words(experts.unwrap_or(0), on_cuda, terms))?;
+    let ranks: Vec<&[u64]> = words.chunks_exact(WORDS).collect();
     let names = ["hidden", "intermediate", "E_local", "top_k", "num_experts"];
     for (r, w) in ranks.iter().enumerate() {
         if w[7] != ranks[0][7] {
@@ -201,6 +266,25 @@ pub(crate) fn agreed_shape(
                 kind: ErrorKind::Value,
                 message: format!("rank {r} passed {} where rank 0 passed {}", show(w), show(ranks[0])),
             });
+        }
+    }
+    for (r, w) in ranks.iter().enumerate() {
+        if w[8] != ranks[0][8] {
+            let message = format!(
+                "rank {r} passed other options than rank 0 (scheme, pair_cap_rows, budget_bytes, activations, ...): \
+                 every rank of the group must pass the same"
+            );
+            return Err(Refusal { kind: ErrorKind::Value, message });
+        }
+        if w[9] != ranks[0][9] {
+            let runs = |word: u64| if word == 1 { "from saved activations" } else { "recomputing" };
+            let message = format!(
+                "rank {r}'s backward runs {} where rank 0's runs {}: every rank's forward must keep the same \
+                 (the same activations= and a gradient needed on every rank)",
+                runs(w[9]),
+                runs(ranks[0][9])
+            );
+            return Err(Refusal { kind: ErrorKind::Value, message });
         }
     }
     let experts = experts.unwrap_or(mine.local_experts * p);
@@ -262,20 +346,20 @@ impl<T: TorchElement> Tensors<T> {
 }
 
 /// What a forward reports: `(rounds, recv_high_water_rows, recv_high_water_bytes,
-/// workspace_bytes)`.
-pub(crate) type ForwardStats = (usize, usize, usize, usize);
+/// workspace_bytes, saved_bytes)`.
+pub(crate) type ForwardStats = (usize, usize, usize, usize, usize);
 
-/// The checks every rank agrees on, then the plan's executor (cached) for the agreed shape.
+/// The checks every rank agrees on, then the agreed shape.
 fn prepare<T: TorchElement>(
     py: Python<'_>,
     comm: &dyn Communicator,
-    args: &MoEArgs<'_>,
-    num_experts: Option<usize>,
+    (args, num_experts): (&MoEArgs<'_>, Option<usize>),
+    terms: CallTerms,
 ) -> PyResult<(Tensors<T>, Shape)> {
     let local = Sizes::of(args).and_then(|s| Tensors::<T>::new(args, s).map(|t| (t, s)));
     let local = local.map_err(|e| Refusal::from_py(py, e));
     let (tensors, sizes) = agree_on_inputs(comm, local).map_err(Refusal::into_py)?;
-    let shape = agreed_shape(comm, sizes, num_experts, false).map_err(Refusal::into_py)?;
+    let shape = agreed_shape(comm, sizes, (num_experts, false), terms).map_err(Refusal::into_py)?;
     Ok((tensors, shape))
 }
 
@@ -299,18 +383,59 @@ pub(crate) fn locked(options: &MoEOptions) -> std::sync::MutexGuard<'_, Option<E
     options.executor.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// What a forward keeps for its backward.
+#[derive(Debug, Clone, Copy)]
+enum Keep {
+    /// Nothing: its backward recomputes, or no backward follows.
+    Nothing,
+    /// Its received rows, routes and SwiGLU pre-activations, in this `uint8` tensor of
+    /// [`moe_saved_bytes`] ([`SavedActivations::from_raw`]).
+    Activations(TensorRef<u8>),
+}
+
+/// `tensor` (argument `name`) as a saved-activation store: a contiguous CPU `uint8` tensor whose
+/// data starts on a 64-byte line (as a fresh `torch.empty` does).
+fn store_tensor(name: &'static str, tensor: &Bound<'_, PyAny>) -> PyResult<TensorRef<u8>> {
+    let bytes = TensorRef::<u8>::new(name, tensor, &[None])?;
+    // SAFETY: only the address is read.
+    let address = unsafe { bytes.as_slice() }.as_ptr() as usize;
+    if bytes.len() > 0 && !address.is_multiple_of(64) {
+        return Err(PyValueError::new_err(format!(
+            "{name}: data pointer {address:#x} is not on a 64-byte line (pass a fresh torch.empty(..., dtype=torch.uint8), not a slice of one)"
+        )));
+    }
+    Ok(bytes)
+}
+
+/// The store over `bytes` (a `uint8` tensor the Python frame holds for the call, read or
+/// written by nothing else meanwhile).
+fn store_over(schedule: &Schedule, rank: usize, bytes: TensorRef<u8>) -> llep::Result<SavedActivations> {
+    // SAFETY: the caller's frame keeps the tensor alive and untouched for the call (the store
+    // lives inside it); a tensor's bytes are initialised; `from_raw` checks length and alignment.
+    unsafe {
+        let slice = bytes.as_mut_slice();
+        let ptr = std::ptr::NonNull::new(slice.as_mut_ptr()).unwrap_or(std::ptr::NonNull::dangling());
+        SavedActivations::from_raw(schedule, rank, ptr, slice.len())
+    }
+}
+
 fn forward_typed<T: TorchElement + LayerElement>(
     py: Python<'_>,
     options: &MoEOptions,
     comm: &mut Comm,
     (args, num_experts): (&MoEArgs<'_>, Option<usize>),
-    (y_out, counts_out): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
+    (y_out, counts_out, saved_out): (&Bound<'_, PyAny>, &Bound<'_, PyAny>, Option<&Bound<'_, PyAny>>),
 ) -> PyResult<ForwardStats> {
     let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
-    let (tensors, shape) = prepare::<T>(py, group, args, num_experts)?;
+    let terms = CallTerms::new(options, Backward::Recomputing);
+    let (tensors, shape) = prepare::<T>(py, group, (args, num_experts), terms)?;
     let n = tensors.ids.len() / shape.top_k.max(1);
     let y_out = TensorRef::<f32>::new("y_out", y_out, &[Some(n), Some(shape.hidden)])?;
     let counts_out = TensorRef::<i64>::new("counts_out", counts_out, &[Some(shape.experts)])?;
+    let keep = match saved_out {
+        None => Keep::Nothing,
+        Some(t) => Keep::Activations(store_tensor("saved_out", t)?),
+    };
     let plan = options.plan(shape)?;
     let ran = detached_in_pool(
         py,
@@ -321,11 +446,17 @@ fn forward_typed<T: TorchElement + LayerElement>(
             // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
             let inputs = unsafe { tensors.inputs() };
             let schedule = executor.schedule(comm, &inputs.routing)?;
-            let y = executor.forward(comm, &schedule, &inputs)?;
-            Ok((y, schedule, comm.rank(), executor.workspace_bytes()))
+            let (y, kept) = match keep {
+                Keep::Nothing => (executor.forward(comm, &schedule, &inputs)?, 0),
+                Keep::Activations(bytes) => {
+                    let mut saved = store_over(&schedule, comm.rank(), bytes)?;
+                    (executor.forward_saving(comm, &schedule, &inputs, &mut saved)?, saved.bytes())
+                }
+            };
+            Ok((y, kept, schedule, comm.rank(), executor.workspace_bytes()))
         },
     )?;
-    let (y, schedule, me, workspace) = ran.map_err(to_py)?;
+    let (y, kept, schedule, me, workspace) = ran.map_err(to_py)?;
     // SAFETY: both outputs were made by the caller for this call and are read by nothing else.
     let (y_dst, counts_dst) = unsafe { (y_out.as_mut_slice(), counts_out.as_mut_slice()) };
     y_dst.copy_from_slice(&y);
@@ -333,7 +464,60 @@ fn forward_typed<T: TorchElement + LayerElement>(
         *c = schedule.assignment().counts().load(e) as i64;
     }
     let rows = received_rows_high_water(&schedule, me);
-    Ok((schedule.rounds(), rows, rows * shape.hidden * shape.elem_bytes(), workspace))
+    Ok((schedule.rounds(), rows, rows * shape.hidden * shape.elem_bytes(), workspace, kept))
+}
+
+/// Bytes of the `uint8` tensor a saving forward of these inputs keeps its activations in
+/// (options made with `activations="save"`): this rank's received rows, routes and
+/// pre-activations under the routing, agreed with the group as a forward agrees.
+#[pyfunction]
+#[pyo3(signature = (options, group, args, num_experts))]
+pub fn moe_saved_bytes(
+    py: Python<'_>,
+    options: &MoEOptions,
+    group: Option<Bound<'_, PyAny>>,
+    args: MoEArgs<'_>,
+    num_experts: Option<usize>,
+) -> PyResult<usize> {
+    let mut comm = Some(communicator(py, group)?);
+    let is_bf16 = args.x.getattr("dtype")?.str()? == "torch.bfloat16";
+    if is_bf16 {
+        saved_bytes_typed::<bf16>(py, options, &mut comm, (&args, num_experts))
+    } else {
+        saved_bytes_typed::<f32>(py, options, &mut comm, (&args, num_experts))
+    }
+}
+
+fn saved_bytes_typed<T: TorchElement + LayerElement>(
+    py: Python<'_>,
+    options: &MoEOptions,
+    comm: &mut Comm,
+    (args, num_experts): (&MoEArgs<'_>, Option<usize>),
+) -> PyResult<usize> {
+    let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
+    let terms = CallTerms::new(options, Backward::Recomputing);
+    let (tensors, shape) = prepare::<T>(py, group, (args, num_experts), terms)?;
+    let plan = options.plan(shape)?;
+    detached_in_pool(
+        py,
+        comm,
+        || locked(options),
+        |comm, cached| -> llep::Result<_> {
+            let executor = executor_for(cached, plan, Device::Cpu)?;
+            // SAFETY: the Python frame holds the routing tensors for this call; nothing writes them.
+            let inputs = unsafe { tensors.inputs() };
+            let schedule = executor.schedule(comm, &inputs.routing)?;
+            match schedule.config().mode {
+                Mode::SaveActivations => Ok(SavedActivations::bytes_for(&schedule, comm.rank())),
+                Mode::Checkpointed => Err(llep::Error::invalid_config(
+                    "mode",
+                    Mode::Checkpointed,
+                    "Mode::SaveActivations (options made with activations='save')",
+                )),
+            }
+        },
+    )?
+    .map_err(to_py)
 }
 
 /// The most rows rank `me` receives in one round.
@@ -347,21 +531,29 @@ pub(crate) fn received_rows_high_water(schedule: &Schedule, me: usize) -> usize 
 
 /// Forward: writes `y` (`[T, H]` float32) into `y_out` and the global routes per expert
 /// (`[E]` int64) into `counts_out`; returns `(rounds, recv_high_water_rows,
-/// recv_high_water_bytes, workspace_bytes)`.
+/// recv_high_water_bytes, workspace_bytes, saved_bytes)`. With a `saved_out` tensor (`uint8`,
+/// at least [`moe_saved_bytes`]; options made with `activations="save"`) it keeps there what
+/// [`moe_backward`] reads instead of recomputing.
 #[pyfunction]
-#[pyo3(signature = (options, group, args, num_experts, y_out, counts_out))]
+#[pyo3(signature = (options, group, args, num_experts, outputs))]
 pub fn moe_forward(
     py: Python<'_>,
     options: &MoEOptions,
     group: Option<Bound<'_, PyAny>>,
     args: MoEArgs<'_>,
     num_experts: Option<usize>,
-    y_out: Bound<'_, PyAny>,
-    counts_out: Bound<'_, PyAny>,
+    outputs: (Bound<'_, PyAny>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
 ) -> PyResult<ForwardStats> {
+    let (y_out, counts_out, saved_out) = outputs;
+    if saved_out.is_some() && options.config.mode == Mode::Checkpointed {
+        return Err(PyValueError::new_err(
+            "saved_out: these options recompute in backward; keeping activations needs options made with \
+             activations='save'",
+        ));
+    }
     let mut comm = Some(communicator(py, group)?);
     let is_bf16 = args.x.getattr("dtype")?.str()? == "torch.bfloat16";
-    let outputs = (&y_out, &counts_out);
+    let outputs = (&y_out, &counts_out, saved_out.as_ref());
     if is_bf16 {
         forward_typed::<bf16>(py, options, &mut comm, (&args, num_experts), outputs)
     } else {
@@ -373,11 +565,14 @@ fn backward_typed<T: TorchElement + LayerElement>(
     py: Python<'_>,
     options: &MoEOptions,
     comm: &mut Comm,
-    (args, num_experts, dy): (&MoEArgs<'_>, Option<usize>, &Bound<'_, PyAny>),
+    (args, num_experts): (&MoEArgs<'_>, Option<usize>),
+    (dy, saved): (&Bound<'_, PyAny>, Option<&Bound<'_, PyAny>>),
     grads_out: [&Bound<'_, PyAny>; 4],
 ) -> PyResult<()> {
     let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
-    let (tensors, shape) = prepare::<T>(py, group, args, num_experts)?;
+    let saved = saved.map(|t| store_tensor("saved", t)).transpose()?;
+    let from = if saved.is_some() { Backward::FromSaved } else { Backward::Recomputing };
+    let (tensors, shape) = prepare::<T>(py, group, (args, num_experts), CallTerms::new(options, from))?;
     let (h, i, m, k) = (shape.hidden, shape.intermediate, shape.local_experts(), shape.top_k);
     let n = tensors.ids.len() / k.max(1);
     let dy = TensorRef::<T>::new("grad_output", dy, &[Some(n), Some(h)])?;
@@ -396,7 +591,13 @@ fn backward_typed<T: TorchElement + LayerElement>(
             // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
             let (inputs, dy) = unsafe { (tensors.inputs(), dy.as_slice()) };
             let schedule = executor.schedule(comm, &inputs.routing)?;
-            executor.backward(comm, &schedule, &inputs, dy)
+            match saved {
+                Some(bytes) => {
+                    let mut store = store_over(&schedule, comm.rank(), bytes)?;
+                    executor.backward_saved(comm, &schedule, &inputs, dy, &mut store)
+                }
+                None => executor.backward(comm, &schedule, &inputs, dy),
+            }
         },
     )?
     .map_err(to_py)?;
@@ -411,25 +612,30 @@ fn backward_typed<T: TorchElement + LayerElement>(
     Ok(())
 }
 
-/// Backward from `grad_output` (`[T, H]`, the input's dtype): writes dX, d(topk_weights),
-/// d(gate_up_proj) and d(down_proj) into the float32 tensors `grads_out`.
+/// Backward from `upstream = (grad_output, saved)`: `grad_output` `[T, H]` in the input's
+/// dtype; `saved`, the `uint8` tensor a saving forward of these inputs kept its activations in
+/// (read, not changed: it serves another backward too), or `None` to recompute each round.
+/// Writes dX, d(topk_weights), d(gate_up_proj) and d(down_proj) into the float32 tensors
+/// `grads_out`.
 #[pyfunction]
-#[pyo3(signature = (options, group, args, num_experts, grad_output, grads_out))]
+#[pyo3(signature = (options, group, args, num_experts, upstream, grads_out))]
 pub fn moe_backward(
     py: Python<'_>,
     options: &MoEOptions,
     group: Option<Bound<'_, PyAny>>,
     args: MoEArgs<'_>,
     num_experts: Option<usize>,
-    grad_output: Bound<'_, PyAny>,
+    upstream: (Bound<'_, PyAny>, Option<Bound<'_, PyAny>>),
     grads_out: (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>),
 ) -> PyResult<()> {
+    let (grad_output, saved) = (&upstream.0, upstream.1.as_ref());
     let mut comm = Some(communicator(py, group)?);
     let is_bf16 = args.x.getattr("dtype")?.str()? == "torch.bfloat16";
     let grads = [&grads_out.0, &grads_out.1, &grads_out.2, &grads_out.3];
+    let call = (&args, num_experts);
     if is_bf16 {
-        backward_typed::<bf16>(py, options, &mut comm, (&args, num_experts, &grad_output), grads)
+        backward_typed::<bf16>(py, options, &mut comm, call, (grad_output, saved), grads)
     } else {
-        backward_typed::<f32>(py, options, &mut comm, (&args, num_experts, &grad_output), grads)
+        backward_typed::<f32>(py, options, &mut comm, call, (grad_output, saved), grads)
     }
 }

@@ -114,11 +114,22 @@ def correctness(rank: int, world: int, init_file: str):
                                              f"round, above the plan's P*q = {world * q}")
                     out.append((tuple(tokens), profile, stats.rounds, stats.recv_high_water_rows,
                                 stats.workspace_bytes, int(stats.tokens_per_expert.sum())))
-    # bf16: no worse than twice the naive bf16 layer's error + 1e-2.
-    errors, _ = run_rank(torch, dist, rank, world, [12] * world, "hot", "pipelined", 9, torch.bfloat16,
-                         pair_cap_rows=q)
-    if errors["y"] > 2e-2 or errors["dx"] > 5e-2:
-        raise AssertionError(f"bf16 errors {errors}")
+    # activations="save": backward from what each rank's forward kept, ranks of different T.
+    for profile in ("balanced", "hot"):
+        errors, stats = run_rank(torch, dist, rank, world, [13, 0, 7, 16][:world], profile, "pipelined", 7,
+                                 pair_cap_rows=q, activations="save")
+        for name, err in errors.items():
+            if err > (1e-4 if name.startswith("d_") and name != "d_weights" else 1e-5):
+                raise AssertionError(f"activations='save' {profile}: {name} relative error {err:.2e}")
+        if stats.saved_bytes <= 0:
+            raise AssertionError(f"activations='save' {profile}: nothing kept ({stats})")
+    # bf16: no worse than twice the naive bf16 layer's error + 1e-2, recomputing or from saved bf16
+    # pre-activations.
+    for activations in ("recompute", "save"):
+        errors, _ = run_rank(torch, dist, rank, world, [12] * world, "hot", "pipelined", 9, torch.bfloat16,
+                             pair_cap_rows=q, activations=activations)
+        if errors["y"] > 2e-2 or errors["dx"] > 5e-2:
+            raise AssertionError(f"bf16 errors ({activations}) {errors}")
     return out
 
 
@@ -143,6 +154,8 @@ def bad_input(rank: int, world: int, init_file: str):
          lambda a: a.update(hidden_states=torch.randn(6, H + 1), gate_up_proj=torch.randn(E_LOCAL, 2 * I, H + 1),
                             down_proj=torch.randn(E_LOCAL, H + 1, I)),
          ValueError, r"rank \d passed hidden=17"),
+        ("other options on rank 1", 1, lambda a: a.update(activations="save"),
+         ValueError, r"rank 1 passed other options than rank 0"),
     ]
     seen = []
     for what, bad_rank, edit, exc, pattern in cases:

@@ -38,7 +38,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
     errors = {r: p for r, (s, p) in reports.items() if s != "ok"}
     assert not errors, "\n".join(f"rank {r}:\n{p}" for r, p in errors.items())
     for rank, (_, (seen, shape)) in reports.items():
-        assert len(seen) == 4 and shape == (6, workers.H), (rank, seen, shape)
+        assert len(seen) == 5 and shape == (6, workers.H), (rank, seen, shape)
 
 
 def test_a_dead_rank_makes_the_others_raise_instead_of_hanging():
@@ -55,14 +55,16 @@ def dense(torch_, x, ids, w, gate_up, down):
     return workers.reference(torch_, x, ids, w, gate_up, down, torch.zeros(x.shape))[0]
 
 
+@pytest.mark.parametrize("activations", ["recompute", "save"])
 @pytest.mark.parametrize("scheme", ["pipelined", "llep", "standard"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_process_matches_the_reference_in_batch_shape(scheme, dtype):
+def test_one_process_matches_the_reference_in_batch_shape(scheme, dtype, activations):
     x, ids, w, gate_up, down, dy = workers.global_problem(torch, 2, [10, 10], "hot", 11, dtype)
     x3, ids3, w3, dy3 = x.reshape(4, 5, -1), ids.reshape(4, 5, -1), w.reshape(4, 5, -1), dy.reshape(4, 5, -1)
     leaves = [t.detach().clone().requires_grad_() for t in (x3, w3, gate_up, down)]
     y, stats = moe_swiglu(leaves[0], ids3, leaves[1], leaves[2], leaves[3], scheme=scheme, pair_cap_rows=4,
-                          return_stats=True)
+                          activations=activations, return_stats=True)
+    assert (stats.saved_bytes > 0) == (activations == "save"), stats
     assert y.shape == x3.shape and y.dtype == dtype
     (y.float() * dy3.float()).sum().backward()
     y_ref, grads = workers.reference(torch, x, ids, w, gate_up, down, dy.float())
@@ -106,6 +108,81 @@ def test_bad_input_in_one_process_names_the_argument():
         moe_swiglu(x, ids, w, gate_up, down, scheme="fast")
     with pytest.raises(ValueError, match=r"num_experts"):
         moe_swiglu(x, ids, w, gate_up, down, num_experts=3)
+
+
+def test_saved_activations_are_kept_only_for_a_gradient_and_serve_every_backward():
+    """activations="save": a forward without a gradient keeps nothing; a retained graph's second
+    backward reads the same store and gives the same gradients; the y is bitwise the recomputing
+    layer's and the gradients agree to rounding."""
+    x, ids, w, gate_up, down, dy = workers.global_problem(torch, 1, [24], "random", 5)
+    with torch.no_grad():
+        y0, stats0 = moe_swiglu(x, ids, w, gate_up, down, activations="save", return_stats=True)
+    assert stats0.saved_bytes == 0
+    runs = {}
+    for activations in ("recompute", "save"):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, gate_up, down)]
+        y, stats = moe_swiglu(leaves[0], ids, leaves[1], leaves[2], leaves[3], activations=activations,
+                              return_stats=True)
+        (y * dy).sum().backward(retain_graph=True)
+        first = [leaf.grad.clone() for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
+        (y * dy).sum().backward()
+        assert all(torch.equal(a, leaf.grad) for a, leaf in zip(first, leaves)), activations
+        runs[activations] = (y.detach(), first, stats)
+    assert torch.equal(runs["save"][0], runs["recompute"][0]) and torch.equal(runs["save"][0], y0)
+    assert runs["save"][2].saved_bytes > 0
+    for a, b in zip(runs["save"][1], runs["recompute"][1]):
+        assert workers.rel(a, b) <= 1e-5
+
+
+def test_the_saved_store_is_a_saved_tensor_that_hooks_may_move():
+    """The store goes through torch's saved-tensor hooks like any saved tensor (so checkpointing
+    drops it and offloading moves it); a backward from a copy the hook returns is unchanged."""
+    x, ids, w, gate_up, down, dy = workers.global_problem(torch, 1, [24], "hot", 8)
+    grads = {}
+    for copy in (False, True):
+        packed = []
+
+        def pack(t):
+            packed.append((t.dtype, t.numel()))
+            return t.clone() if copy else t
+
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, gate_up, down)]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y, stats = moe_swiglu(leaves[0], ids, leaves[1], leaves[2], leaves[3], activations="save",
+                                  return_stats=True)
+        assert (torch.uint8, stats.saved_bytes) in packed
+        (y * dy).sum().backward()
+        grads[copy] = [leaf.grad for leaf in leaves]
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+def test_saved_activations_refuse_what_they_cannot_serve():
+    from flatpeak import _flatpeak as ext
+
+    x, ids, w, gate_up, down, dy = workers.global_problem(torch, 1, [6], "random", 1)
+    with pytest.raises(ValueError, match=r"activations: expected one of \('recompute', 'save'\), got 'keep'"):
+        moe_swiglu(x, ids, w, gate_up, down, activations="keep")
+    args = (x, ids, w.float(), gate_up, down)
+    saving = ext.MoEOptions(activations="save")
+    nbytes = ext.moe_saved_bytes(saving, None, args, None)
+    y, counts = torch.empty(x.shape), torch.empty((gate_up.shape[0],), dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"saved_out: these options recompute in backward"):
+        ext.moe_forward(ext.MoEOptions(), None, args, None, (y, counts, torch.zeros(nbytes, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match=rf"saved-activation store \(bytes\): expected {nbytes}, got {nbytes - 64}"):
+        ext.moe_forward(saving, None, args, None, (y, counts, torch.zeros(nbytes - 64, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match=r"saved_out: data pointer 0x[0-9a-f]+ is not on a 64-byte line"):
+        ext.moe_forward(saving, None, args, None, (y, counts, torch.zeros(nbytes + 1, dtype=torch.uint8)[1:]))
+    grads = (torch.empty(x.shape), torch.empty(w.shape), torch.empty(gate_up.shape), torch.empty(down.shape))
+    # A store no forward filled: refused, naming what it lacks, before any gradient is written.
+    with pytest.raises(ValueError, match=r"rounds of the saved forward"):
+        ext.moe_backward(saving, None, args, None, (dy, torch.zeros(nbytes, dtype=torch.uint8)), grads)
+    # Options made to save run a recomputing backward only through the saving path.
+    with pytest.raises(ValueError, match=r"Mode::Checkpointed"):
+        ext.moe_backward(saving, None, args, None, (dy, None), grads)
+    with pytest.raises(ValueError, match=r"Mode::SaveActivations"):
+        ext.moe_saved_bytes(ext.MoEOptions(), None, args, None)
 
 
 class TinyMoE(torch.nn.Module):
@@ -185,6 +262,9 @@ def test_cuda_tensors_match_the_cpu_path(dtype):
     bound = 1e-4 if dtype == torch.float32 else 3e-2
     for got, want in zip(run("cuda"), run("cpu")):
         assert workers.rel(got, want) <= bound
+    # The saved-activation store lives in host memory: CUDA tensors are refused, saying so.
+    with pytest.raises(TypeError, match=r"activations='save' .* runs on CPU tensors"):
+        moe_swiglu(x.cuda(), ids.cuda(), w.cuda(), gate_up.cuda(), down.cuda(), activations="save")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device and flatpeak built with `cuda`")

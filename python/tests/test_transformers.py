@@ -52,6 +52,27 @@ def test_loss_and_every_gradient_equal_the_unpatched_model(model_type, items):
     assert not grads_match(ref, patched)
 
 
+@pytest.mark.parametrize(("model_type", "offload_checkpoints"),
+                         [(m, False) for m in MODEL_TYPES] + [("qwen3_moe", True)])
+def test_saved_expert_activations_give_the_unpatched_gradients(model_type, offload_checkpoints):
+    """expert_activations="save": the experts keep their rows and pre-activations (a tensor saved
+    for backward, which offloaded checkpoints drop and recompute with the rest) for a backward
+    without recompute."""
+    ref = hf.tiny_model(model_type)
+    patched = fpt.apply(copy.deepcopy(ref), expert_activations="save", offload_checkpoints=offload_checkpoints)
+    ref.train()
+    patched.train()
+    ids, labels = hf.batch(2)
+    a = ref(input_ids=ids, labels=labels, use_cache=False)
+    b = patched(input_ids=ids, labels=labels, use_cache=False)
+    assert hf.rel(b.loss, a.loss) <= 1e-5, (a.loss, b.loss)
+    kept = [m.flatpeak_stats.saved_bytes for m in patched.modules() if hasattr(m, "flatpeak_stats")]
+    assert kept and all(k > 0 for k in kept), kept
+    a.loss.backward()
+    b.loss.backward()
+    assert not grads_match(ref, patched)
+
+
 def test_shift_labels_are_honoured_when_passed():
     ref = hf.tiny_model("qwen3_moe")
     patched = fpt.apply(copy.deepcopy(ref))
@@ -188,6 +209,10 @@ def test_unsupported_models_and_bad_arguments_are_refused():
         fpt.apply(model)
     with pytest.raises(ValueError, match="needs experts=True"):
         fpt.apply(hf.tiny_model("qwen3_moe"), experts=False, group=object())
+    untouched = hf.tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match="expert_activations: expected 'recompute' or 'save', got 'all'"):
+        fpt.apply(untouched, expert_activations="all")
+    assert getattr(untouched, "_flatpeak_patch", None) is None
 
 
 @pytest.mark.parametrize("world", [2, 4])

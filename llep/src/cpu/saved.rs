@@ -4,10 +4,12 @@
 //! and [`Executor::backward_saved`](crate::Executor::backward_saved), which dispatch dY only and
 //! run each expert's backward from what was kept (six GEMMs per group, no recompute).
 //!
-//! Memory: the store of rank d is [`Schedule::saved_bytes`]`(d)` =
-//! `Σ_s R[s][d]·(H·b + 8·k) + 2·L_d·I·b + 4·(K + 1)` bytes (b bytes per element of the storage
-//! type; rows received over all rounds, routes computed there), reserved once per schedule and held from forward to backward; at
-//! most [`Buffers::saved_activation_bytes`](crate::Buffers::saved_activation_bytes) for this K.
+//! Memory: the store of rank d is a 64-byte header (which forward filled it) and
+//! [`Schedule::saved_bytes`]`(d)` = `Σ_s R[s][d]·(H·b + 8·k) + 2·L_d·I·b + 4·(K + 1)` bytes (b
+//! bytes per element of the storage type; rows received over all rounds, routes computed there),
+//! reserved once per schedule and held from forward to backward
+//! ([`SavedActivations::bytes_for`]); the part past the header is at most
+//! [`Buffers::saved_activation_bytes`](crate::Buffers::saved_activation_bytes) for this K.
 //! Unlike the dispatch buffers it grows with the routing: this is the larger bound the
 //! checkpointed mode avoids. The per-round workspace is the checkpointed one's
 //! ([`Schedule::buffers`]).
@@ -24,21 +26,74 @@ use crate::plan::RouteMeta;
 use crate::schedule::Schedule;
 
 /// What one rank's forward keeps for backward in [`Mode::SaveActivations`]: a reservation of
-/// [`Schedule::saved_bytes`] made before the forward, filled by
+/// [`SavedActivations::bytes_for`] made before the forward (a header that records which forward
+/// filled it, then [`Schedule::saved_bytes`] laid out as [`Schedule::saved_regions`]), filled by
 /// [`Executor::forward_saving`](crate::Executor::forward_saving), read by
-/// [`Executor::backward_saved`](crate::Executor::backward_saved).
+/// [`Executor::backward_saved`](crate::Executor::backward_saved). The store may be the crate's
+/// own ([`SavedActivations::new`]) or the caller's memory ([`SavedActivations::from_raw`]: a
+/// framework's tensor, which its autograd then keeps, offloads or drops as it does any
+/// saved tensor); the header travels with the bytes.
 #[derive(Debug)]
 pub struct SavedActivations {
     store: Workspace,
-    /// (rank, rounds, rows, routes) of the forward that filled the store.
-    filled: Option<[usize; 4]>,
 }
+
+/// The header's words: a tag, then (rank, rounds, rows, routes) of the forward that filled the
+/// store; all zero before one did.
+const HEADER_WORDS: usize = 5;
+/// A store's length is a whole number of these (cache lines).
+const LINE: usize = 64;
+/// "llepsave" in ASCII: a header a saving forward wrote.
+const FILLED_TAG: u64 = u64::from_be_bytes(*b"llepsave");
 
 impl SavedActivations {
     /// Reserves rank `rank`'s store for `plan` (a plan in [`Mode::SaveActivations`]).
     pub fn new(plan: &Schedule, rank: usize) -> Result<Self> {
         check_mode(plan)?;
-        Ok(Self { store: Workspace::new(plan.saved_bytes(rank))?, filled: None })
+        Ok(Self { store: Workspace::new(Self::bytes_for(plan, rank))? })
+    }
+
+    /// A store over the caller's `len` bytes at `ptr`, at least [`bytes_for`](Self::bytes_for)
+    /// and 64-byte aligned: empty for a saving forward to fill when `ptr` is fresh (zeroed, or
+    /// any bytes but a filled header), or the store a saving forward filled, for its backward.
+    ///
+    /// # Safety
+    /// For as long as the store lives, the `len` bytes at `ptr` must be valid for reads and
+    /// writes, initialised, and accessed by nothing else; and the bytes past a filled header must
+    /// be those its forward left (a backward reads their route tables as written).
+    pub unsafe fn from_raw(
+        plan: &Schedule,
+        rank: usize,
+        ptr: std::ptr::NonNull<u8>,
+        len: usize,
+    ) -> Result<Self> {
+        check_mode(plan)?;
+        let needed = Self::bytes_for(plan, rank);
+        if len < needed {
+            return Err(Error::Common(flatpeak_common::Error::ShapeMismatch {
+                what: "saved-activation store (bytes)",
+                expected: needed,
+                got: len,
+            }));
+        }
+        // SAFETY: the caller lends `len` initialised bytes at `ptr`, accessed by nothing else, for
+        // the store's life; `from_raw` checks the alignment.
+        Ok(Self { store: unsafe { Workspace::from_raw(ptr, len)? } })
+    }
+
+    /// Bytes rank `rank`'s store takes for `plan`: the header and [`Schedule::saved_bytes`],
+    /// aligned, in whole 64-byte lines (what [`from_raw`](Self::from_raw) carves); 0 when
+    /// checkpointed.
+    pub fn bytes_for(plan: &Schedule, rank: usize) -> usize {
+        match plan.config().mode {
+            Mode::Checkpointed => 0,
+            Mode::SaveActivations => {
+                let mut regions = vec![HEADER_WORDS * 8];
+                regions.extend(plan.saved_regions(rank));
+                let bytes = flatpeak_common::Arena::bytes_for(&regions).unwrap_or(usize::MAX);
+                bytes.checked_next_multiple_of(LINE).unwrap_or(usize::MAX)
+            }
+        }
     }
 
     /// Bytes reserved.
@@ -51,8 +106,9 @@ impl SavedActivations {
     }
 }
 
-/// The store's regions, carved as [`Schedule::saved_regions`] lays them out.
+/// The store's regions: the header, then [`Schedule::saved_regions`].
 struct StoreParts<'s> {
+    header: &'s mut [u64],
     x: HostBuf<'s>,
     meta: &'s mut [RouteMeta],
     gate: HostBuf<'s>,
@@ -60,11 +116,29 @@ struct StoreParts<'s> {
     route_start: &'s mut [u32],
 }
 
+/// (rank, rounds, rows, routes) of the forward that filled the store whose header this is, if
+/// one did.
+fn read_stamp(header: &[u64]) -> Option<[usize; 4]> {
+    (header[0] == FILLED_TAG).then(|| std::array::from_fn(|i| header[i + 1] as usize))
+}
+
+/// Marks the store filled by the forward of `stamp` (`None`: by none).
+fn write_stamp(header: &mut [u64], stamp: Option<[usize; 4]>) {
+    header.fill(0);
+    if let Some(stamp) = stamp {
+        header[0] = FILLED_TAG;
+        for (word, v) in header[1..].iter_mut().zip(stamp) {
+            *word = v as u64;
+        }
+    }
+}
+
 fn carve<'s>(store: &'s mut Workspace, plan: &Schedule, rank: usize) -> Result<StoreParts<'s>> {
     store.reset();
     let store: &'s Workspace = store;
     let s = plan.shape();
     let [_, rounds, rows, routes] = SavedActivations::stamp(plan, rank);
+    let header = store.take(HEADER_WORDS)?;
     // Rows and pre-activations in the storage type, as `Schedule::saved_regions` sizes them.
     let rows_of = |len: usize| -> Result<HostBuf<'s>> {
         Ok(match s.dtype {
@@ -75,7 +149,7 @@ fn carve<'s>(store: &'s mut Workspace, plan: &Schedule, rank: usize) -> Result<S
     let x = rows_of(rows * s.hidden)?;
     let meta = store.take(rows * s.top_k)?;
     let (gate, up) = (rows_of(routes * s.intermediate)?, rows_of(routes * s.intermediate)?);
-    Ok(StoreParts { x, meta, gate, up, route_start: store.take(rounds + 1)? })
+    Ok(StoreParts { header, x, meta, gate, up, route_start: store.take(rounds + 1)? })
 }
 
 fn check_mode(plan: &Schedule) -> Result<()> {
@@ -90,6 +164,21 @@ fn check_mode(plan: &Schedule) -> Result<()> {
     }
 }
 
+/// The first word of `filled` that differs from `planned` (all of them, when no forward filled
+/// the store: the rounds reported), with its name.
+fn check_stamp(filled: Option<[usize; 4]>, planned: [usize; 4]) -> Option<(usize, &'static str)> {
+    const NAMES: [&str; 4] = [
+        "rank of the saved forward",
+        "rounds of the saved forward",
+        "rows the saved forward received",
+        "routes the saved forward computed",
+    ];
+    match filled {
+        None => Some((1, NAMES[1])),
+        Some(f) => (0..4).find(|&i| f[i] != planned[i]).map(|i| (i, NAMES[i])),
+    }
+}
+
 /// The saving forward on the host, its buffers from `ws` (reset), its store `saved`.
 pub(crate) fn forward_saving<C: Communicator + ?Sized, T: LayerElement>(
     comm: &C,
@@ -101,13 +190,14 @@ pub(crate) fn forward_saving<C: Communicator + ?Sized, T: LayerElement>(
     check_mode(plan)?;
     let ops = host_ops(comm, ws, plan, inputs)?;
     let me = comm.rank();
-    saved.filled = None;
-    let StoreParts { mut x, meta, mut gate, mut up, route_start } = carve(&mut saved.store, plan, me)?;
+    let StoreParts { header, mut x, meta, mut gate, mut up, route_start } =
+        carve(&mut saved.store, plan, me)?;
+    write_stamp(header, None); // a forward that fails leaves no store a backward would read
     let mut store = Store { x: &mut x, meta, gate: &mut gate, up: &mut up, route_start };
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
     let y = device::forward_saving(&ops, ws, plan, &dev, &mut store)?.into_vec()?;
-    saved.filled = Some(SavedActivations::stamp(plan, me));
+    write_stamp(header, Some(SavedActivations::stamp(plan, me)));
     Ok(y)
 }
 
@@ -125,16 +215,14 @@ pub(crate) fn backward_saved<C: Communicator + ?Sized, T: LayerElement>(
     check_dy(plan, inputs, dy)?;
     let me = comm.rank();
     let stamp = SavedActivations::stamp(plan, me);
-    if saved.filled != Some(stamp) {
-        let found = saved.filled.map_or(0, |f| f[1]);
-        return Err(Error::ScheduleMismatch {
-            what: "rounds of the saved forward",
-            planned: stamp[1],
-            found,
-        });
-    }
     // Carving again finds the same regions, as the forward left them.
-    let StoreParts { mut x, meta, mut gate, mut up, route_start } = carve(&mut saved.store, plan, me)?;
+    let StoreParts { header, mut x, meta, mut gate, mut up, route_start } =
+        carve(&mut saved.store, plan, me)?;
+    let filled = read_stamp(header);
+    if let Some((i, what)) = check_stamp(filled, stamp) {
+        let found = filled.map_or(0, |f| f[i]);
+        return Err(Error::ScheduleMismatch { what, planned: stamp[i], found });
+    }
     let mut store = Store { x: &mut x, meta, gate: &mut gate, up: &mut up, route_start };
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);

@@ -218,7 +218,7 @@ pub fn run_saved(problem: &Problem, config: &Config) -> Vec<llep::Result<RankRun
             let y = layer.forward_saving(comm, &plan, &inputs, &mut saved)?;
             let grads = layer.backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut saved)?;
             Ok(RankRun {
-                workspace_bytes: bufs.workspace_bytes() + plan.saved_bytes(me),
+                workspace_bytes: bufs.workspace_bytes() + cpu::SavedActivations::bytes_for(&plan, me),
                 high_water: layer.high_water() + saved.bytes(),
                 plan,
                 y,

@@ -6,7 +6,9 @@ Two ``torch.library.custom_op`` ops carry it -- ``flatpeak::moe_swiglu_forward``
 loss has. The schedule runs in Rust; every exchange of it goes through the caller's process group
 (``all_to_all_single`` with split sizes), so the group's backend (gloo on CPUs) carries it.
 Backward recomputes each round's expert forward (the layer is checkpointed: forward keeps
-nothing but its inputs).
+nothing but its inputs); with ``activations="save"`` a forward that needs a gradient keeps its
+received rows and SwiGLU pre-activations instead (a ``uint8`` tensor a ``torch.autograd.Function``
+saves for backward, run eagerly), and backward runs no recompute.
 
 Expert ``e`` lives on rank ``e // E_local`` of the group; each rank passes its own tokens (any
 number, zero included) and its ``E_local`` experts' weights in Hugging Face transformers' fused
@@ -22,6 +24,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import _flatpeak as _ext
 from ._groups import cuda_entry as _cuda_entry
@@ -31,15 +34,17 @@ from ._groups import world_size as _world_size
 from ._lce_common import _once_differentiable
 
 _SCHEMES = ("pipelined", "llep", "standard")
+_ACTIVATIONS = ("recompute", "save")
+
 
 @functools.lru_cache(maxsize=64)
 def _options(scheme: str, pair_cap_rows: Optional[int], budget_bytes: Optional[int],
              max_tokens_factor: Optional[float], min_tokens_per_gemm: Optional[int],
-             imbalance_threshold: Optional[float]) -> "_ext.MoEOptions":
+             imbalance_threshold: Optional[float], activations: str) -> "_ext.MoEOptions":
     """The checked options, one object (and so one cached plan and working set) per setting."""
     return _ext.MoEOptions(scheme=scheme, pair_cap_rows=pair_cap_rows, budget_bytes=budget_bytes,
                            max_tokens_factor=max_tokens_factor, min_tokens_per_gemm=min_tokens_per_gemm,
-                           imbalance_threshold=imbalance_threshold)
+                           imbalance_threshold=imbalance_threshold, activations=activations)
 
 
 class MoEStats(NamedTuple):
@@ -56,6 +61,9 @@ class MoEStats(NamedTuple):
     recv_high_water_bytes: int
     #: The working set the plan reserved on this rank, fixed before any routing is known.
     workspace_bytes: int
+    #: Bytes this forward kept for backward (``activations="save"`` with a gradient needed; 0 when
+    #: backward recomputes). Unlike the working set it follows the routing.
+    saved_bytes: int = 0
 
 
 @torch.library.custom_op("flatpeak::moe_swiglu_forward", mutates_args=())
@@ -73,9 +81,10 @@ def _forward(
     max_tokens_factor: Optional[float],
     min_tokens_per_gemm: Optional[int],
     imbalance_threshold: Optional[float],
+    activations: str,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     options = _options(scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm,
-                       imbalance_threshold)
+                       imbalance_threshold, activations)
     pg = _group(group)
     experts = num_experts or gate_up_proj.shape[0] * _world_size(pg)
     device = hidden_states.device
@@ -90,16 +99,17 @@ def _forward(
                              y, counts)
     else:
         stats = _ext.moe_forward(options, pg, (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
-                                 num_experts or None, y, counts)
+                                 num_experts or None, (y, counts, None))
     return y.to(hidden_states.dtype), counts.to(device), torch.tensor(stats, dtype=torch.int64, device=device)
 
 
 @_forward.register_fake
 def _forward_fake(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, group, num_experts, scheme,
-                  pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm, imbalance_threshold):
+                  pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm, imbalance_threshold,
+                  activations):
     experts = num_experts or gate_up_proj.shape[0] * _world_size(_group(group))
     return (torch.empty_like(hidden_states), hidden_states.new_empty((experts,), dtype=torch.int64),
-            hidden_states.new_empty((4,), dtype=torch.int64))
+            hidden_states.new_empty((len(MoEStats._fields) - 1,), dtype=torch.int64))
 
 
 @torch.library.custom_op("flatpeak::moe_swiglu_backward", mutates_args=())
@@ -118,9 +128,10 @@ def _backward(
     max_tokens_factor: Optional[float],
     min_tokens_per_gemm: Optional[int],
     imbalance_threshold: Optional[float],
+    activations: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     options = _options(scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm,
-                       imbalance_threshold)
+                       imbalance_threshold, activations)
     f32 = dict(dtype=torch.float32, device=hidden_states.device)
     dx = torch.empty(hidden_states.shape, **f32)
     dw = torch.empty(topk_weights.shape, **f32)
@@ -134,14 +145,14 @@ def _backward(
                       dy, (dx, dw, dgu, dd))
     else:
         _ext.moe_backward(options, _group(group), (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
-                          num_experts or None, dy, (dx, dw, dgu, dd))
+                          num_experts or None, (dy, None), (dx, dw, dgu, dd))
     return dx.to(hidden_states.dtype), dw, dgu.to(gate_up_proj.dtype), dd.to(down_proj.dtype)
 
 
 @_backward.register_fake
 def _backward_fake(grad_output, hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, group,
                    num_experts, scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm,
-                   imbalance_threshold):
+                   imbalance_threshold, activations):
     return (torch.empty_like(hidden_states), torch.empty_like(topk_weights), torch.empty_like(gate_up_proj),
             torch.empty_like(down_proj))
 
@@ -164,6 +175,51 @@ def _backward_autograd(ctx, grad_y, _grad_counts, _grad_stats):
 _forward.register_autograd(_backward_autograd, setup_context=_setup_context)
 
 
+class _SavingSwiGLU(torch.autograd.Function):
+    """``activations="save"`` on CPU tensors: the forward keeps its rows and pre-activations in a
+    ``uint8`` tensor saved for backward like any other (so checkpointing and saved-tensor hooks
+    drop, offload or recompute it as they do the rest), and backward reads it instead of
+    recomputing."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, group, num_experts, options):
+        pg = _group(group)
+        experts = num_experts or gate_up_proj.shape[0] * _world_size(pg)
+        y = torch.empty(hidden_states.shape, dtype=torch.float32)
+        counts = torch.empty((experts,), dtype=torch.int64)
+        args = (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj)
+        opts = _options(*options)
+        store = torch.empty(_ext.moe_saved_bytes(opts, pg, args, num_experts or None), dtype=torch.uint8)
+        stats = _ext.moe_forward(opts, pg, args, num_experts or None, (y, counts, store))
+        ctx.save_for_backward(*args, store)
+        ctx.call = (group, num_experts, options)
+        stats = torch.tensor(stats, dtype=torch.int64)
+        ctx.mark_non_differentiable(counts, stats)
+        return y.to(hidden_states.dtype), counts, stats
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y, _grad_counts, _grad_stats):
+        hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, store = ctx.saved_tensors
+        group, num_experts, options = ctx.call
+        dx = torch.empty(hidden_states.shape, dtype=torch.float32)
+        dw = torch.empty(topk_weights.shape, dtype=torch.float32)
+        dgu = torch.empty(gate_up_proj.shape, dtype=torch.float32)
+        dd = torch.empty(down_proj.shape, dtype=torch.float32)
+        dy = grad_y.to(hidden_states.dtype).contiguous()
+        _ext.moe_backward(_options(*options), _group(group),
+                          (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj), num_experts or None,
+                          (dy, store), (dx, dw, dgu, dd))
+        return (dx.to(hidden_states.dtype), None, dw, dgu.to(gate_up_proj.dtype), dd.to(down_proj.dtype),
+                None, None, None)
+
+
+@torch.compiler.disable
+def _saving(*args):
+    """:class:`_SavingSwiGLU` (eager: its store is not a tensor a compiled graph can carry)."""
+    return _SavingSwiGLU.apply(*args)
+
+
 def moe_swiglu(
     hidden_states: Tensor,
     topk_ids: Tensor,
@@ -179,6 +235,7 @@ def moe_swiglu(
     max_tokens_factor: Optional[float] = None,
     min_tokens_per_gemm: Optional[int] = None,
     imbalance_threshold: Optional[float] = None,
+    activations: str = "recompute",
     return_stats: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, MoEStats]]:
     r"""The SwiGLU experts of a Mixture-of-Experts layer, expert-parallel over ``group``, exact.
@@ -206,6 +263,15 @@ def moe_swiglu(
             largest pair cap whose buffers fit it, before any routing is known.
         max_tokens_factor, min_tokens_per_gemm, imbalance_threshold: the least-loaded
             assignment's alpha, minimum chunk and imbalance threshold (llep's defaults).
+        activations: what forward keeps for backward. ``"recompute"``: nothing but its inputs
+            (checkpointed; backward re-dispatches each round and recomputes its experts' forward,
+            12 GEMMs per expert group in all instead of 9): the layer's memory is the plan's
+            working set, whatever the routing. ``"save"``: a forward that needs a gradient keeps
+            this rank's received rows and their SwiGLU pre-activations (``saved_bytes`` of
+            :class:`MoEStats`, at most ``rows x (H + 4I)`` elements, following the routing) until
+            backward, which then dispatches only dY and runs no recompute; CPU tensors only, run
+            eagerly (``torch.compile`` runs it outside the graph). Every rank passes the same.
+            Results are bitwise the same either way.
         return_stats: also return a :class:`MoEStats`.
 
     Bad input on any rank (an id out of range, shapes or dtypes that differ between ranks, E not
@@ -214,6 +280,8 @@ def moe_swiglu(
     """
     if scheme not in _SCHEMES:
         raise ValueError(f"scheme: expected one of {_SCHEMES}, got {scheme!r}")
+    if activations not in _ACTIVATIONS:
+        raise ValueError(f"activations: expected one of {_ACTIVATIONS}, got {activations!r}")
     for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
                     ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
         if not isinstance(t, Tensor):
@@ -232,14 +300,19 @@ def moe_swiglu(
     # The routing weights as float32 (a bf16 router's [T, k] widened: autograd narrows their
     # gradient back).
     weights = topk_weights.reshape(-1, k).to(torch.float32).contiguous()
-    y, counts, stats = torch.ops.flatpeak.moe_swiglu_forward(
-        x, ids, weights, gate_up_proj, down_proj, _handle(group), int(num_experts or 0), scheme, pair_cap_rows,
-        budget_bytes, max_tokens_factor, min_tokens_per_gemm, imbalance_threshold)
+    options = (scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm, imbalance_threshold,
+               activations)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, gate_up_proj, down_proj))
+    if activations == "save" and needs_grad and not x.is_cuda:
+        y, counts, stats = _saving(x, ids, weights, gate_up_proj, down_proj, _handle(group), int(num_experts or 0),
+                                   options)
+    else:
+        y, counts, stats = torch.ops.flatpeak.moe_swiglu_forward(
+            x, ids, weights, gate_up_proj, down_proj, _handle(group), int(num_experts or 0), *options)
     y = y.reshape(hidden_states.shape)
     if not return_stats:
         return y
-    rounds, rows, nbytes, workspace = (int(v) for v in stats.tolist())
-    return y, MoEStats(counts, rounds, rows, nbytes, workspace)
+    return y, MoEStats(counts, *(int(v) for v in stats.tolist()))
 
 
 class MoEExperts(torch.nn.Module):
@@ -256,7 +329,7 @@ class MoEExperts(torch.nn.Module):
         if num_experts <= 0 or num_experts % world:
             raise ValueError(f"num_experts={num_experts} must be a positive multiple of the group size {world}")
         if set(options) - {"scheme", "pair_cap_rows", "budget_bytes", "max_tokens_factor", "min_tokens_per_gemm",
-                           "imbalance_threshold"}:
+                           "imbalance_threshold", "activations"}:
             raise TypeError(f"unexpected options {sorted(options)}")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.group, self.options = group, options

@@ -120,7 +120,7 @@ def _shard_experts(module: torch.nn.Module, name: str, group) -> None:
 
 
 def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, offload_checkpoints: bool = False,
-          group=None, budget_bytes: Optional[int] = None) -> torch.nn.Module:
+          group=None, budget_bytes: Optional[int] = None, expert_activations: str = "recompute") -> torch.nn.Module:
     """Patches a transformers MoE causal LM in place and returns it.
 
     Args:
@@ -140,6 +140,10 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
             :func:`flatpeak.torch.offload_checkpoints` (checkpointed, each layer's input kept by
             sco's slot ring in host memory); leave transformers' own gradient checkpointing off.
         budget_bytes: the working-set budget of the loss and the dispatch (default: theirs).
+        expert_activations: what the experts' forward keeps for backward (``activations`` of
+            :func:`flatpeak.torch.moe_swiglu`): ``"recompute"`` (nothing; the experts' memory is
+            the plan's working set) or ``"save"`` (their rows and pre-activations, for a backward
+            without recompute: faster, and memory that follows the routing).
 
     Raises:
         ValueError: an unsupported ``model_type``, a model that is not a causal LM, experts that
@@ -154,6 +158,8 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
         raise ValueError(f"{type(model).__name__} is not a causal LM (no lm_head/model): pass the *ForCausalLM model")
     if getattr(model, "_flatpeak_patch", None) is not None:
         raise ValueError(f"{type(model).__name__} is already patched by flatpeak.transformers.apply")
+    if expert_activations not in ("recompute", "save"):
+        raise ValueError(f"expert_activations: expected 'recompute' or 'save', got {expert_activations!r}")
     patch = _Patch(model, loss, experts, group, budget_bytes)
     modules = _experts_modules(model)
     if experts:
@@ -168,6 +174,7 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
                 _shard_experts(module, name, group)
         for _, module in modules:
             module._flatpeak_budget_bytes = budget_bytes
+            module._flatpeak_activations = expert_activations
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     elif group is not None:
         raise ValueError("group= shards the experts: it needs experts=True")

@@ -39,7 +39,8 @@ def experts_forward(module: torch.nn.Module, hidden_states: Tensor, top_k_index:
     out, stats = moe_swiglu(hidden_states.contiguous(), top_k_index, top_k_weights, module.gate_up_proj,
                             module.down_proj, group=getattr(module, "_flatpeak_group", None),
                             num_experts=getattr(module, "_flatpeak_num_experts", None),
-                            budget_bytes=getattr(module, "_flatpeak_budget_bytes", None), return_stats=True)
+                            budget_bytes=getattr(module, "_flatpeak_budget_bytes", None),
+                            activations=getattr(module, "_flatpeak_activations", "recompute"), return_stats=True)
     # The last call's MoEStats (routes per expert, rounds, receive high water, working set), for
     # load-balancing and measurements: `module.flatpeak_stats`.
     module.flatpeak_stats = stats
