@@ -196,6 +196,67 @@ fn saved_activations_misuse_is_a_typed_error() {
     }
 }
 
+/// A store over the caller's memory (`SavedActivations::from_raw`, how a framework keeps it as a
+/// tensor) serves a backward from a copy of its bytes elsewhere (a saved tensor an offload hook
+/// moved): y and the gradients are bitwise those of the crate's own store; a store too small is
+/// a typed error.
+#[test]
+fn a_store_in_caller_memory_serves_a_backward_from_a_copy_of_its_bytes() {
+    use flatpeak_common::{Communicator, Device, LocalGroup, LocalGroupOptions};
+    use llep::Executor;
+    use llep::cpu::SavedActivations;
+    use std::ptr::NonNull;
+
+    /// 64-byte aligned caller memory, as a tensor's.
+    #[derive(Clone, Copy, bytemuck::Zeroable, bytemuck::Pod)]
+    #[repr(C, align(64))]
+    struct Line([u8; 64]);
+    fn lines(bytes: usize) -> Vec<Line> {
+        vec![Line([0; 64]); bytes.div_ceil(64)]
+    }
+    fn ptr(v: &mut [Line]) -> NonNull<u8> {
+        NonNull::new(v.as_mut_ptr().cast::<u8>()).unwrap()
+    }
+
+    let problem = Problem::new(shape(2, 2), Ids::Random, 17);
+    let config = small_config(Scheme::PipelinedLlep).mode(Mode::SaveActivations);
+    let out = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
+        Ok((|| -> llep::Result<_> {
+            let me = comm.rank();
+            let inputs = problem.inputs(me);
+            let launch = llep::Plan::new(&config, problem.shape, llep::Budget::Unlimited).expect("plan");
+            let mut layer = Executor::new(launch, Device::Cpu)?;
+            let plan = layer.schedule(comm, &inputs.routing)?;
+            let bytes = SavedActivations::bytes_for(&plan, me);
+            assert_eq!(bytes % 64, 0);
+            let mut owned = SavedActivations::new(&plan, me)?;
+            let y_owned = layer.forward_saving(comm, &plan, &inputs, &mut owned)?;
+            let g_owned = layer.backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut owned)?;
+            let mut memory = lines(bytes);
+            // SAFETY: `memory` is 64-aligned, initialised, `bytes` long and untouched while the store lives.
+            let mut lent = unsafe { SavedActivations::from_raw(&plan, me, ptr(&mut memory), bytes)? };
+            let y_lent = layer.forward_saving(comm, &plan, &inputs, &mut lent)?;
+            drop(lent);
+            let mut moved = memory.clone();
+            drop(memory);
+            // SAFETY: as above, for the copy.
+            let mut from_copy = unsafe { SavedActivations::from_raw(&plan, me, ptr(&mut moved), bytes)? };
+            let g_copy = layer.backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut from_copy)?;
+            drop(from_copy);
+            let mut short = lines(bytes - 64);
+            // SAFETY: as above; refused before any access for its length.
+            let too_small =
+                unsafe { SavedActivations::from_raw(&plan, me, ptr(&mut short), bytes - 64) }.map(|_| ());
+            Ok((y_owned == y_lent, g_owned == g_copy, too_small))
+        })())
+    });
+    for r in out {
+        let (same_y, same_grads, too_small) = r.unwrap().unwrap();
+        assert!(same_y && same_grads);
+        assert!(matches!(too_small, Err(llep::Error::Common(flatpeak_common::Error::ShapeMismatch { .. }))));
+    }
+}
+
 /// Duplicate ids in one token's top-k are routes of their own, and together they are the one
 /// route with the summed weight: moving every duplicate's weight onto the token's first slot
 /// with that expert (the duplicate keeps its id at weight 0) leaves y, dX, the expert
