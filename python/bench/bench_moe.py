@@ -9,7 +9,10 @@ The baseline: every routed row sent to its expert's rank with
 ``torch.distributed.nn.functional.all_to_all_single`` (autograd through the exchange), the rank's
 experts as a loop of ``F.linear`` over the rows sorted by expert, the reverse exchange, and the
 rows weighted and summed per token; flatpeak: ``moe_swiglu(..., scheme="pipelined")`` with its
-working-set budget of 64 MiB (the largest pair cap whose buffers fit) and of 16 MiB. Each variant runs in its own group of processes (peak RSS is a high-water mark): per rank,
+working-set budget of 64 MiB (the largest pair cap whose buffers fit) and of 16 MiB, recomputing
+in backward, and at 64 MiB with ``activations="save"`` (the rows and pre-activations kept for
+backward, as the baseline's autograd keeps its own). Each variant runs in its own group of
+processes (peak RSS is a high-water mark): per rank,
 the peak is the RSS high-water mark of one forward + backward above the RSS once the inputs exist
 (after a tiny warm-up call), the time the fastest of the repetitions. The variants run in turn,
 in rounds, so the machine's slow spells fall on all of them alike.
@@ -108,8 +111,10 @@ def worker(rank, world, init_file, variant, shape, profile, reps, queue):
         if variant == "baseline":
             y = baseline(torch, leaves[0], ids, leaves[1], leaves[2], leaves[3], group)
         else:
-            budget = (64 if variant == "flatpeak" else 16) << 20
-            y = moe_swiglu(leaves[0], ids, leaves[1], leaves[2], leaves[3], group=group, budget_bytes=budget)
+            budget = (16 if variant == "flatpeak_q" else 64) << 20
+            activations = "save" if variant == "flatpeak_save" else "recompute"
+            y = moe_swiglu(leaves[0], ids, leaves[1], leaves[2], leaves[3], group=group, budget_bytes=budget,
+                           activations=activations)
         y.square().mean().backward()
 
     # Warm-up at a tiny shape (libraries, the dispatcher's caches), then the inputs, then the peak.
@@ -152,6 +157,7 @@ LABELS = {
     "baseline": "all_to_all_single + `F.linear` per expert (torchtitan-style EP)",
     "flatpeak": "`moe_swiglu`, pipelined, 64 MiB budget",
     "flatpeak_q": "`moe_swiglu`, pipelined, `budget_bytes` = 16 MiB",
+    "flatpeak_save": "`moe_swiglu`, pipelined, 64 MiB budget, `activations=\"save\"` (no recompute)",
 }
 
 
@@ -160,7 +166,7 @@ def main():
     shape = (256, 64, 32, 8, 2) if args.quick else (4096, 512, 256, 32, 4)
     reps = 1 if args.quick else 2
     rounds = 1 if args.quick else args.rounds
-    variants = ["baseline", "flatpeak", "flatpeak_q"]
+    variants = ["baseline", "flatpeak", "flatpeak_q", "flatpeak_save"]
     results = {}
     for _ in range(rounds):
         for profile in ("balanced", "hot"):

@@ -9,7 +9,9 @@ The model is a ``Qwen3MoeForCausalLM`` built from its config (random weights, ne
 every decoder layer sparse, SwiGLU experts in transformers' fused layout. One step is
 ``model(input_ids=ids, labels=ids).loss.backward()``. The variants: transformers as it comes (its
 default experts implementation, named in the table, and ``CrossEntropyLoss`` on the
-``[batch, seq, vocab]`` logits), and the model after ``apply(model)`` (loss and experts), after
+``[batch, seq, vocab]`` logits), and the model after ``apply(model)`` (loss and experts; the
+experts recompute in backward), ``apply(model, expert_activations="save")`` (the experts keep their
+rows and pre-activations for backward instead), after
 ``apply(model, experts=False)`` (the loss alone), ``apply(model, loss=False)`` (the experts
 alone) and ``apply(model, offload_checkpoints=True)``. Each variant runs in its own process (peak
 RSS is a high-water mark), at one thread per CPU: the peak is the RSS high-water mark of the first
@@ -36,6 +38,7 @@ BEGIN, END = "<!-- bench_transformers.py: begin -->", "<!-- bench_transformers.p
 VARIANTS = {
     "transformers": None,
     "flatpeak": {},
+    "flatpeak_save": {"expert_activations": "save"},
     "loss": {"experts": False},
     "experts": {"loss": False},
     "offload": {"offload_checkpoints": True},
@@ -121,6 +124,7 @@ def label(variant: str, experts_impl: str) -> str:
     return {
         "transformers": f"transformers as it comes (experts: `{experts_impl}`; loss: `CrossEntropyLoss` on the logits)",
         "flatpeak": "`flatpeak.transformers.apply(model)` (loss and experts)",
+        "flatpeak_save": "`apply(model, expert_activations=\"save\")` (experts keep their activations)",
         "loss": "`apply(model, experts=False)` (the loss alone)",
         "experts": "`apply(model, loss=False)` (the experts alone)",
         "offload": "`apply(model, offload_checkpoints=True)`",
