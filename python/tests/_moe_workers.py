@@ -184,6 +184,29 @@ def bad_input(rank: int, world: int, init_file: str):
     return (seen, tuple(y.shape))
 
 
+@reporting
+def saving_beside_a_rank_without_gradient(rank: int, world: int, init_file: str):
+    """activations="save" where rank 1 needs no gradient (it keeps nothing) and the others do:
+    every rank's forward runs the same exchanges and matches the reference; the group stays
+    usable."""
+    torch, dist = _init(rank, world, init_file)
+    from flatpeak.torch import moe_swiglu
+
+    x, ids, w, gate_up, down, dy = global_problem(torch, world, [6] * world, "hot", 4)
+    mine, experts = slice(6 * rank, 6 * rank + 6), slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    leaves = [t.detach().clone().requires_grad_(rank != 1) for t in (x[mine], w[mine], gate_up[experts], down[experts])]
+    y, stats = moe_swiglu(leaves[0], ids[mine], leaves[1], leaves[2], leaves[3], group=dist.group.WORLD,
+                          activations="save", return_stats=True)
+    y_ref, _ = reference(torch, x, ids, w, gate_up, down, dy.float())
+    if rel(y, y_ref[mine]) > 1e-5:
+        raise AssertionError(f"y relative error {rel(y, y_ref[mine]):.2e}")
+    if (stats.saved_bytes > 0) != (rank != 1):
+        raise AssertionError(f"rank {rank} kept {stats.saved_bytes} B")
+    with torch.no_grad():
+        again = moe_swiglu(x[mine], ids[mine], w[mine], gate_up[experts], down[experts], group=dist.group.WORLD)
+    return bool(torch.equal(again, y.detach()))
+
+
 def killed_rank(rank: int, world: int, init_file: str, queue) -> None:
     """The last rank dies as the others enter the op's exchanges: they raise RuntimeError
     within the group's timeout instead of hanging."""

@@ -41,6 +41,13 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
         assert len(seen) == 5 and shape == (6, workers.H), (rank, seen, shape)
 
 
+def test_saving_ranks_beside_one_without_a_gradient_run_the_same_exchanges():
+    reports = spawn(workers.saving_beside_a_rank_without_gradient)
+    errors = {r: p for r, (s, p) in reports.items() if s != "ok"}
+    assert not errors, "\n".join(f"rank {r}:\n{p}" for r, p in errors.items())
+    assert all(same for _, same in reports.values()), reports
+
+
 def test_a_dead_rank_makes_the_others_raise_instead_of_hanging():
     reports = spawn(workers.killed_rank, timeout=120, reporting=WORLD - 1)
     alive = {r: p for r, p in reports.items() if r != WORLD - 1}

@@ -98,8 +98,13 @@ def _forward(
         stats = forward_cuda(options, pg, (hidden_states, *routing, gate_up_proj, down_proj), num_experts or None,
                              y, counts)
     else:
-        stats = _ext.moe_forward(options, pg, (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
-                                 num_experts or None, (y, counts, None))
+        args = (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj)
+        if activations == "save":
+            # A saving forward asks for its store's size first: a rank that keeps nothing (no
+            # gradient needed here) makes the same collectives, so ranks never pair up
+            # different exchanges.
+            _ext.moe_saved_bytes(options, pg, args, num_experts or None)
+        stats = _ext.moe_forward(options, pg, args, num_experts or None, (y, counts, None))
     return y.to(hidden_states.dtype), counts.to(device), torch.tensor(stats, dtype=torch.int64, device=device)
 
 
