@@ -419,6 +419,31 @@ fn store_over(schedule: &Schedule, rank: usize, bytes: TensorRef<u8>) -> llep::R
     }
 }
 
+/// Runs `f` on the cached executor of `plan` (made for the CPU at first use) with the call's
+/// schedule, computed from `tensors`' routing with the group, inside the rayon pool with the
+/// GIL released (the executor's lock taken first, on this thread).
+fn on_schedule<T: TorchElement + LayerElement, R: Send>(
+    py: Python<'_>,
+    (options, comm): (&MoEOptions, &mut Comm),
+    (tensors, plan): (&Tensors<T>, Plan),
+    f: impl FnOnce(&mut Executor, &dyn Communicator, &Schedule, &RankInputs<'_, T>) -> llep::Result<R> + Send,
+) -> PyResult<R> {
+    detached_in_pool(
+        py,
+        comm,
+        || locked(options),
+        |comm, cached| -> llep::Result<R> {
+            let executor = executor_for(cached, plan, Device::Cpu)?;
+            // SAFETY: the Python frame holds every tensor of the call for its length; nothing
+            // writes the inputs meanwhile.
+            let inputs = unsafe { tensors.inputs() };
+            let schedule = executor.schedule(comm, &inputs.routing)?;
+            f(executor, comm, &schedule, &inputs)
+        },
+    )?
+    .map_err(to_py)
+}
+
 fn forward_typed<T: TorchElement + LayerElement>(
     py: Python<'_>,
     options: &MoEOptions,
@@ -437,34 +462,25 @@ fn forward_typed<T: TorchElement + LayerElement>(
         Some(t) => Keep::Activations(store_tensor("saved_out", t)?),
     };
     let plan = options.plan(shape)?;
-    let ran = detached_in_pool(
-        py,
-        comm,
-        || locked(options),
-        |comm, cached| -> llep::Result<_> {
-            let executor = executor_for(cached, plan, Device::Cpu)?;
-            // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
-            let inputs = unsafe { tensors.inputs() };
-            let schedule = executor.schedule(comm, &inputs.routing)?;
+    let (y, kept, counts, (rounds, rows), workspace) =
+        on_schedule(py, (options, comm), (&tensors, plan), |executor, comm, schedule, inputs| {
             let (y, kept) = match keep {
-                Keep::Nothing => (executor.forward(comm, &schedule, &inputs)?, 0),
+                Keep::Nothing => (executor.forward(comm, schedule, inputs)?, 0),
                 Keep::Activations(bytes) => {
-                    let mut saved = store_over(&schedule, comm.rank(), bytes)?;
-                    (executor.forward_saving(comm, &schedule, &inputs, &mut saved)?, saved.bytes())
+                    let mut saved = store_over(schedule, comm.rank(), bytes)?;
+                    (executor.forward_saving(comm, schedule, inputs, &mut saved)?, saved.bytes())
                 }
             };
-            Ok((y, kept, schedule, comm.rank(), executor.workspace_bytes()))
-        },
-    )?;
-    let (y, kept, schedule, me, workspace) = ran.map_err(to_py)?;
+            let counts: Vec<i64> =
+                (0..shape.experts).map(|e| schedule.assignment().counts().load(e) as i64).collect();
+            let rounds = (schedule.rounds(), received_rows_high_water(schedule, comm.rank()));
+            Ok((y, kept, counts, rounds, executor.workspace_bytes()))
+        })?;
     // SAFETY: both outputs were made by the caller for this call and are read by nothing else.
     let (y_dst, counts_dst) = unsafe { (y_out.as_mut_slice(), counts_out.as_mut_slice()) };
     y_dst.copy_from_slice(&y);
-    for (e, c) in counts_dst.iter_mut().enumerate() {
-        *c = schedule.assignment().counts().load(e) as i64;
-    }
-    let rows = received_rows_high_water(&schedule, me);
-    Ok((schedule.rounds(), rows, rows * shape.hidden * shape.elem_bytes(), workspace, kept))
+    counts_dst.copy_from_slice(&counts);
+    Ok((rounds, rows, rows * shape.hidden * shape.elem_bytes(), workspace, kept))
 }
 
 /// Bytes of the `uint8` tensor a saving forward of these inputs keeps its activations in
@@ -498,26 +514,14 @@ fn saved_bytes_typed<T: TorchElement + LayerElement>(
     let terms = CallTerms::new(options, Backward::Recomputing);
     let (tensors, shape) = prepare::<T>(py, group, (args, num_experts), terms)?;
     let plan = options.plan(shape)?;
-    detached_in_pool(
-        py,
-        comm,
-        || locked(options),
-        |comm, cached| -> llep::Result<_> {
-            let executor = executor_for(cached, plan, Device::Cpu)?;
-            // SAFETY: the Python frame holds the routing tensors for this call; nothing writes them.
-            let inputs = unsafe { tensors.inputs() };
-            let schedule = executor.schedule(comm, &inputs.routing)?;
-            match schedule.config().mode {
-                Mode::SaveActivations => Ok(SavedActivations::bytes_for(&schedule, comm.rank())),
-                Mode::Checkpointed => Err(llep::Error::invalid_config(
-                    "mode",
-                    Mode::Checkpointed,
-                    "Mode::SaveActivations (options made with activations='save')",
-                )),
-            }
-        },
-    )?
-    .map_err(to_py)
+    on_schedule(py, (options, comm), (&tensors, plan), |_, comm, schedule, _| match schedule.config().mode {
+        Mode::SaveActivations => Ok(SavedActivations::bytes_for(schedule, comm.rank())),
+        Mode::Checkpointed => Err(llep::Error::invalid_config(
+            "mode",
+            Mode::Checkpointed,
+            "Mode::SaveActivations (options made with activations='save')",
+        )),
+    })
 }
 
 /// The most rows rank `me` receives in one round.
@@ -582,25 +586,16 @@ fn backward_typed<T: TorchElement + LayerElement>(
     let dgu = TensorRef::<f32>::new("d_gate_up_proj", dgu, &[Some(m), Some(2 * i), Some(h)])?;
     let dd = TensorRef::<f32>::new("d_down_proj", dd, &[Some(m), Some(h), Some(i)])?;
     let plan = options.plan(shape)?;
-    let grads = detached_in_pool(
-        py,
-        comm,
-        || locked(options),
-        |comm, cached| -> llep::Result<_> {
-            let executor = executor_for(cached, plan, Device::Cpu)?;
-            // SAFETY: the Python frame holds every tensor for this call; nothing writes them.
-            let (inputs, dy) = unsafe { (tensors.inputs(), dy.as_slice()) };
-            let schedule = executor.schedule(comm, &inputs.routing)?;
-            match saved {
-                Some(bytes) => {
-                    let mut store = store_over(&schedule, comm.rank(), bytes)?;
-                    executor.backward_saved(comm, &schedule, &inputs, dy, &mut store)
-                }
-                None => executor.backward(comm, &schedule, &inputs, dy),
+    // SAFETY: the Python frame holds grad_output for this call; nothing writes it.
+    let dy = unsafe { dy.as_slice() };
+    let grads =
+        on_schedule(py, (options, comm), (&tensors, plan), |executor, comm, schedule, inputs| match saved {
+            Some(bytes) => {
+                let mut store = store_over(schedule, comm.rank(), bytes)?;
+                executor.backward_saved(comm, schedule, inputs, dy, &mut store)
             }
-        },
-    )?
-    .map_err(to_py)?;
+            None => executor.backward(comm, schedule, inputs, dy),
+        })?;
     // SAFETY: the gradient tensors were made by the caller for this call, each read by nothing
     // else; their shapes match the gradients' lengths (n·H, n·k, M·2I·H, M·H·I).
     unsafe {
