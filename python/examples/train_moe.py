@@ -5,6 +5,7 @@ to fall to).
 
     python python/examples/train_moe.py                                   # one process, all experts
     torchrun --nproc-per-node 4 python/examples/train_moe.py              # gloo, expert-parallel
+    python python/examples/train_moe.py --expert-activations save         # experts keep activations
 
 Prints the loss every few steps and, at the end, each component's peak as measured on this run:
 the dispatch's receive high water and working set (llep), the loss's reserved working set
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--expert-activations", choices=("recompute", "save"), default="recompute",
+                        help="what the experts' forward keeps for backward (moe_swiglu's activations=)")
     args = parser.parse_args()
 
     distributed = "WORLD_SIZE" in os.environ
@@ -70,7 +73,8 @@ def main() -> None:
         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, router_aux_loss_coef=0.01)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     # The three lines a training script adds:
-    model = flatpeak.transformers.apply(model, offload_checkpoints=True, group=group)
+    model = flatpeak.transformers.apply(model, offload_checkpoints=True, group=group,
+                                        expert_activations=args.expert_activations)
     optimizer = StreamAdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model.train()
 
@@ -90,6 +94,7 @@ def main() -> None:
     experts = [m for m in model.modules() if hasattr(m, "flatpeak_stats")]
     recv = max(m.flatpeak_stats.recv_high_water_bytes for m in experts)
     dispatch_ws = max(m.flatpeak_stats.workspace_bytes for m in experts)
+    kept = max(m.flatpeak_stats.saved_bytes for m in experts)
     loss_ws = _flatpeak.LossOptions().workspace_bytes(args.batch * args.seq, config.hidden_size, config.vocab_size,
                                                      False)
     ring = ring_of(model.model.layers)
@@ -100,7 +105,8 @@ def main() -> None:
         print(f"\n{world} process(es), {args.steps} steps in {time.monotonic() - start:.1f} s: "
               f"loss {first:.4f} -> {last:.4f}")
         print("component peaks on rank 0 (measured on this run):")
-        print(f"  dispatch (llep)        receive high water {mib(recv)}, working set {mib(dispatch_ws)}")
+        print(f"  dispatch (llep)        receive high water {mib(recv)}, working set {mib(dispatch_ws)}"
+              + (f", kept for backward {mib(kept)} per layer" if kept else ""))
         print(f"  loss (ring-dtp)        reserved working set {mib(loss_ws)} "
               f"(the logits would be {mib(4 * args.batch * args.seq * config.vocab_size)})")
         print(f"  checkpoints (sco)      ring high water {ring.ring.high_water_slots()} of {ring.ring.slots()} slots, "
