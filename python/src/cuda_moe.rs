@@ -119,7 +119,8 @@ struct CudaTensors {
 fn prepare(
     py: Python<'_>,
     comm: &dyn Communicator,
-    (options, args): (&MoEOptions, &MoEArgs<'_>),
+    options: &MoEOptions,
+    args: &MoEArgs<'_>,
     num_experts: Option<usize>,
     ordinal: usize,
 ) -> PyResult<(CudaTensors, llep::Shape)> {
@@ -151,7 +152,7 @@ fn prepare(
     });
     let local = local.map_err(|e| Refusal::from_py(py, e));
     let (tensors, sizes) = agree_on_inputs(comm, local).map_err(Refusal::into_py)?;
-    let shape = agreed_shape(comm, sizes, (num_experts, true), terms).map_err(Refusal::into_py)?;
+    let shape = agreed_shape(comm, sizes, num_experts, true, terms).map_err(Refusal::into_py)?;
     Ok((tensors, shape))
 }
 
@@ -241,7 +242,7 @@ fn begin(
     let (ordinal, stream, key) = device_of_call(py, args, &group)?;
     let comm: Comm = Some(communicator(py, group)?);
     let host = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("no communicator"))?;
-    let (tensors, shape) = prepare(py, host, (options, args), num_experts, ordinal)?;
+    let (tensors, shape) = prepare(py, host, options, args, num_experts, ordinal)?;
     let plan = options.plan(shape)?;
     Ok(Begun { ordinal, stream, key, comm, tensors, shape, plan })
 }

@@ -233,7 +233,8 @@ impl CallTerms {
 pub(crate) fn agreed_shape(
     comm: &dyn Communicator,
     mine: Sizes,
-    (experts, on_cuda): (Option<usize>, bool),
+    experts: Option<usize>,
+    on_cuda: bool,
     terms: CallTerms,
 ) -> Result<Shape, Refusal> {
     let p = comm.world_size();
@@ -353,13 +354,14 @@ pub(crate) type ForwardStats = (usize, usize, usize, usize, usize);
 fn prepare<T: TorchElement>(
     py: Python<'_>,
     comm: &dyn Communicator,
-    (args, num_experts): (&MoEArgs<'_>, Option<usize>),
+    args: &MoEArgs<'_>,
+    num_experts: Option<usize>,
     terms: CallTerms,
 ) -> PyResult<(Tensors<T>, Shape)> {
     let local = Sizes::of(args).and_then(|s| Tensors::<T>::new(args, s).map(|t| (t, s)));
     let local = local.map_err(|e| Refusal::from_py(py, e));
     let (tensors, sizes) = agree_on_inputs(comm, local).map_err(Refusal::into_py)?;
-    let shape = agreed_shape(comm, sizes, (num_experts, false), terms).map_err(Refusal::into_py)?;
+    let shape = agreed_shape(comm, sizes, num_experts, false, terms).map_err(Refusal::into_py)?;
     Ok((tensors, shape))
 }
 
@@ -424,8 +426,10 @@ fn store_over(schedule: &Schedule, rank: usize, bytes: TensorRef<u8>) -> llep::R
 /// GIL released (the executor's lock taken first, on this thread).
 fn on_schedule<T: TorchElement + LayerElement, R: Send>(
     py: Python<'_>,
-    (options, comm): (&MoEOptions, &mut Comm),
-    (tensors, plan): (&Tensors<T>, Plan),
+    options: &MoEOptions,
+    comm: &mut Comm,
+    tensors: &Tensors<T>,
+    plan: Plan,
     f: impl FnOnce(&mut Executor, &dyn Communicator, &Schedule, &RankInputs<'_, T>) -> llep::Result<R> + Send,
 ) -> PyResult<R> {
     detached_in_pool(
@@ -453,7 +457,7 @@ fn forward_typed<T: TorchElement + LayerElement>(
 ) -> PyResult<ForwardStats> {
     let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
     let terms = CallTerms::new(options, Backward::Recomputing);
-    let (tensors, shape) = prepare::<T>(py, group, (args, num_experts), terms)?;
+    let (tensors, shape) = prepare::<T>(py, group, args, num_experts, terms)?;
     let n = tensors.ids.len() / shape.top_k.max(1);
     let y_out = TensorRef::<f32>::new("y_out", y_out, &[Some(n), Some(shape.hidden)])?;
     let counts_out = TensorRef::<i64>::new("counts_out", counts_out, &[Some(shape.experts)])?;
@@ -463,7 +467,7 @@ fn forward_typed<T: TorchElement + LayerElement>(
     };
     let plan = options.plan(shape)?;
     let (y, kept, counts, (rounds, rows), workspace) =
-        on_schedule(py, (options, comm), (&tensors, plan), |executor, comm, schedule, inputs| {
+        on_schedule(py, options, comm, &tensors, plan, |executor, comm, schedule, inputs| {
             let (y, kept) = match keep {
                 Keep::Nothing => (executor.forward(comm, schedule, inputs)?, 0),
                 Keep::Activations(bytes) => {
@@ -498,9 +502,9 @@ pub fn moe_saved_bytes(
     let mut comm = Some(communicator(py, group)?);
     let is_bf16 = args.x.getattr("dtype")?.str()? == "torch.bfloat16";
     if is_bf16 {
-        saved_bytes_typed::<bf16>(py, options, &mut comm, (&args, num_experts))
+        saved_bytes_typed::<bf16>(py, options, &mut comm, &args, num_experts)
     } else {
-        saved_bytes_typed::<f32>(py, options, &mut comm, (&args, num_experts))
+        saved_bytes_typed::<f32>(py, options, &mut comm, &args, num_experts)
     }
 }
 
@@ -508,13 +512,14 @@ fn saved_bytes_typed<T: TorchElement + LayerElement>(
     py: Python<'_>,
     options: &MoEOptions,
     comm: &mut Comm,
-    (args, num_experts): (&MoEArgs<'_>, Option<usize>),
+    args: &MoEArgs<'_>,
+    num_experts: Option<usize>,
 ) -> PyResult<usize> {
     let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
     let terms = CallTerms::new(options, Backward::Recomputing);
-    let (tensors, shape) = prepare::<T>(py, group, (args, num_experts), terms)?;
+    let (tensors, shape) = prepare::<T>(py, group, args, num_experts, terms)?;
     let plan = options.plan(shape)?;
-    on_schedule(py, (options, comm), (&tensors, plan), |_, comm, schedule, _| match schedule.config().mode {
+    on_schedule(py, options, comm, &tensors, plan, |_, comm, schedule, _| match schedule.config().mode {
         Mode::SaveActivations => Ok(SavedActivations::bytes_for(schedule, comm.rank())),
         Mode::Checkpointed => Err(llep::Error::invalid_config(
             "mode",
@@ -576,7 +581,7 @@ fn backward_typed<T: TorchElement + LayerElement>(
     let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
     let saved = saved.map(|t| store_tensor("saved", t)).transpose()?;
     let from = if saved.is_some() { Backward::FromSaved } else { Backward::Recomputing };
-    let (tensors, shape) = prepare::<T>(py, group, (args, num_experts), CallTerms::new(options, from))?;
+    let (tensors, shape) = prepare::<T>(py, group, args, num_experts, CallTerms::new(options, from))?;
     let (h, i, m, k) = (shape.hidden, shape.intermediate, shape.local_experts(), shape.top_k);
     let n = tensors.ids.len() / k.max(1);
     let dy = TensorRef::<T>::new("grad_output", dy, &[Some(n), Some(h)])?;
@@ -589,7 +594,7 @@ fn backward_typed<T: TorchElement + LayerElement>(
     // SAFETY: the Python frame holds grad_output for this call; nothing writes it.
     let dy = unsafe { dy.as_slice() };
     let grads =
-        on_schedule(py, (options, comm), (&tensors, plan), |executor, comm, schedule, inputs| match saved {
+        on_schedule(py, options, comm, &tensors, plan, |executor, comm, schedule, inputs| match saved {
             Some(bytes) => {
                 let mut store = store_over(schedule, comm.rank(), bytes)?;
                 executor.backward_saved(comm, schedule, inputs, dy, &mut store)
