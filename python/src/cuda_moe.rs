@@ -28,9 +28,8 @@ use pyo3::prelude::*;
 use crate::cuda::{Borrowed, borrow_on_or_empty, torch_stream};
 use crate::cuda_group::{agree_ready, borrow_slice, copy_prefix, cuda_states, enter, group_key, leave};
 use crate::error::{Refusal, to_py};
-use crate::moe::{
-    Backward, CallTerms, ForwardStats, MoEArgs, MoEOptions, Sizes, agreed_shape, executor_for, locked,
-};
+use crate::moe::{ForwardStats, MoEOptions, executor_for, locked};
+use crate::moe_call::{Backward, MoEArgs, Sizes, agreed_shape};
 use crate::tensor::{TensorDevice, TensorRef, TorchElement, checked, device_of};
 use crate::torch_group::{Comm, communicator, detached};
 
@@ -124,7 +123,7 @@ fn prepare(
     num_experts: Option<usize>,
     ordinal: usize,
 ) -> PyResult<(CudaTensors, llep::Shape)> {
-    let terms = CallTerms::new(options, Backward::Recomputing);
+    let terms = options.terms(Backward::Recomputing);
     let local = Sizes::of(args).and_then(|s| {
         if options.config.mode == Mode::SaveActivations {
             return Err(PyTypeError::new_err(

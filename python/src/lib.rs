@@ -23,6 +23,7 @@ mod cuda_ring;
 mod error;
 mod loss;
 mod moe;
+mod moe_call;
 mod offload;
 mod ring_loss;
 mod tensor;

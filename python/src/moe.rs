@@ -11,19 +11,20 @@
 
 use std::sync::Mutex;
 
-use flatpeak_common::comm::{agree_on_inputs, all_gather_words};
-use flatpeak_common::{Communicator, ErrorKind};
+use flatpeak_common::Communicator;
+use flatpeak_common::comm::agree_on_inputs;
 use half::bf16;
 use llep::cpu::SavedActivations;
 use llep::{
-    Budget, Config, DType, Device, Executor, ExpertWeights, LayerElement, Mode, PairCap, Plan, RankInputs,
-    Routing, Schedule, Scheme, Shape, WeightLayout,
+    Budget, Config, Device, Executor, ExpertWeights, LayerElement, Mode, PairCap, Plan, RankInputs, Routing,
+    Schedule, Scheme, Shape, WeightLayout,
 };
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::error::{Refusal, to_py};
-use crate::tensor::{TensorRef, TorchElement, shape_of};
+use crate::moe_call::{Backward, CallTerms, MoEArgs, Sizes, agreed_shape};
+use crate::tensor::{TensorRef, TorchElement};
 use crate::torch_group::{Comm, communicator, detached_in_pool};
 
 /// The MoE layer's options, checked once, with the cached plan and executor
@@ -110,6 +111,11 @@ impl MoEOptions {
         text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
     }
 
+    /// The terms of a call under these options whose backward (if it is one) runs as `backward`.
+    pub(crate) fn terms(&self, backward: Backward) -> CallTerms {
+        CallTerms { options: self.fingerprint(), backward }
+    }
+
     /// The plan of one call's `shape` under these options' budget.
     pub(crate) fn plan(&self, shape: llep::Shape) -> PyResult<Plan> {
         let budget = match self.budget_bytes {
@@ -120,194 +126,6 @@ impl MoEOptions {
         };
         Plan::new(&self.config, shape, Budget::Bytes(budget)).map_err(to_py)
     }
-}
-
-/// The tensors of one call: `(hidden_states [T, H], topk_ids [T, k], topk_weights [T, k],
-/// gate_up_proj [M, 2I, H], down_proj [M, H, I])`.
-#[derive(FromPyObject)]
-pub struct MoEArgs<'py> {
-    #[pyo3(item(0))]
-    pub(crate) x: Bound<'py, PyAny>,
-    #[pyo3(item(1))]
-    pub(crate) ids: Bound<'py, PyAny>,
-    #[pyo3(item(2))]
-    pub(crate) weights: Bound<'py, PyAny>,
-    #[pyo3(item(3))]
-    pub(crate) gate_up: Bound<'py, PyAny>,
-    #[pyo3(item(4))]
-    pub(crate) down: Bound<'py, PyAny>,
-}
-
-/// The sizes a rank's tensors give: T, H, I, M, k and the storage type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Sizes {
-    pub(crate) tokens: usize,
-    pub(crate) hidden: usize,
-    pub(crate) intermediate: usize,
-    pub(crate) local_experts: usize,
-    pub(crate) top_k: usize,
-    pub(crate) dtype: DType,
-}
-
-impl Sizes {
-    pub(crate) fn of(args: &MoEArgs<'_>) -> PyResult<Self> {
-        let x = shape_of("hidden_states", &args.x)?;
-        let ids = shape_of("topk_ids", &args.ids)?;
-        let gate_up = shape_of("gate_up_proj", &args.gate_up)?;
-        let (&[t, h], &[ti, k], &[m, two_i, hg]) = (x.as_slice(), ids.as_slice(), gate_up.as_slice()) else {
-            return Err(PyValueError::new_err(format!(
-                "expected hidden_states [T, H], topk_ids [T, k] and gate_up_proj [E_local, 2I, H]: got {x:?}, {ids:?} and {gate_up:?}"
-            )));
-        };
-        if ti != t || hg != h || two_i % 2 != 0 {
-            return Err(PyValueError::new_err(format!(
-                "topk_ids must be [{t}, k] and gate_up_proj [E_local, 2I, {h}] for hidden_states [{t}, {h}]: got {ids:?} and {gate_up:?}"
-            )));
-        }
-        let dtype = match args.x.getattr("dtype")?.str()?.to_string().as_str() {
-            "torch.bfloat16" => DType::Bf16,
-            "torch.float32" => DType::F32,
-            other => {
-                return Err(PyTypeError::new_err(format!(
-                    "hidden_states: expected dtype torch.float32 or torch.bfloat16, got {other}"
-                )));
-            }
-        };
-        Ok(Self { tokens: t, hidden: h, intermediate: two_i / 2, local_experts: m, top_k: k, dtype })
-    }
-
-    /// T, H, I, M, k, E as given (0: not given), the dtype (1: bf16), where the tensors are
-    /// (1: a CUDA device; the two paths run different exchanges) and the call's terms, for the
-    /// all-gather.
-    fn words(&self, experts: usize, on_cuda: bool, terms: CallTerms) -> [u64; WORDS] {
-        let (dtype, device) = (usize::from(self.dtype == DType::Bf16), usize::from(on_cuda));
-        let sizes = [
-            self.tokens,
-            self.hidden,
-            self.intermediate,
-            self.local_experts,
-            self.top_k,
-            experts,
-            dtype,
-            device,
-        ]
-        .map(|v| v as u64);
-        let mut words = [0u64; WORDS];
-        words[..8].copy_from_slice(&sizes);
-        words[8] = terms.options;
-        words[9] = u64::from(terms.backward == Backward::FromSaved);
-        words
-    }
-}
-
-/// Words each rank contributes to the agreement of a call.
-const WORDS: usize = 10;
-
-/// What a backward runs from: the exchanges differ (a saved backward dispatches dY rows only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Backward {
-    /// Recomputing each round (and every forward: its exchanges do not depend on what it keeps).
-    Recomputing,
-    /// From the activations a saving forward kept.
-    FromSaved,
-}
-
-/// The terms every rank of a call must share besides its tensors' sizes: the options (the plan,
-/// and so every exchange, follows from them) and what a backward runs from.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct CallTerms {
-    /// [`MoEOptions::fingerprint`].
-    pub(crate) options: u64,
-    pub(crate) backward: Backward,
-}
-
-impl CallTerms {
-    /// The terms of a call of `options` whose backward (if it is one) runs as `backward`.
-    pub(crate) fn new(options: &MoEOptions, backward: Backward) -> Self {
-        Self { options: options.fingerprint(), backward }
-    }
-}
-
-/// The layer's shape over the group, agreed from every rank's sizes (the same verdict on every
-/// rank, computed from the same all-gathered words).
-pub(crate) fn agreed_shape(
-    comm: &dyn Communicator,
-    mine: Sizes,
-    experts: Option<usize>,
-    on_cuda: bool,
-    terms: CallTerms,
-) -> Result<Shape, Refusal> {
-    let p = comm.world_size();
-    let words = all_gather_words(comm, &mine.words(experts.unwrap_or(0), on_cuda, terms))?;
-    let ranks: Vec<&[u64]> = words.chunks_exact(WORDS).collect();
-    let names = ["hidden", "intermediate", "E_local", "top_k", "num_experts"];
-    for (r, w) in ranks.iter().enumerate() {
-        if w[7] != ranks[0][7] {
-            let (theirs, first) =
-                (crate::ring_loss::device_name(w[7]), crate::ring_loss::device_name(ranks[0][7]));
-            let message = format!("rank {r} passed {theirs} tensors where rank 0 passed {first} tensors");
-            return Err(Refusal { kind: ErrorKind::Type, message });
-        }
-        if w[6] != ranks[0][6] {
-            let name = |code: u64| if code == 1 { "torch.bfloat16" } else { "torch.float32" };
-            return Err(Refusal {
-                kind: ErrorKind::Type,
-                message: format!(
-                    "rank {r} passed {} tensors where rank 0 passed {}",
-                    name(w[6]),
-                    name(ranks[0][6])
-                ),
-            });
-        }
-        if w[1..6] != ranks[0][1..6] {
-            let show = |w: &[u64]| {
-                names.iter().zip(&w[1..6]).map(|(n, v)| format!("{n}={v}")).collect::<Vec<_>>().join(", ")
-            };
-            return Err(Refusal {
-                kind: ErrorKind::Value,
-                message: format!("rank {r} passed {} where rank 0 passed {}", show(w), show(ranks[0])),
-            });
-        }
-    }
-    for (r, w) in ranks.iter().enumerate() {
-        if w[8] != ranks[0][8] {
-            let message = format!(
-                "rank {r} passed other options than rank 0 (scheme, pair_cap_rows, budget_bytes, activations, ...): \
-                 every rank of the group must pass the same"
-            );
-            return Err(Refusal { kind: ErrorKind::Value, message });
-        }
-        if w[9] != ranks[0][9] {
-            let runs = |word: u64| if word == 1 { "from saved activations" } else { "recomputing" };
-            let message = format!(
-                "rank {r}'s backward runs {} where rank 0's runs {}: every rank's forward must keep the same \
-                 (the same activations= and a gradient needed on every rank)",
-                runs(w[9]),
-                runs(ranks[0][9])
-            );
-            return Err(Refusal { kind: ErrorKind::Value, message });
-        }
-    }
-    let experts = experts.unwrap_or(mine.local_experts * p);
-    if experts != mine.local_experts * p {
-        return Err(Refusal {
-            kind: ErrorKind::Value,
-            message: format!(
-                "num_experts={experts} is not E_local × group size = {} × {p}: expert e lives on rank e // E_local",
-                mine.local_experts
-            ),
-        });
-    }
-    let tokens = ranks.iter().map(|w| w[0] as usize).max().unwrap_or(0);
-    Ok(Shape {
-        ranks: p,
-        tokens,
-        hidden: mine.hidden,
-        intermediate: mine.intermediate,
-        experts,
-        top_k: mine.top_k,
-        dtype: mine.dtype,
-    })
 }
 
 /// The checked tensors of one call, read in place.
@@ -456,7 +274,7 @@ fn forward_typed<T: TorchElement + LayerElement>(
     (y_out, counts_out, saved_out): (&Bound<'_, PyAny>, &Bound<'_, PyAny>, Option<&Bound<'_, PyAny>>),
 ) -> PyResult<ForwardStats> {
     let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
-    let terms = CallTerms::new(options, Backward::Recomputing);
+    let terms = options.terms(Backward::Recomputing);
     let (tensors, shape) = prepare::<T>(py, group, args, num_experts, terms)?;
     let n = tensors.ids.len() / shape.top_k.max(1);
     let y_out = TensorRef::<f32>::new("y_out", y_out, &[Some(n), Some(shape.hidden)])?;
@@ -516,7 +334,7 @@ fn saved_bytes_typed<T: TorchElement + LayerElement>(
     num_experts: Option<usize>,
 ) -> PyResult<usize> {
     let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
-    let terms = CallTerms::new(options, Backward::Recomputing);
+    let terms = options.terms(Backward::Recomputing);
     let (tensors, shape) = prepare::<T>(py, group, args, num_experts, terms)?;
     let plan = options.plan(shape)?;
     on_schedule(py, options, comm, &tensors, plan, |_, comm, schedule, _| match schedule.config().mode {
@@ -581,7 +399,7 @@ fn backward_typed<T: TorchElement + LayerElement>(
     let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
     let saved = saved.map(|t| store_tensor("saved", t)).transpose()?;
     let from = if saved.is_some() { Backward::FromSaved } else { Backward::Recomputing };
-    let (tensors, shape) = prepare::<T>(py, group, args, num_experts, CallTerms::new(options, from))?;
+    let (tensors, shape) = prepare::<T>(py, group, args, num_experts, options.terms(from))?;
     let (h, i, m, k) = (shape.hidden, shape.intermediate, shape.local_experts(), shape.top_k);
     let n = tensors.ids.len() / k.max(1);
     let dy = TensorRef::<T>::new("grad_output", dy, &[Some(n), Some(h)])?;
