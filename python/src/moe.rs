@@ -266,13 +266,28 @@ fn on_schedule<T: TorchElement + LayerElement, R: Send>(
     .map_err(to_py)
 }
 
+/// Where a forward writes: y, the per-expert counts and, when it saves, the store.
+struct ForwardOutputs<'a, 'py> {
+    y: &'a Bound<'py, PyAny>,
+    counts: &'a Bound<'py, PyAny>,
+    saved: Option<&'a Bound<'py, PyAny>>,
+}
+
+/// What a backward reads besides the call's inputs: dY and, from a saving forward, its store.
+struct BackwardUpstream<'a, 'py> {
+    dy: &'a Bound<'py, PyAny>,
+    saved: Option<&'a Bound<'py, PyAny>>,
+}
+
 fn forward_typed<T: TorchElement + LayerElement>(
     py: Python<'_>,
     options: &MoEOptions,
     comm: &mut Comm,
-    (args, num_experts): (&MoEArgs<'_>, Option<usize>),
-    (y_out, counts_out, saved_out): (&Bound<'_, PyAny>, &Bound<'_, PyAny>, Option<&Bound<'_, PyAny>>),
+    args: &MoEArgs<'_>,
+    num_experts: Option<usize>,
+    outputs: ForwardOutputs<'_, '_>,
 ) -> PyResult<ForwardStats> {
+    let ForwardOutputs { y: y_out, counts: counts_out, saved: saved_out } = outputs;
     let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
     let terms = options.terms(Backward::Recomputing);
     let (tensors, shape) = prepare::<T>(py, group, args, num_experts, terms)?;
@@ -380,11 +395,11 @@ pub fn moe_forward(
     }
     let mut comm = Some(communicator(py, group)?);
     let is_bf16 = args.x.getattr("dtype")?.str()? == "torch.bfloat16";
-    let outputs = (&y_out, &counts_out, saved_out.as_ref());
+    let outputs = ForwardOutputs { y: &y_out, counts: &counts_out, saved: saved_out.as_ref() };
     if is_bf16 {
-        forward_typed::<bf16>(py, options, &mut comm, (&args, num_experts), outputs)
+        forward_typed::<bf16>(py, options, &mut comm, &args, num_experts, outputs)
     } else {
-        forward_typed::<f32>(py, options, &mut comm, (&args, num_experts), outputs)
+        forward_typed::<f32>(py, options, &mut comm, &args, num_experts, outputs)
     }
 }
 
@@ -392,10 +407,12 @@ fn backward_typed<T: TorchElement + LayerElement>(
     py: Python<'_>,
     options: &MoEOptions,
     comm: &mut Comm,
-    (args, num_experts): (&MoEArgs<'_>, Option<usize>),
-    (dy, saved): (&Bound<'_, PyAny>, Option<&Bound<'_, PyAny>>),
+    args: &MoEArgs<'_>,
+    num_experts: Option<usize>,
+    upstream: BackwardUpstream<'_, '_>,
     grads_out: [&Bound<'_, PyAny>; 4],
 ) -> PyResult<()> {
+    let BackwardUpstream { dy, saved } = upstream;
     let group = comm.as_deref().ok_or_else(|| PyRuntimeError::new_err("the communicator is in use"))?;
     let saved = saved.map(|t| store_tensor("saved", t)).transpose()?;
     let from = if saved.is_some() { Backward::FromSaved } else { Backward::Recomputing };
@@ -450,10 +467,10 @@ pub fn moe_backward(
     let mut comm = Some(communicator(py, group)?);
     let is_bf16 = args.x.getattr("dtype")?.str()? == "torch.bfloat16";
     let grads = [&grads_out.0, &grads_out.1, &grads_out.2, &grads_out.3];
-    let call = (&args, num_experts);
+    let upstream = BackwardUpstream { dy: grad_output, saved };
     if is_bf16 {
-        backward_typed::<bf16>(py, options, &mut comm, call, (grad_output, saved), grads)
+        backward_typed::<bf16>(py, options, &mut comm, &args, num_experts, upstream, grads)
     } else {
-        backward_typed::<f32>(py, options, &mut comm, call, (grad_output, saved), grads)
+        backward_typed::<f32>(py, options, &mut comm, &args, num_experts, upstream, grads)
     }
 }
