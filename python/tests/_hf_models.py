@@ -25,6 +25,25 @@ def tiny_config(model_type: str, **overrides):
         cfg = dict(cls=tf.DeepseekV3Config, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
                    n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
                    kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
+    elif model_type == "deepseek_v2":
+        cfg = dict(cls=tf.DeepseekV2Config, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                   n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                   qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, head_dim=8)
+    elif model_type == "glm4_moe":
+        cfg = dict(cls=tf.Glm4MoeConfig, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                   n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=16)
+    elif model_type == "qwen3_next":
+        # One gated-delta-net layer and one full-attention layer (transformers' torch fallbacks).
+        cfg = dict(cls=tf.Qwen3NextConfig, intermediate_size=128, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=32, num_experts=8, head_dim=16, linear_key_head_dim=16,
+                   linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                   layer_types=["linear_attention", "full_attention"])
+    elif model_type == "minimax_m2":
+        cfg = dict(cls=tf.MiniMaxM2Config, intermediate_size=32, num_local_experts=8, head_dim=16)
+    elif model_type == "ernie4_5_moe":
+        # Layer 0 dense, layer 1 sparse (ERNIE names its MoE keys moe_*).
+        cfg = dict(cls=tf.Ernie4_5_MoeConfig, intermediate_size=128, moe_intermediate_size=32, moe_num_experts=8,
+                   moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=1)
     else:
         raise ValueError(model_type)
     cls = cfg.pop("cls")

@@ -1,19 +1,19 @@
 //! A Hugging Face transformers `config.json` as a [`ModelSpec`], so `flatpeak plan --model
 //! path/to/config.json` answers for the model a user holds.
 //!
-//! Read for the MoE model types whose keys it knows: `qwen3_moe`, `qwen2_moe`, `mixtral`,
-//! `olmoe`, `gpt_oss` and `deepseek_v3` (any `model_type` with the same keys is read the same
-//! way). The mapping:
+//! Read for the MoE model types whose keys it knows: `qwen3_moe`, `qwen2_moe`, `qwen3_next`,
+//! `mixtral`, `olmoe`, `gpt_oss`, `deepseek_v2`, `deepseek_v3`, `glm4_moe`, `minimax_m2` and
+//! `ernie4_5_moe` (any `model_type` with the same keys is read the same way). The mapping:
 //!
 //! | spec field | config keys |
 //! |---|---|
 //! | `layers`, `hidden`, `vocab` | `num_hidden_layers`, `hidden_size`, `vocab_size` |
-//! | `experts` | `num_experts` (Qwen, OLMoE), `num_local_experts` (Mixtral, gpt-oss) or `n_routed_experts` (DeepSeek) |
-//! | `top_k` | `num_experts_per_tok` (or gpt-oss's `experts_per_token`) |
+//! | `experts` | `num_experts` (Qwen, OLMoE), `num_local_experts` (Mixtral, gpt-oss, MiniMax), `n_routed_experts` (DeepSeek, GLM) or `moe_num_experts` (ERNIE) |
+//! | `top_k` | `num_experts_per_tok` (or gpt-oss's `experts_per_token`, ERNIE's `moe_k`) |
 //! | `expert_intermediate` | `moe_intermediate_size`, else `intermediate_size` (Mixtral, OLMoE, gpt-oss: the experts' width) |
-//! | `dense_layers` | `first_k_dense_replace` (DeepSeek), or the layers Qwen's `mlp_only_layers` and `decoder_sparse_step` leave dense |
+//! | `dense_layers` | `first_k_dense_replace` (DeepSeek, GLM), the layers outside ERNIE's `moe_layer_start_index` ..= `moe_layer_end_index` (−1: the last) every `moe_layer_interval`, or the layers Qwen's `mlp_only_layers` and `decoder_sparse_step` leave dense |
 //! | `dense_intermediate` | `intermediate_size` when some layers are dense |
-//! | `shared_experts` | `n_shared_experts` (DeepSeek), or Qwen2-MoE's `shared_expert_intermediate_size` in experts' widths (rounded up) |
+//! | `shared_experts` | `n_shared_experts` (DeepSeek, GLM), `moe_num_shared_experts` (ERNIE), or Qwen's `shared_expert_intermediate_size` in experts' widths (rounded up) |
 //! | `attention_heads`, `kv_heads`, `head_dim` | `num_attention_heads`, `num_key_value_heads` (default: the heads), `head_dim` (default: hidden / heads; MLA: `v_head_dim`) |
 //! | `attention_params_per_layer` | MLA only (`kv_lora_rank` present): `H·q_lora + q_lora·h·(d_nope + d_rope)` (or `H·h·(d_nope + d_rope)` without `q_lora_rank`) `+ H·(kv_lora + d_rope) + kv_lora·h·(d_nope + d_v) + h·d_v·H` |
 //!
@@ -25,7 +25,7 @@ use serde_json::Value;
 use super::{ModelSpec, PlanError};
 
 /// Config keys that name the routed experts' count, by model family.
-const EXPERT_KEYS: [&str; 3] = ["num_experts", "num_local_experts", "n_routed_experts"];
+const EXPERT_KEYS: [&str; 4] = ["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"];
 
 /// Whether `json` is a transformers config (it names its `model_type`).
 pub fn is_hf_config(json: &Value) -> bool {
@@ -59,7 +59,7 @@ pub fn from_hf_config(path: &str, json: &Value) -> Result<ModelSpec, PlanError> 
     let layers = need(&["num_hidden_layers"]);
     let hidden = need(&["hidden_size"]);
     let vocab = need(&["vocab_size"]);
-    let top_k = need(&["num_experts_per_tok", "experts_per_token"]);
+    let top_k = need(&["num_experts_per_tok", "experts_per_token", "moe_k"]);
     let expert_intermediate = need(&["moe_intermediate_size", "intermediate_size"]);
     let heads = need(&["num_attention_heads"]);
     if !missing.is_empty() {
@@ -74,7 +74,10 @@ pub fn from_hf_config(path: &str, json: &Value) -> Result<ModelSpec, PlanError> 
     } else {
         0
     };
-    let shared_experts = match (uint("n_shared_experts"), uint("shared_expert_intermediate_size")) {
+    let shared_experts = match (
+        first(&["n_shared_experts", "moe_num_shared_experts"]),
+        uint("shared_expert_intermediate_size"),
+    ) {
         (Some(n), _) => n,
         (None, Some(width)) => width.div_ceil(expert_intermediate.max(1)),
         (None, None) => 0,
@@ -111,12 +114,22 @@ pub fn from_hf_config(path: &str, json: &Value) -> Result<ModelSpec, PlanError> 
     Ok(spec)
 }
 
-/// Layers with a dense FFN: DeepSeek's first `first_k_dense_replace`; under Qwen's
-/// `decoder_sparse_step` s and `mlp_only_layers`, layer i is sparse when `(i + 1) % s == 0` and
-/// i is not listed.
+/// Layers with a dense FFN: DeepSeek's first `first_k_dense_replace`; under ERNIE's
+/// `moe_layer_start_index` a, `moe_layer_end_index` b (−1: the last layer) and
+/// `moe_layer_interval` s, layer i is sparse when `(i + 1) % s == 0` and `a ≤ i ≤ b`; under
+/// Qwen's `decoder_sparse_step` s and `mlp_only_layers`, layer i is sparse when
+/// `(i + 1) % s == 0` and i is not listed.
 fn dense_layer_count(json: &Value, layers: u64) -> u64 {
     if let Some(k) = json.get("first_k_dense_replace").and_then(Value::as_u64) {
         return k.min(layers);
+    }
+    if let Some(start) = json.get("moe_layer_start_index").and_then(Value::as_u64) {
+        let end = match json.get("moe_layer_end_index").and_then(Value::as_i64) {
+            Some(end) if end >= 0 => end as u64,
+            _ => layers.saturating_sub(1),
+        };
+        let step = json.get("moe_layer_interval").and_then(Value::as_u64).unwrap_or(1).max(1);
+        return (0..layers).filter(|&i| !((i + 1) % step == 0 && start <= i && i <= end)).count() as u64;
     }
     let step = json.get("decoder_sparse_step").and_then(Value::as_u64).unwrap_or(1).max(1);
     let mlp_only: Vec<u64> = json

@@ -263,6 +263,38 @@ fn the_other_moe_families_read_with_their_own_keys() {
     });
     let spec = from_hf_config("olmoe.json", &olmoe).expect("olmoe");
     assert_eq!((spec.experts, spec.top_k, spec.expert_intermediate, spec.layers), (64, 8, 1024, 16));
+    // GLM-4.5-Air-like: DeepSeek's keys (routed and shared experts, the first layer dense).
+    let glm = serde_json::json!({
+        "model_type": "glm4_moe", "hidden_size": 4096, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46,
+        "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151552
+    });
+    let spec = from_hf_config("glm.json", &glm).expect("glm4_moe");
+    assert_eq!(
+        (spec.experts, spec.top_k, spec.shared_experts, spec.dense_layers, spec.dense_intermediate),
+        (128, 8, 1, 1, 10944)
+    );
+    // ERNIE-4.5-MoE-like: its own moe_* keys; layers 1 ..= 27 of 28 sparse, then every other
+    // one from layer 3 to the last (-1) under an interval of 2.
+    let mut ernie = serde_json::json!({
+        "model_type": "ernie4_5_moe", "hidden_size": 2560, "intermediate_size": 12288,
+        "moe_intermediate_size": 1536, "moe_num_experts": 64, "moe_k": 6,
+        "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": 27,
+        "moe_layer_interval": 1, "num_hidden_layers": 28, "num_attention_heads": 20,
+        "num_key_value_heads": 4, "vocab_size": 103424
+    });
+    let spec = from_hf_config("ernie.json", &ernie).expect("ernie4_5_moe");
+    assert_eq!(
+        (spec.experts, spec.top_k, spec.expert_intermediate, spec.shared_experts, spec.dense_layers),
+        (64, 6, 1536, 2, 1)
+    );
+    ernie["moe_layer_start_index"] = serde_json::json!(3);
+    ernie["moe_layer_end_index"] = serde_json::json!(-1);
+    ernie["moe_layer_interval"] = serde_json::json!(2);
+    // Sparse: odd i in 3 ..= 27 (13 of 28).
+    let spec = from_hf_config("ernie.json", &ernie).expect("ernie4_5_moe");
+    assert_eq!(spec.dense_layers, 15);
 }
 
 #[test]

@@ -7,7 +7,8 @@ expert-parallel over a ``torch.distributed`` group. Importing this module also r
 as a transformers experts implementation, so ``from_pretrained(..., experts_implementation=
 "flatpeak")`` selects the experts alone.
 
-Supported ``model_type``: ``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``olmoe`` and ``deepseek_v3``
+Supported ``model_type``: ``qwen3_moe``, ``qwen2_moe``, ``qwen3_next``, ``mixtral``, ``olmoe``,
+``deepseek_v2``, ``deepseek_v3``, ``glm4_moe``, ``minimax_m2`` and ``ernie4_5_moe``
 (transformers 5.x, whose experts modules hold ``gate_up_proj [E, 2I, H]`` and ``down_proj
 [E, H, I]``).
 """

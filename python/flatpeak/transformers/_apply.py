@@ -15,7 +15,8 @@ from ..torch import linear_cross_entropy, offload_checkpoints as _offload_checkp
 from ._experts import EXPERTS_IMPLEMENTATION
 
 #: The ``config.model_type`` values :func:`apply` patches.
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3",
+                         "glm4_moe", "minimax_m2", "ernie4_5_moe")
 
 IGNORE_INDEX = -100
 
