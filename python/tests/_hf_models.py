@@ -44,6 +44,24 @@ def tiny_config(model_type: str, **overrides):
         # Layer 0 dense, layer 1 sparse (ERNIE names its MoE keys moe_*).
         cfg = dict(cls=tf.Ernie4_5_MoeConfig, intermediate_size=128, moe_intermediate_size=32, moe_num_experts=8,
                    moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=1)
+    elif model_type == "deepseek_v32":
+        cfg = dict(cls=tf.DeepseekV32Config, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                   n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                   qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, n_group=2, topk_group=1)
+    elif model_type == "minimax":
+        # One lightning-attention layer and one full-attention layer.
+        cfg = dict(cls=tf.MiniMaxConfig, intermediate_size=32, num_local_experts=8, head_dim=16,
+                   layer_types=["linear_attention", "full_attention"])
+    elif model_type == "hunyuan_v1_moe":
+        cfg = dict(cls=tf.HunYuanMoEV1Config, intermediate_size=32, num_experts=8, moe_topk=2, head_dim=16)
+    elif model_type == "dots1":
+        cfg = dict(cls=tf.Dots1Config, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                   n_shared_experts=1, first_k_dense_replace=1, head_dim=16)
+    elif model_type == "exaone_moe":
+        cfg = dict(cls=tf.ExaoneMoeConfig, intermediate_size=128, moe_intermediate_size=32, num_experts=8, head_dim=16)
+    elif model_type == "solar_open":
+        cfg = dict(cls=tf.SolarOpenConfig, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                   head_dim=16)
     else:
         raise ValueError(model_type)
     cls = cfg.pop("cls")

@@ -16,7 +16,8 @@ from ._experts import EXPERTS_IMPLEMENTATION
 
 #: The ``config.model_type`` values :func:`apply` patches.
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3",
-                         "glm4_moe", "minimax_m2", "ernie4_5_moe")
+                         "deepseek_v32", "glm4_moe", "minimax", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
+                         "exaone_moe", "solar_open")
 
 IGNORE_INDEX = -100
 
