@@ -62,6 +62,13 @@ def tiny_config(model_type: str, **overrides):
     elif model_type == "solar_open":
         cfg = dict(cls=tf.SolarOpenConfig, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
                    head_dim=16)
+    elif model_type == "flex_olmo":
+        cfg = dict(cls=tf.FlexOlmoConfig, intermediate_size=32, num_experts=8, pad_token_id=None, eos_token_id=None,
+                   bos_token_id=None)
+    elif model_type == "lfm2_moe":
+        # Layer 0 a dense short-convolution layer, layer 1 a sparse attention layer.
+        cfg = dict(cls=tf.Lfm2MoeConfig, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                   num_dense_layers=1, layer_types=["conv", "full_attention"])
     else:
         raise ValueError(model_type)
     cls = cfg.pop("cls")

@@ -90,7 +90,8 @@ def test_shift_labels_are_honoured_when_passed():
     assert not grads_match(ref, patched)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3_next", "minimax", "minimax_m2", "ernie4_5_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3_next", "minimax", "minimax_m2", "ernie4_5_moe",
+                                        "flex_olmo"])
 def test_the_router_auxiliary_loss_is_still_added(model_type):
     ref = hf.tiny_model(model_type)
     patched = fpt.apply(copy.deepcopy(ref))

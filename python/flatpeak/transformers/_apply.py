@@ -17,7 +17,7 @@ from ._experts import EXPERTS_IMPLEMENTATION
 #: The ``config.model_type`` values :func:`apply` patches.
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3",
                          "deepseek_v32", "glm4_moe", "minimax", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
-                         "exaone_moe", "solar_open")
+                         "exaone_moe", "solar_open", "flex_olmo", "lfm2_moe")
 
 IGNORE_INDEX = -100
 
