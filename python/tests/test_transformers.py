@@ -216,9 +216,10 @@ def test_unsupported_models_and_bad_arguments_are_refused():
     assert getattr(untouched, "_flatpeak_patch", None) is None
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_over_gloo_matches_the_unpatched_model(world):
-    reports = spawn(hf_workers.expert_parallel, world=world, timeout=240)
+@pytest.mark.parametrize(("world", "worker"), [(2, "expert_parallel"), (4, "expert_parallel"),
+                                             (2, "expert_parallel_shared_experts")])
+def test_expert_parallel_over_gloo_matches_the_unpatched_model(world, worker):
+    reports = spawn(getattr(hf_workers, worker), world=world, timeout=240)
     errors = {r: p for r, (s, p) in reports.items() if s != "ok"}
     assert not errors, "\n".join(f"rank {r}:\n{p}" for r, p in errors.items())
     assert sorted(reports) == list(range(world))
