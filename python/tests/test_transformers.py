@@ -177,7 +177,7 @@ def test_no_batch_seq_vocab_tensor_is_made():
     assert unpatched.shapes & logits_shapes
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_generate_gives_the_same_tokens(model_type):
     ref = hf.tiny_model(model_type)
     patched = fpt.apply(copy.deepcopy(ref))
