@@ -126,7 +126,7 @@ def test_ten_optimizer_steps_give_the_same_loss_curve(model_type):
     assert curves[0][-1] < curves[0][0]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_offloaded_checkpoints_give_the_unpatched_gradients(model_type):
     from flatpeak.torch._offload import ring_of
 
