@@ -2,8 +2,11 @@
 //! path/to/config.json` answers for the model a user holds.
 //!
 //! Read for the MoE model types whose keys it knows: `qwen3_moe`, `qwen2_moe`, `qwen3_next`,
-//! `mixtral`, `olmoe`, `gpt_oss`, `deepseek_v2`, `deepseek_v3`, `glm4_moe`, `minimax_m2` and
-//! `ernie4_5_moe` (any `model_type` with the same keys is read the same way). The mapping:
+//! `mixtral`, `olmoe`, `flex_olmo`, `gpt_oss`, `deepseek_v2`, `deepseek_v3`, `deepseek_v32`,
+//! `dots1`, `glm4_moe`, `minimax`, `minimax_m2`, `ernie4_5_moe`, `exaone_moe`, `solar_open` and
+//! `lfm2_moe` (any `model_type` with the same keys is read the same way; Hunyuan's per-layer
+//! `moe_topk` is not). A count key given as anything but a non-negative integer (a per-layer list)
+//! is an error that names it. The mapping:
 //!
 //! | spec field | config keys |
 //! |---|---|
@@ -11,9 +14,9 @@
 //! | `experts` | `num_experts` (Qwen, OLMoE), `num_local_experts` (Mixtral, gpt-oss, MiniMax), `n_routed_experts` (DeepSeek, GLM) or `moe_num_experts` (ERNIE) |
 //! | `top_k` | `num_experts_per_tok` (or gpt-oss's `experts_per_token`, ERNIE's `moe_k`) |
 //! | `expert_intermediate` | `moe_intermediate_size`, else `intermediate_size` (Mixtral, OLMoE, gpt-oss: the experts' width) |
-//! | `dense_layers` | `first_k_dense_replace` (DeepSeek, GLM), the layers outside ERNIE's `moe_layer_start_index` ..= `moe_layer_end_index` (−1: the last) every `moe_layer_interval`, or the layers Qwen's `mlp_only_layers` and `decoder_sparse_step` leave dense |
+//! | `dense_layers` | `first_k_dense_replace` (DeepSeek, GLM, EXAONE) or `num_dense_layers` (LFM2), the layers outside ERNIE's `moe_layer_start_index` ..= `moe_layer_end_index` (−1: the last) every `moe_layer_interval`, or the layers Qwen's `mlp_only_layers` and `decoder_sparse_step` leave dense |
 //! | `dense_intermediate` | `intermediate_size` when some layers are dense |
-//! | `shared_experts` | `n_shared_experts` (DeepSeek, GLM), `moe_num_shared_experts` (ERNIE), or Qwen's `shared_expert_intermediate_size` in experts' widths (rounded up) |
+//! | `shared_experts` | `n_shared_experts` (DeepSeek, GLM), `moe_num_shared_experts` (ERNIE), `num_shared_experts` (EXAONE), or Qwen's `shared_expert_intermediate_size` in experts' widths (rounded up) |
 //! | `attention_heads`, `kv_heads`, `head_dim` | `num_attention_heads`, `num_key_value_heads` (default: the heads), `head_dim` (default: hidden / heads; MLA: `v_head_dim`) |
 //! | `attention_params_per_layer` | MLA only (`kv_lora_rank` present): `H·q_lora + q_lora·h·(d_nope + d_rope)` (or `H·h·(d_nope + d_rope)` without `q_lora_rank`) `+ H·(kv_lora + d_rope) + kv_lora·h·(d_nope + d_v) + h·d_v·H` |
 //!
@@ -26,6 +29,41 @@ use super::{ModelSpec, PlanError};
 
 /// Config keys that name the routed experts' count, by model family.
 const EXPERT_KEYS: [&str; 4] = ["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"];
+
+/// Every key read as a count: present (and not `null`), each must be a non-negative integer.
+/// A family that gives one per layer (a list) is refused by name rather than read from a
+/// fallback key (which would plan another width).
+const COUNT_KEYS: [&str; 29] = [
+    "num_hidden_layers",
+    "hidden_size",
+    "vocab_size",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "num_experts_per_tok",
+    "experts_per_token",
+    "moe_k",
+    "moe_intermediate_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "n_shared_experts",
+    "moe_num_shared_experts",
+    "num_shared_experts",
+    "shared_expert_intermediate_size",
+    "first_k_dense_replace",
+    "num_dense_layers",
+    "decoder_sparse_step",
+    "moe_layer_start_index",
+    "moe_layer_interval",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+];
 
 /// Whether `json` is a transformers config (it names its `model_type`).
 pub fn is_hf_config(json: &Value) -> bool {
@@ -42,6 +80,11 @@ pub fn from_hf_config(path: &str, json: &Value) -> Result<ModelSpec, PlanError> 
     };
     let uint = |key: &str| json.get(key).and_then(Value::as_u64);
     let first = |keys: &[&'static str]| keys.iter().find_map(|k| uint(k));
+    for key in COUNT_KEYS {
+        if let Some(value) = json.get(key).filter(|v| !v.is_null() && v.as_u64().is_none()) {
+            return Err(error(format!("{key} is {value}, not a count (a non-negative integer)")));
+        }
+    }
     let Some(experts) = first(&EXPERT_KEYS) else {
         return Err(error(format!(
             "no routed experts (none of {}): flatpeak plans MoE models; a dense model has no dispatch to plan",
@@ -75,7 +118,7 @@ pub fn from_hf_config(path: &str, json: &Value) -> Result<ModelSpec, PlanError> 
         0
     };
     let shared_experts = match (
-        first(&["n_shared_experts", "moe_num_shared_experts"]),
+        first(&["n_shared_experts", "moe_num_shared_experts", "num_shared_experts"]),
         uint("shared_expert_intermediate_size"),
     ) {
         (Some(n), _) => n,
@@ -114,13 +157,15 @@ pub fn from_hf_config(path: &str, json: &Value) -> Result<ModelSpec, PlanError> 
     Ok(spec)
 }
 
-/// Layers with a dense FFN: DeepSeek's first `first_k_dense_replace`; under ERNIE's
+/// Layers with a dense FFN: DeepSeek's first `first_k_dense_replace` (LFM2's
+/// `num_dense_layers`); under ERNIE's
 /// `moe_layer_start_index` a, `moe_layer_end_index` b (−1: the last layer) and
 /// `moe_layer_interval` s, layer i is sparse when `(i + 1) % s == 0` and `a ≤ i ≤ b`; under
 /// Qwen's `decoder_sparse_step` s and `mlp_only_layers`, layer i is sparse when
 /// `(i + 1) % s == 0` and i is not listed.
 fn dense_layer_count(json: &Value, layers: u64) -> u64 {
-    if let Some(k) = json.get("first_k_dense_replace").and_then(Value::as_u64) {
+    if let Some(k) = ["first_k_dense_replace", "num_dense_layers"].iter().find_map(|k| json.get(*k)?.as_u64())
+    {
         return k.min(layers);
     }
     if let Some(start) = json.get("moe_layer_start_index").and_then(Value::as_u64) {

@@ -295,6 +295,41 @@ fn the_other_moe_families_read_with_their_own_keys() {
     // Sparse: odd i in 3 ..= 27 (13 of 28).
     let spec = from_hf_config("ernie.json", &ernie).expect("ernie4_5_moe");
     assert_eq!(spec.dense_layers, 15);
+    // EXAONE-MoE-like: num_shared_experts; LFM2-MoE-like: its first num_dense_layers dense.
+    let exaone = serde_json::json!({
+        "model_type": "exaone_moe", "hidden_size": 4096, "intermediate_size": 16384,
+        "moe_intermediate_size": 1024, "num_experts": 64, "num_experts_per_tok": 8,
+        "num_shared_experts": 1, "first_k_dense_replace": 1, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 102400
+    });
+    let spec = from_hf_config("exaone.json", &exaone).expect("exaone_moe");
+    assert_eq!((spec.experts, spec.shared_experts, spec.dense_layers), (64, 1, 1));
+    let lfm2 = serde_json::json!({
+        "model_type": "lfm2_moe", "hidden_size": 2048, "intermediate_size": 7168,
+        "moe_intermediate_size": 1792, "num_experts": 32, "num_experts_per_tok": 4,
+        "num_dense_layers": 2, "num_hidden_layers": 24, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 65536
+    });
+    let spec = from_hf_config("lfm2.json", &lfm2).expect("lfm2_moe");
+    assert_eq!((spec.experts, spec.top_k, spec.dense_layers, spec.dense_intermediate), (32, 4, 2, 7168));
+}
+
+#[test]
+fn a_count_given_per_layer_is_refused_by_name_not_read_from_a_fallback_key() {
+    // Without the check, moe_intermediate_size (a list) would be skipped for intermediate_size,
+    // the dense FFN's width: another model's plan.
+    let per_layer = serde_json::json!({
+        "model_type": "hunyuan_v1_moe", "hidden_size": 4096, "intermediate_size": 3072,
+        "moe_intermediate_size": [3072, 3072], "num_experts": 64, "num_experts_per_tok": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 32, "vocab_size": 128000
+    });
+    let err = from_hf_config("hunyuan.json", &per_layer).expect_err("a list").to_string();
+    assert!(err.contains("moe_intermediate_size is [3072,3072], not a count"), "{err}");
+    let negative = serde_json::json!({
+        "model_type": "qwen3_moe", "hidden_size": 64, "num_experts": -8, "vocab_size": 10
+    });
+    let err = from_hf_config("negative.json", &negative).expect_err("negative").to_string();
+    assert!(err.contains("num_experts is -8, not a count"), "{err}");
 }
 
 #[test]
