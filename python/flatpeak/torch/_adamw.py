@@ -8,7 +8,7 @@ The state lives in ``self.state[p]`` under torch's names (``step``, ``exp_avg``,
 from __future__ import annotations
 
 from itertools import chain
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
@@ -184,7 +184,7 @@ class StreamAdamW(torch.optim.Optimizer):
                 state["step"] += 1
         return loss
 
-    def state_dict(self):
+    def state_dict(self) -> Dict[str, Any]:
         """torch's state dict; a CUDA parameter's offloaded state appears under torch's names
         (CPU fp32 tensors shaped like the parameter) plus ``master_param``, its fp32 master copy."""
         for p, opt in self._cuda.items():
@@ -209,7 +209,7 @@ class StreamAdamW(torch.optim.Optimizer):
             self.state[p] = {k: v for k, v in self.state[p].items() if k not in offloaded_keys}
         return sd
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """torch's ``load_state_dict``; a CUDA parameter's state goes into its offloaded optimizer
         (the master copy from ``master_param`` when present, else from the parameter). The
         float32 state of a bfloat16 parameter (moments, master) is kept in float32: torch's own

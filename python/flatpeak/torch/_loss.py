@@ -27,7 +27,7 @@ functions hand back as ``None``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -345,9 +345,9 @@ def linear_cross_entropy(
     return_lse: bool = False,
     budget_bytes: Optional[int] = None,
     precision: str = "native",
-    group=None,
+    group: Optional["torch.distributed.ProcessGroup"] = None,
     ring: Optional[str] = None,
-):
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Cross-entropy of the linear projection ``input @ weight.T + bias`` against ``target``,
     exact, without materializing the ``tokens x vocab`` logits.
 

@@ -232,7 +232,7 @@ def moe_swiglu(
     gate_up_proj: Tensor,
     down_proj: Tensor,
     *,
-    group=None,
+    group: Optional["torch.distributed.ProcessGroup"] = None,
     num_experts: Optional[int] = None,
     scheme: str = "pipelined",
     pair_cap_rows: Optional[int] = None,

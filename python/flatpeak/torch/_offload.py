@@ -283,8 +283,8 @@ class OffloadedBlock(torch.nn.Module):
 _FORWARDING: List[int] = []
 
 
-def offload_checkpoints(layers, *, keep_resident: int = 1, in_flight: int = 2, prefetch_distance: int = 1,
-                        pin_memory: bool = True):
+def offload_checkpoints(layers: Sequence[torch.nn.Module], *, keep_resident: int = 1, in_flight: int = 2,
+                        prefetch_distance: int = 1, pin_memory: bool = True) -> Sequence[torch.nn.Module]:
     """Wraps, in place, each block of ``layers`` (an ``nn.ModuleList``, or a list of modules
     called in order) so that it runs under non-reentrant checkpointing with its input boundary
     kept by sco's slot ring, and returns ``layers``.
@@ -319,7 +319,7 @@ def offload_checkpoints(layers, *, keep_resident: int = 1, in_flight: int = 2, p
     return layers
 
 
-def ring_of(layers) -> _BoundaryRing:
+def ring_of(layers: Sequence[torch.nn.Module]) -> _BoundaryRing:
     """The slot ring behind sequence ``layers`` wrapped by :func:`offload_checkpoints` (its
     ``ring.high_water_slots()``, ``ring.slots()`` and ``high_water_bytes`` for measurements)."""
     first = layers[0]

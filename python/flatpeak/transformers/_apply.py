@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import sys
 import types
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,8 @@ IGNORE_INDEX = -100
 
 
 def causal_lm_loss(hidden_states: torch.Tensor, lm_head: torch.nn.Linear, labels: Optional[torch.Tensor],
-                   shift_labels: Optional[torch.Tensor] = None, num_items_in_batch=None,
+                   shift_labels: Optional[torch.Tensor] = None,
+                   num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
                    budget_bytes: Optional[int] = None) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` without the logits: labels shifted inside (position ``t``
     predicts label ``t + 1``; ``shift_labels`` when given is used as is), ``ignore_index=-100``, the
@@ -122,7 +123,8 @@ def _shard_experts(module: torch.nn.Module, name: str, group) -> None:
 
 
 def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, offload_checkpoints: bool = False,
-          group=None, budget_bytes: Optional[int] = None, expert_activations: str = "recompute") -> torch.nn.Module:
+          group: Optional["torch.distributed.ProcessGroup"] = None, budget_bytes: Optional[int] = None,
+          expert_activations: str = "recompute") -> torch.nn.Module:
     """Patches a transformers MoE causal LM in place and returns it.
 
     Args:
