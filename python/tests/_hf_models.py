@@ -69,6 +69,8 @@ def tiny_config(model_type: str, **overrides):
         # Layer 0 a dense short-convolution layer, layer 1 a sparse attention layer.
         cfg = dict(cls=tf.Lfm2MoeConfig, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                    num_dense_layers=1, layer_types=["conv", "full_attention"])
+    elif model_type == "afmoe":
+        cfg = dict(cls=tf.AfmoeConfig, intermediate_size=128, moe_intermediate_size=32, num_experts=8, head_dim=16)
     else:
         raise ValueError(model_type)
     cls = cfg.pop("cls")

@@ -105,6 +105,33 @@ def test_the_router_auxiliary_loss_is_still_added(model_type):
     assert not grads_match(ref, patched)
 
 
+def test_a_model_that_adds_no_router_loss_gets_none_and_its_router_logits():
+    # AFMoE's forward returns its router logits and leaves any auxiliary loss to the trainer.
+    ref = hf.tiny_model("afmoe")
+    patched = fpt.apply(copy.deepcopy(ref))
+    ids, labels = hf.batch(2)
+    a = ref(input_ids=ids, labels=labels, output_router_logits=True)
+    b = patched(input_ids=ids, labels=labels, output_router_logits=True)
+    assert a.aux_loss is None and b.aux_loss is None
+    assert len(b.router_logits) == len(a.router_logits) >= 1
+    assert all(torch.equal(x, y) for x, y in zip(a.router_logits, b.router_logits))
+    assert hf.rel(b.loss, a.loss) <= 1e-5
+
+
+def test_a_forward_that_adds_a_router_loss_its_module_cannot_compute_is_refused():
+    class Custom(transformers.Qwen3MoeForCausalLM):
+        def forward(self, input_ids=None, labels=None, output_router_logits=None, **kwargs):
+            out = super().forward(input_ids=input_ids, labels=labels, output_router_logits=output_router_logits,
+                                  **kwargs)
+            return out  # its own load_balancing_loss_func, which this module does not define
+
+    model = Custom(hf.tiny_config("qwen3_moe")).float()
+    with pytest.raises(ValueError, match="Custom: its forward adds the router's auxiliary loss, but its module has "
+                                         "no load_balancing_loss_func"):
+        fpt.apply(model)
+    assert getattr(model, "_flatpeak_patch", None) is None
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_ten_optimizer_steps_give_the_same_loss_curve(model_type):
     ref = hf.tiny_model(model_type)

@@ -10,7 +10,7 @@ as a transformers experts implementation, so ``from_pretrained(..., experts_impl
 Supported ``model_type`` (:data:`SUPPORTED_MODEL_TYPES`): ``qwen3_moe``, ``qwen2_moe``, ``qwen3_next``,
 ``mixtral``, ``olmoe``, ``deepseek_v2``, ``deepseek_v3``, ``deepseek_v32``, ``glm4_moe``, ``minimax``,
 ``minimax_m2``, ``ernie4_5_moe``, ``hunyuan_v1_moe``, ``dots1``, ``exaone_moe``, ``solar_open``,
-``flex_olmo`` and ``lfm2_moe``
+``flex_olmo``, ``lfm2_moe`` and ``afmoe``
 (transformers 5.x, whose experts modules hold ``gate_up_proj [E, 2I, H]`` and ``down_proj
 [E, H, I]``).
 """

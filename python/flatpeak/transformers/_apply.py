@@ -17,7 +17,7 @@ from ._experts import EXPERTS_IMPLEMENTATION
 #: The ``config.model_type`` values :func:`apply` patches.
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3",
                          "deepseek_v32", "glm4_moe", "minimax", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
-                         "exaone_moe", "solar_open", "flex_olmo", "lfm2_moe")
+                         "exaone_moe", "solar_open", "flex_olmo", "lfm2_moe", "afmoe")
 
 IGNORE_INDEX = -100
 
@@ -68,7 +68,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     else:
         logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
     aux_loss = None
-    if patch.router_logits and output_router_logits:
+    if patch.load_balancing_loss is not None and output_router_logits:
         aux_loss = patch.load_balancing_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
                                              attention_mask)
         if loss is not None:
@@ -90,11 +90,24 @@ class _Patch:
         self.loss, self.experts, self.group, self.budget_bytes = loss, experts, group, budget_bytes
         forward = type(model).forward
         self.router_logits = "output_router_logits" in inspect.signature(forward).parameters
-        module = sys.modules[type(model).__module__]
-        self.load_balancing_loss = getattr(module, "load_balancing_loss_func", None)
-        if self.router_logits and self.load_balancing_loss is None:
-            raise ValueError(f"{type(model).__name__}: its module has no load_balancing_loss_func for the router's "
-                             f"auxiliary loss")
+        # The router's auxiliary loss, where the model's own forward adds one (some models return
+        # their router logits and leave the loss to the trainer).
+        self.load_balancing_loss = None
+        if self.router_logits and _adds_aux_loss(forward):
+            module = sys.modules[type(model).__module__]
+            self.load_balancing_loss = getattr(module, "load_balancing_loss_func", None)
+            if self.load_balancing_loss is None:
+                raise ValueError(f"{type(model).__name__}: its forward adds the router's auxiliary loss, but its module "
+                                 f"has no load_balancing_loss_func to compute it with")
+
+
+def _adds_aux_loss(forward) -> bool:
+    """Whether a causal LM's ``forward`` adds the router's auxiliary loss (it calls
+    ``load_balancing_loss_func``); when its source cannot be read, assume it does."""
+    try:
+        return "load_balancing_loss_func" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return True
 
 
 def _experts_modules(model):
