@@ -4,9 +4,10 @@
 //! Read for the MoE model types whose keys it knows: `qwen3_moe`, `qwen2_moe`, `qwen3_next`,
 //! `mixtral`, `olmoe`, `flex_olmo`, `gpt_oss`, `deepseek_v2`, `deepseek_v3`, `deepseek_v32`,
 //! `dots1`, `glm4_moe`, `minimax`, `minimax_m2`, `ernie4_5_moe`, `exaone_moe`, `solar_open` and
-//! `lfm2_moe` (any `model_type` with the same keys is read the same way; Hunyuan's per-layer
-//! `moe_topk` is not). A count key given as anything but a non-negative integer (a per-layer list)
-//! is an error that names it. The mapping:
+//! `lfm2_moe` (any `model_type` with the same keys is read the same way; Hunyuan's `moe_topk`,
+//! an integer or a per-layer list, is not read). A count key given as anything but a
+//! non-negative integer (a per-layer list), or an ERNIE `moe_layer_end_index` that is not an
+//! integer, is an error that names it. The mapping:
 //!
 //! | spec field | config keys |
 //! |---|---|
@@ -85,6 +86,11 @@ pub fn from_hf_config(path: &str, json: &Value) -> Result<ModelSpec, PlanError> 
             return Err(error(format!("{key} is {value}, not a count (a non-negative integer)")));
         }
     }
+    if let Some(value) = json.get("moe_layer_end_index").filter(|v| !v.is_null() && v.as_i64().is_none()) {
+        return Err(error(format!(
+            "moe_layer_end_index is {value}, not a layer index (an integer; -1: the last)"
+        )));
+    }
     let Some(experts) = first(&EXPERT_KEYS) else {
         return Err(error(format!(
             "no routed experts (none of {}): flatpeak plans MoE models; a dense model has no dispatch to plan",
@@ -158,11 +164,10 @@ pub fn from_hf_config(path: &str, json: &Value) -> Result<ModelSpec, PlanError> 
 }
 
 /// Layers with a dense FFN: DeepSeek's first `first_k_dense_replace` (LFM2's
-/// `num_dense_layers`); under ERNIE's
-/// `moe_layer_start_index` a, `moe_layer_end_index` b (−1: the last layer) and
-/// `moe_layer_interval` s, layer i is sparse when `(i + 1) % s == 0` and `a ≤ i ≤ b`; under
-/// Qwen's `decoder_sparse_step` s and `mlp_only_layers`, layer i is sparse when
-/// `(i + 1) % s == 0` and i is not listed.
+/// `num_dense_layers`); under ERNIE's `moe_layer_start_index` a, `moe_layer_end_index` b (−1:
+/// the last layer) and `moe_layer_interval` s, layer i is sparse when `(i + 1) % s == 0` and
+/// `a ≤ i ≤ b`; under Qwen's `decoder_sparse_step` s and `mlp_only_layers`, layer i is sparse
+/// when `(i + 1) % s == 0` and i is not listed.
 fn dense_layer_count(json: &Value, layers: u64) -> u64 {
     if let Some(k) = ["first_k_dense_replace", "num_dense_layers"].iter().find_map(|k| json.get(*k)?.as_u64())
     {

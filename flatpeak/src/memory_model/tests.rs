@@ -330,6 +330,13 @@ fn a_count_given_per_layer_is_refused_by_name_not_read_from_a_fallback_key() {
     });
     let err = from_hf_config("negative.json", &negative).expect_err("negative").to_string();
     assert!(err.contains("num_experts is -8, not a count"), "{err}");
+    let end = serde_json::json!({
+        "model_type": "ernie4_5_moe", "hidden_size": 64, "moe_num_experts": 8, "moe_k": 2,
+        "moe_layer_start_index": 1, "moe_layer_end_index": "last", "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 10
+    });
+    let err = from_hf_config("end.json", &end).expect_err("a string").to_string();
+    assert!(err.contains("moe_layer_end_index is \"last\", not a layer index"), "{err}");
 }
 
 #[test]
