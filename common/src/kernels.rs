@@ -1,5 +1,5 @@
-//! Registry of CUDA C sources. Each crate lists its `kernels/*.cu` files as [`KernelSource`]s
-//! in a `KERNELS` constant; the NVRTC compile check (`tests/tests/nvrtc_compile.rs`) and the
+//! Registry of CUDA C sources. Each crate declares its `kernels/<crate>.cu` file as a
+//! [`KernelSource`] constant; the NVRTC compile check (`tests/tests/nvrtc_compile.rs`) and the
 //! run-time `cuda::KernelCache` (feature `cuda`) both read from there, so a kernel that
 //! ships is a kernel that is checked. The sources are plain strings: listing them needs no CUDA.
 
@@ -40,9 +40,6 @@ pub const COMMON: KernelSource = KernelSource {
     headers: &[BLOCK_REDUCE],
 };
 
-/// Every kernel source of this crate.
-pub const KERNELS: &[KernelSource] = &[COMMON];
-
 /// Threads per block of every crate's 1-D grid-stride kernels (a multiple of the warp size; the
 /// kernels' loops cover any length, so the count is a launch choice, not a kernel constant).
 pub const LINEAR_THREADS: u32 = 256;
@@ -66,7 +63,7 @@ mod tests {
 
     #[test]
     fn entry_points_are_defined_in_the_source() {
-        for k in KERNELS {
+        for k in [COMMON] {
             for h in k.headers {
                 assert!(k.source.contains(&format!("#include \"{}\"", h.include_name)), "{}", k.name);
             }

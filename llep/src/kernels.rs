@@ -25,8 +25,5 @@ pub const LLEP: KernelSource = KernelSource {
     headers: &[BLOCK_REDUCE],
 };
 
-/// Every kernel source of this crate.
-pub const KERNELS: &[KernelSource] = &[LLEP];
-
 /// Threads per block of `llep_row_dot` (one block per row).
 pub const ROW_THREADS: u32 = 128;

@@ -21,9 +21,6 @@ pub const RING_DTP: KernelSource = KernelSource {
     headers: &[BLOCK_REDUCE],
 };
 
-/// Every kernel source of this crate.
-pub const KERNELS: &[KernelSource] = &[RING_DTP];
-
 /// Threads per block of the per-row kernels (one block per token row).
 pub const ROW_THREADS: u32 = 256;
 

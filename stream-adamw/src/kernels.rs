@@ -11,9 +11,6 @@ pub const STREAM_ADAMW: KernelSource = KernelSource {
     headers: &[BLOCK_REDUCE],
 };
 
-/// Every kernel source of this crate.
-pub const KERNELS: &[KernelSource] = &[STREAM_ADAMW];
-
 /// Threads per block of the statistics kernel.
 pub const STATS_THREADS: u32 = 256;
 

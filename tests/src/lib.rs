@@ -4,15 +4,14 @@
 use flatpeak_common::kernels::KernelSource;
 
 /// Every CUDA source of every crate in the workspace. A crate that adds kernels adds its
-/// `KERNELS` here, so the compile check (`tests/nvrtc_compile.rs`) covers it.
+/// `KernelSource` here, so the compile check (`tests/nvrtc_compile.rs`) covers it.
 pub fn all_kernels() -> Vec<KernelSource> {
-    [
-        flatpeak_common::kernels::KERNELS,
-        llep::kernels::KERNELS,
-        ring_dtp::kernels::KERNELS,
-        stream_adamw::kernels::KERNELS,
+    vec![
+        flatpeak_common::kernels::COMMON,
+        llep::kernels::LLEP,
+        ring_dtp::kernels::RING_DTP,
+        stream_adamw::kernels::STREAM_ADAMW,
     ]
-    .concat()
 }
 
 #[cfg(test)]
