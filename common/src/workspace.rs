@@ -34,8 +34,9 @@ struct CacheLine([u8; REGION_ALIGN]);
 /// Carving takes `&self` and hands out disjoint `&mut` slices (like an arena allocator);
 /// [`Workspace::reset`] takes `&mut self`, so it can only run once every slice is gone.
 pub struct Workspace {
-    /// Start of the reservation: from `Box::into_raw` (freed in `Drop`) or the caller's memory
-    /// ([`Workspace::from_raw`], never freed here), as `owner` says.
+    /// Start of the reservation (64-aligned): inside the workspace's own allocation (freed in
+    /// `Drop`) or the caller's memory ([`Workspace::from_raw`], never freed here), as `owner`
+    /// says.
     lines: NonNull<[CacheLine]>,
     owner: Owner,
     arena: RefCell<Arena>,
@@ -44,8 +45,9 @@ pub struct Workspace {
 /// Who frees a workspace's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Owner {
-    /// The workspace: it allocated the memory and frees it when dropped.
-    Workspace,
+    /// The workspace: it allocated `layout` at `ptr` (`lines` starts at the first 64-aligned
+    /// byte of it) and frees it when dropped.
+    Workspace { ptr: NonNull<u8>, layout: std::alloc::Layout },
     /// The caller of [`Workspace::from_raw`]: the memory outlives the workspace.
     Caller,
 }
@@ -62,28 +64,31 @@ impl std::fmt::Debug for Workspace {
 }
 
 impl Workspace {
-    /// Reserves `capacity` bytes (zero-filled, rounded up to whole cache lines) now, once. A
-    /// reservation the system refuses (or one past `isize::MAX`) is
+    /// Reserves `capacity` bytes (zero-filled, rounded up to whole cache lines) now, once. The
+    /// bytes come from `calloc` (byte-aligned, then the first cache line boundary taken), so a
+    /// large reservation is fresh zero pages the system maps as they are first written: a
+    /// region a schedule carves but its path never touches does not count in the resident set.
+    /// A reservation the system refuses (or one past `isize::MAX`) is
     /// [`Error::HostAlloc`](crate::Error::HostAlloc) with the size asked for, never an abort.
     pub fn new(capacity: usize) -> Result<Self> {
         let n_lines = capacity.div_ceil(REGION_ALIGN);
         let refused = crate::Error::HostAlloc { what: "a workspace", bytes: capacity };
-        let boxed: Box<[CacheLine]> = if n_lines == 0 {
-            Box::new([])
-        } else {
-            let layout = std::alloc::Layout::array::<CacheLine>(n_lines).map_err(|_| refused.clone())?;
-            // SAFETY: `layout` has a non-zero size (n_lines ≥ 1 lines of 64 B).
-            let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut CacheLine;
-            if ptr.is_null() {
-                return Err(refused);
-            }
-            // SAFETY: `ptr` is a fresh allocation of exactly `Layout::array::<CacheLine>(n_lines)`
-            // (the layout `Box<[CacheLine]>` frees with), zero-filled, and all-zero bytes are a
-            // valid `CacheLine`; the box takes sole ownership.
-            unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, n_lines)) }
-        };
-        let lines = NonNull::from(Box::leak(boxed));
-        Ok(Self { lines, owner: Owner::Workspace, arena: RefCell::new(Arena::new(capacity)) })
+        if n_lines == 0 {
+            let lines = NonNull::slice_from_raw_parts(NonNull::<CacheLine>::dangling(), 0);
+            return Ok(Self { lines, owner: Owner::Caller, arena: RefCell::new(Arena::new(0)) });
+        }
+        let bytes = n_lines.checked_mul(REGION_ALIGN).and_then(|b| b.checked_add(REGION_ALIGN - 1));
+        let layout =
+            bytes.and_then(|b| std::alloc::Layout::from_size_align(b, 1).ok()).ok_or(refused.clone())?;
+        // SAFETY: `layout` has a non-zero size (at least one line of 64 B).
+        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).ok_or(refused)?;
+        let skip = ptr.as_ptr().align_offset(REGION_ALIGN);
+        // SAFETY: `skip < 64`, and the allocation holds `n_lines·64 + 63` bytes, so the
+        // `n_lines` lines from the first 64-aligned byte lie inside it; they are zero bytes, a
+        // valid `CacheLine`, owned by this workspace alone until `Drop` frees the allocation.
+        let first = unsafe { NonNull::new_unchecked(ptr.as_ptr().add(skip)) }.cast::<CacheLine>();
+        let lines = NonNull::slice_from_raw_parts(first, n_lines);
+        Ok(Self { lines, owner: Owner::Workspace { ptr, layout }, arena: RefCell::new(Arena::new(capacity)) })
     }
 
     /// A workspace carved from the caller's `capacity` bytes at `ptr` (a framework's tensor),
@@ -154,12 +159,12 @@ impl Workspace {
 
 impl Drop for Workspace {
     fn drop(&mut self) {
-        if self.owner == Owner::Caller {
-            return; // the caller's memory, lent for the workspace's life
-        }
-        // SAFETY: an owned `lines` came from `Box::leak` in `new` and is freed only here, once;
-        // no carved slice can outlive `&self`, so none is alive now.
-        drop(unsafe { Box::from_raw(self.lines.as_ptr()) });
+        let Owner::Workspace { ptr, layout } = self.owner else {
+            return; // the caller's memory, lent for the workspace's life (or none at all)
+        };
+        // SAFETY: `ptr` was allocated in `new` with exactly `layout` and is freed only here,
+        // once; no carved slice can outlive `&self`, so none is alive now.
+        unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
     }
 }
 
@@ -167,6 +172,24 @@ impl Drop for Workspace {
 mod tests {
     use super::*;
     use crate::Error;
+
+    /// A reservation's lines count in the resident set only once written (Linux).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn untouched_lines_are_not_resident() {
+        let resident = || {
+            let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+            statm.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap() * crate::page_bytes()
+        };
+        let before = resident();
+        let ws = Workspace::new(512 << 20).unwrap();
+        let carved = ws.take::<u8>(1 << 20).unwrap();
+        assert!(carved.iter().all(|&b| b == 0));
+        carved.fill(3);
+        let after = resident();
+        assert!(after.saturating_sub(before) < 128 << 20, "{before} -> {after}");
+        assert_eq!(ws.take::<u64>(4).unwrap(), [0; 4]);
+    }
 
     #[test]
     fn a_workspace_over_caller_memory_carves_it_and_leaves_it_to_the_caller() {

@@ -59,7 +59,8 @@ fn known_allocations() {
     assert_eq!(m.peak_bytes, 100);
     drop(held);
 
-    // A workspace reserved inside the call is its working set; carving adds nothing.
+    // A workspace reserved inside the call is its working set (and the < 64 bytes that align
+    // its first line); carving adds nothing.
     let m = PeakMeter::measure(|| {
         let ws = Workspace::new(64 * 1000).expect("workspace");
         let a = ws.take::<f32>(1000).unwrap();
@@ -69,7 +70,7 @@ fn known_allocations() {
         b.iter().sum::<f32>()
     })
     .unwrap();
-    assert_eq!(m.peak_bytes, 64 * 1000);
+    assert!((64 * 1000..64 * 1000 + 64).contains(&m.peak_bytes), "{}", m.peak_bytes);
 
     // Allocations on other threads (the ranks of a LocalGroup) are counted: 4 ranks each hold
     // 1 MiB at once behind a barrier.

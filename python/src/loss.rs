@@ -14,15 +14,15 @@ use std::sync::{Mutex, OnceLock};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ring_dtp::{
-    Budget, Config, DType, Device, Forward, GradOutput, GradientSelection, GradientsMut, Inputs,
-    LinearCrossEntropy, Loss, Matrix, Plan, Precision, Reduction, Shape, Softcap, Want, bf16,
+    Bf16GradientsMut, Budget, Config, DType, Device, Forward, GradOutput, GradientSelection, GradientsMut,
+    Inputs, LinearCrossEntropy, Loss, Matrix, Plan, Precision, Reduction, Shape, Softcap, Want, bf16,
 };
 
 use crate::error::to_py;
 use crate::tensor::TensorDevice;
 #[cfg(not(feature = "cuda"))]
 use crate::tensor::device_of;
-use crate::tensor::{Span, TensorRef, check_disjoint, shape_of};
+use crate::tensor::{Span, TensorRef, TorchElement, check_disjoint, shape_of};
 
 /// The default working-set budget on a CPU: 128 MiB. At N=8192, D=1024, V=32768 it gives
 /// 512-token blocks over the whole vocabulary, which ran forward + backward 5% (f32) and 13%
@@ -282,12 +282,54 @@ pub(crate) fn selection(given: [bool; 3], has_bias: bool) -> PyResult<GradientSe
     Ok(GradientSelection::ALL.dx(want(dx)).dw(want(dw)).dbias(want(dbias)))
 }
 
-/// The fp32 CPU tensors a backward writes, each `None` when its gradient is not wanted.
+/// dX and dW as the caller allocated them, each `None` when not wanted: fp32, or bf16 (the crate
+/// accumulates in f32 and rounds once, holding no fp32 copy of both beside them).
+enum DxDw {
+    F32(Option<TensorRef<f32>>, Option<TensorRef<f32>>),
+    Bf16(Option<TensorRef<bf16>>, Option<TensorRef<bf16>>),
+}
+
+/// The CPU tensors a backward writes, each `None` when its gradient is not wanted: dX and dW of
+/// one dtype (fp32 or bf16), dbias fp32.
 pub(crate) struct GradTensors {
-    dx: Option<TensorRef<f32>>,
-    dw: Option<TensorRef<f32>>,
+    dx_dw: DxDw,
     dbias: Option<TensorRef<f32>>,
     wanted: GradientSelection,
+}
+
+/// The crate's gradient buffers over a call's tensors, of their dtype.
+enum GradBuffers<'a> {
+    F32(GradientsMut<'a>),
+    Bf16(Bf16GradientsMut<'a>),
+}
+
+impl GradBuffers<'_> {
+    /// [`LinearCrossEntropy::backward_into`] into these buffers.
+    fn backward_into(
+        self,
+        lce: &mut LinearCrossEntropy,
+        inputs: &Inputs<'_>,
+        lse: &[f32],
+        upstream: ring_dtp::Upstream<'_>,
+    ) -> ring_dtp::Result<()> {
+        match self {
+            Self::F32(out) => lce.backward_into(inputs, lse, upstream, out),
+            Self::Bf16(out) => lce.backward_into(inputs, lse, upstream, out),
+        }
+    }
+
+    /// [`LinearCrossEntropy::forward_backward_into`] into these buffers.
+    fn forward_backward_into(
+        self,
+        lce: &mut LinearCrossEntropy,
+        inputs: &Inputs<'_>,
+        grad: GradOutput<'_>,
+    ) -> ring_dtp::Result<Forward> {
+        match self {
+            Self::F32(out) => lce.forward_backward_into(inputs, grad, out),
+            Self::Bf16(out) => lce.forward_backward_into(inputs, grad, out),
+        }
+    }
 }
 
 /// The gradient outputs as Python passes them: `(dx, dw, dbias)`, each a tensor or `None`.
@@ -295,21 +337,42 @@ pub(crate) type GradArgs<'py> =
     (Option<Bound<'py, PyAny>>, Option<Bound<'py, PyAny>>, Option<Bound<'py, PyAny>>);
 
 impl GradTensors {
-    /// Checks each given tensor against the call's shape (dX `[N, D]`, dW `[V, D]`, dbias `[V]`).
+    /// Checks each given tensor against the call's shape (dX `[N, D]`, dW `[V, D]`, dbias `[V]`)
+    /// and dX and dW against one dtype, fp32 or bf16 (the first given decides; the other is
+    /// named if it differs).
     fn new(grads_out: &GradArgs<'_>, checked: &Checked) -> PyResult<Self> {
         let Shape { tokens: n, hidden: d, vocab: v, .. } = checked.shape;
-        let tensor = |name, t: &Option<Bound<'_, PyAny>>, shape: &[Option<usize>]| {
-            t.as_ref().map(|t| TensorRef::<f32>::new(name, t, shape)).transpose()
+        fn tensor<T: TorchElement>(
+            name: &'static str,
+            t: &Option<Bound<'_, PyAny>>,
+            shape: &[Option<usize>],
+        ) -> PyResult<Option<TensorRef<T>>> {
+            t.as_ref().map(|t| TensorRef::<T>::new(name, t, shape)).transpose()
+        }
+        let (dx_shape, dw_shape) = ([Some(n), Some(d)], [Some(v), Some(d)]);
+        let first_given = grads_out.0.as_ref().or(grads_out.1.as_ref());
+        // Anything but a bf16 tensor is read as fp32, whose check names what is wrong with it.
+        let bf16_given = first_given
+            .and_then(|t| t.getattr("dtype").ok()?.str().ok())
+            .is_some_and(|dtype| dtype == "torch.bfloat16");
+        let dx_dw = if bf16_given {
+            DxDw::Bf16(tensor("dx", &grads_out.0, &dx_shape)?, tensor("dw", &grads_out.1, &dw_shape)?)
+        } else {
+            DxDw::F32(tensor("dx", &grads_out.0, &dx_shape)?, tensor("dw", &grads_out.1, &dw_shape)?)
         };
-        let dx = tensor("dx", &grads_out.0, &[Some(n), Some(d)])?;
-        let dw = tensor("dw", &grads_out.1, &[Some(v), Some(d)])?;
         let dbias = tensor("dbias", &grads_out.2, &[Some(v)])?;
-        let wanted = selection([dx.is_some(), dw.is_some(), dbias.is_some()], checked.bias.is_some())?;
-        Ok(Self { dx, dw, dbias, wanted })
+        let given = [grads_out.0.is_some(), grads_out.1.is_some(), dbias.is_some()];
+        let wanted = selection(given, checked.bias.is_some())?;
+        Ok(Self { dx_dw, dbias, wanted })
     }
 
     fn spans(&self) -> Vec<Span> {
-        [&self.dx, &self.dw, &self.dbias].into_iter().flatten().map(Span::from).collect()
+        let mut spans: Vec<Span> = match &self.dx_dw {
+            DxDw::F32(dx, dw) => [dx, dw].into_iter().flatten().map(Span::from).collect(),
+            DxDw::Bf16(dx, dw) => [dx, dw].into_iter().flatten().map(Span::from).collect(),
+        };
+        spans.extend(self.dbias.iter().map(Span::from));
+        spans
     }
 
     /// The crate's gradient buffers over the tensors' storage (empty for a skipped one).
@@ -317,11 +380,23 @@ impl GradTensors {
     /// # Safety
     /// The tensors must outlive the returned borrow and [`check_disjoint`] must have passed for
     /// them against every other tensor of the call.
-    unsafe fn as_mut(&self) -> GradientsMut<'_> {
+    unsafe fn as_mut(&self) -> GradBuffers<'_> {
         // SAFETY: the caller's contract: each tensor is alive and no other borrow overlaps it.
-        let slice = |t: Option<TensorRef<f32>>| t.map(|t| unsafe { t.as_mut_slice() });
-        let (dx, dw) = (slice(self.dx).unwrap_or(&mut []), slice(self.dw).unwrap_or(&mut []));
-        GradientsMut::new(dx, dw, slice(self.dbias)).selecting(self.wanted)
+        let dbias = self.dbias.map(|t| unsafe { t.as_mut_slice() });
+        match self.dx_dw {
+            DxDw::F32(dx, dw) => {
+                // SAFETY: as above.
+                let slice =
+                    |t: Option<TensorRef<f32>>| t.map_or(&mut [][..], |t| unsafe { t.as_mut_slice() });
+                GradBuffers::F32(GradientsMut::new(slice(dx), slice(dw), dbias).selecting(self.wanted))
+            }
+            DxDw::Bf16(dx, dw) => {
+                // SAFETY: as above.
+                let slice =
+                    |t: Option<TensorRef<bf16>>| t.map_or(&mut [][..], |t| unsafe { t.as_mut_slice() });
+                GradBuffers::Bf16(Bf16GradientsMut::new(slice(dx), slice(dw), dbias).selecting(self.wanted))
+            }
+        }
     }
 }
 
@@ -431,7 +506,7 @@ pub fn lce_forward_backward(
         // SAFETY: every tensor is held by the caller's frame for this call; the outputs were
         // checked disjoint from each other and from every input, so the `&mut` are exclusive.
         let (inputs, out) = unsafe { (checked.inputs(), grads.as_mut()) };
-        lce.forward_backward_into(&inputs, GradOutput::Scalar(1.0), out)
+        out.forward_backward_into(lce, &inputs, GradOutput::Scalar(1.0))
     })?;
     write_forward(forward, (&loss_out, &lse_out));
     Ok(())
@@ -496,6 +571,6 @@ pub fn lce_backward(
             (checked.inputs(), lse.as_slice(), grad_loss.as_slice(), grad_lse.map(|g| g.as_slice()), out)
         };
         let grad = if per_token { GradOutput::PerToken(grad_loss) } else { GradOutput::Scalar(grad_loss[0]) };
-        lce.backward_into(&inputs, lse, ring_dtp::Upstream::loss(grad).with_dlse(grad_lse), out)
+        out.backward_into(lce, &inputs, lse, ring_dtp::Upstream::loss(grad).with_dlse(grad_lse))
     })
 }

@@ -338,6 +338,54 @@ def test_a_reduced_loss_fuses_forward_and_backward(monkeypatch, dtype, reduction
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("budget_bytes", [None, 64 << 10])  # fused, and vocabulary blocks
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_gradients_are_the_fp32_gradients_rounded_once(budget_bytes, bias):
+    """Given bf16 dX and dW buffers (what the CPU path allocates for bf16 inputs), the crate
+    accumulates in fp32 and rounds once: bit for bit the fp32 buffers' gradients rounded to
+    bf16, in the fused call and in backward (dbias stays fp32, equal)."""
+    from flatpeak.torch import _loss
+    from flatpeak.torch._lce_common import _options
+
+    x, w, t, b, tw = make(21, dtype=torch.bfloat16, bias=bias, weights=True)
+    options = _options(-100, "mean", 0.1, 1e-3, None, budget_bytes, "native")
+    args = (x, w, t, None if b is None else b.float(), tw.float())  # bias and weights are fp32
+
+    def buffers(dtype):
+        return (torch.empty(N, D, dtype=dtype), torch.empty(V, D, dtype=dtype),
+                torch.empty(V) if bias else None)
+
+    lse = torch.empty(N)
+    fp32, bf16 = buffers(torch.float32), buffers(torch.bfloat16)
+    for grads in (fp32, bf16):
+        _loss._ext.lce_forward_backward(options, args, (torch.empty(()), lse), grads)
+    for got, want in zip(bf16, fp32):
+        if want is not None:
+            want = want.to(got.dtype)
+            assert torch.equal(got.view(torch.int16 if got.dtype == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if want.dtype == torch.bfloat16 else torch.int32))
+    upstream = (torch.tensor(0.5), torch.randn(N, generator=torch.Generator().manual_seed(3)))
+    fp32, bf16 = buffers(torch.float32), buffers(torch.bfloat16)
+    for grads in (fp32, bf16):
+        _loss._ext.lce_backward(options, args, lse, upstream, grads)
+    for got, want in zip(bf16, fp32):
+        if want is not None:
+            assert torch.equal(got.float(), want.to(got.dtype).float())
+
+
+def test_gradient_buffers_of_two_dtypes_are_refused_by_name():
+    from flatpeak.torch import _loss
+    from flatpeak.torch._lce_common import _options
+
+    x, w, t, _, _ = make(22, dtype=torch.bfloat16)
+    options = _options(-100, "mean", 0.0, 0.0, None, None, "native")
+    dx, dw = torch.zeros(N, D, dtype=torch.bfloat16), torch.zeros(V, D)
+    with pytest.raises(TypeError, match="dw"):
+        _loss._ext.lce_forward_backward(options, (x, w, t, None, None), (torch.empty(()), torch.empty(N)),
+                                        (dx, dw, None))
+    assert not dx.any() and not dw.any()
+
+
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 def test_the_fused_gradients_survive_a_retained_graph(scale):
     """A second backward through a retained graph adds the same gradients again."""

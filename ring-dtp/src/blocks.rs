@@ -74,6 +74,9 @@ pub(crate) trait BlockOps {
     fn gradient(&mut self, at: BlockAt, pass: Pass, gradient: &GradientInputs<'_>) -> Result<()>;
     /// Projects G of block `at` into dX, dW and dbias.
     fn project(&mut self, at: BlockAt) -> Result<()>;
+    /// A backward or fused pass finished token rows `t0..t0 + c` (every vocabulary block
+    /// projected): their dX rows are final (a host backend narrows them into bf16 outputs).
+    fn token_rows_done(&mut self, t0: usize, c: usize) -> Result<()>;
     /// The per-token statistics a forward or fused pass finished, on the host.
     fn take_stats(&mut self) -> Result<Stats>;
 }
@@ -122,6 +125,9 @@ pub(crate) fn run_blocks<B: BlockOps + ?Sized>(
                 ops.gradient(at, pass, g)?;
             }
             ops.project(at)?;
+        }
+        if pass != Pass::Forward {
+            ops.token_rows_done(t0, c)?;
         }
     }
     Ok(())
@@ -172,6 +178,10 @@ mod tests {
             self.0.push("proj".into());
             Ok(())
         }
+        fn token_rows_done(&mut self, t0: usize, c: usize) -> Result<()> {
+            self.0.push(format!("done{t0}+{c}"));
+            Ok(())
+        }
         fn take_stats(&mut self) -> Result<Stats> {
             Ok(Stats::new(0))
         }
@@ -195,7 +205,7 @@ mod tests {
         );
         assert_eq!(
             trace(&blocked, Pass::Backward).unwrap(),
-            "beginBackward x0+3 w0+4 z gBackward proj w4+3 z gBackward proj x3+2 w0+4 z gBackward proj w4+3 z gBackward proj"
+            "beginBackward x0+3 w0+4 z gBackward proj w4+3 z gBackward proj done0+3 x3+2 w0+4 z gBackward proj w4+3 z gBackward proj done3+2"
         );
         assert!(matches!(trace(&blocked, Pass::Fused), Err(Error::Internal { .. })));
         let mut t = Trace::default();
@@ -204,7 +214,7 @@ mod tests {
         let full = Plan::with_blocks(&config, shape, (3, 7)).unwrap();
         assert_eq!(
             trace(&full, Pass::Fused).unwrap(),
-            "beginFused x0+3 w0+7 z fold lse gFused proj x3+2 z fold lse gFused proj"
+            "beginFused x0+3 w0+7 z fold lse gFused proj done0+3 x3+2 z fold lse gFused proj done3+2"
         );
         let empty = Plan::new(&config, Shape { tokens: 0, ..shape }, Budget::Unlimited).unwrap();
         assert_eq!(trace(&empty, Pass::Fused).unwrap(), "beginFused");

@@ -13,9 +13,8 @@
 use crate::blocks::{BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::inputs::{
-    CallSizes, Forward, GradOutput, GradientLens, Gradients, GradientsMut, Inputs, Upstream, check_weights,
-};
+use crate::gradients::{GradientLens, Gradients, GradientsMut};
+use crate::inputs::{CallSizes, Forward, GradOutput, Inputs, Upstream, check_weights};
 use crate::loss::{self, Stats};
 use crate::plan::{BlockSchedule, Plan};
 
@@ -66,7 +65,7 @@ pub(crate) fn check_call(
     config.validate()?;
     sizes.check_plan(plan)?;
     if let Some(lens) = gradients {
-        crate::inputs::check_gradient_lens(sizes.dims, sizes.bias.is_some(), lens)?;
+        crate::gradients::check_gradient_lens(sizes.dims, sizes.bias.is_some(), lens)?;
     }
     Ok(())
 }

@@ -12,7 +12,8 @@ use crate::config::Config;
 use crate::cpu::{self, gemm};
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix, Upstream};
+use crate::gradients::{GradientBuffers, Gradients, GradientsMut};
+use crate::inputs::{Forward, GradOutput, Inputs, Matrix, Upstream};
 use crate::kernels::{NO_TARGET, softcap_arg};
 use crate::loss::Stats;
 use crate::plan::Plan;
@@ -372,6 +373,10 @@ impl BlockOps for EmuBlocks<'_, '_> {
         project_block(&mut self.buf, (at.t0, at.c, at.v0, at.vb, self.inputs.d), grads, round)
     }
 
+    fn token_rows_done(&mut self, t0: usize, c: usize) -> Result<()> {
+        self.grads.as_mut().ok_or_else(|| missing("gradients"))?.token_rows_done(t0, c)
+    }
+
     fn take_stats(&mut self) -> Result<Stats> {
         self.stats.take().ok_or_else(|| missing("fold stats"))
     }
@@ -396,18 +401,20 @@ pub fn backward(
     Ok(grads)
 }
 
-/// [`backward`] from forward's per-row `lse` into caller-owned buffers `out` (overwritten),
-/// computing the gradients its selection wants: a skipped dX or dW has no GEMM.
+/// [`backward`] from forward's per-row `lse` into caller-owned buffers `out` (overwritten; fp32
+/// or bf16), computing the gradients its selection wants: a skipped dX or dW has no GEMM.
 pub fn backward_into(
     plan: &Plan,
     inputs: &Inputs<'_>,
     lse: &[f32],
     upstream: Upstream<'_>,
-    out: GradientsMut<'_>,
+    out: impl GradientBuffers,
 ) -> Result<()> {
     let call = Call::new(plan, inputs);
     let saved = Saved::of(lse, upstream);
-    driver::backward(&mut EmuBlocks::open(call, Some(out))?, call, saved)
+    out.write_f32((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), |out| {
+        driver::backward(&mut EmuBlocks::open(call, Some(out))?, call, saved)
+    })
 }
 
 /// `dX_rows += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel, G being the
@@ -483,16 +490,18 @@ pub fn forward_backward(
     driver::with_gradients(plan, inputs, |out| forward_backward_into(plan, inputs, grad, out))
 }
 
-/// [`forward_backward`] writing the gradients `out` selects into it (overwritten); returns the
-/// loss and lse.
+/// [`forward_backward`] writing the gradients `out` selects into it (overwritten; fp32 or
+/// bf16); returns the loss and lse.
 pub fn forward_backward_into(
     plan: &Plan,
     inputs: &Inputs<'_>,
     grad: GradOutput<'_>,
-    out: GradientsMut<'_>,
+    out: impl GradientBuffers,
 ) -> Result<Forward> {
     let call = Call::new(plan, inputs);
-    driver::forward_backward(&mut EmuBlocks::open(call, Some(out))?, call, grad)
+    out.write_f32((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), |out| {
+        driver::forward_backward(&mut EmuBlocks::open(call, Some(out))?, call, grad)
+    })
 }
 
 #[cfg(test)]

@@ -13,7 +13,8 @@ use crate::config::Config;
 use crate::cpu;
 use crate::driver::{Call, Saved};
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Upstream};
+use crate::gradients::{GradientBuffers, Gradients};
+use crate::inputs::{Forward, GradOutput, Inputs, Upstream};
 use crate::plan::Plan;
 
 /// Where an executor runs, with what it reserved there.
@@ -179,29 +180,40 @@ impl LinearCrossEntropy {
 
     /// [`backward`](Self::backward) from forward's per-row `lse`, writing dX, dW (and dbias)
     /// into `out`, which is overwritten: the caller owns the gradient buffers (a binding's own
-    /// tensors), so nothing is allocated or copied per call beyond the plan's working set.
+    /// tensors). Into fp32 buffers ([`GradientsMut`]) nothing is allocated or copied per call
+    /// beyond the plan's working set; into bf16 ones ([`Bf16GradientsMut`]) the gradients are
+    /// accumulated in f32 and rounded once, with the f32 memory that documents.
+    ///
+    /// [`GradientsMut`]: crate::GradientsMut
+    /// [`Bf16GradientsMut`]: crate::Bf16GradientsMut
     pub fn backward_into(
         &mut self,
         inputs: &Inputs<'_>,
         lse: &[f32],
         upstream: Upstream<'_>,
-        out: GradientsMut<'_>,
+        out: impl GradientBuffers,
     ) -> Result<()> {
         let plan = self.plan;
-        cpu::backward_into(self.host_workspace()?, Call::new(&plan, inputs), Saved::of(lse, upstream), out)
+        let ws = self.host_workspace()?;
+        out.write_f32((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), |out| {
+            cpu::backward_into(ws, Call::new(&plan, inputs), Saved::of(lse, upstream), out)
+        })
     }
 
     /// [`forward_backward`](Self::forward_backward) writing dX, dW (and dbias) into `out`,
-    /// which is overwritten (a binding's own tensors, as in
+    /// which is overwritten (fp32 or bf16 buffers, as in
     /// [`backward_into`](Self::backward_into)); returns the loss and lse.
     pub fn forward_backward_into(
         &mut self,
         inputs: &Inputs<'_>,
         grad: GradOutput<'_>,
-        out: GradientsMut<'_>,
+        out: impl GradientBuffers,
     ) -> Result<Forward> {
         let plan = self.plan;
-        cpu::forward_backward_into(self.host_workspace()?, Call::new(&plan, inputs), grad, out)
+        let ws = self.host_workspace()?;
+        out.write_f32((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), |out| {
+            cpu::forward_backward_into(ws, Call::new(&plan, inputs), grad, out)
+        })
     }
 }
 
@@ -264,7 +276,8 @@ mod tests {
     use flatpeak_common::{Budget, DType};
 
     use super::*;
-    use crate::inputs::{GradientsMut, Loss, Matrix};
+    use crate::gradients::GradientsMut;
+    use crate::inputs::{Loss, Matrix};
     use crate::plan::Shape;
 
     #[test]

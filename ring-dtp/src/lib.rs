@@ -10,7 +10,9 @@
 //!
 //! Features: ignore_index, reduction mean/sum/none (with a per-token backward), label
 //! smoothing, z-loss and a differentiable lse, logit softcap, bias, per-token weights, shift
-//! without a copy, f32 or bf16 inputs with f32 accumulation. See `config.rs` for the math.
+//! without a copy, f32 or bf16 inputs with f32 accumulation, fp32 or bf16 gradient outputs
+//! ([`Bf16GradientsMut`]: rounded once, without an fp32 copy of both beside them). See
+//! `config.rs` for the math.
 //!
 //! [`LinearCrossEntropy`] runs one device's schedule (CPU, or CUDA with the `cuda` feature);
 //! [`ring`] runs it over P ranks; [`cpu`] also exposes the CPU path as free functions and its
@@ -51,9 +53,11 @@ mod driver;
 pub mod emu;
 pub mod error;
 mod executor;
+pub mod gradients;
 pub mod inputs;
 pub mod kernels;
 mod loss;
+pub mod narrowing;
 pub mod paper;
 pub mod plan;
 pub mod ring;
@@ -64,10 +68,11 @@ pub use error::{Error, Result};
 pub use executor::{LinearCrossEntropy, LossInputs};
 pub use flatpeak_common::gemm_bf16::Bf16Kernel;
 pub use flatpeak_common::{Budget, DType, Device, Precision, Workspace};
+pub use gradients::{Bf16GradientsMut, GradientBuffers, Gradients, GradientsMut};
 pub use half::bf16;
 pub use inputs::{
-    Forward, GradOutput, GradientSelection, Gradients, GradientsMut, Inputs, Loss, Matrix, Upstream, Want,
-    check_targets, check_weights,
+    Forward, GradOutput, GradientSelection, Inputs, Loss, Matrix, Upstream, Want, check_targets,
+    check_weights,
 };
 pub use plan::{BlockRegions, BlockSchedule, Plan, RingChoice, RingKind, RingOptions, RingPlan, Shape};
 pub use ring::RankInputs;

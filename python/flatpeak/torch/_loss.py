@@ -57,23 +57,24 @@ def _as_f32(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.to(torch.float32)
 
 
-def _grad_buffers(input: Tensor, weight: Tensor, bias: Optional[Tensor], wanted: Sequence[bool],
-                  device=None):
-    """The fp32 gradient buffers of the wanted gradients (``input``, ``weight``, ``bias``), ``None``
-    for one not wanted (never allocated, never computed) and for a bias that is not there; a list,
-    which :func:`_op_grads` empties."""
+def _grad_buffers(input: Tensor, weight: Tensor, bias: Optional[Tensor], wanted: Sequence[bool]):
+    """The gradient buffers of the wanted gradients (``input``, ``weight``, ``bias``), ``None`` for
+    one not wanted (never allocated, never computed) and for a bias that is not there; a list,
+    which :func:`_op_grads` empties. On the CPU path dX and dW have the inputs' dtype: for bf16
+    inputs the crate accumulates in fp32 and rounds once into them, without an fp32 copy of both
+    beside them. The CUDA path writes fp32 (narrowed by :func:`_op_grads`); dbias is fp32."""
     want_dx, want_dw, want_dbias = wanted
-    empty = lambda shape: torch.empty(shape, dtype=torch.float32, device=device)  # noqa: E731
-    return [empty(input.shape) if want_dx else None, empty(weight.shape) if want_dw else None,
-            empty((weight.shape[0],)) if want_dbias and bias is not None else None]
+    dtype = torch.float32 if _cuda_path(input) else input.dtype
+    empty = lambda shape, dtype: torch.empty(shape, dtype=dtype, device=input.device)  # noqa: E731
+    return [empty(input.shape, dtype) if want_dx else None, empty(weight.shape, dtype) if want_dw else None,
+            empty((weight.shape[0],), torch.float32) if want_dbias and bias is not None else None]
 
 
 def _op_grads(input: Tensor, weight: Tensor, grads: list) -> Tuple[Tensor, Tensor, Tensor]:
-    """The gradient op's outputs from :func:`_grad_buffers`' list (emptied): dX and dW narrowed to
-    their inputs' dtypes one at a time (each fp32 buffer freed before the next is narrowed: the
-    peak is the fp32 dW plus the narrowed dX and dW, not both fp32 buffers plus both narrowed
-    ones); an empty tensor for one not computed (an op's outputs cannot be ``None``; its autograd
-    function returns ``None`` for it)."""
+    """The gradient op's outputs from :func:`_grad_buffers`' list (emptied): dX and dW in their
+    inputs' dtypes (fp32 buffers of the CUDA path narrowed one at a time, each freed before the
+    next is narrowed); an empty tensor for one not computed (an op's outputs cannot be ``None``;
+    its autograd function returns ``None`` for it)."""
     dx, dw, dbias = grads
     grads.clear()
     dx = input.new_empty((0,)) if dx is None else dx.to(input.dtype)
@@ -169,7 +170,7 @@ def _backward(
     """dX, dW and dbias (for ``input``, ``weight``, ``bias``) as ``grads_wanted`` selects them; an
     empty tensor for each one not wanted (not computed: a frozen weight costs no dW GEMM)."""
     options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
-    grads = _grad_buffers(input, weight, bias, grads_wanted, device=input.device)
+    grads = _grad_buffers(input, weight, bias, grads_wanted)
     # Upstream gradients are [N] or scalars, often expanded (stride 0) by autograd: made dense
     # (and, on the CUDA path, brought to the host, where the crate forms the row scales).
     upstream = (grad_loss.to("cpu", torch.float32).contiguous(),
@@ -218,7 +219,7 @@ def _fused_impl(input, weight, target, bias, token_weights, ignore_index, reduct
     # The loss is finished on the host on either path; the gradients live where the inputs do.
     loss = torch.empty((), dtype=torch.float32)
     lse = torch.empty((n,), dtype=torch.float32)
-    grads = _grad_buffers(input, weight, bias, grads_wanted, device=input.device)
+    grads = _grad_buffers(input, weight, bias, grads_wanted)
     args = (input, weight, target, bias, token_weights)
     if _cuda_path(input):
         _ext.lce_forward_backward_cuda(options, args, _workspace(options, input, weight), (loss, lse), tuple(grads))
@@ -402,7 +403,10 @@ def linear_cross_entropy(
             picks the one whose travelling unit is smaller).
 
     Accumulation is float32 for both dtypes; the loss has the dtype of ``input``, the lse is
-    float32.
+    float32. On the CPU, bfloat16 gradients are rounded once from the float32 accumulators inside
+    the crate, which gives each part's float32 pages back as it is rounded: a call holds the
+    float32 ``dW`` and one token block of ``dX`` beside the bfloat16 results, not both float32
+    gradients and then their copies.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")

@@ -37,7 +37,8 @@ use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
 use crate::config::{Config, Softcap};
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix, Upstream};
+use crate::gradients::{Gradients, GradientsMut};
+use crate::inputs::{Forward, GradOutput, Inputs, Matrix, Upstream};
 use crate::loss::Stats;
 use crate::plan::Plan;
 
@@ -296,6 +297,10 @@ impl BlockOps for CpuBlocks<'_, '_, '_> {
             ),
             (None, ..) => accumulate_grads_widening(d, logits, tokens, (&self.inputs.w, v0, vb), wblk, out),
         }
+    }
+
+    fn token_rows_done(&mut self, t0: usize, c: usize) -> Result<()> {
+        self.grads.as_mut().ok_or_else(|| missing("gradients"))?.token_rows_done(t0, c)
     }
 
     fn take_stats(&mut self) -> Result<Stats> {

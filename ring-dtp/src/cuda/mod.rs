@@ -367,6 +367,11 @@ impl BlockOps for CudaBlocks<'_, '_> {
         self.stats.take().ok_or_else(|| missing("fold stats"))?.download(self.e, self.inputs.n)
     }
 
+    fn token_rows_done(&mut self, _t0: usize, _c: usize) -> Result<()> {
+        // The device gradients are fp32 buffers the caller narrows, if it wants bf16.
+        Ok(())
+    }
+
     fn load_tokens(&mut self, t0: usize, c: usize) -> Result<()> {
         if self.native_bf16 {
             return Ok(());

@@ -10,7 +10,8 @@ use half::bf16;
 
 use super::engine::Engine;
 use crate::error::{Error, Result};
-use crate::inputs::{GradientLens, GradientSelection};
+use crate::gradients::GradientLens;
+use crate::inputs::GradientSelection;
 use crate::plan::Plan;
 
 /// A device matrix, row-major, f32 or bf16.

@@ -64,7 +64,8 @@ use crate::cpu::{
     rounds_gradient,
 };
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Gradients, GradientsMut, Inputs, Matrix, Upstream};
+use crate::gradients::{Gradients, GradientsMut};
+use crate::inputs::{Forward, GradOutput, Inputs, Matrix, Upstream};
 use crate::loss::{self, Stats};
 use crate::plan::{RegionKind, RegionSource, RingKind, RingPlan};
 
@@ -336,18 +337,13 @@ pub fn backward_into<C: Communicator + ?Sized>(
         if !out.wanted.is_all(has_bias) {
             return Err(Error::UnsupportedSelection { selection: out.wanted, backend: "the CPU rings" });
         }
-        crate::inputs::check_gradient_lens((n, d, v_r), has_bias, out.lens())
+        crate::gradients::check_gradient_lens((n, d, v_r), has_bias, out.lens())
     })?;
     let [denom] = all_sum_f64(comm, [rank.local.valid_weight(config)])?;
     let coef = loss::coefficients(config, &rank.local, upstream.grad, denom)?;
-    let GradientsMut { dx, dw, mut dbias, wanted } = out;
     // The rings accumulate into dW (and dX on the activation ring): they start from zero.
-    dx.fill(0.0);
-    dw.fill(0.0);
-    if let Some(db) = dbias.as_deref_mut() {
-        db.fill(0.0);
-    }
-    let grads = GradientsMut { dx, dw, dbias, wanted };
+    let mut grads = out;
+    grads.fill_zero();
     let pass = Pass::Grad { coef: &coef, lse, dlse: upstream.dlse, grads };
     run_pass(comm, config, plan, &rank, pass)
 }
