@@ -1,9 +1,12 @@
-//! Gradient selection ([`GradientSelection`]): a backward that skips dX, dW or dbias (a frozen
-//! input, weight or bias) computes the others bit for bit as the backward of every gradient
-//! does, on each backend that runs on the CPU (the fast path, the device schedule under the
-//! emulator), f32 and bf16 (native and f32 GEMMs), both schedules (fused and forward then
-//! backward), with and without a bias; a buffer whose length disagrees with the selection is a
-//! `ShapeMismatch` naming it; the rings refuse a selection they do not honour.
+//! The gradient buffers a backward writes. Selection ([`GradientSelection`]): a backward that
+//! skips dX, dW or dbias (a frozen input, weight or bias) computes the others bit for bit as the
+//! backward of every gradient does. bf16 outputs ([`Bf16GradientsMut`]): they hold, bit for bit,
+//! the fp32 backward's gradients rounded to bf16 (dbias, f32, equal). Both on each backend that
+//! runs on the CPU (the fast path, the device schedule under the emulator), f32 and bf16 inputs
+//! (native and f32 GEMMs), both schedules (fused and forward then backward), with and without a
+//! bias; a buffer whose length disagrees with the selection is a `ShapeMismatch` naming it, with
+//! nothing written; shapes without a block give zeros; the rings refuse a selection they do not
+//! honour.
 
 use flatpeak_common::comm::{Communicator, LocalGroup, LocalGroupOptions};
 use flatpeak_common::testing::{Backend, SplitMix64};
@@ -11,8 +14,8 @@ use flatpeak_common::{DType, Precision};
 use half::bf16;
 use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{
-    Budget, Config, Device, Error, Forward, GradOutput, GradientSelection, GradientsMut, Inputs,
-    LinearCrossEntropy, Matrix, Plan, RingOptions, RingPlan, Shape, Upstream, Want,
+    Bf16GradientsMut, Budget, Config, Device, Error, Forward, GradOutput, GradientBuffers, GradientSelection,
+    GradientsMut, Inputs, LinearCrossEntropy, Matrix, Plan, RingOptions, RingPlan, Shape, Upstream, Want,
 };
 
 /// One problem: X (N×D), W (V×D), a bias, targets (some ignored) and an upstream lse gradient.
@@ -32,7 +35,7 @@ fn make_case(n: usize, d: usize, v: usize, seed: u64) -> Case {
     let x = rng.normal_f32(n * d, 0.0, 1.0);
     let w = rng.normal_f32(v * d, 0.0, 1.0 / (d as f32).sqrt());
     let bias = rng.normal_f32(v, 0.0, 0.1);
-    let targets = (0..n).map(|i| if i % 5 == 3 { -100 } else { ((i * 7919) % v) as i64 }).collect();
+    let targets = (0..n).map(|i| if i % 5 == 3 { -100 } else { ((i * 7919) % v.max(1)) as i64 }).collect();
     let dlse = rng.normal_f32(n, 0.0, 0.1);
     Case { n, d, v, x, w, bias, targets, dlse }
 }
@@ -83,13 +86,13 @@ impl Buffers {
     }
 }
 
-/// Runs `call` on `backend` into `out`; the forward it ran (or was given).
+/// Runs `call` on `backend` into `out` (fp32 or bf16 buffers); the forward it ran (or was given).
 fn run(
     backend: Backend,
     plan: &Plan,
     inp: &Inputs<'_>,
     (call, fwd, dlse): (Call, &Forward, &[f32]),
-    out: GradientsMut<'_>,
+    out: impl GradientBuffers,
 ) -> Result<Forward, Error> {
     let grad = GradOutput::Scalar(0.75);
     let upstream = Upstream::loss(grad).with_dlse(Some(dlse));
@@ -124,11 +127,28 @@ type Problem = (usize, usize, usize, &'static [(usize, usize)]);
 /// got)` they give.
 type Mismatch = (GradientSelection, (usize, usize, Option<usize>), (&'static str, usize, usize));
 
-/// Every selection against the backward of every gradient, bit for bit, on `backend`.
-fn skipped_gradients_leave_the_others_bitwise_unchanged(backend: Backend) {
-    // A small ragged shape, and one whose vocabulary spans several bf16 widening sub-blocks and
-    // splits dX's GEMM in two (`DxPartial`) on the full-vocabulary schedule.
-    let shapes: &[Problem] = &[(13, 6, 37, &[(5, 37), (5, 16)]), (9, 4, 4500, &[(8, 4500), (8, 2500)])];
+/// One configuration of a problem, ready to run: the case, its plan and inputs, forward's
+/// result, how backward is called, and a description for assertion messages.
+struct Setup<'a> {
+    case: &'a Case,
+    plan: Plan,
+    inp: Inputs<'a>,
+    fwd: Forward,
+    call: Call,
+    has_bias: bool,
+    what: String,
+}
+
+impl Setup<'_> {
+    /// Runs this setup's call on `backend` into `out`.
+    fn run(&self, backend: Backend, out: impl GradientBuffers) -> Result<Forward, Error> {
+        run(backend, &self.plan, &self.inp, (self.call, &self.fwd, &self.case.dlse), out)
+    }
+}
+
+/// Runs `check` on every configuration of `shapes` on `backend`: f32 and bf16 inputs, native and
+/// f32 GEMMs, with and without a bias, each shape's blocks, `backward_into` and the fused call.
+fn for_each_setup(backend: Backend, shapes: &[Problem], config: Config, check: impl Fn(&Setup<'_>)) {
     for &(n, d, v, blocks) in shapes {
         let c = make_case(n, d, v, (n * v) as u64);
         let (xb, wb): (Vec<bf16>, Vec<bf16>) = (
@@ -142,48 +162,51 @@ fn skipped_gradients_leave_the_others_bitwise_unchanged(backend: Backend) {
         for (dtype, x, w) in operands {
             for precision in [Precision::Native, Precision::F32] {
                 for has_bias in [true, false] {
-                    let config = Config::default().label_smoothing(0.1).z_loss(1e-3).precision(precision);
+                    let config = config.precision(precision);
                     let mut inp = Inputs::new(x, w, &c.targets, d);
                     if has_bias {
                         inp = inp.with_bias(&c.bias);
                     }
                     for &blocks in blocks {
-                        let plan = Plan::with_blocks(
-                            &config,
-                            Shape { tokens: n, hidden: d, vocab: v, dtype },
-                            blocks,
-                        )
-                        .expect("plan");
+                        let shape = Shape { tokens: n, hidden: d, vocab: v, dtype };
+                        let plan = Plan::with_blocks(&config, shape, blocks).expect("plan");
                         let fwd = ring_dtp::cpu::forward(&plan, &inp).expect("forward");
                         for call in [Call::Backward, Call::Fused] {
                             let what = format!(
                                 "{backend:?} {dtype:?} {precision:?} bias={has_bias} {blocks:?} {call:?}"
                             );
-                            let mut all = Buffers::new(&c, has_bias, GradientSelection::ALL);
-                            run(backend, &plan, &inp, (call, &fwd, &c.dlse), all.as_mut()).expect("all");
-                            assert!(all.dx.iter().chain(&all.dw).all(|g| g.is_finite()), "{what}");
-                            for wanted in selections() {
-                                let mut some = Buffers::new(&c, has_bias, wanted);
-                                let f = run(backend, &plan, &inp, (call, &fwd, &c.dlse), some.as_mut())
-                                    .unwrap_or_else(|e| panic!("{what} {wanted:?}: {e}"));
-                                assert_eq!(bits(&f.lse), bits(&fwd.lse), "lse {what} {wanted:?}");
-                                let pick =
-                                    |want: Want, g: &[f32]| if want.is_computed() { bits(g) } else { vec![] };
-                                assert_eq!(bits(&some.dx), pick(wanted.dx, &all.dx), "dx {what} {wanted:?}");
-                                assert_eq!(bits(&some.dw), pick(wanted.dw, &all.dw), "dw {what} {wanted:?}");
-                                let dbias = all.dbias.as_deref().filter(|_| wanted.dbias.is_computed());
-                                assert_eq!(
-                                    some.dbias.as_deref().map(bits),
-                                    dbias.map(bits),
-                                    "dbias {what} {wanted:?}"
-                                );
-                            }
+                            let fwd = fwd.clone();
+                            check(&Setup { case: &c, plan, inp, fwd, call, has_bias, what });
                         }
                     }
                 }
             }
         }
     }
+}
+
+/// Every selection against the backward of every gradient, bit for bit, on `backend`.
+fn skipped_gradients_leave_the_others_bitwise_unchanged(backend: Backend) {
+    // A small ragged shape, and one whose vocabulary spans several bf16 widening sub-blocks and
+    // splits dX's GEMM in two (`DxPartial`) on the full-vocabulary schedule.
+    let shapes: &[Problem] = &[(13, 6, 37, &[(5, 37), (5, 16)]), (9, 4, 4500, &[(8, 4500), (8, 2500)])];
+    let config = Config::default().label_smoothing(0.1).z_loss(1e-3);
+    for_each_setup(backend, shapes, config, |s| {
+        let what = &s.what;
+        let mut all = Buffers::new(s.case, s.has_bias, GradientSelection::ALL);
+        s.run(backend, all.as_mut()).expect("all");
+        assert!(all.dx.iter().chain(&all.dw).all(|g| g.is_finite()), "{what}");
+        for wanted in selections() {
+            let mut some = Buffers::new(s.case, s.has_bias, wanted);
+            let f = s.run(backend, some.as_mut()).unwrap_or_else(|e| panic!("{what} {wanted:?}: {e}"));
+            assert_eq!(bits(&f.lse), bits(&s.fwd.lse), "lse {what} {wanted:?}");
+            let pick = |want: Want, g: &[f32]| if want.is_computed() { bits(g) } else { vec![] };
+            assert_eq!(bits(&some.dx), pick(wanted.dx, &all.dx), "dx {what} {wanted:?}");
+            assert_eq!(bits(&some.dw), pick(wanted.dw, &all.dw), "dw {what} {wanted:?}");
+            let dbias = all.dbias.as_deref().filter(|_| wanted.dbias.is_computed());
+            assert_eq!(some.dbias.as_deref().map(bits), dbias.map(bits), "dbias {what} {wanted:?}");
+        }
+    });
 }
 
 /// A buffer whose length disagrees with the selection is a `ShapeMismatch` naming it, before
@@ -252,6 +275,108 @@ mod mismatched_buffers {
     #[test]
     fn cuda_emu_with_cpu_gemm() {
         super::a_buffer_that_disagrees_with_the_selection_is_a_shape_mismatch(super::Backend::CudaEmu)
+    }
+}
+
+/// `len` elements where `want` computes the gradient, none where it skips it.
+fn sized<T: Copy>(want: Want, len: usize, fill: T) -> Vec<T> {
+    vec![fill; if want.is_computed() { len } else { 0 }]
+}
+
+fn rounded_bits(g: &[f32]) -> Vec<u16> {
+    g.iter().map(|&x| bf16::from_f32(x).to_bits()).collect()
+}
+
+fn bf16_bits(g: &[bf16]) -> Vec<u16> {
+    g.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Every selection, bf16 outputs against the fp32 outputs rounded, on `backend`.
+fn bf16_outputs_are_the_fp32_gradients_rounded(backend: Backend) {
+    // A ragged shape on both schedules, and one whose token blocks of 24 rows × 700 columns
+    // end mid-page, whose vocabulary spans several bf16 widening sub-blocks and splits dX's GEMM.
+    let shapes: &[Problem] = &[(13, 6, 37, &[(5, 37), (5, 16)]), (61, 700, 2300, &[(24, 2300), (24, 1000)])];
+    for_each_setup(backend, shapes, Config::default().label_smoothing(0.1), |s| {
+        let (what, c) = (&s.what, s.case);
+        let all = GradientSelection::ALL;
+        for wanted in [all, all.dw(Want::Skip), all.dx(Want::Skip).dbias(Want::Skip)] {
+            let mut fp32 = Buffers::new(c, s.has_bias, wanted);
+            let f32_fwd = s.run(backend, fp32.as_mut()).unwrap_or_else(|e| panic!("{what} {wanted:?}: {e}"));
+            // Stale values in the bf16 buffers must not leak into the result.
+            let (mut dx, mut dw, mut db) = (
+                sized(wanted.dx, c.n * c.d, bf16::NAN),
+                sized(wanted.dw, c.v * c.d, bf16::NAN),
+                fp32.dbias.as_ref().map(|b| vec![f32::NAN; b.len()]),
+            );
+            let out = Bf16GradientsMut::new(&mut dx, &mut dw, db.as_deref_mut()).selecting(wanted);
+            let bf16_fwd = s.run(backend, out).unwrap_or_else(|e| panic!("{what} {wanted:?}: {e}"));
+            assert_eq!(bf16_fwd, f32_fwd, "forward {what} {wanted:?}");
+            assert_eq!(bf16_bits(&dx), rounded_bits(&fp32.dx), "dx {what} {wanted:?}");
+            assert_eq!(bf16_bits(&dw), rounded_bits(&fp32.dw), "dw {what} {wanted:?}");
+            assert_eq!(db.as_deref().map(bits), fp32.dbias.as_deref().map(bits), "dbias {what} {wanted:?}");
+        }
+    });
+}
+
+/// A bf16 buffer of the wrong length is a `ShapeMismatch` naming it before anything runs (the
+/// buffers keep their values); shapes without a single block give zero gradients.
+fn wrong_lengths_are_refused_and_empty_shapes_give_zeros(backend: Backend) {
+    let (n, d, v) = (7, 3, 11);
+    let c = make_case(n, d, v, 5);
+    let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, d);
+    let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 };
+    let plan = Plan::new(&Config::default(), shape, Budget::Unlimited).expect("plan");
+    let fwd = ring_dtp::cpu::forward(&plan, &inp).expect("forward");
+    for call in [Call::Backward, Call::Fused] {
+        let (mut dx, mut dw) = (vec![bf16::ONE; n * d], vec![bf16::ONE; v * d - 1]);
+        let out = Bf16GradientsMut::new(&mut dx, &mut dw, None);
+        match run(backend, &plan, &inp, (call, &fwd, &c.dlse), out) {
+            Err(Error::ShapeMismatch { what: "dw (v·d)", expected: 33, got: 32 }) => {}
+            other => panic!("{backend:?} {call:?}: expected ShapeMismatch, got {other:?}"),
+        }
+        assert!(dx.iter().chain(&dw).all(|&g| g == bf16::ONE), "{backend:?} {call:?}: nothing written");
+    }
+    // No token, or no vocabulary: every block loop is empty, and the gradients are zero.
+    for (n, v) in [(0, 11), (7, 0)] {
+        let c = make_case(n, d, v, 9);
+        let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, d);
+        let targets: Vec<i64> = vec![-100; n];
+        let inp = Inputs { targets: &targets, v, ..inp };
+        let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 };
+        let plan = Plan::new(&Config::default(), shape, Budget::Unlimited).expect("plan");
+        let fwd = Forward { loss: ring_dtp::Loss::Scalar(0.0), lse: vec![0.0; n] };
+        let dlse = vec![0.0; n];
+        for call in [Call::Backward, Call::Fused] {
+            let (mut dx, mut dw) = (vec![bf16::NAN; n * d], vec![bf16::NAN; v * d]);
+            let out = Bf16GradientsMut::new(&mut dx, &mut dw, None);
+            run(backend, &plan, &inp, (call, &fwd, &dlse), out)
+                .unwrap_or_else(|e| panic!("{backend:?} N={n} V={v} {call:?}: {e}"));
+            assert!(dx.iter().chain(&dw).all(|&g| g == bf16::ZERO), "{backend:?} N={n} V={v} {call:?}");
+        }
+    }
+}
+
+mod bf16_outputs_rounded {
+    #[test]
+    fn cpu() {
+        super::bf16_outputs_are_the_fp32_gradients_rounded(super::Backend::Cpu)
+    }
+    #[cfg(feature = "cuda-emu")]
+    #[test]
+    fn cuda_emu_with_cpu_gemm() {
+        super::bf16_outputs_are_the_fp32_gradients_rounded(super::Backend::CudaEmu)
+    }
+}
+
+mod bf16_outputs_refused_and_empty {
+    #[test]
+    fn cpu() {
+        super::wrong_lengths_are_refused_and_empty_shapes_give_zeros(super::Backend::Cpu)
+    }
+    #[cfg(feature = "cuda-emu")]
+    #[test]
+    fn cuda_emu_with_cpu_gemm() {
+        super::wrong_lengths_are_refused_and_empty_shapes_give_zeros(super::Backend::CudaEmu)
     }
 }
 
