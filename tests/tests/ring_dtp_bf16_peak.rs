@@ -8,7 +8,6 @@
 //! measured. A plain `main`, so nothing else runs meanwhile. Linux only.
 
 use half::bf16;
-use ring_dtp::narrowing::DW_NARROW_CHUNK;
 use ring_dtp::{
     Bf16GradientsMut, Budget, Config, DType, Device, GradOutput, Inputs, LinearCrossEntropy, Matrix, Plan,
     Shape,
@@ -81,13 +80,12 @@ fn main() {
     let peak = status_bytes("VmHWM").saturating_sub(base);
     assert!(dx.iter().chain(&dw).any(|g| *g != bf16::ZERO), "gradients written");
 
-    let block_rows = plan.token_block() * d * 4;
+    // The plan's bytes for bf16 outputs (dW's f32 accumulator, dX's rows in flight, a chunk of
+    // narrowing), and dX itself: the bf16 dW is written as its accumulator's pages go.
     let bound = plan.workspace_bytes()
         + plan.cpu_gemm_scratch_bytes()
-        + v * d * 4 // dW's f32 accumulator
-        + n * d * 2 // dX, bf16
-        + 2 * block_rows // dX's f32 rows of the block in flight (and a page)
-        + DW_NARROW_CHUNK * 2 // the chunk of bf16 dW written before its f32 pages go
+        + plan.bf16_outputs_bytes()
+        + n * d * 2
         + SLACK;
     // fp32 buffers narrowed afterwards: both fp32 gradients, then the bf16 dW beside the fp32.
     let fp32_then_narrowed =

@@ -297,6 +297,18 @@ impl Plan {
     pub fn row_scratch_bytes(&self) -> usize {
         ROW_SCRATCH_BYTES * self.token_block
     }
+    /// Host bytes a backward into bf16 outputs ([`Bf16GradientsMut`]) holds beyond the workspace
+    /// and the outputs themselves: dW's f32 accumulator `4·V·D`, dX's f32 rows of the token block
+    /// in flight `4·C·D` (twice: the partial page a block ends on stays until the next one), and
+    /// one chunk of dW's narrowing, whose bf16 half is written before its f32 pages go.
+    /// Saturating (a fuzzed plan may hold any size).
+    ///
+    /// [`Bf16GradientsMut`]: crate::Bf16GradientsMut
+    pub fn bf16_outputs_bytes(&self) -> usize {
+        let dw_accumulator = self.v.saturating_mul(self.d).saturating_mul(4);
+        let dx_rows = self.token_block.saturating_mul(self.d).saturating_mul(8);
+        dw_accumulator.saturating_add(dx_rows).saturating_add(crate::narrowing::DW_NARROW_CHUNK * 2)
+    }
     /// The per-token statistics besides the workspace: `PER_TOKEN_BYTES·N`.
     pub fn per_token_bytes(&self) -> usize {
         PER_TOKEN_BYTES * self.n
