@@ -91,17 +91,18 @@ pub fn release_pages<T: bytemuck::Zeroable>(buf: &mut [T]) -> usize {
     }
 }
 
+/// This process's resident set, from `/proc/self/statm` (Linux): what the tests of untouched and
+/// released pages measure.
+#[cfg(all(test, target_os = "linux"))]
+pub(crate) fn resident_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: usize = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).expect("resident pages");
+    pages * page_bytes()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// This process's resident set, from `/proc/self/statm` (Linux).
-    #[cfg(target_os = "linux")]
-    fn resident_bytes() -> usize {
-        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-        let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-        pages * page_bytes()
-    }
 
     #[test]
     fn zeroed_vectors_are_zero_untouched_and_refused_sizes_are_errors() {

@@ -48,7 +48,8 @@ enum Owner {
     /// The workspace: it allocated `layout` at `ptr` (`lines` starts at the first 64-aligned
     /// byte of it) and frees it when dropped.
     Workspace { ptr: NonNull<u8>, layout: std::alloc::Layout },
-    /// The caller of [`Workspace::from_raw`]: the memory outlives the workspace.
+    /// The caller of [`Workspace::from_raw`]: the memory outlives the workspace. (An empty
+    /// workspace owns nothing either: its lines are a dangling, zero-length slice.)
     Caller,
 }
 
@@ -177,10 +178,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn untouched_lines_are_not_resident() {
-        let resident = || {
-            let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-            statm.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap() * crate::page_bytes()
-        };
+        let resident = crate::host_pages::resident_bytes;
         let before = resident();
         let ws = Workspace::new(512 << 20).unwrap();
         let carved = ws.take::<u8>(1 << 20).unwrap();

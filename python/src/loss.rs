@@ -385,13 +385,15 @@ impl GradTensors {
         let dbias = self.dbias.map(|t| unsafe { t.as_mut_slice() });
         match self.dx_dw {
             DxDw::F32(dx, dw) => {
-                // SAFETY: as above.
+                // SAFETY: the caller's contract: dX and dW are alive for the borrow and
+                // `check_disjoint` proved them disjoint from every other tensor of the call.
                 let slice =
                     |t: Option<TensorRef<f32>>| t.map_or(&mut [][..], |t| unsafe { t.as_mut_slice() });
                 GradBuffers::F32(GradientsMut::new(slice(dx), slice(dw), dbias).selecting(self.wanted))
             }
             DxDw::Bf16(dx, dw) => {
-                // SAFETY: as above.
+                // SAFETY: the caller's contract: the bf16 dX and dW are alive for the borrow and
+                // `check_disjoint` proved them disjoint from every other tensor of the call.
                 let slice =
                     |t: Option<TensorRef<bf16>>| t.map_or(&mut [][..], |t| unsafe { t.as_mut_slice() });
                 GradBuffers::Bf16(Bf16GradientsMut::new(slice(dx), slice(dw), dbias).selecting(self.wanted))

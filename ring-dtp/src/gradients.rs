@@ -166,9 +166,9 @@ impl flatpeak_common::HeapSize for Gradients {
 /// f32 accumulator, `V·D·4` bytes (every token block adds into all of it), given back
 /// [`DW_NARROW_CHUNK`] elements at a time as it is narrowed at the end; and dX's f32 rows,
 /// narrowed and given back as each token block finishes, so about one block's `C·D·4` bytes at
-/// a time. Against fp32 buffers narrowed
-/// afterwards (`(N + V)·D·4` in f32, then the bf16 copies beside them), that saves `N·D·4`
-/// during the pass and the narrowed dW's `V·D·2` after it.
+/// a time. Against fp32 buffers narrowed afterwards (`(N + V)·D·4` in f32, then the bf16
+/// copies beside them), that saves about `N·D·4` during the pass and the narrowed dW's `V·D·2`
+/// after it.
 ///
 /// [`DW_NARROW_CHUNK`]: crate::narrowing::DW_NARROW_CHUNK
 /// [`Plan::bf16_outputs_bytes`]: crate::Plan::bf16_outputs_bytes
