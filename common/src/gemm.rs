@@ -131,6 +131,24 @@ fn check_view(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> Res
     Ok(())
 }
 
+/// [`check_view`], and no two elements at one address: two destination elements sharing one
+/// would race across threads, so the larger stride must step over a whole run of the smaller.
+fn check_destination_view(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> Result<()> {
+    check_view(len, rows, cols, rs, cs)?;
+    let (inner, inner_len, outer, outer_len) =
+        if cs <= rs { (cs, cols, rs, rows) } else { (rs, rows, cs, cols) };
+    let inner_ok = inner_len <= 1 || inner >= 1;
+    let outer_ok = outer_len <= 1 || outer >= inner.max(1) * inner_len;
+    if rows > 0 && cols > 0 && !(inner_ok && outer_ok) {
+        return Err(Error::ShapeMismatch {
+            what: "non-overlapping destination stride",
+            expected: inner.max(1) * inner_len,
+            got: outer,
+        });
+    }
+    Ok(())
+}
+
 impl<'a, T> MatRef<'a, T> {
     /// A view with explicit strides (in elements).
     pub fn strided(
@@ -198,23 +216,7 @@ impl<'a, T> MatMut<'a, T> {
         row_stride: usize,
         col_stride: usize,
     ) -> Result<Self> {
-        check_view(data.len(), rows, cols, row_stride, col_stride)?;
-        // Two destination elements at one address would race across threads: the larger
-        // stride must step over a whole run of the smaller one.
-        let (inner, inner_len, outer, outer_len) = if col_stride <= row_stride {
-            (col_stride, cols, row_stride, rows)
-        } else {
-            (row_stride, rows, col_stride, cols)
-        };
-        let inner_ok = inner_len <= 1 || inner >= 1;
-        let outer_ok = outer_len <= 1 || outer >= inner.max(1) * inner_len;
-        if rows > 0 && cols > 0 && !(inner_ok && outer_ok) {
-            return Err(Error::ShapeMismatch {
-                what: "non-overlapping destination stride",
-                expected: inner.max(1) * inner_len,
-                got: outer,
-            });
-        }
+        check_destination_view(data.len(), rows, cols, row_stride, col_stride)?;
         Ok(Self { data, rows, cols, row_stride, col_stride })
     }
     /// A dense row-major `rows × cols` view.

@@ -32,13 +32,32 @@ pub struct KernelSource {
     pub headers: &'static [KernelHeader],
 }
 
+/// Declares a crate's [`KernelSource`] from its file stem: the source is the calling crate's
+/// `kernels/<name>.cu`, so a kernel's name and its file cannot drift apart (`ring_dtp` is
+/// `kernels/ring_dtp.cu`, and nothing else).
+///
+/// ```
+/// use flatpeak_common::kernels::{BLOCK_REDUCE, KernelSource};
+/// use flatpeak_common::kernel_source;
+///
+/// const MINE: KernelSource = kernel_source!("common", [BLOCK_REDUCE], ["fill_f32"]);
+/// assert!(MINE.source.contains("fill_f32"));
+/// ```
+#[macro_export]
+macro_rules! kernel_source {
+    ($name:literal, [$($header:expr),* $(,)?], [$($entry:literal),* $(,)?] $(,)?) => {
+        $crate::kernels::KernelSource {
+            name: $name,
+            source: include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/", $name, ".cu")),
+            entry_points: &[$($entry),*],
+            headers: &[$($header),*],
+        }
+    };
+}
+
 /// Kernels of `flatpeak-common` (`kernels/common.cu`).
-pub const COMMON: KernelSource = KernelSource {
-    name: "common",
-    source: include_str!("../kernels/common.cu"),
-    entry_points: &["fill_f32", "checksum_f32", "cast_f32_to_bf16"],
-    headers: &[BLOCK_REDUCE],
-};
+pub const COMMON: KernelSource =
+    crate::kernel_source!("common", [BLOCK_REDUCE], ["fill_f32", "checksum_f32", "cast_f32_to_bf16"]);
 
 /// Threads per block of every crate's 1-D grid-stride kernels (a multiple of the warp size; the
 /// kernels' loops cover any length, so the count is a launch choice, not a kernel constant).

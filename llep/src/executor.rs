@@ -290,7 +290,7 @@ mod on_cuda {
             schedule: &Schedule,
             inputs: &DeviceInputs<'_, CudaBuf>,
         ) -> Result<CudaBuf> {
-            device::forward(self, ws, schedule, inputs)
+            device::forward(self, ws, schedule, inputs, None)
         }
         fn run_backward(
             &self,
@@ -299,7 +299,7 @@ mod on_cuda {
             inputs: &DeviceInputs<'_, CudaBuf>,
             dy: &CudaBuf,
         ) -> Result<DeviceGradients<CudaBuf>> {
-            device::backward(self, ws, schedule, inputs, dy)
+            device::backward(self, ws, schedule, inputs, dy, None)
         }
     }
 }

@@ -198,7 +198,7 @@ mod emulated {
             let up = |v: &[f32]| ops.upload(v).unwrap();
             let (x, gate, upw, down) = (up(inputs.x), up(w.gate), up(w.up), up(w.down));
             let dev = DeviceInputs { x: &x, routing: inputs.routing, gate: &gate, up: &upw, down: &down };
-            let forward = device::forward(&ops, &host_workspace(&plan, 0), &plan, &dev).map(|_| ());
+            let forward = device::forward(&ops, &host_workspace(&plan, 0), &plan, &dev, None).map(|_| ());
             Ok((alloc, forward))
         });
         let (alloc, forward) = out.into_iter().next().unwrap().unwrap();
@@ -236,7 +236,7 @@ mod emulated {
                 ops.upload(w.down).unwrap(),
             );
             let dev = DeviceInputs { x: &x, routing: inputs.routing, gate: &gate, up: &up, down: &down };
-            Ok(device::forward(&ops, &host_workspace(&plan, 0), &plan, &dev).map(|_| ()))
+            Ok(device::forward(&ops, &host_workspace(&plan, 0), &plan, &dev, None).map(|_| ()))
         });
         let n = problem.shape.tokens * problem.shape.hidden;
         assert!(

@@ -388,21 +388,10 @@ pub fn forward(plan: &Plan, inputs: &Inputs<'_>) -> Result<Forward> {
     driver::forward(&mut EmuBlocks::open(call, None)?, call)
 }
 
-/// dX, dW (and dbias) by the device schedule: recompute each block's raw logits, the gradient
-/// kernel, then `dX += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel.
-pub fn backward(
-    plan: &Plan,
-    inputs: &Inputs<'_>,
-    forward: &Forward,
-    upstream: Upstream<'_>,
-) -> Result<Gradients> {
-    let ((), grads) =
-        driver::with_gradients(plan, inputs, |out| backward_into(plan, inputs, &forward.lse, upstream, out))?;
-    Ok(grads)
-}
-
-/// [`backward`] from forward's per-row `lse` into caller-owned buffers `out` (overwritten; fp32
-/// or bf16), computing the gradients its selection wants: a skipped dX or dW has no GEMM.
+/// dX, dW (and dbias) by the device schedule from forward's per-row `lse`, into caller-owned
+/// buffers `out` (overwritten; fp32 or bf16): recompute each block's raw logits, the gradient
+/// kernel, then `dX += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel. Only the
+/// gradients `out`'s selection wants are computed: a skipped dX or dW has no GEMM.
 pub fn backward_into(
     plan: &Plan,
     inputs: &Inputs<'_>,

@@ -1,6 +1,6 @@
-//! The gradient buffers a backward writes: the fp32 [`Gradients`] an entry point returns, the
-//! caller-owned fp32 [`GradientsMut`], and the caller-owned [`Bf16GradientsMut`] (bf16 dX and
-//! dW accumulated in f32 and rounded once), with the one check of their lengths every backend
+//! The gradient buffers a backward writes: the fp32 [`Gradients`] an entry point returns and
+//! the caller-owned [`GradientsMut`] (fp32, or bf16 as [`Bf16GradientsMut`]: dX and dW
+//! accumulated in f32 and rounded once), with the one check of their lengths every backend
 //! makes.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -36,26 +36,45 @@ impl Gradients {
     }
 }
 
-/// Caller-owned fp32 gradient buffers a backward writes into (overwriting them): a binding's
-/// own tensors, so no gradient is copied out of the crate. `wanted` says which are computed; a
+/// Caller-owned gradient buffers a backward writes into (overwriting them): a binding's own
+/// tensors, so no gradient is copied out of the crate. dX and dW are in `T`, f32 (the default)
+/// or bf16 ([`Bf16GradientsMut`]); dbias is f32 either way. `wanted` says which are computed; a
 /// skipped one's buffer is empty (dX, dW) or `None` (dbias) and is never touched.
 #[derive(Debug)]
-pub struct GradientsMut<'a> {
+pub struct GradientsMut<'a, T = f32> {
     /// dX, N×D (empty when skipped).
-    pub dx: &'a mut [f32],
+    pub dx: &'a mut [T],
     /// dW, V×D (empty when skipped).
-    pub dw: &'a mut [f32],
-    /// d(bias), V: present exactly when the inputs have a bias and dbias is computed.
+    pub dw: &'a mut [T],
+    /// d(bias), V, f32: present exactly when the inputs have a bias and dbias is computed.
     pub dbias: Option<&'a mut [f32]>,
     /// Which gradients are computed ([`GradientSelection::ALL`] from [`GradientsMut::new`]).
     pub wanted: GradientSelection,
-    /// With bf16 outputs ([`Bf16GradientsMut`]), where dX's finished rows are narrowed to.
+    /// Set only on the f32 accumulators of a backward into bf16 outputs: where dX's finished
+    /// rows are narrowed to.
     dx_narrowing: Option<DxNarrowing<'a>>,
 }
 
-impl<'a> GradientsMut<'a> {
+/// Caller-owned bf16 gradient buffers: dX (N×D) and dW (V×D) in bf16, dbias (V) in f32, what
+/// a binding whose parameters are bf16 returns. A backward into them accumulates in f32
+/// exactly as into fp32 [`GradientsMut`] and rounds each gradient once, to nearest even, so
+/// they hold `bf16(g)` of the f32 gradients `g`, bit for bit.
+///
+/// Memory beyond the plan's working set and the outputs ([`Plan::bf16_outputs_bytes`]): dW's
+/// f32 accumulator, `V·D·4` bytes (every token block adds into all of it), given back
+/// [`DW_NARROW_CHUNK`] elements at a time as it is narrowed at the end; and dX's f32 rows,
+/// narrowed and given back as each token block finishes, so about one block's `C·D·4` bytes at
+/// a time. Against fp32 buffers narrowed afterwards (`(N + V)·D·4` in f32, then the bf16
+/// copies beside them), that saves about `N·D·4` during the pass and the narrowed dW's `V·D·2`
+/// after it.
+///
+/// [`DW_NARROW_CHUNK`]: crate::narrowing::DW_NARROW_CHUNK
+/// [`Plan::bf16_outputs_bytes`]: crate::Plan::bf16_outputs_bytes
+pub type Bf16GradientsMut<'a> = GradientsMut<'a, bf16>;
+
+impl<'a, T> GradientsMut<'a, T> {
     /// Buffers for every gradient (dbias present exactly with a bias).
-    pub fn new(dx: &'a mut [f32], dw: &'a mut [f32], dbias: Option<&'a mut [f32]>) -> Self {
+    pub fn new(dx: &'a mut [T], dw: &'a mut [T], dbias: Option<&'a mut [f32]>) -> Self {
         Self { dx, dw, dbias, wanted: GradientSelection::ALL, dx_narrowing: None }
     }
 
@@ -64,9 +83,7 @@ impl<'a> GradientsMut<'a> {
     pub fn selecting(self, wanted: GradientSelection) -> Self {
         Self { wanted, ..self }
     }
-}
 
-impl GradientsMut<'_> {
     /// Checks each buffer's length (and dbias's presence) against `inputs` and the selection.
     pub fn check(&self, inputs: &Inputs<'_>) -> Result<()> {
         check_gradient_lens((inputs.n, inputs.d, inputs.v), inputs.bias.is_some(), self.lens())
@@ -81,7 +98,9 @@ impl GradientsMut<'_> {
             wanted: self.wanted,
         }
     }
+}
 
+impl GradientsMut<'_> {
     /// Token rows `t0..t0 + c` of dX are final (a backward finished their token block, in
     /// order): with bf16 outputs they are narrowed into them and their f32 pages given back;
     /// into f32 buffers, nothing is left to do.
@@ -156,56 +175,6 @@ impl flatpeak_common::HeapSize for Gradients {
     }
 }
 
-/// Caller-owned bf16 gradient buffers: dX (N×D) and dW (V×D) in bf16, dbias (V) in f32, what
-/// a binding whose parameters are bf16 returns. A backward into them accumulates in f32
-/// exactly as into [`GradientsMut`] and rounds each gradient once, to nearest even, so they
-/// hold `bf16(g)` of the f32 gradients `g`, bit for bit. `wanted` selects as for
-/// [`GradientsMut`] (a skipped gradient's buffer empty or `None`).
-///
-/// Memory beyond the plan's working set and the outputs ([`Plan::bf16_outputs_bytes`]): dW's
-/// f32 accumulator, `V·D·4` bytes (every token block adds into all of it), given back
-/// [`DW_NARROW_CHUNK`] elements at a time as it is narrowed at the end; and dX's f32 rows,
-/// narrowed and given back as each token block finishes, so about one block's `C·D·4` bytes at
-/// a time. Against fp32 buffers narrowed afterwards (`(N + V)·D·4` in f32, then the bf16
-/// copies beside them), that saves about `N·D·4` during the pass and the narrowed dW's `V·D·2`
-/// after it.
-///
-/// [`DW_NARROW_CHUNK`]: crate::narrowing::DW_NARROW_CHUNK
-/// [`Plan::bf16_outputs_bytes`]: crate::Plan::bf16_outputs_bytes
-#[derive(Debug)]
-pub struct Bf16GradientsMut<'a> {
-    /// dX, N×D (empty when skipped).
-    pub dx: &'a mut [bf16],
-    /// dW, V×D (empty when skipped).
-    pub dw: &'a mut [bf16],
-    /// d(bias), V, f32: present exactly when the inputs have a bias and dbias is computed.
-    pub dbias: Option<&'a mut [f32]>,
-    /// Which gradients are computed ([`GradientSelection::ALL`] from [`Bf16GradientsMut::new`]).
-    pub wanted: GradientSelection,
-}
-
-impl<'a> Bf16GradientsMut<'a> {
-    /// Buffers for every gradient (dbias present exactly with a bias).
-    pub fn new(dx: &'a mut [bf16], dw: &'a mut [bf16], dbias: Option<&'a mut [f32]>) -> Self {
-        Self { dx, dw, dbias, wanted: GradientSelection::ALL }
-    }
-
-    /// These buffers computing only the gradients `wanted` selects.
-    pub fn selecting(self, wanted: GradientSelection) -> Self {
-        Self { wanted, ..self }
-    }
-
-    /// The lengths of dX, dW and dbias, with the selection they are checked against.
-    fn lens(&self) -> GradientLens {
-        GradientLens {
-            dx: self.dx.len(),
-            dw: self.dw.len(),
-            dbias: self.dbias.as_ref().map(|b| b.len()),
-            wanted: self.wanted,
-        }
-    }
-}
-
 /// The gradient buffers a single-device backward writes: fp32 ([`GradientsMut`]) or bf16
 /// ([`Bf16GradientsMut`]). Sealed: the crate's backends accumulate in f32 either way.
 pub trait GradientBuffers: sealed::Sealed {
@@ -222,8 +191,8 @@ pub trait GradientBuffers: sealed::Sealed {
 
 mod sealed {
     pub trait Sealed {}
-    impl Sealed for super::GradientsMut<'_> {}
-    impl Sealed for super::Bf16GradientsMut<'_> {}
+    impl Sealed for super::GradientsMut<'_, f32> {}
+    impl Sealed for super::GradientsMut<'_, half::bf16> {}
 }
 
 impl GradientBuffers for GradientsMut<'_> {
@@ -248,7 +217,7 @@ impl GradientBuffers for Bf16GradientsMut<'_> {
         write: impl FnOnce(GradientsMut<'_>) -> Result<R>,
     ) -> Result<R> {
         check_gradient_lens((n, d, v), has_bias, self.lens())?;
-        let Self { dx, dw, dbias, wanted } = self;
+        let Self { dx, dw, dbias, wanted, .. } = self;
         let mut dx_acc: Vec<f32> = flatpeak_common::zeroed_vec(dx.len(), "dX's f32 rows (bf16 outputs)")?;
         let mut dw_acc: Vec<f32> =
             flatpeak_common::zeroed_vec(dw.len(), "dW's f32 accumulator (bf16 outputs)")?;

@@ -1,14 +1,15 @@
 //! This crate's CUDA sources, for the run-time kernel cache, the NVRTC compile check and the
 //! SIMT emulator.
 
+use flatpeak_common::kernel_source;
 use flatpeak_common::kernels::{BLOCK_REDUCE, KernelSource};
 
 /// `kernels/ring_dtp.cu`: target resolution, the fold, the gradient formation, the bias
 /// gradient, the bf16 upcast and the logit gradient's rounding to bf16 (everything between one step's GEMMs).
-pub const RING_DTP: KernelSource = KernelSource {
-    name: "ring_dtp",
-    source: include_str!("../kernels/ring_dtp.cu"),
-    entry_points: &[
+pub const RING_DTP: KernelSource = kernel_source!(
+    "ring_dtp",
+    [BLOCK_REDUCE],
+    [
         "lce_resolve_targets",
         "lce_fold",
         "lce_row_lse",
@@ -16,10 +17,9 @@ pub const RING_DTP: KernelSource = KernelSource {
         "lce_bias_grad",
         "lce_widen_bf16",
         "lce_round_bf16",
-        "lce_narrow_rows_bf16",
-    ],
-    headers: &[BLOCK_REDUCE],
-};
+        "lce_narrow_rows_bf16"
+    ]
+);
 
 /// Threads per block of the per-row kernels (one block per token row).
 pub const ROW_THREADS: u32 = 256;

@@ -1,15 +1,15 @@
 //! This crate's CUDA sources, for the run-time kernel cache, the NVRTC compile check and the
 //! SIMT emulator.
 
+use flatpeak_common::kernel_source;
 use flatpeak_common::kernels::{BLOCK_REDUCE, KernelSource};
 
 /// `kernels/stream_adamw.cu`: the gradient statistics pass (Σ g² per block, f64).
-pub const STREAM_ADAMW: KernelSource = KernelSource {
-    name: "stream_adamw",
-    source: include_str!("../kernels/stream_adamw.cu"),
-    entry_points: &["grad_sq_partial_f32", "grad_sq_partial_bf16", "grad_sq_partial_f16"],
-    headers: &[BLOCK_REDUCE],
-};
+pub const STREAM_ADAMW: KernelSource = kernel_source!(
+    "stream_adamw",
+    [BLOCK_REDUCE],
+    ["grad_sq_partial_f32", "grad_sq_partial_bf16", "grad_sq_partial_f16"]
+);
 
 /// Threads per block of the statistics kernel.
 pub const STATS_THREADS: u32 = 256;

@@ -570,7 +570,14 @@ fn run_pass_on(
         #[cfg(feature = "cuda-emu")]
         (Backend::CudaEmu, Pass::Separate { dlse }) => {
             let f = ring_dtp::emu::forward(plan, inp)?;
-            let g = ring_dtp::emu::backward(plan, inp, &f, Upstream::loss(grad).with_dlse(dlse))?;
+            let mut g = ring_dtp::Gradients::zeros(inp);
+            ring_dtp::emu::backward_into(
+                plan,
+                inp,
+                &f.lse,
+                Upstream::loss(grad).with_dlse(dlse),
+                g.as_mut(),
+            )?;
             Ok((f, g))
         }
         #[cfg(feature = "cuda")]

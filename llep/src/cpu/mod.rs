@@ -132,7 +132,7 @@ pub(crate) fn forward<C: Communicator + ?Sized, T: LayerElement>(
     let ops = host_ops(comm, ws, plan, inputs)?;
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    device::forward(&ops, ws, plan, &dev)?.into_vec()
+    device::forward(&ops, ws, plan, &dev, None)?.into_vec()
 }
 
 /// The checkpointed backward on the host, its buffers carved from `ws` (reset).
@@ -147,5 +147,5 @@ pub(crate) fn backward<C: Communicator + ?Sized, T: LayerElement>(
     check_dy(plan, inputs, dy)?;
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    host_grads(device::backward(&ops, ws, plan, &dev, &host_tensor(dy))?)
+    host_grads(device::backward(&ops, ws, plan, &dev, &host_tensor(dy), None)?)
 }

@@ -196,7 +196,7 @@ pub(crate) fn forward_saving<C: Communicator + ?Sized, T: LayerElement>(
     let mut store = Store { x: &mut x, meta, gate: &mut gate, up: &mut up, route_start };
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    let y = device::forward_saving(&ops, ws, plan, &dev, &mut store)?.into_vec()?;
+    let y = device::forward(&ops, ws, plan, &dev, Some(&mut store))?.into_vec()?;
     write_stamp(header, Some(SavedActivations::stamp(plan, me)));
     Ok(y)
 }
@@ -227,5 +227,5 @@ pub(crate) fn backward_saved<C: Communicator + ?Sized, T: LayerElement>(
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
     let dy = super::host_tensor(dy);
-    host_grads(device::backward_saved(&ops, ws, plan, &dev, &dy, &mut store)?)
+    host_grads(device::backward(&ops, ws, plan, &dev, &dy, Some(&mut store))?)
 }

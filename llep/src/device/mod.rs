@@ -17,8 +17,9 @@
 //! in reverse, recomputing each group and running its backward at once (`dw_t = ⟨dY_t, y_t⟩` by
 //! `llep_row_dot`, `llep_swiglu_backward`, six more GEMMs); foreign experts' gradients return to
 //! their owners once at the end. In [`Mode::SaveActivations`](crate::Mode::SaveActivations),
-//! [`forward_saving`] also keeps every round's received rows, routes and pre-activations in a
-//! [`Store`], and [`backward_saved`] dispatches dY only and runs six GEMMs per group from it. The
+//! [`forward`] given a [`Store`] also keeps every round's received rows, routes and
+//! pre-activations there, and [`backward`] given it dispatches dY only and runs six GEMMs per
+//! group from it. The
 //! received route metadata (8 bytes per route) is read back to the host each round to form the
 //! groups: the one host round trip per round.
 //!
@@ -45,7 +46,7 @@ use crate::error::{Error, Result};
 use crate::layer::{Gradients, Routing};
 use crate::plan::RouteMeta;
 
-pub use schedule::{backward, backward_saved, forward, forward_saving};
+pub use schedule::{backward, forward};
 
 /// How a GEMM operand is read from its storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -292,7 +293,7 @@ pub struct DeviceInputs<'a, B> {
     pub down: &'a B,
 }
 
-/// What [`backward`] and [`backward_saved`] return, on the device (see [`Gradients`]).
+/// What [`backward`] returns, on the device (see [`Gradients`]).
 #[derive(Debug)]
 pub struct DeviceGradients<B> {
     /// dL/dx, N×H.
@@ -321,7 +322,7 @@ impl<B> DeviceGradients<B> {
     }
 }
 
-/// What [`forward_saving`] keeps for [`backward_saved`] in
+/// What a saving [`forward`] keeps for [`backward`] in
 /// [`Mode::SaveActivations`](crate::Mode::SaveActivations), as the regions of
 /// [`Schedule::saved_regions`](crate::Schedule::saved_regions) (`Σ_s R[s][d]` received rows,
 /// `L_d` computed routes, K rounds): received x rows (rows × H) on the device, their route

@@ -40,7 +40,9 @@ fn check_inputs<O: DeviceOps>(
 }
 
 /// What a pass from (or into) the saved-activation store asks of the plan's mode.
-const SAVING: &str = "Mode::SaveActivations (checkpointed plans run through forward and backward)";
+const SAVING: &str = "Mode::SaveActivations (a checkpointed plan's passes keep no store)";
+const CHECKPOINTED: &str =
+    "Mode::Checkpointed (a SaveActivations plan's backward reads the saving forward's store)";
 
 fn check_mode(plan: &Schedule, mode: Mode, how: &'static str) -> Result<()> {
     if plan.config().mode == mode {
@@ -142,34 +144,6 @@ fn store_holds(len_elems: usize, width: usize, (at, len): (usize, usize), what: 
     }
 }
 
-/// The layer's forward on this rank: `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`, N×H fp32 (a new
-/// output buffer). Keeps nothing for backward. Reserves the plan's forward
-/// [`Buffers`](crate::Buffers): the host regions from `host` (reset by the caller), the device
-/// ones through `ops`. Round j+1's dispatch is issued before round j's experts (two or more
-/// buffer copies; the issue order is in the `pipeline` module).
-pub fn forward<O: DeviceOps>(
-    ops: &O,
-    host: &Workspace,
-    plan: &Schedule,
-    inputs: &DeviceInputs<'_, O::Buf>,
-) -> Result<O::Buf> {
-    run_forward(ops, host, plan, inputs, None)
-}
-
-/// [`forward`], keeping every round's received rows, routes and pre-activations in `store`
-/// (laid out as [`Schedule::saved_regions`]) for [`backward_saved`]; bitwise the same y. The
-/// plan must be in [`Mode::SaveActivations`].
-pub fn forward_saving<O: DeviceOps>(
-    ops: &O,
-    host: &Workspace,
-    plan: &Schedule,
-    inputs: &DeviceInputs<'_, O::Buf>,
-    store: &mut Store<'_, O::Buf>,
-) -> Result<O::Buf> {
-    check_mode(plan, Mode::SaveActivations, SAVING)?;
-    run_forward(ops, host, plan, inputs, Some(store))
-}
-
 /// The saved-activation store as a pass uses it (the saving forward writes it, the backward
 /// from it reads it), but for its metadata, which goes to the pipeline.
 struct Saved<'a, B> {
@@ -255,13 +229,26 @@ fn slot_chunks<'g>(
     })
 }
 
-fn run_forward<O: DeviceOps>(
+/// The layer's forward on this rank: `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`, N×H fp32 (a new
+/// output buffer). Reserves the plan's forward [`Buffers`](crate::Buffers): the host regions
+/// from `host` (reset by the caller), the device ones through `ops`. Round j+1's dispatch is
+/// issued before round j's experts (two or more buffer copies; the issue order is in the
+/// `pipeline` module).
+///
+/// With `store` `None` it keeps nothing for backward. With a store (the plan in
+/// [`Mode::SaveActivations`]) it keeps every round's received rows, routes and pre-activations
+/// there, laid out as [`Schedule::saved_regions`], for [`backward`] to read; y is bitwise the
+/// same either way.
+pub fn forward<O: DeviceOps>(
     ops: &O,
     host: &Workspace,
     plan: &Schedule,
     inputs: &DeviceInputs<'_, O::Buf>,
     store: Option<&mut Store<'_, O::Buf>>,
 ) -> Result<O::Buf> {
+    if store.is_some() {
+        check_mode(plan, Mode::SaveActivations, SAVING)?;
+    }
     let SetUp { me, s, bufs, t, mut c } = set_up(ops, host, plan, inputs, Pass::Forward, None)?;
     let (h, i, k) = (s.hidden, s.intermediate, s.top_k);
     let mut y = ops.alloc_output(s.tokens * h)?;
@@ -318,40 +305,17 @@ fn run_forward<O: DeviceOps>(
     Ok(y)
 }
 
-/// The layer's backward on this rank, checkpointed: rounds in reverse, each re-dispatching x
-/// and dY rows and recomputing its expert forward before its backward. Returns dX, the routing
-/// weights' gradient and the native experts' weight gradients (foreign contributions returned
-/// and added), in new output buffers. Reserves the plan's backward
-/// [`Buffers`](crate::Buffers) as [`forward`] does; the next round's dispatch is issued before
-/// this round's experts.
+/// The layer's backward on this rank. Returns dX, the routing weights' gradient and the native
+/// experts' weight gradients (foreign contributions returned and added), in new output
+/// buffers. Reserves the plan's backward [`Buffers`](crate::Buffers) as [`forward`] does; the
+/// next round's dispatch is issued before this round's experts.
+///
+/// With `store` `None` (a [`Mode::Checkpointed`] plan) it runs the rounds in reverse, each
+/// re-dispatching x and dY rows and recomputing its expert forward before its backward. With
+/// the store a saving [`forward`] filled (a [`Mode::SaveActivations`] plan) each round
+/// dispatches dY rows only (x rows and routes are in the store), then runs every group's
+/// backward from its saved pre-activations (six GEMMs, no recompute).
 pub fn backward<O: DeviceOps>(
-    ops: &O,
-    host: &Workspace,
-    plan: &Schedule,
-    inputs: &DeviceInputs<'_, O::Buf>,
-    dy: &O::Buf,
-) -> Result<DeviceGradients<O::Buf>> {
-    let how = "Mode::Checkpointed (SaveActivations runs through forward_saving and backward_saved)";
-    check_mode(plan, Mode::Checkpointed, how)?;
-    run_backward(ops, host, plan, inputs, dy, None)
-}
-
-/// [`backward`] from what [`forward_saving`] kept in `store`: rounds in reverse, each
-/// dispatching dY rows only (x rows and routes are in the store), then every group's backward
-/// from its saved pre-activations (six GEMMs, no recompute). Returns what [`backward`] returns.
-pub fn backward_saved<O: DeviceOps>(
-    ops: &O,
-    host: &Workspace,
-    plan: &Schedule,
-    inputs: &DeviceInputs<'_, O::Buf>,
-    dy: &O::Buf,
-    store: &mut Store<'_, O::Buf>,
-) -> Result<DeviceGradients<O::Buf>> {
-    check_mode(plan, Mode::SaveActivations, SAVING)?;
-    run_backward(ops, host, plan, inputs, dy, Some(store))
-}
-
-fn run_backward<O: DeviceOps>(
     ops: &O,
     host: &Workspace,
     plan: &Schedule,
@@ -359,6 +323,10 @@ fn run_backward<O: DeviceOps>(
     dy: &O::Buf,
     store: Option<&mut Store<'_, O::Buf>>,
 ) -> Result<DeviceGradients<O::Buf>> {
+    match store {
+        Some(_) => check_mode(plan, Mode::SaveActivations, SAVING)?,
+        None => check_mode(plan, Mode::Checkpointed, CHECKPOINTED)?,
+    }
     let SetUp { me, s, bufs, t, mut c } = set_up(ops, host, plan, inputs, Pass::Backward, Some(dy))?;
     ops.zero(&mut c.foreign_grad, bufs.foreign_slots() * s.expert_elems())?;
     let (n, h, i, k) = (s.tokens, s.hidden, s.intermediate, s.top_k);

@@ -272,13 +272,13 @@ pub fn device_pass<O: llep::device::DeviceOps>(
             (vec![RouteMeta::EMPTY; rows * shape.top_k], vec![0u32; plan.rounds() + 1]);
         let mut store =
             Store { x: &mut sx, meta: &mut meta, gate: &mut sg, up: &mut su, route_start: &mut starts };
-        let y = device::forward_saving(ops, &host, plan, dev, &mut store)?;
+        let y = device::forward(ops, &host, plan, dev, Some(&mut store))?;
         host.reset();
-        (y, device::backward_saved(ops, &host, plan, dev, dy, &mut store)?)
+        (y, device::backward(ops, &host, plan, dev, dy, Some(&mut store))?)
     } else {
-        let y = device::forward(ops, &host, plan, dev)?;
+        let y = device::forward(ops, &host, plan, dev, None)?;
         host.reset();
-        (y, device::backward(ops, &host, plan, dev, dy)?)
+        (y, device::backward(ops, &host, plan, dev, dy, None)?)
     };
     let y = ops.download(&y, shape.tokens * shape.hidden)?;
     Ok((y, grads.download(ops)?, host.high_water()))
