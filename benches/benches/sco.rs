@@ -29,6 +29,7 @@ fn step(c: &mut Criterion) {
 #[cfg(feature = "cuda")]
 fn cuda_overlap(c: &mut Criterion) {
     use flatpeak_common::cuda::{KernelCache, fill_f32};
+    use sco::CheckpointStore;
     use sco::cuda::CudaCheckpointOffloader;
     use sco::{Budget, Config, Plan, Shape};
     if !flatpeak_common::cuda_available() {

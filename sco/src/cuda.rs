@@ -242,8 +242,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
     }
 
     /// Starts the H2D copy of `layer`'s boundary into a free slot (no-op when resident); it
-    /// then stays there until [`release`](Self::release) (one of the k_keep newest: until then,
-    /// or until newer boundaries displace it).
+    /// then stays there until [`CheckpointStore::release`] (one of the k_keep newest: until
+    /// then, or until newer boundaries displace it).
     pub fn prefetch(&mut self, layer: usize) -> Result<()> {
         if !self.ring.want(layer)? {
             return Ok(());
@@ -286,29 +286,6 @@ impl<T: DeviceRepr + ValidAsZeroBits> CudaCheckpointOffloader<T> {
     pub fn fetch(&mut self, layer: usize) -> Result<CudaView<'_, T>> {
         let slot = self.arrive(layer, false)?;
         Ok(self.slots[slot].slice(..self.plan.boundary_elems()))
-    }
-
-    /// Backward is done with `layer`'s boundary; its slot may be reused once its D2H landed
-    /// (after the compute stream's reads, which cudarc's slot events order).
-    pub fn release(&mut self, layer: usize) -> Result<()> {
-        self.ring.release(layer)
-    }
-
-    /// Waits for every copy and forgets this step's boundaries; ring and arena stay reserved.
-    pub fn finish_step(&mut self) -> Result<()> {
-        for stream in [&self.d2h, &self.h2d, &self.compute] {
-            stream.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
-        }
-        if let Some((_, reserved)) = self.writing.take() {
-            self.ring.cancel(reserved);
-        }
-        self.ring.finish_step();
-        Ok(())
-    }
-
-    /// Device bytes of the most slots ever held at once.
-    pub fn high_water_bytes(&self) -> usize {
-        self.ring.high_water_slots() * self.plan.boundary_bytes()
     }
 }
 
@@ -364,14 +341,25 @@ impl<T: DeviceRepr + ValidAsZeroBits + fmt::Debug + 'static> CheckpointStore for
     fn fetch_with<R>(&mut self, layer: usize, f: impl FnOnce(CudaView<'_, T>) -> Result<R>) -> Result<R> {
         f(self.fetch(layer)?)
     }
+    /// Its slot may be reused once its D2H landed (after the compute stream's reads, which
+    /// cudarc's slot events order).
     fn release(&mut self, layer: usize) -> Result<()> {
-        CudaCheckpointOffloader::release(self, layer)
+        self.ring.release(layer)
     }
+    /// Waits for every copy and forgets this step's boundaries; ring and arena stay reserved.
     fn finish_step(&mut self) -> Result<()> {
-        CudaCheckpointOffloader::finish_step(self)
+        for stream in [&self.d2h, &self.h2d, &self.compute] {
+            stream.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
+        }
+        if let Some((_, reserved)) = self.writing.take() {
+            self.ring.cancel(reserved);
+        }
+        self.ring.finish_step();
+        Ok(())
     }
+    /// Device bytes of the most slots ever held at once.
     fn high_water_bytes(&self) -> usize {
-        CudaCheckpointOffloader::high_water_bytes(self)
+        self.ring.high_water_slots() * self.plan.boundary_bytes()
     }
 }
 

@@ -451,6 +451,7 @@ fn a_stuck_copy_is_a_timeout_error_not_a_hang() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn cuda_offloader_round_trips_every_boundary() {
+    use sco::CheckpointStore;
     use sco::cuda::CudaCheckpointOffloader;
     let (layers, width) = (24, 1 << 20);
     let plan =
