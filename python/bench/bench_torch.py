@@ -172,15 +172,17 @@ def bench_lce(n, d, v, reps, rounds):
         # Rounds of every variant in turn, each in a fresh process: a slow spell of the machine
         # then lands on all of them alike, not on whichever happened to run in it. A variant's
         # peak is its largest over the rounds, its time its fastest.
-        # The crate called from Rust takes its turn in every round too: the binding's overhead
-        # is a ratio of a few percent, which only calls run side by side can show.
+        # The crate called from Rust takes its turn in every round too, right after the binding's
+        # call: the binding's overhead is a ratio of a few percent, which only calls run side by
+        # side (not a torch call apart) can show.
         results, direct = {}, float("inf")
         for _ in range(rounds):
             for var in variants:
                 peak, secs = run_child([var, dtype_name, n, d, v, reps])
                 old_peak, old_secs = results.get(var, (0, float("inf")))
                 results[var] = (max(peak, old_peak), min(secs, old_secs))
-            direct = min(direct, crate_direct(n, d, v, dtype_name, reps))
+                if var == "flatpeak":
+                    direct = min(direct, crate_direct(n, d, v, dtype_name, reps))
         ours_peak, ours_time = results["flatpeak"]
         for var in variants:
             peak, secs = results[var]
