@@ -101,52 +101,71 @@ impl<T: GemmScalar> MatmulOptions<T> {
 #[derive(Debug, Clone, Copy)]
 pub struct MatRef<'a, T> {
     data: &'a [T],
-    rows: usize,
-    cols: usize,
-    row_stride: usize,
-    col_stride: usize,
+    layout: Layout,
 }
 
 /// Mutable strided view; see [`MatRef`].
 #[derive(Debug)]
 pub struct MatMut<'a, T> {
     data: &'a mut [T],
+    layout: Layout,
+}
+
+/// Where a `rows × cols` view's elements live in its slice: `(i, j)` at
+/// `i·row_stride + j·col_stride` (in elements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Layout {
     rows: usize,
     cols: usize,
     row_stride: usize,
     col_stride: usize,
 }
 
-fn check_view(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> Result<()> {
-    if rows == 0 || cols == 0 {
-        return Ok(());
+impl Layout {
+    /// This layout, checked against a slice of `len` elements: every element's index lies
+    /// inside it and both strides fit `isize` (what `gemm`'s pointer arithmetic needs).
+    fn checked(len: usize, rows: usize, cols: usize, row_stride: usize, col_stride: usize) -> Result<Self> {
+        let layout = Self { rows, cols, row_stride, col_stride };
+        if layout.is_empty() {
+            return Ok(layout);
+        }
+        let last = (rows - 1)
+            .checked_mul(row_stride)
+            .and_then(|r| (cols - 1).checked_mul(col_stride).and_then(|c| r.checked_add(c)))
+            .ok_or(Error::SizeOverflow { what: "matrix view extent" })?;
+        if last >= len || isize::try_from(row_stride).is_err() || isize::try_from(col_stride).is_err() {
+            return Err(Error::ShapeMismatch { what: "matrix view extent", expected: last + 1, got: len });
+        }
+        Ok(layout)
     }
-    let last = (rows - 1)
-        .checked_mul(rs)
-        .and_then(|r| (cols - 1).checked_mul(cs).and_then(|c| r.checked_add(c)))
-        .ok_or(Error::SizeOverflow { what: "matrix view extent" })?;
-    if last >= len || isize::try_from(rs).is_err() || isize::try_from(cs).is_err() {
-        return Err(Error::ShapeMismatch { what: "matrix view extent", expected: last + 1, got: len });
-    }
-    Ok(())
-}
 
-/// [`check_view`], and no two elements at one address: two destination elements sharing one
-/// would race across threads, so the larger stride must step over a whole run of the smaller.
-fn check_destination_view(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> Result<()> {
-    check_view(len, rows, cols, rs, cs)?;
-    let (inner, inner_len, outer, outer_len) =
-        if cs <= rs { (cs, cols, rs, rows) } else { (rs, rows, cs, cols) };
-    let inner_ok = inner_len <= 1 || inner >= 1;
-    let outer_ok = outer_len <= 1 || outer >= inner.max(1) * inner_len;
-    if rows > 0 && cols > 0 && !(inner_ok && outer_ok) {
-        return Err(Error::ShapeMismatch {
-            what: "non-overlapping destination stride",
-            expected: inner.max(1) * inner_len,
-            got: outer,
-        });
+    /// This layout, if no two of its elements share an address (a destination's must not:
+    /// they would race across threads), i.e. the larger stride steps over a whole run of the
+    /// smaller.
+    fn disjoint(self) -> Result<Self> {
+        let Self { rows, cols, row_stride: rs, col_stride: cs } = self;
+        let (inner, inner_len, outer, outer_len) =
+            if cs <= rs { (cs, cols, rs, rows) } else { (rs, rows, cs, cols) };
+        let inner_ok = inner_len <= 1 || inner >= 1;
+        let outer_ok = outer_len <= 1 || outer >= inner.max(1) * inner_len;
+        if self.is_empty() || (inner_ok && outer_ok) {
+            Ok(self)
+        } else {
+            Err(Error::ShapeMismatch {
+                what: "non-overlapping destination stride",
+                expected: inner.max(1) * inner_len,
+                got: outer,
+            })
+        }
     }
-    Ok(())
+
+    fn is_empty(self) -> bool {
+        self.rows == 0 || self.cols == 0
+    }
+
+    fn transposed(self) -> Self {
+        Self { rows: self.cols, cols: self.rows, row_stride: self.col_stride, col_stride: self.row_stride }
+    }
 }
 
 impl<'a, T> MatRef<'a, T> {
@@ -158,8 +177,8 @@ impl<'a, T> MatRef<'a, T> {
         row_stride: usize,
         col_stride: usize,
     ) -> Result<Self> {
-        check_view(data.len(), rows, cols, row_stride, col_stride)?;
-        Ok(Self { data, rows, cols, row_stride, col_stride })
+        let layout = Layout::checked(data.len(), rows, cols, row_stride, col_stride)?;
+        Ok(Self { data, layout })
     }
     /// A dense row-major `rows × cols` view.
     pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Result<Self> {
@@ -171,39 +190,35 @@ impl<'a, T> MatRef<'a, T> {
     }
     /// The transpose, as a view (no copy).
     pub fn t(self) -> Self {
-        Self {
-            rows: self.cols,
-            cols: self.rows,
-            row_stride: self.col_stride,
-            col_stride: self.row_stride,
-            ..self
-        }
+        Self { layout: self.layout.transposed(), ..self }
     }
     /// Rows.
     pub fn rows(&self) -> usize {
-        self.rows
+        self.layout.rows
     }
     /// Columns.
     pub fn cols(&self) -> usize {
-        self.cols
+        self.layout.cols
     }
     /// Rows `range` of this view, as a view of the same data (no copy).
     ///
     /// Errors with [`Error::ShapeMismatch`] unless `range.start ≤ range.end ≤ rows`.
     pub fn row_range(&self, range: std::ops::Range<usize>) -> Result<Self> {
-        if range.start > range.end || range.end > self.rows {
+        let Layout { rows, cols, row_stride, col_stride } = self.layout;
+        if range.start > range.end || range.end > rows {
             return Err(Error::ShapeMismatch {
                 what: "row range (start ≤ end ≤ rows)",
-                expected: self.rows,
+                expected: rows,
                 got: range.end.max(range.start),
             });
         }
-        let data = self.data.get(range.start * self.row_stride..).unwrap_or(&[]);
-        Self::strided(data, range.len(), self.cols, self.row_stride, self.col_stride)
+        let data = self.data.get(range.start * row_stride..).unwrap_or(&[]);
+        Self::strided(data, range.len(), cols, row_stride, col_stride)
     }
     /// The checked view's parts: `(data, rows, cols, row_stride, col_stride)`.
     pub(crate) fn parts(&self) -> (&'a [T], usize, usize, usize, usize) {
-        (self.data, self.rows, self.cols, self.row_stride, self.col_stride)
+        let Layout { rows, cols, row_stride, col_stride } = self.layout;
+        (self.data, rows, cols, row_stride, col_stride)
     }
 }
 
@@ -216,8 +231,8 @@ impl<'a, T> MatMut<'a, T> {
         row_stride: usize,
         col_stride: usize,
     ) -> Result<Self> {
-        check_destination_view(data.len(), rows, cols, row_stride, col_stride)?;
-        Ok(Self { data, rows, cols, row_stride, col_stride })
+        let layout = Layout::checked(data.len(), rows, cols, row_stride, col_stride)?.disjoint()?;
+        Ok(Self { data, layout })
     }
     /// A dense row-major `rows × cols` view.
     pub fn row_major(data: &'a mut [T], rows: usize, cols: usize) -> Result<Self> {
@@ -229,11 +244,12 @@ impl<'a, T> MatMut<'a, T> {
     }
     /// `(rows, cols)`.
     pub(crate) fn shape(&self) -> (usize, usize) {
-        (self.rows, self.cols)
+        (self.layout.rows, self.layout.cols)
     }
     /// The checked view's parts: `(data, rows, cols, row_stride, col_stride)`.
     pub(crate) fn into_parts(self) -> (&'a mut [T], usize, usize, usize, usize) {
-        (self.data, self.rows, self.cols, self.row_stride, self.col_stride)
+        let Layout { rows, cols, row_stride, col_stride } = self.layout;
+        (self.data, rows, cols, row_stride, col_stride)
     }
 }
 
@@ -246,9 +262,10 @@ pub fn matmul<T: GemmScalar>(
     rhs: MatRef<'_, T>,
     options: MatmulOptions<T>,
 ) -> Result<()> {
-    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
+    let (l, r, o) = (lhs.layout, rhs.layout, dst.layout);
+    let (m, k, n) = (l.rows, l.cols, r.cols);
     for (what, expected, found) in
-        [("rhs rows (k)", k, rhs.rows), ("dst rows (m)", m, dst.rows), ("dst cols (n)", n, dst.cols)]
+        [("rhs rows (k)", k, r.rows), ("dst rows (m)", m, o.rows), ("dst cols (n)", n, o.cols)]
     {
         if expected != found {
             return Err(Error::ShapeMismatch { what, expected, got: found });
@@ -261,7 +278,7 @@ pub fn matmul<T: GemmScalar>(
         if options.accumulate == Accumulate::Replace {
             for i in 0..m {
                 for j in 0..n {
-                    dst.data[i * dst.row_stride + j * dst.col_stride] = T::ZERO;
+                    dst.data[i * o.row_stride + j * o.col_stride] = T::ZERO;
                 }
             }
         }
@@ -273,10 +290,10 @@ pub fn matmul<T: GemmScalar>(
         Threads::Exactly(n) => gemm::Parallelism::Rayon(n),
     };
     let read_dst = options.accumulate == Accumulate::Add;
-    // SAFETY: `check_view` proved every index `i·rs + j·cs` of all three views lies inside its
-    // slice and that the strides fit `isize`; the shapes agree (checked above); `dst` is a
-    // unique borrow with distinct strides, so no two output elements alias and it cannot alias
-    // `lhs` or `rhs`. `gemm` computes `dst = alpha·dst + beta·lhs·rhs` (its argument order is
+    // SAFETY: `Layout::checked` proved every index `i·rs + j·cs` of all three views lies inside
+    // its slice and that the strides fit `isize`; the shapes agree (checked above); `dst` is a
+    // unique borrow whose layout is `disjoint`, so no two output elements alias and it cannot
+    // alias `lhs` or `rhs`. `gemm` computes `dst = alpha·dst + beta·lhs·rhs` (its argument order is
     // the reverse of BLAS), reading `dst` only when `read_dst`.
     unsafe {
         gemm::gemm(
@@ -284,15 +301,15 @@ pub fn matmul<T: GemmScalar>(
             n,
             k,
             dst.data.as_mut_ptr(),
-            dst.col_stride as isize,
-            dst.row_stride as isize,
+            o.col_stride as isize,
+            o.row_stride as isize,
             read_dst,
             lhs.data.as_ptr(),
-            lhs.col_stride as isize,
-            lhs.row_stride as isize,
+            l.col_stride as isize,
+            l.row_stride as isize,
             rhs.data.as_ptr(),
-            rhs.col_stride as isize,
-            rhs.row_stride as isize,
+            r.col_stride as isize,
+            r.row_stride as isize,
             T::ONE,
             options.scale,
             false,
