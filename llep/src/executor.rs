@@ -68,7 +68,7 @@ impl<C: Communicator + ?Sized, T: LayerElement> Rank<RankInputs<'_, T>> for C {
         schedule: &Schedule,
         inputs: &RankInputs<'_, T>,
     ) -> Result<Vec<f32>> {
-        cpu::forward(self, ws, schedule, inputs)
+        cpu::forward(self, ws, schedule, inputs, None)
     }
     fn run_backward(
         &self,
@@ -77,7 +77,7 @@ impl<C: Communicator + ?Sized, T: LayerElement> Rank<RankInputs<'_, T>> for C {
         inputs: &RankInputs<'_, T>,
         dy: &[T],
     ) -> Result<Gradients> {
-        cpu::backward(self, ws, schedule, inputs, dy)
+        cpu::backward(self, ws, schedule, inputs, dy, None)
     }
 }
 
@@ -228,7 +228,7 @@ impl Executor {
         saved: &mut SavedActivations,
     ) -> Result<Vec<f32>> {
         let ws = self.workspace_for(schedule, (comm.rank(), Pass::Forward), Device::Cpu)?;
-        cpu::forward_saving(comm, ws, schedule, inputs, saved)
+        cpu::forward(comm, ws, schedule, inputs, Some(saved))
     }
 
     /// The backward from the activations [`forward_saving`](Executor::forward_saving) kept:
@@ -243,7 +243,7 @@ impl Executor {
         saved: &mut SavedActivations,
     ) -> Result<Gradients> {
         let ws = self.workspace_for(schedule, (comm.rank(), Pass::Backward), Device::Cpu)?;
-        cpu::backward_saved(comm, ws, schedule, inputs, dy, saved)
+        cpu::backward(comm, ws, schedule, inputs, dy, Some(saved))
     }
 }
 

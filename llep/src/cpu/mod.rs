@@ -36,7 +36,7 @@ pub(crate) use elem::{span, span_mut};
 pub(crate) use ops::host_gemm;
 pub use ops::{HostBuf, HostOps};
 pub use saved::SavedActivations;
-pub(crate) use saved::{backward_saved, forward_saving};
+use saved::StoreUse;
 
 /// Every rank's copy of every rank's `mine` (equal lengths), in rank order.
 pub fn all_gather<C: Communicator + ?Sized, T: Pod>(comm: &C, mine: &[T]) -> Result<Vec<T>> {
@@ -122,30 +122,52 @@ fn host_grads(g: DeviceGradients<HostBuf<'_>>) -> Result<Gradients> {
     })
 }
 
-/// The forward on the host, its buffers carved from `ws` (reset).
+/// The forward on the host, its buffers carved from `ws` (reset). With `saving` (a
+/// [`Mode::SaveActivations`](crate::Mode::SaveActivations) plan's store), it keeps what
+/// [`backward`] then reads there.
 pub(crate) fn forward<C: Communicator + ?Sized, T: LayerElement>(
     comm: &C,
     ws: &Workspace,
     plan: &Schedule,
     inputs: &RankInputs<'_, T>,
+    saving: Option<&mut SavedActivations>,
 ) -> Result<Vec<f32>> {
+    if saving.is_some() {
+        saved::check_mode(plan)?;
+    }
     let ops = host_ops(comm, ws, plan, inputs)?;
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    device::forward(&ops, ws, plan, &dev, None)?.into_vec()
+    match saving {
+        None => device::forward(&ops, ws, plan, &dev, None)?.into_vec(),
+        Some(saved) => saved.with_store(plan, comm.rank(), StoreUse::Fill, |store| {
+            device::forward(&ops, ws, plan, &dev, Some(store))?.into_vec()
+        }),
+    }
 }
 
-/// The checkpointed backward on the host, its buffers carved from `ws` (reset).
+/// The backward on the host, its buffers carved from `ws` (reset): checkpointed without a
+/// store, else from what the saving [`forward`] kept in `saved`.
 pub(crate) fn backward<C: Communicator + ?Sized, T: LayerElement>(
     comm: &C,
     ws: &Workspace,
     plan: &Schedule,
     inputs: &RankInputs<'_, T>,
     dy: &[T],
+    saved: Option<&mut SavedActivations>,
 ) -> Result<Gradients> {
+    if saved.is_some() {
+        saved::check_mode(plan)?;
+    }
     let ops = host_ops(comm, ws, plan, inputs)?;
     check_dy(plan, inputs, dy)?;
     let [x, g, u, d] = host_inputs(inputs);
     let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    host_grads(device::backward(&ops, ws, plan, &dev, &host_tensor(dy), None)?)
+    let dy = host_tensor(dy);
+    match saved {
+        None => host_grads(device::backward(&ops, ws, plan, &dev, &dy, None)?),
+        Some(saved) => saved.with_store(plan, comm.rank(), StoreUse::Read, |store| {
+            host_grads(device::backward(&ops, ws, plan, &dev, &dy, Some(store))?)
+        }),
+    }
 }

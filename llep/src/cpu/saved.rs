@@ -14,14 +14,12 @@
 //! checkpointed mode avoids. The per-round workspace is the checkpointed one's
 //! ([`Schedule::buffers`]).
 
-use flatpeak_common::{Communicator, DType, Workspace};
+use flatpeak_common::{DType, Workspace};
 
 use super::ops::HostBuf;
-use super::{check_dy, host_device_inputs, host_grads, host_inputs, host_ops};
 use crate::config::Mode;
-use crate::device::{self, Store};
+use crate::device::Store;
 use crate::error::{Error, Result};
-use crate::layer::{Gradients, LayerElement, RankInputs};
 use crate::plan::RouteMeta;
 use crate::schedule::Schedule;
 
@@ -152,7 +150,7 @@ fn carve<'s>(store: &'s mut Workspace, plan: &Schedule, rank: usize) -> Result<S
     Ok(StoreParts { header, x, meta, gate, up, route_start: store.take(rounds + 1)? })
 }
 
-fn check_mode(plan: &Schedule) -> Result<()> {
+pub(super) fn check_mode(plan: &Schedule) -> Result<()> {
     if plan.config().mode == Mode::SaveActivations {
         Ok(())
     } else {
@@ -179,53 +177,45 @@ fn check_stamp(filled: Option<[usize; 4]>, planned: [usize; 4]) -> Option<(usize
     }
 }
 
-/// The saving forward on the host, its buffers from `ws` (reset), its store `saved`.
-pub(crate) fn forward_saving<C: Communicator + ?Sized, T: LayerElement>(
-    comm: &C,
-    ws: &Workspace,
-    plan: &Schedule,
-    inputs: &RankInputs<'_, T>,
-    saved: &mut SavedActivations,
-) -> Result<Vec<f32>> {
-    check_mode(plan)?;
-    let ops = host_ops(comm, ws, plan, inputs)?;
-    let me = comm.rank();
-    let StoreParts { header, mut x, meta, mut gate, mut up, route_start } =
-        carve(&mut saved.store, plan, me)?;
-    write_stamp(header, None); // a forward that fails leaves no store a backward would read
-    let mut store = Store { x: &mut x, meta, gate: &mut gate, up: &mut up, route_start };
-    let [x, g, u, d] = host_inputs(inputs);
-    let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    let y = device::forward(&ops, ws, plan, &dev, Some(&mut store))?.into_vec()?;
-    write_stamp(header, Some(SavedActivations::stamp(plan, me)));
-    Ok(y)
+/// What a pass does with a [`SavedActivations`] store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StoreUse {
+    /// A saving forward fills it: the header says "filled by none" while it runs (a forward
+    /// that fails leaves no store a backward would read) and names the forward once it
+    /// succeeded.
+    Fill,
+    /// A backward reads what the saving forward of the same schedule and rank kept: a header
+    /// naming another forward (or none) is [`Error::ScheduleMismatch`].
+    Read,
 }
 
-/// The backward from saved activations on the host, its buffers from `ws` (reset).
-pub(crate) fn backward_saved<C: Communicator + ?Sized, T: LayerElement>(
-    comm: &C,
-    ws: &Workspace,
-    plan: &Schedule,
-    inputs: &RankInputs<'_, T>,
-    dy: &[T],
-    saved: &mut SavedActivations,
-) -> Result<Gradients> {
-    check_mode(plan)?;
-    let ops = host_ops(comm, ws, plan, inputs)?;
-    check_dy(plan, inputs, dy)?;
-    let me = comm.rank();
-    let stamp = SavedActivations::stamp(plan, me);
-    // Carving again finds the same regions, as the forward left them.
-    let StoreParts { header, mut x, meta, mut gate, mut up, route_start } =
-        carve(&mut saved.store, plan, me)?;
-    let filled = read_stamp(header);
-    if let Some((i, what)) = check_stamp(filled, stamp) {
-        let found = filled.map_or(0, |f| f[i]);
-        return Err(Error::ScheduleMismatch { what, planned: stamp[i], found });
+impl SavedActivations {
+    /// Runs `pass` on this store carved for `plan` and rank `rank` (carving again finds the
+    /// same regions a forward left), filling it or reading it as `how` says.
+    pub(super) fn with_store<'s, R>(
+        &'s mut self,
+        plan: &Schedule,
+        rank: usize,
+        how: StoreUse,
+        pass: impl FnOnce(&mut Store<'_, HostBuf<'s>>) -> Result<R>,
+    ) -> Result<R> {
+        let stamp = Self::stamp(plan, rank);
+        let StoreParts { header, mut x, meta, mut gate, mut up, route_start } =
+            carve(&mut self.store, plan, rank)?;
+        match how {
+            StoreUse::Fill => write_stamp(header, None),
+            StoreUse::Read => {
+                let filled = read_stamp(header);
+                if let Some((i, what)) = check_stamp(filled, stamp) {
+                    let found = filled.map_or(0, |f| f[i]);
+                    return Err(Error::ScheduleMismatch { what, planned: stamp[i], found });
+                }
+            }
+        }
+        let done = pass(&mut Store { x: &mut x, meta, gate: &mut gate, up: &mut up, route_start })?;
+        if how == StoreUse::Fill {
+            write_stamp(header, Some(stamp));
+        }
+        Ok(done)
     }
-    let mut store = Store { x: &mut x, meta, gate: &mut gate, up: &mut up, route_start };
-    let [x, g, u, d] = host_inputs(inputs);
-    let dev = host_device_inputs(inputs, [&x, &g, &u, &d]);
-    let dy = super::host_tensor(dy);
-    host_grads(device::backward(&ops, ws, plan, &dev, &dy, Some(&mut store))?)
 }
