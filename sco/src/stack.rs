@@ -205,10 +205,10 @@ impl<L: Layer<S::Tensors>, S: CheckpointStore> CheckpointedStack<L, S> {
         input: TensorRef<'_, S::Tensors>,
         loss_grad: impl FnOnce(TensorRef<'_, S::Tensors>) -> Result<Owned<S::Tensors>>,
     ) -> Result<StepOutput<Owned<S::Tensors>>> {
-        let (w, n, t) = (self.width, self.layers.len(), &self.tensors);
         let Some(off) = self.offloader.as_mut() else {
             return Err(Error::internal("a stack in Offload mode holds its offloader"));
         };
+        let (w, n, t) = (self.width, self.layers.len(), &self.tensors);
         let d = off.plan().config().prefetch_distance;
         off.offload_from(0, input)?;
         let mut output = t.zeros(w)?;

@@ -32,7 +32,7 @@ use crate::config::Config;
 use crate::cpu;
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
-use crate::inputs::{Forward, GradOutput, Inputs, Matrix};
+use crate::inputs::{Forward, GradOutput, Inputs, Matrix, Upstream};
 use crate::loss::{RowStats, Stats};
 use crate::plan::Plan;
 use engine::{Engine, LogitsBlock, RowViews, StatsViews};
@@ -169,7 +169,7 @@ impl CudaLinearCrossEntropy {
         buffers: &mut BlockBuffers,
         inputs: &DeviceInputs<'_>,
         lse: &[f32],
-        upstream: crate::inputs::Upstream<'_>,
+        upstream: Upstream<'_>,
         out: DeviceGradientsMut<'_>,
     ) -> Result<()> {
         let Self { config, plan, engine, .. } = self;
@@ -185,7 +185,7 @@ impl CudaLinearCrossEntropy {
         &mut self,
         inputs: &DeviceInputs<'_>,
         forward: &Forward,
-        upstream: crate::inputs::Upstream<'_>,
+        upstream: Upstream<'_>,
     ) -> Result<DeviceGradients> {
         let Self { config, plan, engine, buffers } = self;
         let mut grads = DeviceGradients::zeros(engine, plan, inputs)?;
