@@ -19,7 +19,9 @@ pub enum Backend {
 /// Expands one test body `fn(Backend)` into a module of tests, one per backend: `cpu` always,
 /// `cuda_emu` under the calling crate's `cuda-emu` feature, `cuda` under its `cuda` feature
 /// (`#[ignore = "needs a CUDA device"]`). Write `test_backends!(name, body, cpu_gemm)` when the
-/// body runs GEMMs, so the emulated test is named `cuda_emu_with_cpu_gemm` and says so.
+/// body runs GEMMs, so the emulated test is named `cuda_emu_with_cpu_gemm` and says so, and
+/// `test_backends!(name, body, cpu_gemm, host_only)` for a body whose CUDA counterpart is
+/// another test's (no `cuda` test is emitted).
 #[macro_export]
 macro_rules! test_backends {
     ($name:ident, $body:ident) => {
@@ -28,23 +30,31 @@ macro_rules! test_backends {
     ($name:ident, $body:ident, cpu_gemm) => {
         $crate::test_backends!(@emit $name, $body, cuda_emu_with_cpu_gemm);
     };
+    ($name:ident, $body:ident, cpu_gemm, host_only) => {
+        mod $name {
+            $crate::test_backends!(@host $body, cuda_emu_with_cpu_gemm);
+        }
+    };
     (@emit $name:ident, $body:ident, $emu:ident) => {
         mod $name {
-            #[test]
-            fn cpu() {
-                super::$body($crate::testing::Backend::Cpu)
-            }
-            #[cfg(feature = "cuda-emu")]
-            #[test]
-            fn $emu() {
-                super::$body($crate::testing::Backend::CudaEmu)
-            }
+            $crate::test_backends!(@host $body, $emu);
             #[cfg(feature = "cuda")]
             #[test]
             #[ignore = "needs a CUDA device"]
             fn cuda() {
                 super::$body($crate::testing::Backend::Cuda)
             }
+        }
+    };
+    (@host $body:ident, $emu:ident) => {
+        #[test]
+        fn cpu() {
+            super::$body($crate::testing::Backend::Cpu)
+        }
+        #[cfg(feature = "cuda-emu")]
+        #[test]
+        fn $emu() {
+            super::$body($crate::testing::Backend::CudaEmu)
         }
     };
 }

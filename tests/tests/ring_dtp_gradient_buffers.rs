@@ -251,32 +251,22 @@ fn a_buffer_that_disagrees_with_the_selection_is_a_shape_mismatch(backend: Backe
     }
 }
 
-/// The emulated variant runs the device schedule with a CPU GEMM standing in for cuBLAS. The
-/// CUDA variant is left to the CUDA executor's own tests (`DeviceGradientsMut` is built as
-/// these are, and its projection skips the same GEMMs).
-mod skipped_gradients {
-    #[test]
-    fn cpu() {
-        super::skipped_gradients_leave_the_others_bitwise_unchanged(super::Backend::Cpu)
-    }
-    #[cfg(feature = "cuda-emu")]
-    #[test]
-    fn cuda_emu_with_cpu_gemm() {
-        super::skipped_gradients_leave_the_others_bitwise_unchanged(super::Backend::CudaEmu)
-    }
-}
+// The emulated variant runs the device schedule with a CPU GEMM standing in for cuBLAS. No
+// CUDA variant (`host_only`): that is the CUDA executor's own tests' (`DeviceGradientsMut` is
+// built as these are, and its projection skips the same GEMMs).
+flatpeak_common::test_backends!(
+    skipped_gradients,
+    skipped_gradients_leave_the_others_bitwise_unchanged,
+    cpu_gemm,
+    host_only
+);
 
-mod mismatched_buffers {
-    #[test]
-    fn cpu() {
-        super::a_buffer_that_disagrees_with_the_selection_is_a_shape_mismatch(super::Backend::Cpu)
-    }
-    #[cfg(feature = "cuda-emu")]
-    #[test]
-    fn cuda_emu_with_cpu_gemm() {
-        super::a_buffer_that_disagrees_with_the_selection_is_a_shape_mismatch(super::Backend::CudaEmu)
-    }
-}
+flatpeak_common::test_backends!(
+    mismatched_buffers,
+    a_buffer_that_disagrees_with_the_selection_is_a_shape_mismatch,
+    cpu_gemm,
+    host_only
+);
 
 /// `len` elements where `want` computes the gradient, none where it skips it.
 fn sized<T: Copy>(want: Want, len: usize, fill: T) -> Vec<T> {
@@ -356,29 +346,19 @@ fn wrong_lengths_are_refused_and_empty_shapes_give_zeros(backend: Backend) {
     }
 }
 
-mod bf16_outputs_rounded {
-    #[test]
-    fn cpu() {
-        super::bf16_outputs_are_the_fp32_gradients_rounded(super::Backend::Cpu)
-    }
-    #[cfg(feature = "cuda-emu")]
-    #[test]
-    fn cuda_emu_with_cpu_gemm() {
-        super::bf16_outputs_are_the_fp32_gradients_rounded(super::Backend::CudaEmu)
-    }
-}
+flatpeak_common::test_backends!(
+    bf16_outputs_rounded,
+    bf16_outputs_are_the_fp32_gradients_rounded,
+    cpu_gemm,
+    host_only
+);
 
-mod bf16_outputs_refused_and_empty {
-    #[test]
-    fn cpu() {
-        super::wrong_lengths_are_refused_and_empty_shapes_give_zeros(super::Backend::Cpu)
-    }
-    #[cfg(feature = "cuda-emu")]
-    #[test]
-    fn cuda_emu_with_cpu_gemm() {
-        super::wrong_lengths_are_refused_and_empty_shapes_give_zeros(super::Backend::CudaEmu)
-    }
-}
+flatpeak_common::test_backends!(
+    bf16_outputs_refused_and_empty,
+    wrong_lengths_are_refused_and_empty_shapes_give_zeros,
+    cpu_gemm,
+    host_only
+);
 
 /// The rings compute every gradient: a selection that skips one is refused on every rank
 /// (the checks are agreed on before the first message), never silently ignored.
