@@ -65,7 +65,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
 use flatpeak_common::gemm::Threads;
-use flatpeak_common::{Communicator, DType, Device, HeapSize, LocalGroup, LocalGroupOptions, PeakMeter};
+use flatpeak_common::{Communicator, DType, Device, LocalGroup, LocalGroupOptions, PeakMeter};
 use llep::{
     Config as LlepConfig, Executor, Gradients, PairCap, Pass, RankInputs, Schedule, Scheme, Shape, SpillSplit,
 };
@@ -73,23 +73,11 @@ use llep::{
 use llep::paper::{PAPER_SHAPE, PeakModel, Profile, crate_pair_cap, model_row};
 
 use super::llep_data::Bf16Data;
-pub use super::llep_data::Data;
+pub use super::llep_data::{Data, Phase, RankOut, SHAPE};
 use super::llep_errors::errors;
 use super::{Component, ReportError, workload};
 use crate::machine::{MachineInfo, median};
 use crate::report::{Comparison, Row};
-
-/// The measured shape: P = 8 ranks, N = 4096 tokens per rank, H = 512, I = 256, E = 64, k = 8
-/// (f32; the bf16 rows run it with `dtype: Bf16`).
-pub const SHAPE: Shape = Shape {
-    ranks: 8,
-    tokens: 4096,
-    hidden: 512,
-    intermediate: 256,
-    experts: 64,
-    top_k: 8,
-    dtype: DType::F32,
-};
 
 /// The pair cap q of the measured rows: 512 rows per (source, destination) per round, so every
 /// receive buffer holds P·q = 4096 rows (K = 2 rounds balanced, 4 on 50%:4, 2 on 95%:1).
@@ -108,15 +96,6 @@ pub const ROUNDS: usize = 5;
 /// Interleaved rounds per forward-only row: its steps are ~4× shorter, so the same time buys
 /// more rounds and a steadier median.
 pub const FORWARD_ROUNDS: usize = 9;
-
-/// What one measured row runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    /// Checkpointed training step: plan, forward, then recompute + backward.
-    TrainingStep,
-    /// Schedule and forward only (what LLEP's harness measures).
-    ForwardOnly,
-}
 
 /// One row of the component.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,28 +221,6 @@ pub fn thread_cpu_ms() -> f64 {
         return f64::NAN;
     }
     ts.tv_sec as f64 * 1e3 + ts.tv_nsec as f64 / 1e6
-}
-
-/// One rank's outcome of one step.
-#[derive(Debug)]
-pub struct RankOut {
-    /// The layer's output.
-    pub y: Vec<f32>,
-    /// The gradients (training step only).
-    pub grads: Option<Gradients>,
-    /// Wall clock at the step's start (after the barrier) and end.
-    pub span: (Instant, Instant),
-    /// The rank thread's CPU time during the step, ms.
-    pub cpu_ms: f64,
-    /// The rank's plan.
-    pub plan: Schedule,
-}
-
-impl HeapSize for RankOut {
-    /// The step's outputs only (the plan is the step's own transient state).
-    fn heap_bytes(&self) -> usize {
-        self.y.heap_bytes() + self.grads.as_ref().map_or(0, HeapSize::heap_bytes)
-    }
 }
 
 /// One step of one scheme on the group: per-rank outputs, wall ms, each rank's CPU ms, and

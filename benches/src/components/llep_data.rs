@@ -1,8 +1,11 @@
-//! Seeded inputs of the `llep` measurements (report rows and benches): every rank's tokens, dY
-//! and routing weights, and all E experts' weights, independent of the routing profile.
+//! What the `llep` measurements (report rows and benches) run: the measured shape, seeded inputs
+//! (every rank's tokens, dY and routing weights, and all E experts' weights, independent of the
+//! routing profile), the phases measured and a rank's outcome of one step.
 
-use flatpeak_common::SplitMix64;
-use llep::{ExpertWeights, RankInputs, Routing, Shape, bf16};
+use std::time::Instant;
+
+use flatpeak_common::{DType, HeapSize, SplitMix64};
+use llep::{ExpertWeights, Gradients, RankInputs, Routing, Schedule, Shape, bf16};
 
 /// Seeded inputs of every rank: tokens, dY, routing weights and all E experts' weights.
 #[derive(Debug)]
@@ -112,5 +115,48 @@ impl Bf16Data {
     /// Rank s's dY in bf16.
     pub fn dy(&self, s: usize) -> &[bf16] {
         &self.dy[s]
+    }
+}
+
+/// The measured shape: P = 8 ranks, N = 4096 tokens per rank, H = 512, I = 256, E = 64, k = 8
+/// (f32; the bf16 rows run it with `dtype: Bf16`).
+pub const SHAPE: Shape = Shape {
+    ranks: 8,
+    tokens: 4096,
+    hidden: 512,
+    intermediate: 256,
+    experts: 64,
+    top_k: 8,
+    dtype: DType::F32,
+};
+
+/// What one measured row runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Checkpointed training step: plan, forward, then recompute + backward.
+    TrainingStep,
+    /// Schedule and forward only (what LLEP's harness measures).
+    ForwardOnly,
+}
+
+/// One rank's outcome of one step.
+#[derive(Debug)]
+pub struct RankOut {
+    /// The layer's output.
+    pub y: Vec<f32>,
+    /// The gradients (training step only).
+    pub grads: Option<Gradients>,
+    /// Wall clock at the step's start (after the barrier) and end.
+    pub span: (Instant, Instant),
+    /// The rank thread's CPU time during the step, ms.
+    pub cpu_ms: f64,
+    /// The rank's plan.
+    pub plan: Schedule,
+}
+
+impl HeapSize for RankOut {
+    /// The step's outputs only (the plan is the step's own transient state).
+    fn heap_bytes(&self) -> usize {
+        self.y.heap_bytes() + self.grads.as_ref().map_or(0, HeapSize::heap_bytes)
     }
 }

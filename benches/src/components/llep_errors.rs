@@ -8,8 +8,7 @@ use flatpeak_common::{DType, relative_error};
 use llep::cpu::reference::{self, ReferenceGrads};
 use llep::{ExpertWeights, Gradients, RankInputs, Routing, Shape};
 
-use super::llep::{Phase, RankOut, SHAPE};
-use super::llep_data::Data;
+use super::llep_data::{Data, Phase, RankOut, SHAPE};
 
 /// Tokens taken from each end (rank 0's first, rank P−1's last) for the f64 reference.
 const SUBSET: usize = 16;

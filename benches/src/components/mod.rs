@@ -6,6 +6,7 @@ pub mod llep;
 mod llep_data;
 mod llep_errors;
 pub mod ring_dtp;
+mod ring_dtp_baseline;
 pub mod ring_dtp_ring;
 pub mod sco;
 pub mod stream_adamw;

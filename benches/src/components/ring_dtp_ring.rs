@@ -16,7 +16,7 @@ use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{Config, GradOutput, Gradients, Inputs, Loss, Matrix, RingKind, RingOptions, RingPlan};
 
 use super::ReportError;
-use super::ring_dtp::{GemmEfficiency, PROBE_N, PROBE_REPS, ROUNDS, materialized};
+use super::ring_dtp_baseline::{GemmEfficiency, PROBE_N, PROBE_REPS, ROUNDS, materialized};
 use crate::machine::{GemmProbe, MachineInfo, median};
 use crate::report::{Comparison, Row};
 
