@@ -1,6 +1,6 @@
 //! CUDA side of the foundation (feature `cuda`): contexts behind the panic-free probe, the
-//! per-context [`KernelCache`], one-allocation [`DeviceWorkspace`]s, and the launches of
-//! `kernels/common.cu`. This is the only file of the crate that launches kernels.
+//! per-device [`KernelCache`] and cuBLAS handle ([`KernelCache::shared`], [`SharedBlas`]),
+//! one-allocation [`DeviceWorkspace`]s, and the launches of `kernels/common.cu`. This is the only file of the crate that launches kernels.
 
 /// The cudarc version the workspace pins, re-exported so crates and tests name one version.
 pub use cudarc;
@@ -22,11 +22,13 @@ use crate::kernels::{COMMON, KernelSource, LINEAR_THREADS, grid_stride_blocks};
 use crate::nvrtc::{Arch, Target, compile};
 
 mod cublas;
+mod shared;
 
 pub use cublas::{
     Bf16GemmOutput, GemmCall, GemmShape, Operand, Output, SquareOperands, gemm_bf16, gemm_bf16_square, sgemm,
-    sgemm_square, tf32_math,
+    sgemm_square,
 };
+pub use shared::{BlasMath, BoundBlas, SharedBlas};
 
 /// Maps a cudarc error (driver, cuBLAS, NCCL) to [`Error::Cuda`] naming the call:
 /// `stream.synchronize().map_err(cuda_error("cuStreamSynchronize"))?` (a crate's `?` then converts it

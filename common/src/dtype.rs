@@ -34,13 +34,35 @@ impl DType {
     }
 }
 
+/// The names a message gives dtypes: Rust's (`f32`, `bf16`, `f16`, as [`DType`] displays
+/// them) or torch's (`torch.float32`, `torch.bfloat16`, `torch.float16`), as the caller who
+/// reads the message writes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DTypeNames {
+    /// `f32`, `bf16`, `f16`.
+    #[default]
+    Rust,
+    /// `torch.float32`, `torch.bfloat16`, `torch.float16`.
+    Torch,
+}
+
+impl DType {
+    /// The name of this dtype in `names`.
+    pub const fn name(self, names: DTypeNames) -> &'static str {
+        match (names, self) {
+            (DTypeNames::Rust, DType::F32) => "f32",
+            (DTypeNames::Rust, DType::Bf16) => "bf16",
+            (DTypeNames::Rust, DType::F16) => "f16",
+            (DTypeNames::Torch, DType::F32) => "torch.float32",
+            (DTypeNames::Torch, DType::Bf16) => "torch.bfloat16",
+            (DTypeNames::Torch, DType::F16) => "torch.float16",
+        }
+    }
+}
+
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DType::F32 => "f32",
-            DType::Bf16 => "bf16",
-            DType::F16 => "f16",
-        })
+        f.write_str(self.name(DTypeNames::Rust))
     }
 }
 
@@ -55,5 +77,6 @@ mod tests {
         assert_eq!(DType::F16.unit_roundoff(), f64::from(half::f16::EPSILON) / 2.0);
         assert_eq!(DType::Bf16.unit_roundoff(), f64::from(half::bf16::EPSILON) / 2.0);
         assert_eq!(DType::Bf16.to_string(), "bf16");
+        assert_eq!(DType::Bf16.name(DTypeNames::Torch), "torch.bfloat16");
     }
 }

@@ -161,6 +161,18 @@ pub enum Error {
         /// Its error's message.
         message: String,
     },
+    /// This rank's input was refused before any of the call's data moved: by its caller's own
+    /// checks (a binding's [`Refusal`](crate::comm::Refusal): a tensor of the wrong dtype, say),
+    /// or because it differs from what the other ranks brought
+    /// ([`agree_records`](crate::comm::agree_records)). Every other rank of the group returns
+    /// [`Error::PeerInput`] with the same kind and message.
+    #[error("{message}")]
+    Refused {
+        /// The kind of the refusal (a binding raises the same exception on every rank).
+        kind: ErrorKind,
+        /// What was refused, naming the offending values.
+        message: String,
+    },
     /// A collective of the caller's own communication library failed (for example a
     /// `torch.distributed` group's timeout after a peer died): the library's message.
     #[error("{op} failed: {message}")]
@@ -253,7 +265,7 @@ impl Error {
             | Self::MeterNotInstalled
             | Self::Collective { .. }
             | Self::Internal { .. } => ErrorKind::Runtime,
-            Self::PeerInput { kind, .. } => *kind,
+            Self::PeerInput { kind, .. } | Self::Refused { kind, .. } => *kind,
         }
     }
 }

@@ -11,6 +11,9 @@
 //! | [`PeakMeter`], [`CountingAllocator`] | exact transient-heap measurement (high-water − before − outputs) |
 //! | [`Device`], [`cuda_available`] | `cpu` / `cuda:N`, probed without cudarc's missing-library panic |
 //! | [`Communicator`], [`LocalGroup`] | send/recv, all-to-all-v, all-reduce, barrier; P ranks as threads, failures as errors |
+//! | [`comm::agree_records`], [`comm::OverCollectives`] | the typed record every multi-rank call agrees on before data moves; point to point over a framework's collectives |
+//! | [`Digest`] | a stable digest of typed fields (options and plans ranks compare) |
+//! | [`ExecutorCache`] | executors kept between calls, their reservations bounded and visible |
 //! | [`gemm`] | the CPU GEMM (AVX-512 via the `gemm` crate) behind checked strided views |
 //! | [`Link`] | the CPU fallback's copy engine: memcpy, optionally paced to a link bandwidth |
 //! | [`kernels`], `cuda` (feature) | embedded `.cu` sources, NVRTC compile, per-context kernel cache, device workspace |
@@ -37,8 +40,10 @@
 
 pub mod arena;
 pub mod budget;
+pub mod cache;
 pub mod comm;
 pub mod device;
+pub mod digest;
 pub mod dtype;
 pub mod error;
 pub mod gemm;
@@ -71,9 +76,11 @@ pub mod testing;
 
 pub use arena::{Arena, Region};
 pub use budget::Budget;
+pub use cache::{ExecutorCache, Held};
 pub use comm::{Communicator, CommunicatorExt, LocalComm, LocalGroup, LocalGroupOptions, ReduceOp};
 pub use device::{Device, DeviceElement, cuda_available, cuda_device_count, nvrtc_available};
-pub use dtype::DType;
+pub use digest::Digest;
+pub use dtype::{DType, DTypeNames};
 pub use error::{Error, ErrorKind, HasErrorKind, Result};
 pub use host_pages::{advise_huge_pages, page_bytes, release_pages, zeroed_vec};
 pub use link::Link;

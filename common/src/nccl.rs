@@ -13,7 +13,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
 use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclReduceOp, group_end, group_start};
 
-use crate::comm::ReduceOp;
+use crate::comm::{Communicator, ReduceOp, agree_on_inputs, all_gather_words};
 use crate::error::{Error, Result};
 
 fn nccl_error(op: &'static str) -> impl Fn(cudarc::nccl::result::NcclError) -> Error {
@@ -130,6 +130,56 @@ impl NcclComm {
         let comm =
             Comm::from_rank(stream.clone(), rank, world, id).map_err(nccl_error("ncclCommInitRank"))?;
         Ok(Self { comm, stream })
+    }
+
+    /// The NCCL communicator of `host`'s ranks on `stream` (this rank's device), bootstrapped
+    /// through `host` (a host [`Communicator`]: a framework's process group, a
+    /// [`LocalGroup`](crate::LocalGroup)): the id of [`NcclId::agree`], then `ncclCommInitRank`.
+    /// Every rank of `host` calls it at the same point.
+    pub fn bootstrap<C: Communicator + ?Sized>(host: &C, stream: Arc<CudaStream>) -> Result<Self> {
+        let id = NcclId::agree(host)?;
+        Self::from_rank(stream, host.rank(), host.world_size(), id)
+    }
+}
+
+impl NcclId {
+    /// The id of a new communicator of `host`'s ranks, on every rank: rank 0 makes it and the
+    /// group gathers it. Whether every rank can load NCCL (and rank 0 make the id) is agreed on
+    /// first ([`agree_on_inputs`]): a rank without it is an error on every rank, naming it,
+    /// never a wait inside `ncclCommInitRank`, which has no timeout.
+    pub fn agree<C: Communicator + ?Sized>(host: &C) -> Result<Self> {
+        let rank = host.rank();
+        let local = ensure_nccl()
+            .map_err(|e| match e {
+                Error::CudaUnavailable { reason } => {
+                    Error::CudaUnavailable { reason: format!("rank {rank}: {reason}") }
+                }
+                other => other,
+            })
+            .and_then(|()| if rank == 0 { NcclId::new().map(NcclId::to_words) } else { Ok([0u64; 16]) });
+        let mine = agree_on_inputs(host, local)?;
+        let all = all_gather_words(host, &mine)?;
+        Ok(Self::from_words(&all[..16]))
+    }
+
+    /// The id's 128 bytes as 16 little-endian words (to gather through a host communicator).
+    fn to_words(self) -> [u64; 16] {
+        let mut words = [0u64; 16];
+        for (w, chunk) in words.iter_mut().zip(self.0.chunks_exact(8)) {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(chunk);
+            *w = u64::from_le_bytes(bytes);
+        }
+        words
+    }
+
+    /// The id of [`to_words`](Self::to_words)' words.
+    fn from_words(words: &[u64]) -> Self {
+        let mut id = [0u8; 128];
+        for (chunk, w) in id.chunks_exact_mut(8).zip(words) {
+            chunk.copy_from_slice(&w.to_le_bytes());
+        }
+        Self(id)
     }
 }
 
@@ -252,5 +302,33 @@ impl DeviceCommunicator for NcclComm {
         };
         self.comm.all_reduce_in_place(buf, &op).map_err(nccl_error("ncclAllReduce"))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LocalGroup, LocalGroupOptions};
+
+    #[test]
+    fn an_id_survives_its_words() {
+        let id = NcclId(std::array::from_fn(|i| (i * 37 % 251) as u8));
+        assert_eq!(NcclId::from_words(&id.to_words()), id);
+    }
+
+    /// Without NCCL on this machine, every rank of the group refuses together, each with its
+    /// own reason (every rank lacks it here), where with it the id would reach every rank.
+    #[test]
+    fn a_rank_without_nccl_refuses_on_every_rank() {
+        let out = LocalGroup::run(2, LocalGroupOptions::default(), |host| Ok(NcclId::agree(host)));
+        let out: Vec<Result<NcclId>> = out.into_iter().map(|r| r.unwrap()).collect();
+        if nccl_available() {
+            assert!(out[0].is_ok() && out[0] == out[1], "every rank holds rank 0's id");
+            return;
+        }
+        for (rank, r) in out.into_iter().enumerate() {
+            let err = r.unwrap_err();
+            assert!(err.to_string().contains(&format!("rank {rank}: the NCCL library")), "{err}");
+        }
     }
 }

@@ -52,7 +52,7 @@ impl<G: GradElement, P: ParamElement> CudaDevice<G, P> {
 /// Streams, events and pinned staging of one optimizer on one device.
 #[derive(Debug)]
 pub struct CudaOffload<G: DeviceRepr, P: DeviceRepr> {
-    cache: KernelCache,
+    cache: Arc<KernelCache>,
     compute: Arc<CudaStream>,
     d2h: Arc<CudaStream>,
     h2d: Arc<CudaStream>,
@@ -88,7 +88,7 @@ impl<G: GradElement, P: ParamElement> CudaOffload<G, P> {
             compute: ctx.default_stream(),
             d2h: ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?,
             h2d: ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?,
-            cache: KernelCache::new(ctx)?,
+            cache: KernelCache::shared(&ctx)?,
             grad_slots,
             param_slots,
             d2h_done,

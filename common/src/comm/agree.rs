@@ -65,29 +65,52 @@ where
     C: Communicator + ?Sized,
     E: HasErrorKind + std::fmt::Display + From<Error>,
 {
+    agree_with(comm, local, &[]).map(|(value, _)| value)
+}
+
+/// [`agree_on_inputs`], with `extra` words from every rank gathered beside the verdicts (the same
+/// number on every rank): on every rank `Ok` with the value and every rank's words in rank order
+/// when every rank's verdict is `Ok`. The one exchange of the verdicts carries them.
+pub(crate) fn agree_with<C, T, E>(
+    comm: &C,
+    local: std::result::Result<T, E>,
+    extra: &[u64],
+) -> std::result::Result<(T, Vec<u64>), E>
+where
+    C: Communicator + ?Sized,
+    E: HasErrorKind + std::fmt::Display + From<Error>,
+{
     let refusal = local.as_ref().err().map(|e| (e.error_kind(), e.to_string()));
-    match (agree(comm, refusal), local) {
+    match (agree(comm, refusal, extra), local) {
         (_, Err(own)) => Err(own),
         (Err(peer), Ok(_)) => Err(peer.into()),
-        (Ok(()), Ok(value)) => Ok(value),
+        (Ok(words), Ok(value)) => Ok((value, words)),
     }
 }
 
-fn agree<C: Communicator + ?Sized>(comm: &C, refusal: Option<(ErrorKind, String)>) -> Result<()> {
+fn agree<C: Communicator + ?Sized>(
+    comm: &C,
+    refusal: Option<(ErrorKind, String)>,
+    extra: &[u64],
+) -> Result<Vec<u64>> {
     let message = refusal.as_ref().map_or(&[][..], |(_, m)| m.as_bytes());
-    let mine = [kind_code(refusal.as_ref().map(|(k, _)| *k)), message.len() as u64];
+    let mut mine = vec![kind_code(refusal.as_ref().map(|(k, _)| *k)), message.len() as u64];
+    mine.extend_from_slice(extra);
+    let width = mine.len();
     let verdicts = all_gather_words(comm, &mine)?;
-    let Some(rank) = verdicts.chunks_exact(2).position(|v| v[0] != 0) else { return Ok(()) };
+    let Some(rank) = verdicts.chunks_exact(width).position(|v| v[0] != 0) else {
+        return Ok(verdicts.chunks_exact(width).flat_map(|v| v[2..].iter().copied()).collect());
+    };
     // Some rank refused: every rank sends its message to every rank (the lengths are known to
     // all), and each returns the lowest refusing rank's.
     let p = comm.world_size();
-    let lengths: Vec<usize> = verdicts.chunks_exact(2).map(|v| v[1] as usize).collect();
+    let lengths: Vec<usize> = verdicts.chunks_exact(width).map(|v| v[1] as usize).collect();
     let send: Vec<u8> = (0..p).flat_map(|_| message.iter().copied()).collect();
     let mut recv = vec![0u8; lengths.iter().sum()];
     comm.all_to_all_v(&send, &vec![message.len(); p], &mut recv, &lengths)?;
     let start: usize = lengths[..rank].iter().sum();
     let text = String::from_utf8_lossy(&recv[start..start + lengths[rank]]).into_owned();
-    Err(Error::PeerInput { rank, kind: kind_of(verdicts[2 * rank]), message: text })
+    Err(Error::PeerInput { rank, kind: kind_of(verdicts[width * rank]), message: text })
 }
 
 #[cfg(test)]

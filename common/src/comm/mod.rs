@@ -1,5 +1,7 @@
 //! Multi-rank communication: the [`Communicator`] trait the ring and dispatch schedules are
-//! written against, and [`LocalGroup`], P ranks as threads of one process.
+//! written against, [`LocalGroup`] (P ranks as threads of one process), [`OverCollectives`] (a
+//! communicator over a framework's collectives), and the agreement every multi-rank call makes
+//! before any data moves ([`agree_on_inputs`], [`agree_records`]).
 //!
 //! Semantics follow MPI/NCCL: every rank issues the same collectives in the same order; point to
 //! point messages between one pair arrive in the order sent. Sends are buffered (they return
@@ -9,12 +11,16 @@
 //! [`Error::Timeout`].
 
 mod agree;
+mod collectives;
 mod local;
 mod parts;
+mod record;
 
 pub use agree::{agree_on_inputs, all_gather_words};
+pub use collectives::{Collectives, OverCollectives};
 pub use local::{LocalComm, LocalGroup, LocalGroupOptions, MAX_LOCAL_WORLD};
 pub use parts::{Parts, PartsMut, check_parts};
+pub use record::{Agreed, Call, DeviceKind, RankRecord, Refusal, Words, agree_records};
 
 use bytemuck::Pod;
 

@@ -1,5 +1,6 @@
-//! cuBLAS GEMMs: [`sgemm`] (f32, in the handle's math mode: true f32 or [`tf32_math`]) and
-//! [`gemm_bf16`] (bf16 operands on the tensor cores, f32 accumulation), each described by a
+//! cuBLAS GEMMs: [`sgemm`] (f32, in the handle's math mode: true f32, or TF32 under
+//! [`BlasMath::Tf32`](super::BlasMath)) and [`gemm_bf16`] (bf16 operands on the tensor cores,
+//! f32 accumulation), each described by a
 //! [`GemmShape`], two [`Operand`]s and an [`Output`]; and the square probes the benches measure a
 //! device's GEMM rate with.
 
@@ -145,22 +146,6 @@ where
     // SAFETY: the caller guarantees the extents, context, stream order and non-aliasing this
     // GEMM needs (this function's `# Safety`); every dimension was checked to fit i32.
     unsafe { blas.gemm(cfg, a.buf, b.buf, c.buf) }.map_err(cuda_error("cublasSgemm"))
-}
-
-/// Puts `blas` in TF32 tensor-op math (`CUBLAS_TF32_TENSOR_OP_MATH`): its f32 GEMMs ([`sgemm`])
-/// then round their operands to TF32 and run on tensor cores, summing in f32 — faster and not
-/// exact ([`Precision::Tf32`](crate::Precision::Tf32)). For a handle of its own: the mode stays
-/// for every later GEMM on it.
-pub fn tf32_math(blas: &CudaBlas) -> Result<()> {
-    use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode, cublasStatus_t};
-    // SAFETY: `blas.handle()` is a live cuBLAS handle (CudaBlas owns it until it drops, after
-    // this call); setting its math mode touches no memory of ours.
-    let status = unsafe { cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH) };
-    if status == cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Cuda { op: "cublasSetMathMode(TF32)", message: format!("{status:?}") })
-    }
 }
 
 /// The element type of a [`gemm_bf16`]'s C: f32, or bf16 (the f32 result rounded once, to

@@ -35,11 +35,11 @@
 use std::sync::Arc;
 
 use flatpeak_common::DType;
-use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
 use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
 use flatpeak_common::cuda::cudarc::driver::{CudaStream, CudaView, CudaViewMut};
 use flatpeak_common::cuda::{
-    self as blas, Bf16GemmOutput, GemmShape, KernelCache, alloc_error, cuda_error, gemm_bf16, sgemm,
+    self as blas, Bf16GemmOutput, BlasMath, GemmShape, KernelCache, SharedBlas, alloc_error, cuda_error,
+    gemm_bf16, sgemm,
 };
 use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::nccl::DeviceCommunicator;
@@ -62,8 +62,8 @@ pub struct CudaOps<'c, C: DeviceCommunicator> {
     comm: &'c C,
     stream: Arc<CudaStream>,
     fetch: Arc<CudaStream>,
-    cache: KernelCache,
-    blas: CudaBlas,
+    cache: Arc<KernelCache>,
+    blas: Arc<SharedBlas>,
 }
 
 impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
@@ -81,8 +81,7 @@ impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
         let stream = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
         stream.join(comm.stream()).map_err(cuda_error("cuStreamWaitEvent"))?;
         let fetch = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
-        let cache = KernelCache::new(ctx)?;
-        let blas = CudaBlas::new(stream.clone()).map_err(cuda_error("cublasCreate"))?;
+        let (cache, blas) = (KernelCache::shared(&ctx)?, SharedBlas::of(&ctx)?);
         Ok(Self { comm, stream, fetch, cache, blas })
     }
 
@@ -116,9 +115,10 @@ impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
         &self,
         call: blas::GemmCall<'_, CudaView<'_, bf16>, CudaView<'_, bf16>, CudaViewMut<'_, T>>,
     ) -> Result<()> {
-        // SAFETY: the extents and the non-aliasing are this function's contract; `self.blas` is
-        // bound to `self.stream`, on which every operand is ordered.
-        Ok(unsafe { gemm_bf16(&self.blas, &self.stream, call) }?)
+        let bound = self.blas.bind(&self.stream, BlasMath::Default)?;
+        // SAFETY: the extents and the non-aliasing are this function's contract; `bound` is
+        // bound to `self.stream`, on which every operand is ordered, while it lives.
+        Ok(unsafe { gemm_bf16(&bound, &self.stream, call) }?)
     }
 }
 
@@ -367,12 +367,13 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
                 let mut cv = view_mut("gemm C (m·n)", cb, c_offset, m * n)?;
                 let (lhs, rhs) = (blas::Operand { buf: &bv, ld: ld_b }, blas::Operand { buf: &av, ld: ld_a });
                 let out = blas::Output { buf: &mut cv, ld: n, beta };
+                let bound = self.blas.bind(&self.stream, BlasMath::Default)?;
                 // SAFETY: the views hold exactly the extents this product reads and writes:
                 // op(B)ᵀ n×k (k·n elements, ld n or k), op(A)ᵀ k×m (m·k, ld k or m) and C n×m
                 // (m·n, ld n), checked when the views were made; all three are ordered on
-                // `self.stream`, the handle's stream, and C is a `&mut` borrow distinct from A
-                // and B.
-                Ok(unsafe { sgemm(&self.blas, blas::GemmCall { shape, a: lhs, b: rhs, c: out }) }?)
+                // `self.stream`, the stream `bound` is bound to, and C is a `&mut` borrow
+                // distinct from A and B.
+                Ok(unsafe { sgemm(&bound, blas::GemmCall { shape, a: lhs, b: rhs, c: out }) }?)
             }
             (CudaBuf::Bf16(ab), CudaBuf::Bf16(bb), c) => {
                 let av = view("gemm A (m·k)", ab, a.offset, m * k)?;

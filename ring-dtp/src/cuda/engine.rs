@@ -13,8 +13,8 @@ use flatpeak_common::cuda::cudarc::driver::{
     PushKernelArg,
 };
 use flatpeak_common::cuda::{
-    GemmCall, GemmShape, KernelCache, Operand, Output, alloc_error, cuda_error, fill_f32, gemm_bf16,
-    linear_launch, per_row_launch, sgemm, tf32_math,
+    BlasMath, GemmCall, GemmShape, KernelCache, Operand, Output, SharedBlas, alloc_error, cuda_error,
+    fill_f32, gemm_bf16, linear_launch, per_row_launch, sgemm,
 };
 use half::bf16;
 
@@ -119,24 +119,26 @@ pub(crate) struct LogitsBlock<'a, 'b> {
     pub targets: CudaView<'a, u32>,
 }
 
-/// Kernels, stream and cuBLAS handle of one device.
+/// The kernels and cuBLAS handle of one device (shared by every engine on it) and the stream
+/// this engine issues on.
 #[derive(Debug)]
 pub(crate) struct Engine {
-    pub cache: KernelCache,
+    pub cache: Arc<KernelCache>,
     pub stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    blas: Arc<SharedBlas>,
+    math: BlasMath,
 }
 
 impl Engine {
-    /// The kernels of `cache` and a cuBLAS handle of its own on `stream`, whose f32 GEMMs run
-    /// in `precision`: SGEMM (f32 with f32 accumulation, no TF32) unless it is
-    /// [`Precision::Tf32`] (the handle in TF32 tensor-op math).
-    pub fn new(cache: KernelCache, stream: Arc<CudaStream>, precision: Precision) -> Result<Self> {
-        let blas = CudaBlas::new(stream.clone()).map_err(cuda_error("cublasCreate"))?;
-        if precision == Precision::Tf32 {
-            tf32_math(&blas)?;
-        }
-        Ok(Self { cache, stream, blas })
+    /// The device's kernels and cuBLAS handle, compiled and created once per device
+    /// ([`KernelCache::shared`], [`SharedBlas`]), issuing on `stream`, whose f32 GEMMs run in
+    /// `precision`: SGEMM (f32 with f32 accumulation, no TF32) unless it is
+    /// [`Precision::Tf32`] (TF32 tensor-op math).
+    pub fn new(stream: Arc<CudaStream>, precision: Precision) -> Result<Self> {
+        let ctx = stream.context();
+        let (cache, blas) = (KernelCache::shared(ctx)?, SharedBlas::of(ctx)?);
+        let math = if precision == Precision::Tf32 { BlasMath::Tf32 } else { BlasMath::Default };
+        Ok(Self { cache, stream, blas, math })
     }
 
     pub fn zeros<
@@ -254,12 +256,13 @@ impl Engine {
         &self,
         call: GemmCall<'_, A, B, C>,
     ) -> Result<()> {
+        let blas = self.blas.bind(&self.stream, self.math)?;
         // SAFETY: every public caller checks that a, b and c hold the column-major extents of
         // the product (lda·cols etc., stated at each call) and passes a `c` distinct from a and
-        // b; the GEMM runs on `self.stream`, the handle's stream, after every earlier write to
-        // a, b or c (issued on this stream, or on another stream of the context and ordered by
-        // cudarc's per-buffer events).
-        unsafe { T::gemm(&self.blas, &self.stream, call) }
+        // b; the GEMM runs on `self.stream`, the stream `blas` is bound to while it lives, after
+        // every earlier write to a, b or c (issued on this stream, or on another stream of the
+        // context and ordered by cudarc's per-buffer events).
+        unsafe { T::gemm(&blas, &self.stream, call) }
     }
 
     /// Raw `logits (c×vb, row-major) = X_blk·W_blkᵀ`: column-major `(vb×c) = Wᵀ·X` with W and X

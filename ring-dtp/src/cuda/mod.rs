@@ -25,7 +25,7 @@ mod tensors;
 #[cfg(doc)]
 use flatpeak_common::Precision;
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView};
-use flatpeak_common::cuda::{KernelCache, context};
+use flatpeak_common::cuda::context;
 
 use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
 use crate::config::Config;
@@ -120,7 +120,7 @@ impl CudaLinearCrossEntropy {
         let config = *plan.config();
         config.check_cuda_precision(plan.dtype())?;
         let ctx = context(ordinal)?;
-        let engine = Engine::new(KernelCache::new(ctx.clone())?, ctx.default_stream(), config.precision)?;
+        let engine = Engine::new(ctx.default_stream(), config.precision)?;
         let buffers = BlockBuffers::zeros(&engine, &plan)?;
         Ok(Self { buffers, engine, config, plan })
     }
@@ -132,7 +132,7 @@ impl CudaLinearCrossEntropy {
     pub fn on_stream(plan: Plan, stream: std::sync::Arc<CudaStream>) -> Result<Self> {
         let config = *plan.config();
         config.check_cuda_precision(plan.dtype())?;
-        let engine = Engine::new(KernelCache::new(stream.context().clone())?, stream, config.precision)?;
+        let engine = Engine::new(stream, config.precision)?;
         let empty = |e: &Engine| e.zeros::<f32>(0);
         let buffers =
             BlockBuffers { logits: empty(&engine)?, x_wide: empty(&engine)?, w_wide: empty(&engine)? };

@@ -35,7 +35,7 @@
 //! ([`CudaRing::synchronize`], or a download on that stream) before dropping the ring.
 
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
-use flatpeak_common::cuda::{KernelCache, cuda_error};
+use flatpeak_common::cuda::cuda_error;
 use flatpeak_common::nccl::DeviceCommunicator;
 use flatpeak_common::{DType, ReduceOp};
 use half::bf16;
@@ -227,7 +227,7 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         // mode, so earlier work on the caller's streams is complete and ordered).
         let ctx = comm.stream().context().clone();
         let compute = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
-        let engine = Engine::new(KernelCache::new(ctx)?, compute, config.precision)?;
+        let engine = Engine::new(compute, config.precision)?;
         let (c, vb, d, dt) = (plan.token_block(), plan.vocab_block(), plan.hidden(), plan.dtype());
         let wide = dt != DType::F32;
         let e = &engine;
