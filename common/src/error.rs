@@ -415,6 +415,14 @@ macro_rules! error_vocabulary {
             }
         }
 
+        /// A binding's refusal of this rank's input ([`Refused`](flatpeak_common::Error::Refused)
+        /// on this rank).
+        impl ::std::convert::From<$crate::comm::Refusal> for $name {
+            fn from(r: $crate::comm::Refusal) -> Self {
+                Self::Common(r.into())
+            }
+        }
+
         impl ::std::convert::From<$crate::Error> for $name {
             fn from(e: $crate::Error) -> Self {
                 match e {

@@ -6,9 +6,9 @@
 //! `y_i = Σ_j w_ij·FFN_{e_ij}(x_i)`; a duplicate id in one token's top-k is two routes (the
 //! same as one route with the summed weight).
 
-use flatpeak_common::DType;
 use flatpeak_common::gemm::Threads;
 use flatpeak_common::gemm_bf16::Bf16Kernel;
+use flatpeak_common::{DType, Digest};
 
 use crate::error::{Error, Result};
 
@@ -312,6 +312,48 @@ impl Config {
         weight_layout: WeightLayout,
     }
 
+    /// A digest of the options every rank of a group must share, field by field (stable across
+    /// processes and builds, never over the `Debug` text): everything that decides the plan and
+    /// the exchanges. [`Config::gemm_threads`] and [`Config::bf16_kernel`] are left out: they
+    /// choose how a rank computes its own GEMMs, not what it sends, and may differ by rank.
+    pub fn digest(&self) -> u64 {
+        let code = |v: usize| v as u64;
+        let pair_cap = match self.pair_cap {
+            PairCap::FitBudget => Digest::new().u64(0),
+            PairCap::Rows(q) => Digest::new().u64(1).usize(q),
+        };
+        Digest::new()
+            .str("llep::Config")
+            .u64(code(match self.scheme {
+                Scheme::StandardEp => 0,
+                Scheme::Llep => 1,
+                Scheme::PipelinedLlep => 2,
+            }))
+            .f64(self.alpha)
+            .usize(self.min_chunk)
+            .f64(self.imbalance_threshold)
+            .u64(pair_cap.finish())
+            .usize(self.foreign_slots)
+            .u64(code(match self.spill_split {
+                SpillSplit::Proportional => 0,
+                SpillSplit::Position => 1,
+            }))
+            .u64(code(match self.chunking {
+                Chunking::Strided => 0,
+                Chunking::Contiguous => 1,
+            }))
+            .u64(code(match self.mode {
+                Mode::Checkpointed => 0,
+                Mode::SaveActivations => 1,
+            }))
+            .usize(self.pipeline_depth)
+            .u64(code(match self.weight_layout {
+                WeightLayout::Split => 0,
+                WeightLayout::Linear => 1,
+            }))
+            .finish()
+    }
+
     /// Checks every option's domain (NaN is never valid).
     pub fn validate(&self) -> Result<()> {
         let bad = |name, value: f64, expected| Err(Error::invalid_config(name, value, expected));
@@ -371,5 +413,34 @@ mod tests {
         assert_eq!(shape.validate(), Err(Error::ExpertsNotDivisible { experts: 8, ranks: 3 }));
         assert!(Shape { ranks: 4, ..shape }.validate().is_ok());
         assert!(matches!(Shape { top_k: 0, ..shape }.validate(), Err(Error::InvalidConfig { .. })));
+    }
+
+    /// The digest is the same in every process and build (a fixed value for the defaults), moves
+    /// with every field the ranks share and stays put for the rank-local ones.
+    #[test]
+    fn the_digest_is_stable_and_follows_the_shared_fields_only() {
+        let d = Config::default();
+        assert_eq!(d.digest(), 0x1f3f_7ff9_6f5c_978a, "the default config's digest changed");
+        let shared = [
+            d.scheme(Scheme::Llep),
+            d.alpha(1.5),
+            d.min_chunk(7),
+            d.imbalance_threshold(2.0),
+            d.pair_cap(PairCap::Rows(8)),
+            d.pair_cap(PairCap::Rows(9)),
+            d.foreign_slots(2),
+            d.spill_split(SpillSplit::Position),
+            d.chunking(Chunking::Contiguous),
+            d.mode(Mode::SaveActivations),
+            d.pipeline_depth(3),
+            d.weight_layout(WeightLayout::Linear),
+        ];
+        let mut seen = vec![d.digest()];
+        for c in shared {
+            assert!(!seen.contains(&c.digest()), "{c:?}");
+            seen.push(c.digest());
+        }
+        let local = [d.gemm_threads(Threads::Single), d.bf16_kernel(Bf16Kernel::Widened)];
+        assert!(local.iter().all(|c| c.digest() == d.digest()));
     }
 }

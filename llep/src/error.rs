@@ -50,6 +50,18 @@ pub enum Error {
         /// P.
         ranks: usize,
     },
+    /// A call's expert count that is not E_local × P (expert e lives on rank e / E_local).
+    #[error(
+        "num_experts={experts} is not E_local × group size = {local_experts} × {ranks}: expert e lives on rank e // E_local"
+    )]
+    ExpertsPerRank {
+        /// E, as the call gave it.
+        experts: usize,
+        /// E_local, the experts each rank brings.
+        local_experts: usize,
+        /// P.
+        ranks: usize,
+    },
     /// A workload profile string that does not parse.
     #[error("invalid profile {spec:?}: {reason}")]
     InvalidProfile {
@@ -91,7 +103,8 @@ pub enum Error {
     },
 }
 kinds {
-    Value: ExpertOutOfRange, NegativeExpert, NonFiniteWeight, ExpertsNotDivisible, InvalidProfile, ScheduleMismatch;
+    Value: ExpertOutOfRange, NegativeExpert, NonFiniteWeight, ExpertsNotDivisible, ExpertsPerRank, InvalidProfile,
+        ScheduleMismatch;
     Type: UnsupportedDtype, DtypeMismatch;
 }
 }

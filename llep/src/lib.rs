@@ -82,6 +82,10 @@
 //! # Ok::<(), llep::Error>(())
 //! ```
 //!
+//! A framework calls the layer through [`Layer`] ([`call`]): each rank brings its own tokens, the
+//! group agrees on the call before any data moves, and the layer keeps the executor of its last
+//! plan between calls.
+//!
 //! Modules: [`config`] (shape and options), [`assign`] (least-loaded assignment, pure),
 //! [`plan`] (launch sizing: the pair cap and every buffer, pure), [`schedule`] (one call's
 //! rounds from its routing, pure), [`device`] (the round schedule over [`device::DeviceOps`],
@@ -93,6 +97,7 @@
 //! which tests them against the CPU without a GPU.
 
 pub mod assign;
+pub mod call;
 pub mod config;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -117,6 +122,10 @@ mod route_tables;
 pub mod schedule;
 
 pub use assign::{Assignment, Piece, RouteCounts, RouteMapper, Transfer, local_counts};
+pub use call::{
+    Backward, CallOptions, CallStats, DEFAULT_ROWS_BUDGET_BYTES, Layer, LayerBudget, Prepared, RankCall,
+    RankSizes,
+};
 pub use config::{Chunking, Config, Mode, PairCap, Scheme, Shape, SpillSplit, WeightLayout};
 pub use error::{Error, Result};
 pub use executor::{Executor, Rank};

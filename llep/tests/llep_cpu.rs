@@ -205,7 +205,6 @@ fn a_store_in_caller_memory_serves_a_backward_from_a_copy_of_its_bytes() {
     use flatpeak_common::{Communicator, Device, LocalGroup, LocalGroupOptions};
     use llep::Executor;
     use llep::cpu::SavedActivations;
-    use std::ptr::NonNull;
 
     /// 64-byte aligned caller memory, as a tensor's.
     #[derive(Clone, Copy, bytemuck::Zeroable, bytemuck::Pod)]
@@ -214,8 +213,8 @@ fn a_store_in_caller_memory_serves_a_backward_from_a_copy_of_its_bytes() {
     fn lines(bytes: usize) -> Vec<Line> {
         vec![Line([0; 64]); bytes.div_ceil(64)]
     }
-    fn ptr(v: &mut [Line]) -> NonNull<u8> {
-        NonNull::new(v.as_mut_ptr().cast::<u8>()).unwrap()
+    fn bytes_of(v: &mut [Line]) -> &mut [u8] {
+        bytemuck::cast_slice_mut(v)
     }
 
     let problem = Problem::new(shape(2, 2), Ids::Random, 17);
@@ -233,27 +232,26 @@ fn a_store_in_caller_memory_serves_a_backward_from_a_copy_of_its_bytes() {
             let y_owned = layer.forward_saving(comm, &plan, &inputs, &mut owned)?;
             let g_owned = layer.backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut owned)?;
             let mut memory = lines(bytes);
-            // SAFETY: `memory` is 64-aligned, initialised, `bytes` long and untouched while the store lives.
-            let mut lent = unsafe { SavedActivations::from_raw(&plan, me, ptr(&mut memory), bytes)? };
+            let mut lent = SavedActivations::over(&plan, me, bytes_of(&mut memory))?;
             let y_lent = layer.forward_saving(comm, &plan, &inputs, &mut lent)?;
             drop(lent);
             let mut moved = memory.clone();
             drop(memory);
-            // SAFETY: as above, for the copy.
-            let mut from_copy = unsafe { SavedActivations::from_raw(&plan, me, ptr(&mut moved), bytes)? };
+            let mut from_copy = SavedActivations::over(&plan, me, bytes_of(&mut moved))?;
             let g_copy = layer.backward_saved(comm, &plan, &inputs, &problem.dy[me], &mut from_copy)?;
             drop(from_copy);
             let mut short = lines(bytes - 64);
-            // SAFETY: as above; refused before any access for its length.
-            let too_small =
-                unsafe { SavedActivations::from_raw(&plan, me, ptr(&mut short), bytes - 64) }.map(|_| ());
-            Ok((y_owned == y_lent, g_owned == g_copy, too_small))
+            let too_small = SavedActivations::over(&plan, me, bytes_of(&mut short)).map(|_| ());
+            let mut unaligned = lines(bytes + 64);
+            let off_line = SavedActivations::over(&plan, me, &mut bytes_of(&mut unaligned)[1..]).map(|_| ());
+            Ok((y_owned == y_lent, g_owned == g_copy, too_small, off_line))
         })())
     });
     for r in out {
-        let (same_y, same_grads, too_small) = r.unwrap().unwrap();
+        let (same_y, same_grads, too_small, off_line) = r.unwrap().unwrap();
         assert!(same_y && same_grads);
         assert!(matches!(too_small, Err(llep::Error::Common(flatpeak_common::Error::ShapeMismatch { .. }))));
+        assert!(off_line.is_err(), "a store off a 64-byte line is refused");
     }
 }
 

@@ -229,14 +229,15 @@ fn store_tensor(name: &'static str, tensor: &Bound<'_, PyAny>) -> PyResult<Tenso
 
 /// The store over `bytes` (a `uint8` tensor the Python frame holds for the call, read or
 /// written by nothing else meanwhile).
-fn store_over(schedule: &Schedule, rank: usize, bytes: TensorRef<u8>) -> llep::Result<SavedActivations> {
+fn store_over(
+    schedule: &Schedule,
+    rank: usize,
+    bytes: TensorRef<u8>,
+) -> llep::Result<SavedActivations<'static>> {
     // SAFETY: the caller's frame keeps the tensor alive and untouched for the call (the store
-    // lives inside it); a tensor's bytes are initialised; `from_raw` checks length and alignment.
-    unsafe {
-        let slice = bytes.as_mut_slice();
-        let ptr = std::ptr::NonNull::new(slice.as_mut_ptr()).unwrap_or(std::ptr::NonNull::dangling());
-        SavedActivations::from_raw(schedule, rank, ptr, slice.len())
-    }
+    // lives inside it, and is dropped before the call returns); a tensor's bytes are initialised.
+    let slice = unsafe { bytes.as_mut_slice() };
+    SavedActivations::over(schedule, rank, slice)
 }
 
 /// Runs `f` on the cached executor of `plan` (made for the CPU at first use) with the call's

@@ -28,12 +28,14 @@ use crate::schedule::Schedule;
 /// filled it, then [`Schedule::saved_bytes`] laid out as [`Schedule::saved_regions`]), filled by
 /// [`Executor::forward_saving`](crate::Executor::forward_saving), read by
 /// [`Executor::backward_saved`](crate::Executor::backward_saved). The store may be the crate's
-/// own ([`SavedActivations::new`]) or the caller's memory ([`SavedActivations::from_raw`]: a
-/// framework's tensor, which its autograd then keeps, offloads or drops as it does any
-/// saved tensor); the header travels with the bytes.
+/// own ([`SavedActivations::new`]) or the caller's bytes, borrowed for the store's life
+/// ([`SavedActivations::over`]: a framework's tensor, which its autograd then keeps, offloads or
+/// drops as it does any saved tensor); the header travels with the bytes.
 #[derive(Debug)]
-pub struct SavedActivations {
+pub struct SavedActivations<'a> {
     store: Workspace,
+    /// The caller's bytes the store lives in (for [`SavedActivations::over`]), borrowed.
+    borrowed: std::marker::PhantomData<&'a mut [u8]>,
 }
 
 /// The header's words: a tag, then (rank, rounds, rows, routes) of the forward that filled the
@@ -44,39 +46,35 @@ const LINE: usize = 64;
 /// "llepsave" in ASCII: a header a saving forward wrote.
 const FILLED_TAG: u64 = u64::from_be_bytes(*b"llepsave");
 
-impl SavedActivations {
+impl SavedActivations<'static> {
     /// Reserves rank `rank`'s store for `plan` (a plan in [`Mode::SaveActivations`]).
     pub fn new(plan: &Schedule, rank: usize) -> Result<Self> {
         check_mode(plan)?;
-        Ok(Self { store: Workspace::new(Self::bytes_for(plan, rank))? })
+        Ok(Self { store: Workspace::new(Self::bytes_for(plan, rank))?, borrowed: std::marker::PhantomData })
     }
+}
 
-    /// A store over the caller's `len` bytes at `ptr`, at least [`bytes_for`](Self::bytes_for)
-    /// and 64-byte aligned: empty for a saving forward to fill when `ptr` is fresh (zeroed, or
-    /// any bytes but a filled header), or the store a saving forward filled, for its backward.
-    ///
-    /// # Safety
-    /// For as long as the store lives, the `len` bytes at `ptr` must be valid for reads and
-    /// writes, initialised, and accessed by nothing else; and the bytes past a filled header must
-    /// be those its forward left (a backward reads their route tables as written).
-    pub unsafe fn from_raw(
-        plan: &Schedule,
-        rank: usize,
-        ptr: std::ptr::NonNull<u8>,
-        len: usize,
-    ) -> Result<Self> {
+impl<'a> SavedActivations<'a> {
+    /// A store over the caller's `bytes`, at least [`bytes_for`](Self::bytes_for) of them and
+    /// starting on a 64-byte line: empty for a saving forward to fill when the bytes are fresh
+    /// (zeroed, or any bytes but a filled header), or the store a saving forward filled, for its
+    /// backward (whose header the backward checks against its schedule and rank).
+    pub fn over(plan: &Schedule, rank: usize, bytes: &'a mut [u8]) -> Result<Self> {
         check_mode(plan)?;
         let needed = Self::bytes_for(plan, rank);
-        if len < needed {
+        if bytes.len() < needed {
             return Err(Error::Common(flatpeak_common::Error::ShapeMismatch {
                 what: "saved-activation store (bytes)",
                 expected: needed,
-                got: len,
+                got: bytes.len(),
             }));
         }
-        // SAFETY: the caller lends `len` initialised bytes at `ptr`, accessed by nothing else, for
-        // the store's life; `from_raw` checks the alignment.
-        Ok(Self { store: unsafe { Workspace::from_raw(ptr, len)? } })
+        let (ptr, len) = (std::ptr::NonNull::from(&mut *bytes).cast::<u8>(), bytes.len());
+        // SAFETY: `bytes` is borrowed exclusively for 'a, the store's whole life (the marker
+        // holds the borrow), so the `len` initialised bytes at `ptr` stay valid and are accessed
+        // through the store alone; `from_raw` checks the 64-byte alignment.
+        let store = unsafe { Workspace::from_raw(ptr, len)? };
+        Ok(Self { store, borrowed: std::marker::PhantomData })
     }
 
     /// Bytes rank `rank`'s store takes for `plan`: the header and [`Schedule::saved_bytes`],
@@ -189,7 +187,7 @@ pub(super) enum StoreUse {
     Read,
 }
 
-impl SavedActivations {
+impl SavedActivations<'_> {
     /// Runs `pass` on this store carved for `plan` and rank `rank` (carving again finds the
     /// same regions a forward left), filling it or reading it as `how` says.
     pub(super) fn with_store<'s, R>(
