@@ -9,9 +9,9 @@ use flatpeak_bench::components::ring_dtp::materialized;
 use flatpeak_common::{Communicator, DType, LocalGroup, LocalGroupOptions, SplitMix64};
 use half::bf16;
 use rayon::prelude::*;
-use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{
-    Budget, Config, GradOutput, Inputs, Matrix, Plan, RingKind, RingOptions, RingPlan, Shape, cpu,
+    Budget, Config, Device, GradOutput, Inputs, Matrix, Plan, RingKind, RingLinearCrossEntropy, RingOptions,
+    RingPlan, Shape, cpu,
 };
 
 const N: usize = 2048;
@@ -90,12 +90,15 @@ fn rings(c: &mut Criterion) {
             b.iter(|| {
                 LocalGroup::run(p, LocalGroupOptions::default(), |comm| {
                     let (t, s) = (plan.tokens(comm.rank()), plan.shard(comm.rank()));
-                    let inputs = RankInputs::new(
+                    let inputs = Inputs::new(
                         Matrix::F32(&x[t.start * D..t.end * D]),
                         Matrix::F32(&w[s.start * D..s.end * D]),
                         &targets[t],
+                        D,
                     );
-                    Ok(ring::forward_backward(comm, &plan, &inputs, GradOutput::Scalar(1.0)))
+                    let ring = RingLinearCrossEntropy::new(plan, Device::Cpu);
+                    Ok(ring
+                        .and_then(|mut ring| ring.forward_backward(comm, &inputs, GradOutput::Scalar(1.0))))
                 })
             })
         });
@@ -119,7 +122,7 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
     use flatpeak_common::cuda::SquareOperands;
     use flatpeak_common::cuda::cudarc::cublas::CudaBlas;
     use ring_dtp::Precision;
-    use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
+    use ring_dtp::cuda::{DeviceInputs, DeviceMatrix};
     if !flatpeak_common::cuda_available() {
         eprintln!("cuda_blocked_vs_one_block: skipped, no CUDA device");
         return;
@@ -210,8 +213,8 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
         ("bf16_f32gemms_1024_tokens_fused", widened(1024), Call::Fused),
         ("f32_tf32_1024_tokens_fused", tf32(1024), Call::Fused),
     ] {
-        let mut lce = CudaLinearCrossEntropy::new(plan, 0).expect("device");
-        let s = lce.stream().clone();
+        let mut lce = ring_dtp::LinearCrossEntropy::new(plan, Device::Cuda(0)).expect("device");
+        let s = lce.stream().expect("a CUDA executor").clone();
         let td = s.clone_htod(&targets).expect("t");
         let (xf, wf, xb, wb);
         let (xm, wm) = if plan.dtype() == DType::F32 {
@@ -221,7 +224,8 @@ fn cuda_blocked_vs_one_block(c: &mut Criterion) {
             (xb, wb) = (s.clone_htod(&xh).expect("x"), s.clone_htod(&wh).expect("w"));
             (DeviceMatrix::Bf16(&xb), DeviceMatrix::Bf16(&wb))
         };
-        let inputs = DeviceInputs { x: xm, w: wm, bias: None, targets: &td, weights: None, n, d, v };
+        let inputs = DeviceInputs::on_device(xm, wm, &td, d);
+        assert_eq!((inputs.n, inputs.v), (n, v));
         let gemms = if call == Call::Fused { plan.gemms_fused() as u64 } else { 4 };
         eprintln!(
             "{name}: {} tokens x {} vocabulary rows, {gemms} GEMMs, blocks {:.1} MiB",

@@ -81,6 +81,17 @@ impl<K: PartialEq, X: Held> ExecutorCache<K, X> {
         self.entries.clear();
     }
 
+    /// The keys of the executors held, least recently made first.
+    pub fn keys(&self) -> impl Iterator<Item = &K> {
+        self.entries.iter().map(|(k, _, _)| k)
+    }
+
+    /// Keeps only the executors whose key `keep` accepts (the others, and their working sets,
+    /// are dropped).
+    pub fn retain(&mut self, mut keep: impl FnMut(&K) -> bool) {
+        self.entries.retain(|(k, _, _)| keep(k));
+    }
+
     /// The executor of `key`, made by `make` when there is none; `bytes` is what the new one
     /// will reserve (its plan's working set), for which older ones are dropped first.
     pub fn get_or_try_insert<E>(
@@ -153,6 +164,9 @@ mod tests {
         assert_eq!(failed.err(), Some("refused"));
         assert_eq!(cache.len(), 0, "the 300 B executor went before the new one was made");
         take(&mut cache, 4, 50);
+        take(&mut cache, 5, 20);
+        cache.retain(|&k| k != 4);
+        assert_eq!(cache.keys().copied().collect::<Vec<_>>(), vec![5]);
         cache.set_limit_bytes(10);
         assert!(cache.is_empty());
     }

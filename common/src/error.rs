@@ -27,6 +27,30 @@ pub enum ErrorKind {
 /// Result alias used throughout `flatpeak-common`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Why a rank has no inputs to bring to a multi-rank call: its caller's own check of its
+/// arguments failed (a binding's tensor of the wrong dtype, a name it does not know). The rank
+/// still enters the call with it, so the whole group refuses together; on this rank it is
+/// [`Error::Refused`] with the same kind and message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The kind of the failure (the exception a binding raises on every rank).
+    pub kind: ErrorKind,
+    /// What was refused, naming the offending values.
+    pub message: String,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<Refusal> for Error {
+    fn from(r: Refusal) -> Self {
+        Error::Refused { kind: r.kind, message: r.message }
+    }
+}
+
 /// Everything that can go wrong in the shared foundation.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
@@ -162,7 +186,7 @@ pub enum Error {
         message: String,
     },
     /// This rank's input was refused before any of the call's data moved: by its caller's own
-    /// checks (a binding's [`Refusal`](crate::comm::Refusal): a tensor of the wrong dtype, say),
+    /// checks (a binding's [`Refusal`]: a tensor of the wrong dtype, say),
     /// or because it differs from what the other ranks brought
     /// ([`agree_records`](crate::comm::agree_records)). Every other rank of the group returns
     /// [`Error::PeerInput`] with the same kind and message.
@@ -417,8 +441,8 @@ macro_rules! error_vocabulary {
 
         /// A binding's refusal of this rank's input ([`Refused`](flatpeak_common::Error::Refused)
         /// on this rank).
-        impl ::std::convert::From<$crate::comm::Refusal> for $name {
-            fn from(r: $crate::comm::Refusal) -> Self {
+        impl ::std::convert::From<$crate::error::Refusal> for $name {
+            fn from(r: $crate::error::Refusal) -> Self {
                 Self::Common(r.into())
             }
         }

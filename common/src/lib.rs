@@ -81,7 +81,7 @@ pub use comm::{Communicator, CommunicatorExt, LocalComm, LocalGroup, LocalGroupO
 pub use device::{Device, DeviceElement, cuda_available, cuda_device_count, nvrtc_available};
 pub use digest::Digest;
 pub use dtype::{DType, DTypeNames};
-pub use error::{Error, ErrorKind, HasErrorKind, Result};
+pub use error::{Error, ErrorKind, HasErrorKind, Refusal, Result};
 pub use host_pages::{advise_huge_pages, page_bytes, release_pages, zeroed_vec};
 pub use link::Link;
 pub use numerics::relative_error;

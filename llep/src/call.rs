@@ -42,7 +42,7 @@
 //! # Ok::<(), llep::Error>(())
 //! ```
 
-use flatpeak_common::comm::{Agreed, Call, RankRecord, Words, agree_records};
+use flatpeak_common::comm::{Agreed, Call, RankRecord, Words, agree_on_inputs, agree_records};
 use flatpeak_common::{Budget, Communicator, DType, DTypeNames, Device, Digest, ErrorKind};
 
 use crate::config::{Config, Mode, Shape};
@@ -260,6 +260,24 @@ impl Layer {
         C: Communicator + ?Sized,
         E: Into<Error>,
     {
+        let agreed = self.agree(comm, local, options)?;
+        let executor = executor_for(&mut self.executor, agreed.plan, agreed.device)?;
+        agreed.prepare(executor, comm)
+    }
+
+    /// [`call`](Self::call)'s agreement and plan, without the executor: a caller that keeps its
+    /// executors elsewhere (a binding's cache, by plan) takes the plan's and
+    /// [`prepares`](AgreedCall::prepare) the call on it.
+    pub fn agree<'r, C, E>(
+        &self,
+        comm: &C,
+        local: std::result::Result<RankCall<'r>, E>,
+        options: CallOptions,
+    ) -> Result<AgreedCall<'r>>
+    where
+        C: Communicator + ?Sized,
+        E: Into<Error>,
+    {
         let digest = self.digest();
         let local = local.map_err(Into::into);
         let (device, routing) = match &local {
@@ -281,9 +299,62 @@ impl Layer {
             routing.ok_or(Error::Internal { invariant: "an agreed call has this rank's routing" })?;
         let shape = agreed_shape(&agreed, options.experts)?;
         let plan = Plan::new(&self.config, shape, self.budget.of(&self.config, &shape)?)?;
-        let executor = executor_for(&mut self.executor, plan, device)?;
-        let schedule = executor.schedule(comm, &routing)?;
-        Ok(Prepared { executor, schedule, rank: agreed.rank() })
+        Ok(AgreedCall { plan, device, routing })
+    }
+}
+
+/// A call agreed on by the group and planned ([`Layer::agree`]): its plan, this rank's device and
+/// routing.
+#[derive(Debug, Clone, Copy)]
+pub struct AgreedCall<'r> {
+    plan: Plan,
+    device: Device,
+    routing: Routing<'r>,
+}
+
+impl AgreedCall<'_> {
+    /// The plan (every rank's the same).
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// This rank's device.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// `made` (this rank's executor of the plan, or why it has none), agreed on by the group
+    /// before the call's first exchange: a rank that could not make its executor (its device
+    /// refused the memory) is an error on every rank, never a wait.
+    pub fn ready<C: Communicator + ?Sized, T>(&self, comm: &C, made: Result<T>) -> Result<T> {
+        agree_on_inputs(comm, made)
+    }
+
+    /// The call on `executor` (one of this plan, on this device; [`Error::ScheduleMismatch`] or
+    /// [`Error::WrongDevice`] otherwise): schedules the routing over `comm`'s group.
+    pub fn prepare<'e, C: Communicator + ?Sized>(
+        self,
+        executor: &'e mut Executor,
+        comm: &C,
+    ) -> Result<Prepared<'e>> {
+        let mismatch = if executor.device() != self.device {
+            Some(Error::WrongDevice { executor: executor.device(), inputs: self.device })
+        } else if executor.plan() != &self.plan {
+            let what = "the executor's plan (made for another call)";
+            let (planned, found) = (self.plan.workspace_bytes(), executor.plan().workspace_bytes());
+            Some(Error::ScheduleMismatch { what, planned, found })
+        } else {
+            None
+        };
+        if let Some(e) = mismatch {
+            // Refused in the schedule's first exchange, so the other ranks return too.
+            return match agree_on_inputs(comm, Err::<(), _>(e)) {
+                Err(e) => Err(e),
+                Ok(()) => Err(Error::internal("a refusal agreed on as a success")),
+            };
+        }
+        let schedule = executor.schedule(comm, &self.routing)?;
+        Ok(Prepared { executor, schedule, rank: comm.rank() })
     }
 }
 

@@ -107,7 +107,11 @@ fn uneven_ranks_get_bitwise_what_the_executor_gives_on_the_agreed_plan() {
     for (r, out) in out.into_iter().enumerate() {
         let (shape, y, grads, stats, held, planned) = out.unwrap().unwrap();
         assert!(shape && y && grads, "rank {r}: shape {shape}, y {y}, grads {grads}");
-        assert_eq!(stats.expert_routes.iter().sum::<usize>(), [7, 0, 11, 3].iter().sum::<usize>() * K, "rank {r}");
+        assert_eq!(
+            stats.expert_routes.iter().sum::<usize>(),
+            [7, 0, 11, 3].iter().sum::<usize>() * K,
+            "rank {r}"
+        );
         assert!(stats.rounds >= 1 && stats.recv_high_water_bytes == stats.recv_high_water_rows * H * 4);
         assert_eq!((stats.workspace_bytes, held), (planned, planned), "rank {r}");
     }

@@ -1,108 +1,56 @@
-//! AdamW on torch tensors: stream-adamw's SIMD CPU update, in place on the parameter and on the
-//! state tensors the Python optimizer keeps under torch's names (`exp_avg`, `exp_avg_sq`,
-//! `max_exp_avg_sq`), so `state_dict()` is torch's own.
-//!
-//! The step is the crate's [`stream_adamw::step_in_place`] logic — the checks, the global Σg²,
-//! the skip on a non-finite gradient and the step counts — with torch's `AdamW` update (see the
-//! `stream-adamw` crate for the exact order of operations). This file only finds the tensors.
-//! The GIL is released while it runs.
+//! AdamW on torch tensors: one call of stream-adamw's step ([`stream_adamw::step_parts`]) over
+//! every parameter of the optimizer, the CPU ones in place on the state tensors the Python
+//! optimizer keeps under torch's names (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, so
+//! `state_dict()` is torch's own), the CUDA ones offloaded ([`crate::adamw_cuda::CudaAdamW`]).
+//! The checks, the global Σg², the skip on a non-finite gradient, the clipping and the step
+//! counts are the crate's; this file finds the tensors. The GIL is released while it runs.
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use stream_adamw::cpu::{StateMut, grad_sq_sums};
+use stream_adamw::cpu::StateMut;
 use stream_adamw::{
-    GradClip, GradRef, Hyperparameters, InPlaceGroup, InPlaceParam, Objective, StepDecision, StepOptions,
-    Variant, apply_in_place, bf16, global_clip, in_place_grad_sq,
+    GradRef, InPlaceGroup, InPlaceGroups, InPlaceParam, StepOptions, StepOutcome, StepPart, StepReport,
+    Variant, bf16, step_parts,
 };
 
-use crate::error::to_py;
-use crate::tensor::{Span, TensorDevice, TensorRef, check_disjoint, device_of, shape_of};
+use crate::adamw_args::{AdamWOptions, Offloaded};
+use crate::tensor::{Lend, Lent, Out, device_of, is_dtype, shape_of};
 
-/// One param group's hyperparameters, checked (`flatpeak._flatpeak.AdamWOptions`).
+/// What one step did (`flatpeak._flatpeak.StepDecision`), as the crate decided it from the global
+/// Σg²: whether it skipped, and what every parameter's update scaled its gradient by.
 #[pyclass(frozen, module = "flatpeak._flatpeak")]
 #[derive(Debug, Clone, Copy)]
-pub struct AdamWOptions {
-    hyperparameters: Hyperparameters,
-}
-
-impl AdamWOptions {
-    /// The checked hyperparameters.
-    pub(crate) fn hyperparameters(&self) -> Hyperparameters {
-        self.hyperparameters
-    }
-}
-
-#[pymethods]
-impl AdamWOptions {
-    /// torch.optim.AdamW's hyperparameters, and the global-norm clipping of
-    /// `torch.nn.utils.clip_grad_norm_(params, max_norm)` (`None`: none).
-    #[new]
-    #[pyo3(signature = (*, lr, betas, eps, weight_decay, amsgrad, maximize, max_norm=None))]
-    fn new(
-        lr: f64,
-        betas: (f64, f64),
-        eps: f64,
-        weight_decay: f64,
-        amsgrad: bool,
-        maximize: bool,
-        max_norm: Option<f64>,
-    ) -> PyResult<Self> {
-        let hyperparameters = Hyperparameters::default()
-            .lr(lr)
-            .betas(betas.0, betas.1)
-            .eps(eps)
-            .weight_decay(weight_decay)
-            .variant(if amsgrad { Variant::AmsGrad } else { Variant::Adam })
-            .objective(if maximize { Objective::Maximize } else { Objective::Minimize })
-            .clip(max_norm.map_or(GradClip::None, |max_norm| GradClip::GlobalNorm { max_norm }));
-        hyperparameters.validate().map_err(to_py)?;
-        Ok(Self { hyperparameters })
-    }
-}
-
-/// The decision of one step (`flatpeak._flatpeak.StepDecision`), made by the crate from the
-/// global Σg²: whether it skips, and what every parameter's update scales its gradient by.
-#[pyclass(frozen, module = "flatpeak._flatpeak")]
-#[derive(Debug, Clone, Copy)]
-pub struct Decision {
-    decision: StepDecision,
-}
-
-#[cfg(feature = "cuda")]
-impl Decision {
-    /// The crate's decision.
-    pub(crate) fn get(&self) -> &StepDecision {
-        &self.decision
-    }
+pub(crate) struct Decision {
+    report: StepReport,
 }
 
 #[pymethods]
 impl Decision {
-    /// True when a non-finite gradient skips the step (nothing is changed).
+    /// True when a non-finite gradient skipped the step (nothing was changed).
     #[getter]
     fn skipped(&self) -> bool {
-        self.decision.skips()
+        self.report.outcome == StepOutcome::SkippedNonFinite
     }
     /// The global gradient norm before clipping (non-finite when skipped).
     #[getter]
     fn grad_norm(&self) -> f64 {
-        self.decision.grad_norm()
+        self.report.grad_norm
     }
     /// What clipping scaled every gradient by (1 when not clipping).
     #[getter]
     fn clip_coef(&self) -> f64 {
-        self.decision.clip_coef()
+        self.report.clip_coef
     }
 }
 
 /// One parameter's tensors: `(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
-/// bf16_param)`, `step` being torch's step counter: a 0-dim float32 or float64 CPU tensor
-/// holding the steps taken (a whole number ≥ 0), advanced in place when the step is applied.
+/// bf16_param)`, `step` being torch's step counter: a 0-dim float32 or float64 CPU tensor holding
+/// the steps taken (a whole number ≥ 0), advanced in place when the step is applied.
 /// `bf16_param` is `None` for a float32 parameter (`param`, with a float32 `grad`); for a
 /// bfloat16 one it is the parameter, with its bfloat16 `grad`, and `param` its float32 master
 /// copy: the step updates the master and writes it, rounded, into `bf16_param`.
 #[derive(FromPyObject)]
-pub struct ParamState<'py> {
+pub(crate) struct ParamState<'py> {
     #[pyo3(item(0))]
     param: Bound<'py, PyAny>,
     #[pyo3(item(1))]
@@ -120,60 +68,108 @@ pub struct ParamState<'py> {
 }
 
 /// A parameter's gradient, in its dtype.
-enum CheckedGrad {
-    F32(TensorRef<f32>),
-    Bf16(TensorRef<bf16>),
-}
-
-impl CheckedGrad {
-    /// # Safety
-    /// As [`TensorRef::as_slice`]: the caller holds the tensor for the call and nothing writes it.
-    unsafe fn as_grad(&self) -> GradRef<'_> {
-        // SAFETY: the caller's contract.
-        unsafe {
-            match self {
-                Self::F32(g) => GradRef::F32(g.as_slice()),
-                Self::Bf16(g) => GradRef::Bf16(g.as_slice()),
-            }
-        }
-    }
-
-    fn span(&self) -> Span {
-        match self {
-            Self::F32(g) => g.into(),
-            Self::Bf16(g) => g.into(),
-        }
-    }
+enum Grad {
+    F32(crate::tensor::In<f32>),
+    Bf16(crate::tensor::In<bf16>),
 }
 
 /// torch's step counter of one parameter: a 0-dim float tensor (float64 when torch's default
-/// dtype is), read and advanced in place.
-enum StepCounter {
-    F32(TensorRef<f32>),
-    F64(TensorRef<f64>),
+/// dtype is).
+enum Counter {
+    F32(Out<f32>),
+    F64(Out<f64>),
 }
 
-impl StepCounter {
-    fn new(tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
-        cpu_only("step", tensor)?;
-        match TensorRef::<f32>::new("step", tensor, &[]) {
-            Ok(t) => Ok(Self::F32(t)),
-            Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(tensor.py()) => {
-                TensorRef::<f64>::new("step", tensor, &[]).map(Self::F64).map_err(|_| e)
-            }
-            Err(e) => Err(e),
+/// One parameter's tensors, registered.
+struct Param {
+    param: Out<f32>,
+    grad: Grad,
+    bf16_param: Option<Out<bf16>>,
+    exp_avg: Out<f32>,
+    exp_avg_sq: Out<f32>,
+    max_exp_avg_sq: Option<Out<f32>>,
+    counter: Counter,
+}
+
+/// Parameters on the CPU step in place; a CUDA one in a build without the feature is refused,
+/// saying how to build with it.
+fn cpu_only(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
+    match device_of(name, tensor)? {
+        flatpeak_common::Device::Cpu => Ok(()),
+        flatpeak_common::Device::Cuda(_) if !cfg!(feature = "cuda") => {
+            Err(crate::tensor::cuda_not_built(name))
         }
+        flatpeak_common::Device::Cuda(_) => Err(PyTypeError::new_err(format!(
+            "{name}: a CUDA tensor handed to the CPU update (CUDA parameters take CudaAdamW)"
+        ))),
+    }
+}
+
+impl Param {
+    fn new<'t, 'py>(lend: &mut Lend<'t, 'py>, p: &'t ParamState<'py>, amsgrad: bool) -> PyResult<Self> {
+        cpu_only("param", &p.param)?;
+        let shape: Vec<Option<usize>> = shape_of("param", &p.param)?.into_iter().map(Some).collect();
+        let param = lend.output("param", &p.param, &shape)?;
+        // torch's rule: the gradient has the parameter's dtype (bfloat16 with a master copy).
+        let (grad, bf16_param) = match &p.bf16_param {
+            None => (Grad::F32(lend.input("grad", &p.grad, &shape)?), None),
+            Some(model) => {
+                cpu_only("bf16_param", model)?;
+                let model = lend.output("bf16_param", model, &shape)?;
+                (Grad::Bf16(lend.input("grad", &p.grad, &shape)?), Some(model))
+            }
+        };
+        let exp_avg = lend.output("exp_avg", &p.exp_avg, &shape)?;
+        let exp_avg_sq = lend.output("exp_avg_sq", &p.exp_avg_sq, &shape)?;
+        let max_exp_avg_sq = match (&p.max_exp_avg_sq, amsgrad) {
+            (Some(m), true) => Some(lend.output("max_exp_avg_sq", m, &shape)?),
+            (None, false) => None,
+            (Some(_), false) => return Err(PyValueError::new_err("max_exp_avg_sq: given without amsgrad")),
+            (None, true) => return Err(PyValueError::new_err("max_exp_avg_sq: amsgrad needs it")),
+        };
+        cpu_only("step", &p.step)?;
+        let counter = if is_dtype::<f64>(&p.step)? {
+            Counter::F64(lend.output("step", &p.step, &[])?)
+        } else {
+            Counter::F32(lend.output("step", &p.step, &[])?)
+        };
+        Ok(Self { param, grad, bf16_param, exp_avg, exp_avg_sq, max_exp_avg_sq, counter })
     }
 
+    /// The crate's parameter over the lent tensors, and its step counter.
+    fn lend<'l>(self, lent: &'l Lent<'_, '_>) -> PyResult<(InPlaceParam<'l>, StepCount<'l>)> {
+        let counter = match self.counter {
+            Counter::F32(c) => StepCount::F32(lent.get_mut(c)?),
+            Counter::F64(c) => StepCount::F64(lent.get_mut(c)?),
+        };
+        let state = StateMut {
+            param: lent.get_mut(self.param)?,
+            exp_avg: lent.get_mut(self.exp_avg)?,
+            exp_avg_sq: lent.get_mut(self.exp_avg_sq)?,
+            max_exp_avg_sq: lent.get_mut_opt(self.max_exp_avg_sq)?.unwrap_or_default(),
+        };
+        let grad = match self.grad {
+            Grad::F32(g) => GradRef::F32(lent.get(g)?),
+            Grad::Bf16(g) => GradRef::Bf16(lent.get(g)?),
+        };
+        let bf16_param = lent.get_mut_opt(self.bf16_param)?;
+        let step = counter.read()?;
+        Ok((InPlaceParam { state, grad, bf16_param, step }, counter))
+    }
+}
+
+/// A parameter's lent step counter.
+enum StepCount<'l> {
+    F32(&'l mut [f32]),
+    F64(&'l mut [f64]),
+}
+
+impl StepCount<'_> {
     /// The steps taken; a value that is not a whole number ≥ 0 is a `ValueError`.
     fn read(&self) -> PyResult<u64> {
-        // SAFETY: the counter is a checked 0-dim tensor (one element) the caller holds for the
-        // call; it is read here, before any write, with the GIL held.
-        let value = unsafe {
-            match self {
-                Self::F32(t) => t.as_slice()[0] as f64,
-                Self::F64(t) => t.as_slice()[0],
-            }
+        let value = match self {
+            Self::F32(c) => f64::from(c[0]),
+            Self::F64(c) => c[0],
         };
         if value.is_finite() && value >= 0.0 && value.fract() == 0.0 && value < u64::MAX as f64 {
             Ok(value as u64)
@@ -183,168 +179,83 @@ impl StepCounter {
     }
 
     /// Stores `step` (exact in either dtype for any realistic count).
-    ///
-    /// # Safety
-    /// `check_disjoint` must have proved the counter overlaps no other tensor of the call, and
-    /// the caller must hold it for the call.
-    unsafe fn write(&self, step: u64) {
-        // SAFETY: the caller's contract: the one element is exclusively this call's to write.
-        unsafe {
-            match self {
-                Self::F32(t) => t.as_mut_slice()[0] = step as f32,
-                Self::F64(t) => t.as_mut_slice()[0] = step as f64,
-            }
-        }
-    }
-
-    fn span(&self) -> Span {
+    fn write(&mut self, step: u64) {
         match self {
-            Self::F32(t) => t.into(),
-            Self::F64(t) => t.into(),
+            Self::F32(c) => c[0] = step as f32,
+            Self::F64(c) => c[0] = step as f64,
         }
     }
 }
 
-/// A parameter's checked tensors.
-struct Checked {
-    param: TensorRef<f32>,
-    grad: CheckedGrad,
-    bf16_param: Option<TensorRef<bf16>>,
-    exp_avg: TensorRef<f32>,
-    exp_avg_sq: TensorRef<f32>,
-    max_exp_avg_sq: Option<TensorRef<f32>>,
-    counter: StepCounter,
-    step: u64,
-}
-
-/// Parameters on the CPU run here. A CUDA one takes the offloaded path (`CudaAdamW`, feature
-/// `cuda`); without the feature it is refused, saying how to build with it.
-fn cpu_only(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
-    match device_of(name, tensor)? {
-        TensorDevice::Cpu => Ok(()),
-        #[cfg(not(feature = "cuda"))]
-        TensorDevice::Cuda(_) => Err(crate::tensor::cuda_not_built(name)),
-        #[cfg(feature = "cuda")]
-        TensorDevice::Cuda(_) => Err(pyo3::exceptions::PyTypeError::new_err(format!(
-            "{name}: a CUDA tensor handed to the CPU update (CUDA parameters take CudaAdamW)"
-        ))),
-    }
-}
-
-/// Any tensor's shape, as an expected shape: the other tensors of a parameter must match it.
-fn expected_shape(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<Vec<Option<usize>>> {
-    Ok(shape_of(name, tensor)?.into_iter().map(Some).collect())
-}
-
-impl Checked {
-    fn new(p: &ParamState<'_>, amsgrad: bool) -> PyResult<Self> {
-        cpu_only("param", &p.param)?;
-        let shape = expected_shape("param", &p.param)?;
-        let param = TensorRef::new("param", &p.param, &shape)?;
-        // torch's rule: the gradient has the parameter's dtype (bfloat16 with a master copy).
-        let (grad, bf16_param) = match &p.bf16_param {
-            None => (CheckedGrad::F32(TensorRef::new("grad", &p.grad, &shape)?), None),
-            Some(model) => {
-                cpu_only("bf16_param", model)?;
-                let model = TensorRef::new("bf16_param", model, &shape)?;
-                (CheckedGrad::Bf16(TensorRef::new("grad", &p.grad, &shape)?), Some(model))
-            }
-        };
-        let exp_avg = TensorRef::new("exp_avg", &p.exp_avg, &shape)?;
-        let exp_avg_sq = TensorRef::new("exp_avg_sq", &p.exp_avg_sq, &shape)?;
-        let max_exp_avg_sq = match (&p.max_exp_avg_sq, amsgrad) {
-            (Some(m), true) => Some(TensorRef::new("max_exp_avg_sq", m, &shape)?),
-            (None, false) => None,
-            (Some(_), false) => return Err(PyValueError::new_err("max_exp_avg_sq: given without amsgrad")),
-            (None, true) => return Err(PyValueError::new_err("max_exp_avg_sq: amsgrad needs it")),
-        };
-        let counter = StepCounter::new(&p.step)?;
-        let step = counter.read()?;
-        Ok(Self { param, grad, bf16_param, exp_avg, exp_avg_sq, max_exp_avg_sq, counter, step })
-    }
-}
-
-/// Σ g² over every gradient, in f64 (non-finite when any element is NaN or ±∞). Each tensor
-/// must be a contiguous fp32 CPU tensor.
+/// One AdamW step of every parameter: `groups` is a list of `(options, params)` of CPU
+/// parameters, `offloaded` the CUDA parameters with their offloaded optimizers (the `cuda`
+/// build). Every tensor of every parameter is checked before any is written, so a bad one leaves
+/// all parameters and state untouched; one decision for all of them (a non-finite gradient
+/// anywhere skips the step; the clipping's norm is over all of them). Returns the decision.
 #[pyfunction]
-pub fn grad_sq_sum_all(py: Python<'_>, grads: Vec<Bound<'_, PyAny>>) -> PyResult<f64> {
-    let mut checked = Vec::with_capacity(grads.len());
-    for g in &grads {
-        cpu_only("grad", g)?;
-        checked.push(TensorRef::<f32>::new("grad", g, &expected_shape("grad", g)?)?);
-    }
-    // SAFETY: each tensor is held by the caller's list for the call and only read.
-    let slices: Vec<&[f32]> = checked.iter().map(|g| unsafe { g.as_slice() }).collect();
-    Ok(py.detach(|| grad_sq_sums(&slices).into_iter().sum()))
-}
-
-/// One AdamW step of every CPU parameter of every group, in place (each parameter's step
-/// counter advanced with it): `groups` is a list of `(options, params)`, and `other_grad_sq` the Σg² of the gradients stepped with them
-/// elsewhere (the offloaded CUDA parameters), so one non-finite gradient skips them all. Every
-/// tensor of every group is checked before any is written, so a bad one leaves all parameters
-/// and state untouched. The groups' global-norm clipping (one for all of them) scales every
-/// gradient, these and the offloaded ones, by the coefficient of the norm over all of them.
-/// Returns the crate's decision (skipped, or applied with that coefficient), which the offloaded
-/// parameters then take.
-#[pyfunction]
-#[pyo3(signature = (groups, other_grad_sq=0.0))]
-pub fn adamw_step(
+#[pyo3(signature = (groups, offloaded=Vec::new()))]
+pub(crate) fn adamw_step(
     py: Python<'_>,
     groups: Vec<(Bound<'_, AdamWOptions>, Vec<ParamState<'_>>)>,
-    other_grad_sq: f64,
+    offloaded: Vec<Offloaded<'_>>,
 ) -> PyResult<Decision> {
-    let mut checked = Vec::with_capacity(groups.len());
+    let mut lend = Lend::new();
+    let mut registered = Vec::with_capacity(groups.len());
     for (options, params) in &groups {
-        let hyperparameters = options.get().hyperparameters();
+        let hyperparameters = options.get().hyperparameters;
         let amsgrad = hyperparameters.variant == Variant::AmsGrad;
-        let params = params.iter().map(|p| Checked::new(p, amsgrad)).collect::<PyResult<Vec<_>>>()?;
-        checked.push((hyperparameters, params));
+        let params =
+            params.iter().map(|p| Param::new(&mut lend, p, amsgrad)).collect::<PyResult<Vec<_>>>()?;
+        registered.push((hyperparameters, params));
     }
-    // Every written tensor of every parameter overlaps no other tensor of the step.
-    let (mut outputs, mut inputs): (Vec<Span>, Vec<Span>) = (Vec::new(), Vec::new());
-    for p in checked.iter().flat_map(|(_, params)| params) {
-        outputs.extend([Span::from(&p.param), (&p.exp_avg).into(), (&p.exp_avg_sq).into()]);
-        outputs.extend(p.max_exp_avg_sq.iter().map(Span::from));
-        outputs.extend(p.bf16_param.iter().map(Span::from));
-        outputs.push(p.counter.span());
-        inputs.push(p.grad.span());
-    }
-    check_disjoint(&outputs, &inputs)?;
-    let decision = py.detach(|| -> stream_adamw::Result<StepDecision> {
-        let mut in_place: Vec<InPlaceGroup<'_>> = Vec::with_capacity(checked.len());
-        for (hyperparameters, params) in &checked {
-            let mut group = InPlaceGroup { hyperparameters: *hyperparameters, params: Vec::new() };
-            for p in params {
-                // SAFETY: the caller holds every tensor for the call; `check_disjoint` above
-                // proved every written tensor of every parameter disjoint from every other
-                // tensor of the step (written or read), so these `&mut` slices are exclusive.
-                let (state, grad, bf16_param) = unsafe {
-                    let max_exp_avg_sq = p.max_exp_avg_sq.as_ref().map_or(&mut [][..], |m| m.as_mut_slice());
-                    let state = StateMut {
-                        param: p.param.as_mut_slice(),
-                        exp_avg: p.exp_avg.as_mut_slice(),
-                        exp_avg_sq: p.exp_avg_sq.as_mut_slice(),
-                        max_exp_avg_sq,
-                    };
-                    (state, p.grad.as_grad(), p.bf16_param.as_ref().map(|m| m.as_mut_slice()))
-                };
-                group.params.push(InPlaceParam { state, grad, bf16_param, step: p.step });
-            }
-            in_place.push(group);
+    let lent = lend.lent()?;
+    let mut in_place = Vec::with_capacity(registered.len());
+    let mut counters = Vec::new();
+    for (hyperparameters, params) in registered {
+        let mut group = InPlaceGroup { hyperparameters, params: Vec::new() };
+        for p in params {
+            let (param, counter) = p.lend(&lent)?;
+            group.params.push(param);
+            counters.push(counter);
         }
-        let clip = global_clip(&in_place)?;
-        let grad_sq = in_place_grad_sq(&in_place) + other_grad_sq;
-        let decision = StepDecision::new(grad_sq, StepOptions::default(), clip)?;
-        apply_in_place(&mut in_place, &decision)?;
-        if !decision.skips() {
-            let taken = in_place.iter().flat_map(|g| &g.params).map(|p| p.step);
-            for (p, step) in checked.iter().flat_map(|(_, params)| params).zip(taken) {
-                // SAFETY: `check_disjoint` proved each counter disjoint from every other tensor
-                // of the call, and the caller holds them all for the call.
-                unsafe { p.counter.write(step) };
+        in_place.push(group);
+    }
+    let report = step_offloaded(py, offloaded, move |offloaded: &mut [&mut dyn StepPart]| {
+        let mut groups = InPlaceGroups(&mut in_place);
+        let mut parts: Vec<&mut dyn StepPart> = vec![&mut groups];
+        parts.extend(offloaded.iter_mut().map(|p| &mut **p as &mut dyn StepPart));
+        let report = step_parts(&mut parts, StepOptions::default())?;
+        drop(parts);
+        if report.outcome == StepOutcome::Applied {
+            let steps = in_place.iter().flat_map(|g| &g.params).map(|p| p.step);
+            for (counter, step) in counters.iter_mut().zip(steps) {
+                counter.write(step);
             }
         }
-        Ok(decision)
-    });
-    Ok(Decision { decision: decision.map_err(to_py)? })
+        Ok(report)
+    })?;
+    Ok(Decision { report })
+}
+
+/// Runs `step` (with the GIL released) on the parts of the offloaded parameters.
+#[cfg(feature = "cuda")]
+fn step_offloaded(
+    py: Python<'_>,
+    offloaded: Vec<Offloaded<'_>>,
+    step: impl FnOnce(&mut [&mut dyn StepPart]) -> stream_adamw::Result<StepReport> + Send,
+) -> PyResult<StepReport> {
+    crate::adamw_cuda::step_with(py, offloaded, step)
+}
+
+/// Runs `step` (with the GIL released): no parameter is offloaded without the `cuda` build.
+#[cfg(not(feature = "cuda"))]
+fn step_offloaded(
+    py: Python<'_>,
+    offloaded: Vec<Offloaded<'_>>,
+    step: impl FnOnce(&mut [&mut dyn StepPart]) -> stream_adamw::Result<StepReport> + Send,
+) -> PyResult<StepReport> {
+    if let Some(first) = offloaded.first() {
+        cpu_only("param", &first.param)?;
+    }
+    py.detach(|| step(&mut [])).map_err(crate::error::to_py)
 }

@@ -7,8 +7,8 @@
 //! ω per-token weight, 1 by default); ignored tokens contribute 0. Mean divides Σℓ by the sum of
 //! the valid tokens' weights (0 when there is none: an all-ignored batch has loss 0, no NaN).
 
-use flatpeak_common::Precision;
 use flatpeak_common::gemm_bf16::Bf16Kernel;
+use flatpeak_common::{Digest, Precision};
 
 use crate::error::{Error, Result};
 
@@ -129,6 +129,35 @@ impl Config {
         }
     }
 
+    /// A digest of the options every rank of a ring must share, field by field (stable across
+    /// processes and builds, never over the `Debug` text). [`Config::bf16_kernel`] is left out:
+    /// it chooses how a rank's CPU runs its own GEMMs, and may differ by rank.
+    pub fn digest(&self) -> u64 {
+        let softcap = match self.softcap {
+            Softcap::Off => Digest::new().u64(0),
+            Softcap::Tanh { cap } => Digest::new().u64(1).f64(f64::from(cap)),
+        };
+        Digest::new()
+            .str("ring_dtp::Config")
+            .i64(self.ignore_index)
+            .u64(match self.reduction {
+                Reduction::Mean => 0,
+                Reduction::Sum => 1,
+                Reduction::None => 2,
+            })
+            .f64(f64::from(self.label_smoothing))
+            .f64(f64::from(self.z_loss))
+            .u64(softcap.finish())
+            .usize(self.shift)
+            .u64(match self.precision {
+                Precision::Native => 0,
+                Precision::F32 => 1,
+                Precision::Tf32 => 2,
+                _ => 3,
+            })
+            .finish()
+    }
+
     /// Checks every option's domain (NaN is never valid).
     pub fn validate(&self) -> Result<()> {
         let bad = |name, value: f32, expected| Err(Error::invalid_config(name, value, expected));
@@ -152,6 +181,32 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The digest is the same in every process and build (a fixed value for the defaults), moves
+    /// with every field the ranks share and stays put for the rank-local one.
+    #[test]
+    fn the_digest_is_stable_and_follows_the_shared_fields_only() {
+        let d = Config::default();
+        assert_eq!(d.digest(), 0x967d_a0ce_53d5_b1a4, "the default config's digest changed");
+        let shared = [
+            d.ignore_index(-1),
+            d.reduction(Reduction::Sum),
+            d.reduction(Reduction::None),
+            d.label_smoothing(0.1),
+            d.z_loss(1e-4),
+            d.softcap(Softcap::Tanh { cap: 30.0 }),
+            d.softcap(Softcap::Tanh { cap: 15.0 }),
+            d.shift(1),
+            d.precision(Precision::F32),
+            d.precision(Precision::Tf32),
+        ];
+        let mut seen = vec![d.digest()];
+        for c in shared {
+            assert!(!seen.contains(&c.digest()), "{c:?}");
+            seen.push(c.digest());
+        }
+        assert_eq!(d.bf16_kernel(Bf16Kernel::Widened).digest(), d.digest());
+    }
 
     #[test]
     fn validation() {

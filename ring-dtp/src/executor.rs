@@ -111,6 +111,8 @@ impl LinearCrossEntropy {
                 Backend::Cpu(Workspace::new(plan.workspace_bytes())?)
             }
             Device::Cuda(ordinal) => {
+                // Refused before any device is touched, so the refusal holds without one.
+                config.check_cuda_precision(plan.dtype())?;
                 device.ensure_available()?;
                 cuda_backend(plan, ordinal)?
             }
@@ -144,7 +146,7 @@ impl LinearCrossEntropy {
     }
 
     /// [`Error::WrongDevice`] unless tensors on `on` run here.
-    fn check_device(&self, on: Device) -> Result<()> {
+    pub(crate) fn check_device(&self, on: Device) -> Result<()> {
         if on == self.device { Ok(()) } else { Err(Error::WrongDevice { executor: self.device, inputs: on }) }
     }
 
@@ -232,8 +234,13 @@ fn cuda_backend(_plan: Plan, ordinal: usize) -> Result<Backend> {
 
 #[cfg(feature = "cuda")]
 impl LinearCrossEntropy {
+    /// An executor of `plan` on the CUDA backend `lce` (on device `ordinal`).
+    pub(crate) fn of_cuda(plan: Plan, ordinal: usize, lce: crate::cuda::CudaLinearCrossEntropy) -> Self {
+        Self { plan, device: Device::Cuda(ordinal), backend: Backend::Cuda(Box::new(lce)) }
+    }
+
     /// The CUDA backend (the inputs' device was checked against the executor's).
-    fn cuda_backend(&mut self) -> Result<&mut crate::cuda::CudaLinearCrossEntropy> {
+    pub(crate) fn cuda_backend(&mut self) -> Result<&mut crate::cuda::CudaLinearCrossEntropy> {
         match &mut self.backend {
             Backend::Cuda(lce) => Ok(lce),
             Backend::Cpu(_) => {

@@ -1,5 +1,7 @@
 //! The tensors one call reads and the results it returns.
 
+use std::marker::PhantomData;
+
 use flatpeak_common::DType;
 use half::bf16;
 use rayon::prelude::*;
@@ -57,47 +59,128 @@ impl Matrix<'_> {
     }
 }
 
-/// One call's inputs: X (N×D), W (V×D), optional bias (V), targets (N), optional per-token
-/// weights (N).
+/// One tensor of a call, wherever it lives (host slices; with feature `cuda`, device buffers):
+/// how many elements it holds. Sealed.
+pub trait Tensor: sealed::Sealed + Copy + std::fmt::Debug {
+    /// Elements.
+    fn elements(&self) -> usize;
+}
+
+/// X or W, wherever they live: a [`Tensor`] of f32 or bf16. Sealed.
+pub trait MatrixTensor: Tensor {
+    /// The element type.
+    fn dtype(&self) -> DType;
+}
+
+pub(crate) mod sealed {
+    /// This crate's tensors only.
+    pub trait Sealed {}
+}
+
+impl sealed::Sealed for Matrix<'_> {}
+impl sealed::Sealed for &[f32] {}
+impl sealed::Sealed for &[i64] {}
+
+impl Tensor for Matrix<'_> {
+    fn elements(&self) -> usize {
+        self.len()
+    }
+}
+
+impl MatrixTensor for Matrix<'_> {
+    fn dtype(&self) -> DType {
+        Matrix::dtype(self)
+    }
+}
+
+impl Tensor for &[f32] {
+    fn elements(&self) -> usize {
+        self.len()
+    }
+}
+
+impl Tensor for &[i64] {
+    fn elements(&self) -> usize {
+        self.len()
+    }
+}
+
+/// One call's inputs, wherever they live: X (N×D), W (V×D), optional bias (V), targets (N),
+/// optional per-token weights (N). By default host slices (`Inputs<'a>`); with feature `cuda`
+/// the same struct holds a device's buffers (`cuda::DeviceInputs`). Over a ring
+/// ([`RingLinearCrossEntropy`](crate::RingLinearCrossEntropy)) they are one rank's share: its
+/// N = n_r tokens and its vocabulary shard, V = v_r rows of W and the bias (targets stay ids of
+/// the whole vocabulary).
 #[derive(Debug, Clone, Copy)]
-pub struct Inputs<'a> {
+pub struct Inputs<'a, X = Matrix<'a>, F = &'a [f32], T = &'a [i64]> {
     /// Hidden states, N×D row-major.
-    pub x: Matrix<'a>,
+    pub x: X,
     /// Projection, V×D row-major.
-    pub w: Matrix<'a>,
+    pub w: X,
     /// Bias, V.
-    pub bias: Option<&'a [f32]>,
+    pub bias: Option<F>,
     /// Target ids, N (see `Config::shift`).
-    pub targets: &'a [i64],
+    pub targets: T,
     /// Per-token weights ω, N.
-    pub weights: Option<&'a [f32]>,
+    pub weights: Option<F>,
     /// Tokens N.
     pub n: usize,
     /// Hidden size D.
     pub d: usize,
     /// Vocabulary V.
     pub v: usize,
+    /// The lifetime of the memory the tensors borrow (a marker, `PhantomData`: struct-update
+    /// syntax, `Inputs { targets, ..inputs }`, keeps it).
+    pub borrows: PhantomData<&'a ()>,
 }
 
-impl<'a> Inputs<'a> {
-    /// Inputs without bias or weights, with hidden size D: N is `targets.len()` and V is
-    /// `w.len() / D` (shapes and dtypes are checked against the plan's when a call runs).
-    pub fn new(x: Matrix<'a>, w: Matrix<'a>, targets: &'a [i64], hidden: usize) -> Self {
-        let vocab = w.len().checked_div(hidden).unwrap_or(0);
-        Self { x, w, bias: None, targets, weights: None, n: targets.len(), d: hidden, v: vocab }
+impl<X: MatrixTensor, F: Tensor, T: Tensor> Inputs<'_, X, F, T> {
+    /// Inputs without bias or weights, with hidden size D: N is `targets`' length and V is W's
+    /// elements / D. Each memory's constructor ([`Inputs::new`] on the host) is this.
+    pub(crate) fn of(x: X, w: X, targets: T, hidden: usize) -> Self {
+        let vocab = w.elements().checked_div(hidden).unwrap_or(0);
+        let n = targets.elements();
+        Self { x, w, bias: None, targets, weights: None, n, d: hidden, v: vocab, borrows: PhantomData }
+    }
+
+    /// These inputs with a bias.
+    pub fn with_bias(self, bias: F) -> Self {
+        Self { bias: Some(bias), ..self }
+    }
+
+    /// These inputs with per-token weights.
+    pub fn with_weights(self, weights: F) -> Self {
+        Self { weights: Some(weights), ..self }
+    }
+
+    /// The dtype of X.
+    pub fn dtype(&self) -> DType {
+        self.x.dtype()
     }
 
     /// N, D and V with the dtype of X.
     pub fn shape(&self) -> Shape {
         Shape { tokens: self.n, hidden: self.d, vocab: self.v, dtype: self.x.dtype() }
     }
-    /// These inputs with a bias.
-    pub fn with_bias(self, bias: &'a [f32]) -> Self {
-        Self { bias: Some(bias), ..self }
+
+    /// The sizes and dtypes every backend checks.
+    pub(crate) fn sizes(&self) -> CallSizes {
+        CallSizes {
+            dims: (self.n, self.d, self.v),
+            x: (self.x.elements(), self.x.dtype()),
+            w: (self.w.elements(), self.w.dtype()),
+            targets: self.targets.elements(),
+            bias: self.bias.as_ref().map(Tensor::elements),
+            weights: self.weights.as_ref().map(Tensor::elements),
+        }
     }
-    /// These inputs with per-token weights.
-    pub fn with_weights(self, weights: &'a [f32]) -> Self {
-        Self { weights: Some(weights), ..self }
+}
+
+impl<'a> Inputs<'a> {
+    /// Host inputs without bias or weights, with hidden size D: N is `targets.len()` and V is
+    /// `w.len() / D` (shapes and dtypes are checked against the plan's when a call runs).
+    pub fn new(x: Matrix<'a>, w: Matrix<'a>, targets: &'a [i64], hidden: usize) -> Self {
+        Self::of(x, w, targets, hidden)
     }
 
     /// Checks shapes, dtypes and targets against `config`.
@@ -115,18 +198,6 @@ impl<'a> Inputs<'a> {
     /// first that is not.
     pub(crate) fn check_targets(&self, config: &Config) -> Result<()> {
         check_targets(self.targets, self.v, config.ignore_index)
-    }
-
-    /// The sizes and dtypes every backend checks.
-    pub(crate) fn sizes(&self) -> CallSizes {
-        CallSizes {
-            dims: (self.n, self.d, self.v),
-            x: (self.x.len(), self.x.dtype()),
-            w: (self.w.len(), self.w.dtype()),
-            targets: self.targets.len(),
-            bias: self.bias.map(<[f32]>::len),
-            weights: self.weights.map(<[f32]>::len),
-        }
     }
 
     /// The target row `i` predicts, or `None` when it is ignored (ignore_index, or past the end

@@ -42,6 +42,7 @@
 //! ```
 
 mod blocks;
+pub mod budget;
 pub mod config;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -63,6 +64,7 @@ pub mod plan;
 pub mod ring;
 mod selection;
 
+pub use budget::{DEFAULT_CPU_BUDGET_BYTES, DEFAULT_CUDA_BUDGET_BYTES, LossBudget};
 pub use config::{Config, Reduction, Softcap};
 pub use error::{Error, Result};
 pub use executor::{LinearCrossEntropy, LossInputs};
@@ -71,8 +73,8 @@ pub use flatpeak_common::{Budget, DType, Device, Precision, Workspace};
 pub use gradients::{Bf16GradientsMut, GradientBuffers, Gradients, GradientsMut};
 pub use half::bf16;
 pub use inputs::{
-    Forward, GradOutput, GradientSelection, Inputs, Loss, Matrix, Upstream, Want, check_targets,
-    check_weights,
+    Forward, GradOutput, GradientSelection, Inputs, Loss, Matrix, MatrixTensor, Tensor, Upstream, Want,
+    check_targets, check_weights,
 };
 pub use plan::{BlockRegions, BlockSchedule, Plan, RingChoice, RingKind, RingOptions, RingPlan, Shape};
-pub use ring::RankInputs;
+pub use ring::{RingLinearCrossEntropy, RingRank};

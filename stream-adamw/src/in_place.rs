@@ -18,7 +18,7 @@ use crate::cpu::{ParamSink, Shard, StateMut, adamw_update_shards, grad_sq_sums};
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
 use crate::hyperparameters::{GradClip, Hyperparameters, Variant};
-use crate::step::{StageTimes, StepDecision, StepOptions, StepReport};
+use crate::step::{StageTimes, StepDecision, StepReport};
 
 /// A gradient in the dtype the framework keeps it in.
 #[derive(Debug, Clone, Copy)]
@@ -89,24 +89,6 @@ fn check(param: &InPlaceParam<'_>, variant: Variant) -> Result<()> {
     StepDecision::next_step(param.step).map(|_| ())
 }
 
-/// One AdamW step of every parameter of every group, in place. Everything is checked first
-/// (each group's hyperparameters, every buffer's length, every step count, one clipping rule
-/// for all groups: it is over the global norm), then Σg² over every gradient decides the step
-/// ([`StepDecision`]): a non-finite gradient skips it, touching nothing; otherwise every
-/// parameter is updated by torch's AdamW ([`adamw_update`](crate::cpu::adamw_update)) with its group's hyperparameters
-/// and its own step count, which then advances. On an error nothing was written.
-pub fn step_in_place(groups: &mut [InPlaceGroup<'_>], options: StepOptions) -> Result<StepReport> {
-    let clip = global_clip(groups)?;
-    check_groups(groups)?;
-    let start = std::time::Instant::now();
-    let decision = StepDecision::new(in_place_grad_sq(groups), options, clip)?;
-    let stats = start.elapsed();
-    let mut report = apply_in_place(groups, &decision)?;
-    report.times.stats = stats;
-    report.times.total = start.elapsed();
-    Ok(report)
-}
-
 /// The clipping of a step over `groups`: one rule for all of them, since it bounds the norm
 /// over all of their gradients ([`GradClip::None`] without groups); groups that disagree are
 /// [`Error::InvalidConfig`].
@@ -143,7 +125,7 @@ pub fn in_place_grad_sq(groups: &[InPlaceGroup<'_>]) -> f64 {
 }
 
 /// Checks every group's hyperparameters, buffers and step counts.
-fn check_groups(groups: &[InPlaceGroup<'_>]) -> Result<()> {
+pub(crate) fn check_groups(groups: &[InPlaceGroup<'_>]) -> Result<()> {
     for group in groups {
         group.hyperparameters.validate()?;
         for param in &group.params {
@@ -248,6 +230,8 @@ impl<'a> ShardsByKind<'a> {
 mod tests {
     use super::*;
     use crate::cpu::adamw_update;
+    use crate::parts::step_in_place;
+    use crate::step::StepOptions;
 
     fn one(param: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &[f32], hp: Hyperparameters) -> StepReport {
         let state = StateMut { param, exp_avg: m, exp_avg_sq: v, max_exp_avg_sq: &mut [] };

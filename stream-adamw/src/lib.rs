@@ -37,7 +37,8 @@
 //! ```
 //!
 //! Frameworks whose optimizer keeps the state in its own tensors (`torch.optim`, candle) step
-//! them with [`step_in_place`]: the same checks, skip, clipping and step counts.
+//! them with [`step_in_place`]: the same checks, skip, clipping and step counts; one that also
+//! offloads some parameters steps everything under one decision with [`step_parts`].
 
 pub mod config;
 pub mod cpu;
@@ -55,6 +56,7 @@ pub mod hyperparameters;
 pub mod in_place;
 pub mod kernels;
 pub mod optimizer;
+pub mod parts;
 mod pipeline;
 pub mod plan;
 pub mod state;
@@ -67,10 +69,9 @@ pub use flatpeak_common::{Budget, DType, Device, Workspace};
 pub use half::bf16;
 pub use host::{HostDevice, Link};
 pub use hyperparameters::{GradClip, Hyperparameters, Objective, StepScalars, Variant};
-pub use in_place::{
-    GradRef, InPlaceGroup, InPlaceParam, apply_in_place, global_clip, in_place_grad_sq, step_in_place,
-};
+pub use in_place::{GradRef, InPlaceGroup, InPlaceParam, apply_in_place, global_clip, in_place_grad_sq};
 pub use optimizer::{StepBuffers, StreamAdamW};
+pub use parts::{InPlaceGroups, OffloadedStep, StepPart, step_in_place, step_parts};
 pub use pipeline::{Fault, Stage};
 pub use plan::{Plan, Shape, ideal_speedup, pipelined_time};
 pub use state::{OptimizerState, StateDict};

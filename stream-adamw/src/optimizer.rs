@@ -38,6 +38,15 @@ pub enum StepBuffers<'a, G: GradElement, P: ParamElement> {
 }
 
 impl<G: GradElement, P: ParamElement> StepBuffers<'_, G, P> {
+    /// The same buffers, borrowed for a shorter while (to hand them to one call and keep them).
+    pub fn reborrow(&mut self) -> StepBuffers<'_, G, P> {
+        match self {
+            Self::Host(d) => StepBuffers::Host(d),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(d) => StepBuffers::Cuda(d),
+        }
+    }
+
     /// Where the buffers live.
     pub fn device(&self) -> Device {
         match self {

@@ -594,9 +594,9 @@ fn cuda_run(
     grad: GradOutput<'_>,
     pass: Pass<'_>,
 ) -> Result<(ring_dtp::Forward, ring_dtp::Gradients), Error> {
-    use ring_dtp::cuda::{CudaLinearCrossEntropy, DeviceInputs, DeviceMatrix};
-    let mut lce = CudaLinearCrossEntropy::new(*plan, 0)?;
-    let s = lce.stream().clone();
+    use ring_dtp::cuda::{DeviceInputs, DeviceMatrix};
+    let mut lce = ring_dtp::LinearCrossEntropy::new(*plan, flatpeak_common::Device::Cuda(0))?;
+    let s = lce.stream()?.clone();
     let up = |e| Error::Common(flatpeak_common::Error::Cuda { op: "upload", message: format!("{e:?}") });
     let (xf, wf, xb, wb);
     let (x, w) = match (inp.x, inp.w) {
@@ -613,16 +613,8 @@ fn cuda_run(
     let targets = s.clone_htod(inp.targets).map_err(up)?;
     let bias = inp.bias.map(|b| s.clone_htod(b)).transpose().map_err(up)?;
     let weights = inp.weights.map(|b| s.clone_htod(b)).transpose().map_err(up)?;
-    let dev = DeviceInputs {
-        x,
-        w,
-        bias: bias.as_ref(),
-        targets: &targets,
-        weights: weights.as_ref(),
-        n: inp.n,
-        d: inp.d,
-        v: inp.v,
-    };
+    let mut dev = DeviceInputs::on_device(x, w, &targets, inp.d);
+    (dev.bias, dev.weights, dev.n, dev.v) = (bias.as_ref(), weights.as_ref(), inp.n, inp.v);
     let (f, g) = match pass {
         Pass::Separate { dlse } => {
             let f = lce.forward(&dev)?;
@@ -836,7 +828,8 @@ fn tf32_runs_on_cuda_for_f32_inputs_only(backend: Backend) {
     #[cfg(feature = "cuda")]
     {
         let bf16_plan = Plan::new(&tf32, Shape { dtype: DType::Bf16, ..shape }, Budget::Bytes(64 << 20));
-        let refused = ring_dtp::cuda::CudaLinearCrossEntropy::new(bf16_plan.expect("plan"), 0);
+        let refused =
+            ring_dtp::LinearCrossEntropy::new(bf16_plan.expect("plan"), flatpeak_common::Device::Cuda(0));
         assert!(
             matches!(refused, Err(Error::UnsupportedPrecision { dtype: DType::Bf16, .. })),
             "{:?}",
@@ -867,7 +860,7 @@ fn tf32_is_refused_when_the_executor_is_made() {
     {
         let plan =
             Plan::new(&tf32, Shape { dtype: DType::Bf16, ..shape }, Budget::Bytes(1 << 20)).expect("plan");
-        let made = ring_dtp::cuda::CudaLinearCrossEntropy::new(plan, 0);
+        let made = ring_dtp::LinearCrossEntropy::new(plan, flatpeak_common::Device::Cuda(0));
         assert!(
             matches!(
                 &made,

@@ -62,7 +62,7 @@ fn main() {
     let small_inputs =
         Inputs::new(Matrix::Bf16(&x[..64 * d]), Matrix::Bf16(&w[..256 * d]), &targets[..64], d);
     let small_targets: Vec<i64> = targets[..64].iter().map(|&t| if t < 0 { t } else { t % 256 }).collect();
-    let small_inputs = Inputs { targets: &small_targets, ..small_inputs };
+    let small_inputs = Inputs { targets: &small_targets[..], ..small_inputs };
     LinearCrossEntropy::new(small, Device::Cpu)
         .and_then(|mut l| l.forward_backward(&small_inputs, GradOutput::Scalar(1.0)))
         .expect("warm-up");

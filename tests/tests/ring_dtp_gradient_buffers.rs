@@ -12,10 +12,10 @@ use flatpeak_common::comm::{Communicator, LocalGroup, LocalGroupOptions};
 use flatpeak_common::testing::{Backend, SplitMix64};
 use flatpeak_common::{DType, Precision};
 use half::bf16;
-use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{
     Bf16GradientsMut, Budget, Config, Device, Error, Forward, GradOutput, GradientBuffers, GradientSelection,
-    GradientsMut, Inputs, LinearCrossEntropy, Matrix, Plan, RingOptions, RingPlan, Shape, Upstream, Want,
+    GradientsMut, Inputs, LinearCrossEntropy, Matrix, Plan, RingLinearCrossEntropy, RingOptions, RingPlan,
+    Shape, Upstream, Want,
 };
 
 /// One problem: X (N×D), W (V×D), a bias, targets (some ignored) and an upstream lse gradient.
@@ -331,7 +331,7 @@ fn wrong_lengths_are_refused_and_empty_shapes_give_zeros(backend: Backend) {
         let c = make_case(n, d, v, 9);
         let inp = Inputs::new(Matrix::F32(&c.x), Matrix::F32(&c.w), &c.targets, d);
         let targets: Vec<i64> = vec![-100; n];
-        let inp = Inputs { targets: &targets, v, ..inp };
+        let inp = Inputs { targets: &targets[..], v, ..inp };
         let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 };
         let plan = Plan::new(&Config::default(), shape, Budget::Unlimited).expect("plan");
         let fwd = Forward { loss: ring_dtp::Loss::Scalar(0.0), lse: vec![0.0; n] };
@@ -373,10 +373,11 @@ fn the_rings_refuse_a_selection() {
     let results = LocalGroup::run(p, LocalGroupOptions::default(), |comm| {
         let rank = comm.rank();
         let (t, s) = (plan.tokens(rank), plan.shard(rank));
-        let inputs = RankInputs::new(
+        let inputs = Inputs::new(
             Matrix::F32(&c.x[t.start * d..t.end * d]),
             Matrix::F32(&c.w[s.start * d..s.end * d]),
             &c.targets[t.clone()],
+            d,
         );
         let lse = vec![0.0; t.len()];
         let (mut dx, mut dw) = (vec![0.0; t.len() * d], Vec::new());
@@ -386,7 +387,10 @@ fn the_rings_refuse_a_selection() {
             dw = vec![0.0; s.len() * d];
         }
         let out = GradientsMut::new(&mut dx, &mut dw, None).selecting(wanted);
-        Ok(ring::backward_into(comm, &plan, &inputs, &lse, Upstream::loss(GradOutput::Scalar(1.0)), out))
+        let ring = RingLinearCrossEntropy::new(plan, Device::Cpu);
+        Ok(ring.and_then(|mut ring| {
+            ring.backward_into(comm, &inputs, &lse, Upstream::loss(GradOutput::Scalar(1.0)), out)
+        }))
     });
     for (rank, r) in results.into_iter().enumerate() {
         match r.expect("the group ran") {

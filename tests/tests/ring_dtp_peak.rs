@@ -7,9 +7,9 @@
 use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions};
 use flatpeak_common::{CountingAllocator, DType, PeakMeter, SplitMix64};
 use ring_dtp::plan::{CPU_GEMM_SCRATCH_PER_THREAD, PER_TOKEN_BYTES};
-use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{
-    Budget, Config, GradOutput, Inputs, Matrix, Plan, RingKind, RingOptions, RingPlan, Shape, cpu,
+    Budget, Config, Device, GradOutput, Inputs, Matrix, Plan, RingKind, RingLinearCrossEntropy, RingOptions,
+    RingPlan, Shape, cpu,
 };
 
 #[global_allocator]
@@ -78,12 +78,14 @@ fn measure_ring(
         LocalGroup::run(p, LocalGroupOptions::default(), |comm| {
             let r = comm.rank();
             let (t, s) = (plan.tokens(r), plan.shard(r));
-            let inputs = RankInputs::new(
+            let inputs = Inputs::new(
                 Matrix::F32(&x[t.start * d..t.end * d]),
                 Matrix::F32(&w[s.start * d..s.end * d]),
                 &targets[t],
+                d,
             );
-            Ok(ring::forward_backward(comm, &plan, &inputs, GradOutput::Scalar(1.0)))
+            let ring = RingLinearCrossEntropy::new(plan, Device::Cpu);
+            Ok(ring.and_then(|mut ring| ring.forward_backward(comm, &inputs, GradOutput::Scalar(1.0))))
         })
     };
     step();

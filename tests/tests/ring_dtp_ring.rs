@@ -11,10 +11,9 @@ use half::bf16;
 use proptest::prelude::*;
 use ring_dtp::cpu::reference::Rounding;
 use ring_dtp::cpu::{self, reference};
-use ring_dtp::ring::{self, RankInputs};
 use ring_dtp::{
-    Budget, Config, Error, Forward, GradOutput, Gradients, Inputs, Loss, Matrix, Plan, Reduction, RingKind,
-    RingOptions, RingPlan, Shape, Softcap, Upstream,
+    Budget, Config, Device, Error, Forward, GradOutput, Gradients, Inputs, Loss, Matrix, Plan, Reduction,
+    RingKind, RingLinearCrossEntropy, RingOptions, RingPlan, Shape, Softcap, Upstream,
 };
 
 /// f32 bound, on errors normalised by the magnitudes each quantity sums (see tests/ring_dtp.rs).
@@ -116,12 +115,13 @@ fn run_ring(
         let r = comm.rank();
         let (t, s) = (plan.tokens(r), plan.shard(r));
         let inputs =
-            RankInputs::new(slice(x, t.clone(), c.d), slice(w, s.clone(), c.d), &c.targets[t.clone()])
+            Inputs::new(slice(x, t.clone(), c.d), slice(w, s.clone(), c.d), &c.targets[t.clone()], c.d)
                 .with_bias(&c.bias[s])
                 .with_weights(&c.weights[t.clone()]);
-        let fwd = ring::forward(comm, &plan, &inputs)?;
+        let mut ring = RingLinearCrossEntropy::new(plan, Device::Cpu)?;
+        let fwd = ring.forward(comm, &inputs)?;
         let grad = grad_of(config, &c.grad_tokens[t.clone()]);
-        let g = ring::backward(comm, &plan, &inputs, &fwd, Upstream::loss(grad).with_dlse(Some(&c.dlse[t])))?;
+        let g = ring.backward(comm, &inputs, &fwd, Upstream::loss(grad).with_dlse(Some(&c.dlse[t])))?;
         // No message of the ring outlives its pass: a stray one would fail the barrier.
         comm.barrier()?;
         Ok((fwd, g))
@@ -401,12 +401,13 @@ fn bad_input_is_a_typed_error_on_every_rank() {
         use flatpeak_common::comm::Communicator;
         let r = comm.rank();
         let (t, s) = (plan.tokens(r), plan.shard(r));
-        let inputs = RankInputs::new(
+        let inputs = Inputs::new(
             Matrix::F32(&c.x[t.start * 8..t.end * 8]),
             Matrix::F32(&c.w[s.start * 8..s.end * 8]),
             &targets[t],
+            8,
         );
-        ring::forward(comm, &plan, &inputs)
+        RingLinearCrossEntropy::new(plan, Device::Cpu)?.forward(comm, &inputs)
     });
     assert_eq!(
         results[0].as_ref().unwrap_err(),
@@ -426,13 +427,14 @@ fn bad_input_is_a_typed_error_on_every_rank() {
     let results = on_ranks(2, |comm: &LocalComm| {
         use flatpeak_common::comm::Communicator;
         let (t, s) = (plan.tokens(comm.rank()), plan.shard(comm.rank()));
-        let inputs = RankInputs::new(
+        let inputs = Inputs::new(
             Matrix::F32(&c.x[t.start * 8..t.end * 8]),
             Matrix::F32(&c.w[s.start * 8..s.end * 8]),
             &c.targets[t.clone()],
+            8,
         )
         .with_weights(&weights[t]);
-        ring::forward(comm, &plan, &inputs)
+        RingLinearCrossEntropy::new(plan, Device::Cpu)?.forward(comm, &inputs)
     });
     assert!(matches!(results[1], Err(Error::InvalidWeight { token: 2, weight: -1.0 })), "{:?}", results[1]);
     assert!(
@@ -445,13 +447,14 @@ fn bad_input_is_a_typed_error_on_every_rank() {
     let results = on_ranks(2, |comm: &LocalComm| {
         use flatpeak_common::comm::Communicator;
         let (t, s) = (plan.tokens(comm.rank()), plan.shard(comm.rank()));
-        let inputs = RankInputs::new(
+        let inputs = Inputs::new(
             Matrix::F32(&c.x[t.start * 8..t.end * 8]),
             Matrix::F32(&c.w[s.start * 8..s.end * 8]),
             &c.targets[t],
+            8,
         );
         let inputs = if comm.rank() == 0 { inputs.with_bias(&bias[s]) } else { inputs };
-        ring::forward(comm, &plan, &inputs)
+        RingLinearCrossEntropy::new(plan, Device::Cpu)?.forward(comm, &inputs)
     });
     for r in results {
         assert!(matches!(&r, Err(Error::InvalidConfig { field: "bias", .. })), "{r:?}");
@@ -472,27 +475,28 @@ fn bad_input_is_a_typed_error_on_every_rank() {
         use flatpeak_common::comm::Communicator;
         let mine = if comm.rank() == 0 { &plan } else { &other };
         let (t, s) = (mine.tokens(comm.rank()), mine.shard(comm.rank()));
-        let inputs = RankInputs::new(
+        let inputs = Inputs::new(
             Matrix::F32(&c.x[t.start * 8..t.end * 8]),
             Matrix::F32(&c.w[s.start * 8..s.end * 8]),
             &c.targets[t],
+            8,
         );
-        ring::forward(comm, mine, &inputs)
+        RingLinearCrossEntropy::new(*mine, Device::Cpu)?.forward(comm, &inputs)
     });
     for r in results {
         assert!(matches!(&r, Err(Error::InvalidConfig { field: "plan", .. })), "{r:?}");
     }
     // A plan for another world size, and shards of the wrong shape.
     let results = on_ranks(3, |comm: &LocalComm| {
-        let inputs = RankInputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..120]), &c.targets[..10]);
-        ring::forward(comm, &plan, &inputs)
+        let inputs = Inputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..120]), &c.targets[..10], 8);
+        RingLinearCrossEntropy::new(plan, Device::Cpu)?.forward(comm, &inputs)
     });
     for r in results {
         assert!(matches!(r, Err(Error::ShapeMismatch { what: "world size", expected: 2, got: 3 })));
     }
     let results = on_ranks(2, |comm: &LocalComm| {
-        let inputs = RankInputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..119]), &c.targets[..10]);
-        ring::forward(comm, &plan, &inputs)
+        let inputs = Inputs::new(Matrix::F32(&c.x[..80]), Matrix::F32(&c.w[..119]), &c.targets[..10], 8);
+        RingLinearCrossEntropy::new(plan, Device::Cpu)?.forward(comm, &inputs)
     });
     for r in results {
         assert!(matches!(r, Err(Error::ShapeMismatch { what: "w shard (v_r·d)", expected: 120, got: 119 })));
@@ -514,8 +518,7 @@ fn bad_input_is_a_typed_error_on_every_rank() {
 fn device_rings_match_the_reference() {
     use flatpeak_common::cuda::cudarc::driver::CudaContext;
     use flatpeak_common::nccl::NcclComm;
-    use ring_dtp::cuda::ring::{CudaRing, DeviceRankInputs};
-    use ring_dtp::cuda::{DeviceGradients, DeviceMatrix};
+    use ring_dtp::cuda::{DeviceGradients, DeviceInputs, DeviceMatrix};
     if !flatpeak_common::nccl::nccl_available() {
         eprintln!("skipped: libnccl is not installed on this machine");
         return;
@@ -560,18 +563,19 @@ fn device_rings_match_the_reference() {
                             let targets = s.clone_htod(&c.targets[t.clone()]).unwrap();
                             let bias = s.clone_htod(&c.bias[sh]).unwrap();
                             let weights = s.clone_htod(&c.weights[t.clone()]).unwrap();
-                            let inputs = DeviceRankInputs {
-                                x,
-                                w_shard: w,
-                                bias_shard: Some(&bias),
-                                targets: &targets,
-                                weights: Some(&weights),
-                            };
-                            let mut ring = CudaRing::new(*plan, comm).expect("ring");
-                            let fwd = ring.forward(&inputs).expect("forward");
+                            let inputs = DeviceInputs::on_device(x, w, &targets, d)
+                                .with_bias(&bias)
+                                .with_weights(&weights);
+                            let mut ring = RingLinearCrossEntropy::new(*plan, Device::Cuda(r)).expect("ring");
+                            let fwd = ring.forward(&comm, &inputs).expect("forward");
                             let grad = grad_of(config, &c.grad_tokens[t.clone()]);
                             let g: DeviceGradients = ring
-                                .backward(&inputs, &fwd, Upstream::loss(grad).with_dlse(Some(&c.dlse[t])))
+                                .backward(
+                                    &comm,
+                                    &inputs,
+                                    &fwd,
+                                    Upstream::loss(grad).with_dlse(Some(&c.dlse[t])),
+                                )
                                 .expect("backward");
                             let down = |v: &flatpeak_common::cuda::cudarc::driver::CudaSlice<f32>,
                                         len: usize| {
@@ -583,7 +587,7 @@ fn device_rings_match_the_reference() {
                                 dw: down(&g.dw, v_r * d),
                                 dbias: g.dbias.as_ref().map(|b| down(b, v_r)),
                             };
-                            ring.synchronize().expect("synchronize before the communicator drops");
+                            ring.synchronize(&comm).expect("synchronize before the communicator drops");
                             (fwd, grads)
                         })
                     })
@@ -646,13 +650,15 @@ fn a_rank_failing_at_any_ring_step_fails_promptly_and_the_next_pass_runs() {
                                 let comm =
                                     FaultyComm::new(comm, if r == failing { fail_at } else { usize::MAX });
                                 let (t, s) = (plan.tokens(r), plan.shard(r));
-                                let inputs = RankInputs::new(
+                                let inputs = Inputs::new(
                                     slice(x, t.clone(), d),
                                     slice(w, s.clone(), d),
                                     &targets[t],
+                                    d,
                                 );
-                                let fwd = ring::forward(&comm, plan, &inputs)?;
-                                ring::backward(&comm, plan, &inputs, &fwd, GradOutput::Scalar(1.0).into())?;
+                                let mut ring = RingLinearCrossEntropy::new(*plan, Device::Cpu)?;
+                                let fwd = ring.forward(&comm, &inputs)?;
+                                ring.backward(&comm, &inputs, &fwd, GradOutput::Scalar(1.0).into())?;
                                 Ok(comm.ops())
                             })
                         })

@@ -12,8 +12,10 @@ use std::time::Instant;
 use flatpeak_common::gemm::Threads;
 use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, PeakMeter, SplitMix64, relative_error};
 use ring_dtp::cpu::reference;
-use ring_dtp::ring::{self, RankInputs};
-use ring_dtp::{Config, GradOutput, Gradients, Inputs, Loss, Matrix, RingKind, RingOptions, RingPlan};
+use ring_dtp::{
+    Config, Device, GradOutput, Gradients, Inputs, Loss, Matrix, RingKind, RingLinearCrossEntropy,
+    RingOptions, RingPlan,
+};
 
 use super::ReportError;
 use super::ring_dtp_baseline::{GemmEfficiency, PROBE_N, PROBE_REPS, ROUNDS, materialized};
@@ -86,12 +88,14 @@ pub fn ring_row(name: &str, w: RingWorkload, machine: &MachineInfo) -> Result<Ro
     let ringed = || {
         LocalGroup::run(p, group, |comm| {
             let (t, s) = (plan.tokens(comm.rank()), plan.shard(comm.rank()));
-            let inputs = RankInputs::new(
+            let inputs = Inputs::new(
                 Matrix::F32(&x[t.start * d..t.end * d]),
                 Matrix::F32(&wt[s.start * d..s.end * d]),
                 &targets[t],
+                d,
             );
-            Ok(ring::forward_backward(comm, &plan, &inputs, GradOutput::Scalar(1.0)))
+            let ring = RingLinearCrossEntropy::new(plan, Device::Cpu);
+            Ok(ring.and_then(|mut ring| ring.forward_backward(comm, &inputs, GradOutput::Scalar(1.0))))
         })
     };
     let t0 = plan.tokens(0);

@@ -16,11 +16,12 @@ mod local;
 mod parts;
 mod record;
 
+pub use crate::error::Refusal;
 pub use agree::{agree_on_inputs, all_gather_words};
 pub use collectives::{Collectives, OverCollectives};
 pub use local::{LocalComm, LocalGroup, LocalGroupOptions, MAX_LOCAL_WORLD};
 pub use parts::{Parts, PartsMut, check_parts};
-pub use record::{Agreed, Call, DeviceKind, RankRecord, Refusal, Words, agree_records};
+pub use record::{Agreed, Call, DeviceKind, RankRecord, Words, agree_records};
 
 use bytemuck::Pod;
 

@@ -3,7 +3,7 @@
 //! gathered once by [`agree_records`], so every rank holds every rank's record and computes the
 //! same verdict from the same words.
 //!
-//! A rank whose own checks failed (a binding's [`Refusal`], a crate's validation) still enters
+//! A rank whose own checks failed (a binding's [`Refusal`](crate::error::Refusal), a crate's validation) still enters
 //! the agreement: the group agrees on the verdicts first, in the same exchange that carries the
 //! call's name, so a bad input on one rank, or two ranks in different calls, is an error on every
 //! rank instead of a wait. A disagreement found from the records is [`Error::Refused`] on the
@@ -15,30 +15,6 @@ use crate::device::Device;
 use crate::digest::Digest;
 use crate::dtype::{DType, DTypeNames};
 use crate::error::{Error, ErrorKind, HasErrorKind, Result};
-
-/// Why a rank has no inputs to bring to a multi-rank call: its caller's own check of its
-/// arguments failed (a binding's tensor of the wrong dtype, a name it does not know). The rank
-/// still enters the call with it, so the whole group refuses together; on this rank it is
-/// [`Error::Refused`] with the same kind and message.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
-    /// The kind of the failure (the exception a binding raises on every rank).
-    pub kind: ErrorKind,
-    /// What was refused, naming the offending values.
-    pub message: String,
-}
-
-impl std::fmt::Display for Refusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl From<Refusal> for Error {
-    fn from(r: Refusal) -> Self {
-        Error::Refused { kind: r.kind, message: r.message }
-    }
-}
 
 /// The kind of device a rank's tensors live on. Ranks differ in ordinal (each drives its own
 /// GPU), never in kind: the two kinds run different exchanges.
@@ -318,7 +294,7 @@ mod tests {
     fn a_local_refusal_reaches_every_rank_and_the_group_stays_usable() {
         let out = LocalGroup::run(2, LocalGroupOptions::default(), |comm| {
             let local = if comm.rank() == 0 {
-                Err(Error::from(Refusal { kind: ErrorKind::Value, message: "x: wrong".into() }))
+                Err(Error::from(crate::error::Refusal { kind: ErrorKind::Value, message: "x: wrong".into() }))
             } else {
                 Ok(record(DeviceKind::Cpu, [1, 2]))
             };

@@ -9,18 +9,16 @@
 //! the stream), so the lse is kept on the host for backward and the loss is uploaded as the
 //! op's output. No `unsafe` here: candle and cudarc hand out safe slices.
 
-use std::sync::PoisonError;
-
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType as CandleDType, Layout, Storage, Tensor};
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, DeviceRepr, DriverError};
-use ring_dtp::cuda::{BlockBuffers, CudaLinearCrossEntropy, DeviceGradientsMut, DeviceInputs, DeviceMatrix};
-use ring_dtp::{Loss, Shape};
+use ring_dtp::cuda::{BlockBuffers, DeviceGradientsMut, DeviceInputs, DeviceMatrix};
+use ring_dtp::{Forward, GradOutput, LinearCrossEntropy, Plan, Shape, Upstream};
 
 use crate::error::{Error, Result};
-use crate::loss::{FusedLinearCrossEntropy, Grads, PerToken, SavedLse};
+use crate::grads::Grads;
 
 /// The per-token tensors on the device: targets as i64, token weights as f32.
 #[derive(Debug)]
@@ -58,10 +56,10 @@ fn storage_len(cuda: &CudaStorage) -> usize {
 }
 
 /// The targets (as i64) and token weights (as f32) of a CUDA call, kept by the op.
-pub(crate) fn per_token(targets: &Tensor, weights: Option<&Tensor>) -> Result<PerToken> {
+pub(crate) fn per_token(targets: &Tensor, weights: Option<&Tensor>) -> Result<DevicePerToken> {
     let targets = whole(&targets.flatten_all()?.to_dtype(CandleDType::I64)?)?;
     let weights = weights.map(|w| whole(&w.flatten_all()?.to_dtype(CandleDType::F32)?)).transpose()?;
-    Ok(PerToken::Device(DevicePerToken { targets, weights }))
+    Ok(DevicePerToken { targets, weights })
 }
 
 /// The whole cudarc slice of `T` behind a storage and layout (checked: dtype, offset 0, length).
@@ -98,28 +96,49 @@ fn cuda_of<'a>(what: &'static str, storage: &'a Storage) -> Result<&'a CudaStora
     }
 }
 
-/// Zeroed block buffers for the plan, on `device`'s stream.
-fn block_buffers(device: &CudaDevice, op: &FusedLinearCrossEntropy) -> Result<BlockBuffers> {
+/// Forward's operands as candle hands a custom op's CUDA forward its storages.
+pub(crate) struct Operands<'a> {
+    /// X, `[N, D]`.
+    pub(crate) x: (&'a CudaStorage, &'a Layout),
+    /// W, `[V, D]`.
+    pub(crate) w: (&'a CudaStorage, &'a Layout),
+    /// The bias, `[V]` f32.
+    pub(crate) bias: Option<(&'a CudaStorage, &'a Layout)>,
+}
+
+/// Backward's operands as candle hands a custom op's backward its tensors.
+pub(crate) struct Tensors<'a> {
+    /// X, `[N, D]`.
+    pub(crate) x: &'a Tensor,
+    /// W, `[V, D]`.
+    pub(crate) w: &'a Tensor,
+    /// The bias, `[V]` f32.
+    pub(crate) bias: Option<&'a Tensor>,
+}
+
+/// Zeroed block buffers for `plan`, on `device`'s stream (candle's allocator).
+fn block_buffers(device: &CudaDevice, plan: &Plan) -> Result<BlockBuffers> {
     let stream = device.cuda_stream();
-    let [logits, x_wide, w_wide] = BlockBuffers::lens(&op.plan).map(|len| len.max(1));
+    let [logits, x_wide, w_wide] = BlockBuffers::lens(plan).map(|len| len.max(1));
     let alloc = |len| stream.alloc_zeros::<f32>(len).map_err(cuda_error("block buffer"));
     Ok(BlockBuffers { logits: alloc(logits)?, x_wide: alloc(x_wide)?, w_wide: alloc(w_wide)? })
 }
 
-/// Runs `f` on the op's device inputs: X and W from the given storages, the rest from the op.
+/// An executor of `plan` on `device`'s stream: ordered after the candle work that produced the
+/// inputs and before the work that reads the outputs.
+fn executor(device: &CudaDevice, plan: Plan) -> Result<LinearCrossEntropy> {
+    Ok(LinearCrossEntropy::on_stream(plan, device.cuda_stream())?)
+}
+
+/// Runs `body` on the device inputs: X, W and the bias from their storages, the targets and
+/// weights from `per_token`.
 fn with_inputs<R>(
-    op: &FusedLinearCrossEntropy,
+    plan: &Plan,
+    per_token: &DevicePerToken,
     (x, w): (DeviceMatrix<'_>, DeviceMatrix<'_>),
     bias: Option<&CudaSlice<f32>>,
-    f: impl FnOnce(&DeviceInputs<'_>) -> Result<R>,
+    body: impl FnOnce(&DeviceInputs<'_>) -> Result<R>,
 ) -> Result<R> {
-    let PerToken::Device(per_token) = &op.per_token else {
-        return Err(Error::Device {
-            what: "input",
-            expected: "the device forward ran on".into(),
-            got: "cuda".into(),
-        });
-    };
     let (targets_storage, targets_layout) = per_token.targets.storage_and_layout();
     let targets = slice_of::<i64>(cuda_of("targets", &targets_storage)?, targets_layout, "targets")?;
     let weights_guard = per_token.weights.as_ref().map(|t| t.storage_and_layout());
@@ -129,44 +148,39 @@ fn with_inputs<R>(
         }
         None => None,
     };
-    let Shape { tokens: n, hidden: d, vocab: v, .. } = op.plan.shape();
-    f(&DeviceInputs { x, w, bias, targets, weights, n, d, v })
+    let mut inputs = DeviceInputs::on_device(x, w, targets, plan.shape().hidden);
+    inputs.bias = bias;
+    inputs.weights = weights;
+    body(&inputs)
 }
 
-/// The forward of the op on CUDA storage: the loss as a CUDA f32 tensor's storage.
-pub(crate) fn forward(
-    op: &FusedLinearCrossEntropy,
-    (xs, xl): (&CudaStorage, &Layout),
-    (ws, wl): (&CudaStorage, &Layout),
-    bias: Option<(&CudaStorage, &Layout)>,
-) -> Result<(CudaStorage, candle_core::Shape)> {
-    let device = xs.device.clone();
-    let stream = device.cuda_stream();
+/// The forward of the op on CUDA storage, on the inputs' stream.
+pub(crate) fn forward(plan: Plan, per_token: &DevicePerToken, operands: Operands<'_>) -> Result<Forward> {
+    let Operands { x: (xs, xl), w: (ws, wl), bias } = operands;
     let bias = bias.map(|(s, l)| slice_of::<f32>(s, l, "bias")).transpose()?;
-    let mut buffers = block_buffers(&device, op)?;
-    let mut lce = CudaLinearCrossEntropy::on_stream(op.plan, stream.clone())?;
-    let forward = with_inputs(op, (matrix(xs, xl, "input")?, matrix(ws, wl, "weight")?), bias, |inputs| {
-        Ok(lce.forward_with(&mut buffers, inputs)?)
-    })?;
-    op.save(SavedLse::Host(forward.lse));
-    let loss = match forward.loss {
-        Loss::Scalar(loss) => vec![loss as f32],
-        Loss::PerToken(per_token) => per_token,
-    };
-    let loss = stream.clone_htod(&loss).map_err(cuda_error("loss upload"))?;
-    Ok((CudaStorage::wrap_cuda_slice(loss, device), op.loss_shape()))
+    let mut buffers = block_buffers(&xs.device, &plan)?;
+    let mut lce = executor(&xs.device, plan)?;
+    let operands = (matrix(xs, xl, "input")?, matrix(ws, wl, "weight")?);
+    with_inputs(&plan, per_token, operands, bias, |inputs| Ok(lce.forward_with(&mut buffers, inputs)?))
 }
 
-/// The backward of the op on CUDA tensors: dX, dW (and dbias) allocated on the inputs' stream.
+/// `values` as CUDA f32 storage on `device`'s stream (the loss forward finished on the host).
+pub(crate) fn upload(device: &CudaDevice, values: &[f32]) -> Result<CudaStorage> {
+    let slice = device.cuda_stream().clone_htod(values).map_err(cuda_error("loss upload"))?;
+    Ok(CudaStorage::wrap_cuda_slice(slice, device.clone()))
+}
+
+/// The backward of the op on CUDA tensors from forward's `lse`: dX, dW (and dbias) allocated
+/// on the inputs' stream, in the arguments' dtypes.
 pub(crate) fn backward(
-    op: &FusedLinearCrossEntropy,
-    x: &Tensor,
-    w: &Tensor,
-    bias: Option<&Tensor>,
-    grad_res: &Tensor,
+    plan: Plan,
+    per_token: &DevicePerToken,
+    tensors: Tensors<'_>,
+    lse: &[f32],
+    grad: GradOutput<'_>,
 ) -> Result<Grads> {
-    let upstream = op.grad_output(grad_res)?;
-    let Shape { tokens: n, hidden: d, vocab: v, .. } = op.plan.shape();
+    let Tensors { x, w, bias } = tensors;
+    let Shape { tokens: n, hidden: d, vocab: v, .. } = plan.shape();
     let (xs, xl) = x.storage_and_layout();
     let (ws, wl) = w.storage_and_layout();
     let (xs, ws) = (cuda_of("input", &xs)?, cuda_of("weight", &ws)?);
@@ -180,22 +194,12 @@ pub(crate) fn backward(
         Some((storage, layout)) => Some(slice_of::<f32>(cuda_of("bias", storage)?, layout, "bias")?),
         None => None,
     };
-    let mut buffers = block_buffers(&device, op)?;
-    let mut lce = CudaLinearCrossEntropy::on_stream(op.plan, stream.clone())?;
+    let mut buffers = block_buffers(&device, &plan)?;
+    let mut lce = executor(&device, plan)?;
     let operands = (matrix(xs, xl, "input")?, matrix(ws, wl, "weight")?);
-    with_inputs(op, operands, bias_slice, |inputs| {
-        let saved = op.saved.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(SavedLse::Host(lse)) = saved.as_ref() else {
-            return Err(Error::MissingForward { op: crate::loss::NAME });
-        };
+    with_inputs(&plan, per_token, operands, bias_slice, |inputs| {
         let out = DeviceGradientsMut::new(&mut dx, &mut dw, dbias.as_mut());
-        Ok(lce.backward_into_with(
-            &mut buffers,
-            inputs,
-            lse,
-            ring_dtp::Upstream::loss(op.upstream(&upstream)),
-            out,
-        )?)
+        Ok(lce.backward_into_with(&mut buffers, inputs, lse, Upstream::loss(grad), out)?)
     })?;
     let tensor = |slice: CudaSlice<f32>, shape: candle_core::Shape| {
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, device.clone()));

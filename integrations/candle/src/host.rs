@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, Layout, Tensor};
+use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use ring_dtp::Matrix;
 
 use crate::error::{Error, Result};
@@ -46,7 +46,7 @@ pub(crate) fn f32_vector<'a>(
 pub(crate) fn f32_values(tensor: &Tensor, what: &'static str) -> Result<Vec<f32>> {
     let (storage, layout) = tensor.storage_and_layout();
     match &*storage {
-        candle_core::Storage::Cpu(cpu) => Ok(f32_vector(cpu, layout, what)?.into_owned()),
+        Storage::Cpu(cpu) => Ok(f32_vector(cpu, layout, what)?.into_owned()),
         _ => Err(Error::Device { what, expected: "cpu".into(), got: format!("{:?}", tensor.device()) }),
     }
 }
@@ -66,7 +66,7 @@ pub(crate) fn targets<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<Co
 pub(crate) fn target_values(tensor: &Tensor) -> Result<Vec<i64>> {
     let (storage, layout) = tensor.storage_and_layout();
     match &*storage {
-        candle_core::Storage::Cpu(cpu) => Ok(targets(cpu, layout)?.into_owned()),
+        Storage::Cpu(cpu) => Ok(targets(cpu, layout)?.into_owned()),
         _ => Err(Error::Device {
             what: "targets",
             expected: "cpu".into(),
@@ -75,16 +75,18 @@ pub(crate) fn target_values(tensor: &Tensor) -> Result<Vec<i64>> {
     }
 }
 
-/// A contiguous f32 CPU tensor's elements, in place, for the span of `body`.
-pub(crate) fn with_f32<R>(
-    tensor: &Tensor,
-    what: &'static str,
-    body: impl FnOnce(&[f32]) -> Result<R>,
-) -> Result<R> {
-    let (storage, layout) = tensor.storage_and_layout();
-    match &*storage {
-        candle_core::Storage::Cpu(CpuStorage::F32(data)) => body(contiguous(data, layout, what)?),
-        candle_core::Storage::Cpu(other) => Err(Error::DType { what, expected: "f32", got: other.dtype() }),
-        _ => Err(Error::Device { what, expected: "cpu".into(), got: format!("{:?}", tensor.device()) }),
+/// A tensor's storage as CPU storage.
+pub(crate) fn cpu_of<'a>(what: &'static str, storage: &'a Storage) -> Result<&'a CpuStorage> {
+    match storage {
+        Storage::Cpu(cpu) => Ok(cpu),
+        _ => Err(Error::Device { what, expected: "cpu".into(), got: "another device".into() }),
+    }
+}
+
+/// The contiguous f32 elements of a CPU storage, in place.
+pub(crate) fn f32_slice<'a>(storage: &'a Storage, layout: &Layout, what: &'static str) -> Result<&'a [f32]> {
+    match cpu_of(what, storage)? {
+        CpuStorage::F32(data) => contiguous(data, layout, what),
+        other => Err(Error::DType { what, expected: "f32", got: other.dtype() }),
     }
 }

@@ -4,7 +4,7 @@
 //! - [`linear_cross_entropy`]: ring-dtp's fused vocabulary projection + cross-entropy as a
 //!   candle custom op with its backward. `cross_entropy(x.matmul(&w.t()))` materializes
 //!   `N × V` logits and their gradient (8 bytes per logit in f32); this op's transient memory
-//!   is ring-dtp's plan working set (≤ the budget, 64 MiB by default) plus per-token state, and
+//!   is ring-dtp's plan working set (≤ the budget: by default ring-dtp's for the device, `LossBudget::Default`) plus per-token state, and
 //!   its loss and gradients are exact (every logit is formed, one block at a time).
 //! - [`StreamAdamW`]: a `candle_nn::Optimizer` running stream-adamw's AdamW (torch's update
 //!   order) on CPU f32 Vars, skipping the step on a non-finite gradient.
@@ -39,14 +39,16 @@
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 mod cuda;
 pub mod error;
+mod grads;
 mod host;
 pub mod loss;
+mod op;
 pub mod optim;
 
 pub use error::{Error, Result};
-pub use loss::{DEFAULT_BUDGET_BYTES, Extras, LossOptions, linear_cross_entropy, linear_cross_entropy_with};
+pub use loss::{Extras, LossOptions, linear_cross_entropy, linear_cross_entropy_with};
 pub use optim::{StepReport, StreamAdamW};
-pub use ring_dtp::{Budget, Reduction, Softcap};
+pub use ring_dtp::{LossBudget, Reduction, Softcap};
 pub use stream_adamw::{GradClip, Hyperparameters, Objective, StepOutcome, Variant};
 
 #[cfg(test)]

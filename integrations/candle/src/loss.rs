@@ -12,22 +12,12 @@
 //! i64 and f32: 8–12 B per token); X, W and the bias are the op's differentiable arguments,
 //! read in place (a `CustomOp2` on `(x, w)`, or a `CustomOp3` on `(x, w, bias)`).
 
-use std::sync::{Mutex, PoisonError};
-
-use candle_core::{
-    CpuStorage, CustomOp2, CustomOp3, DType as CandleDType, Device as CandleDevice, Layout, Storage, Tensor,
-};
-use ring_dtp::{
-    Budget, Config, DType, Device, GradOutput, GradientsMut, Inputs, LinearCrossEntropy, Loss, Matrix, Plan,
-    Reduction, Shape, Softcap,
-};
+use candle_core::{DType as CandleDType, Device as CandleDevice, DeviceLocation, Tensor};
+use ring_dtp::{Config, DType, Device, LossBudget, Plan, Reduction, Shape, Softcap};
 
 use crate::error::{Error, Result};
 use crate::host;
-
-/// The default working-set budget: 64 MiB, ample for GEMM-sized blocks at any shape (the same
-/// default as the PyTorch package).
-pub const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
+use crate::op::{FusedLinearCrossEntropy, PerToken};
 
 /// The loss's options: ring-dtp's [`Config`] (the PyTorch wrapper's names: `ignore_index`,
 /// `reduction`, `label_smoothing`, `z_loss`, `softcap`) and the working-set budget.
@@ -35,14 +25,16 @@ pub const DEFAULT_BUDGET_BYTES: usize = 64 << 20;
 pub struct LossOptions {
     /// The loss's semantics.
     pub config: Config,
-    /// The most bytes the schedule's working set may take.
-    pub budget: Budget,
+    /// The most bytes the schedule's working set may take: by default ring-dtp's policy for
+    /// the inputs' device (the same as every flatpeak caller's).
+    pub budget: LossBudget,
 }
 
 impl Default for LossOptions {
-    /// ignore_index −100, mean, no smoothing, no z-loss, no softcap, a 64 MiB working set.
+    /// ignore_index −100, mean, no smoothing, no z-loss, no softcap, the device's default
+    /// working set ([`LossBudget::Default`]).
     fn default() -> Self {
-        Self { config: Config::default(), budget: Budget::Bytes(DEFAULT_BUDGET_BYTES) }
+        Self { config: Config::default(), budget: LossBudget::Default }
     }
 }
 
@@ -69,7 +61,7 @@ impl LossOptions {
     }
     /// The working set's budget in bytes.
     pub fn budget_bytes(self, bytes: usize) -> Self {
-        Self { budget: Budget::Bytes(bytes), ..self }
+        Self { budget: LossBudget::Bytes(bytes), ..self }
     }
 }
 
@@ -170,6 +162,17 @@ fn check(x: &Tensor, w: &Tensor, targets: &Tensor, extras: Extras<'_>) -> Result
     Ok(Checked { lead: lead.to_vec(), shape: Shape { tokens: n, hidden: d, vocab: v, dtype } })
 }
 
+/// ring-dtp's device for a candle device.
+fn device_of(device: &CandleDevice) -> Result<Device> {
+    match device.location() {
+        DeviceLocation::Cpu => Ok(Device::Cpu),
+        DeviceLocation::Cuda { gpu_id } => Ok(Device::Cuda(gpu_id)),
+        other => {
+            Err(Error::Device { what: "input", expected: "cpu or cuda".into(), got: format!("{other:?}") })
+        }
+    }
+}
+
 fn apply(
     x: &Tensor,
     w: &Tensor,
@@ -178,314 +181,38 @@ fn apply(
     options: &LossOptions,
 ) -> Result<Tensor> {
     let Checked { lead, shape } = check(x, w, targets, extras)?;
+    let device = device_of(x.device())?;
     // Sized before any data is read: a bad option or an impossible budget fails here.
-    let plan = Plan::new(&options.config, shape, options.budget)?;
-    let per_token = match x.device() {
-        CandleDevice::Cpu => PerToken::Host {
+    let plan = Plan::new(&options.config, shape, options.budget.of(device))?;
+    let per_token = match device {
+        Device::Cpu => PerToken::Host {
             targets: host::target_values(targets)?,
             weights: extras.token_weights.map(|t| host::f32_values(t, "token_weights")).transpose()?,
         },
         #[cfg(feature = "cuda")]
-        CandleDevice::Cuda(_) => crate::cuda::per_token(targets, extras.token_weights)?,
+        Device::Cuda(_) => PerToken::Device(crate::cuda::per_token(targets, extras.token_weights)?),
         #[cfg(not(feature = "cuda"))]
-        CandleDevice::Cuda(_) => return Err(Error::CudaNotBuilt { what: "input" }),
-        other => {
-            return Err(Error::Device {
-                what: "input",
-                expected: "cpu or cuda".into(),
-                got: format!("{other:?}"),
-            });
-        }
+        Device::Cuda(_) => return Err(Error::CudaNotBuilt { what: "input" }),
     };
-    let op = FusedLinearCrossEntropy { options: *options, plan, per_token, saved: Mutex::new(None) };
+    let op = FusedLinearCrossEntropy::new(plan, options.config.reduction, per_token);
     let (n, d) = (shape.tokens, shape.hidden);
     let x = operand(&x.reshape((n, d))?)?;
     let w = operand(w)?;
     let loss = match extras.bias {
-        Some(bias) => x.apply_op3(&w, &operand(bias)?, op)?,
+        // The bias as f32 (V elements): the cast is a candle op, so its gradient flows back.
+        Some(bias) => x.apply_op3(&w, &operand(&bias.to_dtype(CandleDType::F32)?)?, op)?,
         None => x.apply_op2(&w, op)?,
     };
     Ok(if options.config.reduction == Reduction::None { loss.reshape(lead)? } else { loss })
 }
 
 /// A differentiable argument as the op reads it: contiguous on the CPU; on CUDA also a whole
-/// storage from offset 0, and the bias as f32 (the casts and copies are candle ops, so the
-/// gradient flows back through them).
+/// storage from offset 0 (the casts and copies are candle ops, so the gradient flows back
+/// through them).
 fn operand(tensor: &Tensor) -> Result<Tensor> {
     match tensor.device() {
         #[cfg(feature = "cuda")]
         CandleDevice::Cuda(_) => crate::cuda::whole(tensor),
         _ => Ok(tensor.contiguous()?),
-    }
-}
-
-/// What the op keeps of the non-differentiable inputs, on the inputs' device.
-#[derive(Debug)]
-pub(crate) enum PerToken {
-    /// CPU inputs: target ids and token weights on the host.
-    Host {
-        /// Target ids, N.
-        targets: Vec<i64>,
-        /// Token weights, N.
-        weights: Option<Vec<f32>>,
-    },
-    /// CUDA inputs: the same on the device.
-    #[cfg(feature = "cuda")]
-    Device(crate::cuda::DevicePerToken),
-}
-
-/// Forward's per-row log-sum-exp, kept for backward.
-#[derive(Debug)]
-pub(crate) enum SavedLse {
-    /// On the host, from either device's forward (ring-dtp finishes the loss on the host).
-    Host(Vec<f32>),
-}
-
-/// The op: one forward (and its backward) of one call.
-#[derive(Debug)]
-pub(crate) struct FusedLinearCrossEntropy {
-    pub(crate) options: LossOptions,
-    pub(crate) plan: Plan,
-    pub(crate) per_token: PerToken,
-    /// Written by forward, read by every backward of this call's graph.
-    pub(crate) saved: Mutex<Option<SavedLse>>,
-}
-
-/// The op's name in candle's errors.
-pub(crate) const NAME: &str = "flatpeak-linear-cross-entropy";
-
-impl FusedLinearCrossEntropy {
-    fn shape(&self) -> Shape {
-        self.plan.shape()
-    }
-
-    pub(crate) fn executor(&self, device: Device) -> Result<LinearCrossEntropy> {
-        Ok(LinearCrossEntropy::new(self.plan, device)?)
-    }
-
-    pub(crate) fn save(&self, lse: SavedLse) {
-        // A poisoned lock held a value a panicking thread left; it is overwritten whole.
-        *self.saved.lock().unwrap_or_else(PoisonError::into_inner) = Some(lse);
-    }
-
-    /// The loss's shape: a scalar, or one per token.
-    pub(crate) fn loss_shape(&self) -> candle_core::Shape {
-        match self.options.config.reduction {
-            Reduction::None => candle_core::Shape::from(self.shape().tokens),
-            _ => candle_core::Shape::from(()),
-        }
-    }
-
-    fn host_inputs<'a>(
-        &'a self,
-        x: Matrix<'a>,
-        w: Matrix<'a>,
-        bias: Option<&'a [f32]>,
-    ) -> Result<Inputs<'a>> {
-        #[cfg_attr(not(feature = "cuda"), allow(irrefutable_let_patterns))]
-        let PerToken::Host { targets, weights } = &self.per_token else {
-            return Err(Error::Device {
-                what: "input",
-                expected: "the device forward ran on".into(),
-                got: "cpu".into(),
-            });
-        };
-        let Shape { hidden, vocab, .. } = self.shape();
-        let mut inputs = Inputs::new(x, w, targets, hidden);
-        inputs.v = vocab;
-        inputs.bias = bias;
-        inputs.weights = weights.as_deref();
-        Ok(inputs)
-    }
-
-    fn cpu_forward(
-        &self,
-        x: Matrix<'_>,
-        w: Matrix<'_>,
-        bias: Option<&[f32]>,
-    ) -> Result<(CpuStorage, candle_core::Shape)> {
-        let inputs = self.host_inputs(x, w, bias)?;
-        let forward = self.executor(Device::Cpu)?.forward(&inputs)?;
-        self.save(SavedLse::Host(forward.lse));
-        let loss = match forward.loss {
-            Loss::Scalar(loss) => vec![loss as f32],
-            Loss::PerToken(per_token) => per_token,
-        };
-        Ok((CpuStorage::F32(loss), self.loss_shape()))
-    }
-
-    /// The upstream gradient on the host, as ring-dtp takes it.
-    pub(crate) fn grad_output(&self, grad_res: &Tensor) -> Result<Vec<f32>> {
-        Ok(grad_res.to_dtype(CandleDType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-    }
-
-    /// The upstream gradient as ring-dtp takes it: one value, or one per token.
-    pub(crate) fn upstream<'a>(&self, host: &'a [f32]) -> GradOutput<'a> {
-        match self.options.config.reduction {
-            Reduction::None => GradOutput::PerToken(host),
-            _ => GradOutput::Scalar(host.first().copied().unwrap_or(0.0)),
-        }
-    }
-
-    /// dX, dW (and dbias) in the arguments' dtypes.
-    fn backward(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, grad_res: &Tensor) -> Result<Grads> {
-        match x.device() {
-            CandleDevice::Cpu => self.cpu_backward(x, w, bias, grad_res),
-            #[cfg(feature = "cuda")]
-            CandleDevice::Cuda(_) => crate::cuda::backward(self, x, w, bias, grad_res),
-            other => Err(Error::Device {
-                what: "input",
-                expected: "cpu or cuda".into(),
-                got: format!("{other:?}"),
-            }),
-        }
-    }
-
-    fn cpu_backward(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-        grad_res: &Tensor,
-    ) -> Result<Grads> {
-        let upstream = self.grad_output(grad_res)?;
-        let grad = self.upstream(&upstream);
-        let Shape { tokens: n, hidden: d, vocab: v, .. } = self.shape();
-        let (mut dx, mut dw) = (vec![0f32; n * d], vec![0f32; v * d]);
-        let mut dbias = bias.map(|_| vec![0f32; v]);
-        {
-            let (xs, xl) = x.storage_and_layout();
-            let (ws, wl) = w.storage_and_layout();
-            let bias_storage = bias.map(|b| b.storage_and_layout());
-            let (Storage::Cpu(xs), Storage::Cpu(ws)) = (&*xs, &*ws) else {
-                return Err(Error::Device {
-                    what: "input",
-                    expected: "cpu".into(),
-                    got: format!("{:?}", x.device()),
-                });
-            };
-            let bias_values = match &bias_storage {
-                Some((storage, layout)) => match &**storage {
-                    Storage::Cpu(cpu) => Some(host::f32_vector(cpu, layout, "bias")?),
-                    _ => {
-                        return Err(Error::Device {
-                            what: "bias",
-                            expected: "cpu".into(),
-                            got: "another device".into(),
-                        });
-                    }
-                },
-                None => None,
-            };
-            let inputs = self.host_inputs(
-                host::matrix(xs, xl, "input")?,
-                host::matrix(ws, wl, "weight")?,
-                bias_values.as_deref(),
-            )?;
-            let saved = self.saved.lock().unwrap_or_else(PoisonError::into_inner);
-            let Some(SavedLse::Host(lse)) = saved.as_ref() else {
-                return Err(Error::MissingForward { op: NAME });
-            };
-            let out = GradientsMut::new(&mut dx, &mut dw, dbias.as_deref_mut());
-            self.executor(Device::Cpu)?.backward_into(&inputs, lse, ring_dtp::Upstream::loss(grad), out)?;
-        }
-        let cpu = CandleDevice::Cpu;
-        Ok(Grads {
-            dx: Tensor::from_vec(dx, (n, d), &cpu)?.to_dtype(x.dtype())?,
-            dw: Tensor::from_vec(dw, (v, d), &cpu)?.to_dtype(w.dtype())?,
-            dbias: match (dbias, bias) {
-                (Some(db), Some(b)) => Some(Tensor::from_vec(db, v, &cpu)?.to_dtype(b.dtype())?),
-                _ => None,
-            },
-        })
-    }
-}
-
-/// What backward hands candle.
-pub(crate) struct Grads {
-    pub(crate) dx: Tensor,
-    pub(crate) dw: Tensor,
-    pub(crate) dbias: Option<Tensor>,
-}
-
-impl CustomOp2 for FusedLinearCrossEntropy {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, candle_core::Shape)> {
-        Ok(self.cpu_forward(host::matrix(s1, l1, "input")?, host::matrix(s2, l2, "weight")?, None)?)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        Ok(crate::cuda::forward(self, (s1, l1), (s2, l2), None)?)
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let grads = self.backward(x, w, None, grad_res)?;
-        Ok((Some(grads.dx), Some(grads.dw)))
-    }
-}
-
-impl CustomOp3 for FusedLinearCrossEntropy {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, candle_core::Shape)> {
-        let bias = host::f32_vector(s3, l3, "bias")?;
-        Ok(self.cpu_forward(host::matrix(s1, l1, "input")?, host::matrix(s2, l2, "weight")?, Some(&bias))?)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        Ok(crate::cuda::forward(self, (s1, l1), (s2, l2), Some((s3, l3)))?)
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        bias: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let grads = self.backward(x, w, Some(bias), grad_res)?;
-        Ok((Some(grads.dx), Some(grads.dw), grads.dbias))
     }
 }

@@ -14,10 +14,9 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
-use stream_adamw::cpu::{StateMut, grad_sq_sum};
+use stream_adamw::cpu::StateMut;
 use stream_adamw::{
-    Hyperparameters, InPlaceGroup, InPlaceParam, StepDecision, StepOptions, StepOutcome, Variant,
-    apply_in_place,
+    Hyperparameters, InPlaceGroup, InPlaceParam, StepOptions, StepOutcome, Variant, step_in_place,
 };
 
 use crate::error::{Error, Result};
@@ -145,7 +144,8 @@ impl StreamAdamW {
 
     /// One step from `grads`: every gradient is checked (dtype, shape, device) and the global
     /// Σg² is computed before any Var is written, so a bad or non-finite gradient leaves every
-    /// Var and every moment untouched.
+    /// Var and every moment untouched. The decision (skip, clip coefficient), the update and
+    /// the step counts are stream-adamw's ([`step_in_place`]); this finds the buffers.
     pub fn step_report(&mut self, grads: &GradStore) -> Result<StepReport> {
         self.hyperparameters.validate()?;
         let hp = self.hyperparameters;
@@ -161,45 +161,54 @@ impl StreamAdamW {
             }
             present.push((index, grad.contiguous()?));
         }
-        // The crate decides the step from the global Σg² (skip on a non-finite gradient, the
-        // clip coefficient) and advances each Var's step count; this only finds the buffers.
-        let mut grad_sq = 0.0;
-        for (_, grad) in &present {
-            grad_sq += host::with_f32(grad, "gradient", |g| Ok(grad_sq_sum(g)))?;
+        let guards: Vec<_> = present.iter().map(|(_, grad)| grad.storage_and_layout()).collect();
+        let grad_slices = guards
+            .iter()
+            .map(|(storage, layout)| host::f32_slice(storage, layout, "gradient"))
+            .collect::<Result<Vec<_>>>()?;
+        // θ on the host (candle's Var is written whole after the step).
+        let mut params = present
+            .iter()
+            .map(|(index, _)| Ok(self.vars[*index].var.as_tensor().flatten_all()?.to_vec1::<f32>()?))
+            .collect::<Result<Vec<_>>>()?;
+        let mut updated = Vec::with_capacity(present.len());
+        let report = {
+            let states =
+                self.vars.iter_mut().enumerate().filter(|(i, _)| present.iter().any(|(p, _)| p == i));
+            let params =
+                states.zip(params.iter_mut()).zip(&grad_slices).map(|(((_, state), param), grad)| {
+                    InPlaceParam {
+                        state: StateMut {
+                            param,
+                            exp_avg: &mut state.exp_avg,
+                            exp_avg_sq: &mut state.exp_avg_sq,
+                            max_exp_avg_sq: &mut state.max_exp_avg_sq,
+                        },
+                        grad: (*grad).into(),
+                        bf16_param: None,
+                        step: state.step,
+                    }
+                });
+            let mut groups = [InPlaceGroup { hyperparameters: hp, params: params.collect() }];
+            let report = step_in_place(&mut groups, StepOptions::default())?;
+            updated.extend(groups[0].params.iter().map(|p| p.step));
+            report
+        };
+        drop(guards);
+        if report.outcome == StepOutcome::Applied {
+            for (((index, _), param), step) in present.iter().zip(params).zip(updated) {
+                let state = &mut self.vars[*index];
+                state.var.set(&Tensor::from_vec(param, state.var.shape(), state.var.device())?)?;
+                state.step = step;
+            }
         }
-        let decision = StepDecision::new(grad_sq, StepOptions::default(), hp.clip)?;
-        let (grad_norm, clip_coef) = (decision.grad_norm(), decision.clip_coef());
-        if decision.skips() {
-            return Ok(StepReport {
-                outcome: StepOutcome::SkippedNonFinite,
-                grad_norm,
-                clip_coef,
-                updated: 0,
-            });
-        }
-        for (index, grad) in &present {
-            let state = &mut self.vars[*index];
-            let mut param = state.var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
-            let step = host::with_f32(grad, "gradient", |g| {
-                let param = InPlaceParam {
-                    state: StateMut {
-                        param: &mut param,
-                        exp_avg: &mut state.exp_avg,
-                        exp_avg_sq: &mut state.exp_avg_sq,
-                        max_exp_avg_sq: &mut state.max_exp_avg_sq,
-                    },
-                    grad: g.into(),
-                    bf16_param: None,
-                    step: state.step,
-                };
-                let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param] }];
-                apply_in_place(&mut groups, &decision)?;
-                Ok(groups[0].params[0].step)
-            })?;
-            state.var.set(&Tensor::from_vec(param, state.var.shape(), state.var.device())?)?;
-            state.step = step;
-        }
-        Ok(StepReport { outcome: StepOutcome::Applied, grad_norm, clip_coef, updated: present.len() })
+        let updated = if report.outcome == StepOutcome::Applied { present.len() } else { 0 };
+        Ok(StepReport {
+            outcome: report.outcome,
+            grad_norm: report.grad_norm,
+            clip_coef: report.clip_coef,
+            updated,
+        })
     }
 }
 

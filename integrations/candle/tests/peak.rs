@@ -62,7 +62,7 @@ fn main() {
     let plan = Plan::new(
         &options.config,
         Shape { tokens: N, hidden: D, vocab: V, dtype: DType::F32 },
-        options.budget,
+        options.budget.of(ring_dtp::Device::Cpu),
     )
     .unwrap();
     let bound = plan.workspace_bytes()

@@ -116,10 +116,10 @@ class StreamAdamW(torch.optim.Optimizer):
 
     def _offloaded(self, p: torch.Tensor, group):
         """The offloaded optimizer of CUDA parameter ``p`` (the ``cuda`` build), made at its first
-        step with the fp32 master copy taken from ``p``."""
-        if not hasattr(_ext, "CudaAdamW"):
-            # The CPU entry refuses it, saying what to do.
-            _ext.grad_sq_sum_all([p])
+        step with the fp32 master copy taken from ``p``; ``None`` without the build (the step then
+        refuses ``p``, saying how to build it)."""
+        if not _ext.CUDA:
+            return None
         opt = self._cuda.get(p)
         if opt is None:
             master = p.detach().to("cpu", torch.float32).reshape(-1).contiguous()
@@ -153,8 +153,7 @@ class StreamAdamW(torch.optim.Optimizer):
         # must be done first (a wait on each device's current stream, not on the whole device).
         for dev in {p.device for p, _ in device}:
             torch.cuda.current_stream(dev).synchronize()
-        offloaded = [(p, group, self._offloaded(p, group)) for p, group in device]
-        device_grad_sq = sum(opt.grad_sq_sum(p, p.grad) for p, _, opt in offloaded)
+        offloaded = [(self._offloaded(p, group), p, p.grad, _hyperparameters(group)) for p, group in device]
         batches = []
         for group in self.param_groups:
             amsgrad = bool(group["amsgrad"])
@@ -168,20 +167,20 @@ class StreamAdamW(torch.optim.Optimizer):
                 params.append((master, p.grad, state["exp_avg"], state["exp_avg_sq"],
                                state["max_exp_avg_sq"] if amsgrad else None, state["step"], model))
             batches.append((_hyperparameters(group), params))
-        # The crate checks every tensor of every group, sums the squares of every gradient (these
-        # and the offloaded ones) and decides: a non-finite one skips the step, touching nothing;
-        # otherwise it updates every parameter and advances its step counter (`state["step"]`).
-        decision = _ext.adamw_step(batches, device_grad_sq)
+        # One step of the crate over every parameter: it checks every tensor of every group, sums
+        # the squares of every gradient (these and the offloaded ones) and decides: a non-finite
+        # one skips the step, touching nothing; otherwise it updates every parameter and advances
+        # its step counter (`state["step"]` of a CPU parameter; its own, for an offloaded one).
+        decision = _ext.adamw_step(batches, offloaded)
         self.last_grad_norm = decision.grad_norm
         if decision.skipped:
             self.skipped_steps += 1
             self.last_step_skipped = True
             return loss
-        for p, group, opt in offloaded:
-            if opt.step(p, p.grad, _hyperparameters(group), decision):
-                state = self.state[p]
-                state.setdefault("step", torch.tensor(0.0, dtype=_get_scalar_dtype()))
-                state["step"] += 1
+        for p, _ in device:
+            state = self.state[p]
+            state.setdefault("step", torch.tensor(0.0, dtype=_get_scalar_dtype()))
+            state["step"] += 1
         return loss
 
     def state_dict(self) -> Dict[str, Any]:

@@ -30,13 +30,3 @@ def world_size(group) -> int:
     if group is None:
         return 1
     return torch.distributed.get_world_size(group)
-
-
-def cuda_entry(name: str, argument: str):
-    """The CUDA path's entry ``name`` of the extension, or the error that says how to build it
-    (``argument``: the tensor that is on a CUDA device)."""
-    entry = getattr(_ext, name, None)
-    if entry is None:
-        raise ValueError(f"{argument}: CUDA tensors need flatpeak built with its `cuda` feature "
-                         f"(MATURIN_PEP517_ARGS=\"--features cuda\" pip install ./python)")
-    return entry

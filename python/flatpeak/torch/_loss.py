@@ -41,16 +41,8 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def _cuda_path(input: Tensor) -> bool:
-    """CUDA inputs with the CUDA build; without it the CPU entry refuses them, saying how to build."""
-    return input.is_cuda and hasattr(_ext, "lce_forward_cuda")
-
-
-def _workspace(options, input: Tensor, weight: Tensor) -> Tensor:
-    """The CUDA path's working set, from torch's caching allocator (so
-    ``torch.cuda.max_memory_allocated()`` sees it), on the input's device."""
-    (n, d), v = input.shape, weight.shape[0]
-    nbytes = options.cuda_workspace_bytes(n, d, v, input.dtype == torch.bfloat16)
-    return torch.empty(nbytes, dtype=torch.uint8, device=input.device)
+    """CUDA inputs with the CUDA build; without it the extension refuses them, saying how to build."""
+    return input.is_cuda and bool(_ext.CUDA)
 
 
 def _as_f32(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -132,12 +124,8 @@ def _forward(
     # The loss is finished on the host (per-token statistics, O(N)) on either path.
     loss = torch.empty((n,) if reduction == "none" else (), dtype=torch.float32)
     lse = torch.empty((n,), dtype=torch.float32)
-    args = (input, weight, target, bias, token_weights)
-    if _cuda_path(input):
-        _ext.lce_forward_cuda(options, args, _workspace(options, input, weight), (loss, lse))
-        return loss.to(input.device).to(input.dtype), lse.to(input.device)
-    _ext.lce_forward(options, args, (loss, lse))
-    return loss.to(input.dtype), lse
+    _ext.lce_forward(options, (input, weight, target, bias, token_weights), (loss, lse))
+    return loss.to(input.device, input.dtype), lse.to(input.device)
 
 
 @_forward.register_fake
@@ -175,12 +163,8 @@ def _backward(
     # (and, on the CUDA path, brought to the host, where the crate forms the row scales).
     upstream = (grad_loss.to("cpu", torch.float32).contiguous(),
                 None if grad_lse is None else grad_lse.to("cpu", torch.float32).contiguous())
-    args = (input, weight, target, bias, token_weights)
-    if _cuda_path(input):
-        _ext.lce_backward_cuda(options, args, lse.to("cpu").contiguous(), upstream, _workspace(options, input, weight),
-                               tuple(grads))
-    else:
-        _ext.lce_backward(options, args, lse, upstream, tuple(grads))
+    _ext.lce_backward(options, (input, weight, target, bias, token_weights), lse.to("cpu").contiguous(), upstream,
+                      tuple(grads))
     return _op_grads(input, weight, grads)
 
 
@@ -220,14 +204,9 @@ def _fused_impl(input, weight, target, bias, token_weights, ignore_index, reduct
     loss = torch.empty((), dtype=torch.float32)
     lse = torch.empty((n,), dtype=torch.float32)
     grads = _grad_buffers(input, weight, bias, grads_wanted)
-    args = (input, weight, target, bias, token_weights)
-    if _cuda_path(input):
-        _ext.lce_forward_backward_cuda(options, args, _workspace(options, input, weight), (loss, lse), tuple(grads))
-        loss = loss.to(input.device)
-    else:
-        _ext.lce_forward_backward(options, args, (loss, lse), tuple(grads))
+    _ext.lce_forward_backward(options, (input, weight, target, bias, token_weights), (loss, lse), tuple(grads))
     del lse
-    return (loss.to(input.dtype), *_op_grads(input, weight, grads))
+    return (loss.to(input.device, input.dtype), *_op_grads(input, weight, grads))
 
 
 @torch.library.custom_op("flatpeak::linear_cross_entropy_fused", mutates_args=())

@@ -27,7 +27,6 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import _flatpeak as _ext
-from ._groups import cuda_entry as _cuda_entry
 from ._groups import handle as _handle
 from ._groups import resolve as _group
 from ._groups import world_size as _world_size
@@ -90,21 +89,15 @@ def _forward(
     device = hidden_states.device
     y = torch.empty(hidden_states.shape, dtype=torch.float32, device=device)
     counts = torch.empty((experts,), dtype=torch.int64)
-    if hidden_states.is_cuda:
-        # The schedule is planned on the host from the routing (T x k values); the rows and the
-        # expert weights stay on the device.
-        routing = (topk_ids.cpu(), topk_weights.cpu())
-        forward_cuda = _cuda_entry("moe_forward_cuda", "hidden_states")
-        stats = forward_cuda(options, pg, (hidden_states, *routing, gate_up_proj, down_proj), num_experts or None,
-                             y, counts)
-    else:
-        args = (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj)
-        if activations == "save":
-            # A saving forward asks for its store's size first: a rank that keeps nothing (no
-            # gradient needed here) makes the same collectives, so ranks never pair up
-            # different exchanges.
-            _ext.moe_saved_bytes(options, pg, args, num_experts or None)
-        stats = _ext.moe_forward(options, pg, args, num_experts or None, (y, counts, None))
+    # The schedule is planned on the host from the routing (T x k values); on a GPU the rows and
+    # the expert weights stay on the device.
+    args = (hidden_states, topk_ids.cpu(), topk_weights.cpu(), gate_up_proj, down_proj)
+    if activations == "save" and not hidden_states.is_cuda:
+        # A saving forward asks for its store's size first: a rank that keeps nothing (no
+        # gradient needed here) makes the same collectives, so ranks never pair up different
+        # exchanges.
+        _ext.moe_saved_bytes(options, pg, args, num_experts or None)
+    stats = _ext.moe_forward(options, pg, args, num_experts or None, (y, counts, None))
     return y.to(hidden_states.dtype), counts.to(device), torch.tensor(stats, dtype=torch.int64, device=device)
 
 
@@ -143,14 +136,8 @@ def _backward(
     dgu = torch.empty(gate_up_proj.shape, **f32)
     dd = torch.empty(down_proj.shape, **f32)
     dy = grad_output.to(hidden_states.dtype).contiguous()
-    if hidden_states.is_cuda:
-        routing = (topk_ids.cpu(), topk_weights.cpu())
-        backward_cuda = _cuda_entry("moe_backward_cuda", "hidden_states")
-        backward_cuda(options, _group(group), (hidden_states, *routing, gate_up_proj, down_proj), num_experts or None,
-                      dy, (dx, dw, dgu, dd))
-    else:
-        _ext.moe_backward(options, _group(group), (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj),
-                          num_experts or None, (dy, None), (dx, dw, dgu, dd))
+    args = (hidden_states, topk_ids.cpu(), topk_weights.cpu(), gate_up_proj, down_proj)
+    _ext.moe_backward(options, _group(group), args, num_experts or None, (dy, None), (dx, dw, dgu, dd))
     return dx.to(hidden_states.dtype), dw, dgu.to(gate_up_proj.dtype), dd.to(down_proj.dtype)
 
 

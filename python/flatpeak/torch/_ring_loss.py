@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from .. import _flatpeak as _ext
-from ._groups import cuda_entry as _cuda_entry
 from ._groups import resolve
 from ._lce_common import _once_differentiable, _options
 
@@ -47,14 +46,8 @@ def _forward(
     n = input.shape[0]
     loss = torch.empty((n,) if reduction == "none" else (), dtype=torch.float32)
     lse = torch.empty((n,), dtype=torch.float32)
-    if input.is_cuda:
-        # The targets and token weights (n values) are checked and padded on the host.
-        host = (target.cpu(), None if token_weights is None else token_weights.cpu())
-        forward_cuda = _cuda_entry("lce_ring_forward_cuda", "input")
-        forward_cuda(options, resolve(group), ring, (input, weight, host[0], bias, host[1]), (loss, lse))
-        return loss.to(input.device, input.dtype), lse.to(input.device)
     _ext.lce_ring_forward(options, resolve(group), ring, (input, weight, target, bias, token_weights), (loss, lse))
-    return loss.to(input.dtype), lse
+    return loss.to(input.device, input.dtype), lse.to(input.device)
 
 
 @_forward.register_fake
@@ -94,14 +87,8 @@ def _backward(
     upstream = (grad_loss.to("cpu", torch.float32).contiguous(),
                 None if grad_lse is None else grad_lse.to("cpu", torch.float32).contiguous())
     grads = (dx, dw, dbias if bias is not None else None)
-    if input.is_cuda:
-        host = (target.cpu(), None if token_weights is None else token_weights.cpu())
-        backward_cuda = _cuda_entry("lce_ring_backward_cuda", "input")
-        backward_cuda(options, resolve(group), ring, (input, weight, host[0], bias, host[1]), lse.cpu().contiguous(),
-                      upstream, grads)
-    else:
-        _ext.lce_ring_backward(options, resolve(group), ring, (input, weight, target, bias, token_weights), lse,
-                               upstream, grads)
+    _ext.lce_ring_backward(options, resolve(group), ring, (input, weight, target, bias, token_weights),
+                           lse.cpu().contiguous(), upstream, grads)
     dx = dx.to(input.dtype)
     return dx, dw.to(weight.dtype), dbias
 

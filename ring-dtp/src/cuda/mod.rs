@@ -18,14 +18,15 @@
 //! per-token state (`PER_TOKEN_BYTES` per token plus the resolved targets); cuBLAS's own
 //! workspace comes on top. Launches and cuBLAS calls live in `engine.rs` only.
 
+mod caller;
 mod engine;
-pub mod ring;
+pub(crate) mod ring;
 mod tensors;
 
 #[cfg(doc)]
 use flatpeak_common::Precision;
-use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use flatpeak_common::cuda::context;
+use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView};
 
 use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass};
 use crate::config::Config;
@@ -37,7 +38,9 @@ use crate::loss::{RowStats, Stats};
 use crate::plan::Plan;
 use engine::{Engine, LogitsBlock, RowViews, StatsViews};
 pub(crate) use tensors::rows_f32;
-pub use tensors::{BlockBuffers, DeviceGradients, DeviceGradientsMut, DeviceInputs, DeviceMatrix};
+pub use tensors::{
+    BlockBuffers, CarvedLayout, DeviceGradients, DeviceGradientsMut, DeviceInputs, DeviceMatrix,
+};
 
 /// Host copies of the per-token inputs the loss and the gradient scales need (targets and
 /// weights: O(N), like the statistics).
@@ -71,7 +74,9 @@ impl HostRows {
     /// A host view of the per-token inputs (X and W are not read by the loss and scale formulas).
     pub fn inputs(&self, (n, d, v): (usize, usize, usize)) -> Inputs<'_> {
         let (x, w) = (Matrix::F32(&[]), Matrix::F32(&[]));
-        Inputs { x, w, bias: None, targets: &self.targets, weights: self.weights.as_deref(), n, d, v }
+        let mut inputs = Inputs::new(x, w, &self.targets, d);
+        (inputs.weights, inputs.n, inputs.v) = (self.weights.as_deref(), n, v);
+        inputs
     }
 }
 
@@ -104,9 +109,10 @@ impl DeviceStats {
 
 /// Linear cross-entropy on one CUDA device with the plan's block buffers reserved at launch
 /// ([`new`](Self::new)), or handed in by the caller per call ([`on_stream`](Self::on_stream)
-/// and the `*_with` methods).
+/// and the `*_with` methods): the backend of [`LinearCrossEntropy`](crate::LinearCrossEntropy)
+/// on a GPU.
 #[derive(Debug)]
-pub struct CudaLinearCrossEntropy {
+pub(crate) struct CudaLinearCrossEntropy {
     config: Config,
     plan: Plan,
     engine: Engine,
@@ -137,11 +143,6 @@ impl CudaLinearCrossEntropy {
         let buffers =
             BlockBuffers { logits: empty(&engine)?, x_wide: empty(&engine)?, w_wide: empty(&engine)? };
         Ok(Self { buffers, engine, config, plan })
-    }
-
-    /// The plan.
-    pub fn plan(&self) -> &Plan {
-        &self.plan
     }
 
     /// The stream every launch and copy of this object runs on.

@@ -11,7 +11,7 @@ use half::bf16;
 use super::engine::Engine;
 use crate::error::{Error, Result};
 use crate::gradients::GradientLens;
-use crate::inputs::GradientSelection;
+use crate::inputs::{GradientSelection, Inputs, MatrixTensor, Tensor, sealed};
 use crate::plan::Plan;
 
 /// A device matrix, row-major, f32 or bf16.
@@ -77,39 +77,48 @@ pub(crate) fn rows_f32<'r, 'm: 'r, 'b: 'r>(
     }
 }
 
-/// One call's device inputs: X (N×D), W (V×D), optional bias (V), targets (N, i64) and
-/// optional per-token weights (N).
-#[derive(Debug, Clone, Copy)]
-pub struct DeviceInputs<'a> {
-    /// Hidden states.
-    pub x: DeviceMatrix<'a>,
-    /// Projection.
-    pub w: DeviceMatrix<'a>,
-    /// Bias.
-    pub bias: Option<&'a CudaSlice<f32>>,
-    /// Target ids (see `Config::shift`).
-    pub targets: &'a CudaSlice<i64>,
-    /// Per-token weights.
-    pub weights: Option<&'a CudaSlice<f32>>,
-    /// Tokens N.
-    pub n: usize,
-    /// Hidden size D.
-    pub d: usize,
-    /// Vocabulary V.
-    pub v: usize,
+impl sealed::Sealed for DeviceMatrix<'_> {}
+impl sealed::Sealed for &CudaSlice<f32> {}
+impl sealed::Sealed for &CudaSlice<i64> {}
+
+impl Tensor for DeviceMatrix<'_> {
+    fn elements(&self) -> usize {
+        self.len()
+    }
 }
 
-impl DeviceInputs<'_> {
-    /// The sizes and dtypes every backend checks (`driver::check_call`).
-    pub(super) fn sizes(&self) -> crate::inputs::CallSizes {
-        crate::inputs::CallSizes {
-            dims: (self.n, self.d, self.v),
-            x: (self.x.len(), self.x.dtype()),
-            w: (self.w.len(), self.w.dtype()),
-            targets: self.targets.len(),
-            bias: self.bias.map(|b| b.len()),
-            weights: self.weights.map(|w| w.len()),
-        }
+impl MatrixTensor for DeviceMatrix<'_> {
+    fn dtype(&self) -> flatpeak_common::DType {
+        DeviceMatrix::dtype(self)
+    }
+}
+
+impl Tensor for &CudaSlice<f32> {
+    fn elements(&self) -> usize {
+        self.len()
+    }
+}
+
+impl Tensor for &CudaSlice<i64> {
+    fn elements(&self) -> usize {
+        self.len()
+    }
+}
+
+/// One call's device inputs: [`Inputs`] holding a CUDA device's buffers.
+pub type DeviceInputs<'a> = Inputs<'a, DeviceMatrix<'a>, &'a CudaSlice<f32>, &'a CudaSlice<i64>>;
+
+impl<'a> DeviceInputs<'a> {
+    /// Device inputs without bias or weights, with hidden size D: N is `targets.len()` and V is
+    /// `w.len() / D`, as [`Inputs::new`] on the host (bias and weights by the same `with_*`
+    /// methods).
+    pub fn on_device(
+        x: DeviceMatrix<'a>,
+        w: DeviceMatrix<'a>,
+        targets: &'a CudaSlice<i64>,
+        hidden: usize,
+    ) -> Self {
+        Self::of(x, w, targets, hidden)
     }
 }
 
@@ -168,13 +177,18 @@ impl BlockBuffers {
         [r.logits, r.x_block, r.w_block]
     }
 
-    /// The three buffers carved from one device allocation (a framework's workspace tensor):
-    /// each buffer's byte offset, each at a multiple of `align` bytes and at least one element
-    /// long, and the bytes of the allocation ([`pack_regions`](crate::plan::pack_regions)).
-    /// [`Error::Internal`] for an `align` of 0; a plan's sizes never overflow.
-    pub fn packed(plan: &Plan, align: usize) -> Result<([usize; 3], usize)> {
-        crate::plan::pack_regions(Self::lens(plan), align)
-            .ok_or_else(|| Error::internal("block buffers packed at a nonzero alignment, within usize"))
+    /// The alignment, in bytes, of each buffer [`carved`](Self::carved) from one allocation.
+    pub const CARVE_ALIGN: usize = 256;
+
+    /// The three buffers carved from one device allocation (a framework's workspace tensor, so
+    /// its allocator sees the working set): each buffer's byte offset (a multiple of
+    /// [`CARVE_ALIGN`](Self::CARVE_ALIGN)) and elements (at least one), and the allocation's
+    /// bytes ([`pack_regions`](crate::plan::pack_regions)); a plan's sizes never overflow.
+    pub fn carved(plan: &Plan) -> Result<CarvedLayout> {
+        let lens = Self::lens(plan).map(|l| l.max(1));
+        let (offsets, bytes) = crate::plan::pack_regions(lens, Self::CARVE_ALIGN)
+            .ok_or_else(|| Error::internal("block buffers packed at a nonzero alignment, within usize"))?;
+        Ok(CarvedLayout { offsets, lens, bytes })
     }
 
     pub(super) fn zeros(e: &Engine, plan: &Plan) -> Result<Self> {
@@ -196,6 +210,17 @@ impl BlockBuffers {
         }
         Ok(())
     }
+}
+
+/// Where [`BlockBuffers::carved`] puts the block buffers in one allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CarvedLayout {
+    /// Byte offset of the logits, widened X and widened W buffers.
+    pub offsets: [usize; 3],
+    /// Their f32 elements (at least one each).
+    pub lens: [usize; 3],
+    /// Bytes of the allocation.
+    pub bytes: usize,
 }
 
 /// Device gradients, f32.

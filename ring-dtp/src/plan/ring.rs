@@ -193,6 +193,33 @@ impl RingPlan {
         })
     }
 
+    /// A digest of the plan every rank of the ring must share, field by field (the config's
+    /// [`Config::digest`], P, N, D, V, the dtype, the ring and its blocks; not the GEMM threads,
+    /// which are each rank's own): ranks compare it before their first message.
+    pub fn digest(&self) -> u64 {
+        let dtype = match self.dtype {
+            DType::F32 => 0,
+            DType::Bf16 => 1,
+            DType::F16 => 2,
+        };
+        let kind = match self.kind {
+            RingKind::Weight => 0,
+            RingKind::Activation => 1,
+        };
+        flatpeak_common::Digest::new()
+            .str("ring_dtp::RingPlan")
+            .u64(self.config.digest())
+            .usize(self.world)
+            .usize(self.n)
+            .usize(self.d)
+            .usize(self.v)
+            .u64(dtype)
+            .u64(kind)
+            .usize(self.token_block)
+            .usize(self.vocab_block)
+            .finish()
+    }
+
     plan_accessors! {
         config: "The config it was planned for (and the ring runs).",
         n_tokens: "Tokens N over all ranks.",

@@ -17,39 +17,17 @@
 //! ring, so results are bitwise reproducible run to run. The mean's denominator and the scalar
 //! loss are summed over ranks in f64, in rank order, identically on every rank.
 //!
-//! ```
-//! use flatpeak_common::{Communicator, LocalGroup, LocalGroupOptions, SplitMix64};
-//! use ring_dtp::ring::{self, RankInputs};
-//! use ring_dtp::{Budget, Config, DType, GradOutput, Loss, Matrix, RingOptions, RingPlan, Shape};
-//!
-//! let (n, d, v, p) = (96, 16, 500, 3);
-//! let mut rng = SplitMix64::new(2);
-//! let (x, w) = (rng.normal_f32(n * d, 0.0, 1.0), rng.normal_f32(v * d, 0.0, 0.2));
-//! let targets: Vec<i64> = (0..n as i64).map(|i| i * 13 % v as i64).collect();
-//! let config = Config::default();
-//! let shape = Shape { tokens: n, hidden: d, vocab: v, dtype: DType::F32 };
-//! let plan = RingPlan::new(&config, shape, Budget::mib(1), RingOptions::default().ranks(p))?;
-//! // Three ranks as threads; each sees only its tokens and its vocabulary shard.
-//! let results = LocalGroup::run(p, LocalGroupOptions::default(), |comm| {
-//!     let (t, s) = (plan.tokens(comm.rank()), plan.shard(comm.rank()));
-//!     let inputs = RankInputs::new(
-//!         Matrix::F32(&x[t.start * d..t.end * d]),
-//!         Matrix::F32(&w[s.start * d..s.end * d]),
-//!         &targets[t],
-//!     );
-//!     Ok(ring::forward_backward(comm, &plan, &inputs, GradOutput::Scalar(1.0)))
-//! });
-//! for r in results {
-//!     let (fwd, grads) = r??;
-//!     assert!(matches!(fwd.loss, Loss::Scalar(l) if l > 0.0));
-//!     assert_eq!(grads.dx.len(), 32 * d); // this rank's tokens
-//! }
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+//! [`RingLinearCrossEntropy`] is the executor (host or CUDA, its working set reserved once);
+//! [`agree`] agrees a call of each rank's own tokens across the group and plans it.
 
 mod activation;
+pub mod agree;
+mod executor;
 mod schedule;
 mod weight;
+
+pub use agree::{AgreedRing, CUDA_ROWS_QUANTUM, RankShare, RingCall, agree};
+pub use executor::{RingLinearCrossEntropy, RingRank};
 
 pub(crate) use schedule::run_ring;
 #[cfg(feature = "cuda")]
@@ -64,43 +42,10 @@ use crate::cpu::{
     rounds_gradient,
 };
 use crate::error::{Error, Result};
-use crate::gradients::{Gradients, GradientsMut};
+use crate::gradients::GradientsMut;
 use crate::inputs::{Forward, GradOutput, Inputs, Matrix, Upstream};
 use crate::loss::{self, Stats};
 use crate::plan::{RegionKind, RegionSource, RingKind, RingPlan};
-
-/// One rank's share of a call: its tokens' rows of X, targets and weights, and its vocabulary
-/// shard of W and the bias (rows [`RingPlan::shard`]). Targets are global vocabulary ids, and
-/// `Config::shift` applies within the rank's rows (to shift across ranks without a
-/// copy, pass each rank the target slice starting one row later).
-#[derive(Debug, Clone, Copy)]
-pub struct RankInputs<'a> {
-    /// Hidden states of the rank's tokens, n_r×D.
-    pub x: Matrix<'a>,
-    /// The rank's W shard, v_r×D.
-    pub w_shard: Matrix<'a>,
-    /// The rank's bias shard, v_r.
-    pub bias_shard: Option<&'a [f32]>,
-    /// Target ids of the rank's tokens, n_r.
-    pub targets: &'a [i64],
-    /// Per-token weights of the rank's tokens, n_r.
-    pub weights: Option<&'a [f32]>,
-}
-
-impl<'a> RankInputs<'a> {
-    /// Inputs without bias or weights.
-    pub fn new(x: Matrix<'a>, w_shard: Matrix<'a>, targets: &'a [i64]) -> Self {
-        Self { x, w_shard, bias_shard: None, targets, weights: None }
-    }
-    /// These inputs with a bias shard.
-    pub fn with_bias(self, bias_shard: &'a [f32]) -> Self {
-        Self { bias_shard: Some(bias_shard), ..self }
-    }
-    /// These inputs with per-token weights.
-    pub fn with_weights(self, weights: &'a [f32]) -> Self {
-        Self { weights: Some(weights), ..self }
-    }
-}
 
 /// The validated view one rank works on: its own tokens as an [`Inputs`] whose `w`/`bias` are
 /// the shard and whose `v` is the whole vocabulary (targets are global).
@@ -113,60 +58,51 @@ fn check(what: &'static str, expected: usize, found: usize) -> Result<()> {
     if expected == found { Ok(()) } else { Err(Error::ShapeMismatch { what, expected, got: found }) }
 }
 
+/// Checks one rank's share (`inputs`: its n_r tokens, its v_r-row shard) against the plan.
 fn validate<'a, C: Communicator + ?Sized>(
     comm: &C,
-    config: &Config,
     plan: &RingPlan,
-    inputs: &RankInputs<'a>,
+    inputs: &Inputs<'a>,
 ) -> Result<Rank<'a>> {
+    let config = plan.config();
     config.validate()?;
     config.check_host_precision(plan.dtype(), "the host ring")?;
     check("world size", plan.world(), comm.world_size())?;
     let rank = comm.rank();
     let (n, v, d) = (plan.tokens(rank).len(), plan.shard(rank).len(), plan.hidden());
+    check("hidden size (d)", d, inputs.d)?;
     check("x (n_r·d)", n * d, inputs.x.len())?;
-    check("w shard (v_r·d)", v * d, inputs.w_shard.len())?;
+    check("w shard (v_r·d)", v * d, inputs.w.len())?;
     check("targets (n_r)", n, inputs.targets.len())?;
-    if let Some(b) = inputs.bias_shard {
+    if let Some(b) = inputs.bias {
         check("bias shard (v_r)", v, b.len())?;
     }
     if let Some(w) = inputs.weights {
         check("weights (n_r)", n, w.len())?;
         crate::inputs::check_weights(w)?;
     }
-    for dtype in [inputs.x.dtype(), inputs.w_shard.dtype()] {
+    for dtype in [inputs.x.dtype(), inputs.w.dtype()] {
         if dtype != plan.dtype() {
-            return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w_shard.dtype() });
+            return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w.dtype() });
         }
     }
     crate::inputs::check_targets(inputs.targets, plan.vocab(), config.ignore_index)?;
-    let local = Inputs {
-        x: inputs.x,
-        w: inputs.w_shard,
-        bias: inputs.bias_shard,
-        targets: inputs.targets,
-        weights: inputs.weights,
-        n,
-        d,
-        v: plan.vocab(),
-    };
-    Ok(Rank { rank, local })
+    Ok(Rank { rank, local: Inputs { n, v: plan.vocab(), ..*inputs } })
 }
 
 /// [`validate`] on every rank, agreed on by the group before any data moves: bad input on one
 /// rank is an error on every rank ([`flatpeak_common::Error::PeerInput`] on the others), never a
-/// wait. The ranks then check that they run one schedule: the same plan, and a bias on every
-/// rank or on none (it decides which messages the ring sends).
+/// wait. The ranks then check that they run one schedule: the same plan ([`RingPlan::digest`]),
+/// and a bias on every rank or on none (it decides which messages the ring sends).
 fn validate_agreed<'a, C: Communicator + ?Sized>(
     comm: &C,
     plan: &RingPlan,
-    inputs: &RankInputs<'a>,
+    inputs: &Inputs<'a>,
     local_check: impl FnOnce(&Rank<'a>) -> Result<()>,
 ) -> Result<Rank<'a>> {
-    let local =
-        validate(comm, plan.config(), plan, inputs).and_then(|rank| local_check(&rank).map(|()| rank));
+    let local = validate(comm, plan, inputs).and_then(|rank| local_check(&rank).map(|()| rank));
     let rank = agree_on_inputs(comm, local)?;
-    let mine = [plan_fingerprint(plan), u64::from(inputs.bias_shard.is_some())];
+    let mine = [plan.digest(), u64::from(inputs.bias.is_some())];
     let all = all_gather_words(comm, &mine)?;
     let column = |i: usize| all.chunks_exact(mine.len()).map(|w| w[i]).collect::<Vec<u64>>();
     if column(0).iter().any(|&f| f != mine[0]) {
@@ -180,15 +116,6 @@ fn validate_agreed<'a, C: Communicator + ?Sized>(
         return Err(Error::invalid_config("bias", column(1), "a bias shard on every rank or on none"));
     }
     Ok(rank)
-}
-
-/// A digest of everything in `plan` (the same on every rank that made the same plan).
-fn plan_fingerprint(plan: &RingPlan) -> u64 {
-    use std::hash::{Hash, Hasher};
-    // SipHash with fixed keys: the same value in every process of one build.
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    format!("{plan:?}").hash(&mut hasher);
-    hasher.finish()
 }
 
 /// Sums `values` over ranks in f64, in rank order, identically on every rank.
@@ -217,12 +144,13 @@ enum Pass<'a> {
 
 fn run_pass<C: Communicator + ?Sized>(
     comm: &C,
-    config: &Config,
-    plan: &RingPlan,
+    (plan, ws): (&RingPlan, &mut Workspace),
     rank: &Rank<'_>,
     pass: Pass<'_>,
 ) -> Result<()> {
-    let ws = Workspace::new(plan.workspace_bytes())?;
+    let config = plan.config();
+    ws.reset();
+    let ws: &Workspace = ws;
     let backward = matches!(pass, Pass::Grad { .. });
     // One backend per ring, the same call; only the buffers and the block scratch differ.
     macro_rules! drive {
@@ -233,9 +161,9 @@ fn run_pass<C: Communicator + ?Sized>(
                 plan,
                 rank,
                 pass,
-                scratch: plan.$scratch(&mut Carve(&ws))?,
-                cur: plan.$buffer(&mut Carve(&ws))?,
-                inc: plan.$buffer(&mut Carve(&ws))?,
+                scratch: plan.$scratch(&mut Carve(ws))?,
+                cur: plan.$buffer(&mut Carve(ws))?,
+                inc: plan.$buffer(&mut Carve(ws))?,
                 cols: ColumnGrads::with_capacity(plan.token_block()),
                 credit: LinkCredit::default(),
             };
@@ -273,54 +201,34 @@ impl<C: ?Sized, B, S> RingBackend<'_, C, B, S> {
 }
 
 /// The loss (over all ranks' tokens: the same scalar on every rank, or this rank's per-token
-/// losses) and this rank's tokens' lse. The inputs are checked on every rank and the verdicts
-/// agreed on before the first message, so bad input on one rank is an error on all of them.
-pub fn forward<C: Communicator + ?Sized>(
+/// losses) and this rank's tokens' lse, on `ws` (the plan's working set). The inputs are checked
+/// on every rank and the verdicts agreed on before the first message, so bad input on one rank
+/// is an error on all of them.
+pub(crate) fn forward<C: Communicator + ?Sized>(
     comm: &C,
-    plan: &RingPlan,
-    inputs: &RankInputs<'_>,
+    (plan, ws): (&RingPlan, &mut Workspace),
+    inputs: &Inputs<'_>,
 ) -> Result<Forward> {
     let config = plan.config();
     let rank = validate_agreed(comm, plan, inputs, |_| Ok(()))?;
     let mut stats = Stats::new(rank.local.n);
-    run_pass(comm, config, plan, &rank, Pass::Fold(&mut stats))?;
+    run_pass(comm, (plan, ws), &rank, Pass::Fold(&mut stats))?;
     let (per_token, lse) = loss::per_token_losses(config, &rank.local, plan.vocab(), &stats);
     let local_total: f64 = per_token.iter().map(|&x| x as f64).sum();
     let [total, denom] = all_sum_f64(comm, [local_total, rank.local.valid_weight(config)])?;
     Ok(Forward { loss: loss::reduce_loss(config, per_token, total, denom), lse })
 }
 
-/// This rank's dX (its tokens), dW and dbias (its shard), from forward's lse, for the upstream
-/// gradients of the loss and, optionally, of the lse output.
-pub fn backward<C: Communicator + ?Sized>(
-    comm: &C,
-    plan: &RingPlan,
-    inputs: &RankInputs<'_>,
-    forward: &Forward,
-    upstream: Upstream<'_>,
-) -> Result<Gradients> {
-    let (n, v_r, d) = (plan.tokens(comm.rank()).len(), plan.shard(comm.rank()).len(), plan.hidden());
-    let mut grads = Gradients {
-        dx: vec![0.0; n * d],
-        dw: vec![0.0; v_r * d],
-        dbias: inputs.bias_shard.map(|_| vec![0.0; v_r]),
-    };
-    let out = GradientsMut::new(&mut grads.dx, &mut grads.dw, grads.dbias.as_deref_mut());
-    backward_into(comm, plan, inputs, &forward.lse, upstream, out)?;
-    Ok(grads)
-}
-
-/// [`backward`] into caller-owned fp32 buffers (their contents are overwritten): dX of this
-/// rank's tokens (n_r×D), dW and dbias of its shard (v_r×D, v_r), from forward's `lse` (n_r).
-/// The lengths are checked with the inputs, on every rank, before the first message. The rings
-/// compute every gradient: a selection that skips one ([`GradientsMut::wanted`]) is
+/// This rank's dX (its tokens, n_r×D), dW and dbias (its shard, v_r×D and v_r) into
+/// caller-owned fp32 buffers (overwritten), from forward's `lse` (n_r), on `ws`. The lengths
+/// are checked with the inputs, on every rank, before the first message. The rings compute
+/// every gradient: a selection that skips one ([`GradientsMut::wanted`]) is
 /// [`Error::UnsupportedSelection`] (on every rank).
-pub fn backward_into<C: Communicator + ?Sized>(
+pub(crate) fn backward_into<C: Communicator + ?Sized>(
     comm: &C,
-    plan: &RingPlan,
-    inputs: &RankInputs<'_>,
-    lse: &[f32],
-    upstream: Upstream<'_>,
+    (plan, ws): (&RingPlan, &mut Workspace),
+    inputs: &Inputs<'_>,
+    (lse, upstream): (&[f32], Upstream<'_>),
     out: GradientsMut<'_>,
 ) -> Result<()> {
     let config = plan.config();
@@ -333,7 +241,7 @@ pub fn backward_into<C: Communicator + ?Sized>(
         if let GradOutput::PerToken(g) = upstream.grad {
             check("grad_output (n_r)", n, g.len())?;
         }
-        let has_bias = inputs.bias_shard.is_some();
+        let has_bias = inputs.bias.is_some();
         if !out.wanted.is_all(has_bias) {
             return Err(Error::UnsupportedSelection { selection: out.wanted, backend: "the CPU rings" });
         }
@@ -345,19 +253,7 @@ pub fn backward_into<C: Communicator + ?Sized>(
     let mut grads = out;
     grads.fill_zero();
     let pass = Pass::Grad { coef: &coef, lse, dlse: upstream.dlse, grads };
-    run_pass(comm, config, plan, &rank, pass)
-}
-
-/// `forward`, then `backward` with `grad` (4 GEMMs).
-pub fn forward_backward<C: Communicator + ?Sized>(
-    comm: &C,
-    plan: &RingPlan,
-    inputs: &RankInputs<'_>,
-    grad: GradOutput<'_>,
-) -> Result<(Forward, Gradients)> {
-    let fwd = forward(comm, plan, inputs)?;
-    let grads = backward(comm, plan, inputs, &fwd, grad.into())?;
-    Ok((fwd, grads))
+    run_pass(comm, (plan, ws), &rank, pass)
 }
 
 /// The CPU ring's regions: slices carved from its workspace.

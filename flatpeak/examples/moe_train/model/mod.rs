@@ -11,7 +11,7 @@
 //! - forward: each block's input is a checkpoint boundary ([`Checkpoints`]: kept on the device,
 //!   or offloaded by [`sco::CheckpointOffloader`]); the MoE layer runs `llep::Executor::forward`
 //!   (standard EP or PipelinedLLEP) and keeps nothing;
-//! - loss: materialized logits ([`ops::materialized_loss`]) or `ring_dtp::ring::forward_backward`;
+//! - loss: materialized logits ([`ops::materialized_loss`]) or `ring_dtp::RingLinearCrossEntropy::forward_backward`;
 //! - backward: blocks in reverse, each recomputed from its boundary (`llep::Executor::backward`
 //!   recomputes its rounds), router and RMSNorm backward by hand;
 //! - optimizer: one flat `stream_adamw::StreamAdamW` per rank, serial or pipelined.
@@ -418,10 +418,10 @@ impl<C: Communicator> Rank<'_, C> {
                 materialized_loss(self.comm, hn, &p.w_out, &shards, targets, (n, h, v)).map_err(err("loss"))
             }
             LossSchedule::Ring => {
-                let inputs = ring_dtp::RankInputs::new(Matrix::F32(hn), Matrix::F32(&p.w_out), targets);
-                let (fwd, g) =
-                    ring_dtp::ring::forward_backward(self.comm, &self.ring, &inputs, GradOutput::Scalar(1.0))
-                        .map_err(err("ring-dtp"))?;
+                let inputs = ring_dtp::Inputs::new(Matrix::F32(hn), Matrix::F32(&p.w_out), targets, h);
+                let (fwd, g) = ring_dtp::RingLinearCrossEntropy::new(self.ring, flatpeak_common::Device::Cpu)
+                    .and_then(|mut ring| ring.forward_backward(self.comm, &inputs, GradOutput::Scalar(1.0)))
+                    .map_err(err("ring-dtp"))?;
                 let Loss::Scalar(l) = fwd.loss else { return Err("ring-dtp: expected a scalar loss".into()) };
                 Ok((l, g.dx, g.dw))
             }

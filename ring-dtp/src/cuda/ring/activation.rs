@@ -82,14 +82,14 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, Packet> {
         let x = cur.x.f32(e, c * d, x_wide)?;
         for v0 in (0..shard.len()).step_by(vbmax.max(1)) {
             let vb = vbmax.min(shard.len() - v0);
-            let w = rows_f32(e, &inputs.w_shard, v0..v0 + vb, d, w_wide)?;
+            let w = rows_f32(e, &inputs.w, v0..v0 + vb, d, w_wide)?;
             e.logits(&w, &x, (c, vb, d), logits)?;
             let block = LogitsBlock {
                 logits,
                 rows: c,
                 vb,
                 v0: shard.start + v0,
-                bias: inputs.bias_shard.map(|b| b.slice(v0..v0 + vb)),
+                bias: inputs.bias.map(|b| b.slice(v0..v0 + vb)),
                 targets: cur.targets.slice(..c),
             };
             match pass {

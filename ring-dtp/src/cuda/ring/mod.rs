@@ -34,36 +34,20 @@
 //! communicator's stream; cudarc aborts an NCCL communicator when it drops, so synchronize
 //! ([`CudaRing::synchronize`], or a download on that stream) before dropping the ring.
 
-use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use flatpeak_common::cuda::cuda_error;
+use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use flatpeak_common::nccl::DeviceCommunicator;
 use flatpeak_common::{DType, ReduceOp};
 use half::bf16;
 
 use super::engine::Engine;
-use super::{DeviceGradients, DeviceMatrix, DeviceStats, HostRows};
+use super::{DeviceGradients, DeviceInputs, DeviceMatrix, DeviceStats, HostRows};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::inputs::Forward;
 use crate::loss;
 use crate::plan::{RegionKind, RegionSource, RingKind, RingPlan, Slot};
 use crate::ring::run_ring;
-
-/// One rank's device share of a call (see [`crate::ring::RankInputs`]): its tokens' rows of X,
-/// targets and weights, and its vocabulary shard of W and the bias.
-#[derive(Debug, Clone, Copy)]
-pub struct DeviceRankInputs<'a> {
-    /// Hidden states of the rank's tokens, n_r×D.
-    pub x: DeviceMatrix<'a>,
-    /// The rank's W shard, v_r×D.
-    pub w_shard: DeviceMatrix<'a>,
-    /// The rank's bias shard, v_r.
-    pub bias_shard: Option<&'a CudaSlice<f32>>,
-    /// Target ids of the rank's tokens (global), n_r.
-    pub targets: &'a CudaSlice<i64>,
-    /// Per-token weights of the rank's tokens, n_r.
-    pub weights: Option<&'a CudaSlice<f32>>,
-}
 
 /// Rows in their input dtype.
 #[derive(Debug)]
@@ -186,12 +170,13 @@ impl std::fmt::Debug for Buffers {
     }
 }
 
-/// Ring-DTP on this rank's device, with the ring plan's buffers reserved at launch.
+/// Ring-DTP on this rank's device, with the ring plan's buffers reserved at launch; each call
+/// takes the rank's NCCL communicator (on the same device).
 #[derive(Debug)]
-pub struct CudaRing<C: DeviceCommunicator> {
+pub(crate) struct CudaRing {
     config: Config,
     plan: RingPlan,
-    comm: C,
+    ordinal: usize,
     engine: Engine,
     logits: CudaSlice<f32>,
     x_wide: CudaSlice<f32>,
@@ -210,22 +195,15 @@ enum Pass<'a> {
     },
 }
 
-impl<C: DeviceCommunicator> CudaRing<C> {
-    /// Reserves the plan's buffers on the device of `comm`'s stream.
-    pub fn new(plan: RingPlan, comm: C) -> Result<Self> {
+impl CudaRing {
+    /// Reserves the plan's buffers on CUDA device `ordinal`, with a compute stream of its own, so
+    /// NCCL's stream is free to move the ring buffers meanwhile (`new_stream` synchronizes the
+    /// context once, when it enters multi-stream mode, so earlier work on the caller's streams is
+    /// complete and ordered).
+    pub fn new(plan: RingPlan, ordinal: usize) -> Result<Self> {
         let config = *plan.config();
         config.check_cuda_precision(plan.dtype())?;
-        if plan.world() != comm.world_size() {
-            return Err(Error::ShapeMismatch {
-                what: "world size",
-                expected: plan.world(),
-                got: comm.world_size(),
-            });
-        }
-        // A stream of its own for compute, so NCCL's stream is free to move the ring buffers
-        // meanwhile (`new_stream` synchronizes the context once, when it enters multi-stream
-        // mode, so earlier work on the caller's streams is complete and ordered).
-        let ctx = comm.stream().context().clone();
+        let ctx = flatpeak_common::cuda::context(ordinal)?;
         let compute = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
         let engine = Engine::new(compute, config.precision)?;
         let (c, vb, d, dt) = (plan.token_block(), plan.vocab_block(), plan.hidden(), plan.dtype());
@@ -248,50 +226,54 @@ impl<C: DeviceCommunicator> CudaRing<C> {
             engine,
             config,
             plan,
-            comm,
+            ordinal,
             buffers,
         })
     }
 
-    /// The communicator.
-    pub fn comm(&self) -> &C {
-        &self.comm
-    }
-
-    /// Waits for every operation issued so far, on the compute stream and the communicator's.
-    pub fn synchronize(&self) -> Result<()> {
+    /// Waits for every operation issued so far, on the compute stream and `comm`'s.
+    pub fn synchronize<C: DeviceCommunicator>(&self, comm: &C) -> Result<()> {
         self.engine.stream.synchronize().map_err(cuda_error("cuStreamSynchronize"))?;
-        self.comm.stream().synchronize().map_err(cuda_error("cuStreamSynchronize")).map_err(Error::from)
+        comm.stream().synchronize().map_err(cuda_error("cuStreamSynchronize")).map_err(Error::from)
     }
 
-    fn check(&self, inputs: &DeviceRankInputs<'_>) -> Result<(usize, usize)> {
-        let rank = self.comm.rank();
+    /// `comm` on this ring's device, of the plan's world; `inputs` the rank's share.
+    fn check<C: DeviceCommunicator>(&self, comm: &C, inputs: &DeviceInputs<'_>) -> Result<(usize, usize)> {
+        let on = comm.stream().context().ordinal();
+        if on != self.ordinal {
+            let (executor, inputs) =
+                (flatpeak_common::Device::Cuda(self.ordinal), flatpeak_common::Device::Cuda(on));
+            return Err(Error::WrongDevice { executor, inputs });
+        }
+        let rank = comm.rank();
         let (n, v, d) = (self.plan.tokens(rank).len(), self.plan.shard(rank).len(), self.plan.hidden());
         for (what, expected, found) in [
+            ("world size", self.plan.world(), comm.world_size()),
+            ("hidden size (d)", d, inputs.d),
             ("x (n_r·d)", n * d, inputs.x.len()),
-            ("w shard (v_r·d)", v * d, inputs.w_shard.len()),
+            ("w shard (v_r·d)", v * d, inputs.w.len()),
             ("targets (n_r)", n, inputs.targets.len()),
         ] {
             if expected != found {
                 return Err(Error::ShapeMismatch { what, expected, got: found });
             }
         }
-        if let Some(b) = inputs.bias_shard.filter(|b| b.len() != v) {
+        if let Some(b) = inputs.bias.filter(|b| b.len() != v) {
             return Err(Error::ShapeMismatch { what: "bias shard (v_r)", expected: v, got: b.len() });
         }
         if let Some(w) = inputs.weights.filter(|w| w.len() != n) {
             return Err(Error::ShapeMismatch { what: "weights (n_r)", expected: n, got: w.len() });
         }
-        if inputs.x.dtype() != self.plan.dtype() || inputs.w_shard.dtype() != self.plan.dtype() {
-            return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w_shard.dtype() });
+        if inputs.x.dtype() != self.plan.dtype() || inputs.w.dtype() != self.plan.dtype() {
+            return Err(Error::DtypeMismatch { x: inputs.x.dtype(), w: inputs.w.dtype() });
         }
         Ok((n, v))
     }
 
     /// Σ over ranks of `values` (f64, on the devices), identical on every rank.
-    fn all_sum<const K: usize>(&self, values: [f64; K]) -> Result<[f64; K]> {
+    fn all_sum<C: DeviceCommunicator, const K: usize>(&self, comm: &C, values: [f64; K]) -> Result<[f64; K]> {
         let mut buf = self.engine.upload(&values)?;
-        self.comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+        comm.all_reduce(&mut buf, ReduceOp::Sum)?;
         let host = self.engine.download(&buf.slice(..K))?;
         let mut out = [0f64; K];
         out.copy_from_slice(&host);
@@ -299,9 +281,9 @@ impl<C: DeviceCommunicator> CudaRing<C> {
     }
 
     /// The loss over all ranks' tokens (or this rank's per-token losses) and this rank's lse.
-    pub fn forward(&mut self, inputs: &DeviceRankInputs<'_>) -> Result<Forward> {
-        let (n, _) = self.check(inputs)?;
-        self.after_caller()?;
+    pub fn forward<C: DeviceCommunicator>(&mut self, comm: &C, inputs: &DeviceInputs<'_>) -> Result<Forward> {
+        let (n, _) = self.check(comm, inputs)?;
+        self.after_caller(comm)?;
         let (d, v) = (self.plan.hidden(), self.plan.vocab());
         let mut resolved = self.engine.zeros::<u32>(n)?;
         let host = HostRows::resolve(
@@ -312,29 +294,30 @@ impl<C: DeviceCommunicator> CudaRing<C> {
             &mut resolved,
         )?;
         let mut stats = DeviceStats::new(&self.engine, n)?;
-        self.run(inputs, &resolved, Pass::Fold(&mut stats))?;
+        self.run(comm, inputs, &resolved, Pass::Fold(&mut stats))?;
         let stats = stats.download(&self.engine, n)?;
         let shadow = host.inputs((n, d, v));
         let (per_token, lse) = loss::per_token_losses(&self.config, &shadow, v, &stats);
         let local: f64 = per_token.iter().map(|&x| x as f64).sum();
-        let [total, denom] = self.all_sum([local, shadow.valid_weight(&self.config)])?;
+        let [total, denom] = self.all_sum(comm, [local, shadow.valid_weight(&self.config)])?;
         Ok(Forward { loss: loss::reduce_loss(&self.config, per_token, total, denom), lse })
     }
 
-    /// This rank's dX (its tokens), dW and dbias (its shard) from forward's lse, for the
+    /// This rank's dX (its tokens), dW and dbias (its shard) from forward's `lse`, for the
     /// upstream gradients of the loss and, optionally, of the lse output.
-    pub fn backward(
+    pub fn backward<C: DeviceCommunicator>(
         &mut self,
-        inputs: &DeviceRankInputs<'_>,
-        forward: &Forward,
+        comm: &C,
+        inputs: &DeviceInputs<'_>,
+        lse: &[f32],
         upstream: crate::inputs::Upstream<'_>,
     ) -> Result<DeviceGradients> {
         let crate::inputs::Upstream { grad, dlse } = upstream;
-        let (n, v_r) = self.check(inputs)?;
-        self.after_caller()?;
+        let (n, v_r) = self.check(comm, inputs)?;
+        self.after_caller(comm)?;
         let (d, v) = (self.plan.hidden(), self.plan.vocab());
-        if forward.lse.len() != n {
-            return Err(Error::ShapeMismatch { what: "lse (n_r)", expected: n, got: forward.lse.len() });
+        if lse.len() != n {
+            return Err(Error::ShapeMismatch { what: "lse (n_r)", expected: n, got: lse.len() });
         }
         if let Some(g) = dlse.filter(|g| g.len() != n) {
             return Err(Error::ShapeMismatch { what: "dlse (n_r)", expected: n, got: g.len() });
@@ -344,28 +327,29 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         let host =
             HostRows::resolve(e, &self.config, (inputs.targets, inputs.weights), (n, v), &mut resolved)?;
         let shadow = host.inputs((n, d, v));
-        let [denom] = self.all_sum([shadow.valid_weight(&self.config)])?;
+        let [denom] = self.all_sum(comm, [shadow.valid_weight(&self.config)])?;
         let e = &self.engine;
         let coef = e.upload(&loss::coefficients(&self.config, &shadow, grad, denom)?)?;
-        let lse = e.upload(&forward.lse)?;
+        let lse = e.upload(lse)?;
         let dlse = dlse.map(|g| e.upload(g)).transpose()?;
         let mut grads = DeviceGradients {
             dx: e.zeros(n * d)?,
             dw: e.zeros(v_r * d)?,
-            dbias: inputs.bias_shard.map(|_| e.zeros(v_r)).transpose()?,
+            dbias: inputs.bias.map(|_| e.zeros(v_r)).transpose()?,
         };
         let pass = Pass::Grad { coef: &coef, lse: &lse, dlse: dlse.as_ref(), grads: &mut grads };
-        self.run(inputs, &resolved, pass)?;
+        self.run(comm, inputs, &resolved, pass)?;
         Ok(grads)
     }
 
-    fn run(
+    fn run<C: DeviceCommunicator>(
         &mut self,
-        inputs: &DeviceRankInputs<'_>,
+        comm: &C,
+        inputs: &DeviceInputs<'_>,
         resolved: &CudaSlice<u32>,
         pass: Pass<'_>,
     ) -> Result<()> {
-        let Self { config, plan, comm, engine: e, logits, x_wide, w_wide, buffers } = self;
+        let Self { config, plan, engine: e, logits, x_wide, w_wide, buffers, .. } = self;
         let (rank, backward) = (comm.rank(), matches!(pass, Pass::Grad { .. }));
         // One backend per ring, the same call context; only the buffer pair differs.
         macro_rules! drive {
@@ -394,19 +378,15 @@ impl<C: DeviceCommunicator> CudaRing<C> {
         };
         // The last hops land on the communicator's stream: compute (the downloads that follow)
         // waits for them, and the caller's stream for the compute stream's outputs.
-        self.engine.stream.join(self.comm.stream()).map_err(cuda_error("cuStreamWaitEvent"))?;
-        self.comm.stream().join(&self.engine.stream).map_err(cuda_error("cuStreamWaitEvent"))?;
+        self.engine.stream.join(comm.stream()).map_err(cuda_error("cuStreamWaitEvent"))?;
+        comm.stream().join(&self.engine.stream).map_err(cuda_error("cuStreamWaitEvent"))?;
         ran
     }
 
     /// The compute stream waits for the work the caller ordered on the communicator's stream
     /// (uploads of the inputs).
-    fn after_caller(&self) -> Result<()> {
-        self.engine
-            .stream
-            .join(self.comm.stream())
-            .map_err(cuda_error("cuStreamWaitEvent"))
-            .map_err(Error::from)
+    fn after_caller<C: DeviceCommunicator>(&self, comm: &C) -> Result<()> {
+        self.engine.stream.join(comm.stream()).map_err(cuda_error("cuStreamWaitEvent")).map_err(Error::from)
     }
 }
 
@@ -429,6 +409,7 @@ fn zero<
 }
 
 mod activation;
+mod padded;
 mod weight;
 
 /// A ring's CUDA backend ([`RingOps`](crate::ring::RingOps)): the call's context and the two
@@ -443,7 +424,7 @@ struct RingBackend<'a, C: DeviceCommunicator, B> {
     w_wide: &'a mut CudaSlice<f32>,
     cur: &'a mut B,
     inc: &'a mut B,
-    inputs: &'a DeviceRankInputs<'a>,
+    inputs: &'a DeviceInputs<'a>,
     resolved: &'a CudaSlice<u32>,
     pass: Pass<'a>,
 }

@@ -22,8 +22,8 @@ impl<C: DeviceCommunicator> RingBackend<'_, C, WeightSlot> {
 impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
     fn enter(&mut self, own: &Step) -> Result<()> {
         let (e, d, vb, local) = (self.e, self.plan.hidden(), own.unit.len(), self.local(&own.unit));
-        self.cur.w.load(e, &self.inputs.w_shard, local.start * d..local.end * d)?;
-        if let Some(bias) = self.inputs.bias_shard {
+        self.cur.w.load(e, &self.inputs.w, local.start * d..local.end * d)?;
+        if let Some(bias) = self.inputs.bias {
             dtod(e, &bias.slice(local), &mut self.cur.bias.slice_mut(..vb))?;
         }
         if matches!(self.pass, Pass::Grad { .. }) {
@@ -38,7 +38,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
         let (comm, d, vb) = (self.comm, self.plan.hidden(), step.unit.len());
         let (next, prev) = ring_peers(comm);
         exchange_raw(comm, (&self.cur.w, vb * d), (&mut self.inc.w, vb_in * d))?;
-        if self.inputs.bias_shard.is_some() {
+        if self.inputs.bias.is_some() {
             comm.exchange(&[self.cur.bias.slice(..vb)], next, &mut [self.inc.bias.slice_mut(..vb_in)], prev)?;
         }
         Ok(())
@@ -48,7 +48,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
         let Self { config, plan, comm, e, logits, x_wide, w_wide, cur, inputs, resolved, pass, .. } = self;
         let (d, vb, v0) = (plan.hidden(), step.unit.len(), step.unit.start);
         let (n, cb) = (plan.tokens(comm.rank()).len(), plan.token_block());
-        let has_bias = inputs.bias_shard.is_some();
+        let has_bias = inputs.bias.is_some();
         let w = cur.w.f32(e, vb * d, w_wide)?;
         for t0 in (0..n).step_by(cb.max(1)) {
             let c = cb.min(n - t0);
@@ -93,7 +93,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
             let (next, prev) = ring_peers(self.comm);
             let mut send = vec![self.cur.dw.slice(..vb * d)];
             let mut recv = vec![self.inc.dw.slice_mut(..vb_in * d)];
-            if self.inputs.bias_shard.is_some() {
+            if self.inputs.bias.is_some() {
                 send.push(self.cur.dbias.slice(..vb));
                 recv.push(self.inc.dbias.slice_mut(..vb_in));
             }
