@@ -288,8 +288,11 @@ impl DeviceLent<'_, '_> {
         h: DOut<T>,
     ) -> PyResult<LentMut<'_, CudaSlice<T>>> {
         self.check(h.call)?;
-        // SAFETY: as in `get`; besides, `lent` checked this output overlaps no other tensor of the
-        // call or of a call in flight, and the consumed handle makes this its only borrow.
+        // SAFETY: `h` was made by this call's `DeviceLend`, which checked the tensor behind it (a
+        // live CUDA tensor of this device held by the caller's frame for the call, contiguous,
+        // `len` elements of `T` at the aligned `address`); `lent` checked this output overlaps no
+        // other tensor of the call or of a call in flight, and the consumed handle makes this its
+        // only borrow; `LentMut` gives the slice back on drop.
         Ok(LentMut(ManuallyDrop::new(unsafe { self.slice(h.address, h.len) }), PhantomData))
     }
 
@@ -314,12 +317,16 @@ impl DeviceLent<'_, '_> {
         let buf = match h {
             LlepIn::F32(h) => {
                 self.check(h.call)?;
-                // SAFETY: as in `get`.
+                // SAFETY: `h` was made by this call's `DeviceLend`, which checked a live, contiguous
+                // CUDA tensor of this device with `len` f32 at the aligned `address`, overlapped by
+                // no output in flight; the `Lent` below gives the buffer back and derefs it shared.
                 llep::cuda::CudaBuf::F32(unsafe { self.slice(h.address, h.len) })
             }
             LlepIn::Bf16(h) => {
                 self.check(h.call)?;
-                // SAFETY: as in `get`.
+                // SAFETY: `h` was made by this call's `DeviceLend`, which checked a live, contiguous
+                // CUDA tensor of this device with `len` bf16 at the aligned `address`, overlapped by
+                // no output in flight; the `Lent` below gives the buffer back and derefs it shared.
                 llep::cuda::CudaBuf::Bf16(unsafe { self.slice(h.address, h.len) })
             }
         };
@@ -369,8 +376,11 @@ impl DeviceLent<'_, '_> {
     ) -> PyResult<LentMut<'_, stream_adamw::cuda::CudaDevice<G, P>>> {
         self.check(grads.call)?;
         self.check(params.call)?;
-        // SAFETY: as in `get` (the gradients, only read by the step) and `get_mut` (the
-        // parameters, written); `LentMut` gives both slices back on drop.
+        // SAFETY: both handles were made by this call's `DeviceLend`, which checked each tensor (a
+        // live, contiguous CUDA tensor of this device with `len` elements at the aligned
+        // `address`); `lent` checked the parameters, an output, overlap no other tensor in flight
+        // and the gradients no output, the step only reads the gradients, and the consumed `DOut`
+        // makes this the parameters' only borrow; `LentMut` gives both slices back on drop.
         let device = unsafe {
             stream_adamw::cuda::CudaDevice {
                 grads: self.slice(grads.address, grads.len),

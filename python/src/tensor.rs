@@ -422,9 +422,12 @@ impl Lent<'_, '_> {
         if h.call != self.id {
             return Err(Self::foreign());
         }
-        // SAFETY: as in `get`, and besides: `lent` checked that this output overlaps no other
-        // tensor of the call and no tensor of any call in flight, and the handle, not `Copy`, is
-        // consumed here, so this is the only reference to these bytes while it lives.
+        // SAFETY: `h` was made by this call's `Lend`, which checked the tensor behind it (a live
+        // `torch.Tensor` the caller's frame holds for `'t`, contiguous, `len` elements of `T` from
+        // the aligned, non-null pointer `ptr`, or a dangling pointer for none); `lent` checked that
+        // this output overlaps no other tensor of the call and no tensor of any call in flight,
+        // and the handle, not `Copy`, is consumed here, so this is the only reference to these
+        // bytes while it lives.
         Ok(unsafe { std::slice::from_raw_parts_mut(h.ptr as *mut T, h.len) })
     }
 

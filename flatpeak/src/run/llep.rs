@@ -46,8 +46,9 @@ pub struct LlepRunConfig {
     pub imbalance_threshold: f64,
     /// q rows per (source, destination) per round; `null`: the largest that `budget_bytes` holds.
     pub pair_cap_rows: Option<usize>,
-    /// Bytes of one rank's workspace (both passes' buffers, every pipeline copy).
-    pub budget_bytes: usize,
+    /// Bytes of one rank's workspace (both passes' buffers, every pipeline copy); `null`, the
+    /// default: llep's default, the least the shape runs in + 64 MiB (`llep::LayerBudget`).
+    pub budget_bytes: Option<usize>,
     /// F_max foreign expert slots per rank.
     pub foreign_slots: usize,
 }
@@ -60,7 +61,7 @@ impl Default for LlepRunConfig {
             min_chunk: 1024,
             imbalance_threshold: 1.3,
             pair_cap_rows: None,
-            budget_bytes: 256 << 20,
+            budget_bytes: None,
             foreign_slots: 4,
         }
     }
@@ -205,7 +206,8 @@ fn run_typed<T: FromFloats>(t: &Tensors, cfg: &LlepRunConfig) -> Result<Outputs,
             },
         };
         let layer = || -> llep::Result<RankResult> {
-            let launch = llep::Plan::new(&config, shape, llep::Budget::Bytes(cfg.budget_bytes))?;
+            let budget = cfg.budget_bytes.map_or(llep::LayerBudget::Default, llep::LayerBudget::Bytes);
+            let launch = llep::Plan::new(&config, shape, budget.of(&config, &shape)?)?;
             let mut layer = llep::Executor::new(launch, llep::Device::Cpu)?;
             let plan = layer.schedule(comm, &inputs.routing)?;
             layer.reserve(plan.max_workspace_bytes(Pass::Backward))?;

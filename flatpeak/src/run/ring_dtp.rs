@@ -7,7 +7,8 @@
 //! `lse` \[N\], `dx` \[N, D\], `dw` \[V, D\] and, with a bias, `dbias` \[V\], all F32.
 
 use ring_dtp::{
-    Budget, Config, GradOutput, Inputs, Loss, Matrix, Plan, Reduction, Shape, Softcap, Upstream, cpu,
+    Config, Device, GradOutput, Inputs, Loss, LossBudget, Matrix, Plan, Reduction, Shape, Softcap, Upstream,
+    cpu,
 };
 use serde::Deserialize;
 
@@ -54,8 +55,9 @@ pub struct RingDtpConfig {
     pub softcap: Option<f32>,
     /// Row i predicts `targets[i + shift]`.
     pub shift: usize,
-    /// Working-set budget of the plan in bytes (default 256 MiB).
-    pub budget_bytes: usize,
+    /// Working-set budget of the plan in bytes (`null`, the default: ring-dtp's default on the
+    /// CPU, `ring_dtp::LossBudget::Default`).
+    pub budget_bytes: Option<usize>,
     /// `"native"` (default) or `"f32"` GEMMs.
     pub precision: PrecisionName,
 }
@@ -69,7 +71,7 @@ impl Default for RingDtpConfig {
             z_loss: 0.0,
             softcap: None,
             shift: 0,
-            budget_bytes: 256 << 20,
+            budget_bytes: None,
             precision: PrecisionName::Native,
         }
     }
@@ -130,8 +132,8 @@ pub fn run(t: &TensorFile, cfg: &RingDtpConfig) -> Result<Outputs, RunError> {
     if let Some(wt) = &weights {
         inputs = inputs.with_weights(wt);
     }
-    let plan =
-        Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, Budget::Bytes(cfg.budget_bytes))?;
+    let budget = LossBudget::checked(cfg.budget_bytes)?.of(Device::Cpu);
+    let plan = Plan::new(&config, Shape { tokens: n, hidden: d, vocab: v, dtype }, budget)?;
     let fwd = cpu::forward(&plan, &inputs)?;
     let grads = cpu::backward(&plan, &inputs, &fwd, Upstream::loss(grad).with_dlse(dlse.as_deref()))?;
 
