@@ -189,8 +189,8 @@ def main():
              "exist; time: the fastest repetition, over " f"{rounds} rounds of every variant in turn (the slowest "
              "rank's time is the step's)",
              "- `hot`: 95% of the routes on expert 0, which lives on rank 0", "",
-             "| routing | call | peak, hot rank 0 (MiB) | peak, max over ranks (MiB) | flatpeak's max peak / this one's "
-             "| time (s) | flatpeak's time / this one's |",
+             "| routing | call | peak, hot rank 0 (MiB) | peak, max over ranks (MiB) "
+             "| flatpeak's max peak / this one's | time (s) | flatpeak's time / this one's |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for profile in ("balanced", "hot"):
         ours_peak = max(results[(profile, "flatpeak", r)][0] for r in range(4))

@@ -72,6 +72,7 @@ def max_rss_bytes():
 def lce_child(variant, dtype_name, n, d, v, reps):
     import torch
     import torch.nn.functional as F
+
     from flatpeak.torch import linear_cross_entropy
 
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -156,7 +157,8 @@ def torch_gemm_gflops(dtype):
 
 def bench_lce(n, d, v, reps, rounds):
     print(f"#### `linear_cross_entropy`, N = {n}, D = {d}, V = {v}, CPU, forward + backward\n")
-    print("| dtype | call | peak above inputs (MiB) | flatpeak's peak / this one's | time (s) | flatpeak's time / this one's |")
+    print("| dtype | call | peak above inputs (MiB) | flatpeak's peak / this one's | time (s) "
+          "| flatpeak's time / this one's |")
     print("|---|---|---:|---:|---:|---:|")
     import torch
 
@@ -249,6 +251,7 @@ def bench_adamw(n_params, numel, rounds, max_norm=None):
     """The optimizers' steps; with ``max_norm``, each clipping the global gradient norm to it
     (StreamAdamW from its own pass over the gradients, the others after ``clip_grad_norm_``)."""
     import torch
+
     from flatpeak.torch import StreamAdamW
 
     n = n_params * numel
@@ -312,6 +315,7 @@ def bench_adamw(n_params, numel, rounds, max_norm=None):
 def adamw_agreement():
     """How far StreamAdamW ends from torch.optim.AdamW(foreach=False) after 20 steps."""
     import torch
+
     from flatpeak.torch import StreamAdamW
 
     g = torch.Generator().manual_seed(1)
@@ -320,7 +324,7 @@ def adamw_agreement():
     b = a.clone()
     ours = StreamAdamW([a], lr=1e-2, weight_decay=0.1, amsgrad=True)
     theirs = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.1, amsgrad=True, foreach=False)
-    for step in range(20):
+    for _ in range(20):
         a.grad = torch.randn(m, generator=g) * 0.1
         b.grad = a.grad.clone()
         ours.step()

@@ -18,7 +18,7 @@ use crate::tensor::{Lend, Lent, Out, device_of, is_dtype, shape_of};
 
 /// What one step did (`flatpeak._flatpeak.StepDecision`), as the crate decided it from the global
 /// Σg²: whether it skipped, and what every parameter's update scaled its gradient by.
-#[pyclass(frozen, module = "flatpeak._flatpeak")]
+#[pyclass(frozen, name = "StepDecision", module = "flatpeak._flatpeak")]
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Decision {
     report: StepReport,

@@ -44,7 +44,9 @@ impl LossOptions {
     /// autograd of a bf16 matmul does), `"f32"` (every GEMM in f32) or `"tf32"` (f32 inputs on a
     /// GPU's tensor cores, not exact); `budget_bytes=None` is the crate's default for the device.
     #[new]
-    #[pyo3(signature = (*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None, budget_bytes=None, precision="native"))]
+    #[pyo3(signature = (*, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None, budget_bytes=None, precision="native"),
+        // pyo3 renders a negative default as `...`: the signature spelled out.
+        text_signature = "(*, ignore_index=-100, reduction=\"mean\", label_smoothing=0.0, z_loss=0.0, softcap=None, budget_bytes=None, precision=\"native\")")]
     fn new(
         ignore_index: i64,
         reduction: &str,

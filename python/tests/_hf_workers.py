@@ -26,8 +26,9 @@ def _expert_parallel(rank: int, world: int, init_file: str, model_type: str):
     gradient against those of its own loss."""
     import copy
 
-    import flatpeak.transformers as fpt_
     from _moe_workers import _init
+
+    import flatpeak.transformers as fpt_
 
     _, dist = _init(rank, world, init_file)
 

@@ -12,7 +12,7 @@ import traceback
 
 from _spawn import reporting
 
-H, I, K, E_LOCAL = 16, 8, 2, 2
+H, I, K, E_LOCAL = 16, 8, 2, 2  # noqa: E741 (I: the experts' intermediate size, the papers' name)
 
 
 def _init(rank: int, world: int, init_file: str, timeout_s: float = 60.0):

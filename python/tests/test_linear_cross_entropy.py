@@ -169,7 +169,10 @@ def test_bf16_precision_option(device):
     ref_loss, ref_grads = grads_of(lambda x, w: F.cross_entropy(F.linear(x, w), t), [x.double(), w.double()])
     _, torch_grads = grads_of(lambda x, w: F.cross_entropy(F.linear(x, w), t), [x, w])
     for precision in ("f32", "native"):
-        loss, grads = grads_of(lambda x, w: linear_cross_entropy(x, w, t, precision=precision), [x, w])
+        def call(x, w, precision=precision):
+            return linear_cross_entropy(x, w, t, precision=precision)
+
+        loss, grads = grads_of(call, [x, w])
         assert rel(loss, ref_loss) <= 2.0 ** -8
         for g, tg, r in zip(grads, torch_grads, ref_grads):
             assert g.dtype == torch.bfloat16
@@ -345,10 +348,10 @@ def test_bf16_gradients_are_the_fp32_gradients_rounded_once(budget_bytes, bias):
     accumulates in fp32 and rounds once: bit for bit the fp32 buffers' gradients rounded to
     bf16, in the fused call and in backward (dbias stays fp32, equal)."""
     from flatpeak.torch import _loss
-    from flatpeak.torch._lce_common import _options
+    from flatpeak.torch._lce_common import options as _options
 
     x, w, t, b, tw = make(21, dtype=torch.bfloat16, bias=bias, weights=True)
-    options = _options(-100, "mean", 0.1, 1e-3, None, budget_bytes, "native")
+    options = _options((-100, "mean", 0.1, 1e-3, None, budget_bytes, "native"))
     args = (x, w, t, None if b is None else b.float(), tw.float())  # bias and weights are fp32
 
     def buffers(dtype):
@@ -375,10 +378,10 @@ def test_bf16_gradients_are_the_fp32_gradients_rounded_once(budget_bytes, bias):
 
 def test_gradient_buffers_of_two_dtypes_are_refused_by_name():
     from flatpeak.torch import _loss
-    from flatpeak.torch._lce_common import _options
+    from flatpeak.torch._lce_common import options as _options
 
     x, w, t, _, _ = make(22, dtype=torch.bfloat16)
-    options = _options(-100, "mean", 0.0, 0.0, None, None, "native")
+    options = _options((-100, "mean", 0.0, 0.0, None, None, "native"))
     dx, dw = torch.zeros(N, D, dtype=torch.bfloat16), torch.zeros(V, D)
     with pytest.raises(TypeError, match="dw"):
         _loss._ext.lce_forward_backward(options, (x, w, t, None, None), (torch.empty(()), torch.empty(N)),
@@ -471,6 +474,39 @@ def test_the_plan_and_working_set_are_made_once_per_shape_and_options():
     assert ext.cached_loss_executors() == 3
     ext.clear_loss_executors()
     assert ext.cached_loss_executors() == 0
+
+
+def test_the_executor_cache_is_bounded_visible_and_freeable():
+    """The public cache API: what the kept executors reserved is visible, a limit bounds it (the
+    least recently used go first, one over the limit is held alone), and clearing frees it."""
+    import flatpeak.torch as ft
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(64, 16, generator=g), torch.randn(300, 16, generator=g)
+    t = torch.randint(0, 300, (64,), generator=g)
+    limit = ft.executor_cache_limit()
+    try:
+        ft.clear_executor_cache()
+        assert (ft.cached_executors(), ft.executor_cache_bytes()) == (0, 0)
+        linear_cross_entropy(x, w, t, budget_bytes=1 << 20)
+        one = ft.executor_cache_bytes()
+        assert ft.cached_executors() == 1 and one > 0
+        linear_cross_entropy(x, w, t, z_loss=1e-4, budget_bytes=1 << 20)  # another plan
+        both = ft.executor_cache_bytes()
+        assert ft.cached_executors() == 2 and both > one
+        ft.set_executor_cache_limit(both - one)  # the least recently used goes now
+        assert (ft.cached_executors(), ft.executor_cache_bytes()) == (1, both - one)
+        assert ft.executor_cache_limit() == both - one
+        ft.set_executor_cache_limit(0)  # nothing fits: everything goes ...
+        assert (ft.cached_executors(), ft.executor_cache_bytes()) == (0, 0)
+        linear_cross_entropy(x, w, t, budget_bytes=1 << 20)  # ... but the one last made is kept
+        assert (ft.cached_executors(), ft.executor_cache_bytes()) == (1, one)
+        with pytest.raises(ValueError, match="limit_bytes"):
+            ft.set_executor_cache_limit(-1)
+        ft.clear_executor_cache()
+        assert (ft.cached_executors(), ft.executor_cache_bytes()) == (0, 0)
+    finally:
+        ft.set_executor_cache_limit(limit)
 
 
 def test_threads_sharing_the_cached_executor_neither_deadlock_nor_race():

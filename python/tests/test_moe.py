@@ -151,7 +151,7 @@ def test_the_saved_store_is_a_saved_tensor_that_hooks_may_move():
     for copy in (False, True):
         packed = []
 
-        def pack(t):
+        def pack(t, packed=packed, copy=copy):
             packed.append((t.dtype, t.numel()))
             return t.clone() if copy else t
 

@@ -243,7 +243,7 @@ def test_many_parameters_in_one_step_equal_torch():
     theirs_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
     ours = StreamAdamW(ours_p, lr=1e-2, weight_decay=0.1)
     theirs = torch.optim.AdamW(theirs_p, lr=1e-2, weight_decay=0.1, foreach=False)
-    for step in range(3):
+    for _ in range(3):
         for a, b in zip(ours_p, theirs_p):
             a.grad = torch.randn(a.shape, generator=g)
             b.grad = a.grad.clone()

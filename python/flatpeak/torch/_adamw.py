@@ -8,15 +8,21 @@ The state lives in ``self.state[p]`` under torch's names (``step``, ``exp_avg``,
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, overload
 
 import torch
-from torch.optim.optimizer import _get_scalar_dtype
+from torch import Tensor
 
 from .. import _flatpeak as _ext
 
 
-def _hyperparameters(group) -> "_ext.AdamWOptions":
+def _step_dtype() -> torch.dtype:
+    """The dtype of a parameter's ``step`` tensor, torch.optim's rule: float64 when it is the
+    default dtype, else float32 (so a state dict moves between this optimizer and torch's)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _hyperparameters(group: Dict[str, Any]) -> Any:
     lr = group["lr"]
     return _ext.AdamWOptions(
         lr=float(lr.item() if isinstance(lr, torch.Tensor) else lr),
@@ -76,7 +82,7 @@ class StreamAdamW(torch.optim.Optimizer):
         self.last_grad_norm = float("nan")
         #: Elements per bucket of the offloaded step of a CUDA parameter.
         self.bucket_elems = 1 << 22
-        self._cuda = {}
+        self._cuda: Dict[Tensor, Any] = {}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -93,7 +99,7 @@ class StreamAdamW(torch.optim.Optimizer):
         # the tensor it uses today, and so does this optimizer (load_state_dict comes here).
         for state in self.state.values():
             if "step" in state and not isinstance(state["step"], torch.Tensor):
-                state["step"] = torch.tensor(float(state["step"]), dtype=_get_scalar_dtype())
+                state["step"] = torch.tensor(float(state["step"]), dtype=_step_dtype())
 
     def _state_of(self, p: torch.Tensor, amsgrad: bool):
         """``p``'s state, made at its first step: float32 moments (and, for a bfloat16 ``p``, its
@@ -101,7 +107,7 @@ class StreamAdamW(torch.optim.Optimizer):
         state = self.state[p]
         zeros = lambda: torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)  # noqa: E731
         if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+            state["step"] = torch.tensor(0.0, dtype=_step_dtype())
             state["exp_avg"] = zeros()
             state["exp_avg_sq"] = zeros()
         if amsgrad and "max_exp_avg_sq" not in state:
@@ -126,6 +132,12 @@ class StreamAdamW(torch.optim.Optimizer):
             opt = _ext.CudaAdamW(p, master, _hyperparameters(group), self.bucket_elems)
             self._cuda[p] = opt
         return opt
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -179,7 +191,7 @@ class StreamAdamW(torch.optim.Optimizer):
             return loss
         for p, _ in device:
             state = self.state[p]
-            state.setdefault("step", torch.tensor(0.0, dtype=_get_scalar_dtype()))
+            state.setdefault("step", torch.tensor(0.0, dtype=_step_dtype()))
             state["step"] += 1
         return loss
 
@@ -189,13 +201,13 @@ class StreamAdamW(torch.optim.Optimizer):
         for p, opt in self._cuda.items():
             amsgrad = any(p is q and g["amsgrad"] for g in self.param_groups for q in g["params"])
             shape = p.shape
-            fresh = lambda: torch.empty(shape, dtype=torch.float32)  # noqa: E731
+            fresh = lambda shape=shape: torch.empty(shape, dtype=torch.float32)  # noqa: E731
             master, exp_avg, exp_avg_sq = fresh(), fresh(), fresh()
             max_sq = fresh() if amsgrad else None
             step = opt.export_into(master.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1),
                                    None if max_sq is None else max_sq.view(-1))
             state = self.state[p]
-            state.update(step=torch.tensor(float(step), dtype=_get_scalar_dtype()), exp_avg=exp_avg,
+            state.update(step=torch.tensor(float(step), dtype=_step_dtype()), exp_avg=exp_avg,
                          exp_avg_sq=exp_avg_sq, master_param=master)
             if max_sq is not None:
                 state["max_exp_avg_sq"] = max_sq

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import _flatpeak as _ext
-
 #: Process groups by handle; 0 is "no group" (one process).
 _GROUPS: dict = {}
 

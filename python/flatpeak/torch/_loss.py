@@ -27,14 +27,14 @@ functions hand back as ``None``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .. import _flatpeak as _ext
 from ._groups import handle as _group_handle
-from ._lce_common import _once_differentiable, _options
+from ._lce_common import OPTIONS_SCHEMA, TENSORS_SCHEMA, guard_grads, options, per_token
 from ._ring_loss import ring_loss as _ring_loss
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -91,7 +91,7 @@ def _check_tensors(tensors) -> None:
     """Each named argument a tensor (or ``None`` where optional), all on one device -- ``meta``
     included: a meta tensor among real ones would otherwise run the fake implementation and
     return uninitialised memory. The messages are torch's."""
-    devices = {}
+    devices: Dict[torch.device, str] = {}
     for name, t in tensors:
         if t is None:
             continue
@@ -104,140 +104,109 @@ def _check_tensors(tensors) -> None:
                            f"{first} and {second}! ({a} is on {first}, {b} on {second})")
 
 
-@torch.library.custom_op("flatpeak::linear_cross_entropy_forward", mutates_args=())
-def _forward(
-    input: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Optional[Tensor],
-    token_weights: Optional[Tensor],
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: Optional[float],
-    budget_bytes: Optional[int],
-    precision: str,
-) -> Tuple[Tensor, Tensor]:
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
+def _forward_impl(input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+                  token_weights: Optional[Tensor], *opts: Any) -> Tuple[Tensor, Tensor]:
+    """The loss and the per-row lse (``opts``: the loss's options, :data:`OPTIONS` order)."""
     n = input.shape[0]
     # The loss is finished on the host (per-token statistics, O(N)) on either path.
-    loss = torch.empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    loss = torch.empty((n,) if per_token(opts) else (), dtype=torch.float32)
     lse = torch.empty((n,), dtype=torch.float32)
-    _ext.lce_forward(options, (input, weight, target, bias, token_weights), (loss, lse))
+    _ext.lce_forward(options(opts), (input, weight, target, bias, token_weights), (loss, lse))
     return loss.to(input.device, input.dtype), lse.to(input.device)
 
 
+_forward = torch.library.custom_op("flatpeak::linear_cross_entropy_forward", _forward_impl, mutates_args=(),
+                                   schema=f"({TENSORS_SCHEMA}, {OPTIONS_SCHEMA}) -> (Tensor, Tensor)")
+
+
 @_forward.register_fake
-def _forward_fake(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing,
-                  z_loss, softcap, budget_bytes, precision):
+def _forward_fake(input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+                  token_weights: Optional[Tensor], *opts: Any) -> Tuple[Tensor, Tensor]:
     n = input.shape[0]
-    loss = input.new_empty((n,) if reduction == "none" else ())
-    return loss, input.new_empty((n,), dtype=torch.float32)
+    return input.new_empty((n,) if per_token(opts) else ()), input.new_empty((n,), dtype=torch.float32)
 
 
-@torch.library.custom_op("flatpeak::linear_cross_entropy_backward", mutates_args=())
-def _backward(
-    grad_loss: Tensor,
-    grad_lse: Optional[Tensor],
-    input: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Optional[Tensor],
-    token_weights: Optional[Tensor],
-    lse: Tensor,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: Optional[float],
-    budget_bytes: Optional[int],
-    precision: str,
-    grads_wanted: List[bool],
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """dX, dW and dbias (for ``input``, ``weight``, ``bias``) as ``grads_wanted`` selects them; an
-    empty tensor for each one not wanted (not computed: a frozen weight costs no dW GEMM)."""
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
+def _backward_impl(grad_loss: Tensor, grad_lse: Optional[Tensor], input: Tensor, weight: Tensor, target: Tensor,
+                   bias: Optional[Tensor], token_weights: Optional[Tensor], lse: Tensor,
+                   *opts_and_wanted: Any) -> Tuple[Tensor, Tensor, Tensor]:
+    """dX, dW and dbias (for ``input``, ``weight``, ``bias``) as the last argument,
+    ``grads_wanted``, selects them; an empty tensor for each one not wanted (not computed: a
+    frozen weight costs no dW GEMM)."""
+    *opts, grads_wanted = opts_and_wanted
     grads = _grad_buffers(input, weight, bias, grads_wanted)
     # Upstream gradients are [N] or scalars, often expanded (stride 0) by autograd: made dense
     # (and, on the CUDA path, brought to the host, where the crate forms the row scales).
     upstream = (grad_loss.to("cpu", torch.float32).contiguous(),
                 None if grad_lse is None else grad_lse.to("cpu", torch.float32).contiguous())
-    _ext.lce_backward(options, (input, weight, target, bias, token_weights), lse.to("cpu").contiguous(), upstream,
-                      tuple(grads))
+    _ext.lce_backward(options(opts), (input, weight, target, bias, token_weights), lse.to("cpu").contiguous(),
+                      upstream, tuple(grads))
     return _op_grads(input, weight, grads)
 
 
+_backward = torch.library.custom_op(
+    "flatpeak::linear_cross_entropy_backward", _backward_impl, mutates_args=(),
+    schema=f"(Tensor grad_loss, Tensor? grad_lse, {TENSORS_SCHEMA}, Tensor lse, {OPTIONS_SCHEMA}, "
+           "bool[] grads_wanted) -> (Tensor, Tensor, Tensor)")
+
+
 @_backward.register_fake
-def _backward_fake(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse, ignore_index,
-                   reduction, label_smoothing, z_loss, softcap, budget_bytes, precision, grads_wanted):
-    return _grads_fake(input, weight, bias, grads_wanted)
+def _backward_fake(grad_loss: Tensor, grad_lse: Optional[Tensor], input: Tensor, weight: Tensor, target: Tensor,
+                   bias: Optional[Tensor], token_weights: Optional[Tensor], lse: Tensor,
+                   *opts_and_wanted: Any) -> Tuple[Tensor, Tensor, Tensor]:
+    return _grads_fake(input, weight, bias, opts_and_wanted[-1])
 
 
-def _setup_context(ctx, inputs, output):
-    input, weight, target, bias, token_weights, *options = inputs
+def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
+    input, weight, target, bias, token_weights, *opts = inputs
     _, lse = output
     ctx.save_for_backward(input, weight, target, bias, token_weights, lse)
-    ctx.options = options
+    ctx.options = opts
 
 
-def _backward_autograd(ctx, grad_loss, grad_lse):
+def _backward_autograd(ctx: Any, grad_loss: Tensor, grad_lse: Optional[Tensor]) -> Tuple[Any, ...]:
     input, weight, target, bias, token_weights, lse = ctx.saved_tensors
     # Only what autograd asks for: a frozen input, weight or bias gets no gradient computed.
     wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]]
     grads = _backward(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse, *ctx.options, wanted)
     dx, dw, dbias = _wanted_only(grads, wanted)
     needs_graph = any(t is not None and t.requires_grad for t in (input, weight, bias, grad_loss, grad_lse))
-    return _once_differentiable((dx, dw, None, dbias, None), needs_graph) + (None,) * len(ctx.options)
+    return guard_grads((dx, dw, None, dbias, None), needs_graph) + (None,) * len(ctx.options)
 
 
 _forward.register_autograd(_backward_autograd, setup_context=_setup_context)
 
 
-def _fused_impl(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
-                softcap, budget_bytes, precision, grads_wanted):
-    """The loss, and dX, dW and dbias for an upstream gradient of 1 as ``grads_wanted`` selects
-    them (an empty tensor for one not wanted), in one pass (``mean`` or ``sum``)."""
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
+def _fused_impl(input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+                token_weights: Optional[Tensor], *opts_and_wanted: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The loss, and dX, dW and dbias for an upstream gradient of 1 as the last argument,
+    ``grads_wanted``, selects them (an empty tensor for one not wanted), in one pass (``mean`` or
+    ``sum``)."""
+    *opts, grads_wanted = opts_and_wanted
     n = input.shape[0]
     # The loss is finished on the host on either path; the gradients live where the inputs do.
     loss = torch.empty((), dtype=torch.float32)
     lse = torch.empty((n,), dtype=torch.float32)
     grads = _grad_buffers(input, weight, bias, grads_wanted)
-    _ext.lce_forward_backward(options, (input, weight, target, bias, token_weights), (loss, lse), tuple(grads))
+    _ext.lce_forward_backward(options(opts), (input, weight, target, bias, token_weights), (loss, lse),
+                              tuple(grads))
     del lse
     return (loss.to(input.device, input.dtype), *_op_grads(input, weight, grads))
 
 
-@torch.library.custom_op("flatpeak::linear_cross_entropy_fused", mutates_args=())
-def _fused(
-    input: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Optional[Tensor],
-    token_weights: Optional[Tensor],
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: Optional[float],
-    budget_bytes: Optional[int],
-    precision: str,
-    grads_wanted: List[bool],
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`_fused_impl` as an op, for traced graphs (``torch.compile``); eager calls take
-    :class:`_EagerFused`."""
-    return _fused_impl(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing,
-                       z_loss, softcap, budget_bytes, precision, grads_wanted)
+#: :func:`_fused_impl` as an op, for traced graphs (``torch.compile``); eager calls take
+#: :class:`_EagerFused`.
+_fused = torch.library.custom_op(
+    "flatpeak::linear_cross_entropy_fused", _fused_impl, mutates_args=(),
+    schema=f"({TENSORS_SCHEMA}, {OPTIONS_SCHEMA}, bool[] grads_wanted) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @_fused.register_fake
-def _fused_fake(input, weight, target, bias, token_weights, ignore_index, reduction, label_smoothing, z_loss,
-                softcap, budget_bytes, precision, grads_wanted):
-    return (input.new_empty(()), *_grads_fake(input, weight, bias, grads_wanted))
+def _fused_fake(input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+                token_weights: Optional[Tensor], *opts_and_wanted: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (input.new_empty(()), *_grads_fake(input, weight, bias, opts_and_wanted[-1]))
 
 
-def _fused_setup_context(ctx, inputs, output):
+def _fused_setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, ...]) -> None:
     _, dx, dw, dbias = output
     ctx.save_for_backward(dx, dw, dbias)
     ctx.wanted = _wanted_at_forward(inputs[3], inputs[-1])
@@ -245,7 +214,7 @@ def _fused_setup_context(ctx, inputs, output):
     ctx.needs_graph = any(t is not None and t.requires_grad for t in inputs[:4])
 
 
-def _scaled(ctx, grad_loss, eager):
+def _scaled(ctx: Any, grad_loss: Tensor, eager: bool) -> Tuple[Any, ...]:
     """The held gradients times the upstream gradient, as backward's return value."""
     dx, dw, dbias = ctx.saved_tensors
     # An upstream gradient of exactly 1 (the usual `loss.backward()`) in eager mode: the held
@@ -255,10 +224,11 @@ def _scaled(ctx, grad_loss, eager):
         dx, dw, dbias = (g * grad_loss for g in (dx, dw, dbias))
     dx, dw, dbias = _wanted_only((dx, dw, dbias), ctx.wanted)
     grads = (dx, dw, None, dbias, None)
-    return _once_differentiable(grads, ctx.needs_graph or grad_loss.requires_grad) + (None,) * ctx.n_options
+    return guard_grads(grads, ctx.needs_graph or grad_loss.requires_grad) + (None,) * ctx.n_options
 
 
-def _fused_backward(ctx, grad_loss, _grad_dx, _grad_dw, _grad_dbias):
+def _fused_backward(ctx: Any, grad_loss: Tensor, _grad_dx: Tensor, _grad_dw: Tensor,
+                    _grad_dbias: Tensor) -> Tuple[Any, ...]:
     return _scaled(ctx, grad_loss, eager=False)
 
 
@@ -449,7 +419,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                  budget_bytes: Optional[int] = None, precision: str = "native"):
         super().__init__()
         # Checked here, once: a bad option fails at construction, not at the first batch.
-        _options(ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision)
+        options((ignore_index, reduction, label_smoothing, z_loss, softcap, budget_bytes, precision))
         self.reduction = reduction
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union, cast
 
 import torch
 from torch import Tensor
@@ -30,20 +30,39 @@ from .. import _flatpeak as _ext
 from ._groups import handle as _handle
 from ._groups import resolve as _group
 from ._groups import world_size as _world_size
-from ._lce_common import _once_differentiable
+from ._lce_common import guard_grads
 
 _SCHEMES = ("pipelined", "llep", "standard")
 _ACTIVATIONS = ("recompute", "save")
 
 
+#: The layer's options in the order every op takes them, with their schema types: the one
+#: definition of the ops' option arguments (each op's schema and implementation take them as a
+#: tail ``*opts``).
+OPTIONS: Tuple[Tuple[str, str], ...] = (
+    ("scheme", "str"),
+    ("pair_cap_rows", "int?"),
+    ("budget_bytes", "int?"),
+    ("max_tokens_factor", "float?"),
+    ("min_tokens_per_gemm", "int?"),
+    ("imbalance_threshold", "float?"),
+    ("activations", "str"),
+)
+_OPTION_NAMES = tuple(name for name, _ in OPTIONS)
+_OPTIONS_SCHEMA = ", ".join(f"{kind} {name}" for name, kind in OPTIONS)
+_TENSORS_SCHEMA = ("Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, "
+                   "Tensor down_proj, int group, int num_experts")
+
+
 @functools.lru_cache(maxsize=64)
-def _options(scheme: str, pair_cap_rows: Optional[int], budget_bytes: Optional[int],
-             max_tokens_factor: Optional[float], min_tokens_per_gemm: Optional[int],
-             imbalance_threshold: Optional[float], activations: str) -> "_ext.MoEOptions":
-    """The checked options, one object (and so one cached plan and working set) per setting."""
-    return _ext.MoEOptions(scheme=scheme, pair_cap_rows=pair_cap_rows, budget_bytes=budget_bytes,
-                           max_tokens_factor=max_tokens_factor, min_tokens_per_gemm=min_tokens_per_gemm,
-                           imbalance_threshold=imbalance_threshold, activations=activations)
+def _options(*opts: Any) -> Any:
+    """The checked ``MoEOptions`` of option values in :data:`OPTIONS` order, one object (and so
+    one cached plan and working set) per setting."""
+    return _ext.MoEOptions(**dict(zip(_OPTION_NAMES, opts)))
+
+
+def _saves(opts: Tuple[Any, ...]) -> bool:
+    return opts[_OPTION_NAMES.index("activations")] == "save"
 
 
 class MoEStats(NamedTuple):
@@ -65,25 +84,9 @@ class MoEStats(NamedTuple):
     saved_bytes: int = 0
 
 
-@torch.library.custom_op("flatpeak::moe_swiglu_forward", mutates_args=())
-def _forward(
-    hidden_states: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    gate_up_proj: Tensor,
-    down_proj: Tensor,
-    group: int,
-    num_experts: int,
-    scheme: str,
-    pair_cap_rows: Optional[int],
-    budget_bytes: Optional[int],
-    max_tokens_factor: Optional[float],
-    min_tokens_per_gemm: Optional[int],
-    imbalance_threshold: Optional[float],
-    activations: str,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    options = _options(scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm,
-                       imbalance_threshold, activations)
+def _forward_impl(hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor,
+                  down_proj: Tensor, group: int, num_experts: int, *opts: Any) -> Tuple[Tensor, Tensor, Tensor]:
+    options = _options(*opts)
     pg = _group(group)
     experts = num_experts or gate_up_proj.shape[0] * _world_size(pg)
     device = hidden_states.device
@@ -92,7 +95,7 @@ def _forward(
     # The schedule is planned on the host from the routing (T x k values); on a GPU the rows and
     # the expert weights stay on the device.
     args = (hidden_states, topk_ids.cpu(), topk_weights.cpu(), gate_up_proj, down_proj)
-    if activations == "save" and not hidden_states.is_cuda:
+    if _saves(opts) and not hidden_states.is_cuda:
         # A saving forward asks for its store's size first: a rank that keeps nothing (no
         # gradient needed here) makes the same collectives, so ranks never pair up different
         # exchanges.
@@ -101,50 +104,42 @@ def _forward(
     return y.to(hidden_states.dtype), counts.to(device), torch.tensor(stats, dtype=torch.int64, device=device)
 
 
+_forward = torch.library.custom_op(
+    "flatpeak::moe_swiglu_forward", _forward_impl, mutates_args=(),
+    schema=f"({_TENSORS_SCHEMA}, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)")
+
+
 @_forward.register_fake
-def _forward_fake(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, group, num_experts, scheme,
-                  pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm, imbalance_threshold,
-                  activations):
+def _forward_fake(hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor,
+                  down_proj: Tensor, group: int, num_experts: int, *opts: Any) -> Tuple[Tensor, Tensor, Tensor]:
     experts = num_experts or gate_up_proj.shape[0] * _world_size(_group(group))
     return (torch.empty_like(hidden_states), hidden_states.new_empty((experts,), dtype=torch.int64),
             hidden_states.new_empty((len(MoEStats._fields) - 1,), dtype=torch.int64))
 
 
-@torch.library.custom_op("flatpeak::moe_swiglu_backward", mutates_args=())
-def _backward(
-    grad_output: Tensor,
-    hidden_states: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    gate_up_proj: Tensor,
-    down_proj: Tensor,
-    group: int,
-    num_experts: int,
-    scheme: str,
-    pair_cap_rows: Optional[int],
-    budget_bytes: Optional[int],
-    max_tokens_factor: Optional[float],
-    min_tokens_per_gemm: Optional[int],
-    imbalance_threshold: Optional[float],
-    activations: str,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    options = _options(scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm,
-                       imbalance_threshold, activations)
-    f32 = dict(dtype=torch.float32, device=hidden_states.device)
+def _backward_impl(grad_output: Tensor, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                   gate_up_proj: Tensor, down_proj: Tensor, group: int, num_experts: int,
+                   *opts: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    f32: Dict[str, Any] = dict(dtype=torch.float32, device=hidden_states.device)
     dx = torch.empty(hidden_states.shape, **f32)
     dw = torch.empty(topk_weights.shape, **f32)
     dgu = torch.empty(gate_up_proj.shape, **f32)
     dd = torch.empty(down_proj.shape, **f32)
     dy = grad_output.to(hidden_states.dtype).contiguous()
     args = (hidden_states, topk_ids.cpu(), topk_weights.cpu(), gate_up_proj, down_proj)
-    _ext.moe_backward(options, _group(group), args, num_experts or None, (dy, None), (dx, dw, dgu, dd))
+    _ext.moe_backward(_options(*opts), _group(group), args, num_experts or None, (dy, None), (dx, dw, dgu, dd))
     return dx.to(hidden_states.dtype), dw, dgu.to(gate_up_proj.dtype), dd.to(down_proj.dtype)
 
 
+_backward = torch.library.custom_op(
+    "flatpeak::moe_swiglu_backward", _backward_impl, mutates_args=(),
+    schema=f"(Tensor grad_output, {_TENSORS_SCHEMA}, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
 @_backward.register_fake
-def _backward_fake(grad_output, hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, group,
-                   num_experts, scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm,
-                   imbalance_threshold, activations):
+def _backward_fake(grad_output: Tensor, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                   gate_up_proj: Tensor, down_proj: Tensor, group: int, num_experts: int,
+                   *opts: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     return (torch.empty_like(hidden_states), torch.empty_like(topk_weights), torch.empty_like(gate_up_proj),
             torch.empty_like(down_proj))
 
@@ -160,7 +155,7 @@ def _backward_autograd(ctx, grad_y, _grad_counts, _grad_stats):
     dx, dw, dgu, dd = _backward(grad_y, *saved, *ctx.options)
     hidden_states, _, topk_weights, gate_up_proj, down_proj = saved
     needs_graph = any(t.requires_grad for t in (hidden_states, topk_weights, gate_up_proj, down_proj, grad_y))
-    grads = _once_differentiable((dx, None, dw, dgu, dd), needs_graph)
+    grads = guard_grads((dx, None, dw, dgu, dd), needs_graph)
     return grads + (None,) * len(ctx.options)
 
 
@@ -185,9 +180,9 @@ class _SavingSwiGLU(torch.autograd.Function):
         stats = _ext.moe_forward(opts, pg, args, num_experts or None, (y, counts, store))
         ctx.save_for_backward(*args, store)
         ctx.call = (group, num_experts, options)
-        stats = torch.tensor(stats, dtype=torch.int64)
-        ctx.mark_non_differentiable(counts, stats)
-        return y.to(hidden_states.dtype), counts, stats
+        stats_tensor = torch.tensor(stats, dtype=torch.int64)
+        ctx.mark_non_differentiable(counts, stats_tensor)
+        return y.to(hidden_states.dtype), counts, stats_tensor
 
     @staticmethod
     @once_differentiable
@@ -292,6 +287,7 @@ def moe_swiglu(
     # The routing weights as float32 (a bf16 router's [T, k] widened: autograd narrows their
     # gradient back).
     weights = topk_weights.reshape(-1, k).to(torch.float32).contiguous()
+    # In OPTIONS order.
     options = (scheme, pair_cap_rows, budget_bytes, max_tokens_factor, min_tokens_per_gemm, imbalance_threshold,
                activations)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, gate_up_proj, down_proj))
@@ -320,9 +316,9 @@ class MoEExperts(torch.nn.Module):
         world = _world_size(group)
         if num_experts <= 0 or num_experts % world:
             raise ValueError(f"num_experts={num_experts} must be a positive multiple of the group size {world}")
-        if set(options) - {"scheme", "pair_cap_rows", "budget_bytes", "max_tokens_factor", "min_tokens_per_gemm",
-                           "imbalance_threshold", "activations"}:
-            raise TypeError(f"unexpected options {sorted(options)}")
+        if set(options) - set(_OPTION_NAMES):
+            raise TypeError(f"unexpected options {sorted(set(options) - set(_OPTION_NAMES))} (expected some of "
+                            f"{list(_OPTION_NAMES)})")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.group, self.options = group, options
         local = num_experts // world
@@ -338,8 +334,9 @@ class MoEExperts(torch.nn.Module):
             torch.nn.init.uniform_(w, -bound, bound)
 
     def forward(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        return moe_swiglu(hidden_states, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, group=self.group,
-                          num_experts=self.num_experts, **self.options)
+        y = moe_swiglu(hidden_states, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, group=self.group,
+                       num_experts=self.num_experts, **self.options)
+        return cast(Tensor, y)  # the options exclude return_stats
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

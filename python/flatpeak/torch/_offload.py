@@ -21,7 +21,7 @@ identity.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -40,6 +40,21 @@ class _Copy:
             self.event.synchronize()
 
 
+class _Made:
+    """What a ring is made for: one boundary's shape, dtype and device, its slot accounting, the
+    host arena of every block's boundary and the side stream of the copies (CUDA)."""
+
+    def __init__(self, x: Tensor, layers: int, options: Dict[str, int], pin_memory: bool):
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.ring = _ext.SlotRing(layers, x.numel() * x.element_size(), **options)
+        self.arena = torch.empty((layers, x.numel()), dtype=x.dtype, pin_memory=pin_memory and x.is_cuda)
+        self.side_stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device=x.device) if x.is_cuda else None
+
+    def fits(self, x: Tensor) -> bool:
+        """Whether ``x`` is a boundary of this shape, dtype and device."""
+        return x.shape == self.shape and x.dtype == self.dtype and x.device == self.device
+
+
 class _BoundaryRing:
     """The device side of one sequence's slot ring: the tensors its slots hold, the host arena,
     and the copies in flight. Made at the first training forward (when the boundary's shape,
@@ -50,33 +65,50 @@ class _BoundaryRing:
         self.options = dict(keep_resident=keep_resident, in_flight=in_flight, prefetch_distance=prefetch_distance)
         # Checked now (a bad option fails at wrap time, not at the first batch).
         _ext.SlotRing(layers, 1, **self.options)
-        self.ring: Optional[Any] = None
-        self.shape: Optional[torch.Size] = None
-        self.dtype: Optional[torch.dtype] = None
-        self.device: Optional[torch.device] = None
-        self.arena: Optional[Tensor] = None
-        self.held: Dict[int, tuple] = {}  # slot -> (layer, tensor)
+        self._made: Optional[_Made] = None
+        self.held: Dict[int, Tuple[int, Tensor]] = {}  # slot -> (layer, tensor)
         self.d2h: Dict[int, _Copy] = {}
         self.h2d: Dict[int, _Copy] = {}
-        self.side_stream = None
         self.forwarded = 0  # boundaries offloaded this step
         self.released = 0
         self.high_water_bytes = 0
+
+    @property
+    def made(self) -> _Made:
+        """The ring as made for the boundary of the step (a step has started)."""
+        if self._made is None:
+            raise RuntimeError("offload_checkpoints: the slot ring is used before block 0 started a step "
+                               "(an internal error of flatpeak)")
+        return self._made
+
+    @property
+    def ring(self) -> Any:
+        """sco's slot accounting (``flatpeak._flatpeak.SlotRing``)."""
+        return self.made.ring
+
+    @property
+    def started(self) -> bool:
+        """Whether a training step has made the ring (block 0's first training forward)."""
+        return self._made is not None
+
+    def fits(self, x: Tensor) -> bool:
+        """Whether a step has started with a boundary like ``x``."""
+        return self._made is not None and self._made.fits(x)
+
+    def describe(self) -> str:
+        """The step's boundary, in words."""
+        m = self._made
+        return "none yet" if m is None else f"{tuple(m.shape)} {m.dtype} on {m.device}"
 
     # -- set-up and step boundaries ------------------------------------------------------------
 
     def start_step(self, x: Tensor) -> None:
         """Before block 0's forward: a new step (the previous one is forgotten, even if an
         exception ended it midway), and the ring made for ``x``'s boundary when it changed."""
-        if self.ring is not None:
+        if self._made is not None:
             self.reset()
-        if self.ring is None or x.shape != self.shape or x.dtype != self.dtype or x.device != self.device:
-            self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
-            nbytes = x.numel() * x.element_size()
-            self.ring = _ext.SlotRing(self.layers, nbytes, **self.options)
-            pin = self.pin_memory and x.is_cuda
-            self.arena = torch.empty((self.layers, x.numel()), dtype=x.dtype, pin_memory=pin)
-            self.side_stream = torch.cuda.Stream(device=x.device) if x.is_cuda else None
+        if not self.fits(x):
+            self._made = _Made(x, self.layers, self.options, self.pin_memory)
         self.forwarded = self.released = 0
 
     def reset(self) -> None:
@@ -86,8 +118,8 @@ class _BoundaryRing:
         self.d2h.clear()
         self.h2d.clear()
         self.held.clear()
-        if self.ring is not None:
-            self.ring.finish_step()
+        if self._made is not None:
+            self._made.ring.finish_step()
 
     def _sync_held(self) -> None:
         """Drops the tensor of every slot the ring no longer gives to its layer."""
@@ -115,12 +147,12 @@ class _BoundaryRing:
         self.ring.offload(layer, self._reserve())
         slot = self.ring.resident(layer)[1]
         self.held[slot] = (layer, x)
-        host = self.arena[layer].view(x.shape)
-        if self.side_stream is None:
+        host = self.made.arena[layer].view(x.shape)
+        if self.made.side_stream is None:
             host.copy_(x)
             self.ring.d2h_landed(layer)
         else:
-            stream = self.side_stream
+            stream = self.made.side_stream
             stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(stream):
                 host.copy_(x, non_blocking=True)
@@ -153,14 +185,15 @@ class _BoundaryRing:
                 return
         if self.ring.start_h2d(layer, slot) is None:
             return
-        host = self.arena[layer].view(self.shape)
-        if self.side_stream is None:
+        m = self.made
+        host = m.arena[layer].view(m.shape)
+        if m.side_stream is None:
             t = host.clone()
             self.ring.h2d_landed(layer)
         else:
-            current = torch.cuda.current_stream(self.device)
-            t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            stream = self.side_stream
+            current = torch.cuda.current_stream(m.device)
+            t = torch.empty(m.shape, dtype=m.dtype, device=m.device)
+            stream = m.side_stream
             stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 t.copy_(host, non_blocking=True)
@@ -183,7 +216,7 @@ class _BoundaryRing:
             self.ring.h2d_landed(layer)
         event = self.h2d.pop(layer, None)
         if event is not None and event.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event.event)
+            torch.cuda.current_stream(self.made.device).wait_event(event.event)
         t = self.held[slot][1]
         for ahead in prefetch:
             self._bring_back(ahead, wait=False)
@@ -257,10 +290,10 @@ class OffloadedBlock(torch.nn.Module):
         ring, layer = self._ring, self._index
         if layer == 0:
             ring.start_step(x)
-        elif ring.ring is None or x.shape != ring.shape or x.dtype != ring.dtype or x.device != ring.device:
+        elif not ring.fits(x):
             raise ValueError(f"offload_checkpoints: block {layer}'s input is {tuple(x.shape)} {x.dtype} on "
-                             f"{x.device}, block 0's was {tuple(ring.shape or ())} {ring.dtype} on {ring.device}: "
-                             f"every block of the sequence takes the same boundary, called in order from block 0")
+                             f"{x.device}, block 0's was {ring.describe()}: every block of the sequence takes the "
+                             f"same boundary, called in order from block 0")
         placeholder = _Park.apply(x, ring, layer)
 
         def run(placeholder_, *rest):
@@ -283,8 +316,11 @@ class OffloadedBlock(torch.nn.Module):
 _FORWARDING: List[int] = []
 
 
-def offload_checkpoints(layers: Sequence[torch.nn.Module], *, keep_resident: int = 1, in_flight: int = 2,
-                        prefetch_distance: int = 1, pin_memory: bool = True) -> Sequence[torch.nn.Module]:
+Blocks = Union[torch.nn.ModuleList, List[torch.nn.Module]]
+
+
+def offload_checkpoints(layers: Blocks, *, keep_resident: int = 1, in_flight: int = 2,
+                        prefetch_distance: int = 1, pin_memory: bool = True) -> Blocks:
     """Wraps, in place, each block of ``layers`` (an ``nn.ModuleList``, or a list of modules
     called in order) so that it runs under non-reentrant checkpointing with its input boundary
     kept by sco's slot ring, and returns ``layers``.

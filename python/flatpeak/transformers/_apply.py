@@ -6,12 +6,14 @@ from __future__ import annotations
 import inspect
 import sys
 import types
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from ..torch import linear_cross_entropy, offload_checkpoints as _offload_checkpoints
+from ..torch import linear_cross_entropy
+from ..torch import offload_checkpoints as _offload_checkpoints
 from ._experts import EXPERTS_IMPLEMENTATION
 
 #: The ``config.model_type`` values :func:`apply` patches.
@@ -31,11 +33,14 @@ def causal_lm_loss(hidden_states: torch.Tensor, lm_head: torch.nn.Linear, labels
     mean over the non-ignored labels, or the sum divided by ``num_items_in_batch`` when given (as
     under gradient accumulation)."""
     if shift_labels is None:
+        if labels is None:
+            raise ValueError("causal_lm_loss: pass labels or shift_labels")
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     shift_labels = shift_labels.to(hidden_states.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = linear_cross_entropy(hidden_states, lm_head.weight, shift_labels, lm_head.bias, reduction=reduction,
-                                ignore_index=IGNORE_INDEX, budget_bytes=budget_bytes)
+    loss = cast(Tensor, linear_cross_entropy(hidden_states, lm_head.weight, shift_labels, lm_head.bias,
+                                             reduction=reduction, ignore_index=IGNORE_INDEX,
+                                             budget_bytes=budget_bytes))
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -97,8 +102,8 @@ class _Patch:
             module = sys.modules[type(model).__module__]
             self.load_balancing_loss = getattr(module, "load_balancing_loss_func", None)
             if self.load_balancing_loss is None:
-                raise ValueError(f"{type(model).__name__}: its forward adds the router's auxiliary loss, but its module "
-                                 f"has no load_balancing_loss_func to compute it with")
+                raise ValueError(f"{type(model).__name__}: its forward adds the router's auxiliary loss, but its "
+                                 f"module has no load_balancing_loss_func to compute it with")
 
 
 def _adds_aux_loss(forward) -> bool:
@@ -122,7 +127,7 @@ def _shard_experts(module: torch.nn.Module, name: str, group) -> None:
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    experts = module.gate_up_proj.shape[0]
+    experts = getattr(module, "gate_up_proj").shape[0]
     if experts % world:
         raise ValueError(f"{name}: {experts} experts do not split over a group of {world} ranks "
                          f"(expert-parallel needs E divisible by the group size)")
@@ -131,8 +136,8 @@ def _shard_experts(module: torch.nn.Module, name: str, group) -> None:
     for param in ("gate_up_proj", "down_proj"):
         full = getattr(module, param)
         setattr(module, param, torch.nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad))
-    module._flatpeak_group = group
-    module._flatpeak_num_experts = experts
+    setattr(module, "_flatpeak_group", group)
+    setattr(module, "_flatpeak_num_experts", experts)
 
 
 def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, offload_checkpoints: bool = False,
@@ -190,9 +195,9 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
             for name, module in modules:
                 _shard_experts(module, name, group)
         for _, module in modules:
-            module._flatpeak_budget_bytes = budget_bytes
-            module._flatpeak_activations = expert_activations
-        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+            setattr(module, "_flatpeak_budget_bytes", budget_bytes)
+            setattr(module, "_flatpeak_activations", expert_activations)
+        getattr(model, "set_experts_implementation")(EXPERTS_IMPLEMENTATION)
     elif group is not None:
         raise ValueError("group= shards the experts: it needs experts=True")
     if offload_checkpoints:
@@ -203,7 +208,7 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
             raise ValueError("offload_checkpoints=True checkpoints the decoder layers itself: disable transformers' "
                              "gradient checkpointing (model.gradient_checkpointing_disable())")
         _offload_checkpoints(layers)
-    model._flatpeak_patch = patch
+    setattr(model, "_flatpeak_patch", patch)
     if loss:
         model.forward = types.MethodType(_causal_lm_forward, model)
     return model

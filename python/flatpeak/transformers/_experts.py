@@ -36,14 +36,14 @@ def experts_forward(module: torch.nn.Module, hidden_states: Tensor, top_k_index:
     _check_module(module)
     if top_k_weights.dtype not in (torch.float32, hidden_states.dtype):
         top_k_weights = top_k_weights.float()
-    out, stats = moe_swiglu(hidden_states.contiguous(), top_k_index, top_k_weights, module.gate_up_proj,
-                            module.down_proj, group=getattr(module, "_flatpeak_group", None),
+    out, stats = moe_swiglu(hidden_states.contiguous(), top_k_index, top_k_weights, getattr(module, "gate_up_proj"),
+                            getattr(module, "down_proj"), group=getattr(module, "_flatpeak_group", None),
                             num_experts=getattr(module, "_flatpeak_num_experts", None),
                             budget_bytes=getattr(module, "_flatpeak_budget_bytes", None),
                             activations=getattr(module, "_flatpeak_activations", "recompute"), return_stats=True)
     # The last call's MoEStats (routes per expert, rounds, receive high water, working set), for
     # load-balancing and measurements: `module.flatpeak_stats`.
-    module.flatpeak_stats = stats
+    setattr(module, "flatpeak_stats", stats)
     return out
 
 
