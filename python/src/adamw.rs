@@ -14,7 +14,7 @@ use stream_adamw::{
 };
 
 use crate::adamw_args::{AdamWOptions, Offloaded};
-use crate::tensor::{Lend, Lent, Out, device_of, is_dtype, shape_of};
+use crate::tensor::{Lend, Lent, Out, Register, device_of, is_dtype, shape_of};
 
 /// What one step did (`flatpeak._flatpeak.StepDecision`), as the crate decided it from the global
 /// Σg²: whether it skipped, and what every parameter's update scaled its gradient by.

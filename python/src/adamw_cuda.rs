@@ -16,7 +16,7 @@ use stream_adamw::{
 use crate::adamw_args::{AdamWOptions, Offloaded};
 use crate::cuda_tensor::{DIn, DOut, DeviceLend, DeviceLent, LentMut};
 use crate::error::to_py;
-use crate::tensor::{Lend, TorchElement, device_of, shape_of};
+use crate::tensor::{Lend, Register, TorchElement, device_of, shape_of};
 
 /// The per-parameter optimizer of one element type (the gradient's is the parameter's, as in
 /// torch).

@@ -22,7 +22,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::error::to_py;
-use crate::tensor::{Span, TorchElement, checked, next_call, register, release};
+use crate::tensor::{In, Out, Register, Span, TorchElement, next_call, register, release};
 
 /// A cudarc value over borrowed memory, given back (its slices leaked) when it is dropped.
 pub(crate) trait GiveBack {
@@ -113,23 +113,15 @@ pub(crate) fn torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<Arc<CudaS
     Ok(unsafe { ctx.wrap_borrowed_stream(raw as sys::CUstream) })
 }
 
-/// An input of a [`DeviceLend`].
+/// A CUDA device's memory: the memory of a [`DeviceLend`]'s handles.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct DIn<T> {
-    call: u64,
-    address: usize,
-    len: usize,
-    _t: PhantomData<T>,
-}
+pub(crate) struct DeviceMemory;
+
+/// An input of a [`DeviceLend`].
+pub(crate) type DIn<T> = In<T, DeviceMemory>;
 
 /// An output of a [`DeviceLend`] (consumed when lent: one borrow per output).
-#[derive(Debug)]
-pub(crate) struct DOut<T> {
-    call: u64,
-    address: usize,
-    len: usize,
-    _t: PhantomData<T>,
-}
+pub(crate) type DOut<T> = Out<T, DeviceMemory>;
 
 /// One call's CUDA tensors on one device, being checked (see the module docs).
 pub(crate) struct DeviceLend<'t, 'py> {
@@ -162,65 +154,26 @@ impl<'t, 'py> DeviceLend<'t, 'py> {
         self.ordinal
     }
 
-    fn add<T: TorchElement>(
-        &mut self,
-        (name, output): (&'static str, bool),
-        tensor: &'t Bound<'py, PyAny>,
-        shape: &[Option<usize>],
-    ) -> PyResult<(usize, usize)> {
-        let device = Device::Cuda(self.ordinal);
-        let (address, len) = checked::<T>(name, tensor, shape, device)?;
-        let bytes = address..address + len * std::mem::size_of::<T>();
-        self.spans.push(Span { name, space: device, bytes, output });
-        Ok((address, len))
-    }
-
-    /// Input `name`: a contiguous tensor of `T` on this device, of `shape`.
-    pub(crate) fn input<T: TorchElement>(
-        &mut self,
-        name: &'static str,
-        tensor: &'t Bound<'py, PyAny>,
-        shape: &[Option<usize>],
-    ) -> PyResult<DIn<T>> {
-        let (address, len) = self.add::<T>((name, false), tensor, shape)?;
-        Ok(DIn { call: self.id, address, len, _t: PhantomData })
-    }
-
-    /// An optional input.
-    pub(crate) fn input_opt<T: TorchElement>(
-        &mut self,
-        name: &'static str,
-        tensor: Option<&'t Bound<'py, PyAny>>,
-        shape: &[Option<usize>],
-    ) -> PyResult<Option<DIn<T>>> {
-        tensor.map(|t| self.input(name, t, shape)).transpose()
-    }
-
-    /// Output `name`.
-    pub(crate) fn output<T: TorchElement>(
-        &mut self,
-        name: &'static str,
-        tensor: &'t Bound<'py, PyAny>,
-        shape: &[Option<usize>],
-    ) -> PyResult<DOut<T>> {
-        let (address, len) = self.add::<T>((name, true), tensor, shape)?;
-        Ok(DOut { call: self.id, address, len, _t: PhantomData })
-    }
-
-    /// An optional output.
-    pub(crate) fn output_opt<T: TorchElement>(
-        &mut self,
-        name: &'static str,
-        tensor: Option<&'t Bound<'py, PyAny>>,
-        shape: &[Option<usize>],
-    ) -> PyResult<Option<DOut<T>>> {
-        tensor.map(|t| self.output(name, t, shape)).transpose()
-    }
-
     /// Checks the outputs' exclusivity and lends the tensors.
     pub(crate) fn lent(self) -> PyResult<DeviceLent<'t, 'py>> {
         register(self.id, &self.spans)?;
         Ok(DeviceLent { id: self.id, stream: self.stream, held: PhantomData })
+    }
+}
+
+impl<'t, 'py> Register<'t, 'py> for DeviceLend<'t, 'py> {
+    type Memory = DeviceMemory;
+
+    fn call(&self) -> u64 {
+        self.id
+    }
+
+    fn space(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn spans(&mut self) -> &mut Vec<Span> {
+        &mut self.spans
     }
 }
 

@@ -21,7 +21,7 @@ use crate::loss_args::{
     ForwardOuts, GradArgs, LossArgs, LossIns, LossOptions, UpstreamArgs, grad_output, loss_shape,
     write_forward,
 };
-use crate::tensor::{Lend, Lent, Out, device_of, is_dtype};
+use crate::tensor::{Lend, Lent, Out, Register, device_of, is_dtype};
 
 /// The selection of the gradients given (`None`: not wanted).
 fn wanted(grads: &GradArgs<'_>) -> GradientSelection {

@@ -4,6 +4,7 @@
 //! results into the caller's output tensors.
 
 use flatpeak_common::DTypeNames;
+use flatpeak_common::comm::Refusal;
 use half::bf16;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -14,7 +15,7 @@ use ring_dtp::{
 };
 
 use crate::error::to_py;
-use crate::tensor::{In, Lend, Lent, is_dtype, shape_of};
+use crate::tensor::{Host, In, Lent, Register, is_dtype, shape_of};
 
 /// The loss's options, checked once (`flatpeak._flatpeak.LossOptions`).
 #[pyclass(frozen, module = "flatpeak._flatpeak")]
@@ -218,26 +219,30 @@ pub(crate) fn write_forward(forward: Forward, loss: &mut [f32], lse: &mut [f32])
     }
 }
 
-/// X and W in their dtype.
+/// X and W in their dtype, in memory `M`.
 #[derive(Clone, Copy)]
-enum Operands {
-    F32(In<f32>, In<f32>),
-    Bf16(In<bf16>, In<bf16>),
+pub(crate) enum Operands<M> {
+    F32(In<f32, M>, In<f32, M>),
+    Bf16(In<bf16, M>, In<bf16, M>),
 }
 
-/// One call's (or one rank's) host tensors, registered.
-pub(crate) struct LossIns {
-    operands: Operands,
-    target: In<i64>,
-    pub(crate) bias: Option<In<f32>>,
-    weights: Option<In<f32>>,
+/// One call's (or one rank's) tensors in memory `M` (the host's, or a CUDA device's:
+/// `loss_device.rs` lends those), registered.
+pub(crate) struct LossIns<M = Host> {
+    pub(crate) operands: Operands<M>,
+    pub(crate) target: In<i64, M>,
+    pub(crate) bias: Option<In<f32, M>>,
+    pub(crate) weights: Option<In<f32, M>>,
     pub(crate) shape: Shape,
 }
 
-impl LossIns {
+impl<M: Copy> LossIns<M> {
     /// The tensors of `args` (input `[N, D]`, weight `[V, D]`, target `[N]`, bias `[V]`,
-    /// token_weights `[N]`), registered with `lend`.
-    pub(crate) fn new<'t, 'py>(lend: &mut Lend<'t, 'py>, args: &'t LossArgs<'py>) -> PyResult<Self> {
+    /// token_weights `[N]`), registered with `lend` in its memory.
+    pub(crate) fn new<'t, 'py, R: Register<'t, 'py, Memory = M>>(
+        lend: &mut R,
+        args: &'t LossArgs<'py>,
+    ) -> PyResult<Self> {
         let shape = args.shape()?;
         let Shape { tokens: n, hidden: d, vocab: v, dtype } = shape;
         let (x, w) = ([Some(n), Some(d)], [Some(v), Some(d)]);
@@ -257,8 +262,10 @@ impl LossIns {
             shape,
         })
     }
+}
 
-    /// The crate's inputs over the lent tensors.
+impl LossIns {
+    /// The crate's host inputs over the lent tensors.
     pub(crate) fn inputs<'l>(&self, lent: &'l Lent<'_, '_>) -> PyResult<Inputs<'l>> {
         let (x, w) = match self.operands {
             Operands::F32(x, w) => (Matrix::F32(lent.get(x)?), Matrix::F32(lent.get(w)?)),
@@ -284,12 +291,12 @@ pub(crate) fn ring_choice(ring: Option<&str>) -> PyResult<RingChoice> {
 }
 
 /// The call's options as every rank passes them.
-pub(crate) fn ring_call(options: &LossOptions, ring: RingChoice) -> RingCall {
+fn ring_call(options: &LossOptions, ring: RingChoice) -> RingCall {
     RingCall::default().config(options.config).budget(options.budget).ring(ring).names(DTypeNames::Torch)
 }
 
 /// This rank's share of a call from its tensors' shape.
-pub(crate) fn share(shape: Shape, device: Device, bias: bool) -> RankShare {
+fn share(shape: Shape, device: Device, bias: bool) -> RankShare {
     RankShare {
         tokens: shape.tokens,
         hidden: shape.hidden,
@@ -297,6 +304,20 @@ pub(crate) fn share(shape: Shape, device: Device, bias: bool) -> RankShare {
         dtype: shape.dtype,
         device,
         bias,
+    }
+}
+
+/// This rank's part of a ring call from its own checks' outcome (`mine`: the ring it names and
+/// its tensors, or the refusal): the call and its share to agree on, or the refusal with the
+/// plan's ring (the group refuses the call, naming this rank).
+pub(crate) fn ring_part<M>(
+    options: &LossOptions,
+    device: Device,
+    mine: Result<(RingChoice, &LossIns<M>), &Refusal>,
+) -> (RingCall, Result<RankShare, Refusal>) {
+    match mine {
+        Ok((choice, ins)) => (ring_call(options, choice), Ok(share(ins.shape, device, ins.bias.is_some()))),
+        Err(refused) => (ring_call(options, RingChoice::Auto), Err(refused.clone())),
     }
 }
 

@@ -20,7 +20,7 @@ use crate::loss_args::{
     ForwardOuts, GradArgs, LossArgs, LossOptions, UpstreamArgs, grad_output, loss_shape, write_forward,
 };
 use crate::loss_device::DeviceLossIns;
-use crate::tensor::Lend;
+use crate::tensor::{Lend, Register};
 
 /// One call's device tensors and the workspace its plan's block buffers are carved from,
 /// allocated through torch, registered.
@@ -109,6 +109,25 @@ fn wanted(outs: &DeviceGradOuts) -> GradientSelection {
         .dbias(want(outs.dbias.is_some()))
 }
 
+/// Runs `f` on the lent gradient outputs as ring-dtp's device gradients, selecting the given
+/// ones (an empty buffer stands for one not wanted: never touched).
+fn with_grads<R>(
+    lent: &DeviceLent<'_, '_>,
+    outs: DeviceGradOuts,
+    f: impl FnOnce(DeviceGradientsMut<'_>) -> PyResult<R>,
+) -> PyResult<R> {
+    let selection = wanted(&outs);
+    let (mut dx, mut dw) = (lent.get_mut_opt(outs.dx)?, lent.get_mut_opt(outs.dw)?);
+    let (mut no_dx, mut no_dw) = (lent.empty_f32(), lent.empty_f32());
+    let mut dbias = lent.get_mut_opt(outs.dbias)?;
+    f(DeviceGradientsMut::new(
+        dx.as_deref_mut().unwrap_or(&mut no_dx),
+        dw.as_deref_mut().unwrap_or(&mut no_dw),
+        dbias.as_deref_mut(),
+    )
+    .selecting(selection))
+}
+
 /// The CUDA forward: the loss and lse into the host fp32 tensors `outputs`.
 pub(crate) fn forward(
     py: Python<'_>,
@@ -159,17 +178,9 @@ pub(crate) fn backward(
     let slices = ins.ins.slices(&lent)?;
     let inputs = slices.inputs();
     let mut blocks = lent.block_buffers(ins.workspace, ins.layout)?;
-    let selection = wanted(&outs);
-    let (mut dx, mut dw) = (lent.get_mut_opt(outs.dx)?, lent.get_mut_opt(outs.dw)?);
-    let (mut no_dx, mut no_dw) = (lent.empty_f32(), lent.empty_f32());
-    let mut dbias = lent.get_mut_opt(outs.dbias)?;
-    let out = DeviceGradientsMut::new(
-        dx.as_deref_mut().unwrap_or(&mut no_dx),
-        dw.as_deref_mut().unwrap_or(&mut no_dw),
-        dbias.as_deref_mut(),
-    )
-    .selecting(selection);
-    on_stream(py, &lent, ins.plan, |lce| lce.backward_into_with(&mut blocks, &inputs, lse, upstream, out))
+    with_grads(&lent, outs, |out| {
+        on_stream(py, &lent, ins.plan, |lce| lce.backward_into_with(&mut blocks, &inputs, lse, upstream, out))
+    })
 }
 
 /// The CUDA forward and backward in one pass for a reduced loss: the loss and lse into host
@@ -194,19 +205,9 @@ pub(crate) fn forward_backward(
     let slices = ins.ins.slices(&lent)?;
     let inputs = slices.inputs();
     let mut blocks = lent.block_buffers(ins.workspace, ins.layout)?;
-    let selection = wanted(&outs);
-    let (mut dx, mut dw) = (lent.get_mut_opt(outs.dx)?, lent.get_mut_opt(outs.dw)?);
-    let (mut no_dx, mut no_dw) = (lent.empty_f32(), lent.empty_f32());
-    let mut dbias = lent.get_mut_opt(outs.dbias)?;
-    let out = DeviceGradientsMut::new(
-        dx.as_deref_mut().unwrap_or(&mut no_dx),
-        dw.as_deref_mut().unwrap_or(&mut no_dw),
-        dbias.as_deref_mut(),
-    )
-    .selecting(selection);
     let grad = GradOutput::Scalar(1.0);
-    let forward = on_stream(py, &lent, ins.plan, |lce| {
-        lce.forward_backward_into_with(&mut blocks, &inputs, grad, out)
+    let forward = with_grads(&lent, outs, |out| {
+        on_stream(py, &lent, ins.plan, |lce| lce.forward_backward_into_with(&mut blocks, &inputs, grad, out))
     })?;
     write_forward(forward, host.get_mut(loss_out)?, host.get_mut(lse_out)?);
     Ok(())

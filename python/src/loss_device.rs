@@ -1,31 +1,18 @@
-//! The loss's tensors on a CUDA device (feature `cuda`), registered for one call: the one
-//! registration of the plain and the ring losses' CUDA paths (the host one is
-//! [`crate::loss_args::LossIns`]).
+//! The loss's tensors lent on a CUDA device (feature `cuda`): the registration is the host's
+//! ([`LossIns::new`] in either memory); this is the lending of the plain and the ring losses'
+//! CUDA paths as ring-dtp's device inputs.
 
 use flatpeak_common::cuda::cudarc::driver::CudaSlice;
 use half::bf16;
 use pyo3::prelude::*;
+use ring_dtp::Shape;
 use ring_dtp::cuda::{DeviceInputs, DeviceMatrix};
-use ring_dtp::{DType, Shape};
 
-use crate::cuda_tensor::{DIn, DeviceLend, DeviceLent, Lent};
-use crate::loss_args::LossArgs;
+use crate::cuda_tensor::{DeviceLent, DeviceMemory, Lent};
+use crate::loss_args::{LossIns, Operands};
 
-/// X and W in their dtype.
-#[derive(Clone, Copy)]
-enum Operands {
-    F32(DIn<f32>, DIn<f32>),
-    Bf16(DIn<bf16>, DIn<bf16>),
-}
-
-/// One call's (or one rank's) device tensors, registered.
-pub(crate) struct DeviceLossIns {
-    operands: Operands,
-    target: DIn<i64>,
-    pub(crate) bias: Option<DIn<f32>>,
-    weights: Option<DIn<f32>>,
-    pub(crate) shape: Shape,
-}
+/// One call's (or one rank's) tensors on a CUDA device, registered.
+pub(crate) type DeviceLossIns = LossIns<DeviceMemory>;
 
 /// The inputs' device slices, lent for the call.
 pub(crate) struct Slices<'l> {
@@ -51,30 +38,7 @@ impl Operand<'_> {
     }
 }
 
-impl DeviceLossIns {
-    /// The tensors of `args` (input `[N, D]`, weight `[V, D]`, target `[N]`, bias `[V]`,
-    /// token_weights `[N]`) on `lend`'s device, registered with it.
-    pub(crate) fn new<'t, 'py>(lend: &mut DeviceLend<'t, 'py>, args: &'t LossArgs<'py>) -> PyResult<Self> {
-        let shape = args.shape()?;
-        let Shape { tokens: n, hidden: d, vocab: v, dtype } = shape;
-        let (x, w) = ([Some(n), Some(d)], [Some(v), Some(d)]);
-        let operands = match dtype {
-            DType::Bf16 => {
-                Operands::Bf16(lend.input("input", &args.input, &x)?, lend.input("weight", &args.weight, &w)?)
-            }
-            _ => {
-                Operands::F32(lend.input("input", &args.input, &x)?, lend.input("weight", &args.weight, &w)?)
-            }
-        };
-        Ok(Self {
-            operands,
-            target: lend.input("target", &args.target, &[Some(n)])?,
-            bias: lend.input_opt("bias", args.bias.as_ref(), &[Some(v)])?,
-            weights: lend.input_opt("token_weights", args.token_weights.as_ref(), &[Some(n)])?,
-            shape,
-        })
-    }
-
+impl LossIns<DeviceMemory> {
     /// The registered tensors' slices, lent.
     pub(crate) fn slices<'l>(&self, lent: &'l DeviceLent<'_, '_>) -> PyResult<Slices<'l>> {
         let (x, w) = match self.operands {

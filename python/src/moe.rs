@@ -20,7 +20,7 @@ use crate::moe_args::{
     ForwardStats, MoEArgs, MoEEntry, MoEGrads, MoEOptions, MoEOuts, MoEUpstream, agree, call_options,
     forward_stats, refuse, sizes, write_counts,
 };
-use crate::tensor::{In, Lend, Lent, Out, TorchElement, device_of};
+use crate::tensor::{In, Lend, Lent, Out, Register, TorchElement, device_of};
 use crate::torch_group::{Comm, communicator, detached, detached_in_pool};
 
 /// One call's host tensors of storage type `T`, registered.

@@ -25,7 +25,7 @@ use crate::moe_args::{
     ForwardStats, MoEArgs, MoEEntry, MoEGrads, MoEOptions, MoEOuts, MoEUpstream, agree, call_options,
     forward_stats, refuse, sizes, write_counts,
 };
-use crate::tensor::{In, Lend, Lent};
+use crate::tensor::{In, Lend, Lent, Register};
 use crate::torch_group::{Comm, communicator, detached, group_handle};
 
 /// One call's tensors, registered: the tokens and experts on the device, the routing on the host.

@@ -13,15 +13,15 @@ use flatpeak_common::Communicator;
 use flatpeak_common::comm::Refusal;
 use pyo3::prelude::*;
 use ring_dtp::ring::{AgreedRing, RankShare, RingCall, agree};
-use ring_dtp::{Device, GradientsMut, RingChoice, RingLinearCrossEntropy, Shape, Upstream};
+use ring_dtp::{Device, GradientsMut, RingLinearCrossEntropy, Shape, Upstream};
 
 use crate::cache::{self, Executor, Key};
 use crate::error::{refusal, to_py};
 use crate::loss_args::{
     ForwardOuts, GradArgs, LossArgs, LossIns, LossOptions, UpstreamArgs, grad_output, loss_shape, required,
-    ring_call, ring_choice, share, write_forward,
+    ring_choice, ring_part, write_forward,
 };
-use crate::tensor::{Lend, device_of};
+use crate::tensor::{Lend, Register, device_of};
 use crate::torch_group::{Comm, communicator, detached, group_handle};
 
 /// Agrees on the call over `comm` and runs `f` on the kept executor of its plan, with the GIL
@@ -84,12 +84,8 @@ pub(crate) fn lce_ring_forward(
         Ok((choice, ins, loss_out, lse_out, lend.lent()?))
     })();
     let mine = mine.map_err(|e| refusal(py, e));
-    let (call, local) = match &mine {
-        Ok((choice, ins, ..)) => {
-            (ring_call(options, *choice), Ok(share(ins.shape, Device::Cpu, ins.bias.is_some())))
-        }
-        Err(e) => (ring_call(options, RingChoice::Auto), Err(e.clone())),
-    };
+    let (call, local) =
+        ring_part(options, Device::Cpu, mine.as_ref().map(|(choice, ins, ..)| (*choice, ins)));
     let Ok((_, ins, loss_out, lse_out, lent)) = mine else {
         return on_ring(py, &mut comm, &call, handle, local, |_, _, _| Ok(()));
     };
@@ -141,12 +137,8 @@ pub(crate) fn lce_ring_backward(
         Ok((choice, ins, (lse, grad, dlse), (dx, dw, dbias), lend.lent()?))
     })();
     let mine = mine.map_err(|e| refusal(py, e));
-    let (call, local) = match &mine {
-        Ok((choice, ins, ..)) => {
-            (ring_call(options, *choice), Ok(share(ins.shape, Device::Cpu, ins.bias.is_some())))
-        }
-        Err(e) => (ring_call(options, RingChoice::Auto), Err(e.clone())),
-    };
+    let (call, local) =
+        ring_part(options, Device::Cpu, mine.as_ref().map(|(choice, ins, ..)| (*choice, ins)));
     let Ok((_, ins, (lse, grad, dlse), (dx, dw, dbias), lent)) = mine else {
         return on_ring(py, &mut comm, &call, handle, local, |_, _, _| Ok(()));
     };

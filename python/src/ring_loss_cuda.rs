@@ -15,18 +15,18 @@ use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaStream};
 use flatpeak_common::nccl::NcclComm;
 use pyo3::prelude::*;
 use ring_dtp::ring::{AgreedRing, RankShare, RingCall};
-use ring_dtp::{Device, RingChoice, RingLinearCrossEntropy, Shape, Upstream};
+use ring_dtp::{Device, RingLinearCrossEntropy, Shape, Upstream};
 
 use crate::cache::{self, Executor, Key};
 use crate::cuda_group::with_nccl;
 use crate::cuda_tensor::{DeviceLend, LentMut};
 use crate::error::{refusal, to_py};
 use crate::loss_args::{
-    ForwardOuts, GradArgs, LossArgs, LossOptions, UpstreamArgs, grad_output, loss_shape, required, ring_call,
-    ring_choice, share, write_forward,
+    ForwardOuts, GradArgs, LossArgs, LossOptions, UpstreamArgs, grad_output, loss_shape, required,
+    ring_choice, ring_part, write_forward,
 };
 use crate::loss_device::DeviceLossIns;
-use crate::tensor::Lend;
+use crate::tensor::{Lend, Register};
 use crate::torch_group::{Comm, communicator, detached, group_handle};
 
 /// A ring call on CUDA tensors as its entry receives it.
@@ -96,12 +96,8 @@ pub(crate) fn forward(py: Python<'_>, call: RingEntry<'_, '_>, outputs: &Forward
         Ok((choice, ins, (loss_out, lse_out), (lend.lent()?, host.lent()?)))
     })();
     let mine = mine.map_err(|e| refusal(py, e));
-    let (call, local) = match &mine {
-        Ok((choice, ins, ..)) => {
-            (ring_call(options, *choice), Ok(share(ins.shape, Device::Cuda(ordinal), ins.bias.is_some())))
-        }
-        Err(e) => (ring_call(options, RingChoice::Auto), Err(e.clone())),
-    };
+    let (call, local) =
+        ring_part(options, Device::Cuda(ordinal), mine.as_ref().map(|(choice, ins, ..)| (*choice, ins)));
     let Ok((_, ins, (loss_out, lse_out), (lent, host))) = mine else {
         return on_ring(py, &mut comm, &call, &site, local, |_, _, _| Ok(()));
     };
@@ -142,12 +138,8 @@ pub(crate) fn backward(
         Ok((choice, ins, (lse, grad, dlse), (dx, dw, dbias), (lend.lent()?, host.lent()?)))
     })();
     let mine = mine.map_err(|e| refusal(py, e));
-    let (call, local) = match &mine {
-        Ok((choice, ins, ..)) => {
-            (ring_call(options, *choice), Ok(share(ins.shape, Device::Cuda(ordinal), ins.bias.is_some())))
-        }
-        Err(e) => (ring_call(options, RingChoice::Auto), Err(e.clone())),
-    };
+    let (call, local) =
+        ring_part(options, Device::Cuda(ordinal), mine.as_ref().map(|(choice, ins, ..)| (*choice, ins)));
     let Ok((_, ins, (lse, grad, dlse), (dx, dw, dbias), (lent, host))) = mine else {
         return on_ring(py, &mut comm, &call, &site, local, |_, _, _| Ok(()));
     };

@@ -112,7 +112,7 @@ pub(crate) fn dtype_name(tensor: &Bound<'_, PyAny>) -> PyResult<String> {
 /// This runs for every tensor of every call (an optimizer step checks four per parameter), so it
 /// asks torch as little as it can: attribute names interned, the dtype compared by identity with
 /// torch's own dtype object, and messages formatted only on a mismatch.
-pub(crate) fn checked<T: TorchElement>(
+fn checked<T: TorchElement>(
     name: &str,
     tensor: &Bound<'_, PyAny>,
     shape: &[Option<usize>],
@@ -181,7 +181,7 @@ pub(crate) struct Span {
     pub(crate) name: &'static str,
     pub(crate) space: flatpeak_common::Device,
     pub(crate) bytes: Range<usize>,
-    pub(crate) output: bool,
+    pub(crate) access: Access,
 }
 
 /// The spans of the calls in flight, by call: a new call's outputs may overlap none of them,
@@ -200,7 +200,7 @@ pub(crate) fn register(id: u64, spans: &[Span]) -> PyResult<()> {
     for s in spans.iter().filter(|s| !s.bytes.is_empty()) {
         let clash = in_flight.iter().find(|(_, o)| {
             o.space == s.space
-                && (o.output || s.output)
+                && (o.access == Access::Write || s.access == Access::Write)
                 && o.bytes.start < s.bytes.end
                 && s.bytes.start < o.bytes.end
         });
@@ -238,9 +238,10 @@ fn check_disjoint(spans: &[Span]) -> PyResult<()> {
         if furthest.is_some_and(|f| f.space != span.space) {
             (furthest, furthest_output) = (None, None);
         }
-        let hit = if span.output { furthest } else { furthest_output };
+        let writes = span.access == Access::Write;
+        let hit = if writes { furthest } else { furthest_output };
         if let Some(other) = hit.filter(|o| o.bytes.end > span.bytes.start) {
-            let (out, with) = if span.output { (span, other) } else { (other, span) };
+            let (out, with) = if writes { (span, other) } else { (other, span) };
             return Err(PyValueError::new_err(format!(
                 "{} shares memory with {}: an output must not alias another tensor",
                 out.name, with.name
@@ -249,7 +250,7 @@ fn check_disjoint(spans: &[Span]) -> PyResult<()> {
         if furthest.is_none_or(|f| span.bytes.end > f.bytes.end) {
             furthest = Some(span);
         }
-        if span.output && furthest_output.is_none_or(|f| span.bytes.end > f.bytes.end) {
+        if writes && furthest_output.is_none_or(|f| span.bytes.end > f.bytes.end) {
             furthest_output = Some(span);
         }
     }
@@ -269,22 +270,118 @@ impl OrdinalKey for flatpeak_common::Device {
     }
 }
 
-/// An input of a [`Lend`]: read, shared.
+/// Host memory: the memory of a [`Lend`]'s handles.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct In<T> {
-    call: u64,
-    ptr: usize,
-    len: usize,
-    _t: PhantomData<T>,
+pub(crate) struct Host;
+
+/// An input of a call's registration ([`Register`]) in memory `M`: read, shared. A handle of one
+/// memory is never lent by the other's [`Lent`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct In<T, M = Host> {
+    pub(crate) call: u64,
+    pub(crate) address: usize,
+    pub(crate) len: usize,
+    _t: PhantomData<(T, M)>,
 }
 
-/// An output of a [`Lend`]: written, once (not `Copy`: one exclusive slice per output).
+/// An output of a call's registration in memory `M`: written, once (not `Copy`: one exclusive
+/// borrow per output).
 #[derive(Debug)]
-pub(crate) struct Out<T> {
-    call: u64,
-    ptr: usize,
-    len: usize,
-    _t: PhantomData<T>,
+pub(crate) struct Out<T, M = Host> {
+    pub(crate) call: u64,
+    pub(crate) address: usize,
+    pub(crate) len: usize,
+    _t: PhantomData<(T, M)>,
+}
+
+/// How a call uses a tensor it registers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Access {
+    /// Read only (inputs may overlap each other).
+    Read,
+    /// Written (an output overlaps nothing).
+    Write,
+}
+
+/// A call's registration of torch tensors in one memory ([`Lend`] on the host,
+/// `cuda_tensor::DeviceLend` on a CUDA device): each tensor checked once (dtype, device,
+/// contiguity, shape), its bytes recorded for the exclusivity check of `lent`, a typed handle
+/// given back.
+pub(crate) trait Register<'t, 'py> {
+    /// The memory of the handles.
+    type Memory;
+
+    /// The call the handles belong to.
+    fn call(&self) -> u64;
+
+    /// Where the tensors must live.
+    fn space(&self) -> flatpeak_common::Device;
+
+    /// The spans registered so far.
+    fn spans(&mut self) -> &mut Vec<Span>;
+
+    /// Checks `tensor` (a contiguous tensor of `T` of `shape`, `None`: any size, in this
+    /// memory) and records its span: its address and length in elements. An empty host
+    /// tensor's address is a dangling, aligned one (its data pointer may be null).
+    fn add<T: TorchElement>(
+        &mut self,
+        name: &'static str,
+        access: Access,
+        tensor: &'t Bound<'py, PyAny>,
+        shape: &[Option<usize>],
+    ) -> PyResult<(usize, usize)> {
+        let space = self.space();
+        let (address, len) = checked::<T>(name, tensor, shape, space)?;
+        let address = match (len, space) {
+            (0, flatpeak_common::Device::Cpu) => std::ptr::NonNull::<T>::dangling().as_ptr() as usize,
+            _ => address,
+        };
+        let bytes = address..address + len * std::mem::size_of::<T>();
+        self.spans().push(Span { name, space, bytes, access });
+        Ok((address, len))
+    }
+
+    /// Input `name`.
+    fn input<T: TorchElement>(
+        &mut self,
+        name: &'static str,
+        tensor: &'t Bound<'py, PyAny>,
+        shape: &[Option<usize>],
+    ) -> PyResult<In<T, Self::Memory>> {
+        let (address, len) = self.add::<T>(name, Access::Read, tensor, shape)?;
+        Ok(In { call: self.call(), address, len, _t: PhantomData })
+    }
+
+    /// An optional input.
+    fn input_opt<T: TorchElement>(
+        &mut self,
+        name: &'static str,
+        tensor: Option<&'t Bound<'py, PyAny>>,
+        shape: &[Option<usize>],
+    ) -> PyResult<Option<In<T, Self::Memory>>> {
+        tensor.map(|t| self.input(name, t, shape)).transpose()
+    }
+
+    /// Output `name`: as an input, written by the call.
+    fn output<T: TorchElement>(
+        &mut self,
+        name: &'static str,
+        tensor: &'t Bound<'py, PyAny>,
+        shape: &[Option<usize>],
+    ) -> PyResult<Out<T, Self::Memory>> {
+        let (address, len) = self.add::<T>(name, Access::Write, tensor, shape)?;
+        Ok(Out { call: self.call(), address, len, _t: PhantomData })
+    }
+
+    /// An optional output.
+    fn output_opt<T: TorchElement>(
+        &mut self,
+        name: &'static str,
+        tensor: Option<&'t Bound<'py, PyAny>>,
+        shape: &[Option<usize>],
+    ) -> PyResult<Option<Out<T, Self::Memory>>> {
+        tensor.map(|t| self.output(name, t, shape)).transpose()
+    }
 }
 
 /// One call's host tensors, being checked (see the module docs).
@@ -293,6 +390,22 @@ pub(crate) struct Lend<'t, 'py> {
     id: u64,
     spans: Vec<Span>,
     held: PhantomData<&'t Bound<'py, PyAny>>,
+}
+
+impl<'t, 'py> Register<'t, 'py> for Lend<'t, 'py> {
+    type Memory = Host;
+
+    fn call(&self) -> u64 {
+        self.id
+    }
+
+    fn space(&self) -> flatpeak_common::Device {
+        flatpeak_common::Device::Cpu
+    }
+
+    fn spans(&mut self) -> &mut Vec<Span> {
+        &mut self.spans
+    }
 }
 
 impl Default for Lend<'_, '_> {
@@ -307,62 +420,6 @@ impl<'t, 'py> Lend<'t, 'py> {
         Self { id: next_call(), spans: Vec::new(), held: PhantomData }
     }
 
-    fn add<T: TorchElement>(
-        &mut self,
-        (name, output): (&'static str, bool),
-        tensor: &'t Bound<'py, PyAny>,
-        shape: &[Option<usize>],
-    ) -> PyResult<(usize, usize)> {
-        let (address, len) = checked::<T>(name, tensor, shape, flatpeak_common::Device::Cpu)?;
-        // An empty tensor may have a null data pointer: its slice is the empty one.
-        let ptr = if len == 0 { std::ptr::NonNull::<T>::dangling().as_ptr() as usize } else { address };
-        let bytes = ptr..ptr + len * std::mem::size_of::<T>();
-        self.spans.push(Span { name, space: flatpeak_common::Device::Cpu, bytes, output });
-        Ok((ptr, len))
-    }
-
-    /// Input `name`: a contiguous CPU tensor of `T` of `shape` (`None`: any size).
-    pub(crate) fn input<T: TorchElement>(
-        &mut self,
-        name: &'static str,
-        tensor: &'t Bound<'py, PyAny>,
-        shape: &[Option<usize>],
-    ) -> PyResult<In<T>> {
-        let (ptr, len) = self.add::<T>((name, false), tensor, shape)?;
-        Ok(In { call: self.id, ptr, len, _t: PhantomData })
-    }
-
-    /// An optional input.
-    pub(crate) fn input_opt<T: TorchElement>(
-        &mut self,
-        name: &'static str,
-        tensor: Option<&'t Bound<'py, PyAny>>,
-        shape: &[Option<usize>],
-    ) -> PyResult<Option<In<T>>> {
-        tensor.map(|t| self.input(name, t, shape)).transpose()
-    }
-
-    /// Output `name`: as an input, written by the call.
-    pub(crate) fn output<T: TorchElement>(
-        &mut self,
-        name: &'static str,
-        tensor: &'t Bound<'py, PyAny>,
-        shape: &[Option<usize>],
-    ) -> PyResult<Out<T>> {
-        let (ptr, len) = self.add::<T>((name, true), tensor, shape)?;
-        Ok(Out { call: self.id, ptr, len, _t: PhantomData })
-    }
-
-    /// An optional output.
-    pub(crate) fn output_opt<T: TorchElement>(
-        &mut self,
-        name: &'static str,
-        tensor: Option<&'t Bound<'py, PyAny>>,
-        shape: &[Option<usize>],
-    ) -> PyResult<Option<Out<T>>> {
-        tensor.map(|t| self.output(name, t, shape)).transpose()
-    }
-
     /// An output whose data starts on an `align`-byte line (as a fresh `torch.empty` does).
     pub(crate) fn output_aligned<T: TorchElement>(
         &mut self,
@@ -372,11 +429,11 @@ impl<'t, 'py> Lend<'t, 'py> {
         align: usize,
     ) -> PyResult<Out<T>> {
         let out = self.output::<T>(name, tensor, shape)?;
-        if out.len > 0 && !out.ptr.is_multiple_of(align) {
+        if out.len > 0 && !out.address.is_multiple_of(align) {
             return Err(PyValueError::new_err(format!(
                 "{name}: data pointer {:#x} is not on a {align}-byte line (pass a fresh torch.empty(...), not a slice \
                  of one)",
-                out.ptr
+                out.address
             )));
         }
         Ok(out)
@@ -410,10 +467,10 @@ impl Lent<'_, '_> {
         }
         // SAFETY: `h` was made by this call's `Lend`, which checked the tensor behind it (a live
         // `torch.Tensor` the caller's frame holds for `'t`, contiguous, `len` elements of `T`
-        // from the aligned, non-null pointer `ptr`, or a dangling pointer for none); `lent`
+        // from the aligned, non-null `address`, or a dangling pointer for none); `lent`
         // checked that no output of this call, nor of any call in flight, overlaps it, so nothing
         // writes it while the slice (bound to `&self`, which the frame outlives) lives.
-        Ok(unsafe { std::slice::from_raw_parts(h.ptr as *const T, h.len) })
+        Ok(unsafe { std::slice::from_raw_parts(h.address as *const T, h.len) })
     }
 
     /// The elements of output `h`, exclusively (the handle is consumed: one slice per output).
@@ -424,11 +481,11 @@ impl Lent<'_, '_> {
         }
         // SAFETY: `h` was made by this call's `Lend`, which checked the tensor behind it (a live
         // `torch.Tensor` the caller's frame holds for `'t`, contiguous, `len` elements of `T` from
-        // the aligned, non-null pointer `ptr`, or a dangling pointer for none); `lent` checked that
+        // the aligned, non-null `address`, or a dangling one for none); `lent` checked that
         // this output overlaps no other tensor of the call and no tensor of any call in flight,
         // and the handle, not `Copy`, is consumed here, so this is the only reference to these
         // bytes while it lives.
-        Ok(unsafe { std::slice::from_raw_parts_mut(h.ptr as *mut T, h.len) })
+        Ok(unsafe { std::slice::from_raw_parts_mut(h.address as *mut T, h.len) })
     }
 
     /// An optional input's elements.
