@@ -1,6 +1,6 @@
 //! NCCL through cudarc (feature `cuda`): [`NcclComm`], the multi-GPU transport of the ring and
 //! dispatch schedules, behind [`DeviceCommunicator`], the device-buffer counterpart of the host
-//! [`Communicator`](crate::Communicator). Point-to-point messages are NCCL send/recv issued on the
+//! [`Communicator`]. Point-to-point messages are NCCL send/recv issued on the
 //! communicator's stream; a ring step is one grouped send + receive, so every rank's send to its
 //! next neighbour and receive from its previous one proceed together (NCCL's rendezvous holds no
 //! message in flight beyond the two buffers the caller owns).

@@ -1,4 +1,4 @@
-//! [`step_in_place`]: the optimizer step of parameters whose fp32 state lives in the caller's
+//! [`step_in_place`](crate::step_in_place): the optimizer step of parameters whose fp32 state lives in the caller's
 //! memory — a framework's own tensors (`torch.optim`'s `state[p]`, a candle `Var` and its
 //! moments) — with the whole step logic of [`StreamAdamW::step`](crate::StreamAdamW::step):
 //! every gradient and state buffer checked, the global Σg², the skip on a non-finite gradient,
@@ -45,7 +45,7 @@ impl<'a> From<&'a [f32]> for GradRef<'a> {
 }
 
 /// One parameter: its state (θ, m, v and, with AMSGrad, max v), its gradient, and the steps it
-/// has taken. [`step_in_place`] advances `step` when the step is applied.
+/// has taken. [`step_in_place`](crate::step_in_place) advances `step` when the step is applied.
 #[derive(Debug)]
 pub struct InPlaceParam<'a> {
     /// θ, m, v (and max v with AMSGrad, else empty), each of the gradient's length.
@@ -135,7 +135,7 @@ pub(crate) fn check_groups(groups: &[InPlaceGroup<'_>]) -> Result<()> {
     Ok(())
 }
 
-/// The step [`step_in_place`] takes, for a `decision` made over more gradients than these (a
+/// The step [`step_in_place`](crate::step_in_place) takes, for a `decision` made over more gradients than these (a
 /// framework stepping these and offloaded optimizers as one: their Σg² added to
 /// [`in_place_grad_sq`]). The groups' own clipping is the decision's. Everything is checked
 /// before the first write; a skipping decision touches nothing.

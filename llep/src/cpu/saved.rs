@@ -78,7 +78,7 @@ impl<'a> SavedActivations<'a> {
     }
 
     /// Bytes rank `rank`'s store takes for `plan`: the header and [`Schedule::saved_bytes`],
-    /// aligned, in whole 64-byte lines (what [`from_raw`](Self::from_raw) carves); 0 when
+    /// aligned, in whole 64-byte lines (what [`over`](Self::over) carves); 0 when
     /// checkpointed.
     pub fn bytes_for(plan: &Schedule, rank: usize) -> usize {
         match plan.config().mode {

@@ -11,8 +11,10 @@
 //! on the full-vocabulary schedule is 3 (each token block's logits folded, finished by
 //! `lce_row_lse` and turned into G in place).
 //!
-//! [`CudaLinearCrossEntropy`] runs the blocked schedule on one device; [`ring`] runs the weight
-//! and activation rings over P devices through NCCL. Device memory besides inputs and outputs:
+//! [`LinearCrossEntropy`](crate::LinearCrossEntropy) on `Device::Cuda` runs the blocked schedule
+//! on one device (on its own stream, or a caller's: `LinearCrossEntropy::on_stream`);
+//! [`RingLinearCrossEntropy`](crate::RingLinearCrossEntropy) runs the weight and activation rings
+//! over P devices through NCCL. Device memory besides inputs and outputs:
 //! the logits block `4·C·Vb`, the widened X and W blocks (bf16 under `Precision::F32` only:
 //! `4·C·D + 4·Vb·D`), and
 //! per-token state (`PER_TOKEN_BYTES` per token plus the resolved targets); cuBLAS's own

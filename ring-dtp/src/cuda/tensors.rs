@@ -156,8 +156,9 @@ impl<'a> DeviceGradientsMut<'a> {
 }
 
 /// The plan's block buffers on a device: the logits block (`C·Vb` f32) and, for bf16 inputs
-/// under [`Precision::F32`], the widened X and W blocks (`C·D` and `Vb·D` f32). [`CudaLinearCrossEntropy::new`](super::CudaLinearCrossEntropy::new) reserves
-/// its own; a caller with its own allocator (a framework's caching allocator) passes them to
+/// under [`Precision::F32`], the widened X and W blocks (`C·D` and `Vb·D` f32). An executor made
+/// by [`LinearCrossEntropy::new`](crate::LinearCrossEntropy::new) reserves its own; a caller with
+/// its own allocator (a framework's caching allocator) passes them to
 /// the `*_with` methods instead, sized by [`BlockBuffers::lens`].
 #[derive(Debug)]
 pub struct BlockBuffers {

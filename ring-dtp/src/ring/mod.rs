@@ -18,7 +18,7 @@
 //! loss are summed over ranks in f64, in rank order, identically on every rank.
 //!
 //! [`RingLinearCrossEntropy`] is the executor (host or CUDA, its working set reserved once);
-//! [`agree`] agrees a call of each rank's own tokens across the group and plans it.
+//! [`agree()`] agrees a call of each rank's own tokens across the group and plans it.
 
 mod activation;
 pub mod agree;
