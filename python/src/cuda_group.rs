@@ -26,7 +26,8 @@ static COMMS: Mutex<Option<HashMap<(usize, usize), NcclComm>>> = Mutex::new(None
 /// the communicator's (see the module docs). Called with the GIL released.
 pub(crate) fn with_nccl<R>(
     host: &dyn Communicator,
-    (group, ordinal): (usize, usize),
+    group: usize,
+    ordinal: usize,
     torch: &Arc<CudaStream>,
     f: impl FnOnce(&NcclComm) -> PyResult<R>,
 ) -> PyResult<R> {

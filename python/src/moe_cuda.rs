@@ -104,7 +104,7 @@ fn on_device<R: Send>(
         let Executor::Moe(executor) = &mut *executor else {
             return Err(to_py(llep::Error::internal("an MoE entry holds an MoE executor")));
         };
-        with_nccl(host, (group, ordinal), &torch, |nccl| {
+        with_nccl(host, group, ordinal, &torch, |nccl| {
             let ops = CudaOps::new(nccl).map_err(to_py)?;
             let mut call = agreed.prepare(executor, host).map_err(to_py)?;
             let out = f(&ops, &mut call);

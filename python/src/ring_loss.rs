@@ -147,6 +147,6 @@ pub(crate) fn lce_ring_backward(
     let upstream = Upstream::loss(grad_output(options, grad)).with_dlse(dlse);
     let out = GradientsMut::new(lent.get_mut(dx)?, lent.get_mut(dw)?, lent.get_mut_opt(dbias)?);
     on_ring(py, &mut comm, &call, handle, local, |agreed, ring, comm| {
-        agreed.backward_into(ring, comm, &inputs, (lse, upstream), out)
+        agreed.backward_into(ring, comm, &inputs, lse, upstream, out)
     })
 }

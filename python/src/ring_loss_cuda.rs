@@ -58,13 +58,13 @@ fn on_ring<R: Send>(
     call: &RingCall,
     site: &Site<'_>,
     local: Result<RankShare, Refusal>,
-    f: impl FnOnce(&AgreedRing, &mut RingLinearCrossEntropy, (&dyn Communicator, &NcclComm)) -> PyResult<R> + Send,
+    f: impl FnOnce(&AgreedRing, &mut RingLinearCrossEntropy, &dyn Communicator, &NcclComm) -> PyResult<R> + Send,
 ) -> PyResult<R> {
     let Site { group, ordinal, torch } = *site;
     detached(py, comm, |host| -> PyResult<R> {
         let agreed = ring_dtp::ring::agree(host, call, local).map_err(to_py)?;
         let (plan, device) = (*agreed.plan(), Device::Cuda(ordinal));
-        with_nccl(host, (group, ordinal), torch, |nccl| {
+        with_nccl(host, group, ordinal, torch, |nccl| {
             let key = Key::Ring { group, device, plan };
             let made = cache::entry(key, plan.workspace_bytes(), || {
                 RingLinearCrossEntropy::new(plan, device).map(Executor::Ring)
@@ -72,7 +72,7 @@ fn on_ring<R: Send>(
             let entry = agreed.ready(host, made).map_err(to_py)?;
             let mut executor = entry.lock();
             match &mut *executor {
-                Executor::Ring(ring) => f(&agreed, ring, (host, nccl)),
+                Executor::Ring(ring) => f(&agreed, ring, host, nccl),
                 _ => Err(to_py(ring_dtp::Error::internal("a ring entry holds a ring executor"))),
             }
         })
@@ -99,12 +99,12 @@ pub(crate) fn forward(py: Python<'_>, call: RingEntry<'_, '_>, outputs: &Forward
     let (call, local) =
         ring_part(options, Device::Cuda(ordinal), mine.as_ref().map(|(choice, ins, ..)| (*choice, ins)));
     let Ok((_, ins, (loss_out, lse_out), (lent, host))) = mine else {
-        return on_ring(py, &mut comm, &call, &site, local, |_, _, _| Ok(()));
+        return on_ring(py, &mut comm, &call, &site, local, |_, _, _, _| Ok(()));
     };
     let slices = ins.slices(&lent)?;
     let inputs = slices.inputs();
-    let forward = on_ring(py, &mut comm, &call, &site, local, |agreed, ring, comms| {
-        agreed.forward_device(ring, comms, &inputs).map_err(to_py)
+    let forward = on_ring(py, &mut comm, &call, &site, local, |agreed, ring, host, nccl| {
+        agreed.forward_device(ring, host, nccl, &inputs).map_err(to_py)
     })?;
     write_forward(forward, host.get_mut(loss_out)?, host.get_mut(lse_out)?);
     Ok(())
@@ -141,17 +141,17 @@ pub(crate) fn backward(
     let (call, local) =
         ring_part(options, Device::Cuda(ordinal), mine.as_ref().map(|(choice, ins, ..)| (*choice, ins)));
     let Ok((_, ins, (lse, grad, dlse), (dx, dw, dbias), (lent, host))) = mine else {
-        return on_ring(py, &mut comm, &call, &site, local, |_, _, _| Ok(()));
+        return on_ring(py, &mut comm, &call, &site, local, |_, _, _, _| Ok(()));
     };
     let (lse, grad, dlse) = (host.get(lse)?, host.get(grad)?, host.get_opt(dlse)?);
     let upstream = Upstream::loss(grad_output(options, grad)).with_dlse(dlse);
     let slices = ins.slices(&lent)?;
     let inputs = slices.inputs();
     let (mut dx, mut dw, mut dbias) = (lent.get_mut(dx)?, lent.get_mut(dw)?, lent.get_mut_opt(dbias)?);
-    on_ring(py, &mut comm, &call, &site, local, |agreed, ring, comms| {
-        let g = agreed.backward_device(ring, comms, &inputs, (lse, upstream)).map_err(to_py)?;
+    on_ring(py, &mut comm, &call, &site, local, |agreed, ring, host, nccl| {
+        let g = agreed.backward_device(ring, host, nccl, &inputs, lse, upstream).map_err(to_py)?;
         // On the communicator's stream, which torch's waits for on exit.
-        let on = flatpeak_common::nccl::DeviceCommunicator::stream(comms.1);
+        let on = flatpeak_common::nccl::DeviceCommunicator::stream(nccl);
         copy_prefix(on, &g.dx, &mut dx)?;
         copy_prefix(on, &g.dw, &mut dw)?;
         if let (Some(src), Some(dst)) = (&g.dbias, dbias.as_mut()) {

@@ -141,7 +141,7 @@ fn rank_call(
     };
     let out = GradientsMut::new(&mut grads.dx, &mut grads.dw, grads.dbias.as_deref_mut());
     let grad = upstream(&call.config, &problem.grad[t]);
-    agreed.backward_into(&mut ring, comm, &inputs, (&fwd.lse, grad.into()), out)?;
+    agreed.backward_into(&mut ring, comm, &inputs, &fwd.lse, grad.into(), out)?;
     Ok((agreed, fwd.loss, fwd.lse, grads))
 }
 
@@ -322,13 +322,7 @@ fn a_local_refusal_or_a_bad_backward_reaches_every_rank_and_the_group_stays_usab
             let (mut dx, mut dw, mut db) =
                 (vec![0.0; t.len() * D], vec![0.0; s.len() * D], vec![0.0; s.len()]);
             let out = GradientsMut::new(&mut dx, &mut dw, Some(&mut db));
-            agreed.backward_into(
-                &mut ring,
-                comm,
-                &inputs,
-                (lse, Upstream::loss(GradOutput::Scalar(1.0))),
-                out,
-            )
+            agreed.backward_into(&mut ring, comm, &inputs, lse, Upstream::loss(GradOutput::Scalar(1.0)), out)
         };
         let bad_backward = run().unwrap_err();
         let good = rank_call(comm, &problem, (&RingCall::default(), DType::F32)).map(|_| ());

@@ -320,7 +320,8 @@ impl AgreedRing {
         ring: &mut RingLinearCrossEntropy,
         comm: &C,
         inputs: &Inputs<'_>,
-        (lse, upstream): (&[f32], Upstream<'_>),
+        lse: &[f32],
+        upstream: Upstream<'_>,
         out: GradientsMut<'_>,
     ) -> Result<()> {
         let d = self.plan.hidden();

@@ -121,7 +121,8 @@ impl AgreedRing {
     pub fn forward_device<C: Communicator + ?Sized, N: DeviceCommunicator>(
         &self,
         ring: &mut RingLinearCrossEntropy,
-        (host, nccl): (&C, &N),
+        host: &C,
+        nccl: &N,
         inputs: &DeviceInputs<'_>,
     ) -> Result<Forward> {
         let stream = nccl.stream().clone();
@@ -137,9 +138,11 @@ impl AgreedRing {
     pub fn backward_device<C: Communicator + ?Sized, N: DeviceCommunicator>(
         &self,
         ring: &mut RingLinearCrossEntropy,
-        (host, nccl): (&C, &N),
+        host: &C,
+        nccl: &N,
         inputs: &DeviceInputs<'_>,
-        (lse, upstream): (&[f32], Upstream<'_>),
+        lse: &[f32],
+        upstream: Upstream<'_>,
     ) -> Result<DeviceGradients> {
         let stream = nccl.stream().clone();
         let rows = self.check_device(host, &stream, inputs, Some((lse.len(), upstream)))?;
