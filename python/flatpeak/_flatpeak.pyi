@@ -2,7 +2,7 @@
 package calls. Tensors are ``torch.Tensor``; an ``Optional`` tensor is one the call may go
 without."""
 
-from typing import List, Optional, Sequence, Tuple, final
+from typing import Any, List, Optional, Sequence, Tuple, final
 
 from torch import Tensor
 from typing_extensions import Self
@@ -198,8 +198,13 @@ class StepDecision:
 _ParamState = Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor], Tensor, Optional[Tensor]]
 
 def adamw_step(
-    groups: Sequence[Tuple[AdamWOptions, Sequence[_ParamState]]],
-    offloaded: Sequence[Tuple["CudaAdamW", Tensor, Tensor, AdamWOptions]] = ...,
+    groups: Sequence[Tuple[AdamWOptions, Sequence[_ParamState], int]],
+    offloaded: Sequence[Tuple["CudaAdamW", Tensor, Tensor, AdamWOptions, int]] = ...,
+    *,
+    group: Optional[Any] = None,
+    on_nonfinite: str = "skip",
+    threads: Optional[int] = None,
+    refused: Optional[BaseException] = None,
 ) -> StepDecision: ...
 
 @final

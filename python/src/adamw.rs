@@ -5,15 +5,18 @@
 //! The checks, the global Σg², the skip on a non-finite gradient, the clipping and the step
 //! counts are the crate's; this file finds the tensors. The GIL is released while it runs.
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use flatpeak_common::Communicator;
+use flatpeak_common::comm::Refusal;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use stream_adamw::cpu::StateMut;
 use stream_adamw::{
-    GradRef, InPlaceGroup, InPlaceGroups, InPlaceParam, StepOptions, StepOutcome, StepPart, StepReport,
-    Variant, bf16, step_parts,
+    GradRef, Hyperparameters, InPlaceGroup, InPlaceGroups, InPlaceParam, OnNonFinite, Replicated,
+    StepOptions, StepOutcome, StepPart, StepReport, Variant, agree, bf16, step_parts_over,
 };
 
 use crate::adamw_args::{AdamWOptions, Offloaded};
+use crate::error::refusal;
 use crate::tensor::{Lend, Lent, Out, Register, device_of, is_dtype, shape_of};
 
 /// What one step did (`flatpeak._flatpeak.StepDecision`), as the crate decided it from the global
@@ -187,75 +190,205 @@ impl StepCount<'_> {
     }
 }
 
-/// One AdamW step of every parameter: `groups` is a list of `(options, params)` of CPU
-/// parameters, `offloaded` the CUDA parameters with their offloaded optimizers (the `cuda`
-/// build). Every tensor of every parameter is checked before any is written, so a bad one leaves
-/// all parameters and state untouched; one decision for all of them (a non-finite gradient
-/// anywhere skips the step; the clipping's norm is over all of them). Returns the decision.
+/// One param group of a step as Python passes it: `(options, params, copies)`, its
+/// hyperparameters, its parameters' tensors, and how many ranks of the step's group hold those
+/// parameters alike (1: this rank's own, or no group).
+#[derive(FromPyObject)]
+pub(crate) struct GroupArgs<'py> {
+    #[pyo3(item(0))]
+    options: Bound<'py, AdamWOptions>,
+    #[pyo3(item(1))]
+    params: Vec<ParamState<'py>>,
+    #[pyo3(item(2))]
+    copies: u64,
+}
+
+/// `on_nonfinite` as Python names it.
+fn on_nonfinite(name: &str) -> PyResult<OnNonFinite> {
+    match name {
+        "skip" => Ok(OnNonFinite::Skip),
+        "raise" => Ok(OnNonFinite::Raise),
+        other => {
+            Err(PyValueError::new_err(format!("on_nonfinite: expected \"skip\" or \"raise\", got {other:?}")))
+        }
+    }
+}
+
+/// The CPU parameters of a step, lent, in classes of equal copies: each class one
+/// [`Replicated`] part; `counters` are their step counters in the same order.
+struct CpuParts<'l> {
+    classes: Vec<(u64, Vec<InPlaceGroup<'l>>)>,
+    counters: Vec<StepCount<'l>>,
+}
+
+impl<'l> CpuParts<'l> {
+    fn new(registered: Vec<(Hyperparameters, u64, Vec<Param>)>, lent: &'l Lent<'_, '_>) -> PyResult<Self> {
+        let mut classes: Vec<(u64, Vec<InPlaceGroup<'l>>)> = Vec::new();
+        let mut by_class: Vec<Vec<StepCount<'l>>> = Vec::new();
+        for (hyperparameters, copies, params) in registered {
+            let class = match classes.iter().position(|(c, _)| *c == copies) {
+                Some(i) => i,
+                None => {
+                    classes.push((copies, Vec::new()));
+                    by_class.push(Vec::new());
+                    classes.len() - 1
+                }
+            };
+            let mut group = InPlaceGroup { hyperparameters, params: Vec::new() };
+            for p in params {
+                let (param, counter) = p.lend(lent)?;
+                group.params.push(param);
+                by_class[class].push(counter);
+            }
+            classes[class].1.push(group);
+        }
+        Ok(Self { classes, counters: by_class.into_iter().flatten().collect() })
+    }
+
+    /// Writes each parameter's step count into its torch counter (after an applied step).
+    fn write_counters(&mut self) {
+        let steps =
+            self.classes.iter().flat_map(|(_, groups)| groups).flat_map(|g| &g.params).map(|p| p.step);
+        for (counter, step) in self.counters.iter_mut().zip(steps) {
+            counter.write(step);
+        }
+    }
+}
+
+/// One AdamW step of every parameter: `groups` the CPU parameters by param group, `offloaded`
+/// the CUDA parameters with their offloaded optimizers (the `cuda` build). Every tensor of every
+/// parameter is checked before any is written, so a bad one leaves all parameters and state
+/// untouched; one decision for all of them (a non-finite gradient anywhere skips the step, or
+/// raises under `on_nonfinite="raise"`; the clipping's norm is over all of them). With `group`
+/// (a process group), the decision is agreed by its ranks ([`stream_adamw::step_parts_over`]):
+/// each element counted once (by its part's copies), the same decision on every rank, and a
+/// rank's bad input an error on every rank. `threads`: the CPU update's threads (all cores when
+/// `None`). `refused`: an exception the caller raised preparing this rank's step: it enters the
+/// group's agreement (the other ranks raise too) and is raised here. Returns the decision.
 #[pyfunction]
-#[pyo3(signature = (groups, offloaded=Vec::new()))]
+#[pyo3(signature = (groups, offloaded=Vec::new(), *, group=None, on_nonfinite="skip", threads=None, refused=None))]
 pub(crate) fn adamw_step(
     py: Python<'_>,
-    groups: Vec<(Bound<'_, AdamWOptions>, Vec<ParamState<'_>>)>,
+    groups: Vec<GroupArgs<'_>>,
     offloaded: Vec<Offloaded<'_>>,
+    group: Option<Bound<'_, PyAny>>,
+    on_nonfinite: &str,
+    threads: Option<usize>,
+    refused: Option<Bound<'_, PyAny>>,
 ) -> PyResult<Decision> {
+    let policy = self::on_nonfinite(on_nonfinite)?;
+    let pool = threads.map(crate::pool::pool).transpose()?;
+    let comm = crate::torch_group::communicator(py, group)?
+        .ok_or_else(|| PyRuntimeError::new_err("a step's communicator is made for it"))?;
+    if let Some(exception) = refused {
+        let e = PyErr::from_value(exception);
+        let refused = refusal(py, e.clone_ref(py));
+        let _ = py.detach(move || step(comm.as_ref(), Err(refused), policy));
+        return Err(e);
+    }
     let mut lend = Lend::new();
-    let mut registered = Vec::with_capacity(groups.len());
-    for (options, params) in &groups {
-        let hyperparameters = options.get().hyperparameters;
-        let amsgrad = hyperparameters.variant == Variant::AmsGrad;
-        let params =
-            params.iter().map(|p| Param::new(&mut lend, p, amsgrad)).collect::<PyResult<Vec<_>>>()?;
-        registered.push((hyperparameters, params));
+    let registered = register(&mut lend, &groups);
+    let lent = lend.lent();
+    let cpu = match (registered, &lent) {
+        (Ok(registered), Ok(lent)) => CpuParts::new(registered, lent),
+        (Err(e), _) => Err(e),
+        (Ok(_), Err(e)) => Err(e.clone_ref(py)),
     }
-    let lent = lend.lent()?;
-    let mut in_place = Vec::with_capacity(registered.len());
-    let mut counters = Vec::new();
-    for (hyperparameters, params) in registered {
-        let mut group = InPlaceGroup { hyperparameters, params: Vec::new() };
-        for p in params {
-            let (param, counter) = p.lend(&lent)?;
-            group.params.push(param);
-            counters.push(counter);
-        }
-        in_place.push(group);
-    }
-    let report = step_offloaded(py, offloaded, move |offloaded: &mut [&mut dyn StepPart]| {
-        let mut groups = InPlaceGroups(&mut in_place);
-        let mut parts: Vec<&mut dyn StepPart> = vec![&mut groups];
-        parts.extend(offloaded.iter_mut().map(|p| &mut **p as &mut dyn StepPart));
-        let report = step_parts(&mut parts, StepOptions::default())?;
-        drop(parts);
-        if report.outcome == StepOutcome::Applied {
-            let steps = in_place.iter().flat_map(|g| &g.params).map(|p| p.step);
-            for (counter, step) in counters.iter_mut().zip(steps) {
-                counter.write(step);
+    .map_err(|e| refusal(py, e));
+    let report = step_offloaded(py, offloaded, move |offloaded| {
+        let run = move || {
+            let mut cpu = cpu;
+            let local = match (&mut cpu, offloaded) {
+                (Ok(cpu), Ok(offloaded)) => Ok((cpu, offloaded)),
+                (Err(r), _) => Err(r.clone()),
+                (_, Err(r)) => Err(r),
+            };
+            let report = step(comm.as_ref(), local, policy)?;
+            if let (Ok(cpu), StepOutcome::Applied) = (&mut cpu, report.outcome) {
+                cpu.write_counters();
             }
+            Ok(report)
+        };
+        match pool {
+            Some(pool) => pool.install(run),
+            None => run(),
         }
-        Ok(report)
     })?;
     Ok(Decision { report })
 }
 
-/// Runs `step` (with the GIL released) on the parts of the offloaded parameters.
+/// The step of this rank's parts, agreed over `comm` (a group of one without a process group),
+/// or, when this rank's own input was refused, that refusal entered in the agreement (so the
+/// group's other ranks raise too) and returned.
+fn step(
+    comm: &dyn Communicator,
+    local: Result<(&mut CpuParts<'_>, &mut [&mut dyn StepPart]), Refusal>,
+    policy: OnNonFinite,
+) -> stream_adamw::Result<StepReport> {
+    let (cpu, offloaded) = match local {
+        Ok(parts) => parts,
+        Err(refusal) => {
+            let agreed =
+                agree::<_, stream_adamw::Error>(comm, Err(refusal.into()), StepOptions::default(), policy);
+            return Err(agreed.err().unwrap_or_else(|| {
+                stream_adamw::Error::internal("an agreement over a refused input refuses")
+            }));
+        }
+    };
+    let mut classes: Vec<Replicated<InPlaceGroups<'_, '_>>> = cpu
+        .classes
+        .iter_mut()
+        .map(|(copies, groups)| Replicated { part: InPlaceGroups(groups), copies: *copies })
+        .collect();
+    let mut parts: Vec<&mut dyn StepPart> = classes.iter_mut().map(|c| c as &mut dyn StepPart).collect();
+    parts.extend(offloaded.iter_mut().map(|p| &mut **p as &mut dyn StepPart));
+    step_parts_over(comm, &mut parts, StepOptions::default(), policy)
+}
+
+/// Registers every CPU parameter's tensors: `(hyperparameters, copies, params)` by group.
+fn register<'t, 'py>(
+    lend: &mut Lend<'t, 'py>,
+    groups: &'t [GroupArgs<'py>],
+) -> PyResult<Vec<(Hyperparameters, u64, Vec<Param>)>> {
+    groups
+        .iter()
+        .map(|g| {
+            let hyperparameters = g.options.get().hyperparameters;
+            let amsgrad = hyperparameters.variant == Variant::AmsGrad;
+            let params =
+                g.params.iter().map(|p| Param::new(lend, p, amsgrad)).collect::<PyResult<Vec<_>>>()?;
+            Ok((hyperparameters, g.copies, params))
+        })
+        .collect()
+}
+
+/// The work of a step given this rank's offloaded parts, or why it has none.
+pub(crate) type OffloadedParts<'a, 'p> = Result<&'a mut [&'p mut dyn StepPart], Refusal>;
+
+/// Runs `step` (with the GIL released) on the parts of the offloaded parameters; when they
+/// cannot be lent, on that refusal (the step still enters its group's agreement) and returns the
+/// Python error.
 #[cfg(feature = "cuda")]
 fn step_offloaded(
     py: Python<'_>,
     offloaded: Vec<Offloaded<'_>>,
-    step: impl FnOnce(&mut [&mut dyn StepPart]) -> stream_adamw::Result<StepReport> + Send,
+    step: impl for<'a, 'p> FnOnce(OffloadedParts<'a, 'p>) -> stream_adamw::Result<StepReport> + Send,
 ) -> PyResult<StepReport> {
     crate::adamw_cuda::step_with(py, offloaded, step)
 }
 
-/// Runs `step` (with the GIL released): no parameter is offloaded without the `cuda` build.
+/// Runs `step` (with the GIL released): no parameter is offloaded without the `cuda` build, so
+/// one given is refused, naming its device.
 #[cfg(not(feature = "cuda"))]
 fn step_offloaded(
     py: Python<'_>,
     offloaded: Vec<Offloaded<'_>>,
-    step: impl FnOnce(&mut [&mut dyn StepPart]) -> stream_adamw::Result<StepReport> + Send,
+    step: impl for<'a, 'p> FnOnce(OffloadedParts<'a, 'p>) -> stream_adamw::Result<StepReport> + Send,
 ) -> PyResult<StepReport> {
-    if let Some(first) = offloaded.first() {
-        cpu_only("param", &first.param)?;
+    if let Some(Err(e)) = offloaded.first().map(|first| cpu_only("param", &first.param)) {
+        let refused = refusal(py, e.clone_ref(py));
+        let _ = py.detach(|| step(Err(refused)));
+        return Err(e);
     }
-    py.detach(|| step(&mut [])).map_err(crate::error::to_py)
+    py.detach(|| step(Ok(&mut []))).map_err(crate::error::to_py)
 }

@@ -42,8 +42,9 @@ impl AdamWOptions {
     }
 }
 
-/// An offloaded parameter of a step, as Python passes it: `(optimizer, param, grad, options)`,
-/// its `CudaAdamW`, its CUDA tensors and its group's options for this step.
+/// An offloaded parameter of a step, as Python passes it: `(optimizer, param, grad, options,
+/// copies)`, its `CudaAdamW`, its CUDA tensors, its group's options for this step and how many
+/// ranks of the step's group hold it alike.
 /// Without the `cuda` build only `param` is read: to refuse it, naming its device.
 #[derive(FromPyObject)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -56,4 +57,6 @@ pub(crate) struct Offloaded<'py> {
     pub(crate) grad: Bound<'py, PyAny>,
     #[pyo3(item(3))]
     pub(crate) options: Bound<'py, AdamWOptions>,
+    #[pyo3(item(4))]
+    pub(crate) copies: u64,
 }

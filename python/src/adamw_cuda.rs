@@ -9,12 +9,14 @@
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use stream_adamw::{
-    Budget, Config, Device, GradElement, OffloadedStep, ParamElement, Plan, StateDict, StepPart, StepReport,
-    StreamAdamW, bf16,
+    Budget, Config, Device, GradElement, OffloadedStep, ParamElement, Plan, Replicated, StateDict, StepPart,
+    StepReport, StreamAdamW, bf16,
 };
 
+use crate::adamw::OffloadedParts;
 use crate::adamw_args::{AdamWOptions, Offloaded};
 use crate::cuda_tensor::{DIn, DOut, DeviceLend, DeviceLent, LentMut};
+use crate::error::refusal;
 use crate::error::to_py;
 use crate::tensor::{Lend, Register, TorchElement, device_of, shape_of};
 
@@ -169,17 +171,68 @@ fn lend_pair<'t, 'py, T: TorchElement + flatpeak_common::cuda::cudarc::driver::D
 }
 
 /// Runs `step` with the GIL released on the parts of the `offloaded` parameters: each optimizer's
-/// hyperparameters set to its group's, each parameter and gradient lent on its device.
+/// hyperparameters set to its group's, each parameter and gradient lent on its device. When one
+/// cannot be, `step` runs on that refusal (it still enters its group's agreement) and the Python
+/// error is returned.
 pub(crate) fn step_with(
     py: Python<'_>,
     offloaded: Vec<Offloaded<'_>>,
-    step: impl FnOnce(&mut [&mut dyn StepPart]) -> stream_adamw::Result<StepReport> + Send,
+    step: impl for<'a, 'p> FnOnce(OffloadedParts<'a, 'p>) -> stream_adamw::Result<StepReport> + Send,
 ) -> PyResult<StepReport> {
-    let mut optimizers: Vec<PyRefMut<'_, CudaAdamW>> =
-        offloaded.iter().map(|o| o.optimizer.extract().map_err(PyErr::from)).collect::<PyResult<_>>()?;
-    let mut lends: Vec<DeviceLent<'_, '_>> = Vec::with_capacity(optimizers.len());
-    let mut handles = Vec::with_capacity(optimizers.len());
-    for (part, opt) in offloaded.iter().zip(optimizers.iter_mut()) {
+    let mut optimizers: Vec<PyRefMut<'_, CudaAdamW>> = Vec::with_capacity(offloaded.len());
+    let mut lends: Vec<DeviceLent<'_, '_>> = Vec::with_capacity(offloaded.len());
+    let mut buffers = Vec::with_capacity(offloaded.len());
+    let prepared = prepare(py, &offloaded, &mut optimizers, &mut lends).and_then(|handles| {
+        for (lent, pair) in lends.iter().zip(handles) {
+            buffers.push(match pair {
+                Pairs::F32(p) => Buffers::F32(lent.adamw_device(p.grad, p.param)?),
+                Pairs::Bf16(p) => Buffers::Bf16(lent.adamw_device(p.grad, p.param)?),
+            });
+        }
+        optimizers
+            .iter_mut()
+            .zip(buffers.iter_mut())
+            .zip(&offloaded)
+            .map(|((opt, b), o)| match (&mut opt.inner, b) {
+                (Inner::F32(opt), Buffers::F32(d)) => Ok(Part::F32(Replicated {
+                    part: OffloadedStep { optimizer: opt, buffers: (&mut **d).into() },
+                    copies: o.copies,
+                })),
+                (Inner::Bf16(opt), Buffers::Bf16(d)) => Ok(Part::Bf16(Replicated {
+                    part: OffloadedStep { optimizer: opt, buffers: (&mut **d).into() },
+                    copies: o.copies,
+                })),
+                _ => Err(to_py(stream_adamw::Error::internal(
+                    "an offloaded parameter lent in its optimizer's dtype",
+                ))),
+            })
+            .collect::<PyResult<Vec<Part<'_, '_>>>>()
+    });
+    match prepared {
+        Ok(mut parts) => py
+            .detach(move || {
+                let mut dyns: Vec<&mut dyn StepPart> = parts.iter_mut().map(Part::as_dyn).collect();
+                step(Ok(&mut dyns))
+            })
+            .map_err(to_py),
+        Err(e) => {
+            let refused = refusal(py, e.clone_ref(py));
+            let _ = py.detach(move || step(Err(refused)));
+            Err(e)
+        }
+    }
+}
+
+/// Sets each offloaded optimizer's hyperparameters and registers its parameter and gradient.
+fn prepare<'t, 'py>(
+    py: Python<'py>,
+    offloaded: &'t [Offloaded<'py>],
+    optimizers: &mut Vec<PyRefMut<'py, CudaAdamW>>,
+    lends: &mut Vec<DeviceLent<'t, 'py>>,
+) -> PyResult<Vec<Pairs>> {
+    let mut handles = Vec::with_capacity(offloaded.len());
+    for part in offloaded {
+        let mut opt: PyRefMut<'py, CudaAdamW> = part.optimizer.extract().map_err(PyErr::from)?;
         let hyper = part.options.get().hyperparameters;
         match &mut opt.inner {
             Inner::F32(o) => o.set_hyperparameters(hyper),
@@ -192,34 +245,9 @@ pub(crate) fn step_with(
             Inner::Bf16(_) => Pairs::Bf16(lend_pair::<bf16>(&mut lend, part, opt.numel)?),
         });
         lends.push(lend.lent()?);
+        optimizers.push(opt);
     }
-    let mut buffers = Vec::with_capacity(lends.len());
-    for (lent, pair) in lends.iter().zip(handles) {
-        buffers.push(match pair {
-            Pairs::F32(p) => Buffers::F32(lent.adamw_device(p.grad, p.param)?),
-            Pairs::Bf16(p) => Buffers::Bf16(lent.adamw_device(p.grad, p.param)?),
-        });
-    }
-    let mut parts: Vec<Part<'_, '_>> = optimizers
-        .iter_mut()
-        .zip(buffers.iter_mut())
-        .map(|(opt, b)| match (&mut opt.inner, b) {
-            (Inner::F32(o), Buffers::F32(d)) => {
-                Ok(Part::F32(OffloadedStep { optimizer: o, buffers: (&mut **d).into() }))
-            }
-            (Inner::Bf16(o), Buffers::Bf16(d)) => {
-                Ok(Part::Bf16(OffloadedStep { optimizer: o, buffers: (&mut **d).into() }))
-            }
-            _ => Err(to_py(stream_adamw::Error::internal(
-                "an offloaded parameter lent in its optimizer's dtype",
-            ))),
-        })
-        .collect::<PyResult<_>>()?;
-    py.detach(move || {
-        let mut dyns: Vec<&mut dyn StepPart> = parts.iter_mut().map(Part::as_dyn).collect();
-        step(&mut dyns)
-    })
-    .map_err(to_py)
+    Ok(handles)
 }
 
 /// A parameter's registered gradient and parameter.
@@ -236,8 +264,8 @@ enum Pairs {
 
 /// One offloaded parameter's step part, by dtype.
 enum Part<'o, 'b> {
-    F32(OffloadedStep<'o, 'b, f32, f32>),
-    Bf16(OffloadedStep<'o, 'b, bf16, bf16>),
+    F32(Replicated<OffloadedStep<'o, 'b, f32, f32>>),
+    Bf16(Replicated<OffloadedStep<'o, 'b, bf16, bf16>>),
 }
 
 impl Part<'_, '_> {

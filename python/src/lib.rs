@@ -33,6 +33,7 @@ mod moe_args;
 #[cfg(feature = "cuda")]
 mod moe_cuda;
 mod offload;
+mod pool;
 mod ring_loss;
 #[cfg(feature = "cuda")]
 mod ring_loss_cuda;

@@ -369,6 +369,43 @@ def test_bad_hyperparameters_are_value_errors(kwargs, match):
         StreamAdamW([torch.nn.Parameter(torch.ones(3))], **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    ({"on_nonfinite": "ignore"}, "on_nonfinite"), ({"threads": 0}, "threads"), ({"threads": 1.5}, "threads"),
+    ({"threads": True}, "threads"),
+])
+def test_bad_step_options_are_value_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StreamAdamW([torch.nn.Parameter(torch.ones(3))], **kwargs)
+
+
+def test_any_thread_count_steps_bitwise_alike():
+    runs = []
+    for threads in (None, 1, 2, 3):
+        params = make_params(5)
+        opt = StreamAdamW(groups_of(params, False, False), lr=1e-2, max_norm=1.0, threads=threads)
+        for step in range(3):
+            set_grads(params, step)
+            opt.step()
+        runs.append(params)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+
+
+def test_on_nonfinite_raise_raises_and_touches_nothing():
+    params = make_params(4)
+    opt = StreamAdamW(groups_of(params, False, False), lr=1e-2, on_nonfinite="raise")
+    set_grads(params, 0)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    set_grads(params, 1)
+    params[1].grad[7] = float("nan")
+    with pytest.raises(RuntimeError, match="not finite on rank 0"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in params)
+    assert not opt.last_step_skipped and opt.skipped_steps == 0
+
+
 CUDA = torch.cuda.is_available() and __import__("flatpeak").cuda_built()
 
 

@@ -40,6 +40,17 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// A gradient was NaN or infinite under [`OnNonFinite::Raise`](crate::OnNonFinite::Raise):
+    /// the step was not taken, nothing was touched.
+    #[error(
+        "a gradient is not finite on rank {ranks} (Σg² = {grad_sq}): the step was not taken (on_nonfinite = raise)"
+    )]
+    NonFinite {
+        /// The ranks whose gradients are not finite (`0` alone without a group), listed.
+        ranks: String,
+        /// The first such rank's Σg².
+        grad_sq: f64,
+    },
     /// A failed step had already updated some buckets (the pipeline stopped partway): the
     /// master state, and the device parameters of those buckets, are a mix of two steps, so the
     /// optimizer refuses to step again until a consistent state is imported.
@@ -57,6 +68,6 @@ pub enum Error {
 }
 kinds {
     Value: StateMismatch, InvalidState, StepOverflow;
-    Runtime: PipelineStage, Poisoned;
+    Runtime: PipelineStage, Poisoned, NonFinite;
 }
 }

@@ -38,7 +38,9 @@
 //!
 //! Frameworks whose optimizer keeps the state in its own tensors (`torch.optim`, candle) step
 //! them with [`step_in_place`]: the same checks, skip, clipping and step counts; one that also
-//! offloads some parameters steps everything under one decision with [`step_parts`].
+//! offloads some parameters steps everything under one decision with [`step_parts`]. Ranks that
+//! each hold part of a model (FSDP's shards, expert-parallel experts, DDP's replicas) take one
+//! decision, the same on every rank, with [`step_parts_over`].
 
 pub mod config;
 pub mod cpu;
@@ -50,6 +52,7 @@ pub mod element;
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-emu")))]
 pub mod emu;
 pub mod error;
+pub mod group;
 pub mod host;
 mod host_engines;
 pub mod hyperparameters;
@@ -66,12 +69,16 @@ pub use config::{BUCKET_ALIGN, Config, OnFailure, StepSchedule};
 pub use element::{GradElement, ParamElement};
 pub use error::{Error, Result};
 pub use flatpeak_common::{Budget, DType, Device, Workspace};
+pub use group::{Replicated, agree, step_parts_over};
 pub use half::bf16;
 pub use host::{HostDevice, Link};
 pub use hyperparameters::{GradClip, Hyperparameters, Objective, StepScalars, Variant};
 pub use in_place::{GradRef, InPlaceGroup, InPlaceParam, apply_in_place, global_clip, in_place_grad_sq};
 pub use optimizer::{StepBuffers, StreamAdamW};
-pub use parts::{InPlaceGroups, OffloadedStep, StepPart, step_in_place, step_parts};
+pub use parts::{
+    InPlaceGroups, OffloadedStep, OnNonFinite, Statistics, StepPart, apply_parts, statistics, step_in_place,
+    step_parts,
+};
 pub use pipeline::{Fault, Stage};
 pub use plan::{Plan, Shape, ideal_speedup, pipelined_time};
 pub use state::{OptimizerState, StateDict};

@@ -7,6 +7,11 @@
 //! over all of them). Every part checks its buffers before any part is written, so a bad buffer
 //! leaves everything untouched. A binding calls this one function; the statistics, the decision
 //! and the update are the crate's.
+//!
+//! The step is two phases over the gradients, public for the callers that decide between them:
+//! [`statistics`] (every buffer checked, the Σg²; nothing written), then [`apply_parts`] with a
+//! [`StepDecision`]. A group of ranks agrees on the decision in between
+//! ([`step_parts_over`](crate::step_parts_over)).
 
 use crate::element::{GradElement, ParamElement};
 use crate::error::{Error, Result};
@@ -16,7 +21,7 @@ use crate::optimizer::{StepBuffers, StreamAdamW};
 use crate::step::{StageTimes, StepDecision, StepOptions, StepReport};
 
 /// One part of a framework's step: some of its parameters, with their gradients and state.
-pub trait StepPart {
+pub trait StepPart: Send {
     /// Σg² over the part's gradients, in f64 (non-finite when any element is NaN or ±∞), every
     /// buffer of the part checked first (lengths, devices, step counts): nothing is written.
     fn grad_sq_sum(&mut self) -> Result<f64>;
@@ -76,11 +81,45 @@ impl<G: GradElement, P: ParamElement> StepPart for OffloadedStep<'_, '_, G, P> {
     }
 }
 
-/// One step of every part under one decision (see the module docs): every part's Σg² (each
-/// checking its buffers), the decision from their sum, `options` and the parts' one clipping
-/// rule (parts that disagree are [`Error::InvalidConfig`], `clip`), then, unless it skips, every
-/// part's update in order. The report's step is the most steps any parameter has taken after it.
-pub fn step_parts(parts: &mut [&mut dyn StepPart], options: StepOptions) -> Result<StepReport> {
+/// The first phase of a step: every part's buffers checked and its Σg² summed, nothing written.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Statistics {
+    /// Σg² over every part's gradients, in f64, in the parts' order (each part's own weighting:
+    /// a [`Replicated`](crate::Replicated) one divides by its copies); non-finite when any
+    /// gradient is NaN or ±∞.
+    pub grad_sq: f64,
+    /// The one global-norm clipping every part asks for.
+    pub clip: GradClip,
+    /// How long the pass took.
+    pub elapsed: std::time::Duration,
+}
+
+/// What a step does when a gradient is NaN or infinite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnNonFinite {
+    /// Skip the step, touching nothing (GradScaler's `found_inf`): the report says so.
+    #[default]
+    Skip,
+    /// Return [`Error::NonFinite`] (a training loop that halts, as torchtitan's does): nothing is
+    /// touched either.
+    Raise,
+}
+
+impl Statistics {
+    /// The decision of one process from its own statistics, under `options` and `on_nonfinite`
+    /// (a non-finite Σg² skips the step, or is [`Error::NonFinite`] on rank 0).
+    pub fn decide(&self, options: StepOptions, on_nonfinite: OnNonFinite) -> Result<StepDecision> {
+        if on_nonfinite == OnNonFinite::Raise && !self.grad_sq.is_finite() {
+            return Err(Error::NonFinite { ranks: "0".into(), grad_sq: self.grad_sq });
+        }
+        StepDecision::new(self.grad_sq, options, self.clip)
+    }
+}
+
+/// The first phase of a step ([`Statistics`]): the parts' one clipping rule (parts that
+/// disagree are [`Error::InvalidConfig`], `clip`) and every part's Σg², each part checking its
+/// buffers. Nothing is written.
+pub fn statistics(parts: &mut [&mut dyn StepPart]) -> Result<Statistics> {
     let start = std::time::Instant::now();
     let clip = parts.first().map(|p| p.clip()).unwrap_or_default();
     if let Some(other) = parts.iter().find(|p| p.clip() != clip) {
@@ -94,17 +133,34 @@ pub fn step_parts(parts: &mut [&mut dyn StepPart], options: StepOptions) -> Resu
     for part in parts.iter_mut() {
         grad_sq += part.grad_sq_sum()?;
     }
-    let mut times = StageTimes { stats: start.elapsed(), ..StageTimes::default() };
-    let decision = StepDecision::new(grad_sq, options, clip)?;
+    Ok(Statistics { grad_sq, clip, elapsed: start.elapsed() })
+}
+
+/// The second phase of a step: unless `decision` skips, every part's update in order. The
+/// report's step is the most steps any parameter has taken after it; its times are this phase's
+/// (`stats` zero).
+pub fn apply_parts(parts: &mut [&mut dyn StepPart], decision: &StepDecision) -> Result<StepReport> {
+    let start = std::time::Instant::now();
     if !decision.skips() {
         for part in parts.iter_mut() {
-            part.apply(&decision)?;
+            part.apply(decision)?;
         }
     }
-    times.total = start.elapsed();
-    times.adam = times.total - times.stats;
+    let total = start.elapsed();
     let steps = parts.iter().map(|p| p.steps()).max().unwrap_or(0);
-    Ok(decision.report(steps, times))
+    Ok(decision.report(steps, StageTimes { adam: total, total, ..StageTimes::default() }))
+}
+
+/// One step of every part under one decision (see the module docs): [`statistics`], the
+/// decision from their Σg² and `options`, then [`apply_parts`]. The decision of several ranks
+/// is [`step_parts_over`](crate::step_parts_over)'s.
+pub fn step_parts(parts: &mut [&mut dyn StepPart], options: StepOptions) -> Result<StepReport> {
+    let stats = statistics(parts)?;
+    let decision = stats.decide(options, OnNonFinite::Skip)?;
+    let mut report = apply_parts(parts, &decision)?;
+    report.times.stats = stats.elapsed;
+    report.times.total += stats.elapsed;
+    Ok(report)
 }
 
 /// One AdamW step of every parameter of every group, in place. Everything is checked first

@@ -65,13 +65,15 @@ where
     C: Communicator + ?Sized,
     E: HasErrorKind + std::fmt::Display + From<Error>,
 {
-    agree_with(comm, local, &[]).map(|(value, _)| value)
+    agree_and_gather(comm, local, &[]).map(|(value, _)| value)
 }
 
 /// [`agree_on_inputs`], with `extra` words from every rank gathered beside the verdicts (the same
-/// number on every rank): on every rank `Ok` with the value and every rank's words in rank order
-/// when every rank's verdict is `Ok`. The one exchange of the verdicts carries them.
-pub(crate) fn agree_with<C, T, E>(
+/// number on every rank, whatever its verdict): on every rank `Ok` with the value and every
+/// rank's words in rank order when every rank's verdict is `Ok`. The one exchange of the
+/// verdicts carries them, so a call that needs a few numbers from every rank (a step's Σg²)
+/// agrees and gathers in one collective.
+pub fn agree_and_gather<C, T, E>(
     comm: &C,
     local: std::result::Result<T, E>,
     extra: &[u64],

@@ -17,7 +17,7 @@ mod parts;
 mod record;
 
 pub use crate::error::Refusal;
-pub use agree::{agree_on_inputs, all_gather_words};
+pub use agree::{agree_and_gather, agree_on_inputs, all_gather_words};
 pub use collectives::{Collectives, OverCollectives};
 pub use local::{LocalComm, LocalGroup, LocalGroupOptions, MAX_LOCAL_WORLD};
 pub use parts::{Parts, PartsMut, check_parts};

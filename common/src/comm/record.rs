@@ -10,7 +10,7 @@
 //! rank it names and [`Error::PeerInput`] on every other ([`Agreed::refuse`]).
 
 use super::Communicator;
-use super::agree::{agree_with, all_gather_words};
+use super::agree::{agree_and_gather, all_gather_words};
 use crate::device::Device;
 use crate::digest::Digest;
 use crate::dtype::{DType, DTypeNames};
@@ -196,7 +196,7 @@ where
     E: HasErrorKind + std::fmt::Display + From<Error>,
 {
     let tag = Digest::new().str(call.name).usize(S::LEN).finish();
-    let (mine, tags) = agree_with(comm, local, &[tag])?;
+    let (mine, tags) = agree_and_gather(comm, local, &[tag])?;
     let rank = comm.rank();
     if let Some(other) = tags.iter().position(|&t| t != tags[0]) {
         let message = format!(

@@ -8,12 +8,17 @@ The state lives in ``self.state[p]`` under torch's names (``step``, ``exp_avg``,
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, Callable, Dict, Optional, overload
+from typing import Any, Callable, Dict, List, Optional, Tuple, overload
 
 import torch
 from torch import Tensor
 
 from .. import _flatpeak as _ext
+from ._sharding import copies as _copies
+from ._sharding import local as _local
+
+#: What a step does with a non-finite gradient.
+_ON_NONFINITE = ("skip", "raise")
 
 
 def _step_dtype() -> torch.dtype:
@@ -55,6 +60,31 @@ class StreamAdamW(torch.optim.Optimizer):
     gradients themselves are not modified. :attr:`last_grad_norm` is the norm before clipping,
     what ``clip_grad_norm_`` returns.
 
+    ``process_group`` (a ``torch.distributed`` process group): the ranks that each hold part of
+    the model (FSDP2's shards, expert-parallel experts, DDP's replicas) take **one** decision
+    per step. Each rank sums its gradients' squares, weighting each element so that it counts
+    once over the group (a ``DTensor``'s ``Replicate`` mesh dimensions, and copies of its mesh in
+    the group, divide it out; a plain tensor counts as replicated over the group unless it is
+    rank-private: the expert slices :class:`~flatpeak.torch.MoEExperts` and
+    ``flatpeak.transformers.apply(group=)`` own are marked so, and a param group may say
+    ``"replicated": False``); one exchange of a few words carries every rank's sum; every rank
+    adds them in rank order and decides from the same numbers, so :attr:`last_grad_norm`, the
+    clip coefficient, :attr:`last_step_skipped`, :attr:`skipped_steps` and every
+    ``state["step"]`` are bitwise equal on every rank. A ``Partial`` gradient is refused (reduce
+    it first). Bad input on one rank (or ranks stepping with different ``max_norm``) raises on
+    every rank, nothing written. ``None``: each process decides from its own gradients (right
+    when they are equal on every rank, as DDP's are).
+
+    ``DTensor`` parameters (FSDP2's ``fully_shard``): each rank steps its local shard in place;
+    the state tensors are ``DTensor``\ s with the parameter's mesh and placements (what
+    ``torch.optim.AdamW`` keeps), so ``torch.distributed.checkpoint`` reshards them. Ranks whose
+    shard is empty take part.
+
+    ``on_nonfinite="raise"`` raises ``RuntimeError`` (on every rank of the group, naming the
+    ranks whose gradients are not finite) instead of skipping; nothing is written either way.
+    ``threads``: the CPU update's threads (default ``torch.get_num_threads()``, what ``torchrun``
+    sets per rank, so ranks sharing a machine do not each spread over every core).
+
     CPU parameters are contiguous float32 tensors with dense float32 gradients, or bfloat16 ones
     with bfloat16 gradients and an fp32 master copy (mixed precision, as DeepSpeed's CPU Adam
     keeps one): the master lives in ``state[p]["master_param"]`` with fp32 moments, the update
@@ -68,11 +98,22 @@ class StreamAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 max_norm: Optional[float] = None):
+                 max_norm: Optional[float] = None, process_group: Optional[Any] = None,
+                 on_nonfinite: str = "skip", threads: Optional[int] = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, max_norm=max_norm)
         _hyperparameters(defaults)  # a bad hyperparameter fails here, naming its value
+        if on_nonfinite not in _ON_NONFINITE:
+            raise ValueError(f"on_nonfinite: expected \"skip\" or \"raise\", got {on_nonfinite!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads: expected None or an int >= 1, got {threads!r}")
         super().__init__(params, defaults)
+        #: The process group whose ranks take one decision per step (``None``: this process alone).
+        self.process_group = process_group
+        #: ``"skip"`` or ``"raise"``: what a non-finite gradient does.
+        self.on_nonfinite = on_nonfinite
+        #: The CPU update's threads (``None``: ``torch.get_num_threads()`` at each step).
+        self.threads = threads
         #: Steps skipped for non-finite gradients so far.
         self.skipped_steps = 0
         #: Whether the last :meth:`step` was skipped for a non-finite gradient.
@@ -91,6 +132,9 @@ class StreamAdamW(torch.optim.Optimizer):
         self.__dict__.setdefault("last_step_skipped", False)
         self.__dict__.setdefault("last_grad_norm", float("nan"))
         self.__dict__.setdefault("_cuda", {})
+        self.__dict__.setdefault("process_group", None)
+        self.__dict__.setdefault("on_nonfinite", "skip")
+        self.__dict__.setdefault("threads", None)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -128,8 +172,9 @@ class StreamAdamW(torch.optim.Optimizer):
             return None
         opt = self._cuda.get(p)
         if opt is None:
-            master = p.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-            opt = _ext.CudaAdamW(p, master, _hyperparameters(group), self.bucket_elems)
+            shard = _local(p.detach())
+            master = shard.to("cpu", torch.float32).reshape(-1).contiguous()
+            opt = _ext.CudaAdamW(shard, master, _hyperparameters(group), self.bucket_elems)
             self._cuda[p] = opt
         return opt
 
@@ -149,41 +194,24 @@ class StreamAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        host, device = False, []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise TypeError("StreamAdamW does not support sparse gradients")
-                    if p.is_cuda:
-                        device.append((p, group))
-                    else:
-                        host = True
-        if not host and not device:
+        pg = self.process_group
+        threads = self.threads if self.threads is not None else torch.get_num_threads()
+        try:
+            batches, offloaded, device = self._prepare()
+        except Exception as e:
+            if pg is not None:
+                # The group's other ranks are entering the step's agreement: enter it with this
+                # rank's refusal, so they raise too instead of waiting, then raise it here.
+                _ext.adamw_step([], [], group=pg, on_nonfinite=self.on_nonfinite, threads=threads, refused=e)
+            raise
+        if pg is None and not offloaded and not any(params for _, params, _ in batches):
             return loss
-        # The offloaded step copies gradients on its own streams: torch's work that produced them
-        # must be done first (a wait on each device's current stream, not on the whole device).
-        for dev in {p.device for p, _ in device}:
-            torch.cuda.current_stream(dev).synchronize()
-        offloaded = [(self._offloaded(p, group), p, p.grad, _hyperparameters(group)) for p, group in device]
-        batches = []
-        for group in self.param_groups:
-            amsgrad = bool(group["amsgrad"])
-            params = []
-            for p in group["params"]:
-                if p.grad is None or p.is_cuda:
-                    continue
-                state = self._state_of(p, amsgrad)
-                # A bfloat16 parameter steps its float32 master and takes the rounded result.
-                master, model = (state["master_param"], p) if p.dtype == torch.bfloat16 else (p, None)
-                params.append((master, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                               state["max_exp_avg_sq"] if amsgrad else None, state["step"], model))
-            batches.append((_hyperparameters(group), params))
         # One step of the crate over every parameter: it checks every tensor of every group, sums
-        # the squares of every gradient (these and the offloaded ones) and decides: a non-finite
-        # one skips the step, touching nothing; otherwise it updates every parameter and advances
-        # its step counter (`state["step"]` of a CPU parameter; its own, for an offloaded one).
-        decision = _ext.adamw_step(batches, offloaded)
+        # the squares of every gradient (these and the offloaded ones; over the group, each
+        # element once) and decides: a non-finite one skips the step (or raises), touching
+        # nothing; otherwise it updates every parameter and advances its step counter
+        # (`state["step"]` of a CPU parameter; its own, for an offloaded one).
+        decision = _ext.adamw_step(batches, offloaded, group=pg, on_nonfinite=self.on_nonfinite, threads=threads)
         self.last_grad_norm = decision.grad_norm
         if decision.skipped:
             self.skipped_steps += 1
@@ -195,12 +223,59 @@ class StreamAdamW(torch.optim.Optimizer):
             state["step"] += 1
         return loss
 
+    def _prepare(self) -> Tuple[List[Any], List[Any], List[Any]]:
+        """The step's arguments: every param group's CPU parameters (their local shards) with
+        their state, in classes of equal copies over the process group; the offloaded CUDA
+        parameters; and those CUDA parameters with their groups."""
+        pg = self.process_group
+        host, device = False, []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise TypeError("StreamAdamW does not support sparse gradients")
+                    if p.is_cuda:
+                        device.append((p, group))
+                    else:
+                        host = True
+        if not host and not device and pg is None:
+            return [], [], []
+        # The offloaded step copies gradients on its own streams: torch's work that produced them
+        # must be done first (a wait on each device's current stream, not on the whole device).
+        for dev in {p.device for p, _ in device}:
+            torch.cuda.current_stream(dev).synchronize()
+        offloaded = []
+        for p, group in device:
+            n = _copies(p, p.grad, pg, group.get("replicated", True))
+            offloaded.append((self._offloaded(p, group), _local(p), _local(p.grad), _hyperparameters(group), n))
+        batches: List[Any] = []
+        for group in self.param_groups:
+            amsgrad = bool(group["amsgrad"])
+            options = _hyperparameters(group)
+            classes: Dict[int, List[Any]] = {}
+            for p in group["params"]:
+                if p.grad is None or p.is_cuda:
+                    continue
+                n = _copies(p, p.grad, pg, group.get("replicated", True))
+                state = self._state_of(p, amsgrad)
+                # A bfloat16 parameter steps its float32 master and takes the rounded result.
+                master, model = (state["master_param"], p) if p.dtype == torch.bfloat16 else (p, None)
+                classes.setdefault(n, []).append((
+                    _local(master), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                    _local(state["max_exp_avg_sq"]) if amsgrad else None, state["step"],
+                    None if model is None else _local(model)))
+            # Every group is passed, with its options (its clipping), parameters or not.
+            for n, params in (classes or {1: []}).items():
+                batches.append((options, params, n))
+        return batches, offloaded, device
+
     def state_dict(self) -> Dict[str, Any]:
         """torch's state dict; a CUDA parameter's offloaded state appears under torch's names
-        (CPU fp32 tensors shaped like the parameter) plus ``master_param``, its fp32 master copy."""
+        (CPU fp32 tensors shaped like the parameter, or like this rank's shard of a ``DTensor``)
+        plus ``master_param``, its fp32 master copy."""
         for p, opt in self._cuda.items():
             amsgrad = any(p is q and g["amsgrad"] for g in self.param_groups for q in g["params"])
-            shape = p.shape
+            shape = _local(p).shape
             fresh = lambda shape=shape: torch.empty(shape, dtype=torch.float32)  # noqa: E731
             master, exp_avg, exp_avg_sq = fresh(), fresh(), fresh()
             max_sq = fresh() if amsgrad else None
@@ -242,7 +317,7 @@ class StreamAdamW(torch.optim.Optimizer):
                 if not p.is_cuda or "exp_avg" not in state:
                     continue
                 opt = self._offloaded(p, group)
-                flat = lambda t: t.detach().to("cpu", torch.float32).reshape(-1).contiguous()  # noqa: E731
+                flat = lambda t: _local(t.detach()).to("cpu", torch.float32).reshape(-1).contiguous()  # noqa: E731
                 master = state.pop("master_param", p)
                 max_sq = state.pop("max_exp_avg_sq", None)
                 opt.import_from(int(state["step"].item()), flat(master), flat(state.pop("exp_avg")),

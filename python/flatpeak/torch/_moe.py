@@ -31,6 +31,7 @@ from ._groups import handle as _handle
 from ._groups import resolve as _group
 from ._groups import world_size as _world_size
 from ._lce_common import guard_grads
+from ._sharding import mark_rank_private
 
 _SCHEMES = ("pipelined", "llep", "standard")
 _ACTIVATIONS = ("recompute", "save")
@@ -308,7 +309,11 @@ class MoEExperts(torch.nn.Module):
     ``gate_up_proj`` ``[E_local, 2I, H]`` and ``down_proj`` ``[E_local, H, I]`` (Hugging Face
     transformers' fused layout), ``E_local = num_experts / group size``; ``forward(hidden_states,
     topk_ids, topk_weights)`` is :func:`moe_swiglu` over ``group``. Options of
-    :func:`moe_swiglu` (``scheme``, ``budget_bytes``, ...) are keyword arguments."""
+    :func:`moe_swiglu` (``scheme``, ``budget_bytes``, ...) are keyword arguments.
+
+    Over a group, the weights are this rank's own (no other rank holds them): they are marked
+    rank-private, so ``StreamAdamW(process_group=)`` counts them once in the group's gradient
+    norm."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, group=None,
                  dtype: Optional[torch.dtype] = None, device=None, **options):
@@ -325,6 +330,9 @@ class MoEExperts(torch.nn.Module):
         kwargs = dict(dtype=dtype, device=device)
         self.gate_up_proj = torch.nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, **kwargs))
         self.down_proj = torch.nn.Parameter(torch.empty(local, hidden_size, intermediate_size, **kwargs))
+        if group is not None:
+            mark_rank_private(self.gate_up_proj)
+            mark_rank_private(self.down_proj)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..torch import linear_cross_entropy
+from ..torch import linear_cross_entropy, mark_rank_private
 from ..torch import offload_checkpoints as _offload_checkpoints
 from ._experts import EXPERTS_IMPLEMENTATION
 
@@ -135,7 +135,9 @@ def _shard_experts(module: torch.nn.Module, name: str, group) -> None:
     rows = slice(rank * local, (rank + 1) * local)
     for param in ("gate_up_proj", "down_proj"):
         full = getattr(module, param)
-        setattr(module, param, torch.nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad))
+        mine = torch.nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
+        mark_rank_private(mine)  # StreamAdamW(process_group=) counts it on this rank alone
+        setattr(module, param, mine)
     setattr(module, "_flatpeak_group", group)
     setattr(module, "_flatpeak_num_experts", experts)
 

@@ -1,0 +1,49 @@
+"""``StreamAdamW(process_group=)`` under FSDP2 (``fully_shard`` on a CPU mesh, 4 gloo processes,
+one thread each): one decision per step on every rank, equal to torch's AdamW (with
+``clip_grad_norm_``) on an FSDP2 copy and to one process holding the whole model; non-finite
+gradients on one rank skip (or raise) on every rank; bad input on one rank raises on every rank;
+``torch.distributed.checkpoint`` reshards the optimizer's state."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _fsdp_workers as workers  # noqa: E402
+from _spawn import spawn  # noqa: E402
+
+TOL = 1e-5
+
+
+def _ok(reports):
+    errors = {r: p for r, (s, p) in reports.items() if s != "ok"}
+    assert not errors, "\n".join(f"rank {r}:\n{p}" for r, p in errors.items())
+    assert sorted(reports) == list(range(len(reports)))
+    return {r: p for r, (_, p) in reports.items()}
+
+
+def test_one_decision_per_step_under_fsdp2():
+    out = _ok(spawn(workers.agreed_steps))
+    for rank, seen in out.items():
+        plain = seen["plain"]
+        assert plain["vs_torch"] < TOL and plain["vs_one"] < TOL, (rank, plain)
+        assert plain["state_types"] == ["DTensor", "Tensor"], plain  # moments reshardable, step plain
+        assert plain["steps"] == {10.0}, plain
+        clip = seen["clip"]
+        assert clip["clipped"], clip["norms"]
+        assert clip["vs_torch"] < TOL and clip["vs_one"] < TOL, (rank, clip)
+        assert clip["norm_err"] < 1e-6 and clip["torch_norm_err"] < 1e-6, (rank, clip)
+        nonfinite = seen["nonfinite"]
+        assert [i for i, s in enumerate(nonfinite["skipped"]) if s] == [3, 6], nonfinite
+        assert nonfinite["untouched"] == [True, True] and nonfinite["skipped_steps"] == 2, nonfinite
+        assert nonfinite["vs_one"] < TOL and nonfinite["steps"] == {8.0}, nonfinite
+        assert seen["raise"] is not None and "rank 3" in seen["raise"] and "not finite" in seen["raise"], seen
+        kinds = [k for k, _ in seen["refusals"]]
+        assert kinds == ["ValueError", "TypeError"], (rank, seen["refusals"])
+        assert "rank 2 steps with max_norm = 2" in seen["refusals"][0][1], seen["refusals"]
+        assert "sparse" in seen["refusals"][1][1], seen["refusals"]
+    # Exactly one rank's first layer has an empty shard, and it stepped with the others.
+    assert sum(bool(seen["plain"]["empty"]) for seen in out.values()) == 1
+    # The norms are bitwise the same on every rank.
+    assert len({tuple(seen["clip"]["norms"]) for seen in out.values()}) == 1
