@@ -151,6 +151,12 @@ fn checked<T: TorchElement>(
     }
     let len: usize = sizes.iter().product();
     let address: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
+    if len > 0 && address == 0 && tensor.get_type().name()? == "DTensor" {
+        // A DTensor (FSDP2, tensor parallel) is a wrapper without storage of its own.
+        return Err(PyTypeError::new_err(format!(
+            "{name}: a DTensor holds no storage of its own: pass this rank's shard (.to_local())"
+        )));
+    }
     if len > 0 && (address == 0 || !address.is_multiple_of(std::mem::align_of::<T>())) {
         return Err(PyValueError::new_err(format!(
             "{name}: data pointer {address:#x} is not aligned for {}",

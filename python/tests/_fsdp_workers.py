@@ -190,3 +190,79 @@ def agreed_steps(rank: int, world: int, init_file: str):
     except (TypeError, RuntimeError) as e:
         out["refusals"].append((type(e).__name__, str(e)))
     return out
+
+
+def _checkpoint_dir() -> str:
+    import os
+
+    return os.environ["FLATPEAK_TEST_CHECKPOINT"]
+
+
+def _train(torch, model, opt, steps, rank, world, max_norm):
+    """``steps`` steps of ``opt`` (a torch optimizer clips first with ``clip_grad_norm_``)."""
+    from flatpeak.torch import StreamAdamW
+
+    for step in steps:
+        opt.zero_grad()
+        backward(torch, model, step, rank, world)
+        if not isinstance(opt, StreamAdamW):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+
+
+def _optimizer(torch, kind: str, model, group, max_norm):
+    from flatpeak.torch import StreamAdamW
+
+    if kind == "stream":
+        return StreamAdamW(model.parameters(), **HP, max_norm=max_norm, process_group=group)
+    return torch.optim.AdamW(model.parameters(), **HP)
+
+
+@reporting
+def save_checkpoints(rank: int, world: int, init_file: str):
+    """Test 7, first half: 5 steps on ``world`` ranks with StreamAdamW and with torch's AdamW,
+    each saved with ``torch.distributed.checkpoint`` (the model's and the optimizer's state)."""
+    torch, dist = _init(rank, world, init_file)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    for kind in ("stream", "torch"):
+        model = sharded(torch, mesh)
+        opt = _optimizer(torch, kind, model, dist.group.WORLD, 0.05)
+        _train(torch, model, opt, range(5), rank, world, 0.05)
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.save(state, checkpoint_id=f"{_checkpoint_dir()}/{kind}")
+    return True
+
+
+@reporting
+def resume_checkpoints(rank: int, world: int, init_file: str):
+    """Test 7, second half, on another number of ranks: each checkpoint loaded into StreamAdamW and
+    into torch's AdamW, 5 more steps; the parameters against one process's 10 uninterrupted steps."""
+    torch, dist = _init(rank, world, init_file)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    expected = reference(torch, 10, max_norm=0.05)[0]
+    out = {}
+    for saved in ("stream", "torch"):
+        for kind in ("stream", "torch"):
+            model = sharded(torch, mesh)
+            opt = _optimizer(torch, kind, model, dist.group.WORLD, 0.05)
+            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(state, checkpoint_id=f"{_checkpoint_dir()}/{saved}")
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, opt, state["optim"])
+            steps = {float(opt.state[p]["step"]) for p in model.parameters()}
+            _train(torch, model, opt, range(5, 10), rank, world, 0.05)
+            out[f"{saved}->{kind}"] = (worst(params_of(model), expected), sorted(steps))
+    return out

@@ -47,3 +47,16 @@ def test_one_decision_per_step_under_fsdp2():
     assert sum(bool(seen["plain"]["empty"]) for seen in out.values()) == 1
     # The norms are bitwise the same on every rank.
     assert len({tuple(seen["clip"]["norms"]) for seen in out.values()}) == 1
+
+
+def test_checkpoints_reshard_and_load_across_optimizers(tmp_path, monkeypatch):
+    # Saved on 4 ranks, resumed on 2: StreamAdamW's state into StreamAdamW and into torch's
+    # AdamW, and torch's into StreamAdamW; 5 more steps equal 10 uninterrupted ones.
+    monkeypatch.setenv("FLATPEAK_TEST_CHECKPOINT", str(tmp_path))
+    _ok(spawn(workers.save_checkpoints, world=4))
+    out = _ok(spawn(workers.resume_checkpoints, world=2))
+    for rank, runs in out.items():
+        assert sorted(runs) == ["stream->stream", "stream->torch", "torch->stream", "torch->torch"]
+        for name, (err, steps) in runs.items():
+            assert steps == [5.0], (rank, name, steps)  # the saved step counts, on every parameter
+            assert err < TOL, (rank, name, err)

@@ -323,11 +323,17 @@ def test_max_norm_clips_as_clip_grad_norm_then_adamw(max_norm):
         assert worst <= 1e-6, f"step {step}: {worst}"
     clipped = max_norm < norm.item()
     assert clipped == (max_norm == 0.5)
-    # The clipping is a param-group setting: it survives the state dict, and torch's own loads it.
-    again = StreamAdamW(groups_of([p.detach().clone() for p in ours_p], False, False), lr=1e-2)
-    again.load_state_dict(copy.deepcopy(ours.state_dict()))
-    assert [g["max_norm"] for g in again.param_groups] == [max_norm, max_norm]
-    torch.optim.AdamW(groups_of(make_params(7), False, False)).load_state_dict(copy.deepcopy(ours.state_dict()))
+    # The clipping is this run's setting, not state: a state dict has torch's AdamW's keys and no
+    # max_norm (so torch.distributed.checkpoint loads either optimizer's into the other), and
+    # loading one keeps the live setting.
+    sd = ours.state_dict()
+    torch_keys = set(torch.optim.AdamW(make_params(7)).state_dict()["param_groups"][0])
+    assert all(set(g) == torch_keys for g in sd["param_groups"]), sd["param_groups"]
+    for kept in (None, 3.0):
+        again = StreamAdamW(groups_of([p.detach().clone() for p in ours_p], False, False), lr=1e-2, max_norm=kept)
+        again.load_state_dict(copy.deepcopy(sd))
+        assert [g["max_norm"] for g in again.param_groups] == [kept, kept]
+    torch.optim.AdamW(groups_of(make_params(7), False, False)).load_state_dict(copy.deepcopy(sd))
 
 
 def test_max_norm_that_differs_between_groups_or_is_not_positive_is_refused_untouched():

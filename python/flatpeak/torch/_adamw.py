@@ -20,6 +20,15 @@ from ._sharding import local as _local
 #: What a step does with a non-finite gradient.
 _ON_NONFINITE = ("skip", "raise")
 
+#: Param-group keys that are this run's settings, not state: a state dict leaves them out and
+#: loading one keeps the live values.
+_RUN_SETTINGS = ("max_norm", "replicated")
+
+#: The keys of ``torch.optim.AdamW``'s param groups that this optimizer has no use for, with the
+#: values that describe its update (written into its state dicts, so torch's AdamW loads them).
+_TORCH_GROUP_KEYS = dict(foreach=None, capturable=False, differentiable=False, fused=None,
+                         decoupled_weight_decay=True)
+
 
 def _step_dtype() -> torch.dtype:
     """The dtype of a parameter's ``step`` tensor, torch.optim's rule: float64 when it is the
@@ -135,10 +144,12 @@ class StreamAdamW(torch.optim.Optimizer):
         self.__dict__.setdefault("process_group", None)
         self.__dict__.setdefault("on_nonfinite", "skip")
         self.__dict__.setdefault("threads", None)
+        # A state dict of torch's own AdamW has no `max_norm`: the groups keep this optimizer's.
+        defaults = self.__dict__.get("defaults", {})
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
-            group.setdefault("max_norm", None)
+            group.setdefault("max_norm", defaults.get("max_norm"))
         # Older torch checkpoints keep a step as a Python number: torch.optim.AdamW loads them as
         # the tensor it uses today, and so does this optimizer (load_state_dict comes here).
         for state in self.state.values():
@@ -293,14 +304,28 @@ class StreamAdamW(torch.optim.Optimizer):
         offloaded_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
         for p in self._cuda:
             self.state[p] = {k: v for k, v in self.state[p].items() if k not in offloaded_keys}
+        # The groups as torch's AdamW writes them, so either optimizer loads the other's state
+        # (torch.distributed.checkpoint asks a checkpoint for every key the loader has): torch's
+        # keys with the values that describe this update, and none of this run's settings.
+        for group in sd["param_groups"]:
+            for key in _RUN_SETTINGS:
+                group.pop(key, None)
+            for key, value in _TORCH_GROUP_KEYS.items():
+                group.setdefault(key, value)
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """torch's ``load_state_dict``; a CUDA parameter's state goes into its offloaded optimizer
         (the master copy from ``master_param`` when present, else from the parameter). The
         float32 state of a bfloat16 parameter (moments, master) is kept in float32: torch's own
-        loading would cast it to the parameter's dtype."""
+        loading would cast it to the parameter's dtype. This run's settings (``max_norm``, a
+        group's ``replicated``) stay as they are: a state dict does not carry them."""
+        settings = [{k: g[k] for k in _RUN_SETTINGS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, kept in zip(self.param_groups, settings):
+            for key in _RUN_SETTINGS:
+                group.pop(key, None)
+            group.update(kept)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):

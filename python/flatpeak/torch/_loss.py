@@ -27,12 +27,13 @@ functions hand back as ``None``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .. import _flatpeak as _ext
+from ._checks import check_tensors
 from ._groups import handle as _group_handle
 from ._lce_common import OPTIONS_SCHEMA, TENSORS_SCHEMA, guard_grads, options, per_token
 from ._ring_loss import ring_loss as _ring_loss
@@ -85,23 +86,6 @@ def _grads_fake(input: Tensor, weight: Tensor, bias: Optional[Tensor], wanted: S
 def _wanted_only(grads, wanted: Sequence[bool]):
     """Backward's ``(dx, dw, dbias)``: ``None`` for a gradient not wanted."""
     return tuple(g if want else None for g, want in zip(grads, wanted))
-
-
-def _check_tensors(tensors) -> None:
-    """Each named argument a tensor (or ``None`` where optional), all on one device -- ``meta``
-    included: a meta tensor among real ones would otherwise run the fake implementation and
-    return uninitialised memory. The messages are torch's."""
-    devices: Dict[torch.device, str] = {}
-    for name, t in tensors:
-        if t is None:
-            continue
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        devices.setdefault(t.device, name)
-    if len(devices) > 1:
-        (first, a), (second, b) = list(devices.items())[:2]
-        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                           f"{first} and {second}! ({a} is on {first}, {b} on {second})")
 
 
 def _forward_impl(input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
@@ -361,8 +345,10 @@ def linear_cross_entropy(
         raise ValueError(f"reduction: expected one of {_REDUCTIONS}, got {reduction!r}")
     if ring is not None and group is None:
         raise ValueError(f"ring={ring!r} needs group= (the process group whose ranks form the ring)")
-    _check_tensors((("input", input), ("weight", weight), ("target", target), ("bias", bias),
-                    ("token_weights", token_weights)))
+    check_tensors("linear_cross_entropy", (("input", input), ("weight", weight), ("target", target),
+                                           ("bias", bias), ("token_weights", token_weights)),
+                  "pass .to_local() (an FSDP2-sharded lm_head: call the loss while FSDP has it unsharded, as "
+                  "flatpeak.transformers.apply does)")
     lead_shape, batched = target.shape, input.dim() == 3
     # Tokens pair with targets by position: the target's shape is the input's leading shape, as
     # F.cross_entropy requires (the same element count in another shape would pair them wrongly).

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import _flatpeak as _ext
+from ._checks import check_tensors
 from ._groups import handle as _handle
 from ._groups import resolve as _group
 from ._groups import world_size as _world_size
@@ -270,10 +271,10 @@ def moe_swiglu(
         raise ValueError(f"scheme: expected one of {_SCHEMES}, got {scheme!r}")
     if activations not in _ACTIVATIONS:
         raise ValueError(f"activations: expected one of {_ACTIVATIONS}, got {activations!r}")
-    for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
-                    ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_tensors("moe_swiglu", (("hidden_states", hidden_states), ("topk_ids", topk_ids),
+                                 ("topk_weights", topk_weights), ("gate_up_proj", gate_up_proj),
+                                 ("down_proj", down_proj)),
+                  "pass .to_local() of the expert weights and the expert-parallel group (MoEExperts(mesh=) does)")
     lead = hidden_states.shape[:-1]
     if topk_ids.shape[:-1] != lead or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids and topk_weights: expected shape {list(lead)} + [k], got {list(topk_ids.shape)} "

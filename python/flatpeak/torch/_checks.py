@@ -1,0 +1,31 @@
+"""The checks every entry point makes on its tensor arguments, before any reaches an op."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._sharding import is_dtensor
+
+
+def check_tensors(call: str, tensors: Iterable[Tuple[str, Optional[Tensor]]], local_hint: str) -> None:
+    """Each named argument a plain tensor (or ``None`` where optional), all on one device --
+    ``meta`` included: a meta tensor among real ones would otherwise run the fake implementation
+    and return uninitialised memory (the messages are torch's). A ``DTensor`` is a ``TypeError``
+    that says what to pass instead (``local_hint``): ``call`` runs on this rank's tensors."""
+    devices: Dict[torch.device, str] = {}
+    for name, t in tensors:
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if is_dtensor(t):
+            raise TypeError(f"{name}: a DTensor (placements {tuple(t.placements)}): {call} takes this rank's plain "  # type: ignore[attr-defined]
+                            f"tensors; {local_hint}")
+        devices.setdefault(t.device, name)
+    if len(devices) > 1:
+        (first, a), (second, b) = list(devices.items())[:2]
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"{first} and {second}! ({a} is on {first}, {b} on {second})")
