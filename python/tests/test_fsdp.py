@@ -60,3 +60,46 @@ def test_checkpoints_reshard_and_load_across_optimizers(tmp_path, monkeypatch):
         for name, (err, steps) in runs.items():
             assert steps == [5.0], (rank, name, steps)  # the saved step counts, on every parameter
             assert err < TOL, (rank, name, err)
+
+
+def test_fsdp2_over_a_2d_expert_parallel_mesh_equals_one_process():
+    import _ep_workers as ep
+
+    out = _ok(spawn(ep.fsdp2_ep))
+    for rank, seen in out.items():
+        assert max(seen["errors"].values()) < TOL, (rank, seen["errors"])
+        assert "Shard(dim=0)" in seen["placements"]["experts.gate_up_proj"], seen["placements"]
+    assert len({tuple(seen["norms"]) for seen in out.values()}) == 1  # bitwise, every rank
+
+
+def test_ddp_leaves_rank_private_experts_alone():
+    import _ep_workers as ep
+
+    out = _ok(spawn(ep.ddp_experts))
+    for rank, seen in out.items():
+        assert seen["ignored"] == ["experts.gate_up_proj", "experts.down_proj"], seen["ignored"]
+        assert seen["kept"], f"rank {rank}: DDP replaced the rank's experts"
+        assert max(seen["errors"].values()) < TOL, (rank, seen["errors"])
+    dense = [seen["dense"] for seen in out.values()]
+    assert all(other == dense[0] for other in dense[1:]), "dense replicas drifted"  # bitwise
+    assert len({seen["norm"] for seen in out.values()}) == 1
+
+
+def test_compositions_that_would_be_silently_wrong_are_refused():
+    import _ep_workers as ep
+
+    out = _ok(spawn(ep.refusals))
+    for seen in out.values():
+        assert "no longer this rank's own slices" in seen.get("fully_shard", ""), seen
+        assert "DTensor" in seen.get("loss", "") and ".to_local()" in seen["loss"], seen
+        assert "DTensor" in seen.get("moe", ""), seen
+
+
+def test_a_patched_transformers_model_under_fsdp2_equals_the_unpatched_one():
+    import _hf_fsdp_workers as hf_fsdp
+
+    out = _ok(spawn(hf_fsdp.patched_under_fsdp2))
+    for rank, seen in out.items():
+        for case in ("loss", "offload", "ep"):
+            assert seen[case]["loss"] < TOL and seen[case]["grads"] < 1e-4, (rank, case, seen[case])
+        assert "apply flatpeak first, then wrap" in (seen["refused"] or ""), seen["refused"]

@@ -32,7 +32,7 @@ from ._groups import handle as _handle
 from ._groups import resolve as _group
 from ._groups import world_size as _world_size
 from ._lce_common import guard_grads
-from ._sharding import mark_rank_private
+from ._sharding import check_ep_mesh, expert_weights, local, own_experts
 
 _SCHEMES = ("pipelined", "llep", "standard")
 _ACTIVATIONS = ("recompute", "save")
@@ -306,47 +306,60 @@ def moe_swiglu(
 
 
 class MoEExperts(torch.nn.Module):
-    """The experts of a MoE layer as a module owning this rank's slice of the weights:
+    r"""The experts of a MoE layer as a module owning this rank's slice of the weights:
     ``gate_up_proj`` ``[E_local, 2I, H]`` and ``down_proj`` ``[E_local, H, I]`` (Hugging Face
-    transformers' fused layout), ``E_local = num_experts / group size``; ``forward(hidden_states,
-    topk_ids, topk_weights)`` is :func:`moe_swiglu` over ``group``. Options of
-    :func:`moe_swiglu` (``scheme``, ``budget_bytes``, ...) are keyword arguments.
+    transformers' fused layout), ``E_local = num_experts / P``; ``forward(hidden_states,
+    topk_ids, topk_weights)`` is :func:`moe_swiglu` over the ``P`` expert-parallel ranks. Options
+    of :func:`moe_swiglu` (``scheme``, ``budget_bytes``, ...) are keyword arguments.
 
-    Over a group, the weights are this rank's own (no other rank holds them): they are marked
-    rank-private, so ``StreamAdamW(process_group=)`` counts them once in the group's gradient
-    norm."""
+    The ranks are ``mesh`` or ``group`` (at most one):
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, group=None,
+    - ``mesh``, a 1-D ``DeviceMesh`` (the expert-parallel dimension of a larger mesh, e.g.
+      ``world_mesh["ep"]``): the weights are ``DTensor``\ s ``Shard(0)`` on it (torchtitan's
+      ``GroupedExperts`` convention), so ``fully_shard(experts, mesh=world_mesh["efsdp"])`` shards
+      them further correctly and ``torch.distributed.checkpoint`` reshards them. The forward
+      computes on the local slices over the mesh's group.
+    - ``group``, a process group: plain tensors, this rank's own, marked rank-private (so
+      ``StreamAdamW(process_group=)`` counts them once). For DDP, register them as ignored
+      (:func:`exclude_experts_from_ddp`); ``fully_shard`` must not take them (it would treat
+      them as replicated): the forward refuses weights it swapped in.
+    """
+
+    gate_up_proj: torch.nn.Parameter
+    down_proj: torch.nn.Parameter
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, group=None, mesh=None,
                  dtype: Optional[torch.dtype] = None, device=None, **options):
         super().__init__()
-        world = _world_size(group)
+        if group is not None and mesh is not None:
+            raise ValueError("group and mesh: pass one (the mesh carries its group)")
+        world = check_ep_mesh(mesh, num_experts) if mesh is not None else _world_size(group)
         if num_experts <= 0 or num_experts % world:
             raise ValueError(f"num_experts={num_experts} must be a positive multiple of the group size {world}")
         if set(options) - set(_OPTION_NAMES):
             raise TypeError(f"unexpected options {sorted(set(options) - set(_OPTION_NAMES))} (expected some of "
                             f"{list(_OPTION_NAMES)})")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.group, self.options = group, options
-        local = num_experts // world
-        kwargs = dict(dtype=dtype, device=device)
-        self.gate_up_proj = torch.nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, **kwargs))
-        self.down_proj = torch.nn.Parameter(torch.empty(local, hidden_size, intermediate_size, **kwargs))
-        if group is not None:
-            mark_rank_private(self.gate_up_proj)
-            mark_rank_private(self.down_proj)
+        self.group, self.mesh, self.options = group, mesh, options
+        e_local = num_experts // world
+        kwargs: Dict[str, Any] = dict(dtype=dtype, device=device)
+        own_experts(self, {"gate_up_proj": torch.empty(e_local, 2 * intermediate_size, hidden_size, **kwargs),
+                           "down_proj": torch.empty(e_local, hidden_size, intermediate_size, **kwargs)}, group, mesh)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s initialisation, per expert."""
-        for w in (self.gate_up_proj, self.down_proj):
-            bound = 1.0 / math.sqrt(w.shape[-1])
-            torch.nn.init.uniform_(w, -bound, bound)
+        """``nn.Linear``'s initialisation, per expert (of this rank's slice)."""
+        with torch.no_grad():
+            for w in (self.gate_up_proj, self.down_proj):
+                bound = 1.0 / math.sqrt(w.shape[-1])
+                torch.nn.init.uniform_(local(w), -bound, bound)
 
     def forward(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        y = moe_swiglu(hidden_states, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, group=self.group,
+        (gate_up, down), group = expert_weights(self, ("gate_up_proj", "down_proj"), self.group)
+        y = moe_swiglu(hidden_states, topk_ids, topk_weights, gate_up, down, group=group,
                        num_experts=self.num_experts, **self.options)
         return cast(Tensor, y)  # the options exclude return_stats
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, local={self.gate_up_proj.shape[0]}")
+                f"intermediate_size={self.intermediate_size}, local={local(self.gate_up_proj).shape[0]}")

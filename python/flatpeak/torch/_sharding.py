@@ -4,7 +4,7 @@ tensors that are each rank's own (expert-parallel experts)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -64,3 +64,90 @@ def copies(param: Tensor, grad: Optional[Tensor], group, replicated: bool) -> in
         if placement.is_replicate():
             n *= mesh.size(dim)
     return n
+
+
+def own_experts(module: torch.nn.Module, weights: Dict[str, Tensor], group, mesh) -> None:
+    """Makes ``weights`` (this rank's ``[E_local, ...]`` slices, by attribute name) the expert
+    parameters of ``module``: over ``mesh`` (a 1-D expert-parallel ``DeviceMesh``) ``DTensor``\\ s
+    ``Shard(0)`` on it, which ``fully_shard(module, mesh=efsdp_mesh)`` shards further correctly
+    (torchtitan's ``GroupedExperts`` convention); over ``group`` plain tensors marked
+    rank-private; otherwise plain tensors. The module remembers them, so a forward can tell they
+    were replaced (:func:`expert_weights`)."""
+    params = []
+    for name, w in weights.items():
+        requires_grad = w.requires_grad
+        w = w.detach()
+        if mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            w = DTensor.from_local(w, mesh, [Shard(0)], run_check=False)
+        param = torch.nn.Parameter(w, requires_grad=requires_grad)
+        if group is not None:
+            mark_rank_private(param)
+        setattr(module, name, param)
+        params.append(param)
+    module.__dict__["_flatpeak_own"] = tuple(params) if group is not None else ()
+    module.__dict__["_flatpeak_mesh"] = mesh
+
+
+def check_ep_mesh(mesh, num_experts: int) -> int:
+    """The size of a 1-D expert-parallel mesh that splits ``num_experts`` evenly."""
+    if mesh.ndim != 1:
+        raise ValueError(f"mesh: expected the 1-D expert-parallel mesh (e.g. world_mesh['ep']), got a {mesh.ndim}-D "
+                         f"mesh {tuple(mesh.shape)}")
+    if num_experts <= 0 or num_experts % mesh.size():
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of the mesh size {mesh.size()}")
+    return int(mesh.size())
+
+
+def expert_weights(module: torch.nn.Module, names: Tuple[str, ...], group) -> Tuple[Tuple[Tensor, ...], Any]:
+    """The expert weights a forward computes with, and the group to dispatch over: a mesh's
+    ``DTensor`` weights as their local shards (gradients flow back as ``DTensor``\\ s) over the
+    mesh's group; a group's rank-private weights as they are, over it -- unless they are no longer
+    the tensors :func:`own_experts` made (``fully_shard`` over them swaps in a patchwork of the
+    ranks' slices): a ``RuntimeError`` that says what to do."""
+    weights = tuple(getattr(module, n) for n in names)
+    mesh = module.__dict__.get("_flatpeak_mesh")
+    if mesh is not None:
+        if not all(is_dtensor(w) for w in weights):
+            raise RuntimeError(f"{type(module).__name__}: its expert weights were made DTensors on the expert-parallel "
+                               f"mesh and are no longer DTensors: replace them with DTensors Shard(0) on that mesh")
+        return tuple(w.to_local() for w in weights), mesh.get_group()
+    own = module.__dict__.get("_flatpeak_own", ())
+    if group is not None and own and any(w is not o for w, o in zip(weights, own)):
+        raise RuntimeError(
+            f"{type(module).__name__}: the expert weights are no longer this rank's own slices (fully_shard over "
+            f"expert-parallel experts treats them as replicated and mixes the ranks' experts): build the experts "
+            f"on the expert-parallel mesh instead (MoEExperts(mesh=), flatpeak.transformers.apply(ep_mesh=)), whose "
+            f"DTensor weights fully_shard shards correctly, or leave them out of fully_shard (ignored_params)")
+    return weights, group
+
+
+def exclude_experts_from_ddp(model: torch.nn.Module) -> List[str]:
+    """Registers every rank-private expert weight of ``model`` (``MoEExperts(group=)``'s,
+    ``flatpeak.transformers.apply(group=)``'s) as ignored by ``DistributedDataParallel``, so
+    ``DDP(model)`` neither broadcasts rank 0's experts to the other ranks nor averages different
+    experts' gradients. Call it before ``DDP(model)``; returns the names."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = [name for name, p in model.named_parameters() if is_rank_private(p)]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ignored + [n for n in names if n not in ignored])
+    return names
+
+
+def refuse_wrapped(model: torch.nn.Module, call: str) -> None:
+    """A ``ValueError`` when ``model`` is already wrapped for data parallelism (DDP, FSDP2) or
+    holds ``DTensor`` parameters: ``call`` replaces modules and parameters, which the wrappers
+    have already taken hold of."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = isinstance(model, DistributedDataParallel)
+    if not wrapped and torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule
+
+        wrapped = any(isinstance(m, FSDPModule) for m in model.modules())
+    if wrapped or any(is_dtensor(p) for p in model.parameters()):
+        raise ValueError(f"{call}: the model is already wrapped (DDP, fully_shard) or sharded: apply flatpeak first, "
+                         f"then wrap it")

@@ -6,14 +6,15 @@ from __future__ import annotations
 import inspect
 import sys
 import types
-from typing import Optional, Union, cast
+from typing import Any, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..torch import linear_cross_entropy, mark_rank_private
+from ..torch import exclude_experts_from_ddp, linear_cross_entropy
 from ..torch import offload_checkpoints as _offload_checkpoints
+from ..torch._sharding import check_ep_mesh, own_experts, refuse_wrapped
 from ._experts import EXPERTS_IMPLEMENTATION
 
 #: The ``config.model_type`` values :func:`apply` patches.
@@ -48,6 +49,29 @@ def causal_lm_loss(hidden_states: torch.Tensor, lm_head: torch.nn.Linear, labels
     return loss
 
 
+def _loss_on(lm_head: torch.nn.Linear, hidden_states: Tensor, labels: Optional[Tensor],
+             shift_labels: Optional[Tensor], num_items_in_batch, budget_bytes: Optional[int]) -> Tensor:
+    """:func:`causal_lm_loss` on ``lm_head``'s weight, as a method of ``lm_head``."""
+    return causal_lm_loss(hidden_states, lm_head, labels, shift_labels, num_items_in_batch, budget_bytes)
+
+
+def _lm_head_loss(lm_head: torch.nn.Module):
+    """The loss as a call of ``lm_head``: when FSDP2 shards ``lm_head`` as its own unit, its
+    ``forward`` never runs (the loss reads the weight instead), so the loss is registered as one of
+    its forward methods (``register_fsdp_forward_method``): FSDP unshards the weight around it and
+    again for its backward. Otherwise ``lm_head``'s weight is read as it is (inside the root
+    unit's forward, FSDP has it unsharded)."""
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+        if isinstance(lm_head, FSDPModule):
+            if "flatpeak_loss" not in lm_head.__dict__:
+                lm_head.__dict__["flatpeak_loss"] = types.MethodType(_loss_on, lm_head)
+                register_fsdp_forward_method(lm_head, "flatpeak_loss")
+            return getattr(lm_head, "flatpeak_loss")
+    return types.MethodType(_loss_on, lm_head)
+
+
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                        inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
                        logits_to_keep=0, shift_labels=None, num_items_in_batch=None, return_dict=None, **kwargs):
@@ -68,8 +92,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     hidden_states = outputs.last_hidden_state
     loss = logits = None
     if labels is not None or shift_labels is not None:
-        loss = causal_lm_loss(hidden_states, self.lm_head, labels, shift_labels, num_items_in_batch,
-                              patch.budget_bytes)
+        loss = _lm_head_loss(self.lm_head)(hidden_states, labels, shift_labels, num_items_in_batch, patch.budget_bytes)
     else:
         logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
     aux_loss = None
@@ -122,30 +145,34 @@ def _experts_modules(model):
             if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "_apply_gate")]
 
 
-def _shard_experts(module: torch.nn.Module, name: str, group) -> None:
-    """Keeps this rank's slice ``r*E/P .. (r+1)*E/P - 1`` of the module's experts, the rest freed."""
+def _shard_experts(module: torch.nn.Module, name: str, group, ep_mesh) -> None:
+    r"""Keeps this rank's slice ``r*E/P .. (r+1)*E/P - 1`` of the module's experts, the rest freed:
+    plain rank-private tensors over ``group``, or ``DTensor``\ s ``Shard(0)`` on ``ep_mesh``."""
     import torch.distributed as dist
 
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
     experts = getattr(module, "gate_up_proj").shape[0]
+    if ep_mesh is not None:
+        world, rank = check_ep_mesh(ep_mesh, experts), ep_mesh.get_local_rank()
+    else:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
     if experts % world:
         raise ValueError(f"{name}: {experts} experts do not split over a group of {world} ranks "
                          f"(expert-parallel needs E divisible by the group size)")
-    local = experts // world
-    rows = slice(rank * local, (rank + 1) * local)
+    e_local = experts // world
+    rows = slice(rank * e_local, (rank + 1) * e_local)
+    slices = {}
     for param in ("gate_up_proj", "down_proj"):
         full = getattr(module, param)
-        mine = torch.nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
-        mark_rank_private(mine)  # StreamAdamW(process_group=) counts it on this rank alone
-        setattr(module, param, mine)
+        slices[param] = full.detach()[rows].clone().requires_grad_(full.requires_grad)
+    own_experts(module, slices, group, ep_mesh)
     setattr(module, "_flatpeak_group", group)
     setattr(module, "_flatpeak_num_experts", experts)
 
 
 def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, offload_checkpoints: bool = False,
           group: Optional["torch.distributed.ProcessGroup"] = None, budget_bytes: Optional[int] = None,
-          expert_activations: str = "recompute") -> torch.nn.Module:
-    """Patches a transformers MoE causal LM in place and returns it.
+          expert_activations: str = "recompute", ep_mesh: Optional[Any] = None) -> torch.nn.Module:
+    r"""Patches a transformers MoE causal LM in place and returns it.
 
     Args:
         model: a ``*ForCausalLM`` of a supported ``model_type`` (:data:`SUPPORTED_MODEL_TYPES`).
@@ -159,7 +186,15 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
             (``experts_implementation="flatpeak"``). Shared experts stay dense.
         group: a ``torch.distributed`` process group of ``P`` ranks: each rank keeps only experts
             ``r*E/P .. (r+1)*E/P - 1`` of every experts module (the rest freed) and the dispatch
-            runs expert-parallel over the group; every rank runs its own batch.
+            runs expert-parallel over the group; every rank runs its own batch. The slices are
+            plain tensors, registered as ignored by ``DistributedDataParallel`` (so ``DDP(model)``
+            neither broadcasts rank 0's experts nor averages different experts' gradients) and
+            marked rank-private (``StreamAdamW(process_group=)`` counts them once). Not for
+            ``fully_shard``: use ``ep_mesh``.
+        ep_mesh: instead of ``group``, a 1-D expert-parallel ``DeviceMesh`` (``world_mesh["ep"]``):
+            the slices are ``DTensor``\ s ``Shard(0)`` on it (torchtitan's convention), so
+            ``fully_shard`` over the experts on the mesh's other dimension shards them correctly
+            and ``torch.distributed.checkpoint`` reshards them.
         offload_checkpoints: the decoder layers run under
             :func:`flatpeak.torch.offload_checkpoints` (checkpointed, each layer's input kept by
             sco's slot ring in host memory); leave transformers' own gradient checkpointing off.
@@ -184,6 +219,9 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
         raise ValueError(f"{type(model).__name__} is already patched by flatpeak.transformers.apply")
     if expert_activations not in ("recompute", "save"):
         raise ValueError(f"expert_activations: expected 'recompute' or 'save', got {expert_activations!r}")
+    if group is not None and ep_mesh is not None:
+        raise ValueError("group and ep_mesh: pass one (the mesh carries its group)")
+    refuse_wrapped(model, "flatpeak.transformers.apply")
     patch = _Patch(model, loss, experts, group, budget_bytes)
     modules = _experts_modules(model)
     if experts:
@@ -193,15 +231,17 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
 
         for _, module in modules:
             _check_module(module)  # every module checked before any is changed
-        if group is not None:
+        if group is not None or ep_mesh is not None:
             for name, module in modules:
-                _shard_experts(module, name, group)
+                _shard_experts(module, name, group, ep_mesh)
+        if group is not None:
+            exclude_experts_from_ddp(model)
         for _, module in modules:
             setattr(module, "_flatpeak_budget_bytes", budget_bytes)
             setattr(module, "_flatpeak_activations", expert_activations)
         getattr(model, "set_experts_implementation")(EXPERTS_IMPLEMENTATION)
-    elif group is not None:
-        raise ValueError("group= shards the experts: it needs experts=True")
+    elif group is not None or ep_mesh is not None:
+        raise ValueError("group= and ep_mesh= shard the experts: they need experts=True")
     if offload_checkpoints:
         layers = getattr(model.model, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ..torch import moe_swiglu
+from ..torch._sharding import expert_weights
 
 #: The name ``experts_implementation=`` selects flatpeak by.
 EXPERTS_IMPLEMENTATION = "flatpeak"
@@ -32,12 +33,13 @@ def experts_forward(module: torch.nn.Module, hidden_states: Tensor, top_k_index:
                     top_k_weights: Tensor) -> Tensor:
     """The experts module's forward as transformers calls an implementation: ``hidden_states
     [T, H]``, ``top_k_index [T, k]`` (global expert ids), ``top_k_weights [T, k]`` -> ``[T, H]``.
-    Expert-parallel when :func:`flatpeak.transformers.apply` gave the module a group."""
+    Expert-parallel when :func:`flatpeak.transformers.apply` gave the module a group or a mesh."""
     _check_module(module)
     if top_k_weights.dtype not in (torch.float32, hidden_states.dtype):
         top_k_weights = top_k_weights.float()
-    out, stats = moe_swiglu(hidden_states.contiguous(), top_k_index, top_k_weights, getattr(module, "gate_up_proj"),
-                            getattr(module, "down_proj"), group=getattr(module, "_flatpeak_group", None),
+    (gate_up, down), group = expert_weights(module, ("gate_up_proj", "down_proj"),
+                                            getattr(module, "_flatpeak_group", None))
+    out, stats = moe_swiglu(hidden_states.contiguous(), top_k_index, top_k_weights, gate_up, down, group=group,
                             num_experts=getattr(module, "_flatpeak_num_experts", None),
                             budget_bytes=getattr(module, "_flatpeak_budget_bytes", None),
                             activations=getattr(module, "_flatpeak_activations", "recompute"), return_stats=True)
