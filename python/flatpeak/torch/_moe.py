@@ -299,7 +299,8 @@ def moe_swiglu(
     else:
         y, counts, stats = torch.ops.flatpeak.moe_swiglu_forward(
             x, ids, weights, gate_up_proj, down_proj, _handle(group), int(num_experts or 0), *options)
-    y = y.reshape(hidden_states.shape)
+    if y.shape != hidden_states.shape:  # [B, S, H] in; a [T, H] result is returned as it is, not a view
+        y = y.reshape(hidden_states.shape)
     if not return_stats:
         return y
     return y, MoEStats(counts, *(int(v) for v in stats.tolist()))
