@@ -15,7 +15,7 @@ use stream_adamw::{
     StepOptions, StepOutcome, StepPart, StepReport, Variant, agree, bf16, step_parts_over,
 };
 
-use crate::adamw_args::{AdamWOptions, Offloaded};
+use crate::adamw_args::{AdamWOptions, Offloaded, OffloadedParts};
 use crate::error::refusal;
 use crate::tensor::{Lend, Lent, Out, Register, device_of, is_dtype, shape_of};
 
@@ -361,9 +361,6 @@ fn register<'t, 'py>(
         })
         .collect()
 }
-
-/// The work of a step given this rank's offloaded parts, or why it has none.
-pub(crate) type OffloadedParts<'a, 'p> = Result<&'a mut [&'p mut dyn StepPart], Refusal>;
 
 /// Runs `step` (with the GIL released) on the parts of the offloaded parameters; when they
 /// cannot be lent, on that refusal (the step still enters its group's agreement) and returns the

@@ -3,7 +3,8 @@
 //! parameter of a step ([`Offloaded`]).
 
 use pyo3::prelude::*;
-use stream_adamw::{GradClip, Hyperparameters, Objective, Variant};
+use flatpeak_common::comm::Refusal;
+use stream_adamw::{GradClip, Hyperparameters, Objective, StepPart, Variant};
 
 use crate::error::to_py;
 
@@ -60,3 +61,7 @@ pub(crate) struct Offloaded<'py> {
     #[pyo3(item(4))]
     pub(crate) copies: u64,
 }
+
+/// The work of a step given this rank's offloaded parts, or why it has none (the refusal still
+/// enters the step's agreement).
+pub(crate) type OffloadedParts<'a, 'p> = Result<&'a mut [&'p mut dyn StepPart], Refusal>;

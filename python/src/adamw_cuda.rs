@@ -13,8 +13,7 @@ use stream_adamw::{
     StepReport, StreamAdamW, bf16,
 };
 
-use crate::adamw::OffloadedParts;
-use crate::adamw_args::{AdamWOptions, Offloaded};
+use crate::adamw_args::{AdamWOptions, Offloaded, OffloadedParts};
 use crate::cuda_tensor::{DIn, DOut, DeviceLend, DeviceLent, LentMut};
 use crate::error::refusal;
 use crate::error::to_py;
