@@ -45,7 +45,10 @@ for t in "$bundle"/tests/*; do
     rm "$t"
   fi
 done
-strip "$bundle"/tests/* "$bundle"/benches/*
+# The CLI, for `flatpeak plan` beside the reach measured on the device (bench_reach.py).
+cargo build --release -p flatpeak-bench --bin flatpeak
+cp target/release/flatpeak "$bundle/flatpeak"
+strip "$bundle"/tests/* "$bundle"/benches/* "$bundle/flatpeak"
 # The PyTorch package built with `cuda`, an abi3 wheel that gpu-check.sh installs beside the
 # GPU machine's own torch (FLATPEAK_BUNDLE_PYTHON: a python with pip, which fetches maturin).
 py="${FLATPEAK_BUNDLE_PYTHON:-python3}"

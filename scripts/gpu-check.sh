@@ -94,6 +94,9 @@ if [[ "${FLATPEAK_GPU_BUNDLE:-}" == 1 ]] || ! command -v cargo >/dev/null; then
     if want py-bench; then
       cp docs/gpu.md "$out/gpu.md"
       run_stage py-bench env PYTHONPATH="$site" python3 python/bench/bench_cuda.py --markdown "$out/gpu.md"
+      # Reach on one GPU: the longest sequence under 8 GiB, FSDP2 against FSDP2 + flatpeak.
+      run_stage py-reach env PYTHONPATH="$site" FLATPEAK_BIN="$root/.gpu-bundle/flatpeak" \
+        python3 python/bench/bench_reach.py --device cuda --markdown "$out/gpu.md"
     fi
   else
     status+=("py-tests|skipped (no .gpu-bundle/wheel, or no torch with CUDA here)|0 s")
@@ -126,6 +129,7 @@ else
     run_stage py-tests python3 -m pytest -q -p no:cacheprovider python/tests
     cp docs/gpu.md "$out/gpu.md"
     run_stage py-bench python3 python/bench/bench_cuda.py --markdown "$out/gpu.md"
+    run_stage py-reach python3 python/bench/bench_reach.py --device cuda --markdown "$out/gpu.md"
   else
     status+=("py-tests|skipped (no torch+maturin+pytest with CUDA here)|0 s")
   fi
@@ -167,6 +171,9 @@ tail -n 3 "$out/py-tests.log" 2>/dev/null
 echo
 echo "== flatpeak.torch against torch on this GPU"
 grep -E "^\| " "$out/py-bench.log" 2>/dev/null
+echo
+echo "== reach on this GPU"
+grep -E "^\| |^Longest" "$out/py-reach.log" 2>/dev/null
 echo
 echo "== stages"
 printf '%s\n' "${status[@]}" | table -t -s '|'
