@@ -112,7 +112,10 @@ def fsdp2_ep(rank: int, world: int, init_file: str):
     expected = reference(torch, world)
     got = {n: p.full_tensor() for n, p in model.named_parameters()}
     placements = {n: str(p.placements) for n, p in model.named_parameters()}
-    return dict(errors={n: rel(got[n], expected[n]) for n in expected}, norms=norms, placements=placements)
+    gu, _ = global_experts(torch)
+    return dict(errors={n: rel(got[n], expected[n]) for n in expected}, norms=norms, placements=placements,
+                trained=rel(got["experts.gate_up_proj"], gu), requires_grad=all(
+                    p.requires_grad for p in model.parameters()))
 
 
 def _sum_hook(state, bucket):
@@ -154,7 +157,8 @@ def ddp_experts(rank: int, world: int, init_file: str):
         errors[name] = rel(p, want)
     # As lists: tensors through the queue would share memory with a process that has exited.
     dense = {n: p.detach().tolist() for n, p in model.named_parameters() if not n.startswith("experts.")}
-    return dict(ignored=ignored, kept=kept, errors=errors, dense=dense, norm=opt.last_grad_norm)
+    return dict(ignored=ignored, kept=kept, errors=errors, dense=dense, norm=opt.last_grad_norm,
+                trained=rel(model.experts.gate_up_proj, mine))
 
 
 @reporting

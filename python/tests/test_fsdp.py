@@ -69,6 +69,7 @@ def test_fsdp2_over_a_2d_expert_parallel_mesh_equals_one_process():
     for rank, seen in out.items():
         assert max(seen["errors"].values()) < TOL, (rank, seen["errors"])
         assert "Shard(dim=0)" in seen["placements"]["experts.gate_up_proj"], seen["placements"]
+        assert seen["requires_grad"] and seen["trained"] > 1e-3, seen  # the experts trained
     assert len({tuple(seen["norms"]) for seen in out.values()}) == 1  # bitwise, every rank
 
 
@@ -79,6 +80,7 @@ def test_ddp_leaves_rank_private_experts_alone():
     for rank, seen in out.items():
         assert seen["ignored"] == ["experts.gate_up_proj", "experts.down_proj"], seen["ignored"]
         assert seen["kept"], f"rank {rank}: DDP replaced the rank's experts"
+        assert seen["trained"] > 1e-3, seen["trained"]  # the experts trained
         assert max(seen["errors"].values()) < TOL, (rank, seen["errors"])
     dense = [seen["dense"] for seen in out.values()]
     assert all(other == dense[0] for other in dense[1:]), "dense replicas drifted"  # bitwise

@@ -344,8 +344,9 @@ class MoEExperts(torch.nn.Module):
         self.group, self.mesh, self.options = group, mesh, options
         e_local = num_experts // world
         kwargs: Dict[str, Any] = dict(dtype=dtype, device=device)
-        own_experts(self, {"gate_up_proj": torch.empty(e_local, 2 * intermediate_size, hidden_size, **kwargs),
-                           "down_proj": torch.empty(e_local, hidden_size, intermediate_size, **kwargs)}, group, mesh)
+        weights = {"gate_up_proj": torch.empty(e_local, 2 * intermediate_size, hidden_size, **kwargs),
+                   "down_proj": torch.empty(e_local, hidden_size, intermediate_size, **kwargs)}
+        own_experts(self, {name: w.requires_grad_() for name, w in weights.items()}, group, mesh)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
