@@ -437,6 +437,9 @@ def test_offloaded_cuda_step_matches_torch_adamw_on_the_gpu(amsgrad):
     again.load_state_dict(copy.deepcopy(ours.state_dict()))
     for q, t in zip(again_p, theirs_p):
         assert rel(again.state[q]["exp_avg"], theirs.state[t]["exp_avg"]) <= 1e-6
+    # The live state names every offloaded key (placeholders), as loaders that read them expect.
+    keys = {"step", "exp_avg", "exp_avg_sq", "master_param"} | ({"max_exp_avg_sq"} if amsgrad else set())
+    assert all(set(ours.state[p]) == keys for p in ours_p), [set(ours.state[p]) for p in ours_p]
     # A non-finite gradient skips the step on the device too.
     before = [p.detach().clone() for p in ours_p]
     set_grads(ours_p, 99)

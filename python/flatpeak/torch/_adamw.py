@@ -20,6 +20,20 @@ from ._sharding import local as _local
 #: What a step does with a non-finite gradient.
 _ON_NONFINITE = ("skip", "raise")
 
+#: The state an offloaded (CUDA) parameter keeps in host memory, outside ``self.state``.
+_OFFLOADED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+
+
+def _placeholders(state: Dict[str, Any], amsgrad: bool) -> Dict[str, Any]:
+    """An offloaded parameter's live state with an empty tensor under each key its offloaded state
+    has (``state_dict()`` fills them): checkpoint loaders that pick the keys to load from the live
+    ``optim.state`` (torchtitan's) then load all of it, not just ``step``."""
+    for key in _OFFLOADED_KEYS:
+        if key != "max_exp_avg_sq" or amsgrad:
+            state.setdefault(key, torch.empty(0))
+    return state
+
+
 #: Param-group keys that are this run's settings, not state: a state dict leaves them out and
 #: loading one keeps the live values.
 _RUN_SETTINGS = ("max_norm", "replicated")
@@ -259,6 +273,7 @@ class StreamAdamW(torch.optim.Optimizer):
         for p, group in device:
             n = _copies(p, p.grad, pg, group.get("replicated", True))
             offloaded.append((self._offloaded(p, group), _local(p), _local(p.grad), _hyperparameters(group), n))
+            _placeholders(self.state[p], bool(group["amsgrad"]))
         batches: List[Any] = []
         for group in self.param_groups:
             amsgrad = bool(group["amsgrad"])
@@ -283,7 +298,9 @@ class StreamAdamW(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """torch's state dict; a CUDA parameter's offloaded state appears under torch's names
         (CPU fp32 tensors shaped like the parameter, or like this rank's shard of a ``DTensor``)
-        plus ``master_param``, its fp32 master copy."""
+        plus ``master_param``, its fp32 master copy. Between calls its live ``self.state[p]`` holds
+        empty placeholders under those names (the state itself is in host memory, offloaded), so
+        a loader that reads the keys from the live state loads all of them."""
         for p, opt in self._cuda.items():
             amsgrad = any(p is q and g["amsgrad"] for g in self.param_groups for q in g["params"])
             shape = _local(p).shape
@@ -301,9 +318,10 @@ class StreamAdamW(torch.optim.Optimizer):
         # The snapshot lives on in `sd` only. torch's state_dict shares each parameter's state
         # dict with `self.state` (it does not copy them): give each CUDA parameter a new one
         # rather than emptying the one `sd` holds.
-        offloaded_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
         for p in self._cuda:
-            self.state[p] = {k: v for k, v in self.state[p].items() if k not in offloaded_keys}
+            live = {k: v for k, v in self.state[p].items() if k not in _OFFLOADED_KEYS}
+            amsgrad = any(p is q and g["amsgrad"] for g in self.param_groups for q in g["params"])
+            self.state[p] = _placeholders(live, amsgrad)
         # The groups as torch's AdamW writes them, so either optimizer loads the other's state
         # (torch.distributed.checkpoint asks a checkpoint for every key the loader has): torch's
         # keys with the values that describe this update, and none of this run's settings.
@@ -347,3 +365,4 @@ class StreamAdamW(torch.optim.Optimizer):
                 max_sq = state.pop("max_exp_avg_sq", None)
                 opt.import_from(int(state["step"].item()), flat(master), flat(state.pop("exp_avg")),
                                 flat(state.pop("exp_avg_sq")), None if max_sq is None else flat(max_sq))
+                _placeholders(state, bool(group["amsgrad"]))
