@@ -30,7 +30,9 @@ def local(t: Tensor) -> Tensor:
 
 def mark_rank_private(param: Tensor) -> None:
     """Marks a plain parameter as this rank's own: no other rank holds its values (an expert
-    slice), so a group's gradient norm counts it on every rank."""
+    slice), so a group's gradient norm counts it on every rank. The mark is an attribute of the
+    parameter: pickling keeps it, ``copy.deepcopy`` does not (torch copies a parameter's data
+    only), so mark a deep copy's experts again, or give their param group ``"replicated": False``."""
     setattr(param, RANK_PRIVATE, True)
 
 
