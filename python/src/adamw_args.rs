@@ -2,8 +2,8 @@
 //! ([`AdamWOptions`], defined once for the CPU and the offloaded parameters) and an offloaded
 //! parameter of a step ([`Offloaded`]).
 
-use pyo3::prelude::*;
 use flatpeak_common::comm::Refusal;
+use pyo3::prelude::*;
 use stream_adamw::{GradClip, Hyperparameters, Objective, StepPart, Variant};
 
 use crate::error::to_py;
