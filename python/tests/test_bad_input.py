@@ -213,3 +213,16 @@ def test_a_non_tensor_argument_is_a_type_error_naming_it(name):
     with pytest.raises(TypeError, match=rf"{name}: expected a torch.Tensor, got list"):
         linear_cross_entropy(kwargs.pop("input"), kwargs.pop("weight"), kwargs.pop("target"), kwargs.pop("bias"),
                              **kwargs)
+
+
+@pytest.mark.parametrize("where", ["hidden_states", "topk_ids", "topk_weights", "gate_up_proj", "down_proj"])
+def test_moe_swiglu_with_one_argument_on_meta_is_refused_as_the_loss_refuses_it(where):
+    from flatpeak.torch import moe_swiglu
+
+    g = torch.Generator().manual_seed(0)
+    args = dict(hidden_states=torch.randn(6, 8, generator=g), topk_ids=torch.randint(0, 4, (6, 2), generator=g),
+                topk_weights=torch.rand(6, 2, generator=g), gate_up_proj=torch.randn(4, 10, 8, generator=g),
+                down_proj=torch.randn(4, 8, 5, generator=g))
+    args[where] = args[where].to("meta")
+    with pytest.raises(RuntimeError, match=r"two devices, (cpu and meta|meta and cpu)!"):
+        moe_swiglu(**args)
