@@ -226,3 +226,12 @@ def test_moe_swiglu_with_one_argument_on_meta_is_refused_as_the_loss_refuses_it(
     args[where] = args[where].to("meta")
     with pytest.raises(RuntimeError, match=r"two devices, (cpu and meta|meta and cpu)!"):
         moe_swiglu(**args)
+
+
+@pytest.mark.parametrize("sizes,name", [((4, 0, 6), "hidden_size"), ((4, 8, 0), "intermediate_size"),
+                                        ((4, 8, -2), "intermediate_size"), ((0, 8, 6), "num_experts")])
+def test_moe_experts_of_no_size_is_a_value_error_naming_it(sizes, name):
+    from flatpeak.torch import MoEExperts
+
+    with pytest.raises(ValueError, match=name):
+        MoEExperts(*sizes)

@@ -262,6 +262,13 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
         if buffers.device() != self.device {
             return Err(Error::WrongDevice { executor: self.device, inputs: buffers.device() });
         }
+        // The host fallback's link must be able to carry the copies (a bandwidth ≤ 0 or NaN
+        // would step as if the copies took no time).
+        match buffers {
+            StepBuffers::Host(device) => device.link.validate()?,
+            #[cfg(feature = "cuda")]
+            StepBuffers::Cuda(_) => {}
+        }
         let n = self.state.len();
         let (grads, params) = buffers.lens();
         for (what, found) in [("device grads", grads), ("device params", params)] {

@@ -281,6 +281,15 @@ fn bad_input_is_a_typed_error_never_a_panic() {
         opt.step(&mut ok, StepOptions::with_grad_scale(0.0)),
         Err(Error::InvalidConfig { field: "grad_scale", .. })
     ));
+    // A link that cannot carry the copies (a regression: it once stepped as `Applied`).
+    for gbps in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let mut dead = HostDevice::new(vec![0.1f32; 4], vec![bf16::ZERO; 4], Link::Simulated { gbps });
+        match opt.step(&mut dead, StepOptions::default()) {
+            Err(Error::InvalidConfig { field: "link gbps", .. }) => {}
+            other => panic!("link of {gbps} GB/s: {other:?}"),
+        }
+        assert!(dead.params.iter().all(|p| *p == bf16::ZERO), "{gbps}: nothing written");
+    }
     assert_eq!(opt.state().step(), 0);
     let mut dict = opt.export_state();
     dict.exp_avg.pop();

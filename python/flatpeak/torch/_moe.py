@@ -334,6 +334,9 @@ class MoEExperts(torch.nn.Module):
         super().__init__()
         if group is not None and mesh is not None:
             raise ValueError("group and mesh: pass one (the mesh carries its group)")
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {size!r}")
         world = check_ep_mesh(mesh, num_experts) if mesh is not None else _world_size(group)
         if num_experts <= 0 or num_experts % world:
             raise ValueError(f"num_experts={num_experts} must be a positive multiple of the group size {world}")
