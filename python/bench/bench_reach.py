@@ -84,7 +84,7 @@ def rank_main(rank: int, init_file: str, variant: str, seq: int, quick: bool, de
             sparse = init_device_mesh("cpu", (WORLD // EP, EP), mesh_dim_names=("efsdp", "ep"))
             flatpeak.transformers.apply(model, offload_checkpoints=True, ep_mesh=sparse["ep"])
             for layer in model.model.layers:
-                fully_shard(layer.block.mlp.experts, mesh=sparse["efsdp"])
+                fully_shard(layer.mlp.experts, mesh=sparse["efsdp"])
     else:
         model.activation_checkpointing_enable()
     for layer in model.model.layers:

@@ -68,7 +68,7 @@ def main() -> None:
     flatpeak.transformers.apply(model, offload_checkpoints=True, ep_mesh=sparse["ep"])
     # Then FSDP2: the experts over efsdp, each (offloaded) decoder layer, lm_head, the root.
     for layer in model.model.layers:
-        fully_shard(layer.block.mlp.experts, mesh=sparse["efsdp"])
+        fully_shard(layer.mlp.experts, mesh=sparse["efsdp"])
         fully_shard(layer, mesh=dense)
     fully_shard(model.lm_head, mesh=dense)
     fully_shard(model, mesh=dense)

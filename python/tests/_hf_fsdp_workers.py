@@ -29,10 +29,6 @@ def _wrap(torch, model, dense, efsdp=None):
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def _name(n: str) -> str:
-    return n.replace(".block.", ".")  # offload_checkpoints' wrapper
-
-
 @reporting
 def patched_under_fsdp2(rank: int, world: int, init_file: str):
     """Test 8: the loss through a separately sharded ``lm_head``, ``offload_checkpoints`` and
@@ -63,7 +59,7 @@ def patched_under_fsdp2(rank: int, world: int, init_file: str):
             loss.backward()
             total = loss.detach().clone()
             dist.all_reduce(total)
-            grads = {_name(n): p.grad.full_tensor() for n, p in model.named_parameters()}
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             runs[patched] = (float(total), grads)
         (ref_loss, ref), (loss, got) = runs[False], runs[True]
         assert sorted(got) == sorted(ref), (case, sorted(set(got) ^ set(ref)))

@@ -23,8 +23,11 @@ def test_wrong_dtypes_are_type_errors_naming_the_argument():
     x, w, t = inputs()
     with pytest.raises(TypeError, match=r"weight: expected dtype torch.float32, got torch.bfloat16"):
         linear_cross_entropy(x, w.bfloat16(), t)
-    with pytest.raises(TypeError, match=r"input: expected dtype torch.float32, got torch.float64"):
+    with pytest.raises(TypeError, match=r"input: expected dtype torch.float32 or torch.bfloat16, got torch.float64$"):
         linear_cross_entropy(x.double(), w, t)
+    with pytest.raises(TypeError, match=r"input: expected dtype torch.float32 or torch.bfloat16, got torch.float16: "
+                                        r"float16 is not supported .* use bfloat16"):
+        linear_cross_entropy(x.half(), w.half(), t)
     with pytest.raises(TypeError, match=r"target: expected dtype torch.int64, got torch.int32"):
         linear_cross_entropy(x, w, t.int())
     with pytest.raises(TypeError, match=r"bias: expected dtype torch.float32"):
@@ -179,16 +182,47 @@ def test_a_target_of_another_shape_is_refused_even_with_the_same_element_count()
 def test_double_backward_raises_instead_of_dropping_the_penalty(fused):
     x, w, t = inputs()
     x.requires_grad_()
-    loss = linear_cross_entropy(x, w, t, return_lse=not fused)
-    loss = loss[0] if not fused else loss
-    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"differentiable once"):
+    w.requires_grad_()
+
+    def loss_of():
+        out = linear_cross_entropy(x, w, t, return_lse=not fused)
+        return out[0] if not fused else out
+
+    (gx,) = torch.autograd.grad(loss_of(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"linear_cross_entropy is differentiable once"):
         gx.pow(2).sum().backward()
+    # With respect to the weight alone (a gradient penalty's usual form), through
+    # torch.autograd.grad: raises too, where a detached guard returned None.
+    for wrt in ([w], [x], [x, w]):
+        (gx,) = torch.autograd.grad(loss_of(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match=r"differentiable once"):
+            torch.autograd.grad(gx.pow(2).sum(), wrt, allow_unused=True)
+    (gw,) = torch.autograd.grad(loss_of(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"differentiable once"):
+        torch.autograd.grad(gw.pow(2).sum(), [x], allow_unused=True)
     # Without create_graph, one backward works as before and leaves a plain gradient.
-    x.grad = None
-    loss = linear_cross_entropy(x, w, t, return_lse=not fused)
-    (loss[0] if not fused else loss).backward()
-    assert x.grad is not None and x.grad.grad_fn is None
+    x.grad = w.grad = None
+    loss_of().backward()
+    assert x.grad is not None and x.grad.grad_fn is None and w.grad.grad_fn is None
+
+
+@pytest.mark.parametrize("activations", ["recompute", "save"])
+def test_double_backward_through_the_experts_raises(activations):
+    from flatpeak.torch import moe_swiglu
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, generator=g, requires_grad=True)
+    gate_up = torch.randn(2, 6, 8, generator=g, requires_grad=True)
+    down = torch.randn(2, 8, 3, generator=g, requires_grad=True)
+    ids = torch.randint(0, 2, (6, 2), generator=g)
+    weights = torch.rand(6, 2, generator=g, requires_grad=True)
+    y = moe_swiglu(x, ids, weights, gate_up, down, activations=activations)
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"moe_swiglu is differentiable once"):
+        torch.autograd.grad(gx.pow(2).sum(), [gate_up], allow_unused=True)
+    y = moe_swiglu(x, ids, weights, gate_up, down, activations=activations)
+    y.square().sum().backward()
+    assert gate_up.grad is not None and gate_up.grad.grad_fn is None
 
 
 @pytest.mark.parametrize("where", ["weight", "target", "bias", "input"])

@@ -105,10 +105,10 @@ def test_an_exception_in_a_blocks_backward_leaves_the_ring_reset_and_the_next_st
     plain = stack(6)
     offloaded = offload_checkpoints(copy.deepcopy(plain))
     x0 = torch.randn(2, 8, 32)
-    offloaded[3].block.fail = True
+    offloaded[3].fail = True
     with pytest.raises(RuntimeError, match="injected failure"):
         step(offloaded, run, x0)
-    offloaded[3].block.fail = False
+    offloaded[3].fail = False
     want_dx, want = step(plain, run_plain, x0)
     got_dx, got = step(offloaded, run, x0)
     assert torch.equal(got_dx, want_dx)
@@ -134,13 +134,46 @@ def test_bad_options_and_inputs_are_refused():
     with pytest.raises(ValueError, match="no blocks"):
         offload_checkpoints(torch.nn.ModuleList())
     layers = offload_checkpoints(stack(2))
-    with pytest.raises(ValueError, match="already wrapped"):
+    with pytest.raises(ValueError, match="already under offload_checkpoints"):
         offload_checkpoints(layers)
     x = torch.randn(2, 4, 32, requires_grad=True)
     y = layers[0](x)
     with pytest.raises(ValueError, match="block 1's input is"):
         layers[1](torch.randn(2, 5, 32, requires_grad=True))
     del y
+
+
+def test_names_hooks_and_pickling_stay_the_blocks_own():
+    """No wrapper module: ``state_dict()`` and ``named_parameters()`` keep the plain names (a
+    state dict loads either way), a hook on a block runs once per step (outside the checkpoint),
+    and a pickled (or deep-copied) sequence loads with its own empty ring and trains exactly."""
+    import io
+    import pickle
+
+    plain = stack(4)
+    offloaded = offload_checkpoints(copy.deepcopy(plain))
+    assert list(offloaded.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in offloaded.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    plain.load_state_dict(offloaded.state_dict())
+    offloaded.load_state_dict(plain.state_dict())
+    calls = []
+    handle = offloaded[2].register_forward_hook(lambda *_: calls.append(1))
+    x0 = torch.randn(2, 8, 32)
+    step(offloaded, run, x0)
+    assert len(calls) == 1  # not again in the recomputation
+    handle.remove()
+    buffer = io.BytesIO()
+    torch.save(offloaded, buffer)
+    buffer.seek(0)
+    for loaded in (torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(offloaded)),
+                   copy.deepcopy(offloaded)):
+        assert ring_of(loaded) is not ring_of(offloaded) and not ring_of(loaded).started
+        assert all(ring_of(loaded) is layer._flatpeak_offload.ring for layer in loaded)  # one ring, shared
+        want_dx, want = step(plain, run_plain, x0)
+        got_dx, got = step(loaded, run, x0)
+        assert torch.equal(got_dx, want_dx)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert ring_of(loaded).ring.high_water_slots() >= 1
 
 
 def test_torch_compile_is_refused_clearly():

@@ -29,3 +29,17 @@ def check_tensors(call: str, tensors: Iterable[Tuple[str, Optional[Tensor]]], lo
         (first, a), (second, b) = list(devices.items())[:2]
         raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                            f"{first} and {second}! ({a} is on {first}, {b} on {second})")
+
+
+#: What a float16 tensor is told: what flatpeak computes in instead.
+FLOAT16_HINT = ("float16 is not supported (flatpeak accumulates bfloat16 and float32 in float32): use bfloat16, or "
+                "float32 weights under torch.autocast(dtype=torch.bfloat16)")
+
+
+def check_float(name: str, t: Tensor) -> None:
+    """``t`` float32 or bfloat16 (what the loss and the experts compute in), or a ``TypeError``
+    naming its dtype and, for float16, what works instead."""
+    if t.dtype in (torch.float32, torch.bfloat16):
+        return
+    hint = f": {FLOAT16_HINT}" if t.dtype == torch.float16 else ""
+    raise TypeError(f"{name}: expected dtype torch.float32 or torch.bfloat16, got {t.dtype}{hint}")

@@ -45,32 +45,40 @@ def per_token(values: Sequence[Any]) -> bool:
     return values[_REDUCTION] == "none"
 
 
-_NOT_TWICE = ("flatpeak's linear_cross_entropy is differentiable once: its backward is not "
-              "differentiable (a gradient penalty through it would be silently zero)")
+def _not_twice(op: str) -> str:
+    return (f"flatpeak's {op} is differentiable once: its backward is not differentiable (a gradient penalty "
+            f"through it would be silently zero)")
 
 
 class _NotTwice(torch.autograd.Function):
-    """Passes gradients through unchanged; differentiating them raises (torch's
-    ``once_differentiable`` behaviour, through public API)."""
+    """Passes the first ``n`` tensors (gradients) through unchanged; the rest are anchors, the
+    tensors those gradients are functions of, read by nothing: they put this node between the
+    gradients and everything the gradients depend on, so differentiating a gradient with
+    respect to any of it reaches :meth:`backward`, which raises (torch's
+    ``once_differentiable`` hangs its error off detached tensors, so ``torch.autograd.grad``
+    with respect to an input never reaches it and returns ``None``)."""
 
     @staticmethod
-    def forward(ctx: Any, *grads: Tensor) -> Tuple[Tensor, ...]:
-        return tuple(g.view_as(g) for g in grads)
+    def forward(ctx: Any, op: str, n: int, *tensors: Tensor) -> Tuple[Tensor, ...]:
+        ctx.op = op
+        return tuple(g.view_as(g) for g in tensors[:n])
 
     @staticmethod
     def backward(ctx: Any, *upstream: Tensor) -> Tuple[Tensor, ...]:
-        raise RuntimeError(_NOT_TWICE)
+        raise RuntimeError(_not_twice(ctx.op))
 
 
-def guard_grads(grads: Tuple[Any, ...], needs_graph: bool) -> Tuple[Any, ...]:
-    """``grads`` as backward returns them; when the caller asked for a graph of the backward
-    (``create_graph=True``) through inputs that require grad, each gradient tensor carries a node
-    that raises if it is differentiated, as torch's ``once_differentiable`` does, instead of
-    being a constant whose derivative is silently dropped."""
-    if not (needs_graph and torch.is_grad_enabled()):
+def guard_grads(grads: Tuple[Any, ...], anchors: Sequence[Any], op: str = "linear_cross_entropy") -> Tuple[Any, ...]:
+    """``grads`` as backward returns them; when backward runs with a graph (``create_graph=True``)
+    and one of ``anchors`` (the op's inputs, a saved output, the upstream gradient: what the
+    gradients are functions of) requires grad, each gradient tensor is an output of a
+    :class:`_NotTwice` node hung off those anchors, which raises when differentiated, instead of
+    a constant whose derivative would silently be zero or ``None``; its message names ``op``."""
+    connected = [a for a in anchors if isinstance(a, Tensor) and a.requires_grad]
+    if not (connected and torch.is_grad_enabled()):
         return grads
     tensors = [g for g in grads if isinstance(g, Tensor)]
     if not tensors:  # every gradient skipped (a frozen tensor gets None)
         return grads
-    guarded = iter(_NotTwice.apply(*[g.detach().requires_grad_() for g in tensors]))
+    guarded = iter(_NotTwice.apply(op, len(tensors), *[g.detach().requires_grad_() for g in tensors], *connected))
     return tuple(next(guarded) if isinstance(g, Tensor) else g for g in grads)

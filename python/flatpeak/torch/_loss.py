@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import _flatpeak as _ext
-from ._checks import check_tensors
+from ._checks import check_float, check_tensors
 from ._groups import handle as _group_handle
 from ._lce_common import OPTIONS_SCHEMA, TENSORS_SCHEMA, guard_grads, options, per_token
 from ._ring_loss import ring_loss as _ring_loss
@@ -153,8 +153,8 @@ def _backward_autograd(ctx: Any, grad_loss: Tensor, grad_lse: Optional[Tensor]) 
     wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3]]
     grads = _backward(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse, *ctx.options, wanted)
     dx, dw, dbias = _wanted_only(grads, wanted)
-    needs_graph = any(t is not None and t.requires_grad for t in (input, weight, bias, grad_loss, grad_lse))
-    return guard_grads((dx, dw, None, dbias, None), needs_graph) + (None,) * len(ctx.options)
+    anchors = (input, weight, bias, grad_loss, grad_lse)
+    return guard_grads((dx, dw, None, dbias, None), anchors) + (None,) * len(ctx.options)
 
 
 _forward.register_autograd(_backward_autograd, setup_context=_setup_context)
@@ -191,16 +191,17 @@ def _fused_fake(input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Te
 
 
 def _fused_setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, ...]) -> None:
-    _, dx, dw, dbias = output
-    ctx.save_for_backward(dx, dw, dbias)
+    loss, dx, dw, dbias = output
+    # The loss is saved as the anchor of the double-backward guard (a scalar; the gradients are
+    # functions of the inputs behind it).
+    ctx.save_for_backward(dx, dw, dbias, loss)
     ctx.wanted = _wanted_at_forward(inputs[3], inputs[-1])
     ctx.n_options = len(inputs) - 5
-    ctx.needs_graph = any(t is not None and t.requires_grad for t in inputs[:4])
 
 
 def _scaled(ctx: Any, grad_loss: Tensor, eager: bool) -> Tuple[Any, ...]:
     """The held gradients times the upstream gradient, as backward's return value."""
-    dx, dw, dbias = ctx.saved_tensors
+    dx, dw, dbias, loss = ctx.saved_tensors
     # An upstream gradient of exactly 1 (the usual `loss.backward()`) in eager mode: the held
     # gradients are handed over as they are (autograd takes them without a copy once the graph
     # is freed, and copies them while a retained graph still holds them).
@@ -208,7 +209,7 @@ def _scaled(ctx: Any, grad_loss: Tensor, eager: bool) -> Tuple[Any, ...]:
         dx, dw, dbias = (g * grad_loss for g in (dx, dw, dbias))
     dx, dw, dbias = _wanted_only((dx, dw, dbias), ctx.wanted)
     grads = (dx, dw, None, dbias, None)
-    return guard_grads(grads, ctx.needs_graph or grad_loss.requires_grad) + (None,) * ctx.n_options
+    return guard_grads(grads, (loss, grad_loss)) + (None,) * ctx.n_options
 
 
 def _fused_backward(ctx: Any, grad_loss: Tensor, _grad_dx: Tensor, _grad_dw: Tensor,
@@ -227,10 +228,9 @@ class _EagerFused(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, target, bias, token_weights, *options):
         loss, dx, dw, dbias = _fused_impl(input, weight, target, bias, token_weights, *options)
-        ctx.save_for_backward(dx, dw, dbias)
+        ctx.save_for_backward(dx, dw, dbias, loss)
         ctx.wanted = _wanted_at_forward(bias, options[-1])
         ctx.n_options = len(options)
-        ctx.needs_graph = any(t is not None and t.requires_grad for t in (input, weight, bias))
         return loss
 
     @staticmethod
@@ -315,7 +315,13 @@ def linear_cross_entropy(
         return_lse: also return the per-token log-sum-exp (float32, differentiable).
         budget_bytes: bound of the working set (default 128 MiB on a CPU, 256 MiB on a GPU,
             whose GEMMs need larger blocks to fill it); the plan picks its blocks within it
-            before any data is read.
+            before any data is read. Where the working set is reserved (the CPU, and every ring),
+            it is reserved once per shape and kept between calls with its executor, in
+            flatpeak's executor cache: memory beside the model's that
+            :func:`flatpeak.torch.executor_cache_bytes` reports, bounded by
+            :func:`flatpeak.torch.executor_cache_limit` (1 GiB by default, e.g. up to 8
+            executors of the default 128 MiB) and freed by
+            :func:`flatpeak.torch.clear_executor_cache`.
         precision: ``"native"`` (GEMMs in the dtype of ``input``: bf16 dot products or tensor
             cores for bfloat16, the logit gradient rounded to bfloat16 before the two gradient
             GEMMs, as autograd of a bfloat16 matmul does), ``"f32"`` (every GEMM in float32,
@@ -349,6 +355,7 @@ def linear_cross_entropy(
                                            ("bias", bias), ("token_weights", token_weights)),
                   "pass .to_local() (an FSDP2-sharded lm_head: call the loss while FSDP has it unsharded, as "
                   "flatpeak.transformers.apply does)")
+    check_float("input", input)
     lead_shape, batched = target.shape, input.dim() == 3
     # Tokens pair with targets by position: the target's shape is the input's leading shape, as
     # F.cross_entropy requires (the same element count in another shape would pair them wrongly).

@@ -24,10 +24,9 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple, Union, cast
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .. import _flatpeak as _ext
-from ._checks import check_tensors
+from ._checks import check_float, check_tensors
 from ._groups import handle as _handle
 from ._groups import resolve as _group
 from ._groups import world_size as _world_size
@@ -156,8 +155,8 @@ def _backward_autograd(ctx, grad_y, _grad_counts, _grad_stats):
     saved = ctx.saved_tensors
     dx, dw, dgu, dd = _backward(grad_y, *saved, *ctx.options)
     hidden_states, _, topk_weights, gate_up_proj, down_proj = saved
-    needs_graph = any(t.requires_grad for t in (hidden_states, topk_weights, gate_up_proj, down_proj, grad_y))
-    grads = guard_grads((dx, None, dw, dgu, dd), needs_graph)
+    grads = guard_grads((dx, None, dw, dgu, dd), (hidden_states, topk_weights, gate_up_proj, down_proj, grad_y),
+                        "moe_swiglu")
     return grads + (None,) * len(ctx.options)
 
 
@@ -187,20 +186,21 @@ class _SavingSwiGLU(torch.autograd.Function):
         return y.to(hidden_states.dtype), counts, stats_tensor
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_y, _grad_counts, _grad_stats):
         hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj, store = ctx.saved_tensors
         group, num_experts, options = ctx.call
-        dx = torch.empty(hidden_states.shape, dtype=torch.float32)
-        dw = torch.empty(topk_weights.shape, dtype=torch.float32)
-        dgu = torch.empty(gate_up_proj.shape, dtype=torch.float32)
-        dd = torch.empty(down_proj.shape, dtype=torch.float32)
-        dy = grad_y.to(hidden_states.dtype).contiguous()
-        _ext.moe_backward(_options(*options), _group(group),
-                          (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj), num_experts or None,
-                          (dy, store), (dx, dw, dgu, dd))
-        return (dx.to(hidden_states.dtype), None, dw, dgu.to(gate_up_proj.dtype), dd.to(down_proj.dtype),
-                None, None, None)
+        with torch.no_grad():
+            dx = torch.empty(hidden_states.shape, dtype=torch.float32)
+            dw = torch.empty(topk_weights.shape, dtype=torch.float32)
+            dgu = torch.empty(gate_up_proj.shape, dtype=torch.float32)
+            dd = torch.empty(down_proj.shape, dtype=torch.float32)
+            dy = grad_y.to(hidden_states.dtype).contiguous()
+            _ext.moe_backward(_options(*options), _group(group),
+                              (hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj), num_experts or None,
+                              (dy, store), (dx, dw, dgu, dd))
+            grads = (dx.to(hidden_states.dtype), None, dw, dgu.to(gate_up_proj.dtype), dd.to(down_proj.dtype))
+        anchors = (hidden_states, topk_weights, gate_up_proj, down_proj, grad_y)
+        return guard_grads(grads, anchors, "moe_swiglu") + (None, None, None)
 
 
 @torch.compiler.disable
@@ -249,7 +249,11 @@ def moe_swiglu(
             ``budget_bytes`` holds).
         budget_bytes: bound of the working set (``None``: 64 MiB above the least this shape
             runs in, one row per rank pair with its foreign expert slots); the plan takes the
-            largest pair cap whose buffers fit it, before any routing is known.
+            largest pair cap whose buffers fit it, before any routing is known. That working set
+            is reserved once per shape and kept between calls with the executor that runs it,
+            in flatpeak's executor cache (:func:`flatpeak.torch.executor_cache_bytes`; at most
+            :func:`flatpeak.torch.executor_cache_limit`, 1 GiB by default, beside the model's
+            memory; :func:`flatpeak.torch.clear_executor_cache` frees it).
         max_tokens_factor, min_tokens_per_gemm, imbalance_threshold: the least-loaded
             assignment's alpha, minimum chunk and imbalance threshold (llep's defaults).
         activations: what forward keeps for backward. ``"recompute"``: nothing but its inputs
@@ -275,6 +279,7 @@ def moe_swiglu(
                                  ("topk_weights", topk_weights), ("gate_up_proj", gate_up_proj),
                                  ("down_proj", down_proj)),
                   "pass .to_local() of the expert weights and the expert-parallel group (MoEExperts(mesh=) does)")
+    check_float("hidden_states", hidden_states)
     lead = hidden_states.shape[:-1]
     if topk_ids.shape[:-1] != lead or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids and topk_weights: expected shape {list(lead)} + [k], got {list(topk_ids.shape)} "

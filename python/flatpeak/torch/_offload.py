@@ -1,6 +1,6 @@
 """``offload_checkpoints``: sco (selective checkpoint offload) for a sequence of PyTorch blocks.
 
-Each wrapped block runs under non-reentrant ``torch.utils.checkpoint``; the one tensor that
+Each block runs under non-reentrant ``torch.utils.checkpoint``; the one tensor that
 outlives it, its input boundary, is held by sco's slot ring instead of by the checkpoint: copied
 to host memory as forward passes (pinned, on a side stream, on CUDA), kept on the device only
 while the ring says so (the ``keep_resident`` newest and the copies in flight), and brought back
@@ -16,12 +16,16 @@ How the boundary leaves the checkpoint: the block's input ``x`` goes through ``_
 hands ``x`` to the ring and returns a stride-0 placeholder of ``x``'s shape, one element of
 storage) and the checkpointed function starts with ``_Unpark`` (which returns the ring's
 boundary), so the checkpoint keeps only the placeholder. Gradients flow back through both as the
-identity.
+identity. The blocks are not wrapped: a transformers layer gets the offload as its
+checkpointing function, any other block an instance ``forward`` (so names, hooks and pickling
+stay the block's own).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+import functools
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -63,7 +67,7 @@ class _BoundaryRing:
     def __init__(self, layers: int, keep_resident: int, in_flight: int, prefetch_distance: int, pin_memory: bool):
         self.layers, self.pin_memory = layers, pin_memory
         self.options = dict(keep_resident=keep_resident, in_flight=in_flight, prefetch_distance=prefetch_distance)
-        # Checked now (a bad option fails at wrap time, not at the first batch).
+        # Checked now (a bad option fails at once, not at the first batch).
         _ext.SlotRing(layers, 1, **self.options)
         self._made: Optional[_Made] = None
         self.held: Dict[int, Tuple[int, Tensor]] = {}  # slot -> (layer, tensor)
@@ -72,6 +76,14 @@ class _BoundaryRing:
         self.forwarded = 0  # boundaries offloaded this step
         self.released = 0
         self.high_water_bytes = 0
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # What the ring was made with; a copy starts without a step (tensors, copies and the
+        # Rust accounting are this process's).
+        return dict(layers=self.layers, pin_memory=self.pin_memory, **self.options)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        _BoundaryRing.__init__(self, **state)
 
     @property
     def made(self) -> _Made:
@@ -267,27 +279,27 @@ class _Unpark(torch.autograd.Function):
         return grad, None, None, None
 
 
-class OffloadedBlock(torch.nn.Module):
-    """One block of a sequence under :func:`offload_checkpoints`: takes and returns what the
-    block does; its first tensor argument is the boundary."""
+class _Offloaded:
+    """Block ``index`` of a sequence under :func:`offload_checkpoints`: a checkpoint function,
+    called as transformers calls ``_gradient_checkpointing_func`` (``(function, *args)``): runs
+    ``function(*args)`` under non-reentrant checkpointing with its first tensor argument (the
+    boundary) kept by the ring. Picklable (the ring is remade empty on load)."""
 
-    def __init__(self, block: torch.nn.Module, ring: _BoundaryRing, index: int):
-        super().__init__()
-        self.block = block
-        self._ring, self._index = ring, index
+    def __init__(self, ring: _BoundaryRing, index: int):
+        self.ring, self.index = ring, index
 
-    def forward(self, *args, **kwargs):
+    def __call__(self, function: Callable[..., Any], *args: Any) -> Any:
         if torch.compiler.is_compiling():
             raise RuntimeError("offload_checkpoints does not run under torch.compile (its copies and the slot ring "
                                "are eager-mode side effects): compile the blocks themselves, then wrap them")
         position = next((i for i, a in enumerate(args) if isinstance(a, Tensor)), None)
         if position is None:
-            raise TypeError(f"{type(self.block).__name__}: offload_checkpoints needs a tensor argument (the "
-                            f"boundary) among the positional arguments")
+            raise TypeError(f"block {self.index}: offload_checkpoints needs a tensor argument (the boundary) among "
+                            f"the positional arguments")
         x = args[position]
-        if not (torch.is_grad_enabled() and self.training and x.requires_grad):
-            return self.block(*args, **kwargs)
-        ring, layer = self._ring, self._index
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return function(*args)
+        ring, layer = self.ring, self.index
         if layer == 0:
             ring.start_step(x)
         elif not ring.fits(x):
@@ -301,7 +313,7 @@ class OffloadedBlock(torch.nn.Module):
             boundary = _Unpark.apply(placeholder_, ring, layer, bool(_FORWARDING))
             full = list(rest)
             full.insert(position, boundary)
-            return self.block(*full, **kwargs)
+            return function(*full)
 
         rest = [a for i, a in enumerate(args) if i != position]
         _FORWARDING.append(layer)
@@ -309,6 +321,48 @@ class OffloadedBlock(torch.nn.Module):
             return torch.utils.checkpoint.checkpoint(run, placeholder, *rest, use_reentrant=False)
         finally:
             _FORWARDING.pop()
+
+
+class _OffloadedForward:
+    """A block's ``forward`` under :func:`offload_checkpoints` (set on the instance, so the module
+    tree, its parameter names and its hooks stay as they were; the hooks run outside the
+    checkpoint): in training, the class's ``forward`` through the block's :class:`_Offloaded`;
+    otherwise as it is. Picklable."""
+
+    def __init__(self, block: torch.nn.Module):
+        self.block = block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        block = self.block
+        forward = functools.partial(type(block).forward, block, **kwargs)
+        if not (torch.is_grad_enabled() and block.training):
+            return forward(*args)
+        return _offload_of(block)(forward, *args)
+
+
+def _offload_of(block: torch.nn.Module) -> _Offloaded:
+    offload = getattr(block, _ATTRIBUTE, None)
+    if not isinstance(offload, _Offloaded):
+        raise RuntimeError(f"{type(block).__name__} is not under offload_checkpoints (an internal error of flatpeak)")
+    return offload
+
+
+def _keep_offloaded(block: torch.nn.Module, args: Any) -> None:
+    """A transformers layer's forward pre-hook: its checkpointing is the offload, whatever
+    ``gradient_checkpointing_enable`` / ``_disable`` set since (they assign both attributes)."""
+    offload = _offload_of(block)
+    if getattr(block, "_gradient_checkpointing_func", None) is not offload:
+        setattr(block, "_gradient_checkpointing_func", offload)
+    if not getattr(block, "gradient_checkpointing", False):
+        setattr(block, "gradient_checkpointing", True)
+
+
+def _is_transformers_layer(block: torch.nn.Module) -> bool:
+    """Whether ``block`` is a transformers ``GradientCheckpointingLayer`` (its forward calls
+    ``_gradient_checkpointing_func`` in training and drops the KV cache there)."""
+    layers = sys.modules.get("transformers.modeling_layers")
+    kind = getattr(layers, "GradientCheckpointingLayer", None)
+    return kind is not None and isinstance(block, kind)
 
 
 #: The blocks whose forward is running (a stack): a checkpointed function called while it is
@@ -321,14 +375,24 @@ Blocks = Union[torch.nn.ModuleList, List[torch.nn.Module]]
 
 def offload_checkpoints(layers: Blocks, *, keep_resident: int = 1, in_flight: int = 2,
                         prefetch_distance: int = 1, pin_memory: bool = True) -> Blocks:
-    """Wraps, in place, each block of ``layers`` (an ``nn.ModuleList``, or a list of modules
-    called in order) so that it runs under non-reentrant checkpointing with its input boundary
-    kept by sco's slot ring, and returns ``layers``.
+    """Makes each block of ``layers`` (an ``nn.ModuleList``, or a list of modules called in
+    order) run under non-reentrant checkpointing with its input boundary kept by sco's slot ring,
+    in place, and returns ``layers``.
 
-    Each wrapper takes and returns what its block does; the block's first tensor argument is
-    the boundary (the same shape for every block). In training (grad enabled, ``.training``)
-    block ``i``'s boundary is copied to host memory as forward passes (pinned, on a side stream,
-    on CUDA) and fetched back during backward ``prefetch_distance`` blocks ahead; the device holds
+    The blocks stay where they are, as they are: the module tree, ``named_parameters()`` and
+    ``state_dict()`` keep their names (a checkpoint saved with or without offload loads into
+    either), and the blocks' hooks (FSDP2's included) run outside the checkpoint, once. A
+    transformers decoder layer (``GradientCheckpointingLayer``) gets the offload as its
+    checkpointing function, so transformers' own handling applies (the KV cache is not written
+    by a training forward, whose recomputation would write it twice); its
+    ``gradient_checkpointing_enable()`` / ``_disable()`` leave the offload on. Any other block
+    gets an instance ``forward`` that runs its class's ``forward`` the same way. The blocks stay
+    picklable (a loaded copy has its own ring, empty).
+
+    The block's first positional tensor argument is the boundary (the same shape for every
+    block). In training (grad enabled, ``.training``, a boundary that requires grad) block
+    ``i``'s boundary is copied to host memory as forward passes (pinned, on a side stream, on
+    CUDA) and fetched back during backward ``prefetch_distance`` blocks ahead; the device holds
     at most ``keep_resident + max(in_flight, prefetch_distance + 1)`` boundaries at once,
     whatever the depth. Gradients are bitwise those of plain non-reentrant checkpointing. Outside
     training the blocks run as they are. CPU tensors run the same schedule with host slots.
@@ -342,23 +406,38 @@ def offload_checkpoints(layers: Blocks, *, keep_resident: int = 1, in_flight: in
         pin_memory: host memory pinned (CUDA only), so the copies overlap compute.
 
     Raises:
-        ValueError: an option out of its domain (sco's ``Config``), or an empty sequence.
+        ValueError: an option out of its domain (sco's ``Config``), an empty sequence, or a block
+            already under ``offload_checkpoints``.
     """
     blocks = list(layers)
     if not blocks:
         raise ValueError("offload_checkpoints: the sequence has no blocks")
+    for i, block in enumerate(blocks):
+        if not isinstance(block, torch.nn.Module):
+            raise TypeError(f"offload_checkpoints: block {i} is a {type(block).__name__}, not a torch.nn.Module")
+        if isinstance(getattr(block, _ATTRIBUTE, None), _Offloaded):
+            raise ValueError(f"offload_checkpoints: block {i} is already under offload_checkpoints")
     ring = _BoundaryRing(len(blocks), keep_resident, in_flight, prefetch_distance, pin_memory)
     for i, block in enumerate(blocks):
-        if isinstance(block, OffloadedBlock):
-            raise ValueError(f"offload_checkpoints: block {i} is already wrapped")
-        layers[i] = OffloadedBlock(block, ring, i)
+        offload = _Offloaded(ring, i)
+        setattr(block, _ATTRIBUTE, offload)
+        if _is_transformers_layer(block):
+            setattr(block, "_gradient_checkpointing_func", offload)
+            setattr(block, "gradient_checkpointing", True)
+            block.register_forward_pre_hook(_keep_offloaded)
+        else:
+            setattr(block, "forward", _OffloadedForward(block))
     return layers
 
 
+#: The attribute of a block under :func:`offload_checkpoints` that holds its :class:`_Offloaded`.
+_ATTRIBUTE = "_flatpeak_offload"
+
+
 def ring_of(layers: Sequence[torch.nn.Module]) -> _BoundaryRing:
-    """The slot ring behind sequence ``layers`` wrapped by :func:`offload_checkpoints` (its
+    """The slot ring behind sequence ``layers`` under :func:`offload_checkpoints` (its
     ``ring.high_water_slots()``, ``ring.slots()`` and ``high_water_bytes`` for measurements)."""
-    first = layers[0]
-    if not isinstance(first, OffloadedBlock):
-        raise ValueError("ring_of: the sequence is not wrapped by offload_checkpoints")
-    return first._ring
+    offload = getattr(layers[0], _ATTRIBUTE, None)
+    if not isinstance(offload, _Offloaded):
+        raise ValueError("ring_of: the sequence is not under offload_checkpoints")
+    return offload.ring

@@ -90,8 +90,8 @@ def _backward_autograd(ctx: Any, grad_loss: Tensor, grad_lse: Optional[Tensor]) 
     input, weight, target, bias, token_weights, lse = ctx.saved_tensors
     dx, dw, dbias = _backward(grad_loss, grad_lse, input, weight, target, bias, token_weights, lse, *ctx.rest)
     dbias = None if bias is None else dbias
-    needs_graph = any(t is not None and t.requires_grad for t in (input, weight, bias, grad_loss, grad_lse))
-    return guard_grads((dx, dw, None, dbias, None), needs_graph) + (None,) * len(ctx.rest)
+    anchors = (input, weight, bias, grad_loss, grad_lse)
+    return guard_grads((dx, dw, None, dbias, None), anchors) + (None,) * len(ctx.rest)
 
 
 _forward.register_autograd(_backward_autograd, setup_context=_setup_context)

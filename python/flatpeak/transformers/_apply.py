@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..torch import exclude_experts_from_ddp, linear_cross_entropy
 from ..torch import offload_checkpoints as _offload_checkpoints
+from ..torch._checks import FLOAT16_HINT
 from ..torch._sharding import check_ep_mesh, own_experts, refuse_wrapped
 from ._experts import EXPERTS_IMPLEMENTATION
 
@@ -79,11 +80,12 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     labels are given, ``logits`` is ``None``; without them, the logits of ``logits_to_keep``."""
     from transformers.modeling_utils import slice_logits_to_keep
 
-    if "past_key_values" in kwargs:  # the name transformers deprecates in favour of `cache`
-        cache = kwargs.pop("past_key_values")
     patch = self._flatpeak_patch
-    model_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+    model_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    # Other names (a deprecated `past_key_values`) go to the model's own handling, warnings included.
+    if cache is not None or "past_key_values" not in kwargs:
+        model_kwargs["cache"] = cache
     if patch.router_logits:
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
@@ -109,6 +111,21 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
     out = MoeCausalLMOutputWithPast(**fields)
     return out.to_tuple() if return_dict is False else out
+
+
+class _PatchedForward:
+    """A patched model's ``forward`` (``model.forward``): :func:`_causal_lm_forward` on the model.
+    An object rather than a bound method, so that the model pickles and loads (a method bound
+    to a function its class lacks does not load); its signature is the forward's, which
+    transformers' ``Trainer`` reads to keep dataset columns and loss keywords."""
+
+    __signature__ = inspect.Signature(list(inspect.signature(_causal_lm_forward).parameters.values())[1:])
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _causal_lm_forward(self.model, *args, **kwargs)
 
 
 class _Patch:
@@ -197,14 +214,28 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
             and ``torch.distributed.checkpoint`` reshards them.
         offload_checkpoints: the decoder layers run under
             :func:`flatpeak.torch.offload_checkpoints` (checkpointed, each layer's input kept by
-            sco's slot ring in host memory); leave transformers' own gradient checkpointing off.
+            sco's slot ring in host memory), as transformers' checkpointing function: the module
+            tree and the parameter names stay the model's (``save_pretrained`` writes what
+            ``from_pretrained`` reads, with or without flatpeak), a training forward leaves the
+            KV cache alone (as under transformers' checkpointing), and the offload *is* the
+            model's gradient checkpointing: ``gradient_checkpointing_enable()`` (what ``Trainer``
+            calls for ``gradient_checkpointing=True``), before or after ``apply``, asks for what is
+            already on and keeps the offload; ``gradient_checkpointing_disable()`` does not turn
+            it off.
         budget_bytes: the working-set budget of the loss and the dispatch (default: theirs).
         expert_activations: what the experts' forward keeps for backward (``activations`` of
             :func:`flatpeak.torch.moe_swiglu`): ``"recompute"`` (nothing; the experts' memory is
             the plan's working set) or ``"save"`` (their rows and pre-activations, for a backward
             without recompute: faster, and memory that follows the routing).
 
+    The patched model pickles (``torch.save(model)``, ``copy.deepcopy``) and loads; its
+    ``forward`` keeps the model's keywords (deprecated ones such as ``past_key_values`` reach the
+    model's own handling and its warnings).
+
     Raises:
+        TypeError: a float16 parameter (the loss and the experts compute in bfloat16 or float32:
+            load the model in bfloat16, or keep float32 weights under
+            ``torch.autocast(dtype=torch.bfloat16)``).
         ValueError: an unsupported ``model_type``, a model that is not a causal LM, experts that
             are not SwiGLU in transformers' fused layout, or ``E`` not divisible by the group size.
     """
@@ -222,6 +253,9 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
     if group is not None and ep_mesh is not None:
         raise ValueError("group and ep_mesh: pass one (the mesh carries its group)")
     refuse_wrapped(model, "flatpeak.transformers.apply")
+    half = next((name for name, p in model.named_parameters() if p.dtype == torch.float16), None)
+    if half is not None:
+        raise TypeError(f"{type(model).__name__}: {half} is torch.float16; {FLOAT16_HINT}")
     patch = _Patch(model, loss, experts, group, budget_bytes)
     modules = _experts_modules(model)
     if experts:
@@ -246,11 +280,8 @@ def apply(model: torch.nn.Module, *, loss: bool = True, experts: bool = True, of
         layers = getattr(model.model, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             raise ValueError(f"{type(model).__name__}: no decoder layers (model.model.layers) to offload")
-        if getattr(model, "is_activation_checkpointing", False):
-            raise ValueError("offload_checkpoints=True checkpoints the decoder layers itself: disable transformers' "
-                             "gradient checkpointing (model.gradient_checkpointing_disable())")
         _offload_checkpoints(layers)
     setattr(model, "_flatpeak_patch", patch)
     if loss:
-        model.forward = types.MethodType(_causal_lm_forward, model)
+        model.forward = _PatchedForward(model)
     return model
