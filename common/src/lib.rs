@@ -56,6 +56,7 @@ pub mod peak;
 pub mod precision;
 pub mod rng;
 mod setters;
+pub mod team;
 pub mod workspace;
 
 #[cfg(feature = "cuda")]

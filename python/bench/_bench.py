@@ -37,14 +37,14 @@ def peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def section_arguments(doc: str, devices: bool = False) -> argparse.Namespace:
+def section_arguments(doc: str, devices: bool = False, rounds: int = 2) -> argparse.Namespace:
     """The command line of a benchmark that writes one section of docs/torch.md: ``--quick``
-    (small shapes, to check it runs), ``--markdown PATH``, ``--rounds N`` (default 2) and, for a
-    bench with a GPU variant (``devices``), ``--device cpu|cuda``."""
+    (small shapes, to check it runs), ``--markdown PATH``, ``--rounds N`` (default ``rounds``)
+    and, for a bench with a GPU variant (``devices``), ``--device cpu|cuda``."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, to check the script runs")
     parser.add_argument("--markdown", metavar="PATH", help="write this bench's section of PATH (docs/torch.md)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=rounds)
     if devices:
         parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return parser.parse_args()

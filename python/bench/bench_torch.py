@@ -1,4 +1,4 @@
-"""flatpeak.torch against torch itself, on the CPU, in one run; prints the README's PyTorch tables.
+"""flatpeak.torch's loss against torch itself, on the CPU, in one run; prints the README's PyTorch tables.
 
     python python/bench/bench_torch.py                # the full shapes (takes a while)
     python python/bench/bench_torch.py --markdown docs/torch.md   # ...and write docs/torch.md
@@ -11,19 +11,14 @@ turn, in rounds, so the machine's slow spells fall on all of them alike. "crate"
 called directly from Rust the same way (`ring-dtp/examples/direct_call.rs`), alternating with
 the binding's call a few times a round.
 
-StreamAdamW: `step()` at 28 B/param against torch.optim.AdamW(fused=True), (foreach=True), fused
-through a GradScaler (torch's way to skip a non-finite step) and DeepSpeed's DeepSpeedCPUAdam
-(when DeepSpeed is installed: `pip install deepspeed ninja`; its op builds on first use), all in
-one process, one step each in turn for a number of rounds, the fastest step of each kept; on one
-64M-element parameter and on 1,000 parameters of 64K elements; then clipping the global gradient
-norm (StreamAdamW's `max_norm` against `clip_grad_norm_` before the others' steps). Then how far
-it ends from AdamW(foreach=False) after 20 steps.
+The optimizer's comparison is `python/bench/bench_adamw.py`'s (its own section of docs/torch.md).
 """
 
 import argparse
 import contextlib
 import io
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -33,8 +28,6 @@ from _bench import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 # Rounds of the linear_cross_entropy variants (see bench_lce).
 ROUNDS = 2
-# Rounds of the optimizers' steps (see bench_adamw).
-ADAMW_ROUNDS = 15
 # Binding and crate calls side by side per round (each in a fresh process): see bench_lce.
 BINDING_PAIRS = 3
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -204,138 +197,6 @@ def bench_lce(n, d, v, reps, rounds):
     print()
 
 
-def deepspeed_cpu_adam():
-    """DeepSpeed's ``DeepSpeedCPUAdam`` class when DeepSpeed is installed and its CPU Adam op
-    builds (with ninja, on first use); else None and the reason, printed under the table."""
-    # The op is built by ninja, which pip installs beside this interpreter.
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed logs to stdout
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-            from deepspeed.ops.op_builder import CPUAdamBuilder
-            CPUAdamBuilder().load(verbose=False)
-        return DeepSpeedCPUAdam, None
-    except Exception as e:  # noqa: BLE001 - any failure to import or build means "not measured"
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
-
-class ScaledFused:
-    """torch's fused AdamW stepped through a ``GradScaler`` at scale 1: what a torch user runs to
-    skip a step with a non-finite gradient, the guarantee StreamAdamW gives."""
-
-    def __init__(self, params, **kw):
-        import torch
-        self.opt = torch.optim.AdamW(params, fused=True, **kw)
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
-        self.scaler.scale(torch.ones(()))  # the scaler's state is made by its first scale()
-
-    def step(self):
-        self.scaler.step(self.opt)
-        self.scaler.update()
-
-
-class Clipped:
-    """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` and then ``opt.step()``: how a torch
-    user clips the global gradient norm."""
-
-    def __init__(self, opt, params, max_norm):
-        self.opt, self.params, self.max_norm = opt, params, max_norm
-
-    def step(self):
-        import torch
-        torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
-        self.opt.step()
-
-
-def bench_adamw(n_params, numel, rounds, max_norm=None):
-    """The optimizers' steps; with ``max_norm``, each clipping the global gradient norm to it
-    (StreamAdamW from its own pass over the gradients, the others after ``clip_grad_norm_``)."""
-    import torch
-
-    from flatpeak.torch import StreamAdamW
-
-    n = n_params * numel
-    what = (f"{n / 2**20:.0f}M fp32 CPU parameters" if n_params == 1
-            else f"{n_params} fp32 CPU parameters of {numel / 2**10:.0f}K elements")
-    clipping = "" if max_norm is None else f", clipping the gradient norm to {max_norm}"
-    print(f"#### `StreamAdamW.step()`, {what}{clipping}, 28 B/param\n")
-    ds_class, ds_missing = deepspeed_cpu_adam()
-    kw = dict(lr=1e-3, weight_decay=0.01)
-    if max_norm is None:
-        makers = [
-            ("`flatpeak.torch.StreamAdamW`", lambda ps: StreamAdamW(ps, **kw)),
-            ("`torch.optim.AdamW(fused=True)`", lambda ps: torch.optim.AdamW(ps, fused=True, **kw)),
-            ("`torch.optim.AdamW(foreach=True)`", lambda ps: torch.optim.AdamW(ps, foreach=True, **kw)),
-            ("`torch.optim.AdamW(fused=True)` + `GradScaler` (skips a non-finite step, as StreamAdamW does)",
-             lambda ps: ScaledFused(ps, **kw)),
-        ]
-        if ds_class is not None:
-            makers.append(("DeepSpeed `DeepSpeedCPUAdam` (ZeRO-Offload's CPU Adam)",
-                           lambda ps: ds_class(ps, adamw_mode=True, **kw)))
-    else:
-        makers = [
-            (f"`flatpeak.torch.StreamAdamW(max_norm={max_norm})`",
-             lambda ps: StreamAdamW(ps, max_norm=max_norm, **kw)),
-            ("`clip_grad_norm_` + `torch.optim.AdamW(fused=True)`",
-             lambda ps: Clipped(torch.optim.AdamW(ps, fused=True, **kw), ps, max_norm)),
-        ]
-        if ds_class is not None:
-            makers.append(("`clip_grad_norm_` + DeepSpeed `DeepSpeedCPUAdam`",
-                           lambda ps: Clipped(ds_class(ps, adamw_mode=True, **kw), ps, max_norm)))
-    g = torch.Generator().manual_seed(0)
-    grads = [torch.randn(numel, generator=g) * 1e-2 for _ in range(n_params)]
-    optimizers = []
-    for name, make in makers:
-        params = [torch.nn.Parameter(torch.randn(numel, generator=g)) for _ in range(n_params)]
-        for p, grad in zip(params, grads):
-            # clip_grad_norm_ scales gradients in place: each clipping optimizer has its own.
-            p.grad = grad if max_norm is None else grad.clone()
-        with contextlib.redirect_stdout(io.StringIO()):
-            opt = make(params)
-            opt.step()  # the state is made by the first step
-        optimizers.append((name, opt))
-    # Rounds of every optimizer in turn, one step each: the machine's slow spells fall on all.
-    best = {name: float("inf") for name, _ in optimizers}
-    for _ in range(rounds):
-        for name, opt in optimizers:
-            start = time.perf_counter()
-            opt.step()
-            best[name] = min(best[name], time.perf_counter() - start)
-    ours = best[optimizers[0][0]]
-    print("| optimizer | step (ms) | GB/s | speed-up of StreamAdamW over it |")
-    print("|---|---:|---:|---:|")
-    for name, _ in optimizers:
-        print(f"| {name} | {best[name] * 1e3:.1f} | {28 * n / best[name] / 1e9:.2f} | {best[name] / ours:.2f}× |")
-    if ds_missing is not None:
-        print(f"\nDeepSpeed's `DeepSpeedCPUAdam` not measured: {ds_missing}.")
-    print()
-    del optimizers
-
-
-def adamw_agreement():
-    """How far StreamAdamW ends from torch.optim.AdamW(foreach=False) after 20 steps."""
-    import torch
-
-    from flatpeak.torch import StreamAdamW
-
-    g = torch.Generator().manual_seed(1)
-    m = 1 << 20
-    a = torch.randn(m, generator=g)
-    b = a.clone()
-    ours = StreamAdamW([a], lr=1e-2, weight_decay=0.1, amsgrad=True)
-    theirs = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.1, amsgrad=True, foreach=False)
-    for _ in range(20):
-        a.grad = torch.randn(m, generator=g) * 0.1
-        b.grad = a.grad.clone()
-        ours.step()
-        theirs.step()
-    equal = (a == b).double().mean().item()
-    worst = ((a - b).abs().max() / b.abs().max()).item()
-    print(f"After 20 steps (AMSGrad, weight decay 0.1, 1M parameters) against "
-          f"`torch.optim.AdamW(foreach=False)`: {equal * 100:.1f}% of parameters bitwise equal, "
-          f"max difference {worst:.1e} of max |θ|.\n")
-
-
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         var, dtype_name, n, d, v, reps = sys.argv[2:]
@@ -353,13 +214,11 @@ def main():
         # The document (and the commit it names) before the file is opened: opening it for
         # writing truncates it, which `git describe --dirty` would see.
         text = document(out.getvalue())
-        # The MoE and transformers sections are bench_moe.py's and bench_transformers.py's,
-        # measured by them: kept as they are.
+        # Every other bench's section (between its `<!-- NAME: begin -->` and `<!-- NAME: end -->`
+        # markers), measured by that bench: kept as it is, in its order.
         old = open(args.markdown).read() if os.path.exists(args.markdown) else ""
-        for bench in ("bench_moe.py", "bench_transformers.py"):
-            begin, end = f"<!-- {bench}: begin -->", f"<!-- {bench}: end -->"
-            if begin in old and end in old:
-                text = text.rstrip("\n") + "\n\n" + old[old.index(begin):old.index(end) + len(end)] + "\n"
+        for section in re.finditer(r"<!-- ([^>]*?): begin -->.*?<!-- \1: end -->", old, re.S):
+            text = text.rstrip("\n") + "\n\n" + section.group(0) + "\n"
         with open(args.markdown, "w") as f:
             f.write(text)
         print(f"wrote {args.markdown}", file=sys.stderr)
@@ -413,15 +272,8 @@ def run(args):
           f"{os.cpu_count()} CPUs\n")
     if args.quick:
         bench_lce(512, 64, 2003, 1, ROUNDS)
-        bench_adamw(1, 1 << 20, 2)
-        bench_adamw(16, 1 << 12, 2)
-        bench_adamw(1, 1 << 20, 2, max_norm=1.0)
     else:
         bench_lce(8192, 1024, 32768, 2, ROUNDS)
-        bench_adamw(1, 64 << 20, ADAMW_ROUNDS)
-        bench_adamw(1000, 64 << 10, ADAMW_ROUNDS)
-        bench_adamw(1, 64 << 20, ADAMW_ROUNDS, max_norm=1.0)
-    adamw_agreement()
 
 
 if __name__ == "__main__":

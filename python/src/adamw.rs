@@ -44,6 +44,17 @@ impl Decision {
     fn clip_coef(&self) -> f64 {
         self.report.clip_coef
     }
+    /// Seconds of the gradient statistics pass (Σg² and the non-finite check, with the group's
+    /// agreement when there is one).
+    #[getter]
+    fn statistics_seconds(&self) -> f64 {
+        self.report.times.stats.as_secs_f64()
+    }
+    /// Seconds of the update pass (0 when skipped).
+    #[getter]
+    fn update_seconds(&self) -> f64 {
+        self.report.times.adam.as_secs_f64()
+    }
 }
 
 /// One parameter's tensors: `(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step,
@@ -262,8 +273,8 @@ impl<'l> CpuParts<'l> {
 /// raises under `on_nonfinite="raise"`; the clipping's norm is over all of them). With `group`
 /// (a process group), the decision is agreed by its ranks ([`stream_adamw::step_parts_over`]):
 /// each element counted once (by its part's copies), the same decision on every rank, and a
-/// rank's bad input an error on every rank. `threads`: the CPU update's threads (all cores when
-/// `None`). `refused`: an exception the caller raised preparing this rank's step: it enters the
+/// rank's bad input an error on every rank. `threads`: the CPU passes' threads (torch's OpenMP team
+/// when the process has one, else a pool of ours: [`crate::pool`]; rayon's global pool when `None`). `refused`: an exception the caller raised preparing this rank's step: it enters the
 /// group's agreement (the other ranks raise too) and is raised here. Returns the decision.
 #[pyfunction]
 #[pyo3(signature = (groups, offloaded=Vec::new(), *, group=None, on_nonfinite="skip", threads=None, refused=None))]
@@ -277,7 +288,7 @@ pub(crate) fn adamw_step(
     refused: Option<Bound<'_, PyAny>>,
 ) -> PyResult<Decision> {
     let policy = self::on_nonfinite(on_nonfinite)?;
-    let pool = threads.map(crate::pool::pool).transpose()?;
+    let workers = threads.map(crate::pool::Workers::new).transpose()?;
     let comm = crate::torch_group::communicator(py, group)?
         .ok_or_else(|| PyRuntimeError::new_err("a step's communicator is made for it"))?;
     if let Some(exception) = refused {
@@ -309,8 +320,8 @@ pub(crate) fn adamw_step(
             }
             Ok(report)
         };
-        match pool {
-            Some(pool) => pool.install(run),
+        match &workers {
+            Some(workers) => workers.install(run),
             None => run(),
         }
     })?;

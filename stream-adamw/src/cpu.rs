@@ -1,12 +1,15 @@
 //! The CPU AdamW: an f64 reference of torch's update, and the fast kernel (runtime-dispatched
-//! SIMD via `multiversion`, rayon over fixed chunks). Every operation is an IEEE-rounded f32 op
+//! SIMD via `multiversion`, over fixed chunks on the caller's team or rayon's pool). Every operation is an IEEE-rounded f32 op
 //! in torch's order with no FMA contraction, except that √v is multiplied by 1/√(1 − β2^t)
 //! (rounded once, from f64) where torch divides by √(1 − β2^t); so the result is bitwise the same
 //! on AVX-512, AVX2 or scalar code and for any thread count. Also the gradient statistics pass (global ‖g‖₂² and
 //! the non-finite check), reduced in a fixed order.
 
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use flatpeak_common::team::for_each_job;
 use multiversion::multiversion;
-use rayon::prelude::*;
 
 use crate::element::{GradElement, ParamElement};
 use crate::hyperparameters::StepScalars;
@@ -134,15 +137,23 @@ pub struct Shard<'a, G, P> {
 }
 
 /// One AdamW step of every shard, in one parallel pass over all of their [`CHUNK`]-element
-/// chunks (so many small parameters cost one fork-join, not one each). Each element's update
-/// is [`adamw_update`]'s, whatever the split.
+/// chunks (so many small parameters cost one fork-join, not one each), on the caller's
+/// [`Team`](flatpeak_common::team::Team) or rayon's pool. Each element's update is
+/// [`adamw_update`]'s, whatever the split and whoever runs it.
 pub fn adamw_update_shards<G: GradElement, P: ParamElement>(shards: Vec<Shard<'_, G, P>>) {
     let chunks: usize = shards.iter().map(|s| s.grad.len().div_ceil(CHUNK)).sum();
     let mut jobs = Vec::with_capacity(chunks);
     for shard in shards {
         split_into_chunks(shard, &mut jobs);
     }
-    jobs.into_par_iter().for_each(|s| update_chunk(s.state, s.grad, s.sink, s.scalars));
+    // Each job takes its chunk out once (the lock is uncontended: one job per chunk).
+    let jobs: Vec<Mutex<Option<Shard<'_, G, P>>>> = jobs.into_iter().map(|s| Mutex::new(Some(s))).collect();
+    for_each_job(jobs.len(), &|i| {
+        let chunk = jobs[i].lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(s) = chunk {
+            update_chunk(s.state, s.grad, s.sink, s.scalars);
+        }
+    });
 }
 
 /// Splits `shard` into shards of at most [`CHUNK`] elements, appended to `jobs` in order.
@@ -176,11 +187,16 @@ fn split_into_chunks<'a, G, P>(shard: Shard<'a, G, P>, jobs: &mut Vec<Shard<'a, 
     }
 }
 
+/// Independent f64 accumulators of [`sum_sq_tile`]: four AVX-512 registers (eight AVX2 ones),
+/// so the adds of consecutive elements do not wait on each other (one 8-lane accumulator left
+/// the pass bound by the add's latency, at about half the machine's read bandwidth).
+const LANES: usize = 32;
+
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx2+fma", "x86_64+avx2+fma"))]
 fn sum_sq_tile(x: &[f32]) -> f64 {
-    // Eight independent f64 lanes, combined in a fixed order: vectorisable and deterministic.
-    let mut lanes = [0f64; 8];
-    let mut chunks = x.chunks_exact(8);
+    // LANES independent f64 lanes, combined in a fixed order: vectorisable and deterministic.
+    let mut lanes = [0f64; LANES];
+    let mut chunks = x.chunks_exact(LANES);
     for c in &mut chunks {
         for (l, &v) in lanes.iter_mut().zip(c) {
             let v = v as f64;
@@ -190,7 +206,15 @@ fn sum_sq_tile(x: &[f32]) -> f64 {
     for (l, &v) in lanes.iter_mut().zip(chunks.remainder()) {
         *l += (v as f64) * (v as f64);
     }
-    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
+    // A fixed pairwise tree: lane i with lane i + width/2, halving the width.
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            lanes[i] += lanes[i + width];
+        }
+    }
+    lanes[0]
 }
 
 /// Σ g² over all gradients, in f64, reduced over fixed chunks in index order (thread-count
@@ -204,14 +228,14 @@ pub fn grad_sq_sum<G: GradElement>(grad: &[G]) -> f64 {
 /// fork-join for many small gradients); each sum is reduced in the same fixed order as alone.
 pub fn grad_sq_sums<G: GradElement>(grads: &[&[G]]) -> Vec<f64> {
     let chunks: Vec<&[G]> = grads.iter().flat_map(|g| g.chunks(CHUNK)).collect();
-    let partials: Vec<f64> = chunks
-        .par_iter()
-        .map(|chunk| {
-            let mut wide = [0f32; TILE];
-            chunk.chunks(TILE).map(|t| sum_sq_tile(G::widen(t, &mut wide))).sum::<f64>()
-        })
-        .collect();
-    let mut partials = partials.into_iter();
+    let partials: Vec<AtomicU64> = chunks.iter().map(|_| AtomicU64::new(0)).collect();
+    for_each_job(chunks.len(), &|i| {
+        let mut wide = [0f32; TILE];
+        let sum = chunks[i].chunks(TILE).map(|t| sum_sq_tile(G::widen(t, &mut wide))).sum::<f64>();
+        partials[i].store(sum.to_bits(), Ordering::Relaxed);
+    });
+    // Read after the pass returned (its jobs have ended): combined in chunk order.
+    let mut partials = partials.into_iter().map(|p| f64::from_bits(p.into_inner()));
     grads.iter().map(|g| partials.by_ref().take(g.len().div_ceil(CHUNK)).sum()).collect()
 }
 
@@ -307,6 +331,44 @@ mod tests {
         bad[CHUNK + 3] = f32::INFINITY;
         assert!(!grad_sq_sum(&bad).is_finite());
         assert_eq!(grad_sq_sum::<f32>(&[]), 0.0);
+    }
+
+    /// Runs the jobs last to first on three threads (each takes every third).
+    struct Backwards;
+    impl flatpeak_common::team::Team for Backwards {
+        fn run(&self, jobs: usize, job: &(dyn Fn(usize) + Sync)) {
+            std::thread::scope(|s| {
+                for t in 0..3 {
+                    s.spawn(move || (0..jobs).rev().skip(t).step_by(3).for_each(job));
+                }
+            });
+        }
+    }
+
+    #[test]
+    fn a_callers_team_gives_the_bits_of_rayons_pool() {
+        use flatpeak_common::team::with_team;
+        let mut rng = flatpeak_common::SplitMix64::new(17);
+        let n = 5 * CHUNK + 33;
+        let g = rng.uniform_f32(n, -1.0, 1.0);
+        assert_eq!(with_team(&Backwards, || grad_sq_sum(&g)).to_bits(), grad_sq_sum(&g).to_bits());
+        let scalars = StepScalars::new(&Hyperparameters::default(), 3, 0.5);
+        let start = rng.normal_f32(n, 0.0, 1.0);
+        let run = |team: Option<&Backwards>| {
+            let (mut p, mut m, mut v) = (start.clone(), vec![0.1f32; n], vec![0.2f32; n]);
+            let mut out = vec![half::bf16::ZERO; n];
+            let mut step = || {
+                let state =
+                    StateMut { param: &mut p, exp_avg: &mut m, exp_avg_sq: &mut v, max_exp_avg_sq: &mut [] };
+                adamw_update::<f32, half::bf16>(state, &g, ParamSink::Copy(&mut out), &scalars);
+            };
+            match team {
+                Some(team) => with_team(team, step),
+                None => step(),
+            }
+            (p, m, v, out)
+        };
+        assert_eq!(run(Some(&Backwards)), run(None));
     }
 
     #[test]

@@ -144,6 +144,10 @@ class StreamAdamW(torch.optim.Optimizer):
         #: The global gradient norm of the last :meth:`step`, before clipping (``nan`` before the
         #: first, and non-finite when it was skipped).
         self.last_grad_norm = float("nan")
+        #: Seconds of the last :meth:`step`'s two passes: ``"statistics"`` (Σg², the non-finite
+        #: check and, over a group, the agreement) and ``"update"`` (the AdamW update; 0 when
+        #: skipped). Empty before the first step.
+        self.last_step_times: Dict[str, float] = {}
         #: Elements per bucket of the offloaded step of a CUDA parameter.
         self.bucket_elems = 1 << 22
         self._cuda: Dict[Tensor, Any] = {}
@@ -154,6 +158,7 @@ class StreamAdamW(torch.optim.Optimizer):
         self.__dict__.setdefault("skipped_steps", 0)
         self.__dict__.setdefault("last_step_skipped", False)
         self.__dict__.setdefault("last_grad_norm", float("nan"))
+        self.__dict__.setdefault("last_step_times", {})
         self.__dict__.setdefault("_cuda", {})
         self.__dict__.setdefault("process_group", None)
         self.__dict__.setdefault("on_nonfinite", "skip")
@@ -238,6 +243,7 @@ class StreamAdamW(torch.optim.Optimizer):
         # (`state["step"]` of a CPU parameter; its own, for an offloaded one).
         decision = _ext.adamw_step(batches, offloaded, group=pg, on_nonfinite=self.on_nonfinite, threads=threads)
         self.last_grad_norm = decision.grad_norm
+        self.last_step_times = {"statistics": decision.statistics_seconds, "update": decision.update_seconds}
         if decision.skipped:
             self.skipped_steps += 1
             self.last_step_skipped = True

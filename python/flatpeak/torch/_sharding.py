@@ -13,13 +13,34 @@ from torch import Tensor
 RANK_PRIVATE = "_flatpeak_rank_private"
 
 
+#: The exact types no ``DTensor`` has: the common case, answered without an import or a
+#: subclass check (an optimizer step asks once per tensor of every parameter).
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
-    if not torch.distributed.is_available():
+    if type(t) in _PLAIN:
         return False
-    from torch.distributed.tensor import DTensor
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
 
-    return isinstance(t, DTensor)
+
+def _dtensor_type() -> Optional[type]:
+    """``torch.distributed.tensor.DTensor``, or ``None`` without ``torch.distributed``."""
+    global _DTENSOR
+    if _DTENSOR is _UNKNOWN:
+        if torch.distributed.is_available():
+            from torch.distributed.tensor import DTensor
+
+            _DTENSOR = DTensor
+        else:
+            _DTENSOR = None
+    return _DTENSOR
+
+
+_UNKNOWN = object()
+_DTENSOR: Any = _UNKNOWN
 
 
 def local(t: Tensor) -> Tensor:
