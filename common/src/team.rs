@@ -6,10 +6,10 @@
 //! workers that spin-wait after the runtime's last parallel region take cores from the pool's
 //! threads for the first milliseconds of the pass (measured on 2 cores: a 64M-parameter AdamW
 //! step took 36 ms right after an OpenMP step and 28 ms after one of its own). Installing the
-//! runtime's team with
-//! [`with_team`] runs the pass on those very threads instead. The jobs and the result are the
-//! same whoever runs them: a pass splits its work into jobs of fixed bounds and combines their
-//! results in job order, so it is deterministic for any team and any thread count.
+//! runtime's team with [`with_team`] runs the pass on those very threads instead. The jobs and
+//! the result are the same whoever runs them: a pass splits its work into jobs of fixed bounds
+//! and combines their results in job order, so it is deterministic for any team and any thread
+//! count.
 //!
 //! ```
 //! use std::sync::atomic::{AtomicUsize, Ordering};
