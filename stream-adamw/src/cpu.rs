@@ -142,12 +142,12 @@ pub struct Shard<'a, G, P> {
 /// [`adamw_update`]'s, whatever the split and whoever runs it.
 pub fn adamw_update_shards<G: GradElement, P: ParamElement>(shards: Vec<Shard<'_, G, P>>) {
     let chunks: usize = shards.iter().map(|s| s.grad.len().div_ceil(CHUNK)).sum();
-    let mut jobs = Vec::with_capacity(chunks);
+    // Each job takes its chunk out once (the lock is uncontended: one job per chunk). The
+    // records are the step's only allocation (O(N / CHUNK), bounded in tests/stream_adamw_peak).
+    let mut jobs: Vec<Job<'_, G, P>> = Vec::with_capacity(chunks);
     for shard in shards {
         split_into_chunks(shard, &mut jobs);
     }
-    // Each job takes its chunk out once (the lock is uncontended: one job per chunk).
-    let jobs: Vec<Mutex<Option<Shard<'_, G, P>>>> = jobs.into_iter().map(|s| Mutex::new(Some(s))).collect();
     for_each_job(jobs.len(), &|i| {
         let chunk = jobs[i].lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(s) = chunk {
@@ -156,8 +156,11 @@ pub fn adamw_update_shards<G: GradElement, P: ParamElement>(shards: Vec<Shard<'_
     });
 }
 
+/// One chunk of an update pass, taken by the job that runs it.
+type Job<'a, G, P> = Mutex<Option<Shard<'a, G, P>>>;
+
 /// Splits `shard` into shards of at most [`CHUNK`] elements, appended to `jobs` in order.
-fn split_into_chunks<'a, G, P>(shard: Shard<'a, G, P>, jobs: &mut Vec<Shard<'a, G, P>>) {
+fn split_into_chunks<'a, G, P>(shard: Shard<'a, G, P>, jobs: &mut Vec<Job<'a, G, P>>) {
     let Shard { state: StateMut { param, exp_avg, exp_avg_sq, max_exp_avg_sq }, grad, sink, scalars } = shard;
     let ams = !max_exp_avg_sq.is_empty();
     let (mut p, mut m, mut v, mut vm, mut g) = (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad);
@@ -182,7 +185,7 @@ fn split_into_chunks<'a, G, P>(shard: Shard<'a, G, P>, jobs: &mut Vec<Shard<'a, 
             None => ParamSink::None,
         };
         let state = StateMut { param: p0, exp_avg: m0, exp_avg_sq: v0, max_exp_avg_sq: vm0 };
-        jobs.push(Shard { state, grad: g0, sink, scalars });
+        jobs.push(Mutex::new(Some(Shard { state, grad: g0, sink, scalars })));
         (p, m, v, vm, g) = (p1, m1, v1, vm1, g1);
     }
 }
