@@ -156,6 +156,10 @@ def main() -> None:
     if rank == 0 and distributed:
         print(f"  dense parameters       {'bitwise equal' if replicas_equal else 'DIFFERENT'} on all {world} ranks")
     if distributed:
+        # DDP's reducer and its gloo work go while the group still exists, on every rank at once
+        # (left to interpreter exit, their teardown raced the group's and aborted a rank).
+        del train
+        dist.barrier()
         dist.destroy_process_group()
     if not last < first:
         raise SystemExit(f"the loss did not fall: {first:.4f} -> {last:.4f}")
