@@ -34,7 +34,8 @@ impl Decision {
     fn skipped(&self) -> bool {
         self.report.outcome == StepOutcome::SkippedNonFinite
     }
-    /// The global gradient norm before clipping (non-finite when skipped).
+    /// The global gradient norm before clipping (non-finite when skipped; NaN when the step read
+    /// no gradient: `on_nonfinite="ignore"` without clipping).
     #[getter]
     fn grad_norm(&self) -> f64 {
         self.report.grad_norm
@@ -219,9 +220,10 @@ fn on_nonfinite(name: &str) -> PyResult<OnNonFinite> {
     match name {
         "skip" => Ok(OnNonFinite::Skip),
         "raise" => Ok(OnNonFinite::Raise),
-        other => {
-            Err(PyValueError::new_err(format!("on_nonfinite: expected \"skip\" or \"raise\", got {other:?}")))
-        }
+        "ignore" => Ok(OnNonFinite::Ignore),
+        other => Err(PyValueError::new_err(format!(
+            "on_nonfinite: expected \"skip\", \"raise\" or \"ignore\", got {other:?}"
+        ))),
     }
 }
 

@@ -182,6 +182,15 @@ def agreed_steps(rank: int, world: int, init_file: str):
         opt.step()
     except ValueError as e:
         out["refusals"].append(("ValueError", str(e)))
+    # Rank 0 steps unchecked where the others check (ValueError everywhere, nothing written).
+    opt = StreamAdamW(ours.parameters(), **HP, process_group=group,
+                      on_nonfinite="ignore" if rank == 0 else "skip")
+    before = [p.to_local().clone() for p in ours.parameters()]
+    try:
+        opt.step()
+    except ValueError as e:
+        untouched = all(torch.equal(a, p.to_local()) for a, p in zip(before, ours.parameters()))
+        out["refusals"].append(("ValueError", str(e) if untouched else "written"))
     sparse = torch.nn.Parameter(torch.zeros(3, 2))
     opt = StreamAdamW([sparse], process_group=group)
     sparse.grad = torch.zeros(3, 2).to_sparse() if rank == 1 else torch.zeros(3, 2)

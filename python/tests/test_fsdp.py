@@ -40,9 +40,10 @@ def test_one_decision_per_step_under_fsdp2():
         assert nonfinite["vs_one"] < TOL and nonfinite["steps"] == {8.0}, nonfinite
         assert seen["raise"] is not None and "rank 3" in seen["raise"] and "not finite" in seen["raise"], seen
         kinds = [k for k, _ in seen["refusals"]]
-        assert kinds == ["ValueError", "TypeError"], (rank, seen["refusals"])
+        assert kinds == ["ValueError", "ValueError", "TypeError"], (rank, seen["refusals"])
         assert "rank 2 steps with max_norm = 2" in seen["refusals"][0][1], seen["refusals"]
-        assert "sparse" in seen["refusals"][1][1], seen["refusals"]
+        assert all(f"on_nonfinite = {p}" in seen["refusals"][1][1] for p in ("ignore", "skip")), seen["refusals"]
+        assert "sparse" in seen["refusals"][2][1], seen["refusals"]
     # Exactly one rank's first layer has an empty shard, and it stepped with the others.
     assert sum(bool(seen["plain"]["empty"]) for seen in out.values()) == 1
     # The norms are bitwise the same on every rank.

@@ -376,7 +376,7 @@ def test_bad_hyperparameters_are_value_errors(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"on_nonfinite": "ignore"}, "on_nonfinite"), ({"threads": 0}, "threads"), ({"threads": 1.5}, "threads"),
+    ({"on_nonfinite": "check"}, "on_nonfinite"), ({"threads": 0}, "threads"), ({"threads": 1.5}, "threads"),
     ({"threads": True}, "threads"),
 ])
 def test_bad_step_options_are_value_errors(kwargs, match):
@@ -410,6 +410,34 @@ def test_on_nonfinite_raise_raises_and_touches_nothing():
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert all(float(opt.state[p]["step"]) == 1.0 for p in params)
     assert not opt.last_step_skipped and opt.skipped_steps == 0
+
+
+def test_on_nonfinite_ignore_updates_as_torch_adamw_does():
+    """No statistics pass without clipping: a NaN reaches the elements whose gradients hold it,
+    as in torch's AdamW; with clipping the norm is read and a non-finite one skips."""
+    ours_p, theirs_p = make_params(6), make_params(6)
+    ours = StreamAdamW(groups_of(ours_p, False, False), lr=1e-2, on_nonfinite="ignore")
+    theirs = torch.optim.AdamW(groups_of(theirs_p, False, False), lr=1e-2, foreach=False)
+    for step in range(3):
+        set_grads(ours_p, step)
+        set_grads(theirs_p, step)
+        if step == 1:
+            ours_p[1].grad[7] = theirs_p[1].grad[7] = float("nan")
+        ours.step()
+        theirs.step()
+        assert not ours.last_step_skipped and ours.last_grad_norm != ours.last_grad_norm  # NaN: not read
+    assert ours.skipped_steps == 0
+    for a, b in zip(ours_p, theirs_p):
+        assert torch.equal(a.isnan(), b.isnan())
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert ours_p[1][7].isnan() and int(ours_p[1].isnan().sum()) == 1
+    clipped = make_params(6)
+    opt = StreamAdamW(clipped, lr=1e-2, max_norm=1.0, on_nonfinite="ignore")
+    set_grads(clipped, 0)
+    clipped[0].grad[3, 4] = float("inf")
+    before = [p.detach().clone() for p in clipped]
+    opt.step()
+    assert opt.last_step_skipped and all(torch.equal(p, b) for p, b in zip(clipped, before))
 
 
 CUDA = torch.cuda.is_available() and __import__("flatpeak").cuda_built()

@@ -66,6 +66,12 @@ impl<P: StepPart> StepPart for Replicated<P> {
         }
         Ok(self.part.grad_sq_sum()? / self.copies as f64)
     }
+    fn check(&mut self) -> Result<()> {
+        if self.copies == 0 {
+            return Err(Error::invalid_config("copies", 0, "≥ 1 (the ranks that hold the part)"));
+        }
+        self.part.check()
+    }
     fn clip(&self) -> GradClip {
         self.part.clip()
     }
@@ -90,15 +96,22 @@ fn words(stats: &Statistics, options: StepOptions, on_nonfinite: OnNonFinite) ->
     let policy = match on_nonfinite {
         OnNonFinite::Skip => 0,
         OnNonFinite::Raise => 1,
+        OnNonFinite::Ignore => 2,
     };
-    [kind, bound, options.grad_scale.to_bits(), policy, stats.grad_sq.to_bits()]
+    // A step that read no gradient brings no Σg² (every rank with the same terms read none).
+    let grad_sq = stats.grad_sq.unwrap_or(0.0);
+    [kind, bound, options.grad_scale.to_bits(), policy, grad_sq.to_bits()]
 }
 
 /// The terms a rank's words name, as a message shows them.
 fn terms(w: &[u64]) -> String {
     let clip =
         if w[0] == 0 { "no clipping".to_string() } else { format!("max_norm = {}", f64::from_bits(w[1])) };
-    let policy = if w[3] == 0 { "skip" } else { "raise" };
+    let policy = match w[3] {
+        0 => "skip",
+        1 => "raise",
+        _ => "ignore",
+    };
     format!("{clip}, grad_scale = {}, on_nonfinite = {policy}", f64::from_bits(w[2]))
 }
 
@@ -142,6 +155,10 @@ where
         );
         return Err(refuse(me, r, ErrorKind::Value, message).into());
     }
+    if !on_nonfinite.reads_gradients(stats.clip) {
+        // The terms agree: no rank read its gradients.
+        return Ok(StepDecision::unchecked(options)?);
+    }
     // Every rank adds the same numbers in the same order: the same bits everywhere.
     let grad_sq: f64 = ranks.iter().map(|w| f64::from_bits(w[4])).sum();
     let bad: Vec<usize> = (0..ranks.len()).filter(|&r| !f64::from_bits(ranks[r][4]).is_finite()).collect();
@@ -162,7 +179,7 @@ pub fn step_parts_over<C: Communicator + ?Sized>(
     options: StepOptions,
     on_nonfinite: OnNonFinite,
 ) -> Result<StepReport> {
-    let stats = statistics(parts);
+    let stats = statistics(parts, on_nonfinite);
     let elapsed = stats.as_ref().map(|s| s.elapsed).unwrap_or_default();
     let decision = agree::<C, Error>(comm, stats, options, on_nonfinite)?;
     let mut report = apply_parts(parts, &decision)?;
@@ -267,7 +284,12 @@ mod tests {
     fn a_non_finite_gradient_on_one_rank_skips_or_raises_on_every_rank() {
         let n = 16;
         let hp = Hyperparameters::default().lr(1e-2).clip(CLIP);
-        for (bad, policy) in [(f32::NAN, OnNonFinite::Skip), (f32::INFINITY, OnNonFinite::Raise)] {
+        let cases = [
+            (f32::NAN, OnNonFinite::Skip),
+            (f32::INFINITY, OnNonFinite::Raise),
+            (f32::NAN, OnNonFinite::Ignore),
+        ];
+        for (bad, policy) in cases {
             let out = LocalGroup::run(4, LocalGroupOptions::default(), |comm| {
                 let mut g = grad(n, comm.rank() as u32);
                 if comm.rank() == 2 {
@@ -281,7 +303,8 @@ mod tests {
                 let (report, params) = got.unwrap();
                 assert_eq!(params, [state(n, 1)[0].clone(), state(n, 2)[0].clone()], "rank {r}: untouched");
                 match policy {
-                    OnNonFinite::Skip => {
+                    // Ignore reads the norm when clipping, and skips a non-finite one.
+                    OnNonFinite::Skip | OnNonFinite::Ignore => {
                         let report = report.unwrap();
                         assert_eq!(
                             (report.outcome, report.step),
@@ -299,6 +322,56 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn ignore_without_clipping_reads_nothing_and_every_rank_applies() {
+        let n = 16;
+        let hp = Hyperparameters::default().lr(1e-2);
+        let out = LocalGroup::run(3, LocalGroupOptions::default(), |comm| {
+            let mut g = grad(n, comm.rank() as u32);
+            if comm.rank() == 2 {
+                g[3] = f32::NAN;
+            }
+            let exact = rank_step(
+                comm,
+                (state(n, 1), grad(n, comm.rank() as u32)),
+                (state(n, 2), grad(n, 5)),
+                hp,
+                OnNonFinite::Skip,
+            );
+            let ignored =
+                rank_step(comm, (state(n, 1), g), (state(n, 2), grad(n, 5)), hp, OnNonFinite::Ignore);
+            Ok((exact, ignored))
+        });
+        for (r, got) in out.into_iter().enumerate() {
+            let ((exact, exact_params), (report, params)) = got.unwrap();
+            let report = report.unwrap();
+            assert_eq!((report.outcome, report.step), (StepOutcome::Applied, 1), "rank {r}");
+            assert!(report.grad_norm.is_nan() && exact.unwrap().grad_norm.is_finite());
+            assert_eq!(params[1], exact_params[1], "rank {r}: the replica as the checked step's");
+            for i in 0..n {
+                let poisoned = r == 2 && i == 3;
+                assert_eq!(params[0][i].is_nan(), poisoned, "rank {r}, element {i}");
+                if !poisoned {
+                    assert_eq!(params[0][i], exact_params[0][i], "rank {r}, element {i}");
+                }
+            }
+        }
+        // A rank that would check where the others ignore: the terms differ, refused everywhere.
+        let out = LocalGroup::run(3, LocalGroupOptions::default(), |comm| {
+            let policy = if comm.rank() == 1 { OnNonFinite::Skip } else { OnNonFinite::Ignore };
+            Ok(rank_step(comm, (state(n, 1), grad(n, 0)), (state(n, 2), grad(n, 3)), hp, policy))
+        });
+        for (r, got) in out.into_iter().enumerate() {
+            let (report, [shard, _]) = got.unwrap();
+            let message = report.unwrap_err().to_string();
+            assert!(
+                message.contains("on_nonfinite = skip") && message.contains("on_nonfinite = ignore"),
+                "{message}"
+            );
+            assert_eq!(shard, state(n, 1)[0], "rank {r}: untouched");
         }
     }
 

@@ -258,7 +258,7 @@ impl<G: GradElement, P: ParamElement> StreamAdamW<G, P> {
     }
 
     /// The buffers live on this optimizer's device and hold its N parameters.
-    fn check_buffers(&self, buffers: &StepBuffers<'_, G, P>) -> Result<()> {
+    pub(crate) fn check_buffers(&self, buffers: &StepBuffers<'_, G, P>) -> Result<()> {
         if buffers.device() != self.device {
             return Err(Error::WrongDevice { executor: self.device, inputs: buffers.device() });
         }

@@ -25,6 +25,12 @@ pub trait StepPart: Send {
     /// Σg² over the part's gradients, in f64 (non-finite when any element is NaN or ±∞), every
     /// buffer of the part checked first (lengths, devices, step counts): nothing is written.
     fn grad_sq_sum(&mut self) -> Result<f64>;
+    /// Every buffer of the part checked (lengths, devices, step counts) without reading the
+    /// gradients: what a step that needs no Σg² ([`OnNonFinite::Ignore`] without clipping) asks
+    /// instead of [`grad_sq_sum`](Self::grad_sq_sum). The default reads them anyway.
+    fn check(&mut self) -> Result<()> {
+        self.grad_sq_sum().map(drop)
+    }
     /// The global-norm clipping its hyperparameters ask for (every part must ask the same: it
     /// bounds the norm over all of them).
     fn clip(&self) -> GradClip;
@@ -44,6 +50,10 @@ impl StepPart for InPlaceGroups<'_, '_> {
         global_clip(self.0)?;
         check_groups(self.0)?;
         Ok(in_place_grad_sq(self.0))
+    }
+    fn check(&mut self) -> Result<()> {
+        global_clip(self.0)?;
+        check_groups(self.0)
     }
     fn clip(&self) -> GradClip {
         global_clip(self.0).unwrap_or_default()
@@ -70,6 +80,9 @@ impl<G: GradElement, P: ParamElement> StepPart for OffloadedStep<'_, '_, G, P> {
     fn grad_sq_sum(&mut self) -> Result<f64> {
         self.optimizer.grad_sq_sum(self.buffers.reborrow())
     }
+    fn check(&mut self) -> Result<()> {
+        self.optimizer.check_buffers(&self.buffers)
+    }
     fn clip(&self) -> GradClip {
         self.optimizer.hyperparameters().clip
     }
@@ -86,8 +99,9 @@ impl<G: GradElement, P: ParamElement> StepPart for OffloadedStep<'_, '_, G, P> {
 pub struct Statistics {
     /// Σg² over every part's gradients, in f64, in the parts' order (each part's own weighting:
     /// a [`Replicated`](crate::Replicated) one divides by its copies); non-finite when any
-    /// gradient is NaN or ±∞.
-    pub grad_sq: f64,
+    /// gradient is NaN or ±∞. `None` when the step needs no Σg² and the gradients were not read
+    /// ([`OnNonFinite::Ignore`] without clipping).
+    pub grad_sq: Option<f64>,
     /// The one global-norm clipping every part asks for.
     pub clip: GradClip,
     /// How long the pass took.
@@ -103,23 +117,42 @@ pub enum OnNonFinite {
     /// Return [`Error::NonFinite`] (a training loop that halts, as torchtitan's does): nothing is
     /// touched either.
     Raise,
+    /// Do not check: without clipping the step reads no gradient before the update (no
+    /// statistics pass, 4 B/param less than [`Skip`](Self::Skip) over fp32 gradients) and
+    /// updates as torch's `AdamW` and DeepSpeed's CPU Adam do, a NaN or ±∞ reaching the
+    /// parameters whose gradients hold it (over ranks too: each rank's own shards, and replicas
+    /// alike since their gradients are). With clipping the norm is read anyway, and a non-finite
+    /// one skips the step as under [`Skip`](Self::Skip).
+    Ignore,
+}
+
+impl OnNonFinite {
+    /// Whether a step under this policy and `clip` needs the gradients' Σg².
+    pub fn reads_gradients(self, clip: GradClip) -> bool {
+        self != Self::Ignore || clip != GradClip::None
+    }
 }
 
 impl Statistics {
     /// The decision of one process from its own statistics, under `options` and `on_nonfinite`
-    /// (a non-finite Σg² skips the step, or is [`Error::NonFinite`] on rank 0).
+    /// (a non-finite Σg² skips the step, or is [`Error::NonFinite`] on rank 0; no Σg² applies
+    /// it unchecked).
     pub fn decide(&self, options: StepOptions, on_nonfinite: OnNonFinite) -> Result<StepDecision> {
-        if on_nonfinite == OnNonFinite::Raise && !self.grad_sq.is_finite() {
-            return Err(Error::NonFinite { ranks: "0".into(), grad_sq: self.grad_sq });
+        let Some(grad_sq) = self.grad_sq else {
+            return StepDecision::unchecked(options);
+        };
+        if on_nonfinite == OnNonFinite::Raise && !grad_sq.is_finite() {
+            return Err(Error::NonFinite { ranks: "0".into(), grad_sq });
         }
-        StepDecision::new(self.grad_sq, options, self.clip)
+        StepDecision::new(grad_sq, options, self.clip)
     }
 }
 
 /// The first phase of a step ([`Statistics`]): the parts' one clipping rule (parts that
 /// disagree are [`Error::InvalidConfig`], `clip`) and every part's Σg², each part checking its
-/// buffers. Nothing is written.
-pub fn statistics(parts: &mut [&mut dyn StepPart]) -> Result<Statistics> {
+/// buffers; only the checks when `on_nonfinite` and the clipping need no Σg²
+/// ([`OnNonFinite::reads_gradients`]). Nothing is written.
+pub fn statistics(parts: &mut [&mut dyn StepPart], on_nonfinite: OnNonFinite) -> Result<Statistics> {
     let start = std::time::Instant::now();
     let clip = parts.first().map(|p| p.clip()).unwrap_or_default();
     if let Some(other) = parts.iter().find(|p| p.clip() != clip) {
@@ -129,11 +162,17 @@ pub fn statistics(parts: &mut [&mut dyn StepPart]) -> Result<Statistics> {
             "the same global-norm clipping in every group (it clips the norm over all of them)",
         ));
     }
+    if !on_nonfinite.reads_gradients(clip) {
+        for part in parts.iter_mut() {
+            part.check()?;
+        }
+        return Ok(Statistics { grad_sq: None, clip, elapsed: start.elapsed() });
+    }
     let mut grad_sq = 0.0;
     for part in parts.iter_mut() {
         grad_sq += part.grad_sq_sum()?;
     }
-    Ok(Statistics { grad_sq, clip, elapsed: start.elapsed() })
+    Ok(Statistics { grad_sq: Some(grad_sq), clip, elapsed: start.elapsed() })
 }
 
 /// The second phase of a step: unless `decision` skips, every part's update in order. The
@@ -155,7 +194,7 @@ pub fn apply_parts(parts: &mut [&mut dyn StepPart], decision: &StepDecision) -> 
 /// decision from their Σg² and `options`, then [`apply_parts`]. The decision of several ranks
 /// is [`step_parts_over`](crate::step_parts_over)'s.
 pub fn step_parts(parts: &mut [&mut dyn StepPart], options: StepOptions) -> Result<StepReport> {
-    let stats = statistics(parts)?;
+    let stats = statistics(parts, OnNonFinite::Skip)?;
     let decision = stats.decide(options, OnNonFinite::Skip)?;
     let mut report = apply_parts(parts, &decision)?;
     report.times.stats = stats.elapsed;
@@ -289,5 +328,97 @@ mod tests {
         assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
         assert_eq!(groups[0].params[0].step, 0);
         assert_eq!(*groups[0].params[0].state.param, values(0, 1.0)[..]);
+    }
+
+    /// A part that counts how often its gradients are read and its buffers checked.
+    struct Counting<'g, 'a> {
+        inner: InPlaceGroups<'g, 'a>,
+        reads: usize,
+        checks: usize,
+    }
+
+    impl StepPart for Counting<'_, '_> {
+        fn grad_sq_sum(&mut self) -> Result<f64> {
+            self.reads += 1;
+            self.inner.grad_sq_sum()
+        }
+        fn check(&mut self) -> Result<()> {
+            self.checks += 1;
+            self.inner.check()
+        }
+        fn clip(&self) -> GradClip {
+            self.inner.clip()
+        }
+        fn steps(&self) -> u64 {
+            self.inner.steps()
+        }
+        fn apply(&mut self, decision: &StepDecision) -> Result<()> {
+            self.inner.apply(decision)
+        }
+    }
+
+    /// θ after one step of one parameter under `policy` and `clip`, with `grad`; its statistics
+    /// and how often the gradients were read.
+    fn policy_step(
+        grad: &[f32],
+        policy: OnNonFinite,
+        clip: GradClip,
+    ) -> (Result<StepReport>, Vec<f32>, usize) {
+        let hp = Hyperparameters::default().lr(1e-2).clip(clip);
+        let mut state = [values(0, 1.0), vec![0.0; grad.len()], vec![0.0; grad.len()]];
+        let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param(&mut state, grad)] }];
+        let mut part = Counting { inner: InPlaceGroups(&mut groups), reads: 0, checks: 0 };
+        let report = statistics(&mut [&mut part], policy).and_then(|stats| {
+            assert_eq!(stats.grad_sq.is_none(), !policy.reads_gradients(clip));
+            let decision = stats.decide(StepOptions::default(), policy)?;
+            apply_parts(&mut [&mut part], &decision)
+        });
+        assert_eq!(part.reads + part.checks, 1, "one pass over the part before the update");
+        let reads = part.reads;
+        (report, state[0].clone(), reads)
+    }
+
+    #[test]
+    fn ignore_reads_no_gradient_unless_clipping_and_updates_as_torch_does() {
+        let clean = values(3, 0.3);
+        let (report, exact, reads) = policy_step(&clean, OnNonFinite::Skip, GradClip::None);
+        assert_eq!((report.unwrap().outcome, reads), (StepOutcome::Applied, 1));
+        // Without clipping: no read, the same update bit for bit, the norm unknown.
+        let (report, ignored, reads) = policy_step(&clean, OnNonFinite::Ignore, GradClip::None);
+        let report = report.unwrap();
+        assert_eq!((report.outcome, reads, report.clip_coef), (StepOutcome::Applied, 0, 1.0));
+        assert!(report.grad_norm.is_nan());
+        assert_eq!(ignored, exact);
+        // A NaN reaches its own element only (torch's AdamW does the same), where Skip skips.
+        let mut bad = clean.clone();
+        bad[5] = f32::NAN;
+        let (report, poisoned, _) = policy_step(&bad, OnNonFinite::Ignore, GradClip::None);
+        assert_eq!(report.unwrap().outcome, StepOutcome::Applied);
+        assert!(poisoned[5].is_nan());
+        assert!((0..N).filter(|&i| i != 5).all(|i| poisoned[i] == exact[i]));
+        let (report, untouched, _) = policy_step(&bad, OnNonFinite::Skip, GradClip::None);
+        assert_eq!(report.unwrap().outcome, StepOutcome::SkippedNonFinite);
+        assert_eq!(untouched, values(0, 1.0));
+        // With clipping the norm is read anyway, and a non-finite one skips.
+        let clip = GradClip::GlobalNorm { max_norm: 0.5 };
+        let (report, untouched, reads) = policy_step(&bad, OnNonFinite::Ignore, clip);
+        assert_eq!((report.unwrap().outcome, reads), (StepOutcome::SkippedNonFinite, 1));
+        assert_eq!(untouched, values(0, 1.0));
+        let (clipped, _, _) = policy_step(&clean, OnNonFinite::Ignore, clip);
+        let (exact, _, _) = policy_step(&clean, OnNonFinite::Skip, clip);
+        assert_eq!(clipped.unwrap().grad_norm, exact.unwrap().grad_norm);
+        // A replicated part too reads nothing (it passes the check on).
+        let hp = Hyperparameters::default();
+        let mut state = [values(0, 1.0), vec![0.0; N], vec![0.0; N]];
+        let mut groups = [InPlaceGroup { hyperparameters: hp, params: vec![param(&mut state, &clean)] }];
+        let counting = Counting { inner: InPlaceGroups(&mut groups), reads: 0, checks: 0 };
+        let mut part = crate::Replicated { part: counting, copies: 2 };
+        assert_eq!(statistics(&mut [&mut part], OnNonFinite::Ignore).unwrap().grad_sq, None);
+        assert_eq!((part.part.reads, part.part.checks), (0, 1));
+        // The buffers are still checked: a short gradient is refused, nothing written.
+        let short = &clean[..N - 1];
+        let (e, untouched, reads) = policy_step(short, OnNonFinite::Ignore, GradClip::None);
+        assert!(matches!(e, Err(Error::ShapeMismatch { .. })), "{e:?}");
+        assert_eq!((untouched, reads), (values(0, 1.0), 0));
     }
 }

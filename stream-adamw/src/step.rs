@@ -84,6 +84,8 @@ pub struct StepDecision {
     clip_coef: f64,
     /// The factor every gradient is multiplied by: clip coefficient × `grad_scale`.
     grad_scale: f64,
+    /// Applied or skipped.
+    outcome: StepOutcome,
 }
 
 impl StepDecision {
@@ -91,6 +93,30 @@ impl StepDecision {
     /// updates, in f64: non-finite when any gradient is), under `options` and `clip`. An
     /// out-of-domain `grad_scale` is [`Error::InvalidConfig`].
     pub fn new(grad_sq: f64, options: StepOptions, clip: GradClip) -> Result<Self> {
+        let scale = Self::checked_scale(options)?;
+        let grad_norm = grad_sq.sqrt() * scale;
+        if !grad_norm.is_finite() {
+            return Ok(Self {
+                grad_norm,
+                clip_coef: 1.0,
+                grad_scale: scale,
+                outcome: StepOutcome::SkippedNonFinite,
+            });
+        }
+        let clip_coef = clip_coefficient(clip, grad_norm);
+        Ok(Self { grad_norm, clip_coef, grad_scale: clip_coef * scale, outcome: StepOutcome::Applied })
+    }
+
+    /// The decision of a step that read no gradient ([`OnNonFinite::Ignore`](crate::OnNonFinite)
+    /// without clipping): applied, gradients scaled by `grad_scale` alone, the norm unknown
+    /// (NaN). An out-of-domain `grad_scale` is [`Error::InvalidConfig`].
+    pub fn unchecked(options: StepOptions) -> Result<Self> {
+        let grad_scale = Self::checked_scale(options)?;
+        Ok(Self { grad_norm: f64::NAN, clip_coef: 1.0, grad_scale, outcome: StepOutcome::Applied })
+    }
+
+    /// `options.grad_scale` where the kernels can use it, or [`Error::InvalidConfig`].
+    fn checked_scale(options: StepOptions) -> Result<f64> {
         let scale = options.grad_scale;
         if !(scale.is_finite() && scale > 0.0) {
             return Err(Error::invalid_config("grad_scale", scale, "a finite value > 0"));
@@ -105,19 +131,15 @@ impl StepDecision {
                 "a value a normal f32 holds (1.2e-38 ≤ grad_scale ≤ 3.4e38)",
             ));
         }
-        let grad_norm = grad_sq.sqrt() * scale;
-        if !grad_norm.is_finite() {
-            return Ok(Self { grad_norm, clip_coef: 1.0, grad_scale: scale });
-        }
-        let clip_coef = clip_coefficient(clip, grad_norm);
-        Ok(Self { grad_norm, clip_coef, grad_scale: clip_coef * scale })
+        Ok(scale)
     }
 
     /// Whether the step is skipped (a non-finite gradient): nothing may be touched.
     pub fn skips(&self) -> bool {
-        !self.grad_norm.is_finite()
+        self.outcome == StepOutcome::SkippedNonFinite
     }
-    /// ‖g‖₂ before clipping (non-finite when skipping).
+    /// ‖g‖₂ before clipping (non-finite when skipping, NaN when the step did not read the
+    /// gradients: [`StepDecision::unchecked`]).
     pub fn grad_norm(&self) -> f64 {
         self.grad_norm
     }
@@ -139,8 +161,13 @@ impl StepDecision {
 
     /// The report of a step this decision made, now at step `step`.
     pub fn report(&self, step: u64, times: StageTimes) -> StepReport {
-        let outcome = if self.skips() { StepOutcome::SkippedNonFinite } else { StepOutcome::Applied };
-        StepReport { outcome, step, grad_norm: self.grad_norm, clip_coef: self.clip_coef, times }
+        StepReport {
+            outcome: self.outcome,
+            step,
+            grad_norm: self.grad_norm,
+            clip_coef: self.clip_coef,
+            times,
+        }
     }
 }
 
