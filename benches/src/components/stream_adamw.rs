@@ -283,9 +283,12 @@ impl Component for StreamAdamWComponent {
             ("bandwidth_fraction".to_string(), fraction),
             ("ideal_speedup".to_string(), ideal),
             ("pipeline_efficiency".to_string(), speedup / ideal),
-            ("a_ms".to_string(), a),
-            ("c_ms".to_string(), c),
-            ("h_ms".to_string(), h),
+            // Per bucket: the copies and the CPU update, and whether the update bounds the
+            // pipeline (above 1: it is the slowest stage, the step's time is buckets × it).
+            ("d2h_ms_per_bucket".to_string(), a),
+            ("adam_ms_per_bucket".to_string(), c),
+            ("h2d_ms_per_bucket".to_string(), h),
+            ("adam_over_slowest_copy".to_string(), c / a.max(h)),
             ("stats_ms".to_string(), m.stats_ms),
             ("link_gbps".to_string(), w.link_gbps),
             ("link_effective_gbps".to_string(), (w.bucket * w.grads.size_in_bytes()) as f64 / a / 1e6),
