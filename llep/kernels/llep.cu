@@ -1,8 +1,8 @@
 // llep device kernels: the data movement and elementwise work between the expert GEMMs of a
-// dispatch round. Rows are H (or I) elements, row-major. Every kernel that accumulates into rows
+// dispatch round. Rows are H (or I) elements, row-major. The kernel that accumulates into rows
 // that several inputs may share (duplicate token indices, one token's several routes to one
-// expert) gives each thread whole columns and walks the inputs in order, so results are
-// bitwise reproducible and race-free without atomics.
+// expert) gives each thread one (destination row, column) and walks that destination's inputs
+// in order, so results are bitwise reproducible and race-free without atomics.
 //
 // Each kernel is written once over its element types and instantiated for an f32 layer (no
 // suffix) and a bf16 layer (`_bf16`; `llep_scatter_add_rows_bf16_bf16` accumulates into bf16
@@ -37,19 +37,32 @@ __device__ __forceinline__ void llep_gather_rows_impl(const T* __restrict__ src,
     }
 }
 
-// acc[index[r]][c] += scale_r · src[r][c] for r = 0, 1, …, rows − 1 in order (scale null: 1).
-// One thread per column c: duplicate indices accumulate in input order.
+// acc[index[r]][c] += scale_r · src[r][c] for r = 0, 1, …, rows − 1 in order (scale null: 1),
+// read from the rows grouped by destination (llep's `ScatterGroups`, built on the host):
+// `groups` = offsets[0..=n_groups], dests[0..n_groups], sources[0..rows]. One thread per
+// (destination, column), grid-stride over n_groups × width: it walks its destination's rows in
+// input order, rounding to A after each addition as a read-modify-write of acc would, so the
+// result is the serial order's bit for bit; no two threads share an element (dests distinct).
 template <typename S, typename A>
 __device__ __forceinline__ void llep_scatter_add_rows_impl(const S* __restrict__ src,
-                                                           const unsigned* __restrict__ index,
-                                                           const float* __restrict__ scale, unsigned rows,
+                                                           const unsigned* __restrict__ groups,
+                                                           const float* __restrict__ scale, unsigned n_groups,
                                                            unsigned width, A* __restrict__ acc) {
-    for (unsigned c = blockIdx.x * blockDim.x + threadIdx.x; c < width; c += gridDim.x * blockDim.x) {
-        for (unsigned r = 0; r < rows; ++r) {
+    const unsigned* offsets = groups;
+    const unsigned* dests = groups + n_groups + 1;
+    const unsigned* sources = dests + n_groups;
+    const unsigned long long total = (unsigned long long)n_groups * width;
+    for (unsigned long long e = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; e < total;
+         e += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned g = (unsigned)(e / width), c = (unsigned)(e % width);
+        A* out = &acc[(unsigned long long)dests[g] * width + c];
+        float a = llep_load(*out);
+        for (unsigned j = offsets[g]; j < offsets[g + 1]; ++j) {
+            const unsigned r = sources[j];
             const float v = llep_load(src[(unsigned long long)r * width + c]);
-            A* out = &acc[(unsigned long long)index[r] * width + c];
-            *out = llep_store<A>(llep_load(*out) + (scale ? scale[r] * v : v));
+            a = llep_load(llep_store<A>(a + (scale ? scale[r] * v : v)));
         }
+        *out = llep_store<A>(a);
     }
 }
 
@@ -120,19 +133,19 @@ __device__ __forceinline__ void llep_row_dot_impl(const T* __restrict__ a, const
         llep_row_dot_impl(a, b, width, out);                                                         \
     }                                                                                                \
     extern "C" __global__ void llep_scatter_add_rows##SUFFIX(const T* __restrict__ src,            \
-                                                             const unsigned* __restrict__ index,    \
+                                                             const unsigned* __restrict__ groups,   \
                                                              const float* __restrict__ scale,       \
-                                                             unsigned rows, unsigned width,         \
+                                                             unsigned n_groups, unsigned width,     \
                                                              float* __restrict__ acc) {             \
-        llep_scatter_add_rows_impl(src, index, scale, rows, width, acc);                             \
+        llep_scatter_add_rows_impl(src, groups, scale, n_groups, width, acc);                        \
     }
 
 LLEP_ENTRY_POINTS(, float)
 LLEP_ENTRY_POINTS(_bf16, __nv_bfloat16)
 
 extern "C" __global__ void llep_scatter_add_rows_bf16_bf16(const __nv_bfloat16* __restrict__ src,
-                                                           const unsigned* __restrict__ index,
-                                                           const float* __restrict__ scale, unsigned rows,
+                                                           const unsigned* __restrict__ groups,
+                                                           const float* __restrict__ scale, unsigned n_groups,
                                                            unsigned width, __nv_bfloat16* __restrict__ acc) {
-    llep_scatter_add_rows_impl(src, index, scale, rows, width, acc);
+    llep_scatter_add_rows_impl(src, groups, scale, n_groups, width, acc);
 }

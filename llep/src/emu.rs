@@ -6,6 +6,7 @@
 
 use flatpeak_common::emu::{EmuLaunchConfig, launch_into};
 
+use crate::device::ScatterGroups;
 use crate::error::{Error, Result};
 
 mod ffi {
@@ -114,8 +115,9 @@ kernel_elem!(
 /// A scatter-add instantiation: rows of `Self` into accumulators of `A` (f32 → f32, bf16 → f32,
 /// bf16 → bf16).
 pub trait ScatterInto<A>: KernelElem {
-    /// `llep_scatter_add_rows` of this pair: `src` holds rows·width, `index` `rows` entries each a
-    /// row of `dst` (the accumulators), `scale` null or `rows`.
+    /// `llep_scatter_add_rows` of this pair, `(src, groups, scale, n_groups, width, acc)`:
+    /// `groups` in [`ScatterGroups`]' layout for `n_groups` destinations (rows of `acc`, distinct)
+    /// over rows of `src` (which holds them, width `width`), `scale` null or one per row.
     const SCATTER: Kernel<RowKernel<Self, A>>;
 }
 
@@ -159,53 +161,6 @@ fn linear_cfg(n: usize) -> EmuLaunchConfig {
     EmuLaunchConfig::grid_stride(n, EMU_MAX_BLOCKS)
 }
 
-/// The side of a row kernel that its `index` addresses.
-#[derive(Debug, Clone, Copy)]
-enum Indexed {
-    /// `index[r]` is a row of `src`, `dst` holds the rows in order (gather; a thread per element
-    /// of the output).
-    Src,
-    /// `index[r]` is a row of `dst`, `src` holds the rows in order (scatter-add; a thread per
-    /// column).
-    Dst,
-}
-
-/// Launches row kernel `kernel`, race-checked, on the `index.len()` rows of width `width` that
-/// `index` names on its `indexed` side, after checking the lengths and indices.
-fn launch_rows<S, D: bytemuck::Pod>(
-    kernel: Kernel<RowKernel<S, D>>,
-    indexed: Indexed,
-    src: &[S],
-    index: &[u32],
-    scale: Option<&[f32]>,
-    width: usize,
-    dst: &mut [D],
-) -> Result<()> {
-    let rows = index.len();
-    let (dst, cfg) = match indexed {
-        Indexed::Src => {
-            check("gather dst (rows·width)", rows * width, dst.len())?;
-            check_rows(index, width, src.len(), scale)?;
-            (&mut dst[..rows * width], linear_cfg(rows * width))
-        }
-        Indexed::Dst => {
-            check("scatter src (rows·width)", rows * width, src.len())?;
-            check_rows(index, width, dst.len(), scale)?;
-            (dst, linear_cfg(width))
-        }
-    };
-    let sp = scale.map_or(std::ptr::null(), |s| s.as_ptr());
-    let call = |o: *mut D| {
-        // SAFETY: `index` holds `rows` entries, each a row of its `indexed` side (checked),
-        // the other side holds rows·width (checked), `o` the output `dst`, `scale` holds
-        // `rows` (or is null); a gather's thread writes its own element of `o`, a scatter's
-        // thread column c of `o` only.
-        unsafe { (kernel.entry)(src.as_ptr(), index.as_ptr(), sp, rows as u32, width as u32, o) }
-    };
-    // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps (LINEAR_THREADS).
-    Ok(unsafe { launch_into(kernel.name, &cfg, dst, call) }?)
-}
-
 /// `dst[r] = scale_r·src[index[r]]` for the first `index.len()` rows of width `width`.
 pub fn gather_rows<T: KernelElem>(
     src: &[T],
@@ -214,10 +169,22 @@ pub fn gather_rows<T: KernelElem>(
     width: usize,
     dst: &mut [T],
 ) -> Result<()> {
-    launch_rows(T::GATHER, Indexed::Src, src, index, scale, width, dst)
+    let rows = index.len();
+    check("gather dst (rows·width)", rows * width, dst.len())?;
+    check_rows(index, width, src.len(), scale)?;
+    let sp = scale.map_or(std::ptr::null(), |s| s.as_ptr());
+    let call = |o: *mut T| {
+        // SAFETY: `index` holds `rows` entries, each a row of `src` (checked), `o` (the first
+        // rows·width of `dst`, checked) and `scale` holds `rows` (or is null); each thread writes
+        // its own element of `o`.
+        unsafe { (T::GATHER.entry)(src.as_ptr(), index.as_ptr(), sp, rows as u32, width as u32, o) }
+    };
+    // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps (LINEAR_THREADS).
+    Ok(unsafe { launch_into(T::GATHER.name, &linear_cfg(rows * width), &mut dst[..rows * width], call) }?)
 }
 
-/// `acc[index[r]] += scale_r·src[r]` for r in order, rows of width `width`.
+/// `acc[index[r]] += scale_r·src[r]` for r in order, rows of width `width`: the rows grouped by
+/// destination on the host ([`ScatterGroups`]), one emulated thread per (destination, column).
 pub fn scatter_add_rows<S: ScatterInto<A>, A: KernelElem>(
     src: &[S],
     index: &[u32],
@@ -225,7 +192,21 @@ pub fn scatter_add_rows<S: ScatterInto<A>, A: KernelElem>(
     width: usize,
     acc: &mut [A],
 ) -> Result<()> {
-    launch_rows(S::SCATTER, Indexed::Dst, src, index, scale, width, acc)
+    let rows = index.len();
+    check("scatter src (rows·width)", rows * width, src.len())?;
+    check_rows(index, width, acc.len(), scale)?;
+    let groups = ScatterGroups::new(index, acc.len() / width.max(1))?;
+    let (packed, n) = (groups.packed(), groups.groups());
+    let sp = scale.map_or(std::ptr::null(), |s| s.as_ptr());
+    let call = |o: *mut A| {
+        // SAFETY: `packed` is `ScatterGroups`' layout for `n` groups over `rows` rows of `src`
+        // (which holds rows·width, checked), each destination a row of `o` (the accumulators,
+        // checked above); `scale` holds `rows` (or is null). Destinations are distinct, so each
+        // thread's (destination, column) element of `o` is its own.
+        unsafe { (S::SCATTER.entry)(src.as_ptr(), packed.as_ptr(), sp, n as u32, width as u32, o) }
+    };
+    // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps (LINEAR_THREADS).
+    Ok(unsafe { launch_into(S::SCATTER.name, &linear_cfg(n * width), acc, call) }?)
 }
 
 /// `h = silu(gate) ⊙ up` over `h.len()` elements.

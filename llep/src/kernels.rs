@@ -4,7 +4,8 @@
 use flatpeak_common::kernel_source;
 use flatpeak_common::kernels::{BLOCK_REDUCE, KernelSource};
 
-/// `kernels/llep.cu`: row gather (pack, expand, δ = w·dY), ordered scatter-add (combine, return),
+/// `kernels/llep.cu`: row gather (pack, expand, δ = w·dY), ordered scatter-add over rows grouped
+/// by destination (combine, return: [`ScatterGroups`](crate::device::ScatterGroups)),
 /// SwiGLU forward and backward, and per-row dot products (routing-weight gradients), each for
 /// an f32 layer and (suffix `_bf16`) a bf16 one.
 pub const LLEP: KernelSource = kernel_source!(

@@ -42,12 +42,54 @@ fn gather_and_scatter_match_loops() {
                         s.map_or(1.0, |s| s[r] as f64) * dst[r * width + c] as f64;
                 }
             }
+            // The same additions in the same order as a serial loop, bit for bit.
+            let mut serial = acc.clone();
+            for r in 0..rows {
+                for c in 0..width {
+                    let v = dst[r * width + c];
+                    serial[index[r] as usize * width + c] += s.map_or(v, |s| s[r] * v);
+                }
+            }
             emu::scatter_add_rows(&dst, &index, s, width, &mut acc).unwrap();
             close("scatter", &acc, &want, 1e-6);
+            assert_eq!(acc, serial, "scatter: the serial order's bits");
         }
     }
     let mut dst = vec![0f32; 4];
     assert!(emu::gather_rows(&[1.0; 4], &[0, 9], None, 2, &mut dst).is_err(), "index past the source");
+    assert!(emu::scatter_add_rows(&[1.0f32; 4], &[0, 2], None, 2, &mut dst).is_err(), "index past the acc");
+}
+
+#[test]
+fn a_bf16_scatter_rounds_after_every_addition_in_input_order() {
+    use half::bf16;
+    let mut rng = SplitMix64::new(3);
+    let (rows, width, acc_rows) = (300usize, 5usize, 7usize);
+    let src: Vec<bf16> = rng.normal_f32(rows * width, 0.0, 1.0).into_iter().map(bf16::from_f32).collect();
+    let index: Vec<u32> = (0..rows).map(|r| ((r * 5 + r / 7) % acc_rows) as u32).collect();
+    let scale = rng.uniform_f32(rows, 0.1, 2.0);
+    let start: Vec<bf16> =
+        rng.normal_f32(acc_rows * width, 0.0, 1.0).into_iter().map(bf16::from_f32).collect();
+    let mut serial = start.clone();
+    for r in 0..rows {
+        for c in 0..width {
+            let out = &mut serial[index[r] as usize * width + c];
+            *out = bf16::from_f32(out.to_f32() + scale[r] * src[r * width + c].to_f32());
+        }
+    }
+    let mut acc = start.clone();
+    emu::scatter_add_rows(&src, &index, Some(&scale), width, &mut acc).unwrap();
+    assert_eq!(acc, serial);
+    // Into f32 accumulators: the f32 serial sums.
+    let mut acc32: Vec<f32> = start.iter().map(|x| x.to_f32()).collect();
+    let mut serial32 = acc32.clone();
+    for r in 0..rows {
+        for c in 0..width {
+            serial32[index[r] as usize * width + c] += scale[r] * src[r * width + c].to_f32();
+        }
+    }
+    emu::scatter_add_rows(&src, &index, Some(&scale), width, &mut acc32).unwrap();
+    assert_eq!(acc32, serial32);
 }
 
 #[test]

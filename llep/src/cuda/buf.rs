@@ -71,6 +71,16 @@ pub struct CudaIndex {
 }
 
 impl CudaIndex {
+    /// The first `rows` entries, from the host mirror (known when the index was written from the
+    /// host; see [`check_rows`](Self::check_rows)).
+    pub(super) fn rows(&self, rows: usize) -> Result<&[u32]> {
+        self.host.as_ref().and_then(|h| h.get(..rows)).ok_or(Error::ScheduleMismatch {
+            what: "row indices written on the device (not checkable before a launch)",
+            planned: rows,
+            found: 0,
+        })
+    }
+
     /// Checks that the first `rows` entries are known and each is below `bound`.
     pub(super) fn check_rows(&self, rows: usize, bound: usize) -> Result<()> {
         need("index buffer (rows)", rows, self.dev.len())?;

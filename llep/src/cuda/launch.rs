@@ -7,6 +7,7 @@ use flatpeak_common::cuda::{cuda_error, linear_launch};
 use flatpeak_common::nccl::DeviceCommunicator;
 
 use super::{CudaIndex, CudaOps};
+use crate::device::ScatterGroups;
 use crate::device::need;
 use crate::error::Result;
 use crate::kernels::{LLEP, ROW_THREADS};
@@ -15,38 +16,17 @@ fn linear(n: usize) -> LaunchConfig {
     linear_launch(n, 4096)
 }
 
-/// Which of the two row kernels of `kernels/llep.cu` (one argument list) a launch runs.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum RowKernel {
-    /// `llep_gather_rows`: `out[r] = scale_r·src[index[r]]`.
-    Gather,
-    /// `llep_scatter_add_rows`: `out[index[r]] += scale_r·src[r]`, r in order.
-    ScatterAdd,
-}
-
 impl<C: DeviceCommunicator> CudaOps<'_, C> {
-    /// `llep_gather_rows` or `llep_scatter_add_rows` ([`RowKernel`]) of rows of S into rows of
-    /// A (entry point `name`).
-    pub(super) fn launch_rows<S: DeviceRepr, A: DeviceRepr>(
+    /// `llep_gather_rows` of rows of T (entry point `name`): `out[r] = scale_r·src[index[r]]`.
+    pub(super) fn launch_gather<T: DeviceRepr>(
         &self,
-        kernel: RowKernel,
         name: &'static str,
-        (src, index, scale): (&CudaSlice<S>, &CudaIndex, Option<&CudaSlice<f32>>),
+        (src, index, scale): (&CudaSlice<T>, &CudaIndex, Option<&CudaSlice<f32>>),
         (rows, width): (usize, usize),
-        out: &mut CudaSlice<A>,
+        out: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let threads = match kernel {
-            RowKernel::Gather => {
-                need("gather dst (rows·width)", rows * width, out.len())?;
-                index.check_rows(rows, src.len() / width)?;
-                rows * width
-            }
-            RowKernel::ScatterAdd => {
-                need("scatter src (rows·width)", rows * width, src.len())?;
-                index.check_rows(rows, out.len() / width)?;
-                width
-            }
-        };
+        need("gather dst (rows·width)", rows * width, out.len())?;
+        index.check_rows(rows, src.len() / width)?;
         let f = self.cache.function(&LLEP, name)?;
         let (rows32, width32, null) = (rows as u32, width as u32, 0u64);
         let mut l = self.stream.launch_builder(&f);
@@ -56,15 +36,49 @@ impl<C: DeviceCommunicator> CudaOps<'_, C> {
             None => l.arg(&null),
         };
         l.arg(&rows32).arg(&width32).arg(&mut *out);
-        // SAFETY: `name` is the `kernel` instantiation of (S, A), both kernels `(const S*, const
-        // u32*, const float*, u32, u32, A*)` (gather: f32, or bf16 `_bf16`, S = A; scatter:
-        // f32→f32, bf16→f32 `_bf16`, bf16→bf16 `_bf16_bf16`), matching the arguments in order (no
-        // scale: a null pointer); it reads `index[0..rows)`, each entry < rows of `src` (gather)
-        // or of `out` (scatter), checked on the host mirror, and `scale[0..rows)` (checked by the
-        // caller). Gather reads rows of `src` and writes `out[0..rows·width)` (checked above),
-        // grid-stride over rows·width; scatter reads `src[0..rows·width)` (checked above) and
-        // thread c updates column c of `out` only.
-        unsafe { l.launch(linear(threads)) }.map_err(cuda_error(name))?;
+        // SAFETY: `name` is the gather instantiation of T (`(const T*, const u32*, const float*,
+        // u32, u32, T*)`: f32, or bf16 `_bf16`), matching the arguments in order (no scale: a null
+        // pointer); it reads `index[0..rows)`, each entry a row of `src` (checked on the host
+        // mirror), and `scale[0..rows)` (checked by the caller), and writes `out[0..rows·width)`
+        // (checked above), grid-stride over rows·width, each element by one thread.
+        unsafe { l.launch(linear(rows * width)) }.map_err(cuda_error(name))?;
+        Ok(())
+    }
+
+    /// `llep_scatter_add_rows` of rows of S into rows of A (entry point `name`):
+    /// `out[index[r]] += scale_r·src[r]`, r in order. The rows are grouped by destination on the
+    /// host from the index's mirror ([`ScatterGroups`]) and the groups uploaded on the stream
+    /// (4·(2·groups + 1 + rows) bytes, freed in stream order after the launch); one thread per
+    /// (destination, column).
+    pub(super) fn launch_scatter<S: DeviceRepr, A: DeviceRepr>(
+        &self,
+        name: &'static str,
+        (src, index, scale): (&CudaSlice<S>, &CudaIndex, Option<&CudaSlice<f32>>),
+        (rows, width): (usize, usize),
+        out: &mut CudaSlice<A>,
+    ) -> Result<()> {
+        need("scatter src (rows·width)", rows * width, src.len())?;
+        let bound = out.len() / width;
+        index.check_rows(rows, bound)?;
+        let groups = ScatterGroups::new(index.rows(rows)?, bound)?;
+        let packed = self.stream.clone_htod(groups.packed()).map_err(cuda_error("cuMemcpyHtoD"))?;
+        let f = self.cache.function(&LLEP, name)?;
+        let (n, width32, null) = (groups.groups() as u32, width as u32, 0u64);
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(src).arg(&packed);
+        match scale {
+            Some(s) => l.arg(s),
+            None => l.arg(&null),
+        };
+        l.arg(&n).arg(&width32).arg(&mut *out);
+        // SAFETY: `name` is the scatter instantiation of (S, A) (`(const S*, const u32*, const
+        // float*, u32, u32, A*)`: f32→f32, bf16→f32 `_bf16`, bf16→bf16 `_bf16_bf16`), matching
+        // the arguments in order (no scale: a null pointer). `packed` is `ScatterGroups`' layout
+        // for `n` groups over `rows` rows: every source row below `rows` (`src` holds
+        // rows·width, checked above, and `scale` `rows`, checked by the caller) and every
+        // destination a row of `out` (checked against `bound` on the host), destinations
+        // distinct, so each thread updates its own (destination, column) element of `out`.
+        unsafe { l.launch(linear(groups.groups() * width)) }.map_err(cuda_error(name))?;
         Ok(())
     }
 

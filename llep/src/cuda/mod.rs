@@ -53,7 +53,6 @@ mod launch;
 
 pub use buf::{CudaBuf, CudaIndex};
 use buf::{entry, scale_of, view, view_mut};
-use launch::RowKernel;
 
 /// The CUDA device of one rank of a [`DeviceCommunicator`]: a compute stream beside the
 /// communicator's, the NVRTC kernels and a cuBLAS handle.
@@ -289,7 +288,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         let name = entry("llep_gather_rows", "llep_gather_rows_bf16", sel.src.dtype());
         let (src, index, shape) = (sel.src, sel.index, (sel.rows, sel.width));
         same_type!(CudaBuf, "gather_rows (src and dst)"; src, dst =>
-            self.launch_rows(RowKernel::Gather, name, (src, index, scale), shape, dst))
+            self.launch_gather(name, (src, index, scale), shape, dst))
     }
 
     fn scatter_add_rows(&self, sel: IndexedRows<'_, CudaBuf, CudaIndex>, acc: &mut CudaBuf) -> Result<()> {
@@ -297,16 +296,16 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
             return Ok(());
         }
         let (scale, index) = (scale_of(&sel)?, sel.index);
-        let (kernel, shape) = (RowKernel::ScatterAdd, (sel.rows, sel.width));
+        let shape = (sel.rows, sel.width);
         match (sel.src, acc) {
             (CudaBuf::F32(s), CudaBuf::F32(a)) => {
-                self.launch_rows(kernel, "llep_scatter_add_rows", (s, index, scale), shape, a)
+                self.launch_scatter("llep_scatter_add_rows", (s, index, scale), shape, a)
             }
             (CudaBuf::Bf16(s), CudaBuf::F32(a)) => {
-                self.launch_rows(kernel, "llep_scatter_add_rows_bf16", (s, index, scale), shape, a)
+                self.launch_scatter("llep_scatter_add_rows_bf16", (s, index, scale), shape, a)
             }
             (CudaBuf::Bf16(s), CudaBuf::Bf16(a)) => {
-                self.launch_rows(kernel, "llep_scatter_add_rows_bf16_bf16", (s, index, scale), shape, a)
+                self.launch_scatter("llep_scatter_add_rows_bf16_bf16", (s, index, scale), shape, a)
             }
             (CudaBuf::F32(_), CudaBuf::Bf16(_)) => Err(Error::DtypeMismatch {
                 what: "scatter_add_rows acc (at least as wide as src)",

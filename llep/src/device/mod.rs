@@ -37,6 +37,7 @@ mod expert;
 mod host;
 mod pipeline;
 mod reserve;
+mod scatter_groups;
 mod schedule;
 
 use flatpeak_common::DType;
@@ -46,6 +47,7 @@ use crate::error::{Error, Result};
 use crate::layer::{Gradients, Routing};
 use crate::plan::RouteMeta;
 
+pub use scatter_groups::ScatterGroups;
 pub use schedule::{backward, forward};
 
 /// How a GEMM operand is read from its storage.
