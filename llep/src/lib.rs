@@ -123,8 +123,8 @@ pub mod schedule;
 
 pub use assign::{Assignment, Piece, RouteCounts, RouteMapper, Transfer, local_counts};
 pub use call::{
-    AgreedCall, Backward, CallOptions, CallStats, DEFAULT_ROWS_BUDGET_BYTES, Layer, LayerBudget, Prepared,
-    RankCall, RankSizes,
+    AgreedCall, Backward, CallOptions, CallStats, DEFAULT_CPU_ROWS_BUDGET_BYTES,
+    DEFAULT_CUDA_ROWS_BUDGET_BYTES, Layer, LayerBudget, Prepared, RankCall, RankSizes,
 };
 pub use config::{Chunking, Config, Mode, PairCap, Scheme, Shape, SpillSplit, WeightLayout};
 pub use error::{Error, Result};

@@ -171,17 +171,20 @@ pub struct Buffers {
 
 impl Buffers {
     /// PipelinedLLEP's buffers for pair cap q: `send_rows = recv_rows = G = P·q`, D copies,
-    /// F_max slots. Depends on the config and shape only.
+    /// F_max slots. Depends on the config and shape only. One rank (P = 1) keeps one copy and no
+    /// foreign slots: its exchanges are with itself (nothing to overlap a round's compute with)
+    /// and every expert is its own.
     pub fn pipelined(config: &Config, shape: &Shape, q: usize, pass: Pass) -> Self {
         let rows = shape.ranks.saturating_mul(q);
+        let alone = shape.ranks == 1;
         Self {
             shape: *shape,
             pass,
-            depth: config.pipeline_depth,
+            depth: if alone { 1 } else { config.pipeline_depth },
             send_rows: rows,
             recv_rows: rows,
             expert_rows: rows,
-            foreign_slots: config.foreign_slots,
+            foreign_slots: if alone { 0 } else { config.foreign_slots },
         }
     }
 
@@ -259,7 +262,10 @@ impl Buffers {
             dev(p(&[slots, expert, b])),
         ];
         if bwd {
-            out.extend([dev(p(&[slots, expert, 4])), dev(p(&[h, i, 4]))]);
+            // The foreign gradients' return buffer (an owner receives them though it helps none):
+            // none with one rank, whose experts are all its own.
+            let returns = w(usize::from(s.ranks > 1));
+            out.extend([dev(p(&[slots, expert, 4])), dev(p(&[returns, h, i, 4]))]);
         }
         for _ in 0..self.depth {
             out.extend(
@@ -370,7 +376,8 @@ impl Buffers {
         };
         saturating_product(&[self.expert_rows, width, b])
     }
-    /// Foreign expert weights (and, in backward, their fp32 gradients and one return buffer).
+    /// Foreign expert weights (and, in backward, their fp32 gradients and one return buffer;
+    /// nothing with one rank).
     pub fn foreign_weight_bytes(&self) -> usize {
         let s = &self.shape;
         let w = saturating_product(&[self.foreign_slots, s.expert_elems(), s.elem_bytes()]);
@@ -379,7 +386,7 @@ impl Buffers {
             Pass::Backward => saturating_sum(&[
                 w,
                 saturating_product(&[self.foreign_slots, s.expert_elems(), 4]),
-                saturating_product(&[s.hidden, s.intermediate, 4]),
+                saturating_product(&[usize::from(s.ranks > 1), s.hidden, s.intermediate, 4]),
             ]),
         }
     }

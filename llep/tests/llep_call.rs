@@ -88,7 +88,11 @@ fn uneven_ranks_get_bitwise_what_the_executor_gives_on_the_agreed_plan() {
                 top_k: K,
                 dtype: DType::F32,
             };
-            let plan = Plan::new(&config(), want_shape, LayerBudget::Default.of(&config(), &want_shape)?)?;
+            let plan = Plan::new(
+                &config(),
+                want_shape,
+                LayerBudget::Default.of(&config(), &want_shape, Device::Cpu)?,
+            )?;
             let mut executor = Executor::new(plan, Device::Cpu)?;
             let schedule = executor.schedule(comm, &d.routing())?;
             let want_y = executor.forward(comm, &schedule, &d.inputs())?;
@@ -233,8 +237,12 @@ fn the_layer_keeps_one_executor_per_plan_and_checks_its_budget() {
     };
     let least = Plan::least_workspace_bytes(&config(), &shape).unwrap();
     assert_eq!(
-        LayerBudget::Default.of(&config(), &shape).unwrap(),
-        llep::Budget::Bytes(least + llep::DEFAULT_ROWS_BUDGET_BYTES)
+        LayerBudget::Default.of(&config(), &shape, Device::Cpu).unwrap(),
+        llep::Budget::Bytes(least + llep::DEFAULT_CPU_ROWS_BUDGET_BYTES)
+    );
+    assert_eq!(
+        LayerBudget::Default.of(&config(), &shape, Device::Cuda(1)).unwrap(),
+        llep::Budget::Bytes(least + llep::DEFAULT_CUDA_ROWS_BUDGET_BYTES)
     );
     let out = LocalGroup::run(1, LocalGroupOptions::default(), |comm| {
         let run = || -> llep::Result<_> {

@@ -27,7 +27,7 @@ pub(crate) struct MoEOptions {
 impl MoEOptions {
     /// Options under the LLEP reference code's names: `scheme` (`"pipelined"`, `"llep"` or
     /// `"standard"`), `pair_cap_rows` (q; `None`: the largest the budget holds), `budget_bytes`
-    /// (`None`: the crate's default, 64 MiB above the least the shape runs in),
+    /// (`None`: the crate's default for the device, `LayerBudget::Default`),
     /// `max_tokens_factor` (α), `min_tokens_per_gemm` (m) and `imbalance_threshold` (λ), with
     /// llep's defaults; `activations` is `"recompute"` (forward keeps nothing, backward recomputes
     /// each round) or `"save"` (a forward that needs a gradient keeps its rows and SwiGLU

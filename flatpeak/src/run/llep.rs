@@ -207,8 +207,9 @@ fn run_typed<T: FromFloats>(t: &Tensors, cfg: &LlepRunConfig) -> Result<Outputs,
         };
         let layer = || -> llep::Result<RankResult> {
             let budget = cfg.budget_bytes.map_or(llep::LayerBudget::Default, llep::LayerBudget::Bytes);
-            let launch = llep::Plan::new(&config, shape, budget.of(&config, &shape)?)?;
-            let mut layer = llep::Executor::new(launch, llep::Device::Cpu)?;
+            let device = llep::Device::Cpu;
+            let launch = llep::Plan::new(&config, shape, budget.of(&config, &shape, device)?)?;
+            let mut layer = llep::Executor::new(launch, device)?;
             let plan = layer.schedule(comm, &inputs.routing)?;
             layer.reserve(plan.max_workspace_bytes(Pass::Backward))?;
             let y = layer.forward(comm, &plan, &inputs)?;

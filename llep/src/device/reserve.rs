@@ -72,7 +72,8 @@ impl<'h, B, I> Reserved<'h, B, I> {
         let (sr, rr, g) = (b.send_rows(), b.recv_rows(), b.expert_rows());
         let foreign = ops.alloc(b.foreign_slots() * s.expert_elems(), dt)?;
         let foreign_grad = maybe(b.foreign_slots() * s.expert_elems(), F32)?;
-        let grad_return = maybe(h * i, F32)?;
+        // Foreign gradients' return buffer: an owner's, none with one rank (`Buffers::regions`).
+        let grad_return = maybe(if s.ranks > 1 { h * i } else { 0 }, F32)?;
         let mut sets = Vec::with_capacity(b.depth());
         for _ in 0..b.depth() {
             sets.push(RoundSet {

@@ -247,8 +247,9 @@ def moe_swiglu(
             ``"standard"`` (the baselines, whose buffers follow the routing).
         pair_cap_rows: q, the rows any rank sends any other in one round (``None``: the largest
             ``budget_bytes`` holds).
-        budget_bytes: bound of the working set (``None``: 64 MiB above the least this shape
-            runs in, one row per rank pair with its foreign expert slots); the plan takes the
+        budget_bytes: bound of the working set (``None``: 64 MiB on a CPU, 768 MiB on a GPU,
+            above the least this shape runs in, one row per rank pair with its foreign expert
+            slots; one process keeps no foreign slots and one buffer copy); the plan takes the
             largest pair cap whose buffers fit it, before any routing is known. That working set
             is reserved once per shape and kept between calls with the executor that runs it,
             in flatpeak's executor cache (:func:`flatpeak.torch.executor_cache_bytes`; at most
