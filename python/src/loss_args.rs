@@ -29,7 +29,7 @@ impl LossOptions {
     /// The plan of `shape` on `device` under these options (the crate's default budget for the
     /// device unless the caller gave one).
     pub(crate) fn plan(&self, shape: Shape, device: Device) -> PyResult<Plan> {
-        Plan::new(&self.config, shape, self.budget.of(device)).map_err(to_py)
+        Plan::for_device(&self.config, shape, self.budget, device).map_err(to_py)
     }
 
     /// Whether the loss is per token (a per-token upstream gradient).

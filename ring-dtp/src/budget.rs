@@ -9,10 +9,14 @@ use flatpeak_common::{Budget, Device};
 /// there.
 pub const DEFAULT_CPU_BUDGET_BYTES: usize = 128 << 20;
 
-/// The default budget on a GPU: 256 MiB. A GPU's GEMMs need larger blocks to fill its
-/// multiprocessors (on an H200, 256-token blocks over a 32K vocabulary ran at 0.79 of the SGEMM
-/// rate, 1024-token blocks at 0.92: `docs/gpu.md`), still a fraction of the logits' bytes.
-pub const DEFAULT_CUDA_BUDGET_BYTES: usize = 256 << 20;
+/// The default budget on a GPU: 640 MiB, 1024-token blocks of f32 logits over a vocabulary of
+/// up to 160K rows in a device's block buffers ([`Target::Device`](crate::plan::Target)). A
+/// GPU's GEMMs need wide blocks: each block's `dW += Gᵀ·X` reads and writes the whole f32 dW, so
+/// below several hundred tokens per block it is bound by memory, not arithmetic (on an H200,
+/// 256-token blocks over a 32K vocabulary ran at 0.79 of the SGEMM rate, 1024-token blocks at
+/// 0.92: `docs/gpu.md`). At N=16384, D=4096, V=131072 the 512 MiB it then takes beside the f32
+/// dW stays near a tenth of what torch's eager call allocates.
+pub const DEFAULT_CUDA_BUDGET_BYTES: usize = 640 << 20;
 
 /// The budget of a loss call's plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -63,7 +67,7 @@ mod tests {
     #[test]
     fn the_default_follows_the_device_and_bytes_are_bytes() {
         assert_eq!(LossBudget::Default.of(Device::Cpu), Budget::Bytes(128 << 20));
-        assert_eq!(LossBudget::Default.of(Device::Cuda(3)), Budget::Bytes(256 << 20));
+        assert_eq!(LossBudget::Default.of(Device::Cuda(3)), Budget::Bytes(640 << 20));
         assert_eq!(LossBudget::Bytes(7).of(Device::Cuda(0)), Budget::Bytes(7));
         assert_ne!(LossBudget::Default.digest(), LossBudget::Bytes(128 << 20).digest());
         assert_eq!(LossBudget::checked(None), Ok(LossBudget::Default));

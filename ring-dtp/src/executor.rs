@@ -108,6 +108,7 @@ impl LinearCrossEntropy {
         let backend = match device {
             Device::Cpu => {
                 config.check_host_precision(plan.dtype(), "the CPU")?;
+                plan.check_host()?;
                 Backend::Cpu(Workspace::new(plan.workspace_bytes())?)
             }
             Device::Cuda(ordinal) => {
@@ -306,6 +307,14 @@ mod tests {
         let grads = lce.backward(&inputs, &fwd, GradOutput::Scalar(1.0).into()).unwrap();
         assert_eq!(grads, cpu::backward(&plan, &inputs, &fwd, GradOutput::Scalar(1.0).into()).unwrap());
         assert_eq!((lce.device(), lce.workspace_bytes()), (Device::Cpu, plan.workspace_bytes()));
+        // A plan sized for a device's buffers is refused on the CPU, by the executor and by the
+        // free functions alike.
+        let device =
+            Plan::sized_for(plan.config(), plan.shape(), Budget::Bytes(16 << 10), crate::Target::Device)
+                .unwrap();
+        let e = LinearCrossEntropy::new(device, Device::Cpu).unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig { field: "target", .. }), "{e}");
+        assert!(matches!(cpu::forward(&device, &inputs), Err(Error::InvalidConfig { field: "target", .. })));
     }
 
     #[test]

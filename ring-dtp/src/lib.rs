@@ -76,5 +76,7 @@ pub use inputs::{
     Forward, GradOutput, GradientSelection, Inputs, Loss, Matrix, MatrixTensor, Tensor, Upstream, Want,
     check_targets, check_weights,
 };
-pub use plan::{BlockRegions, BlockSchedule, Plan, RingChoice, RingKind, RingOptions, RingPlan, Shape};
+pub use plan::{
+    BlockRegions, BlockSchedule, Plan, RingChoice, RingKind, RingOptions, RingPlan, Shape, Target,
+};
 pub use ring::{RingLinearCrossEntropy, RingRank};

@@ -183,7 +183,7 @@ fn apply(
     let Checked { lead, shape } = check(x, w, targets, extras)?;
     let device = device_of(x.device())?;
     // Sized before any data is read: a bad option or an impossible budget fails here.
-    let plan = Plan::new(&options.config, shape, options.budget.of(device))?;
+    let plan = Plan::for_device(&options.config, shape, options.budget, device)?;
     let per_token = match device {
         Device::Cpu => PerToken::Host {
             targets: host::target_values(targets)?,

@@ -313,8 +313,9 @@ def linear_cross_entropy(
         token_weights: optional float32 per-token weights (finite, ``>= 0``), shaped like
             ``target``.
         return_lse: also return the per-token log-sum-exp (float32, differentiable).
-        budget_bytes: bound of the working set (default 128 MiB on a CPU, 256 MiB on a GPU,
-            whose GEMMs need larger blocks to fill it); the plan picks its blocks within it
+        budget_bytes: bound of the working set (default 128 MiB on a CPU, 640 MiB on a GPU,
+            whose GEMMs need wider blocks; each device's own block buffers are what it bounds);
+            the plan picks its blocks within it
             before any data is read. Where the working set is reserved (the CPU, and every ring),
             it is reserved once per shape and kept between calls with its executor, in
             flatpeak's executor cache: memory beside the model's that

@@ -311,6 +311,7 @@ impl BlockOps for CpuBlocks<'_, '_, '_> {
 /// A workspace of the plan's size, reserved for one call of the free functions below (the
 /// [`LinearCrossEntropy`](crate::LinearCrossEntropy) executor reserves one for all its calls).
 fn call_workspace(plan: &Plan) -> Result<Workspace> {
+    plan.check_host()?;
     Ok(Workspace::new(plan.workspace_bytes())?)
 }
 

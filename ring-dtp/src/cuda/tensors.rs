@@ -179,7 +179,7 @@ impl BlockBuffers {
     }
 
     /// The alignment, in bytes, of each buffer [`carved`](Self::carved) from one allocation.
-    pub const CARVE_ALIGN: usize = 256;
+    pub const CARVE_ALIGN: usize = crate::plan::DEVICE_REGION_ALIGN;
 
     /// The three buffers carved from one device allocation (a framework's workspace tensor, so
     /// its allocator sees the working set): each buffer's byte offset (a multiple of

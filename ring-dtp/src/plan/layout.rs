@@ -5,6 +5,10 @@
 use flatpeak_common::arena::REGION_ALIGN;
 use flatpeak_common::{DType, Precision};
 
+/// The alignment, in bytes, of each block buffer a device carves from one allocation (a
+/// framework's workspace tensor): [`BlockRegions::device_bytes`].
+pub const DEVICE_REGION_ALIGN: usize = 256;
+
 /// Rows of a bf16 W widened to f32 at a time by the CPU path (its `form_logits_widening`).
 pub const WIDEN_ROWS: usize = 2048;
 
@@ -70,6 +74,14 @@ impl BlockRegions {
         [self.logits, self.x_block, self.w_block, self.dx_partial]
     }
 
+    /// Bytes a device's block buffers take carved from one allocation: logits, X and W blocks
+    /// packed at [`DEVICE_REGION_ALIGN`], each at least one element ([`pack_regions`]); `None` on
+    /// overflow.
+    pub fn device_bytes(&self) -> Option<usize> {
+        let [logits, x, w, _] = self.lens();
+        pack_regions([logits, x, w], DEVICE_REGION_ALIGN).map(|(_, bytes)| bytes)
+    }
+
     /// Bytes the CPU reserves for them: 4 per element, and a [`REGION_ALIGN`] line for each
     /// region it carves (logits, X and W always, the dX partial where used); `None` on overflow.
     pub(crate) fn host_bytes(&self) -> Option<usize> {
@@ -110,6 +122,9 @@ mod tests {
         let widened = BlockRegions::device(256, 4096, 64, DType::Bf16, Precision::F32).unwrap();
         assert_eq!(widened.lens(), [256 * 4096, 256 * 64, 4096 * 64, 0]);
         assert_eq!(BlockRegions::host(usize::MAX, 2, 1, DType::F32), None);
+        // Carved at 256 B: logits, then the (empty, one-element) X and W regions.
+        assert_eq!(native.device_bytes(), Some(256 * 4096 * 4 + 256 + 4));
+        assert_eq!(widened.device_bytes(), Some(4 * (256 * 4096 + 256 * 64 + 4096 * 64)));
     }
 
     #[test]

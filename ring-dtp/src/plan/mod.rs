@@ -49,12 +49,13 @@ mod layout;
 mod ring;
 mod ring_buffers;
 
-pub use layout::{BlockRegions, SPLIT_K_MIN_ROWS, WIDEN_ROWS, pack_regions, splits_dx};
+pub use layout::{BlockRegions, DEVICE_REGION_ALIGN, SPLIT_K_MIN_ROWS, WIDEN_ROWS, pack_regions, splits_dx};
 pub use ring::{RingChoice, RingKind, RingOptions, RingPlan};
 pub(crate) use ring_buffers::{ActivationScratch, Packet, RegionKind, RegionSource, Slot, WeightScratch};
 
-use flatpeak_common::{Budget, DType, Precision};
+use flatpeak_common::{Budget, DType, Device, Precision};
 
+use crate::budget::LossBudget;
 use crate::config::Config;
 use crate::error::{Error, Result};
 
@@ -98,6 +99,31 @@ pub enum BlockSchedule {
     VocabBlocked,
 }
 
+/// Whose block buffers a plan's budget bounds: a backend's working set differs
+/// ([`BlockRegions`]: the CPU widens bf16 rows and splits dX's GEMM in host regions; a device
+/// reads bf16 in place and carves its buffers from one allocation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Target {
+    /// The CPU executor and the free functions of [`crate::cpu`]: [`BlockRegions::host_bytes`].
+    #[default]
+    Host,
+    /// A CUDA device (and the SIMT emulator running the same launches):
+    /// [`BlockRegions::device_bytes`]. Its plans choose wider token blocks within a budget
+    /// (a GPU's GEMMs want them: the dW GEMM stays memory-bound below several hundred tokens
+    /// per block) and are refused by the CPU executor.
+    Device,
+}
+
+impl Target {
+    /// The target of `device`'s executor.
+    pub fn of(device: Device) -> Self {
+        match device {
+            Device::Cpu => Target::Host,
+            Device::Cuda(_) => Target::Device,
+        }
+    }
+}
+
 /// Block sizes and working set of one call shape, with the [`Config`] they were planned for:
 /// an executor made from the plan runs that config, so the two cannot disagree.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -110,6 +136,7 @@ pub struct Plan {
     vocab_block: usize,
     schedule: BlockSchedule,
     config: Config,
+    target: Target,
 }
 
 /// The sizes of one call: N tokens of hidden size D against a vocabulary of V rows.
@@ -148,16 +175,51 @@ fn block_bytes(c: usize, vb: usize, d: usize, dtype: DType) -> Option<usize> {
     BlockRegions::host(c, vb, d, dtype)?.host_bytes()
 }
 
+/// Working-set bytes of blocks (C, Vb) on `target` under `precision`, `None` on overflow.
+fn target_bytes(
+    target: Target,
+    (c, vb): (usize, usize),
+    d: usize,
+    dtype: DType,
+    precision: Precision,
+) -> Option<usize> {
+    match target {
+        Target::Host => block_bytes(c, vb, d, dtype),
+        Target::Device => {
+            // The device's buffers, and never less than the host's checks: the sizes of a
+            // host plan of the same blocks must not overflow either.
+            block_bytes(c, vb, d, dtype)?;
+            BlockRegions::device(c, vb, d, dtype, precision)?.device_bytes()
+        }
+    }
+}
+
 impl Plan {
-    /// Chooses blocks for `shape` within `budget` of working set (the largest token blocks,
-    /// then the largest vocabulary blocks, that fit); [`Error::BudgetTooSmall`] when not even
-    /// 16 tokens × 64 vocabulary rows fit. [`Budget::Unlimited`] gives the materialized
-    /// `(N, V)` blocks.
+    /// Chooses blocks for `shape` within `budget` of the CPU's working set ([`Target::Host`]:
+    /// [`Plan::sized_for`]).
     pub fn new(config: &Config, shape: Shape, budget: Budget) -> Result<Self> {
+        Self::sized_for(config, shape, budget, Target::Host)
+    }
+
+    /// The plan of `shape` on `device` within `budget` (its default for the device:
+    /// [`LossBudget::of`]), sized by that device's block buffers ([`Target::of`]): what a
+    /// binding asks for a call.
+    pub fn for_device(config: &Config, shape: Shape, budget: LossBudget, device: Device) -> Result<Self> {
+        Self::sized_for(config, shape, budget.of(device), Target::of(device))
+    }
+
+    /// Chooses blocks for `shape` within `budget` of `target`'s working set (the largest token
+    /// blocks, then the largest vocabulary blocks, that fit); [`Error::BudgetTooSmall`] when not
+    /// even 16 tokens × 64 vocabulary rows fit. [`Budget::Unlimited`] gives the materialized
+    /// `(N, V)` blocks.
+    pub fn sized_for(config: &Config, shape: Shape, budget: Budget, target: Target) -> Result<Self> {
         config.validate()?;
         check_input_sizes(shape)?;
         let Shape { tokens: n, hidden: d, vocab: v, dtype } = shape;
-        let fits = |c: usize, vb: usize| block_bytes(c, vb, d, dtype).is_some_and(|b| budget.admits(b));
+        let precision = config.precision;
+        let fits = |c: usize, vb: usize| {
+            target_bytes(target, (c, vb), d, dtype, precision).is_some_and(|b| budget.admits(b))
+        };
         let plan = |token_block: usize, vocab_block: usize, schedule| Self {
             n,
             d,
@@ -167,6 +229,7 @@ impl Plan {
             vocab_block,
             schedule,
             config: *config,
+            target,
         };
         let cap = |c: usize| c.min(n.max(1));
         // First the full-vocabulary schedule with wide token blocks (one GEMM fewer, and a bf16
@@ -194,7 +257,7 @@ impl Plan {
                 vb = next;
             }
         }
-        let needed = block_bytes(cap(16), MIN_VOCAB_BLOCK.min(v1), d, dtype)
+        let needed = target_bytes(target, (cap(16), MIN_VOCAB_BLOCK.min(v1)), d, dtype, precision)
             .ok_or(Error::Common(flatpeak_common::Error::SizeOverflow { what: "ring-dtp block bytes" }))?;
         Err(Error::BudgetTooSmall { budget: budget.bytes(), needed, what: "16 tokens x 64 vocabulary rows" })
     }
@@ -222,7 +285,17 @@ impl Plan {
             return Err(Error::Common(flatpeak_common::Error::SizeOverflow { what: "ring-dtp block bytes" }));
         }
         let schedule = if vb >= v { BlockSchedule::FullVocab } else { BlockSchedule::VocabBlocked };
-        Ok(Self { n, d, v, dtype, token_block: c, vocab_block: vb, schedule, config: *config })
+        Ok(Self {
+            n,
+            d,
+            v,
+            dtype,
+            token_block: c,
+            vocab_block: vb,
+            schedule,
+            config: *config,
+            target: Target::Host,
+        })
     }
 
     plan_accessors! {
@@ -264,11 +337,29 @@ impl Plan {
             dx_partial: 0,
         })
     }
-    /// Bytes reserved at launch for blocks on the CPU (the [`host_regions`](Self::host_regions),
-    /// aligned); independent of N.
+    /// Bytes reserved at launch for blocks on the plan's [`Target`] (the CPU's
+    /// [`host_regions`](Self::host_regions) aligned, or a device's
+    /// [`device_regions`](Self::device_regions) carved from one allocation); independent of N.
     pub fn workspace_bytes(&self) -> usize {
         // Both constructors refuse blocks whose bytes overflow, so this is always `Some`.
-        block_bytes(self.token_block, self.vocab_block, self.d, self.dtype).unwrap_or(usize::MAX)
+        let blocks = (self.token_block, self.vocab_block);
+        target_bytes(self.target, blocks, self.d, self.dtype, self.config.precision).unwrap_or(usize::MAX)
+    }
+    /// Whose block buffers the plan was sized by.
+    pub fn target(&self) -> Target {
+        self.target
+    }
+    /// Refuses a plan sized by a device's block buffers on the CPU, whose own may be larger
+    /// (it widens bf16 rows and splits dX's GEMM): [`Error::InvalidConfig`] (`target`).
+    pub fn check_host(&self) -> Result<()> {
+        match self.target {
+            Target::Host => Ok(()),
+            Target::Device => Err(Error::invalid_config(
+                "target",
+                self.target,
+                "a plan sized for the CPU (Plan::new, or Plan::for_device with Device::Cpu) on the CPU",
+            )),
+        }
     }
     /// The CPU GEMM's own buffers, independent of N: its packed operand panels, bounded by
     /// `CPU_GEMM_SCRATCH_PER_THREAD` per thread, plus `4·CPU_GEMM_DEPTH_BLOCK·C` for the second
@@ -358,6 +449,49 @@ mod tests {
             Plan::with_blocks(&cfg, shape(8, 4, 16, DType::F32), (8, 0)),
             Err(Error::InvalidConfig { field: "vocab_block", .. })
         ));
+    }
+
+    #[test]
+    fn a_device_plan_is_sized_by_the_device_buffers_and_takes_wider_blocks() {
+        let cfg = Config::default();
+        let budget = Budget::Bytes(crate::DEFAULT_CUDA_BUDGET_BYTES);
+        // The default GPU budget gives 1024-token blocks over a 128K and a 152K vocabulary, in
+        // bf16 and f32: the device reads bf16 in place, so its blocks are the logits alone.
+        for (v, dtype) in [(131072, DType::Bf16), (131072, DType::F32), (152064, DType::Bf16)] {
+            let s = shape(16384, 4096, v, dtype);
+            let device = Plan::for_device(&cfg, s, LossBudget::Default, Device::Cuda(0)).unwrap();
+            assert_eq!(
+                (device.token_block(), device.schedule(), device.target()),
+                (1024, BlockSchedule::FullVocab, Target::Device)
+            );
+            assert_eq!(Some(device.workspace_bytes()), device.device_regions().device_bytes());
+            assert!(budget.admits(device.workspace_bytes()));
+            // The CPU's regions of the same blocks are larger (widened W rows, dX's partial).
+            let host = Plan::sized_for(&cfg, s, budget, Target::Host).unwrap();
+            assert!(host.workspace_bytes() <= budget.bytes());
+            if dtype == DType::Bf16 && v == 152064 {
+                assert!(host.token_block() < 1024, "{}", host.token_block());
+            }
+        }
+        // Within the same budget, the device's sizing never picks narrower blocks.
+        for (budget, d) in [(64usize << 20, 1024), (8 << 20, 256), (256 << 20, 4096)] {
+            for dtype in [DType::F32, DType::Bf16] {
+                let s = shape(8192, d, 32768, dtype);
+                let host = Plan::sized_for(&cfg, s, Budget::Bytes(budget), Target::Host).unwrap();
+                let device = Plan::sized_for(&cfg, s, Budget::Bytes(budget), Target::Device).unwrap();
+                assert!(device.workspace_bytes() <= budget, "{budget} {dtype:?}");
+                assert!(
+                    device.token_block() * device.vocab_block() >= host.token_block() * host.vocab_block()
+                );
+            }
+        }
+        // On the CPU, for_device is the host plan; a device plan there is refused, by name.
+        let s = shape(64, 32, 1000, DType::Bf16);
+        let cpu = Plan::for_device(&cfg, s, LossBudget::Default, Device::Cpu).unwrap();
+        assert_eq!(cpu, Plan::new(&cfg, s, LossBudget::Default.of(Device::Cpu)).unwrap());
+        assert_eq!(cpu.check_host(), Ok(()));
+        let device = Plan::for_device(&cfg, s, LossBudget::Default, Device::Cuda(0)).unwrap();
+        assert!(matches!(device.check_host(), Err(Error::InvalidConfig { field: "target", .. })));
     }
 
     #[test]
