@@ -62,6 +62,19 @@ run_stage() { # name, command...
 }
 
 bench_flags=(--warm-up-time 1 --measurement-time 3)
+# Nsight Compute over flatpeak's calls (bench_cuda.py --profile: each once), where the machine
+# has `ncu`: a per-kernel summary of its own kernels and the GEMMs beside them, the first 200
+# launches with the speed-of-light section only, so it fits a stage. A profiler the machine
+# does not allow (no access to the counters) is reported in its log, not as a failed check.
+profile_kernels() { # env prefix (env VAR=... or env)
+  if command -v ncu >/dev/null; then
+    run_stage ncu "$@" bash -c 'ncu --target-processes all --launch-count 200 --section SpeedOfLight \
+      --print-summary per-kernel python3 python/bench/bench_cuda.py --profile || echo "ncu exited $?"'
+  else
+    status+=("ncu|skipped (no ncu here)|0 s")
+  fi
+}
+
 # FLATPEAK_GPU_STAGES picks what a bundle run does (a rerun of one part saves device time):
 # any of `tests py py-bench benches`, all by default.
 stages=" ${FLATPEAK_GPU_STAGES:-tests py py-bench benches} "
@@ -93,7 +106,8 @@ if [[ "${FLATPEAK_GPU_BUNDLE:-}" == 1 ]] || ! command -v cargo >/dev/null; then
     # flatpeak.torch against torch on this GPU: docs/gpu.md's section, written to $out/gpu.md.
     if want py-bench; then
       cp docs/gpu.md "$out/gpu.md"
-      run_stage py-bench env PYTHONPATH="$site" python3 python/bench/bench_cuda.py --markdown "$out/gpu.md"
+      run_stage py-bench env PYTHONPATH="$site" python3 python/bench/bench_cuda.py --reps 5 --markdown "$out/gpu.md"
+      profile_kernels env PYTHONPATH="$site"
       # Reach on one GPU: the longest sequence under 8 GiB, FSDP2 against FSDP2 + flatpeak.
       run_stage py-reach env PYTHONPATH="$site" FLATPEAK_BIN="$root/.gpu-bundle/flatpeak" \
         python3 python/bench/bench_reach.py --device cuda --markdown "$out/gpu.md"
@@ -128,7 +142,8 @@ else
     run_stage py-build env MATURIN_PEP517_ARGS="--features cuda" python3 -m pip install --no-build-isolation ./python
     run_stage py-tests python3 -m pytest -q -p no:cacheprovider python/tests
     cp docs/gpu.md "$out/gpu.md"
-    run_stage py-bench python3 python/bench/bench_cuda.py --markdown "$out/gpu.md"
+    run_stage py-bench python3 python/bench/bench_cuda.py --reps 5 --markdown "$out/gpu.md"
+    profile_kernels env
     run_stage py-reach python3 python/bench/bench_reach.py --device cuda --markdown "$out/gpu.md"
   else
     status+=("py-tests|skipped (no torch+maturin+pytest with CUDA here)|0 s")
@@ -171,6 +186,9 @@ tail -n 3 "$out/py-tests.log" 2>/dev/null
 echo
 echo "== flatpeak.torch against torch on this GPU"
 grep -E "^\| " "$out/py-bench.log" 2>/dev/null
+echo
+echo "== top kernels under ncu (per-kernel summary: name, launches, duration)"
+grep -E "^  [A-Za-z_].*\(|Duration|Invocations" "$out/ncu.log" 2>/dev/null | head -60
 echo
 echo "== reach on this GPU"
 grep -E "^\| |^Longest" "$out/py-reach.log" 2>/dev/null

@@ -4,11 +4,16 @@
     python python/bench/bench_cuda.py --markdown docs/gpu.md     # ...and its section written there
     python python/bench/bench_cuda.py --device cpu --quick       # small shapes: check it runs
 
+    python python/bench/bench_cuda.py --profile                  # flatpeak's calls once each (for ncu)
+
 linear_cross_entropy (forward + backward, mean loss): flatpeak's CUDA path against
-``F.cross_entropy(F.linear(x, w).float(), t)`` and, where this torch has it,
-``F.linear_cross_entropy``. moe_swiglu on one GPU (``group=None``: every expert local) against
-the loop a single-GPU user writes (rows sorted by expert, ``F.linear`` per expert, weighted and
-summed per token), forward + backward of ``y.square().mean()``. Times: CUDA events around each
+``F.cross_entropy(F.linear(x, w).float(), t)`` eager and ``torch.compile``'d and, where this
+torch has it, ``F.linear_cross_entropy``. moe_swiglu on one GPU (``group=None``: every expert
+local) against the loop a single-GPU user writes (rows sorted by expert, ``F.linear`` per expert,
+weighted and summed per token) and a grouped-GEMM layer written as torchtitan's
+``GroupedExperts`` (``torch._grouped_mm`` over the rows sorted by expert, each expert's group
+padded to 16 rows), forward + backward of ``y.square().mean()``. A variant this torch or device
+cannot run is listed with why. Times: CUDA events around each
 call, the median of the repetitions after warm-ups; the variants alternate, repetition by
 repetition. Peak: ``torch.cuda.max_memory_allocated()`` during one call above what was allocated
 before it, the inputs with no gradients (each call starts without the previous one's): the
@@ -64,17 +69,25 @@ def compare(device: str, case, reps: int, warmups: int = 2):
     clears its inputs' gradients), the variants alternating repetition by repetition, each call
     starting without gradients."""
     variants, clear = case
-    for fn in variants.values():
-        for _ in range(warmups):
-            clear()
-            fn()
+    failed: Dict[str, str] = {}
+    for name, fn in list(variants.items()):
+        try:
+            for _ in range(warmups):
+                clear()
+                fn()
+        except Exception as e:  # noqa: BLE001 - a baseline this torch or device cannot run
+            if name == "flatpeak":
+                raise
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+            del variants[name]
     peaks = {name: peak_bytes(device, fn, clear) for name, fn in variants.items()}
     times: Dict[str, List[float]] = {name: [] for name in variants}
     for _ in range(reps):
         for name, fn in variants.items():
             clear()
             times[name].append(timed(device, fn))
-    return {name: (statistics.median(times[name]), peaks[name]) for name in variants}
+    results = {name: (statistics.median(times[name]), peaks[name]) for name in variants}
+    return results, failed
 
 
 def lce_variants(device: str, dtype: torch.dtype, n: int, d: int, v: int):
@@ -91,9 +104,13 @@ def lce_variants(device: str, dtype: torch.dtype, n: int, d: int, v: int):
     def clear():
         x.grad, w.grad = None, None
 
+    def eager():
+        return F.cross_entropy(F.linear(x, w).float(), t)
+
     variants = {
         "flatpeak": run(lambda: linear_cross_entropy(x, w, t)),
-        "torch_ce": run(lambda: F.cross_entropy(F.linear(x, w).float(), t)),
+        "torch_ce": run(eager),
+        "torch_ce_compiled": run(torch.compile(eager)),
     }
     if hasattr(F, "linear_cross_entropy"):
         variants["torch_lce"] = run(lambda: F.linear_cross_entropy(x, w, t))
@@ -128,6 +145,29 @@ def moe_loop(x, ids, w, gate_up, down):
     return torch.zeros_like(x).index_add(0, token, weighted)
 
 
+def moe_grouped(x, ids, w, gate_up, down, align: int = 16):
+    """torchtitan's ``GroupedExperts`` on our layout: the routes sorted by expert into groups
+    padded to ``align`` rows, one ``torch._grouped_mm`` per projection, weighted and summed per
+    token."""
+    e, inter, k = gate_up.shape[0], gate_up.shape[1] // 2, ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token, expert = order // k, flat[order]
+    counts = torch.bincount(flat, minlength=e)
+    padded = (counts + align - 1) // align * align
+    ends = torch.cumsum(padded, 0)
+    rank = torch.arange(order.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    pos = (ends - padded)[expert] + rank
+    rows = x.new_zeros(int(ends[-1]), x.shape[1])
+    rows[pos] = x[token]
+    offs = ends.to(torch.int32)
+    pre = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs)
+    act = F.silu(pre[:, :inter]) * pre[:, inter:]
+    out = torch._grouped_mm(act, down.transpose(-2, -1), offs=offs)
+    weighted = out[pos] * w.reshape(-1)[order].unsqueeze(1)
+    return torch.zeros_like(x).index_add(0, token, weighted)
+
+
 def moe_variants(device: str, dtype: torch.dtype, shape):
     from flatpeak.torch import moe_swiglu
 
@@ -143,6 +183,7 @@ def moe_variants(device: str, dtype: torch.dtype, shape):
     return {
         "flatpeak": run(lambda: moe_swiglu(x, ids, w, gate_up, down)),
         "torch_loop": run(lambda: moe_loop(x, ids, w, gate_up, down)),
+        "torch_grouped_mm": run(lambda: moe_grouped(x, ids, w, gate_up, down)),
     }, clear
 
 
@@ -156,6 +197,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes: check the script runs")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--markdown", metavar="PATH", help="write the section into PATH (between its markers)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run flatpeak's variant of each case once and nothing else (under a profiler)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_cuda.py: no CUDA device here (--device cpu --quick checks the script)")
@@ -177,14 +220,25 @@ def main() -> int:
         t, h, i, e, k = moe_shape
         cases.append(("moe_swiglu", dtype, f"T={t} H={h} I={i} E={e} k={k}",
                       lambda dtype=dtype: moe_variants(args.device, dtype, moe_shape)))
+    if args.profile:
+        for call, dtype, shape, make in cases:
+            variants, clear = make()
+            variants["flatpeak"]()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            print(f"profiled {call} {dtype} {shape}", flush=True)
+        return 0
     for call, dtype, shape, make in cases:
         case = make()
-        results = compare(args.device, case, args.reps)
+        results, failed = compare(args.device, case, args.reps)
         ours = results["flatpeak"][0]
+        label = f"| `{call}` | {str(dtype).removeprefix('torch.')} | {shape} |"
         for name, (seconds, peak) in results.items():
             speedup = "" if name == "flatpeak" else f"{seconds / ours:.2f}×"
-            lines.append(f"| `{call}` | {str(dtype).removeprefix('torch.')} | {shape} | {name} | "
-                         f"{seconds * 1e3:.2f} ms | {mib(peak)} | {speedup} |")
+            lines.append(f"{label} {name} | {seconds * 1e3:.2f} ms | {mib(peak)} | {speedup} |")
+            print(lines[-1], flush=True)
+        for name, why in failed.items():
+            lines.append(f"{label} {name} | not run: {why} | | |")
             print(lines[-1], flush=True)
         del case
         if args.device == "cuda":
