@@ -22,5 +22,6 @@
 
 pub mod components;
 pub mod figure;
+pub mod gpu_model;
 pub mod machine;
 pub mod report;

@@ -51,6 +51,14 @@ enum Command {
         #[arg(long)]
         quick: bool,
     },
+    /// The GPU bench's calls counted without a GPU (launches, host waits, GEMMs, kernel bytes)
+    /// beside the torch code they replace, and the time the counts imply on an H100 and an
+    /// H200: a predicted table.
+    GpuModel {
+        /// Also write the table into this file between its markers, e.g. docs/gpu.md.
+        #[arg(long, value_name = "PATH")]
+        markdown: Option<PathBuf>,
+    },
     /// Per-GPU memory of a long-context MoE training step: a tuned FSDP2 baseline against the
     /// flattened schedules, every peak, which is largest, and the longest context that fits.
     Plan {
@@ -255,6 +263,10 @@ fn main() -> ExitCode {
             let set = if quick { WorkloadSet::Quick } else { WorkloadSet::Full };
             report(&components, ReportFiles { json, markdown, svg }, set)
         }
+        Command::GpuModel { markdown } => flatpeak_bench::gpu_model::render().and_then(|section| {
+            print!("{section}");
+            markdown.map_or(Ok(()), |path| flatpeak_bench::gpu_model::write_section(&path, &section))
+        }),
         Command::Plan { model, context, gpus, gpu_mem, json } => {
             memory_plan(&model, context, gpus, gpu_mem, json)
         }

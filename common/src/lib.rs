@@ -43,6 +43,7 @@ pub mod budget;
 pub mod cache;
 pub mod comm;
 pub mod device;
+pub mod device_counts;
 pub mod digest;
 pub mod dtype;
 pub mod error;

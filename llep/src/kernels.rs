@@ -1,8 +1,8 @@
 //! This crate's CUDA sources, for the run-time kernel cache, the NVRTC compile check and the
 //! SIMT emulator.
 
-use flatpeak_common::kernel_source;
 use flatpeak_common::kernels::{BLOCK_REDUCE, KernelSource};
+use flatpeak_common::{DType, kernel_source};
 
 /// `kernels/llep.cu`: row gather (pack, expand, δ = w·dY), ordered scatter-add over rows grouped
 /// by destination (combine, return: [`ScatterGroups`](crate::device::ScatterGroups)),
@@ -28,3 +28,26 @@ pub const LLEP: KernelSource = kernel_source!(
 
 /// Threads per block of `llep_row_dot` (one block per row).
 pub const ROW_THREADS: u32 = 128;
+
+/// The entry point of kernel `f32_name` for buffers of `dtype`: its `_bf16` instantiation
+/// (`bf16_name`) for bf16. Every backend that launches by name (CUDA) or counts launches
+/// ([`crate::device::CountOps`]) names them here.
+pub fn entry(f32_name: &'static str, bf16_name: &'static str, dtype: DType) -> &'static str {
+    if dtype == DType::Bf16 { bf16_name } else { f32_name }
+}
+
+/// The `llep_scatter_add_rows` instantiation for rows of `src` into accumulators of `acc`
+/// (f32 → f32, bf16 → f32, bf16 → bf16); f32 rows into bf16 accumulators is
+/// [`Error::DtypeMismatch`](crate::Error::DtypeMismatch).
+pub fn scatter_entry(src: DType, acc: DType) -> crate::Result<&'static str> {
+    match (src, acc) {
+        (DType::F32, DType::F32) => Ok("llep_scatter_add_rows"),
+        (DType::Bf16, DType::F32) => Ok("llep_scatter_add_rows_bf16"),
+        (DType::Bf16, DType::Bf16) => Ok("llep_scatter_add_rows_bf16_bf16"),
+        _ => Err(crate::Error::DtypeMismatch {
+            what: "scatter_add_rows acc (at least as wide as src)",
+            expected: DType::F32,
+            found: acc,
+        }),
+    }
+}

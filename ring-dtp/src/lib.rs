@@ -44,6 +44,7 @@
 mod blocks;
 pub mod budget;
 pub mod config;
+pub mod count;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]

@@ -1,7 +1,6 @@
 //! The CUDA backend's buffers: [`CudaBuf`] (f32 or bf16 elements) and [`CudaIndex`] (u32 with
 //! a host mirror for the row-index checks), and the checked views every operation takes.
 
-use flatpeak_common::DType;
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
@@ -54,12 +53,6 @@ pub(super) fn scale_of<'a>(sel: &IndexedRows<'a, CudaBuf, CudaIndex>) -> Result<
     let s = s.as_f32("gather/scatter scale (f32 rows)")?;
     need("gather/scatter scale (f32 rows)", sel.rows, s.len())?;
     Ok(Some(s))
-}
-
-/// The entry point of kernel `f32_name` for buffers of `dtype`: its `_bf16` instantiation for
-/// bf16.
-pub(super) fn entry(f32_name: &'static str, bf16_name: &'static str, dtype: DType) -> &'static str {
-    if dtype == DType::Bf16 { bf16_name } else { f32_name }
 }
 
 /// A device buffer of u32 with a host mirror of its entries while they are known on the host

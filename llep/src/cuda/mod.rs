@@ -51,8 +51,9 @@ use crate::error::{Error, Result};
 mod buf;
 mod launch;
 
+use crate::kernels::entry;
 pub use buf::{CudaBuf, CudaIndex};
-use buf::{entry, scale_of, view, view_mut};
+use buf::{scale_of, view, view_mut};
 
 /// The CUDA device of one rank of a [`DeviceCommunicator`]: a compute stream beside the
 /// communicator's, the NVRTC kernels and a cuBLAS handle.
@@ -297,21 +298,14 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         }
         let (scale, index) = (scale_of(&sel)?, sel.index);
         let shape = (sel.rows, sel.width);
+        let name = crate::kernels::scatter_entry(sel.src.dtype(), acc.dtype())?;
         match (sel.src, acc) {
-            (CudaBuf::F32(s), CudaBuf::F32(a)) => {
-                self.launch_scatter("llep_scatter_add_rows", (s, index, scale), shape, a)
+            (CudaBuf::F32(s), CudaBuf::F32(a)) => self.launch_scatter(name, (s, index, scale), shape, a),
+            (CudaBuf::Bf16(s), CudaBuf::F32(a)) => self.launch_scatter(name, (s, index, scale), shape, a),
+            (CudaBuf::Bf16(s), CudaBuf::Bf16(a)) => self.launch_scatter(name, (s, index, scale), shape, a),
+            (CudaBuf::F32(_), CudaBuf::Bf16(_)) => {
+                Err(Error::internal("scatter_entry refuses f32 rows into bf16"))
             }
-            (CudaBuf::Bf16(s), CudaBuf::F32(a)) => {
-                self.launch_scatter("llep_scatter_add_rows_bf16", (s, index, scale), shape, a)
-            }
-            (CudaBuf::Bf16(s), CudaBuf::Bf16(a)) => {
-                self.launch_scatter("llep_scatter_add_rows_bf16_bf16", (s, index, scale), shape, a)
-            }
-            (CudaBuf::F32(_), CudaBuf::Bf16(_)) => Err(Error::DtypeMismatch {
-                what: "scatter_add_rows acc (at least as wide as src)",
-                expected: DType::F32,
-                found: DType::Bf16,
-            }),
         }
     }
 

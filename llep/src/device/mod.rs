@@ -33,6 +33,7 @@
 //! gradients are the caller's. Every backend runs the same operations in the same order; the
 //! GEMM and the reduction order of `row_dot` are the only differences between them.
 
+mod count;
 mod expert;
 mod host;
 mod pipeline;
@@ -47,6 +48,7 @@ use crate::error::{Error, Result};
 use crate::layer::{Gradients, Routing};
 use crate::plan::RouteMeta;
 
+pub use count::{CountBuf, CountOps, StepCounts, count_step};
 pub use scatter_groups::ScatterGroups;
 pub use schedule::{backward, forward};
 

@@ -1,0 +1,61 @@
+//! The device work of a training step counted without a device (`llep::device::count_step`):
+//! the counts the GPU schedule must keep, at the GPU bench's shape.
+
+use flatpeak_common::{LocalGroup, LocalGroupOptions, SplitMix64};
+use llep::device::{StepCounts, count_step};
+use llep::{Config, DType, Device, LayerBudget, Plan, Routing, Shape};
+
+/// T=8192 H=2048 I=1024 E=64 k=8 on one rank (`python/bench/bench_cuda.py`'s MoE shape).
+fn bench_shape(dtype: DType) -> Shape {
+    Shape { ranks: 1, tokens: 8192, hidden: 2048, intermediate: 1024, experts: 64, top_k: 8, dtype }
+}
+
+fn step(shape: Shape, budget: LayerBudget, device: Device) -> StepCounts {
+    let config = Config::default();
+    let mut rng = SplitMix64::new(7);
+    let routes = shape.tokens * shape.top_k;
+    let ids: Vec<i64> = (0..routes).map(|_| (rng.next_u64() % shape.experts as u64) as i64).collect();
+    let weights = vec![0.125f32; routes];
+    let out = LocalGroup::run(shape.ranks, LocalGroupOptions::default(), |comm| {
+        let launch = Plan::new(&config, shape, budget.of(&config, &shape, device).unwrap()).unwrap();
+        Ok(count_step(comm, &launch, &Routing { ids: &ids, weights: &weights }))
+    });
+    out.into_iter().next().unwrap().unwrap().unwrap()
+}
+
+#[test]
+fn the_bench_shape_runs_in_one_round_on_a_gpu_with_one_host_wait_per_pass() {
+    for dtype in [DType::Bf16, DType::F32] {
+        let shape = bench_shape(dtype);
+        let c = step(shape, LayerBudget::Default, Device::Cuda(0));
+        assert_eq!(c.rounds, 1, "{dtype:?}");
+        let routes = (shape.tokens * shape.top_k) as f64;
+        let (h, i, e) = (shape.hidden as f64, shape.intermediate as f64, shape.experts);
+        // Every route's row through gate, up and down once forward; the backward recomputes
+        // them and runs six more: three times the forward's FLOPs, exactly.
+        let flops =
+            |d: &flatpeak_common::device_counts::DeviceCounts| d.gemms.iter().map(|g| g.flops()).sum::<f64>();
+        assert_eq!(flops(&c.forward), 2.0 * routes * 3.0 * h * i);
+        assert_eq!(flops(&c.backward), 3.0 * flops(&c.forward));
+        // The counts that must not grow: per round, three GEMMs per expert group forward and
+        // nine backward (one group per expert at most), one host wait for the route metadata,
+        // and the launches of the expert groups and the round's exchanges.
+        assert_eq!((c.forward.gemms.len(), c.backward.gemms.len()), (3 * e, 9 * e), "{dtype:?}");
+        assert_eq!((c.forward.host_syncs, c.backward.host_syncs), (1, 1), "{dtype:?}");
+        assert!(c.forward.total_launches() <= 3 * e + 3, "{:?}", c.forward.launches);
+        assert!(c.backward.total_launches() <= 8 * e + 7, "{:?}", c.backward.launches);
+    }
+}
+
+#[test]
+fn the_cpu_budget_takes_more_rounds_each_with_its_own_host_wait() {
+    let shape = bench_shape(DType::Bf16);
+    let gpu = step(shape, LayerBudget::Default, Device::Cuda(0));
+    let cpu = step(shape, LayerBudget::Default, Device::Cpu);
+    assert!(cpu.rounds > 1, "{}", cpu.rounds);
+    assert_eq!((cpu.forward.host_syncs, cpu.backward.host_syncs), (cpu.rounds, cpu.rounds));
+    // The same work in more, smaller GEMMs.
+    let flops = |c: &StepCounts| c.forward.gemms.iter().map(|g| g.flops()).sum::<f64>();
+    assert_eq!(flops(&cpu), flops(&gpu));
+    assert!(cpu.forward.gemms.len() > gpu.forward.gemms.len());
+}
