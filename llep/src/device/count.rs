@@ -269,9 +269,10 @@ impl<C: Communicator + ?Sized> DeviceOps for CountOps<'_, C> {
         let (ns, nr): (usize, usize) = (send_counts.iter().sum(), recv_counts.iter().sum());
         elems(send, sa, ns, "all_to_all_v send elements")?;
         elems(recv, ra, nr, "all_to_all_v recv elements")?;
-        // The counts still agree over the group: every rank calls it (a collective).
-        let (mine, mut theirs) = (vec![0u32; ns], vec![0u32; nr]);
-        self.comm.all_to_all_v(&mine, send_counts, &mut theirs, recv_counts)?;
+        // Still a collective, without the rows: a word to every peer keeps the ranks in step.
+        let ones = vec![1usize; self.comm.world_size()];
+        let (mine, mut theirs) = (vec![0u32; ones.len()], vec![0u32; ones.len()]);
+        self.comm.all_to_all_v(&mine, &ones, &mut theirs, &ones)?;
         self.with(|c| {
             c.exchanges += 1;
             c.kernel_bytes += ((ns + nr) * size(send.dtype)) as u64;
