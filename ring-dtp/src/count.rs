@@ -1,5 +1,5 @@
 //! The loss's device work counted without a device ([`count_call`]): the block schedule every
-//! backend runs ([`crate::blocks::run_blocks`], through the driver's passes) over a counting
+//! backend runs (the driver's passes over its blocks) over a counting
 //! backend that issues, for each block operation, what the CUDA backend's `CudaBlocks` and its
 //! `Engine` issue — one cuBLAS GEMM per product, one launch per row kernel, the widening kernels
 //! where bf16 inputs meet f32 GEMMs, and the per-call work around the blocks (target

@@ -104,7 +104,7 @@ pub enum BlockSchedule {
 /// reads bf16 in place and carves its buffers from one allocation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Target {
-    /// The CPU executor and the free functions of [`crate::cpu`]: [`BlockRegions::host_bytes`].
+    /// The CPU executor and the free functions of [`crate::cpu`]: its host regions, aligned.
     #[default]
     Host,
     /// A CUDA device (and the SIMT emulator running the same launches):
