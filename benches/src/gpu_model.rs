@@ -136,9 +136,8 @@ fn llep_case(dtype: DType) -> Result<Case, String> {
     let budget =
         llep::LayerBudget::Default.of(&config, &shape, Device::Cuda(0)).map_err(|e| e.to_string())?;
     let launch = llep::Plan::new(&config, shape, budget).map_err(|e| e.to_string())?;
-    // Uniform routing, as the bench draws it.
-    let mut rng = SplitMix64::new(1);
-    let ids: Vec<i64> = (0..t * k).map(|_| (rng.next_u64() % e as u64) as i64).collect();
+    // Uniform top-k routing (k distinct experts a token), as the bench draws it.
+    let ids = SplitMix64::new(1).top_k_ids(t, e, k);
     let weights = vec![1.0f32 / k as f32; t * k];
     let mut rows = vec![0usize; e];
     for &id in &ids {

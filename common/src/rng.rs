@@ -48,11 +48,44 @@ impl SplitMix64 {
     pub fn normal_f32(&mut self, len: usize, mean: f32, std: f32) -> Vec<f32> {
         (0..len).map(|_| mean + std * self.next_normal() as f32).collect()
     }
+
+    /// A router's top-k choice, uniform: for each of `tokens` tokens `k` distinct experts of
+    /// `0..experts` (a partial Fisher–Yates shuffle), token-major, as `topk` of random scores
+    /// draws them. `k` above `experts` takes every expert.
+    pub fn top_k_ids(&mut self, tokens: usize, experts: usize, k: usize) -> Vec<i64> {
+        let k = k.min(experts);
+        let mut pool: Vec<i64> = (0..experts as i64).collect();
+        let mut ids = Vec::with_capacity(tokens * k);
+        for _ in 0..tokens {
+            for j in 0..k {
+                let pick = j + self.below((experts - j) as u64) as usize;
+                pool.swap(j, pick);
+                ids.push(pool[j]);
+            }
+        }
+        ids
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_k_ids_are_distinct_per_token_and_cover_the_experts() {
+        let ids = SplitMix64::new(3).top_k_ids(500, 16, 4);
+        assert_eq!(ids.len(), 2000);
+        let mut seen = [0usize; 16];
+        for token in ids.chunks(4) {
+            let mut t = token.to_vec();
+            t.sort_unstable();
+            t.dedup();
+            assert_eq!(t.len(), 4, "{token:?}");
+            token.iter().for_each(|&e| seen[e as usize] += 1);
+        }
+        assert!(seen.iter().all(|&n| (75..=175).contains(&n)), "{seen:?}");
+        assert_eq!(SplitMix64::new(1).top_k_ids(3, 2, 5).len(), 6, "k capped at the experts");
+    }
 
     #[test]
     fn reproducible_and_spread() {

@@ -66,6 +66,25 @@ __device__ __forceinline__ void llep_scatter_add_rows_impl(const S* __restrict__
     }
 }
 
+// acc[index[r]][c] += scale_r · src[r][c] for r < rows (scale null: 1) where no two rows share a
+// destination (llep's `ScatterLayout::Direct`, checked on the host): one thread per (row,
+// column), grid-stride over rows × width, one addition rounded once to A per element, as the
+// serial order adds it; the index is read as it is, nothing grouped or uploaded.
+template <typename S, typename A>
+__device__ __forceinline__ void llep_scatter_add_rows_direct_impl(const S* __restrict__ src,
+                                                                  const unsigned* __restrict__ index,
+                                                                  const float* __restrict__ scale, unsigned rows,
+                                                                  unsigned width, A* __restrict__ acc) {
+    const unsigned long long total = (unsigned long long)rows * width;
+    for (unsigned long long e = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; e < total;
+         e += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned r = (unsigned)(e / width), c = (unsigned)(e % width);
+        A* out = &acc[(unsigned long long)index[r] * width + c];
+        const float v = llep_load(src[e]);
+        *out = llep_store<A>(llep_load(*out) + (scale ? scale[r] * v : v));
+    }
+}
+
 __device__ __forceinline__ float llep_sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 // h = silu(g) ⊙ u, silu(g) = g·σ(g), over n elements.
@@ -111,7 +130,8 @@ __device__ __forceinline__ void llep_row_dot_impl(const T* __restrict__ a, const
 // The entry points, one per instantiation (C linkage: NVRTC and the emulator look them up by
 // name), generated for each element type T by LLEP_ENTRY_POINTS(SUFFIX, T): an f32 layer has no
 // suffix, a bf16 layer `_bf16`. Scatter-add accumulates T rows into f32 (`llep_scatter_add_rows`,
-// `llep_scatter_add_rows_bf16`) or, for bf16, into bf16 rows (`llep_scatter_add_rows_bf16_bf16`).
+// `llep_scatter_add_rows_bf16`) or, for bf16, into bf16 rows (`llep_scatter_add_rows_bf16_bf16`);
+// its `_direct` forms take the index of a scatter whose destinations are distinct.
 #define LLEP_ENTRY_POINTS(SUFFIX, T)                                                                 \
     extern "C" __global__ void llep_gather_rows##SUFFIX(const T* __restrict__ src,                 \
                                                         const unsigned* __restrict__ index,         \
@@ -138,6 +158,13 @@ __device__ __forceinline__ void llep_row_dot_impl(const T* __restrict__ a, const
                                                              unsigned n_groups, unsigned width,     \
                                                              float* __restrict__ acc) {             \
         llep_scatter_add_rows_impl(src, groups, scale, n_groups, width, acc);                        \
+    }                                                                                                \
+    extern "C" __global__ void llep_scatter_add_rows_direct##SUFFIX(const T* __restrict__ src,     \
+                                                                    const unsigned* __restrict__ index, \
+                                                                    const float* __restrict__ scale, \
+                                                                    unsigned rows, unsigned width,  \
+                                                                    float* __restrict__ acc) {      \
+        llep_scatter_add_rows_direct_impl(src, index, scale, rows, width, acc);                      \
     }
 
 LLEP_ENTRY_POINTS(, float)
@@ -148,4 +175,11 @@ extern "C" __global__ void llep_scatter_add_rows_bf16_bf16(const __nv_bfloat16* 
                                                            const float* __restrict__ scale, unsigned n_groups,
                                                            unsigned width, __nv_bfloat16* __restrict__ acc) {
     llep_scatter_add_rows_impl(src, groups, scale, n_groups, width, acc);
+}
+
+extern "C" __global__ void llep_scatter_add_rows_direct_bf16_bf16(const __nv_bfloat16* __restrict__ src,
+                                                                  const unsigned* __restrict__ index,
+                                                                  const float* __restrict__ scale, unsigned rows,
+                                                                  unsigned width, __nv_bfloat16* __restrict__ acc) {
+    llep_scatter_add_rows_direct_impl(src, index, scale, rows, width, acc);
 }

@@ -6,7 +6,7 @@
 
 use flatpeak_common::emu::{EmuLaunchConfig, launch_into};
 
-use crate::device::ScatterGroups;
+use crate::device::ScatterLayout;
 use crate::error::{Error, Result};
 
 mod ffi {
@@ -34,6 +34,9 @@ mod ffi {
         llep_scatter_add_rows: f32 => f32;
         llep_scatter_add_rows_bf16: bf16 => f32;
         llep_scatter_add_rows_bf16_bf16: bf16 => bf16;
+        llep_scatter_add_rows_direct: f32 => f32;
+        llep_scatter_add_rows_direct_bf16: bf16 => f32;
+        llep_scatter_add_rows_direct_bf16_bf16: bf16 => bf16;
     }
 
     unsafe extern "C" {
@@ -116,22 +119,26 @@ kernel_elem!(
 /// bf16 → bf16).
 pub trait ScatterInto<A>: KernelElem {
     /// `llep_scatter_add_rows` of this pair, `(src, groups, scale, n_groups, width, acc)`:
-    /// `groups` in [`ScatterGroups`]' layout for `n_groups` destinations (rows of `acc`, distinct)
+    /// `groups` in [`ScatterGroups`](crate::device::ScatterGroups)' layout for `n_groups` destinations (rows of `acc`, distinct)
     /// over rows of `src` (which holds them, width `width`), `scale` null or one per row.
     const SCATTER: Kernel<RowKernel<Self, A>>;
+    /// `llep_scatter_add_rows_direct` of this pair, `(src, index, scale, rows, width, acc)`:
+    /// `index` holding `rows` distinct rows of `acc`.
+    const SCATTER_DIRECT: Kernel<RowKernel<Self, A>>;
 }
 
 macro_rules! scatter_into {
-    ($s:ty => $a:ty, $f:ident) => {
+    ($s:ty => $a:ty, $f:ident, $direct:ident) => {
         impl ScatterInto<$a> for $s {
             const SCATTER: Kernel<RowKernel<Self, $a>> = kernel!($f);
+            const SCATTER_DIRECT: Kernel<RowKernel<Self, $a>> = kernel!($direct);
         }
     };
 }
 
-scatter_into!(f32 => f32, llep_scatter_add_rows);
-scatter_into!(half::bf16 => f32, llep_scatter_add_rows_bf16);
-scatter_into!(half::bf16 => half::bf16, llep_scatter_add_rows_bf16_bf16);
+scatter_into!(f32 => f32, llep_scatter_add_rows, llep_scatter_add_rows_direct);
+scatter_into!(half::bf16 => f32, llep_scatter_add_rows_bf16, llep_scatter_add_rows_direct_bf16);
+scatter_into!(half::bf16 => half::bf16, llep_scatter_add_rows_bf16_bf16, llep_scatter_add_rows_direct_bf16_bf16);
 
 /// Blocks of an emulated grid-stride launch (every CUDA thread is a fiber here).
 const EMU_MAX_BLOCKS: u32 = 4;
@@ -183,8 +190,10 @@ pub fn gather_rows<T: KernelElem>(
     Ok(unsafe { launch_into(T::GATHER.name, &linear_cfg(rows * width), &mut dst[..rows * width], call) }?)
 }
 
-/// `acc[index[r]] += scale_r·src[r]` for r in order, rows of width `width`: the rows grouped by
-/// destination on the host ([`ScatterGroups`]), one emulated thread per (destination, column).
+/// `acc[index[r]] += scale_r·src[r]` for r in order, rows of width `width`, in the layout a
+/// device runs it ([`ScatterLayout`]): distinct destinations directly (one emulated thread per
+/// (row, column), the index as it is), else the rows grouped by destination on the host
+/// ([`ScatterGroups`](crate::device::ScatterGroups)), one emulated thread per (destination, column).
 pub fn scatter_add_rows<S: ScatterInto<A>, A: KernelElem>(
     src: &[S],
     index: &[u32],
@@ -195,18 +204,33 @@ pub fn scatter_add_rows<S: ScatterInto<A>, A: KernelElem>(
     let rows = index.len();
     check("scatter src (rows·width)", rows * width, src.len())?;
     check_rows(index, width, acc.len(), scale)?;
-    let groups = ScatterGroups::new(index, acc.len() / width.max(1))?;
-    let (packed, n) = (groups.packed(), groups.groups());
     let sp = scale.map_or(std::ptr::null(), |s| s.as_ptr());
-    let call = |o: *mut A| {
-        // SAFETY: `packed` is `ScatterGroups`' layout for `n` groups over `rows` rows of `src`
-        // (which holds rows·width, checked), each destination a row of `o` (the accumulators,
-        // checked above); `scale` holds `rows` (or is null). Destinations are distinct, so each
-        // thread's (destination, column) element of `o` is its own.
-        unsafe { (S::SCATTER.entry)(src.as_ptr(), packed.as_ptr(), sp, n as u32, width as u32, o) }
-    };
-    // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps (LINEAR_THREADS).
-    Ok(unsafe { launch_into(S::SCATTER.name, &linear_cfg(n * width), acc, call) }?)
+    match ScatterLayout::of(index, acc.len() / width.max(1))? {
+        ScatterLayout::Direct => {
+            let call = |o: *mut A| {
+                // SAFETY: `index` holds `rows` distinct rows of `o` (the accumulators, checked
+                // above), `src` holds rows·width (checked) and `scale` `rows` (or is null); each
+                // thread's (row, column) element of `o` is its own (destinations distinct).
+                unsafe {
+                    (S::SCATTER_DIRECT.entry)(src.as_ptr(), index.as_ptr(), sp, rows as u32, width as u32, o)
+                }
+            };
+            // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps.
+            Ok(unsafe { launch_into(S::SCATTER_DIRECT.name, &linear_cfg(rows * width), acc, call) }?)
+        }
+        ScatterLayout::Grouped(groups) => {
+            let (packed, n) = (groups.packed(), groups.groups());
+            let call = |o: *mut A| {
+                // SAFETY: `packed` is `ScatterGroups`' layout for `n` groups over `rows` rows of
+                // `src` (which holds rows·width, checked), each destination a row of `o` (the
+                // accumulators, checked above); `scale` holds `rows` (or is null). Destinations are
+                // distinct, so each thread's (destination, column) element of `o` is its own.
+                unsafe { (S::SCATTER.entry)(src.as_ptr(), packed.as_ptr(), sp, n as u32, width as u32, o) }
+            };
+            // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps.
+            Ok(unsafe { launch_into(S::SCATTER.name, &linear_cfg(n * width), acc, call) }?)
+        }
+    }
 }
 
 /// `h = silu(gate) ⊙ up` over `h.len()` elements.

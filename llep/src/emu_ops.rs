@@ -50,11 +50,15 @@ fn emu_rows<'a>(sel: &EmuRows<'a>) -> Result<Option<IndexScale<'a>>> {
     if sel.is_empty() {
         return Ok(None);
     }
-    let index = span("gather/scatter index (rows)", sel.index, 0, sel.rows)?;
-    Ok(Some((
-        index,
-        sel.scale.map(|s| s.as_f32("gather/scatter scale (f32)").map(Vec::as_slice)).transpose()?,
-    )))
+    let index = &sel.index[sel.index_range(sel.index.len())?];
+    let scale = match sel.scale {
+        Some(s) => {
+            let s = s.as_f32("gather/scatter scale (f32)")?;
+            Some(&s[sel.scale_range(s.len())?])
+        }
+        None => None,
+    };
+    Ok(Some((index, scale)))
 }
 
 impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {

@@ -13,7 +13,7 @@
 //! Memory bound per rank (all sizes in the launch [`Plan`]'s [`Buffers`], fixed by the config,
 //! the shape and the budget before any routing is known): D pipeline copies of send, receive
 //! and output buffers of P·q rows × H with their token and route lists (backward adds dY rows
-//! and d(weights)), the expert scratch of G = P·q rows × (H, I) with one group's index lists,
+//! and d(weights)), the expert scratch of G = P·q rows × (H, I), the round's index lists (P·q·k routes),
 //! F_max foreign expert slots of 3·H·I, and on the host 8·N·k bytes of route tables, up to two
 //! rounds' received route metadata and the grouping arrays ([`Buffers::regions`] lists every
 //! one). Nothing scales with the skew; the baselines ([`Scheme::Llep`], [`Scheme::StandardEp`])

@@ -155,7 +155,7 @@ impl Plan {
 /// buffer and an output buffer of `recv_rows` rows, each H wide, with k metadata entries per
 /// row; backward adds dY send/receive buffers and d(weights) buffers. Once: the expert scratch
 /// (X, Y and SwiGLU intermediates of G rows; backward adds dY, h and the routes' dot products),
-/// one expert group's index lists, F foreign weight slots (3·H·I each; backward adds their
+/// a round's index lists (recv_rows·k routes), F foreign weight slots (3·H·I each; backward adds their
 /// gradients and one H·I return buffer), and on the host the N·k-entry route tables, the
 /// received metadata's staging and the grouping arrays. [`Buffers::regions`] lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -286,9 +286,14 @@ impl Buffers {
         let staging = p(&[w(staging_slots(self.depth)), recv, k, meta]);
         let grouping = p(&[4, w(s.local_experts()).saturating_add(slots).saturating_add(1)]);
         out.extend([staging, p(&[recv, k, group]), grouping].map(host));
-        out.extend([p(&[g, 4]), p(&[g, 4])].map(dev));
+        // The round's lists (every group a range): rows and weights; backward adds the metadata
+        // entries and the identity index of G rows.
+        out.extend([p(&[recv, k, 4]), p(&[recv, k, 4])].map(dev));
         if bwd {
-            out.extend([p(&[g, 4]), p(&[send, k, 4]), p(&[send, k, 4]), p(&[send, k, 4]), 4].map(dev));
+            out.extend(
+                [p(&[recv, k, 4]), p(&[g, 4]), p(&[send, k, 4]), p(&[send, k, 4]), p(&[send, k, 4]), 4]
+                    .map(dev),
+            );
         }
         out.extend([p(&[g, h, b]), p(&[g, h.max(i), b]), p(&[g, i, b]), p(&[g, i, b])].map(dev));
         if bwd {

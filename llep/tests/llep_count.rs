@@ -12,9 +12,9 @@ fn bench_shape(dtype: DType) -> Shape {
 
 fn step(shape: Shape, budget: LayerBudget, device: Device) -> StepCounts {
     let config = Config::default();
-    let mut rng = SplitMix64::new(7);
     let routes = shape.tokens * shape.top_k;
-    let ids: Vec<i64> = (0..routes).map(|_| (rng.next_u64() % shape.experts as u64) as i64).collect();
+    // A router's choice: k distinct experts a token.
+    let ids = SplitMix64::new(7).top_k_ids(shape.tokens, shape.experts, shape.top_k);
     let weights = vec![0.125f32; routes];
     let out = LocalGroup::run(shape.ranks, LocalGroupOptions::default(), |comm| {
         let launch = Plan::new(&config, shape, budget.of(&config, &shape, device).unwrap()).unwrap();
@@ -44,6 +44,18 @@ fn the_bench_shape_runs_in_one_round_on_a_gpu_with_one_host_wait_per_pass() {
         assert_eq!((c.forward.host_syncs, c.backward.host_syncs), (1, 1), "{dtype:?}");
         assert!(c.forward.total_launches() <= 3 * e + 3, "{:?}", c.forward.launches);
         assert!(c.backward.total_launches() <= 8 * e + 7, "{:?}", c.backward.launches);
+        // Uploads per pass a handful, not per group: the round's lists once (rows, weights;
+        // backward the metadata entries too), the send lists, and no scatter's groups (a
+        // group's rows are distinct, so its scatters run directly on the lists).
+        assert!(c.forward.uploads <= 6, "forward uploads: {}", c.forward.uploads);
+        assert!(c.backward.uploads <= 10, "backward uploads: {}", c.backward.uploads);
+        let grouped = |d: &flatpeak_common::device_counts::DeviceCounts| {
+            d.launches
+                .keys()
+                .filter(|k| k.starts_with("llep_scatter_add_rows") && !k.contains("direct"))
+                .count()
+        };
+        assert_eq!((grouped(&c.forward), grouped(&c.backward)), (0, 0), "{:?}", c.backward.launches);
     }
 }
 

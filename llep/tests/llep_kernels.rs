@@ -1,5 +1,6 @@
 //! The device kernels (`kernels/llep.cu`) under the SIMT emulator against plain loops: row
-//! gather with and without a scale, ordered scatter-add with duplicate indices, SwiGLU forward
+//! gather with and without a scale, scatter-add direct (distinct rows) and ordered over duplicate
+//! indices, SwiGLU forward
 //! and backward, and per-row dot products — on ragged sizes, both thread schedules (a race is an
 //! error). Runs with `--features cuda-emu`.
 #![cfg(feature = "cuda-emu")]
@@ -90,6 +91,39 @@ fn a_bf16_scatter_rounds_after_every_addition_in_input_order() {
     }
     emu::scatter_add_rows(&src, &index, Some(&scale), width, &mut acc32).unwrap();
     assert_eq!(acc32, serial32);
+}
+
+#[test]
+fn a_scatter_to_distinct_rows_runs_directly_with_the_serial_bits() {
+    use half::bf16;
+    use llep::device::ScatterLayout;
+    let mut rng = SplitMix64::new(5);
+    // One expert group's rows: a permutation of a part of the accumulator's rows.
+    let (rows, width, acc_rows) = (45usize, 19usize, 64usize);
+    let index: Vec<u32> = (0..rows).map(|r| ((r * 13 + 5) % acc_rows) as u32).collect();
+    assert_eq!(ScatterLayout::of(&index, acc_rows).unwrap(), ScatterLayout::Direct);
+    let src: Vec<bf16> = rng.normal_f32(rows * width, 0.0, 1.0).into_iter().map(bf16::from_f32).collect();
+    let scale = rng.uniform_f32(rows, 0.1, 2.0);
+    let start: Vec<bf16> =
+        rng.normal_f32(acc_rows * width, 0.0, 1.0).into_iter().map(bf16::from_f32).collect();
+    for s in [None, Some(&scale[..])] {
+        let add = |r: usize, v: f32| s.map_or(v, |s| s[r] * v);
+        let mut serial = start.clone();
+        let mut serial32: Vec<f32> = start.iter().map(|x| x.to_f32()).collect();
+        for r in 0..rows {
+            for c in 0..width {
+                let (at, v) = (index[r] as usize * width + c, src[r * width + c].to_f32());
+                serial[at] = bf16::from_f32(serial[at].to_f32() + add(r, v));
+                serial32[at] += add(r, v);
+            }
+        }
+        let mut acc = start.clone();
+        emu::scatter_add_rows(&src, &index, s, width, &mut acc).unwrap();
+        assert_eq!(acc, serial, "bf16 into bf16");
+        let mut acc32: Vec<f32> = start.iter().map(|x| x.to_f32()).collect();
+        emu::scatter_add_rows(&src, &index, s, width, &mut acc32).unwrap();
+        assert_eq!(acc32, serial32, "bf16 into f32");
+    }
 }
 
 #[test]

@@ -121,7 +121,8 @@ def moe_problem(device: str, dtype: torch.dtype, shape: Tuple[int, int, int, int
     t, h, i, e, k = shape
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(t, h, generator=g).to(device, dtype)
-    ids = torch.randint(0, e, (t, k), generator=g).to(device)
+    # A router's choice: the top k of random scores, k distinct experts a token.
+    ids = torch.rand(t, e, generator=g).topk(k, dim=1).indices.to(device)
     w = torch.rand(t, k, generator=g).to(device, dtype)
     gate_up = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(device, dtype)
     down = (torch.randn(e, h, i, generator=g) / i ** 0.5).to(device, dtype)

@@ -76,9 +76,28 @@ extern "C" __global__ void lce_resolve_targets(const long long* __restrict__ tar
     }
 }
 
-// Folds a raw logits block into the rows' running statistics (block b = row k, grid = C):
-// z = softcap(u + bias); M' = max(M, max_j z); S' = S·e^(M − M') + Σ_j e^(z_j − M') (f64);
-// the target logit when the row's target lies in v0..v0+vb; Σ_j z_j (f64) when `smoothing`.
+// Whether row pointer `row` of a block vb wide takes 16-byte loads: vb a multiple of 4 and the
+// row 16-byte aligned (the block buffer is carved at 256 bytes, so every row is when vb is).
+__device__ __forceinline__ bool lce_vectorized(const float* row, unsigned vb) {
+    return (vb & 3u) == 0 && ((unsigned long long)row & 15ull) == 0;
+}
+
+// One logit into a thread's online statistics: m its running max, s = Σ e^(z − m) (f64) over
+// the logits it saw. A larger z rescales s once; −∞ adds nothing; NaN propagates into s.
+__device__ __forceinline__ void lce_online(float z, float& m, double& s) {
+    if (z > m) {
+        s = s * (double)expf(m - z) + 1.0;
+        m = z;
+    } else if (z != LCE_NEG_INF) {
+        s += (double)expf(z - m);
+    }
+}
+
+// Folds a raw logits block into the rows' running statistics (block b = row k, grid = C) in one
+// read of the row (16-byte loads where `lce_vectorized`): each thread keeps an online (max, sum)
+// over its logits, z = softcap(u + bias); then M' = max(M, max_j z) and
+// S' = S·e^(M − M') + Σ_threads s_t·e^(m_t − M') (f64, threads in a fixed order); the target
+// logit when the row's target lies in v0..v0+vb; Σ_j z_j (f64) when `smoothing`.
 extern "C" __global__ void lce_fold(const float* __restrict__ logits, unsigned vb, unsigned v0,
                                     const float* __restrict__ bias, float softcap,
                                     const unsigned* __restrict__ targets, float* __restrict__ row_max,
@@ -87,19 +106,29 @@ extern "C" __global__ void lce_fold(const float* __restrict__ logits, unsigned v
     const unsigned k = blockIdx.x;
     const float* row = logits + (unsigned long long)k * vb;
     float m = LCE_NEG_INF;
-    double zs = 0.0;
-    for (unsigned j = threadIdx.x; j < vb; j += blockDim.x) {
-        const float z = lce_logit(row[j], bias, j, softcap);
-        m = fmaxf(m, z);
-        zs += (double)z;
+    double s = 0.0, zs = 0.0;
+    if (lce_vectorized(row, vb)) {
+        const float4* row4 = reinterpret_cast<const float4*>(row);
+        for (unsigned q = threadIdx.x; q < vb / 4; q += blockDim.x) {
+            const float4 u = row4[q];
+            const float z[4] = {lce_logit(u.x, bias, 4 * q, softcap), lce_logit(u.y, bias, 4 * q + 1, softcap),
+                                lce_logit(u.z, bias, 4 * q + 2, softcap), lce_logit(u.w, bias, 4 * q + 3, softcap)};
+            for (int e = 0; e < 4; ++e) {
+                lce_online(z[e], m, s);
+                zs += (double)z[e];
+            }
+        }
+    } else {
+        for (unsigned j = threadIdx.x; j < vb; j += blockDim.x) {
+            const float z = lce_logit(row[j], bias, j, softcap);
+            lce_online(z, m, s);
+            zs += (double)z;
+        }
     }
     const float m_old = row_max[k];
     const float m_new = fmaxf(m_old, lce_block_max(m));
-    double s = 0.0;
-    for (unsigned j = threadIdx.x; j < vb; j += blockDim.x) {
-        s += (double)expf(lce_logit(row[j], bias, j, softcap) - m_new);
-    }
-    s = flatpeak_block_sum(s);
+    // A thread that saw only −∞ (or nothing) holds s = 0; NaN stays NaN.
+    s = flatpeak_block_sum(s > 0.0 ? s * exp((double)m - (double)m_new) : s);
     if (smoothing) zs = flatpeak_block_sum(zs);
     if (threadIdx.x == 0) {
         const unsigned y = targets[k];
@@ -121,28 +150,89 @@ extern "C" __global__ void lce_row_lse(const float* __restrict__ row_max, const 
     }
 }
 
-// Turns a raw logits block into the logit gradient in place (block b = row k, grid = C):
-// with p = e^(z − lse), c the row's scale, zm = 2λ·lse·c + dlse, b = c·α/V, t = c·((1−α) + α/V):
+// The logit gradient of one logit: row constants of `lce_gradient`.
+struct LceGradRow {
+    const float* bias;
+    float softcap, c, l, zm, b, t;
+    unsigned at;
+};
+
+__device__ __forceinline__ float lce_grad(const LceGradRow& r, float u, unsigned j) {
+    const float z = lce_logit(u, r.bias, j, r.softcap);
+    const float p = expf(z - r.l);
+    const float g = j == r.at ? (r.c * p - r.t) + r.zm * p : r.c * p - r.b + r.zm * p;
+    return g * lce_softcap_derivative(z, r.softcap);
+}
+
+__device__ __forceinline__ unsigned lce_pack_bf16x2(float lo, float hi) {
+    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+           ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+}
+
+// Turns a raw logits block into the logit gradient in place (block b = row k, grid = C), one
+// read of the row (16-byte loads where `lce_vectorized`): with p = e^(z − lse), c the row's
+// scale, zm = 2λ·lse·c + dlse, b = c·α/V, t = c·((1−α) + α/V):
 // G = (c·p − b + zm·p)·f(z) off the target and ((c·p − t) + zm·p)·f(z) at it, f the softcap
-// derivative. `dlse` may be null.
+// derivative. `dlse` may be null. `store_bf16` 0: G stored as f32 over the logits. 1: each row
+// rounded to bf16 (nearest even) into the first half of its bytes (bf16 j of row k at bf16
+// element 2·vb·k + j: the operand of the bf16 dX/dW GEMMs) in the same pass — per chunk of
+// blockDim.x elements (or float4s) every thread reads before any writes (barrier), and a
+// chunk's bf16 slots lie in f32 elements already read by this chunk or an earlier one.
 extern "C" __global__ void lce_gradient(float* __restrict__ logits, unsigned vb, unsigned v0,
                                         const float* __restrict__ bias, float softcap,
                                         const unsigned* __restrict__ targets, const float* __restrict__ coef,
                                         const float* __restrict__ lse, const float* __restrict__ dlse,
-                                        float alpha, float lambda, unsigned long long vocab) {
+                                        float alpha, float lambda, unsigned long long vocab, int store_bf16) {
     const unsigned k = blockIdx.x;
     float* row = logits + (unsigned long long)k * vb;
-    const float c = coef[k], l = lse[k];
-    const float zm = 2.0f * lambda * l * c + (dlse ? dlse[k] : 0.0f);
-    const float b = c * alpha / (float)vocab;
-    const float t = c * (float)((1.0 - (double)alpha) + (double)alpha / (double)vocab);
+    LceGradRow r;
+    r.bias = bias;
+    r.softcap = softcap;
+    r.c = coef[k];
+    r.l = lse[k];
+    r.zm = 2.0f * lambda * r.l * r.c + (dlse ? dlse[k] : 0.0f);
+    r.b = r.c * alpha / (float)vocab;
+    r.t = r.c * (float)((1.0 - (double)alpha) + (double)alpha / (double)vocab);
     const unsigned y = targets[k];
-    const unsigned at = (y != LCE_NO_TARGET && y >= v0 && y - v0 < vb) ? y - v0 : LCE_NO_TARGET;
-    for (unsigned j = threadIdx.x; j < vb; j += blockDim.x) {
-        const float z = lce_logit(row[j], bias, j, softcap);
-        const float p = expf(z - l);
-        const float g = j == at ? (c * p - t) + zm * p : c * p - b + zm * p;
-        row[j] = g * lce_softcap_derivative(z, softcap);
+    r.at = (y != LCE_NO_TARGET && y >= v0 && y - v0 < vb) ? y - v0 : LCE_NO_TARGET;
+    if (lce_vectorized(row, vb)) {
+        float4* row4 = reinterpret_cast<float4*>(row);
+        const unsigned n4 = vb / 4;
+        if (!store_bf16) {
+            for (unsigned q = threadIdx.x; q < n4; q += blockDim.x) {
+                const float4 u = row4[q];
+                row4[q] = make_float4(lce_grad(r, u.x, 4 * q), lce_grad(r, u.y, 4 * q + 1), lce_grad(r, u.z, 4 * q + 2),
+                                      lce_grad(r, u.w, 4 * q + 3));
+            }
+            return;
+        }
+        // bf16 slots 4q..4q+4 of the row are its bytes 8q..8q+8: one uint2 per float4.
+        uint2* out = reinterpret_cast<uint2*>(row);
+        for (unsigned base = 0; base < n4; base += blockDim.x) {
+            const unsigned q = base + threadIdx.x;
+            uint2 packed = make_uint2(0u, 0u);
+            if (q < n4) {
+                const float4 u = row4[q];
+                packed = make_uint2(lce_pack_bf16x2(lce_grad(r, u.x, 4 * q), lce_grad(r, u.y, 4 * q + 1)),
+                                    lce_pack_bf16x2(lce_grad(r, u.z, 4 * q + 2), lce_grad(r, u.w, 4 * q + 3)));
+            }
+            __syncthreads();
+            if (q < n4) out[q] = packed;
+            __syncthreads();
+        }
+        return;
+    }
+    if (!store_bf16) {
+        for (unsigned j = threadIdx.x; j < vb; j += blockDim.x) row[j] = lce_grad(r, row[j], j);
+        return;
+    }
+    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(row);
+    for (unsigned base = 0; base < vb; base += blockDim.x) {
+        const unsigned j = base + threadIdx.x;
+        const float g = j < vb ? lce_grad(r, row[j], j) : 0.0f;
+        __syncthreads();
+        if (j < vb) out[j] = __float2bfloat16_rn(g);
+        __syncthreads();
     }
 }
 

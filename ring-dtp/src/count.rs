@@ -12,6 +12,7 @@ use flatpeak_common::{DType, Precision};
 use crate::blocks::{BlockAt, BlockOps, GradientInputs, Pass, run_blocks};
 use crate::config::Config;
 use crate::error::Result;
+use crate::kernels::GradientStore;
 use crate::loss::Stats;
 use crate::plan::{BlockSchedule, Plan};
 
@@ -36,6 +37,10 @@ impl CountBlocks<'_> {
     /// bf16 inputs multiplied in place by bf16 GEMMs (no widening).
     fn native_bf16(&self) -> bool {
         self.plan.dtype() == DType::Bf16 && self.config.precision != Precision::F32
+    }
+    /// How the gradient kernel stores G (as `CudaBlocks` chooses it).
+    fn store(&self) -> GradientStore {
+        GradientStore::for_block(self.native_bf16(), self.call.bias)
     }
     fn gemm_dtype(&self) -> DType {
         if self.native_bf16() { DType::Bf16 } else { DType::F32 }
@@ -101,9 +106,14 @@ impl BlockOps for CountBlocks<'_> {
         Ok(())
     }
     fn gradient(&mut self, at: BlockAt, _pass: Pass, _gradient: &GradientInputs<'_>) -> Result<()> {
-        // In place over the block; the row scales and targets read.
+        // In place over the block (f32 written back, or bf16 rows: 2 bytes a logit); the row
+        // scales and targets read.
         let bias = if self.call.bias { 4 * at.vb } else { 0 };
-        self.counts.launch("lce_gradient", 8 * at.c * at.vb + 16 * at.c + bias);
+        let written = match self.store() {
+            GradientStore::F32 => 4,
+            GradientStore::Bf16Rows => 2,
+        };
+        self.counts.launch("lce_gradient", (4 + written) * at.c * at.vb + 16 * at.c + bias);
         Ok(())
     }
     fn project(&mut self, at: BlockAt) -> Result<()> {
@@ -111,7 +121,7 @@ impl BlockOps for CountBlocks<'_> {
         if self.call.bias {
             self.counts.launch("lce_bias_grad", 4 * c * vb + 8 * vb);
         }
-        if self.native_bf16() {
+        if self.store() == GradientStore::F32 && self.native_bf16() {
             self.counts.launch("lce_narrow_rows_bf16", 6 * c * vb);
         }
         self.gemm((c, d, vb), true);
@@ -166,19 +176,33 @@ mod tests {
     use crate::plan::Shape;
 
     #[test]
-    fn the_fused_schedule_runs_three_gemms_and_four_row_kernels_per_block() {
+    fn the_fused_schedule_runs_three_gemms_and_three_row_kernels_per_block() {
         let config = Config::default();
         let shape = Shape { tokens: 16384, hidden: 4096, vocab: 131072, dtype: DType::Bf16 };
         let plan = Plan::for_device(&config, shape, LossBudget::Default, Device::Cuda(0)).unwrap();
         let blocks = shape.tokens.div_ceil(plan.token_block());
         let c = count_call(&plan, CountedCall { bias: false, token_weights: false }).unwrap();
         assert_eq!(blocks, 16);
-        // The counts that must not grow: three GEMMs and four row kernels a block, a handful
-        // of host waits a call.
+        // The counts that must not grow: three GEMMs and three row kernels a block (the bf16
+        // rounding of G fused into the gradient kernel without a bias), a handful of host
+        // waits a call; each logit read once by the fold and read once, written as bf16, by the
+        // gradient.
         assert_eq!(c.gemms.len(), 3 * blocks);
-        for kernel in ["lce_fold", "lce_row_lse", "lce_gradient", "lce_narrow_rows_bf16"] {
+        for kernel in ["lce_fold", "lce_row_lse", "lce_gradient"] {
             assert_eq!(c.launches[kernel], blocks, "{kernel}");
         }
+        assert!(!c.launches.contains_key("lce_narrow_rows_bf16"));
+        let logits = (shape.tokens * shape.vocab) as u64;
+        let zeroed = 4 * (shape.tokens + shape.vocab) as u64 * shape.hidden as u64;
+        let per_token = 1 << 24;
+        assert!(
+            c.kernel_bytes <= 10 * logits + zeroed + per_token,
+            "{} bytes for {logits} logits",
+            c.kernel_bytes
+        );
+        // With a bias, dbias sums the f32 G before it is rounded: the rounding is its own pass.
+        let b = count_call(&plan, CountedCall { bias: true, token_weights: false }).unwrap();
+        assert_eq!(b.launches["lce_narrow_rows_bf16"], blocks);
         assert!(!c.launches.contains_key("lce_widen_bf16"));
         assert_eq!(c.host_syncs, 6);
         // The GEMMs are the three products over the whole logits matrix, exactly.

@@ -14,7 +14,7 @@ use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
 use crate::gradients::{GradientBuffers, Gradients, GradientsMut};
 use crate::inputs::{Forward, GradOutput, Inputs, Matrix, Upstream};
-use crate::kernels::{NO_TARGET, softcap_arg};
+use crate::kernels::{GradientStore, NO_TARGET, softcap_arg};
 use crate::loss::Stats;
 use crate::plan::Plan;
 
@@ -56,6 +56,7 @@ mod ffi {
             alpha: f32,
             lambda: f32,
             vocab: u64,
+            store_bf16: i32,
         );
         pub fn lce_row_lse(row_max: *const f32, row_sum: *const f64, lse: *mut f32, rows: u32);
         pub fn lce_bias_grad(g: *const f32, rows: u32, vb: u32, dbias: *mut f32);
@@ -209,14 +210,15 @@ struct RowGrad<'a> {
     vocab: usize,
 }
 
-fn gradient_block(config: &Config, b: Block<'_>, rows: RowGrad<'_>) -> Result<()> {
+fn gradient_block(config: &Config, b: Block<'_>, rows: RowGrad<'_>, store: GradientStore) -> Result<()> {
     let c = b.targets.len();
     let cfg = EmuLaunchConfig::linear(c as u32, EMU_ROW_THREADS);
     let softcap = softcap_arg(config.softcap);
     let bias = b.bias.map_or(std::ptr::null(), |s| s.as_ptr());
     let dlse = rows.dlse.map_or(std::ptr::null(), |s| s.as_ptr());
     // SAFETY: the logits hold c×vb floats, `bias` vb (or null), `targets`, `coef`, `lse` and
-    // `dlse` (or null) c rows: block k touches row k only, and writes only the logits.
+    // `dlse` (or null) c rows: block k touches row k only (f32, or bf16 in its first half), and
+    // writes only the logits.
     Ok(unsafe {
         launch_into("lce_gradient", &cfg, &mut b.logits[..c * b.vb], |g| {
             ffi::lce_gradient(
@@ -232,6 +234,7 @@ fn gradient_block(config: &Config, b: Block<'_>, rows: RowGrad<'_>) -> Result<()
                 config.label_smoothing,
                 config.z_loss,
                 rows.vocab as u64,
+                store.arg(),
             )
         })
     }?)
@@ -301,6 +304,17 @@ impl<'a, 'g> EmuBlocks<'a, 'g> {
         let targets = resolve_targets(config, inputs)?;
         Ok(Self { config, inputs, targets, buf: Buffers::new(plan), stats: None, lse: Vec::new(), grads })
     }
+
+    /// Whether the GEMMs the CPU's stand in for are bf16 ones (G rounded to bf16 first).
+    fn bf16_gemms(&self) -> bool {
+        let (x, w) = (self.inputs.x.dtype(), self.inputs.w.dtype());
+        x == w && cpu::rounds_gradient(self.config, x)
+    }
+
+    /// How the gradient kernel stores G, as the CUDA path chooses it.
+    fn gradient_store(&self) -> GradientStore {
+        GradientStore::for_block(self.bf16_gemms(), self.grads.as_ref().is_some_and(|g| g.dbias.is_some()))
+    }
 }
 
 /// Block `at`'s view for the per-row kernels.
@@ -356,6 +370,7 @@ impl BlockOps for EmuBlocks<'_, '_> {
 
     fn gradient(&mut self, at: BlockAt, pass: Pass, g: &GradientInputs<'_>) -> Result<()> {
         let (t0, c) = (at.t0, at.c);
+        let store = self.gradient_store();
         let Self { config, inputs, targets, buf, lse, .. } = self;
         let rows = RowGrad {
             coef: &g.coef[t0..t0 + c],
@@ -363,14 +378,18 @@ impl BlockOps for EmuBlocks<'_, '_> {
             dlse: if pass == Pass::Fused { None } else { g.dlse.map(|g| &g[t0..t0 + c]) },
             vocab: inputs.v,
         };
-        gradient_block(config, block(&mut buf.logits, targets, inputs, at), rows)
+        gradient_block(config, block(&mut buf.logits, targets, inputs, at), rows, store)
     }
 
     fn project(&mut self, at: BlockAt) -> Result<()> {
+        let rounding = match self.gradient_store() {
+            // The gradient kernel left bf16 rows: widened back for the CPU GEMM.
+            GradientStore::Bf16Rows => Rounding::Widen,
+            GradientStore::F32 if self.bf16_gemms() => Rounding::NarrowAfterBias,
+            GradientStore::F32 => Rounding::None,
+        };
         let grads = self.grads.as_mut().ok_or_else(|| missing("gradients"))?;
-        let (x, w) = (self.inputs.x.dtype(), self.inputs.w.dtype());
-        let round = x == w && cpu::rounds_gradient(self.config, x);
-        project_block(&mut self.buf, (at.t0, at.c, at.v0, at.vb, self.inputs.d), grads, round)
+        project_block(&mut self.buf, (at.t0, at.c, at.v0, at.vb, self.inputs.d), grads, rounding)
     }
 
     fn token_rows_done(&mut self, t0: usize, c: usize) -> Result<()> {
@@ -406,21 +425,34 @@ pub fn backward_into(
     })
 }
 
+/// How a block's G reaches the bf16 GEMMs the CPU GEMM stands in for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rounding {
+    /// f32 GEMMs: G as the gradient kernel left it.
+    None,
+    /// The gradient kernel stored bf16 rows ([`GradientStore::Bf16Rows`]): widened in place.
+    Widen,
+    /// f32 G summed into dbias, then rounded by `lce_narrow_rows_bf16`.
+    NarrowAfterBias,
+}
+
 /// `dX_rows += G·W_blk`, `dW_blk += Gᵀ·X_blk` and the bias-gradient kernel, G being the
 /// gradient block in `buf.logits`; each only for a gradient `grads` computes.
 fn project_block(
     buf: &mut Buffers,
     (t0, c, v0, vb, d): (usize, usize, usize, usize, usize),
     grads: &mut GradientsMut<'_>,
-    round: bool,
+    rounding: Rounding,
 ) -> Result<()> {
     // dbias sums the f32 G; bf16 inputs then narrow G to bf16 (unless Precision::F32), as the
     // CUDA path does before its bf16 GEMMs.
     if let Some(db) = grads.dbias.as_mut() {
         bias_grad(&buf.logits, (c, vb), &mut db[v0..v0 + vb])?;
     }
-    if round {
-        narrow_rows(&mut buf.logits, (c, vb))?;
+    match rounding {
+        Rounding::None => {}
+        Rounding::Widen => widen_bf16_rows(&mut buf.logits, (c, vb)),
+        Rounding::NarrowAfterBias => narrow_rows(&mut buf.logits, (c, vb))?,
     }
     let g = MatRef::row_major(&buf.logits[..c * vb], c, vb)?;
     if grads.wanted.dx.is_computed() {
@@ -448,13 +480,20 @@ fn narrow_rows(g: &mut [f32], (c, vb): (usize, usize)) -> Result<()> {
             ffi::lce_narrow_rows_bf16(data, vb as u32)
         })?
     };
-    let narrowed: &[half::bf16] = bytemuck::cast_slice(&narrowed);
+    g[..c * vb].copy_from_slice(&narrowed);
+    widen_bf16_rows(g, (c, vb));
+    Ok(())
+}
+
+/// Each row of a `c×vb` block holding bf16 rows (row r's at bf16 element `2·vb·r`) widened in
+/// place back into the block's f32 layout.
+fn widen_bf16_rows(g: &mut [f32], (c, vb): (usize, usize)) {
+    let narrowed: Vec<half::bf16> = bytemuck::cast_slice(&g[..c * vb]).to_vec();
     for (r, row) in g[..c * vb].chunks_exact_mut(vb).enumerate() {
         for (out, v) in row.iter_mut().zip(&narrowed[2 * vb * r..2 * vb * r + vb]) {
             *out = v.to_f32();
         }
     }
-    Ok(())
 }
 
 /// `g = f32(bf16(g))` in place (round to nearest even) by `lce_round_bf16`: what the CUDA

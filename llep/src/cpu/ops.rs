@@ -245,10 +245,16 @@ fn host_rows<'a>(sel: &HostRows<'a, '_>, len: usize) -> Result<Option<IndexScale
     if sel.is_empty() {
         return Ok(None);
     }
-    let (index, rows): (&'a &mut [u32], usize) = (sel.index, sel.rows);
-    let index = span("gather/scatter index (rows)", index, 0, rows)?;
+    let index: &'a [u32] = sel.index;
+    let index = &index[sel.index_range(index.len())?];
     check_index(index, len / sel.width)?;
-    let scale = sel.scale.map(|s| span("gather/scatter scale (rows)", s.as_slice()?, 0, rows)).transpose()?;
+    let scale = match sel.scale {
+        Some(s) => {
+            let s = s.as_slice()?;
+            Some(&s[sel.scale_range(s.len())?])
+        }
+        None => None,
+    };
     Ok(Some((index, scale)))
 }
 

@@ -47,12 +47,42 @@ impl From<CudaSlice<bf16>> for CudaBuf {
     }
 }
 
-/// The routing-weight scale of a gather or scatter (f32, at least `rows`), or none.
-pub(super) fn scale_of<'a>(sel: &IndexedRows<'a, CudaBuf, CudaIndex>) -> Result<Option<&'a CudaSlice<f32>>> {
-    let Some(s) = sel.scale else { return Ok(None) };
-    let s = s.as_f32("gather/scatter scale (f32 rows)")?;
-    need("gather/scatter scale (f32 rows)", sel.rows, s.len())?;
-    Ok(Some(s))
+/// The entries a gather or scatter uses: the index range on the device and its host mirror, and
+/// the routing-weight scale's range (f32), or none.
+pub(super) struct RowsAt<'a> {
+    pub(super) dev: CudaView<'a, u32>,
+    pub(super) host: &'a [u32],
+    pub(super) scale: Option<CudaView<'a, f32>>,
+}
+
+/// `sel`'s index entries (`index_at..index_at + rows`, known on the host) and scale factors
+/// (`scale_at..scale_at + rows`), checked to lie in their buffers.
+pub(super) fn rows_at<'a>(sel: &IndexedRows<'a, CudaBuf, CudaIndex>) -> Result<RowsAt<'a>> {
+    let index: &'a CudaIndex = sel.index;
+    let range = sel.index_range(index.dev.len())?;
+    let host = index.entries(range.clone())?;
+    let dev = view("gather/scatter index", &index.dev, range.start, sel.rows)?;
+    let scale = match sel.scale {
+        Some(s) => {
+            let s = s.as_f32("gather/scatter scale (f32 rows)")?;
+            let r = sel.scale_range(s.len())?;
+            Some(view("gather/scatter scale", s, r.start, sel.rows)?)
+        }
+        None => None,
+    };
+    Ok(RowsAt { dev, host, scale })
+}
+
+/// Checks that every entry of `host` is below `bound` (rows of the buffer it indexes).
+pub(super) fn check_entries(host: &[u32], bound: usize) -> Result<()> {
+    match host.iter().find(|&&i| i as usize >= bound) {
+        Some(&i) => Err(Error::ShapeMismatch {
+            what: "row index (rows of src)",
+            expected: bound,
+            got: i as usize + 1,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// A device buffer of u32 with a host mirror of its entries while they are known on the host
@@ -64,31 +94,15 @@ pub struct CudaIndex {
 }
 
 impl CudaIndex {
-    /// The first `rows` entries, from the host mirror (known when the index was written from the
-    /// host; see [`check_rows`](Self::check_rows)).
-    pub(super) fn rows(&self, rows: usize) -> Result<&[u32]> {
-        self.host.as_ref().and_then(|h| h.get(..rows)).ok_or(Error::ScheduleMismatch {
+    /// Entries `range` from the host mirror (known when the index was written from the host),
+    /// else [`Error::ScheduleMismatch`]: indices written on the device cannot be checked before
+    /// a launch.
+    pub(super) fn entries(&self, range: std::ops::Range<usize>) -> Result<&[u32]> {
+        let len = range.len();
+        self.host.as_ref().and_then(|h| h.get(range)).ok_or(Error::ScheduleMismatch {
             what: "row indices written on the device (not checkable before a launch)",
-            planned: rows,
+            planned: len,
             found: 0,
         })
-    }
-
-    /// Checks that the first `rows` entries are known and each is below `bound`.
-    pub(super) fn check_rows(&self, rows: usize, bound: usize) -> Result<()> {
-        need("index buffer (rows)", rows, self.dev.len())?;
-        let host = self.host.as_ref().ok_or(Error::ScheduleMismatch {
-            what: "row indices written on the device (not checkable before a launch)",
-            planned: rows,
-            found: 0,
-        })?;
-        match host.get(..rows).and_then(|h| h.iter().find(|&&i| i as usize >= bound)) {
-            Some(&i) => Err(Error::ShapeMismatch {
-                what: "row index (rows of src)",
-                expected: bound,
-                got: i as usize + 1,
-            }),
-            None => need("index mirror (rows)", rows, host.len()),
-        }
     }
 }

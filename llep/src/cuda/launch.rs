@@ -6,9 +6,9 @@ use flatpeak_common::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig,
 use flatpeak_common::cuda::{cuda_error, linear_launch};
 use flatpeak_common::nccl::DeviceCommunicator;
 
-use super::{CudaIndex, CudaOps};
-use crate::device::ScatterGroups;
-use crate::device::need;
+use super::CudaOps;
+use super::buf::{RowsAt, check_entries};
+use crate::device::{ScatterLayout, need};
 use crate::error::Result;
 use crate::kernels::{LLEP, ROW_THREADS};
 
@@ -17,68 +17,87 @@ fn linear(n: usize) -> LaunchConfig {
 }
 
 impl<C: DeviceCommunicator> CudaOps<'_, C> {
-    /// `llep_gather_rows` of rows of T (entry point `name`): `out[r] = scale_r·src[index[r]]`.
+    /// `llep_gather_rows` of rows of T (entry point `name`): `out[r] = scale_r·src[index[r]]`
+    /// over `at`'s entries.
     pub(super) fn launch_gather<T: DeviceRepr>(
         &self,
         name: &'static str,
-        (src, index, scale): (&CudaSlice<T>, &CudaIndex, Option<&CudaSlice<f32>>),
+        (src, at): (&CudaSlice<T>, &RowsAt<'_>),
         (rows, width): (usize, usize),
         out: &mut CudaSlice<T>,
     ) -> Result<()> {
         need("gather dst (rows·width)", rows * width, out.len())?;
-        index.check_rows(rows, src.len() / width)?;
+        need("gather index (rows)", rows, at.host.len())?;
+        check_entries(at.host, src.len() / width)?;
         let f = self.cache.function(&LLEP, name)?;
         let (rows32, width32, null) = (rows as u32, width as u32, 0u64);
         let mut l = self.stream.launch_builder(&f);
-        l.arg(src).arg(&index.dev);
-        match scale {
+        l.arg(src).arg(&at.dev);
+        match &at.scale {
             Some(s) => l.arg(s),
             None => l.arg(&null),
         };
         l.arg(&rows32).arg(&width32).arg(&mut *out);
         // SAFETY: `name` is the gather instantiation of T (`(const T*, const u32*, const float*,
         // u32, u32, T*)`: f32, or bf16 `_bf16`), matching the arguments in order (no scale: a null
-        // pointer); it reads `index[0..rows)`, each entry a row of `src` (checked on the host
-        // mirror), and `scale[0..rows)` (checked by the caller), and writes `out[0..rows·width)`
-        // (checked above), grid-stride over rows·width, each element by one thread.
+        // pointer); it reads the `rows` entries of `at.dev` (a view of exactly them, mirrored on
+        // the host and each checked a row of `src` above) and `rows` factors of `at.scale` (a view
+        // of exactly them), and writes `out[0..rows·width)` (checked above), grid-stride over
+        // rows·width, each element by one thread.
         unsafe { l.launch(linear(rows * width)) }.map_err(cuda_error(name))?;
         Ok(())
     }
 
-    /// `llep_scatter_add_rows` of rows of S into rows of A (entry point `name`):
-    /// `out[index[r]] += scale_r·src[r]`, r in order. The rows are grouped by destination on the
-    /// host from the index's mirror ([`ScatterGroups`]) and the groups uploaded on the stream
-    /// (4·(2·groups + 1 + rows) bytes, freed in stream order after the launch); one thread per
-    /// (destination, column).
+    /// `llep_scatter_add_rows` of rows of S into rows of A (entry point `name`, the instantiation
+    /// of `layout`): `out[index[r]] += scale_r·src[r]`, r in order, over `at`'s entries.
+    /// [`ScatterLayout::Direct`] launches one thread per (row, column) on the index as it is;
+    /// [`ScatterLayout::Grouped`] uploads the groups on the stream (4·(2·groups + 1 + rows)
+    /// bytes, freed in stream order after the launch) and runs one thread per (destination,
+    /// column).
     pub(super) fn launch_scatter<S: DeviceRepr, A: DeviceRepr>(
         &self,
-        name: &'static str,
-        (src, index, scale): (&CudaSlice<S>, &CudaIndex, Option<&CudaSlice<f32>>),
+        (name, layout): (&'static str, &ScatterLayout),
+        (src, at): (&CudaSlice<S>, &RowsAt<'_>),
         (rows, width): (usize, usize),
         out: &mut CudaSlice<A>,
     ) -> Result<()> {
         need("scatter src (rows·width)", rows * width, src.len())?;
-        let bound = out.len() / width;
-        index.check_rows(rows, bound)?;
-        let groups = ScatterGroups::new(index.rows(rows)?, bound)?;
-        let packed = self.stream.clone_htod(groups.packed()).map_err(cuda_error("cuMemcpyHtoD"))?;
+        need("scatter index (rows)", rows, at.host.len())?;
+        check_entries(at.host, out.len() / width)?;
+        // Grouped: the groups uploaded on the stream (freed in stream order after the launch).
+        let packed = match layout {
+            ScatterLayout::Direct => None,
+            ScatterLayout::Grouped(g) => {
+                Some(self.stream.clone_htod(g.packed()).map_err(cuda_error("cuMemcpyHtoD"))?)
+            }
+        };
+        let count = match layout {
+            ScatterLayout::Direct => rows,
+            ScatterLayout::Grouped(g) => g.groups(),
+        };
         let f = self.cache.function(&LLEP, name)?;
-        let (n, width32, null) = (groups.groups() as u32, width as u32, 0u64);
+        let (count32, width32, null) = (count as u32, width as u32, 0u64);
         let mut l = self.stream.launch_builder(&f);
-        l.arg(src).arg(&packed);
-        match scale {
+        l.arg(src);
+        match &packed {
+            Some(p) => l.arg(p),
+            None => l.arg(&at.dev),
+        };
+        match &at.scale {
             Some(s) => l.arg(s),
             None => l.arg(&null),
         };
-        l.arg(&n).arg(&width32).arg(&mut *out);
-        // SAFETY: `name` is the scatter instantiation of (S, A) (`(const S*, const u32*, const
-        // float*, u32, u32, A*)`: f32→f32, bf16→f32 `_bf16`, bf16→bf16 `_bf16_bf16`), matching
-        // the arguments in order (no scale: a null pointer). `packed` is `ScatterGroups`' layout
-        // for `n` groups over `rows` rows: every source row below `rows` (`src` holds
-        // rows·width, checked above, and `scale` `rows`, checked by the caller) and every
-        // destination a row of `out` (checked against `bound` on the host), destinations
-        // distinct, so each thread updates its own (destination, column) element of `out`.
-        unsafe { l.launch(linear(groups.groups() * width)) }.map_err(cuda_error(name))?;
+        l.arg(&count32).arg(&width32).arg(&mut *out);
+        // SAFETY: `name` is `layout`'s scatter instantiation of (S, A) (`(const S*, const u32*,
+        // const float*, u32, u32, A*)`: f32→f32, bf16→f32 `_bf16`, bf16→bf16 `_bf16_bf16`, direct
+        // or grouped), matching the arguments in order (no scale: a null pointer); `src` holds
+        // rows·width and `at.scale` views exactly `rows` factors (checked above). Direct: `at.dev`
+        // views exactly the `rows` entries, mirrored on the host, each a row of `out` (checked
+        // above) and all distinct (`ScatterLayout::of`), one thread per (row, column).
+        // Grouped: `packed` is `ScatterGroups`' layout for `count` groups over the `rows` rows,
+        // every destination a row of `out` (checked above) and distinct, one thread per
+        // (destination, column). Either way each thread updates its own element of `out`.
+        unsafe { l.launch(linear(count * width)) }.map_err(cuda_error(name))?;
         Ok(())
     }
 

@@ -45,7 +45,7 @@ use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::nccl::DeviceCommunicator;
 use half::bf16;
 
-use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, Orientation, need, same_type};
+use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, Orientation, ScatterLayout, need, same_type};
 use crate::error::{Error, Result};
 
 mod buf;
@@ -53,7 +53,7 @@ mod launch;
 
 use crate::kernels::entry;
 pub use buf::{CudaBuf, CudaIndex};
-use buf::{scale_of, view, view_mut};
+use buf::{rows_at, view, view_mut};
 
 /// The CUDA device of one rank of a [`DeviceCommunicator`]: a compute stream beside the
 /// communicator's, the NVRTC kernels and a cuBLAS handle.
@@ -285,24 +285,25 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         if sel.is_empty() {
             return Ok(());
         }
-        let scale = scale_of(&sel)?;
+        let at = rows_at(&sel)?;
         let name = entry("llep_gather_rows", "llep_gather_rows_bf16", sel.src.dtype());
-        let (src, index, shape) = (sel.src, sel.index, (sel.rows, sel.width));
+        let (src, shape) = (sel.src, (sel.rows, sel.width));
         same_type!(CudaBuf, "gather_rows (src and dst)"; src, dst =>
-            self.launch_gather(name, (src, index, scale), shape, dst))
+            self.launch_gather(name, (src, &at), shape, dst))
     }
 
     fn scatter_add_rows(&self, sel: IndexedRows<'_, CudaBuf, CudaIndex>, acc: &mut CudaBuf) -> Result<()> {
         if sel.is_empty() {
             return Ok(());
         }
-        let (scale, index) = (scale_of(&sel)?, sel.index);
+        let at = rows_at(&sel)?;
         let shape = (sel.rows, sel.width);
-        let name = crate::kernels::scatter_entry(sel.src.dtype(), acc.dtype())?;
+        let layout = ScatterLayout::of(at.host, acc.len() / sel.width)?;
+        let kernel = (crate::kernels::scatter_entry(sel.src.dtype(), acc.dtype(), &layout)?, &layout);
         match (sel.src, acc) {
-            (CudaBuf::F32(s), CudaBuf::F32(a)) => self.launch_scatter(name, (s, index, scale), shape, a),
-            (CudaBuf::Bf16(s), CudaBuf::F32(a)) => self.launch_scatter(name, (s, index, scale), shape, a),
-            (CudaBuf::Bf16(s), CudaBuf::Bf16(a)) => self.launch_scatter(name, (s, index, scale), shape, a),
+            (CudaBuf::F32(s), CudaBuf::F32(a)) => self.launch_scatter(kernel, (s, &at), shape, a),
+            (CudaBuf::Bf16(s), CudaBuf::F32(a)) => self.launch_scatter(kernel, (s, &at), shape, a),
+            (CudaBuf::Bf16(s), CudaBuf::Bf16(a)) => self.launch_scatter(kernel, (s, &at), shape, a),
             (CudaBuf::F32(_), CudaBuf::Bf16(_)) => {
                 Err(Error::internal("scatter_entry refuses f32 rows into bf16"))
             }

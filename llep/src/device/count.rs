@@ -155,7 +155,10 @@ impl<C: Communicator + ?Sized> DeviceOps for CountOps<'_, C> {
         }
         let (rows, width, b) = (sel.rows, sel.width, size(sel.src.dtype));
         elems(dst, 0, rows * width, "gather dst (rows·width)")?;
-        need("gather index (rows)", rows, sel.index.len())?;
+        sel.index_range(sel.index.len())?;
+        if let Some(s) = sel.scale {
+            sel.scale_range(s.len)?;
+        }
         let scale = if sel.scale.is_some() { 4 * rows } else { 0 };
         self.with(|c| {
             c.launch(
@@ -171,18 +174,25 @@ impl<C: Communicator + ?Sized> DeviceOps for CountOps<'_, C> {
         }
         let (rows, width) = (sel.rows, sel.width);
         elems(sel.src, 0, rows * width, "scatter src (rows·width)")?;
-        need("scatter index (rows)", rows, sel.index.len())?;
-        let bound = acc.len / width;
-        let groups = super::ScatterGroups::new(&sel.index[..rows], bound)?;
+        let index = &sel.index[sel.index_range(sel.index.len())?];
+        if let Some(s) = sel.scale {
+            sel.scale_range(s.len)?;
+        }
+        let layout = super::ScatterLayout::of(index, acc.len / width)?;
         let scale = if sel.scale.is_some() { 4 * rows } else { 0 };
-        // Every source row read once, every destination read and written once, the groups.
-        let bytes = rows * width * size(sel.src.dtype)
-            + 2 * groups.groups() * width * size(acc.dtype)
-            + 4 * groups.packed().len()
-            + scale;
-        let name = scatter_entry(sel.src.dtype, acc.dtype)?;
+        let name = scatter_entry(sel.src.dtype, acc.dtype, &layout)?;
+        // Every source row read once, every destination read and written once, and the index
+        // (direct) or the uploaded groups (grouped).
+        let (dests, index_bytes, upload) = match &layout {
+            super::ScatterLayout::Direct => (rows, 4 * rows, 0),
+            super::ScatterLayout::Grouped(g) => (g.groups(), 4 * g.packed().len(), 4 * g.packed().len()),
+        };
+        let bytes =
+            rows * width * size(sel.src.dtype) + 2 * dests * width * size(acc.dtype) + index_bytes + scale;
         self.with(|c| {
-            c.upload(4 * groups.packed().len());
+            if upload > 0 {
+                c.upload(upload);
+            }
             c.launch(name, bytes);
         });
         Ok(())

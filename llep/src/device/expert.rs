@@ -168,12 +168,14 @@ pub(super) fn forward<O: DeviceOps>(
     mm(ops, (n, h, i), Operand::plain(&sc.y, 0), w.times(w.down), (&mut sc.x, 0), Accumulate::Replace)
 }
 
-/// The round buffers and group lists one expert group's backward reads and fills.
+/// The round buffers and lists one expert group's backward reads and fills: the group is routes
+/// `start..start + n` of the round's lists.
 pub(super) struct GroupIo<'a, O: DeviceOps> {
     pub(super) recv_dy: &'a O::Buf,
     pub(super) dx_rows: &'a mut O::Buf,
     pub(super) dw: &'a mut O::Buf,
-    pub(super) lists: &'a mut GroupBufs<O::Buf, O::Index>,
+    pub(super) lists: &'a GroupBufs<O::Buf, O::Index>,
+    pub(super) start: usize,
 }
 
 /// The shared end of both backwards, with dg and du in the scratch's gate and up and X in its
@@ -192,7 +194,7 @@ fn input_grads<O: DeviceOps>(
     let dg = Operand::plain(&sc.gate, 0);
     mm(ops, (n, h, i), dg, w.times_t(w.gate), (&mut sc.y, 0), Accumulate::Replace)?;
     mm(ops, (n, h, i), Operand::plain(&sc.up, 0), w.times_t(w.up), (&mut sc.y, 0), Accumulate::Add)?;
-    ops.scatter_add_rows(IndexedRows::new(&sc.y, &io.lists.rows, n, h), io.dx_rows)
+    ops.scatter_add_rows(IndexedRows::new(&sc.y, &io.lists.rows, n, h).from(io.start), io.dx_rows)
 }
 
 /// The middle of both backwards, with `dw_t` in the scratch's dots and h in its h: the dots
@@ -205,8 +207,8 @@ fn weights_and_down_grads<O: DeviceOps>(
     io: &mut GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
-    ops.scatter_add_rows(IndexedRows::new(&sc.dots, &io.lists.meta, n, 1), io.dw)?;
-    let dy = IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).scaled(&io.lists.weights);
+    ops.scatter_add_rows(IndexedRows::new(&sc.dots, &io.lists.meta, n, 1).from(io.start), io.dw)?;
+    let dy = IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).scaled(&io.lists.weights).from(io.start);
     ops.gather_rows(dy, &mut sc.dy)?;
     // dW_down += hᵀ·(w⊙dY) (I×H), or (w⊙dY)ᵀ·h (H×I) in torch's layout.
     weight_grad(ops, grad.layout, (&sc.h, i), (&sc.dy, h), n, grad.part(2))
@@ -240,7 +242,7 @@ pub(super) fn backward<O: DeviceOps>(
     mut io: GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
-    ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h), &mut sc.dy)?;
+    ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).from(io.start), &mut sc.dy)?;
     project(ops, w, (h, i), n, sc)?;
     ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.h)?;
     mm(ops, (n, h, i), Operand::plain(&sc.h, 0), w.times(w.down), (&mut sc.y, 0), Accumulate::Replace)?;
@@ -254,7 +256,6 @@ pub(super) fn backward<O: DeviceOps>(
 
 /// Backward of one group from the pre-activations the saving forward kept (`pre`: the store's
 /// gate and up buffers, this group from route `cursor`), without recompute (see the module).
-/// The group's metadata-entry list is rewritten to `0..n` once the d(weights) are out.
 #[allow(clippy::too_many_arguments)] // the operands of one group, as in `backward`
 pub(super) fn backward_saved<O: DeviceOps>(
     ops: &O,
@@ -266,7 +267,7 @@ pub(super) fn backward_saved<O: DeviceOps>(
     mut io: GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
-    ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h), &mut sc.dy)?;
+    ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).from(io.start), &mut sc.dy)?;
     ops.copy((pre.0, cursor * i), (&mut sc.gate, 0), n * i)?;
     ops.copy((pre.1, cursor * i), (&mut sc.up, 0), n * i)?;
     ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.h)?;
@@ -274,8 +275,9 @@ pub(super) fn backward_saved<O: DeviceOps>(
     mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.y, 0), Accumulate::Replace)?;
     ops.row_dot(&sc.y, &sc.h, n, i, &mut sc.dots)?;
     weights_and_down_grads(ops, &mut grad, (h, i, n), &mut io, sc)?;
-    super::host::iota(ops, &mut io.lists.meta, n)?;
-    ops.gather_rows(IndexedRows::new(&sc.y, &io.lists.meta, n, i).scaled(&io.lists.weights), &mut sc.h)?;
+    // h = w ⊙ r row by row: the identity index, the group's weights.
+    let scaled = IndexedRows::new(&sc.y, &io.lists.seq, n, i).scaled(&io.lists.weights).scale_from(io.start);
+    ops.gather_rows(scaled, &mut sc.h)?;
     ops.swiglu_backward(&mut sc.gate, &mut sc.up, &sc.h, n * i)?;
     input_grads(ops, w, grad, (h, i, n), io, sc)
 }

@@ -1,7 +1,7 @@
 //! The host side of the round schedule: the call's checks, the route tables (carved from the
 //! host workspace) and the index lists each round writes into the device's index buffers —
-//! tokens in send order, each sent row's route metadata, the d(weights) return map, and per
-//! expert group its received rows, weights and metadata entries. O(N·k) on the host, nothing
+//! tokens in send order, each sent row's route metadata, the d(weights) return map, and the
+//! round's routes grouped by expert: received rows, weights and metadata entries. O(N·k) on the host, nothing
 //! N×H; every list is written in place through [`DeviceOps::fill_index`] (on a host backend, into
 //! the buffer itself).
 
@@ -139,9 +139,10 @@ pub(super) fn dw_lists<O: DeviceOps>(
     })
 }
 
-/// The lists of one expert group (`entries` of a round grouped by [`group`]): received row and
-/// routing weight per route, and with `meta_entries` each route's metadata entry.
-pub(super) fn group_lists<O: DeviceOps>(
+/// The lists of a round's routes grouped by [`group`] (`entries`: every group, each a range):
+/// received row and routing weight per route, and with `meta_entries` each route's metadata
+/// entry. One upload per list per round.
+pub(super) fn round_lists<O: DeviceOps>(
     ops: &O,
     entries: &[GroupEntry],
     meta: &[RouteMeta],

@@ -7,12 +7,13 @@
 //!
 //! The host plans ([`crate::cpu::schedule`] or [`crate::Schedule::from_top_k`]) and keeps the
 //! routing (N×k ids and weights) and the route tables (8·N·k bytes). Per round it writes the
-//! round's index lists (tokens in send order, each sent row's routes, and per expert group the
-//! received rows, their routing weights and metadata entries) into index buffers fixed at
-//! launch. Per round the send rows are gathered straight from the un-expanded N×H input
+//! round's index lists (tokens in send order, each sent row's routes, and, grouped by expert,
+//! the received rows, their routing weights and metadata entries: one upload per list, each
+//! group a range of it) into index buffers fixed at launch. Per round the send rows are gathered straight from the un-expanded N×H input
 //! (`llep_gather_rows`), all-to-all'd into the fixed receive buffer, grouped by local expert, and
 //! each group of ≤ G routes runs `gate = X·W_gate`, `up = X·W_up`, `h = silu(gate) ⊙ up`
-//! (`llep_swiglu`), `y = h·W_down`; `out[row_t] += w_t·y_t` (`llep_scatter_add_rows`); the rows go
+//! (`llep_swiglu`), `y = h·W_down`; `out[row_t] += w_t·y_t` (`llep_scatter_add_rows`, direct where
+//! the rows are distinct, as a group's are: [`ScatterLayout`]); the rows go
 //! back and are scatter-added into the fp32 N×H output in send order. Backward runs the rounds
 //! in reverse, recomputing each group and running its backward at once (`dw_t = ⟨dY_t, y_t⟩` by
 //! `llep_row_dot`, `llep_swiglu_backward`, six more GEMMs); foreign experts' gradients return to
@@ -49,7 +50,7 @@ use crate::layer::{Gradients, Routing};
 use crate::plan::RouteMeta;
 
 pub use count::{CountBuf, CountOps, StepCounts, count_step};
-pub use scatter_groups::ScatterGroups;
+pub use scatter_groups::{ScatterGroups, ScatterLayout};
 pub use schedule::{backward, forward};
 
 /// How a GEMM operand is read from its storage.
@@ -87,29 +88,59 @@ impl<'a, B> Operand<'a, B> {
 
 /// The rows a [`gather_rows`](DeviceOps::gather_rows) or
 /// [`scatter_add_rows`](DeviceOps::scatter_add_rows) moves: `rows` rows of `width` elements, row
-/// `r` with entry `index[r]` and, when given, the f32 factor `scale[r]` (none: 1).
+/// `r` with entry `index[index_at + r]` and, when given, the f32 factor `scale[scale_at + r]`
+/// (none: 1). The offsets let one round-wide list serve every expert group of the round (each
+/// group a range of it), so a round uploads its lists once instead of once per group.
 #[derive(Debug)]
 pub struct IndexedRows<'a, B, I> {
-    /// The rows' source: read at row `index[r]` (gather) or row `r` (scatter).
+    /// The rows' source: read at row `index[index_at + r]` (gather) or row `r` (scatter).
     pub src: &'a B,
-    /// One entry per row: the source row (gather) or the accumulator row (scatter).
+    /// The entries, from `index_at`: the source row (gather) or the accumulator row (scatter).
     pub index: &'a I,
+    /// The first entry of `index` these rows use.
+    pub index_at: usize,
     /// How many rows.
     pub rows: usize,
     /// Elements per row.
     pub width: usize,
-    /// Per-row factors (f32), or `None` for 1.
+    /// Per-row factors (f32) from `scale_at`, or `None` for 1.
     pub scale: Option<&'a B>,
+    /// The first factor of `scale` these rows use.
+    pub scale_at: usize,
 }
 
 impl<'a, B, I> IndexedRows<'a, B, I> {
-    /// `rows` rows of `width` from `src` by `index`, unscaled.
+    /// `rows` rows of `width` from `src` by `index` (from its first entry), unscaled.
     pub fn new(src: &'a B, index: &'a I, rows: usize, width: usize) -> Self {
-        Self { src, index, rows, width, scale: None }
+        Self { src, index, index_at: 0, rows, width, scale: None, scale_at: 0 }
     }
-    /// These rows, row `r` multiplied by `scale[r]` (f32).
+    /// These rows, row `r` multiplied by `scale[r]` (f32), or by `scale[scale_at + r]` after
+    /// [`from`](Self::from) or [`scale_from`](Self::scale_from).
     pub fn scaled(self, scale: &'a B) -> Self {
         Self { scale: Some(scale), ..self }
+    }
+    /// These rows read from entry `at` of both the index and the scale (one group's range of a
+    /// round-wide list).
+    pub fn from(self, at: usize) -> Self {
+        Self { index_at: at, scale_at: at, ..self }
+    }
+    /// These rows' scale read from factor `at` (the index unchanged).
+    pub fn scale_from(self, at: usize) -> Self {
+        Self { scale_at: at, ..self }
+    }
+    /// The index range these rows use, `index_at..index_at + rows`, or
+    /// [`Error::ShapeMismatch`] when a list of `len` entries does not hold it.
+    pub fn index_range(&self, len: usize) -> Result<std::ops::Range<usize>> {
+        let end = self.index_at.saturating_add(self.rows);
+        need("gather/scatter index (entries from its offset)", end, len)?;
+        Ok(self.index_at..end)
+    }
+    /// The scale range these rows use, `scale_at..scale_at + rows`, or
+    /// [`Error::ShapeMismatch`] when a scale of `len` factors does not hold it.
+    pub fn scale_range(&self, len: usize) -> Result<std::ops::Range<usize>> {
+        let end = self.scale_at.saturating_add(self.rows);
+        need("gather/scatter scale (factors from its offset)", end, len)?;
+        Ok(self.scale_at..end)
     }
     /// No row or no element: the operation does nothing.
     pub fn is_empty(&self) -> bool {

@@ -26,12 +26,16 @@ pub(super) struct Scratch<B> {
     pub(super) dots: B,
 }
 
-/// One expert group's index lists: received rows, routing weights, metadata entries.
+/// A round's index lists, every expert group a range of them (grouped by slot, as
+/// [`group`](super::host::group) sorts the round's routes): received rows, routing weights and
+/// (backward) metadata entries, `recv_rows·k` each, written once per round; and (backward)
+/// `0, 1, …, G − 1`, the identity index of a group's rows, written once per call where used.
 #[derive(Debug)]
 pub(super) struct GroupBufs<B, I> {
     pub(super) rows: I,
     pub(super) weights: B,
     pub(super) meta: I,
+    pub(super) seq: I,
 }
 
 /// Every buffer of one call.
@@ -93,8 +97,12 @@ impl<'h, B, I> Reserved<'h, B, I> {
         let staging = host_take(host, staging_slots * rr * k)?;
         let groups = host_take(host, rr * k)?;
         let offsets = host_take(host, b.local_slots() + 1)?;
-        let lists =
-            GroupBufs { rows: ops.alloc_index(g)?, weights: ops.alloc(g, F32)?, meta: maybe_index(g)? };
+        let lists = GroupBufs {
+            rows: ops.alloc_index(rr * k)?,
+            weights: ops.alloc(rr * k, F32)?,
+            meta: maybe_index(rr * k)?,
+            seq: maybe_index(g)?,
+        };
         let (dw_src, dw_dst) = (maybe_index(sr * k)?, maybe_index(sr * k)?);
         let (dw_gathered, one) = (maybe(sr * k, F32)?, maybe_index(1)?);
         let scratch = Scratch {

@@ -75,9 +75,60 @@ impl ScatterGroups {
     }
 }
 
+/// How a scatter-add runs on a device: [`Direct`](ScatterLayout::Direct) when no destination
+/// takes two rows (then row r's thread adds into `acc[index[r]]` alone: the serial order's result
+/// with nothing to upload, reading the index already on the device), else
+/// [`Grouped`](ScatterLayout::Grouped) by destination. A round's expert group takes each received
+/// row at most once (a token's top-k experts are distinct), so its scatters are direct; a
+/// caller's duplicate token indices are grouped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScatterLayout {
+    /// Every destination distinct: one thread per (row, column), the index as it is.
+    Direct,
+    /// Some destination repeated: the rows grouped by destination, uploaded for the kernel.
+    Grouped(ScatterGroups),
+}
+
+impl ScatterLayout {
+    /// The layout of a scatter of `index`'s rows into `bound` destination rows (one O(rows +
+    /// bound) pass; [`ScatterGroups::new`] only on a repeat). Errors as [`ScatterGroups::new`].
+    pub fn of(index: &[u32], bound: usize) -> Result<Self> {
+        let mut seen = vec![0u64; bound.div_ceil(64)];
+        for &d in index {
+            let d = d as usize;
+            if d >= bound {
+                return Err(Error::ShapeMismatch {
+                    what: "row index (rows of acc)",
+                    expected: bound,
+                    got: d + 1,
+                });
+            }
+            let (word, bit) = (d / 64, 1u64 << (d % 64));
+            if seen[word] & bit != 0 {
+                return ScatterGroups::new(index, bound).map(Self::Grouped);
+            }
+            seen[word] |= bit;
+        }
+        Ok(Self::Direct)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn distinct_destinations_scatter_directly_and_a_repeat_is_grouped() {
+        assert_eq!(ScatterLayout::of(&[3, 0, 2], 4).unwrap(), ScatterLayout::Direct);
+        assert_eq!(ScatterLayout::of(&[], 0).unwrap(), ScatterLayout::Direct);
+        let grouped = ScatterLayout::of(&[3, 0, 3], 4).unwrap();
+        assert_eq!(grouped, ScatterLayout::Grouped(ScatterGroups::new(&[3, 0, 3], 4).unwrap()));
+        let e = ScatterLayout::of(&[1, 4], 4).unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch { expected: 4, got: 5, .. }), "{e}");
+        // A repeat after an out-of-bounds entry's position is still refused by the grouping.
+        let e = ScatterLayout::of(&[1, 1, 9], 4).unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch { expected: 4, got: 10, .. }), "{e}");
+    }
 
     #[test]
     fn rows_are_grouped_by_destination_in_input_order() {

@@ -6,13 +6,13 @@
 use flatpeak_common::Workspace;
 
 use super::expert::{self, GroupIo, KeepPre, expert_at, grad_at};
-use super::host::{check_call, dw_lists, group, group_lists, scale, tables};
+use super::host::{check_call, dw_lists, group, iota, round_lists, scale, tables};
 use super::pipeline::{Dispatcher, Issued, MetaHost, RoundSet, Sends, pipelined};
 use super::reserve::Reserved;
 use super::{DeviceGradients, DeviceInputs, DeviceOps, IndexedRows, Store, need};
 use crate::config::{Mode, Shape, WeightLayout};
 use crate::error::{Error, Result};
-use crate::plan::{Buffers, GroupEntry, Pass, RouteMeta};
+use crate::plan::{Buffers, Pass, RouteMeta};
 use crate::route_tables::{Tables, round_counts};
 use crate::schedule::Schedule;
 
@@ -217,15 +217,16 @@ fn set_up<'h, O: DeviceOps>(
     Ok(SetUp { me, s, bufs, t, c })
 }
 
-/// A round's groups, slot by slot, in chunks of at most `chunk_rows` routes: `(slot, chunk)`.
-fn slot_chunks<'g>(
-    groups: &'g [GroupEntry],
-    offsets: &'g [u32],
+/// A round's groups, slot by slot, in chunks of at most `chunk_rows` routes: `(slot, start,
+/// rows)`, the chunk being routes `start..start + rows` of the round's grouped lists.
+fn slot_chunks(
+    offsets: &[u32],
     slots: usize,
     chunk_rows: usize,
-) -> impl Iterator<Item = (usize, &'g [GroupEntry])> {
+) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
     (0..slots).flat_map(move |slot| {
-        groups[offsets[slot] as usize..offsets[slot + 1] as usize].chunks(chunk_rows).map(move |c| (slot, c))
+        let (start, end) = (offsets[slot] as usize, offsets[slot + 1] as usize);
+        (start..end).step_by(chunk_rows).map(move |at| (slot, at, chunk_rows.min(end - at)))
     })
 }
 
@@ -264,37 +265,38 @@ pub fn forward<O: DeviceOps>(
     };
     let (slots, chunk_rows) = (bufs.local_slots(), bufs.expert_rows().max(1));
     let foreign = &*foreign;
-    let run =
-        |_: &mut O::Buf, sets: &mut [RoundSet<O::Buf, O::Index>], round: &Issued, meta: &[RouteMeta]| {
-            let set = &mut sets[round.set];
-            let got = round.got();
-            let filled = group(meta, k, slots, groups, offsets)?;
-            let mut cursor = 0usize;
-            if let Some(kp) = keep.as_mut() {
-                let row;
-                (cursor, row) = kp.round_at(ops, &s, round, filled)?;
-                ops.copy((&set.recv_x, 0), (&mut *kp.x, row * h), got * h)?;
-            }
-            ops.zero(&mut set.out, got * h)?;
-            for (slot, chunk) in slot_chunks(groups, offsets, slots, chunk_rows) {
-                let n = chunk.len();
-                group_lists(ops, chunk, meta, (&mut lists.rows, &mut lists.weights, None))?;
-                ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, n, h), &mut scratch.x)?;
-                let w = expert_at((&s, plan.config().weight_layout), inputs, foreign, slot);
-                let pre = keep.as_mut().map(|kp| KeepPre { gate: &mut *kp.gate, up: &mut *kp.up, cursor });
-                expert::forward(ops, w, (h, i), n, scratch, pre)?;
-                ops.scatter_add_rows(
-                    IndexedRows::new(&scratch.x, &lists.rows, n, h).scaled(&lists.weights),
-                    &mut set.out,
-                )?;
-                cursor += n;
-            }
-            if let Some(kp) = keep.as_mut() {
-                kp.route_start[round.round + 1] = cursor as u32;
-            }
-            let (sh, rh) = (scale(&round.send_counts, h), scale(&round.recv_counts, h));
-            ops.all_to_all_v((&set.out, 0), &rh, (&mut set.send_x, 0), &sh)
-        };
+    let run = |_: &mut O::Buf,
+               sets: &mut [RoundSet<O::Buf, O::Index>],
+               round: &Issued,
+               meta: &[RouteMeta]| {
+        let set = &mut sets[round.set];
+        let got = round.got();
+        let filled = group(meta, k, slots, groups, offsets)?;
+        let mut cursor = 0usize;
+        if let Some(kp) = keep.as_mut() {
+            let row;
+            (cursor, row) = kp.round_at(ops, &s, round, filled)?;
+            ops.copy((&set.recv_x, 0), (&mut *kp.x, row * h), got * h)?;
+        }
+        ops.zero(&mut set.out, got * h)?;
+        round_lists(ops, &groups[..filled], meta, (&mut lists.rows, &mut lists.weights, None))?;
+        for (slot, start, n) in slot_chunks(offsets, slots, chunk_rows) {
+            ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, n, h).from(start), &mut scratch.x)?;
+            let w = expert_at((&s, plan.config().weight_layout), inputs, foreign, slot);
+            let pre = keep.as_mut().map(|kp| KeepPre { gate: &mut *kp.gate, up: &mut *kp.up, cursor });
+            expert::forward(ops, w, (h, i), n, scratch, pre)?;
+            ops.scatter_add_rows(
+                IndexedRows::new(&scratch.x, &lists.rows, n, h).scaled(&lists.weights).from(start),
+                &mut set.out,
+            )?;
+            cursor += n;
+        }
+        if let Some(kp) = keep.as_mut() {
+            kp.route_start[round.round + 1] = cursor as u32;
+        }
+        let (sh, rh) = (scale(&round.send_counts, h), scale(&round.recv_counts, h));
+        ops.all_to_all_v((&set.out, 0), &rh, (&mut set.send_x, 0), &sh)
+    };
     let finish = |y: &mut O::Buf, sets: &mut [RoundSet<O::Buf, O::Index>], round: &Issued| {
         let set = &sets[round.set];
         ops.scatter_add_rows(IndexedRows::new(&set.send_x, &set.send_tokens, round.sent, h), y)
@@ -358,6 +360,8 @@ pub fn backward<O: DeviceOps>(
         let (meta_host, saved, sends) = match store {
             Some(st) => {
                 let (meta, saved) = Saved::open(plan, me, st)?;
+                // The identity index of a group's rows (scaling them in place order), once a call.
+                iota(ops, &mut lists.seq, bufs.expert_rows())?;
                 let host = MetaHost::Store { meta, row_start: saved.row_start.clone(), download: false };
                 (host, Some(saved), Sends::Dy)
             }
@@ -393,17 +397,21 @@ pub fn backward<O: DeviceOps>(
             }
             ops.zero(&mut set.out, got * h)?;
             ops.zero(&mut set.dw_out, got * k)?;
-            for (slot, chunk) in slot_chunks(groups, offsets, slots, chunk_rows) {
-                let rows = chunk.len();
-                group_lists(ops, chunk, meta, (&mut lists.rows, &mut lists.weights, Some(&mut lists.meta)))?;
-                ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, rows, h), &mut scratch.x)?;
+            let lists_of_round = (&mut lists.rows, &mut lists.weights, Some(&mut lists.meta));
+            round_lists(ops, &groups[..filled], meta, lists_of_round)?;
+            for (slot, start, rows) in slot_chunks(offsets, slots, chunk_rows) {
+                ops.gather_rows(
+                    IndexedRows::new(&set.recv_x, &lists.rows, rows, h).from(start),
+                    &mut scratch.x,
+                )?;
                 let w = expert_at((&s, plan.config().weight_layout), inputs, foreign, slot);
                 let grad = grad_at((&s, plan.config().weight_layout), g, foreign_grad, slot);
                 let io = GroupIo::<O> {
                     recv_dy: &set.recv_dy,
                     dx_rows: &mut set.out,
                     dw: &mut set.dw_out,
-                    lists: &mut *lists,
+                    lists: &*lists,
+                    start,
                 };
                 match &saved {
                     Some(sv) => {

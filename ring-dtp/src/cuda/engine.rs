@@ -20,7 +20,7 @@ use half::bf16;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::kernels::{RING_DTP, ROW_THREADS, softcap_arg};
+use crate::kernels::{GradientStore, RING_DTP, ROW_THREADS, softcap_arg};
 use crate::loss::RowStats;
 
 fn linear(n: usize, max_blocks: u32) -> LaunchConfig {
@@ -414,13 +414,14 @@ impl Engine {
         Ok(())
     }
 
-    /// Turns a raw logits block into its gradient in place (`lce_gradient`, one block per row).
+    /// Turns a raw logits block into its gradient in place (`lce_gradient`, one block per row),
+    /// stored as `store` says.
     pub fn gradient(
         &self,
-        config: &Config,
-        vocab: usize,
+        (config, vocab): (&Config, usize),
         b: LogitsBlock<'_, '_>,
         rows: RowViews<'_>,
+        store: GradientStore,
     ) -> Result<()> {
         Self::check_block(&b)?;
         need("coef (c)", b.rows, rows.coef.len())?;
@@ -446,12 +447,14 @@ impl Engine {
             Some(g) => l.arg(g),
             None => l.arg(&null),
         };
-        l.arg(&alpha).arg(&lambda).arg(&v64);
+        let store_bf16 = store.arg();
+        l.arg(&alpha).arg(&lambda).arg(&v64).arg(&store_bf16);
         let grid = per_row(b.rows)?;
         // SAFETY: `lce_gradient(float*, u32, u32, const float*, float, const u32*, const float*,
-        // const float*, const float*, float, float, u64)` matches the arguments (null bias and
-        // dlse are zero pointers); block k rewrites logits row k and reads row k of targets,
-        // coef, lse and dlse — lengths checked above; 256 threads per block.
+        // const float*, const float*, float, float, u64, int)` matches the arguments (null bias
+        // and dlse are zero pointers); block k rewrites logits row k only (as f32, or as bf16 in
+        // the row's first half) and reads row k of targets, coef, lse and dlse — lengths checked
+        // above; 256 threads per block.
         unsafe { l.launch(grid) }.map_err(cuda_error("cuLaunchKernel(lce_gradient)"))?;
         Ok(())
     }

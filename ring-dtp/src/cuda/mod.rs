@@ -36,6 +36,7 @@ use crate::cpu;
 use crate::driver::{self, Call, Saved};
 use crate::error::{Error, Result};
 use crate::inputs::{Forward, GradOutput, Inputs, Matrix, Upstream};
+use crate::kernels::GradientStore;
 use crate::loss::{RowStats, Stats};
 use crate::plan::Plan;
 use engine::{Engine, LogitsBlock, RowViews, StatsViews};
@@ -346,6 +347,18 @@ fn logits_block<'a, 'b>(
     }
 }
 
+impl CudaBlocks<'_, '_> {
+    /// How the gradient kernel stores G: bf16 rows when the bf16 GEMMs read it and no bias
+    /// gradient sums the f32 G first.
+    fn gradient_store(&self) -> GradientStore {
+        let bf16_gemms = matches!(
+            (self.native_bf16, self.inputs.x, self.inputs.w),
+            (true, DeviceMatrix::Bf16(_), DeviceMatrix::Bf16(_))
+        );
+        GradientStore::for_block(bf16_gemms, self.grads.as_ref().is_some_and(|g| g.dbias.is_some()))
+    }
+}
+
 impl BlockOps for CudaBlocks<'_, '_> {
     fn begin(&mut self, pass: Pass, gradient: Option<&GradientInputs<'_>>) -> Result<()> {
         let (e, n) = (self.e, self.inputs.n);
@@ -422,6 +435,7 @@ impl BlockOps for CudaBlocks<'_, '_> {
     fn gradient(&mut self, at: BlockAt, pass: Pass, _host: &GradientInputs<'_>) -> Result<()> {
         // The kernel reads the copies `begin` uploaded.
         let (t0, c) = (at.t0, at.c);
+        let store = self.gradient_store();
         let Self { e, config, inputs, logits, resolved, lse, gradient, .. } = self;
         let g = gradient.as_ref().ok_or_else(|| missing("gradient scales"))?;
         let (lse, dlse) = match pass {
@@ -434,12 +448,12 @@ impl BlockOps for CudaBlocks<'_, '_> {
             lse: lse.slice(t0..t0 + c),
             dlse: dlse.map(|g| g.slice(t0..t0 + c)),
         };
-        e.gradient(config, inputs.v, logits_block(logits, inputs, resolved, at), rows)
+        e.gradient((config, inputs.v), logits_block(logits, inputs, resolved, at), rows, store)
     }
 
     fn project(&mut self, at: BlockAt) -> Result<()> {
         let BlockAt { t0, c, v0, vb } = at;
-        let d = self.inputs.d;
+        let (d, store) = (self.inputs.d, self.gradient_store());
         let grads = self.grads.as_mut().ok_or_else(|| missing("gradients"))?;
         // dbias sums the f32 G, before bf16 inputs narrow it.
         if let Some(db) = grads.dbias.as_mut() {
@@ -449,7 +463,8 @@ impl BlockOps for CudaBlocks<'_, '_> {
         if let (true, DeviceMatrix::Bf16(x), DeviceMatrix::Bf16(w)) =
             (self.native_bf16, self.inputs.x, self.inputs.w)
         {
-            if want_dx || want_dw {
+            // Rounded to bf16 by the gradient kernel itself unless dbias read the f32 G first.
+            if (want_dx || want_dw) && store == GradientStore::F32 {
                 self.e.narrow_rows(self.logits, (c, vb))?;
             }
             let (x, w) = (x.slice(t0 * d..(t0 + c) * d), w.slice(v0 * d..(v0 + vb) * d));

@@ -9,6 +9,7 @@ use super::{Packet, Pass, RingBackend, dtod, exchange_raw, ring_peers, zero};
 use crate::cuda::engine::{LogitsBlock, RowViews, StatsViews};
 use crate::cuda::rows_f32;
 use crate::error::Result;
+use crate::kernels::GradientStore;
 use crate::ring::{RingOps, Step};
 
 impl<C: DeviceCommunicator> RingBackend<'_, C, Packet> {
@@ -108,7 +109,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, Packet> {
                         lse: cur.lse.slice(..c),
                         dlse: Some(cur.dlse.slice(..c)),
                     };
-                    e.gradient(config, plan.vocab(), block, rv)?;
+                    e.gradient((config, plan.vocab()), block, rv, GradientStore::F32)?;
                     // dbias sums the f32 G; bf16 inputs then round G to bf16 (as on the CPU).
                     if let Some(db) = grads.dbias.as_mut() {
                         e.bias_grad(logits, (c, vb), &mut db.slice_mut(v0..v0 + vb))?;

@@ -9,6 +9,7 @@ use super::{Pass, RingBackend, WeightSlot, dtod, exchange_raw, ring_peers, zero}
 use crate::cuda::engine::{LogitsBlock, RowViews};
 use crate::cuda::rows_f32;
 use crate::error::Result;
+use crate::kernels::GradientStore;
 use crate::ring::{RingOps, Step};
 
 impl<C: DeviceCommunicator> RingBackend<'_, C, WeightSlot> {
@@ -70,7 +71,7 @@ impl<C: DeviceCommunicator> RingOps for RingBackend<'_, C, WeightSlot> {
                         lse: lse.slice(t0..t0 + c),
                         dlse: dlse.map(|g| g.slice(t0..t0 + c)),
                     };
-                    e.gradient(config, plan.vocab(), block, rv)?;
+                    e.gradient((config, plan.vocab()), block, rv, GradientStore::F32)?;
                     // dbias sums the f32 G; bf16 inputs then round G to bf16 (as on the CPU).
                     if has_bias {
                         e.bias_grad(logits, (c, vb), &mut cur.dbias.slice_mut(..vb))?;
