@@ -132,7 +132,8 @@ fn torch_experts(rows: &[usize], h: usize, i: usize, dtype: DType, grouped: bool
 fn llep_case(dtype: DType) -> Result<Case, String> {
     let (t, h, i, e, k) = (8192, 2048, 1024, 64, 8);
     let shape = llep::Shape { ranks: 1, tokens: t, hidden: h, intermediate: i, experts: e, top_k: k, dtype };
-    let config = llep::Config::default();
+    // As the PyTorch binding runs it: torch's weight layout, the layer checkpointed.
+    let config = llep::Config::default().weight_layout(llep::WeightLayout::Linear);
     let budget =
         llep::LayerBudget::Default.of(&config, &shape, Device::Cuda(0)).map_err(|e| e.to_string())?;
     let launch = llep::Plan::new(&config, shape, budget).map_err(|e| e.to_string())?;

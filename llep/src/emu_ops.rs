@@ -13,7 +13,7 @@ use half::bf16;
 
 use crate::cpu::elem::{IndexScale, ViewMut, gemm_bf16, mismatch};
 use crate::cpu::{host_gemm, span, span_mut};
-use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, need, same_type, typed_buf};
+use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, PreAt, need, same_type, typed_buf};
 use crate::emu;
 use crate::error::{Error, Result};
 
@@ -159,20 +159,24 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
         }
     }
 
-    fn swiglu(&self, gate: &EmuBuf, up: &EmuBuf, n: usize, h: &mut EmuBuf) -> Result<()> {
+    fn swiglu(&self, gu: &EmuBuf, at: PreAt, n: usize, h: &mut EmuBuf) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        same_type!(EmuBuf, "swiglu (gate, up and h)"; gate, up, h =>
-            emu::swiglu(gate, up, span_mut("swiglu h", h, 0, n)?))
+        same_type!(EmuBuf, "swiglu (pre-activations and h)"; gu, h => {
+            let (gate, up) = at.split(gu, n)?;
+            emu::swiglu(gate, up, span_mut("swiglu h", h, 0, n)?)
+        })
     }
 
-    fn swiglu_backward(&self, gate: &mut EmuBuf, up: &mut EmuBuf, dh: &EmuBuf, n: usize) -> Result<()> {
+    fn swiglu_backward(&self, gu: &mut EmuBuf, at: PreAt, dh: &EmuBuf, n: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        same_type!(EmuBuf, "swiglu_backward (gate, up and dh)"; gate, up, dh =>
-            emu::swiglu_backward(gate, up, span("swiglu_backward dh", dh, 0, n)?))
+        same_type!(EmuBuf, "swiglu_backward (pre-activations and dh)"; gu, dh => {
+            let (gate, up) = at.split_mut(gu, n)?;
+            emu::swiglu_backward(gate, up, span("swiglu_backward dh", dh, 0, n)?)
+        })
     }
 
     fn row_dot(&self, a: &EmuBuf, b: &EmuBuf, rows: usize, width: usize, out: &mut EmuBuf) -> Result<()> {

@@ -295,7 +295,7 @@ impl Buffers {
                     .map(dev),
             );
         }
-        out.extend([p(&[g, h, b]), p(&[g, h.max(i), b]), p(&[g, i, b]), p(&[g, i, b])].map(dev));
+        out.extend([p(&[g, h, b]), p(&[g, h.max(i), b]), p(&[2, g, i, b])].map(dev));
         if bwd {
             out.extend([p(&[g, h, b]), p(&[g, i, b]), p(&[g, 4])].map(dev));
         }

@@ -3,15 +3,24 @@
 
 use flatpeak_common::{LocalGroup, LocalGroupOptions, SplitMix64};
 use llep::device::{StepCounts, count_step};
-use llep::{Config, DType, Device, LayerBudget, Plan, Routing, Shape};
+use llep::{Config, DType, Device, LayerBudget, Plan, Routing, Shape, WeightLayout};
 
 /// T=8192 H=2048 I=1024 E=64 k=8 on one rank (`python/bench/bench_cuda.py`'s MoE shape).
 fn bench_shape(dtype: DType) -> Shape {
     Shape { ranks: 1, tokens: 8192, hidden: 2048, intermediate: 1024, experts: 64, top_k: 8, dtype }
 }
 
+/// The bench's configuration: torch's weight layout (`gate_up_proj`, `down_proj`), the layer
+/// checkpointed, as the PyTorch binding runs it.
+fn torch_config() -> Config {
+    Config::default().weight_layout(WeightLayout::Linear)
+}
+
 fn step(shape: Shape, budget: LayerBudget, device: Device) -> StepCounts {
-    let config = Config::default();
+    step_with(torch_config(), shape, budget, device)
+}
+
+fn step_with(config: Config, shape: Shape, budget: LayerBudget, device: Device) -> StepCounts {
     let routes = shape.tokens * shape.top_k;
     // A router's choice: k distinct experts a token.
     let ids = SplitMix64::new(7).top_k_ids(shape.tokens, shape.experts, shape.top_k);
@@ -37,10 +46,16 @@ fn the_bench_shape_runs_in_one_round_on_a_gpu_with_one_host_wait_per_pass() {
             |d: &flatpeak_common::device_counts::DeviceCounts| d.gemms.iter().map(|g| g.flops()).sum::<f64>();
         assert_eq!(flops(&c.forward), 2.0 * routes * 3.0 * h * i);
         assert_eq!(flops(&c.backward), 3.0 * flops(&c.forward));
-        // The counts that must not grow: per round, three GEMMs per expert group forward and
-        // nine backward (one group per expert at most), one host wait for the route metadata,
-        // and the launches of the expert groups and the round's exchanges.
-        assert_eq!((c.forward.gemms.len(), c.backward.gemms.len()), (3 * e, 9 * e), "{dtype:?}");
+        // The counts that must not grow: per round, two GEMMs per expert group forward and
+        // six backward (gate and up one GEMM over `gate_up_proj`; one group per expert at
+        // most), one host wait for the route metadata, and the launches of the expert groups
+        // and the round's exchanges.
+        assert_eq!((c.forward.gemms.len(), c.backward.gemms.len()), (2 * e, 6 * e), "{dtype:?}");
+        // llep's split layout cannot read gate and up as one operand: three and nine, the same
+        // FLOPs.
+        let split = step_with(Config::default(), shape, LayerBudget::Default, Device::Cuda(0));
+        assert_eq!((split.forward.gemms.len(), split.backward.gemms.len()), (3 * e, 9 * e), "{dtype:?}");
+        assert_eq!((flops(&split.forward), flops(&split.backward)), (flops(&c.forward), flops(&c.backward)));
         assert_eq!((c.forward.host_syncs, c.backward.host_syncs), (1, 1), "{dtype:?}");
         assert!(c.forward.total_launches() <= 3 * e + 3, "{:?}", c.forward.launches);
         assert!(c.backward.total_launches() <= 8 * e + 7, "{:?}", c.backward.launches);

@@ -17,7 +17,7 @@ use flatpeak_common::{Communicator, CommunicatorExt, DType, Workspace};
 use half::bf16;
 
 use super::elem::{self, IndexScale, View, ViewMut, mismatch, span, span_mut};
-use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, Orientation, need, same_type};
+use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, Orientation, PreAt, need, same_type};
 use crate::error::{Error, Result};
 
 /// A host buffer of the CPU backend: f32, or bf16 (the storage type of a bf16 layer).
@@ -395,24 +395,33 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
         Ok(())
     }
 
-    fn swiglu(&self, gate: &HostBuf<'w>, up: &HostBuf<'w>, n: usize, h: &mut HostBuf<'w>) -> Result<()> {
-        let (g, u) = (slice("swiglu gate", gate, 0, n)?, slice("swiglu up", up, 0, n)?);
+    fn swiglu(&self, gu: &HostBuf<'w>, at: PreAt, n: usize, h: &mut HostBuf<'w>) -> Result<()> {
+        at.check(n, gu.len())?;
+        let (g, u) = (slice("swiglu gate", gu, at.gate, n)?, slice("swiglu up", gu, at.up, n)?);
         let h = slice_mut("swiglu h", h, 0, n)?;
         same_type!(ElemRef, "swiglu (gate, up and h)"; g, u, h => elem::swiglu(g, u, h, self.threads));
         Ok(())
     }
 
-    fn swiglu_backward(
-        &self,
-        gate: &mut HostBuf<'w>,
-        up: &mut HostBuf<'w>,
-        dh: &HostBuf<'w>,
-        n: usize,
-    ) -> Result<()> {
+    fn swiglu_backward(&self, gu: &mut HostBuf<'w>, at: PreAt, dh: &HostBuf<'w>, n: usize) -> Result<()> {
         let dh = slice("swiglu_backward dh", dh, 0, n)?;
-        let g = slice_mut("swiglu_backward gate", gate, 0, n)?;
-        let u = slice_mut("swiglu_backward up", up, 0, n)?;
-        same_type!(ElemRef, "swiglu_backward (gate, up and dh)"; g, u, dh => elem::swiglu_backward(g, u, dh, self.threads));
+        match (gu.view_mut()?, dh) {
+            (ViewMut::F32(s), ElemRef::F32(dh)) => {
+                let (g, u) = at.split_mut(s, n)?;
+                elem::swiglu_backward(g, u, dh, self.threads)
+            }
+            (ViewMut::Bf16(s), ElemRef::Bf16(dh)) => {
+                let (g, u) = at.split_mut(s, n)?;
+                elem::swiglu_backward(g, u, dh, self.threads)
+            }
+            (s, dh) => {
+                let found = match s {
+                    ViewMut::F32(_) => DType::F32,
+                    ViewMut::Bf16(_) => DType::Bf16,
+                };
+                return Err(mismatch("swiglu_backward (pre-activations and dh)", found, dh.dtype()));
+            }
+        }
         Ok(())
     }
 

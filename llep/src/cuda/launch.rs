@@ -2,7 +2,9 @@
 //! `kernels/llep.cu`, given the entry point of the buffers' element type. Each checks the
 //! extents its kernel touches before the launch.
 
-use flatpeak_common::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use flatpeak_common::cuda::cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use flatpeak_common::cuda::{cuda_error, linear_launch};
 use flatpeak_common::nccl::DeviceCommunicator;
 
@@ -101,11 +103,12 @@ impl<C: DeviceCommunicator> CudaOps<'_, C> {
         Ok(())
     }
 
-    /// `llep_swiglu` of element type T.
+    /// `llep_swiglu` of element type T over the `n` elements of `gate` and `up` (two disjoint
+    /// views of the pre-activation buffer).
     pub(super) fn launch_swiglu<T: DeviceRepr>(
         &self,
         name: &'static str,
-        (gate, up): (&CudaSlice<T>, &CudaSlice<T>),
+        (gate, up): (&CudaView<'_, T>, &CudaView<'_, T>),
         n: usize,
         h: &mut CudaSlice<T>,
     ) -> Result<()> {
@@ -123,11 +126,12 @@ impl<C: DeviceCommunicator> CudaOps<'_, C> {
         Ok(())
     }
 
-    /// `llep_swiglu_backward` of element type T.
+    /// `llep_swiglu_backward` of element type T over the `n` elements of `gate` and `up` (two
+    /// disjoint views of the pre-activation buffer, rewritten in place).
     pub(super) fn launch_swiglu_backward<T: DeviceRepr>(
         &self,
         name: &'static str,
-        (gate, up): (&mut CudaSlice<T>, &mut CudaSlice<T>),
+        (gate, up): (&mut CudaViewMut<'_, T>, &mut CudaViewMut<'_, T>),
         dh: &CudaSlice<T>,
         n: usize,
     ) -> Result<()> {
@@ -140,7 +144,8 @@ impl<C: DeviceCommunicator> CudaOps<'_, C> {
         l.arg(&mut *gate).arg(&mut *up).arg(dh).arg(&n64);
         // SAFETY: `name` is `llep_swiglu_backward` of T (`(T*, T*, const T*, u64)`), matching;
         // element e of `gate`, `up` (rewritten in place) and `dh` for e < n, all holding ≥ n
-        // (checked above); the three are distinct allocations (two `&mut` borrows and a `&`).
+        // (checked above); `gate` and `up` are disjoint views (split by the caller) and `dh` a
+        // distinct allocation (a `&` borrow beside the `&mut` one of the buffer they view).
         unsafe { l.launch(linear(n)) }.map_err(cuda_error(name))?;
         Ok(())
     }

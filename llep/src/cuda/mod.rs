@@ -45,7 +45,9 @@ use flatpeak_common::gemm::Accumulate;
 use flatpeak_common::nccl::DeviceCommunicator;
 use half::bf16;
 
-use crate::device::{DeviceOps, GemmDims, IndexedRows, Operand, Orientation, ScatterLayout, need, same_type};
+use crate::device::{
+    DeviceOps, GemmDims, IndexedRows, Operand, Orientation, PreAt, ScatterLayout, need, same_type,
+};
 use crate::error::{Error, Result};
 
 mod buf;
@@ -310,22 +312,34 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         }
     }
 
-    fn swiglu(&self, gate: &CudaBuf, up: &CudaBuf, n: usize, h: &mut CudaBuf) -> Result<()> {
+    fn swiglu(&self, gu: &CudaBuf, at: PreAt, n: usize, h: &mut CudaBuf) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        let name = entry("llep_swiglu", "llep_swiglu_bf16", gate.dtype());
-        same_type!(CudaBuf, "swiglu (gate, up and h)"; gate, up, h =>
-            self.launch_swiglu(name, (gate, up), n, h))
+        at.check(n, gu.len())?;
+        let name = entry("llep_swiglu", "llep_swiglu_bf16", gu.dtype());
+        same_type!(CudaBuf, "swiglu (pre-activations and h)"; gu, h => {
+            let (gate, up) = (view("swiglu gate", gu, at.gate, n)?, view("swiglu up", gu, at.up, n)?);
+            self.launch_swiglu(name, (&gate, &up), n, h)
+        })
     }
 
-    fn swiglu_backward(&self, gate: &mut CudaBuf, up: &mut CudaBuf, dh: &CudaBuf, n: usize) -> Result<()> {
+    fn swiglu_backward(&self, gu: &mut CudaBuf, at: PreAt, dh: &CudaBuf, n: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
+        at.check(n, gu.len())?;
         let name = entry("llep_swiglu_backward", "llep_swiglu_backward_bf16", dh.dtype());
-        same_type!(CudaBuf, "swiglu_backward (gate, up and dh)"; gate, up, dh =>
-            self.launch_swiglu_backward(name, (gate, up), dh, n))
+        same_type!(CudaBuf, "swiglu_backward (pre-activations and dh)"; gu, dh => {
+            // Two disjoint views of the one buffer (checked above), split where the later starts.
+            let (first, second) = (at.gate.min(at.up), at.gate.max(at.up));
+            let mut whole = view_mut("swiglu pre-activations", gu, 0, second + n)?;
+            let (mut lo, mut hi) = whole.split_at_mut(second);
+            let mut lo = lo.try_slice_mut(first..first + n).ok_or(Error::internal("swiglu view inside its buffer"))?;
+            let mut hi = hi.try_slice_mut(..n).ok_or(Error::internal("swiglu view inside its buffer"))?;
+            let pair = if at.gate < at.up { (&mut lo, &mut hi) } else { (&mut hi, &mut lo) };
+            self.launch_swiglu_backward(name, pair, dh, n)
+        })
     }
 
     fn row_dot(&self, a: &CudaBuf, b: &CudaBuf, rows: usize, width: usize, out: &mut CudaBuf) -> Result<()> {

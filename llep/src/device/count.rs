@@ -15,7 +15,7 @@ use std::cell::RefCell;
 use flatpeak_common::device_counts::{DeviceCounts, GemmCall};
 use flatpeak_common::{Communicator, CommunicatorExt, DType};
 
-use super::{DeviceOps, GemmDims, IndexedRows, Operand, need};
+use super::{DeviceOps, GemmDims, IndexedRows, Operand, PreAt, need};
 use crate::error::{Error, Result};
 use crate::kernels::{entry, scatter_entry};
 use flatpeak_common::gemm::Accumulate;
@@ -197,26 +197,24 @@ impl<C: Communicator + ?Sized> DeviceOps for CountOps<'_, C> {
         });
         Ok(())
     }
-    fn swiglu(&self, gate: &CountBuf, up: &CountBuf, n: usize, h: &mut CountBuf) -> Result<()> {
-        elems(gate, 0, n, "swiglu gate")?;
-        elems(up, 0, n, "swiglu up")?;
+    fn swiglu(&self, gu: &CountBuf, at: PreAt, n: usize, h: &mut CountBuf) -> Result<()> {
+        at.check(n, gu.len)?;
         elems(h, 0, n, "swiglu h")?;
         if n > 0 {
             self.with(|c| {
-                c.launch(entry("llep_swiglu", "llep_swiglu_bf16", gate.dtype), 3 * n * size(gate.dtype))
+                c.launch(entry("llep_swiglu", "llep_swiglu_bf16", gu.dtype), 3 * n * size(gu.dtype))
             });
         }
         Ok(())
     }
-    fn swiglu_backward(&self, gate: &mut CountBuf, up: &mut CountBuf, dh: &CountBuf, n: usize) -> Result<()> {
-        elems(gate, 0, n, "swiglu_backward gate")?;
-        elems(up, 0, n, "swiglu_backward up")?;
+    fn swiglu_backward(&self, gu: &mut CountBuf, at: PreAt, dh: &CountBuf, n: usize) -> Result<()> {
+        at.check(n, gu.len)?;
         elems(dh, 0, n, "swiglu_backward dh")?;
         if n > 0 {
             self.with(|c| {
                 c.launch(
-                    entry("llep_swiglu_backward", "llep_swiglu_backward_bf16", gate.dtype),
-                    5 * n * size(gate.dtype),
+                    entry("llep_swiglu_backward", "llep_swiglu_backward_bf16", gu.dtype),
+                    5 * n * size(gu.dtype),
                 )
             });
         }
@@ -321,12 +319,14 @@ pub fn count_step<C: Communicator + ?Sized>(
     let plan = crate::cpu::schedule(comm, launch, routing)?;
     let (s, me) = (*launch.shape(), comm.rank());
     let ops = CountOps::new(comm);
-    let (m, dt) = (s.local_experts(), s.dtype);
+    let dt = s.dtype;
+    // The native weights in the config's layout (torch's: gate_up `[M][2I][H]`, up empty).
+    let [gate_len, up_len, down_len] = launch.config().weight_layout.native_lens(&s);
     let (x, gate, up, down, dy) = (
         ops.alloc(s.tokens * s.hidden, dt)?,
-        ops.alloc(m * s.hidden * s.intermediate, dt)?,
-        ops.alloc(m * s.hidden * s.intermediate, dt)?,
-        ops.alloc(m * s.intermediate * s.hidden, dt)?,
+        ops.alloc(gate_len, dt)?,
+        ops.alloc(up_len, dt)?,
+        ops.alloc(down_len, dt)?,
         ops.alloc(s.tokens * s.hidden, dt)?,
     );
     let dev = super::DeviceInputs { x: &x, routing: *routing, gate: &gate, up: &up, down: &down };

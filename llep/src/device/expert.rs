@@ -16,7 +16,7 @@
 use flatpeak_common::gemm::Accumulate;
 
 use super::reserve::{GroupBufs, Scratch};
-use super::{DeviceGradients, DeviceInputs, DeviceOps, GemmDims, IndexedRows, Operand};
+use super::{DeviceGradients, DeviceInputs, DeviceOps, GemmDims, IndexedRows, Operand, PreAt};
 use crate::config::{Shape, WeightLayout};
 use crate::error::Result;
 
@@ -28,9 +28,18 @@ pub(super) struct ExpertAt<'a, B> {
     up: (&'a B, usize),
     down: (&'a B, usize),
     layout: WeightLayout,
+    hi: usize,
 }
 
 impl<'a, B> ExpertAt<'a, B> {
+    /// W_gate and W_up as one stored `2I×H` matrix (`gate_up_proj`'s rows of this expert:
+    /// torch's layout, gate rows then up rows in one buffer), read as stored; `None` in llep's
+    /// split layout, whose gate and up cannot be read as one operand.
+    fn gate_up(&self) -> Option<Operand<'a, B>> {
+        let contiguous = std::ptr::eq(self.gate.0, self.up.0) && self.up.1 == self.gate.1 + self.hi;
+        (self.layout.transposed() && contiguous).then(|| Operand::plain(self.gate.0, self.gate.1))
+    }
+
     /// A stored weight as the right operand of llep's `x·W`: as stored ([`WeightLayout::Split`])
     /// or its transpose (`x·Wᵀ` of torch's layout).
     fn times(&self, (buf, at): (&'a B, usize)) -> Operand<'a, B> {
@@ -67,10 +76,10 @@ pub(super) fn expert_at<'a, B>(
             let (tensor, at) = layout.part_at(s, slot, p);
             (tensors[tensor], at)
         };
-        ExpertAt { gate: part(0), up: part(1), down: part(2), layout }
+        ExpertAt { gate: part(0), up: part(1), down: part(2), layout, hi }
     } else {
         let o = (slot - m) * 3 * hi;
-        ExpertAt { gate: (foreign, o), up: (foreign, o + hi), down: (foreign, o + 2 * hi), layout }
+        ExpertAt { gate: (foreign, o), up: (foreign, o + hi), down: (foreign, o + 2 * hi), layout, hi }
     }
 }
 
@@ -87,6 +96,12 @@ enum GradPlace<'a, B> {
 }
 
 impl<B> GradAt<'_, B> {
+    /// Whether dW_gate and dW_up are one stored `2I×H` matrix (torch's layout: the native
+    /// `gate_up_proj` gradient or a foreign slot's), as [`ExpertAt::gate_up`] reads the weights.
+    fn fused(&self) -> bool {
+        self.layout.transposed()
+    }
+
     /// Part 0 (W_gate), 1 (W_up) or 2 (W_down): buffer and offset.
     fn part(&mut self, part: usize) -> (&mut B, usize) {
         match &mut self.place {
@@ -127,7 +142,17 @@ fn mm<O: DeviceOps>(
     ops.gemm(GemmDims { m, n, k }, a, b, c, at, acc)
 }
 
-/// `gate ← X·W_gate`, `up ← X·W_up` for `n` rows of the scratch.
+/// The split pre-activations of the scratch: gate n×I from 0, up n×I from G·I.
+fn split(sc: &Scratch<impl Sized>) -> PreAt {
+    PreAt { gate: 0, up: sc.up_at }
+}
+
+/// The fused pre-activations of `n` rows: gateᵀ I×n from 0, upᵀ I×n from I·n.
+fn fused(i: usize, n: usize) -> PreAt {
+    PreAt { gate: 0, up: i * n }
+}
+
+/// `gate ← X·W_gate`, `up ← X·W_up` for `n` rows of the scratch (split pre-activations).
 fn project<O: DeviceOps>(
     ops: &O,
     w: ExpertAt<'_, O::Buf>,
@@ -137,8 +162,20 @@ fn project<O: DeviceOps>(
 ) -> Result<()> {
     let x = || Operand::plain(&sc.x, 0);
     let (g, u) = (w.times(w.gate), w.times(w.up));
-    mm(ops, (n, i, h), x(), g, (&mut sc.gate, 0), Accumulate::Replace)?;
-    mm(ops, (n, i, h), x(), u, (&mut sc.up, 0), Accumulate::Replace)
+    mm(ops, (n, i, h), x(), g, (&mut sc.pre, 0), Accumulate::Replace)?;
+    mm(ops, (n, i, h), x(), u, (&mut sc.pre, sc.up_at), Accumulate::Replace)
+}
+
+/// `[gate; up]ᵀ ← W_gate_up·Xᵀ` (2I×n) for `n` rows of the scratch in one GEMM: gateᵀ then
+/// upᵀ, each I×n (fused pre-activations), from torch's stored `gate_up_proj` rows.
+fn project_fused<O: DeviceOps>(
+    ops: &O,
+    gate_up: Operand<'_, O::Buf>,
+    (h, i): (usize, usize),
+    n: usize,
+    sc: &mut Scratch<O::Buf>,
+) -> Result<()> {
+    mm(ops, (2 * i, n, h), gate_up, Operand::t(&sc.x, 0), (&mut sc.pre, 0), Accumulate::Replace)
 }
 
 /// Where the saving forward keeps a group's pre-activations: the store's gate and up buffers,
@@ -150,7 +187,9 @@ pub(super) struct KeepPre<'a, B> {
 }
 
 /// Forward of one group: the expert's output rows land in the scratch's X (h in its Y, so no
-/// G×I buffer beyond gate and up); with `keep`, `x·W_gate` and `x·W_up` are copied out first.
+/// G×I buffer beyond the pre-activations); with `keep`, `x·W_gate` and `x·W_up` are copied out
+/// first. Under torch's layout without `keep`, gate and up are one GEMM over `gate_up_proj`
+/// (two GEMMs a group instead of three), h held transposed.
 pub(super) fn forward<O: DeviceOps>(
     ops: &O,
     w: ExpertAt<'_, O::Buf>,
@@ -159,12 +198,19 @@ pub(super) fn forward<O: DeviceOps>(
     sc: &mut Scratch<O::Buf>,
     keep: Option<KeepPre<'_, O::Buf>>,
 ) -> Result<()> {
+    if let (Some(gate_up), None) = (w.gate_up(), &keep) {
+        project_fused(ops, gate_up, (h, i), n, sc)?;
+        ops.swiglu(&sc.pre, fused(i, n), n * i, &mut sc.y)?;
+        // y = h·W_down with hᵀ (I×n) stored.
+        let ht = Operand::t(&sc.y, 0);
+        return mm(ops, (n, h, i), ht, w.times(w.down), (&mut sc.x, 0), Accumulate::Replace);
+    }
     project(ops, w, (h, i), n, sc)?;
     if let Some(k) = keep {
-        ops.copy((&sc.gate, 0), (k.gate, k.cursor * i), n * i)?;
-        ops.copy((&sc.up, 0), (k.up, k.cursor * i), n * i)?;
+        ops.copy((&sc.pre, 0), (k.gate, k.cursor * i), n * i)?;
+        ops.copy((&sc.pre, sc.up_at), (k.up, k.cursor * i), n * i)?;
     }
-    ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.y)?;
+    ops.swiglu(&sc.pre, split(sc), n * i, &mut sc.y)?;
     mm(ops, (n, h, i), Operand::plain(&sc.y, 0), w.times(w.down), (&mut sc.x, 0), Accumulate::Replace)
 }
 
@@ -189,17 +235,30 @@ fn input_grads<O: DeviceOps>(
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
     // dW_gate += Xᵀ·dg (H×I), or dgᵀ·X (I×H) in torch's layout; likewise dW_up.
-    weight_grad(ops, grad.layout, (&sc.x, h), (&sc.gate, i), n, grad.part(0))?;
-    weight_grad(ops, grad.layout, (&sc.x, h), (&sc.up, i), n, grad.part(1))?;
-    let dg = Operand::plain(&sc.gate, 0);
+    weight_grad(ops, grad.layout, (&sc.x, h), (&sc.pre, 0, i), n, grad.part(0))?;
+    weight_grad(ops, grad.layout, (&sc.x, h), (&sc.pre, sc.up_at, i), n, grad.part(1))?;
+    let dg = Operand::plain(&sc.pre, 0);
     mm(ops, (n, h, i), dg, w.times_t(w.gate), (&mut sc.y, 0), Accumulate::Replace)?;
-    mm(ops, (n, h, i), Operand::plain(&sc.up, 0), w.times_t(w.up), (&mut sc.y, 0), Accumulate::Add)?;
+    let du = Operand::plain(&sc.pre, sc.up_at);
+    mm(ops, (n, h, i), du, w.times_t(w.up), (&mut sc.y, 0), Accumulate::Add)?;
     ops.scatter_add_rows(IndexedRows::new(&sc.y, &io.lists.rows, n, h).from(io.start), io.dx_rows)
 }
 
-/// The middle of both backwards, with `dw_t` in the scratch's dots and h in its h: the dots
-/// added to the routes' d(weights) entries, dY gathered again scaled by the routing weights
-/// (`w_t·dY_t`), and `dW_down += hᵀ·(w⊙dY)`.
+/// With `dw_t` in the scratch's dots: the dots added to the routes' d(weights) entries, and dY
+/// gathered again scaled by the routing weights (`δ_t = w_t·dY_t`) into the scratch's dY.
+fn route_grads<O: DeviceOps>(
+    ops: &O,
+    (h, n): (usize, usize),
+    io: &mut GroupIo<'_, O>,
+    sc: &mut Scratch<O::Buf>,
+) -> Result<()> {
+    ops.scatter_add_rows(IndexedRows::new(&sc.dots, &io.lists.meta, n, 1).from(io.start), io.dw)?;
+    let dy = IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).scaled(&io.lists.weights).from(io.start);
+    ops.gather_rows(dy, &mut sc.dy)
+}
+
+/// The middle of both split backwards, with `dw_t` in the scratch's dots and h in its h:
+/// [`route_grads`], then `dW_down += hᵀ·(w⊙dY)`.
 fn weights_and_down_grads<O: DeviceOps>(
     ops: &O,
     grad: &mut GradAt<'_, O::Buf>,
@@ -207,27 +266,26 @@ fn weights_and_down_grads<O: DeviceOps>(
     io: &mut GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
-    ops.scatter_add_rows(IndexedRows::new(&sc.dots, &io.lists.meta, n, 1).from(io.start), io.dw)?;
-    let dy = IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).scaled(&io.lists.weights).from(io.start);
-    ops.gather_rows(dy, &mut sc.dy)?;
+    route_grads(ops, (h, n), io, sc)?;
     // dW_down += hᵀ·(w⊙dY) (I×H), or (w⊙dY)ᵀ·h (H×I) in torch's layout.
-    weight_grad(ops, grad.layout, (&sc.h, i), (&sc.dy, h), n, grad.part(2))
+    weight_grad(ops, grad.layout, (&sc.h, i), (&sc.dy, 0, h), n, grad.part(2))
 }
 
-/// `dW += aᵀ·b` for the n rows of `a` (width `wa`) and `b` (width `wb`): `wa × wb` as llep stores
-/// a weight, or its transpose `bᵀ·a` (`wb × wa`) under [`WeightLayout::Linear`].
+/// `dW += aᵀ·b` for the n rows of `a` (width `wa`) and `b` (width `wb`, from element `b_at`):
+/// `wa × wb` as llep stores a weight, or its transpose `bᵀ·a` (`wb × wa`) under
+/// [`WeightLayout::Linear`].
 fn weight_grad<O: DeviceOps>(
     ops: &O,
     layout: WeightLayout,
     (a, wa): (&O::Buf, usize),
-    (b, wb): (&O::Buf, usize),
+    (b, b_at, wb): (&O::Buf, usize, usize),
     n: usize,
     dw: (&mut O::Buf, usize),
 ) -> Result<()> {
     if layout.transposed() {
-        mm(ops, (wb, wa, n), Operand::t(b, 0), Operand::plain(a, 0), dw, Accumulate::Add)
+        mm(ops, (wb, wa, n), Operand::t(b, b_at), Operand::plain(a, 0), dw, Accumulate::Add)
     } else {
-        mm(ops, (wa, wb, n), Operand::t(a, 0), Operand::plain(b, 0), dw, Accumulate::Add)
+        mm(ops, (wa, wb, n), Operand::t(a, 0), Operand::plain(b, b_at), dw, Accumulate::Add)
     }
 }
 
@@ -243,15 +301,48 @@ pub(super) fn backward<O: DeviceOps>(
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
     ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).from(io.start), &mut sc.dy)?;
+    if let (Some(gate_up), true) = (w.gate_up(), grad.fused()) {
+        return backward_fused(ops, (w, gate_up), grad, (h, i, n), io, sc);
+    }
     project(ops, w, (h, i), n, sc)?;
-    ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.h)?;
+    ops.swiglu(&sc.pre, split(sc), n * i, &mut sc.h)?;
     mm(ops, (n, h, i), Operand::plain(&sc.h, 0), w.times(w.down), (&mut sc.y, 0), Accumulate::Replace)?;
     ops.row_dot(&sc.dy, &sc.y, n, h, &mut sc.dots)?;
     weights_and_down_grads(ops, &mut grad, (h, i, n), &mut io, sc)?;
     let down_t = w.times_t(w.down);
     mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.h, 0), Accumulate::Replace)?;
-    ops.swiglu_backward(&mut sc.gate, &mut sc.up, &sc.h, n * i)?;
+    let at = split(sc);
+    ops.swiglu_backward(&mut sc.pre, at, &sc.h, n * i)?;
     input_grads(ops, w, grad, (h, i, n), io, sc)
+}
+
+/// [`backward`] under torch's layout, with dY gathered: gate and up as one GEMM over
+/// `gate_up_proj` (pre-activations, h and dh held transposed), six GEMMs instead of nine:
+/// `[g; u]ᵀ = W_gate_up·Xᵀ`, `y = h·W_down`, `dW_downᵀ += δᵀ·h`, `dhᵀ = W_down·δᵀ`,
+/// `dW_gate_up += [dg du]ᵀ·X`, `dX = [dg du]·W_gate_up`.
+fn backward_fused<O: DeviceOps>(
+    ops: &O,
+    (w, gate_up): (ExpertAt<'_, O::Buf>, Operand<'_, O::Buf>),
+    mut grad: GradAt<'_, O::Buf>,
+    (h, i, n): (usize, usize, usize),
+    mut io: GroupIo<'_, O>,
+    sc: &mut Scratch<O::Buf>,
+) -> Result<()> {
+    use Accumulate::{Add, Replace};
+    project_fused(ops, gate_up, (h, i), n, sc)?;
+    ops.swiglu(&sc.pre, fused(i, n), n * i, &mut sc.h)?;
+    mm(ops, (n, h, i), Operand::t(&sc.h, 0), w.times(w.down), (&mut sc.y, 0), Replace)?;
+    ops.row_dot(&sc.dy, &sc.y, n, h, &mut sc.dots)?;
+    route_grads(ops, (h, n), &mut io, sc)?;
+    // dW_down as torch stores it (H×I) += δᵀ·h.
+    mm(ops, (h, i, n), Operand::t(&sc.dy, 0), Operand::t(&sc.h, 0), grad.part(2), Add)?;
+    // dhᵀ (I×n) = W_down·δᵀ, over hᵀ (no longer read).
+    mm(ops, (i, n, h), w.times(w.down), Operand::t(&sc.dy, 0), (&mut sc.h, 0), Replace)?;
+    ops.swiglu_backward(&mut sc.pre, fused(i, n), &sc.h, n * i)?;
+    // d gate_up_proj (2I×H) += [dg du]ᵀ·X; dX = [dg du]·W_gate_up.
+    mm(ops, (2 * i, h, n), Operand::plain(&sc.pre, 0), Operand::plain(&sc.x, 0), grad.part(0), Add)?;
+    mm(ops, (n, h, 2 * i), Operand::t(&sc.pre, 0), gate_up, (&mut sc.y, 0), Replace)?;
+    ops.scatter_add_rows(IndexedRows::new(&sc.y, &io.lists.rows, n, h).from(io.start), io.dx_rows)
 }
 
 /// Backward of one group from the pre-activations the saving forward kept (`pre`: the store's
@@ -268,9 +359,10 @@ pub(super) fn backward_saved<O: DeviceOps>(
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
     ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).from(io.start), &mut sc.dy)?;
-    ops.copy((pre.0, cursor * i), (&mut sc.gate, 0), n * i)?;
-    ops.copy((pre.1, cursor * i), (&mut sc.up, 0), n * i)?;
-    ops.swiglu(&sc.gate, &sc.up, n * i, &mut sc.h)?;
+    let up_at = sc.up_at;
+    ops.copy((pre.0, cursor * i), (&mut sc.pre, 0), n * i)?;
+    ops.copy((pre.1, cursor * i), (&mut sc.pre, up_at), n * i)?;
+    ops.swiglu(&sc.pre, split(sc), n * i, &mut sc.h)?;
     let down_t = w.times_t(w.down);
     mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.y, 0), Accumulate::Replace)?;
     ops.row_dot(&sc.y, &sc.h, n, i, &mut sc.dots)?;
@@ -278,6 +370,7 @@ pub(super) fn backward_saved<O: DeviceOps>(
     // h = w ⊙ r row by row: the identity index, the group's weights.
     let scaled = IndexedRows::new(&sc.y, &io.lists.seq, n, i).scaled(&io.lists.weights).scale_from(io.start);
     ops.gather_rows(scaled, &mut sc.h)?;
-    ops.swiglu_backward(&mut sc.gate, &mut sc.up, &sc.h, n * i)?;
+    let at = split(sc);
+    ops.swiglu_backward(&mut sc.pre, at, &sc.h, n * i)?;
     input_grads(ops, w, grad, (h, i, n), io, sc)
 }

@@ -75,6 +75,14 @@ pub struct Operand<'a, B> {
     pub orientation: Orientation,
 }
 
+impl<B> Clone for Operand<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for Operand<'_, B> {}
+
 impl<'a, B> Operand<'a, B> {
     /// The stored matrix as is, from `offset`.
     pub fn plain(buf: &'a B, offset: usize) -> Self {
@@ -145,6 +153,50 @@ impl<'a, B, I> IndexedRows<'a, B, I> {
     /// No row or no element: the operation does nothing.
     pub fn is_empty(&self) -> bool {
         self.rows == 0 || self.width == 0
+    }
+}
+
+/// Where one expert group's gate and up pre-activations lie in the scratch's pre-activation
+/// buffer: `n` elements each, from element `gate` and from element `up` (disjoint). The split
+/// layout keeps them `G·I` apart (row-major n×I each); the fused one (`gate_up_proj` in one
+/// GEMM, transposed) `I·n` apart (gateᵀ then upᵀ, I×n each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PreAt {
+    /// First element of the gate pre-activations.
+    pub gate: usize,
+    /// First element of the up pre-activations.
+    pub up: usize,
+}
+
+impl PreAt {
+    /// Checks that the two ranges of `n` elements lie in a buffer of `len` and do not overlap
+    /// (an overlap is the schedule's bug, never the caller's).
+    pub fn check(self, n: usize, len: usize) -> Result<()> {
+        need("swiglu pre-activations (gate)", self.gate.saturating_add(n), len)?;
+        need("swiglu pre-activations (up)", self.up.saturating_add(n), len)?;
+        let (lo, hi) = if self.gate <= self.up { (self.gate, self.up) } else { (self.up, self.gate) };
+        if n > 0 && lo + n > hi {
+            return Err(Error::internal("the gate and up pre-activations overlap"));
+        }
+        Ok(())
+    }
+
+    /// The gate and up ranges of a slice, checked ([`check`](Self::check)).
+    pub fn split<T>(self, s: &[T], n: usize) -> Result<(&[T], &[T])> {
+        self.check(n, s.len())?;
+        Ok((&s[self.gate..self.gate + n], &s[self.up..self.up + n]))
+    }
+
+    /// The gate and up ranges of a slice, writable, checked ([`check`](Self::check)).
+    pub fn split_mut<T>(self, s: &mut [T], n: usize) -> Result<(&mut [T], &mut [T])> {
+        self.check(n, s.len())?;
+        if self.gate < self.up {
+            let (a, b) = s.split_at_mut(self.up);
+            Ok((&mut a[self.gate..self.gate + n], &mut b[..n]))
+        } else {
+            let (a, b) = s.split_at_mut(self.gate);
+            Ok((&mut b[..n], &mut a[self.up..self.up + n]))
+        }
     }
 }
 
@@ -251,17 +303,12 @@ pub trait DeviceOps {
         sel: IndexedRows<'_, Self::Buf, Self::Index>,
         acc: &mut Self::Buf,
     ) -> Result<()>;
-    /// `h[..n] = silu(gate) ⊙ up` (`llep_swiglu`; one type).
-    fn swiglu(&self, gate: &Self::Buf, up: &Self::Buf, n: usize, h: &mut Self::Buf) -> Result<()>;
-    /// In place over `n` elements, from `dh`: `gate ← dh ⊙ up ⊙ silu'(gate)`,
+    /// `h[..n] = silu(gate) ⊙ up`, gate and up the `n` elements of `gu` from `at.gate` and
+    /// `at.up` (`llep_swiglu`; one type).
+    fn swiglu(&self, gu: &Self::Buf, at: PreAt, n: usize, h: &mut Self::Buf) -> Result<()>;
+    /// In place over `n` elements of `gu` at `at`, from `dh`: `gate ← dh ⊙ up ⊙ silu'(gate)`,
     /// `up ← dh ⊙ silu(gate)` (`llep_swiglu_backward`).
-    fn swiglu_backward(
-        &self,
-        gate: &mut Self::Buf,
-        up: &mut Self::Buf,
-        dh: &Self::Buf,
-        n: usize,
-    ) -> Result<()>;
+    fn swiglu_backward(&self, gu: &mut Self::Buf, at: PreAt, dh: &Self::Buf, n: usize) -> Result<()>;
     /// `out[r] = ⟨a_r, b_r⟩` for `r < rows`, rows of `width`, f64 partials (`llep_row_dot`;
     /// `a` and `b` of one type, `out` f32).
     fn row_dot(

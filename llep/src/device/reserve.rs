@@ -14,13 +14,15 @@ use crate::plan::staging_slots;
 use crate::plan::{Buffers, GroupEntry, Pass, RouteMeta};
 
 /// The expert scratch of G rows: X and dY G×H; Y G×max(H, I) (forward: h, then backward: the
-/// pre-activations' gradient r); gate, up and h G×I; the G routes' dot products.
+/// pre-activations' gradient r); the gate and up pre-activations 2·G·I (`pre`: split, gate
+/// n×I from 0 and up n×I from `up_at` = G·I; or fused, gateᵀ then upᵀ I×n each); h G×I; the G
+/// routes' dot products.
 #[derive(Debug)]
 pub(super) struct Scratch<B> {
     pub(super) x: B,
     pub(super) y: B,
-    pub(super) gate: B,
-    pub(super) up: B,
+    pub(super) pre: B,
+    pub(super) up_at: usize,
     pub(super) dy: B,
     pub(super) h: B,
     pub(super) dots: B,
@@ -108,8 +110,8 @@ impl<'h, B, I> Reserved<'h, B, I> {
         let scratch = Scratch {
             x: ops.alloc(g * h, dt)?,
             y: ops.alloc(g * h.max(i), dt)?,
-            gate: ops.alloc(g * i, dt)?,
-            up: ops.alloc(g * i, dt)?,
+            pre: ops.alloc(2 * g * i, dt)?,
+            up_at: g * i,
             dy: maybe(g * h, dt)?,
             h: maybe(g * i, dt)?,
             dots: maybe(g, F32)?,
