@@ -67,6 +67,8 @@ pub struct DeviceCounts {
     pub copies: usize,
     /// Buffers reserved.
     pub allocations: usize,
+    /// Their bytes.
+    pub allocated_bytes: u64,
 }
 
 impl DeviceCounts {
@@ -113,6 +115,7 @@ impl DeviceCounts {
         out.exchanges += other.exchanges;
         out.copies += other.copies;
         out.allocations += other.allocations;
+        out.allocated_bytes += other.allocated_bytes;
         out
     }
 

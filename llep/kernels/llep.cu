@@ -87,28 +87,43 @@ __device__ __forceinline__ void llep_scatter_add_rows_direct_impl(const S* __res
 
 __device__ __forceinline__ float llep_sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
-// h = silu(g) ⊙ u, silu(g) = g·σ(g), over n elements.
+// The pre-activations' layout: element e = (r, c) of n (rows of `width`) reads gate at
+// gu[gate_at + r·pitch + c] and up at gu[up_at + r·pitch + c]. llep's split projections: width =
+// pitch = n (two contiguous blocks); torch's `gate_up_proj` in one GEMM: rows of [gate | up],
+// gate_at = 0, up_at = width, pitch = 2·width. The two element sets are disjoint (checked on
+// the host).
+__device__ __forceinline__ unsigned long long llep_pre_at(unsigned long long e, unsigned width,
+                                                          unsigned long long pitch) {
+    return (e / width) * pitch + e % width;
+}
+
+// h = silu(g) ⊙ u, silu(g) = g·σ(g), over n elements (h contiguous, rows of `width`).
 template <typename T>
-__device__ __forceinline__ void llep_swiglu_impl(const T* __restrict__ gate, const T* __restrict__ up,
-                                                 unsigned long long n, T* __restrict__ h) {
+__device__ __forceinline__ void llep_swiglu_impl(const T* __restrict__ gu, unsigned long long gate_at,
+                                                 unsigned long long up_at, unsigned long long n, unsigned width,
+                                                 unsigned long long pitch, T* __restrict__ h) {
     for (unsigned long long e = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; e < n;
          e += (unsigned long long)gridDim.x * blockDim.x) {
-        const float g = llep_load(gate[e]);
-        h[e] = llep_store<T>(g * llep_sigmoid(g) * llep_load(up[e]));
+        const unsigned long long at = llep_pre_at(e, width, pitch);
+        const float g = llep_load(gu[gate_at + at]);
+        h[e] = llep_store<T>(g * llep_sigmoid(g) * llep_load(gu[up_at + at]));
     }
 }
 
-// From dh: dg = dh ⊙ u ⊙ silu'(g), silu'(g) = σ(g)·(1 + g·(1 − σ(g))); du = dh ⊙ silu(g).
-// Written in place: gate ← dg, up ← du.
+// From dh (contiguous, rows of `width`): dg = dh ⊙ u ⊙ silu'(g), silu'(g) = σ(g)·(1 + g·(1 − σ(g)));
+// du = dh ⊙ silu(g). Written in place: gate ← dg, up ← du.
 template <typename T>
-__device__ __forceinline__ void llep_swiglu_backward_impl(T* __restrict__ gate, T* __restrict__ up,
-                                                          const T* __restrict__ dh, unsigned long long n) {
+__device__ __forceinline__ void llep_swiglu_backward_impl(T* __restrict__ gu, unsigned long long gate_at,
+                                                          unsigned long long up_at, const T* __restrict__ dh,
+                                                          unsigned long long n, unsigned width,
+                                                          unsigned long long pitch) {
     for (unsigned long long e = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; e < n;
          e += (unsigned long long)gridDim.x * blockDim.x) {
-        const float g = llep_load(gate[e]), u = llep_load(up[e]), d = llep_load(dh[e]);
+        const unsigned long long at = llep_pre_at(e, width, pitch);
+        const float g = llep_load(gu[gate_at + at]), u = llep_load(gu[up_at + at]), d = llep_load(dh[e]);
         const float s = llep_sigmoid(g);
-        gate[e] = llep_store<T>(d * u * (s * (1.0f + g * (1.0f - s))));
-        up[e] = llep_store<T>(d * (g * s));
+        gu[gate_at + at] = llep_store<T>(d * u * (s * (1.0f + g * (1.0f - s))));
+        gu[up_at + at] = llep_store<T>(d * (g * s));
     }
 }
 
@@ -139,14 +154,18 @@ __device__ __forceinline__ void llep_row_dot_impl(const T* __restrict__ a, const
                                                         unsigned width, T* __restrict__ dst) {      \
         llep_gather_rows_impl(src, index, scale, rows, width, dst);                                 \
     }                                                                                                \
-    extern "C" __global__ void llep_swiglu##SUFFIX(const T* __restrict__ gate, const T* __restrict__ up, \
-                                                   unsigned long long n, T* __restrict__ h) {       \
-        llep_swiglu_impl(gate, up, n, h);                                                            \
+    extern "C" __global__ void llep_swiglu##SUFFIX(const T* __restrict__ gu, unsigned long long gate_at, \
+                                                   unsigned long long up_at, unsigned long long n,  \
+                                                   unsigned width, unsigned long long pitch,        \
+                                                   T* __restrict__ h) {                             \
+        llep_swiglu_impl(gu, gate_at, up_at, n, width, pitch, h);                                    \
     }                                                                                                \
-    extern "C" __global__ void llep_swiglu_backward##SUFFIX(T* __restrict__ gate, T* __restrict__ up, \
+    extern "C" __global__ void llep_swiglu_backward##SUFFIX(T* __restrict__ gu, unsigned long long gate_at, \
+                                                            unsigned long long up_at,               \
                                                             const T* __restrict__ dh,               \
-                                                            unsigned long long n) {                 \
-        llep_swiglu_backward_impl(gate, up, dh, n);                                                  \
+                                                            unsigned long long n, unsigned width,   \
+                                                            unsigned long long pitch) {             \
+        llep_swiglu_backward_impl(gu, gate_at, up_at, dh, n, width, pitch);                          \
     }                                                                                                \
     extern "C" __global__ void llep_row_dot##SUFFIX(const T* __restrict__ a, const T* __restrict__ b, \
                                                     unsigned width, float* __restrict__ out) {      \

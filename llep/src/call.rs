@@ -457,6 +457,10 @@ pub struct CallStats {
     pub recv_high_water_bytes: usize,
     /// The working set the executor reserved on this rank, fixed before any routing is known.
     pub workspace_bytes: usize,
+    /// On a CUDA device, the most device memory one pass of the call allocates besides its
+    /// inputs ([`Buffers::device_bytes`](crate::Buffers::device_bytes): its buffers and f32
+    /// outputs); 0 on the CPU, whose working set is `workspace_bytes`.
+    pub device_bytes: usize,
 }
 
 impl Prepared<'_> {
@@ -541,6 +545,14 @@ impl Prepared<'_> {
             recv_high_water_rows: rows,
             recv_high_water_bytes: rows * s.shape().hidden * s.shape().elem_bytes(),
             workspace_bytes: self.executor.workspace_bytes(),
+            device_bytes: match self.executor.device() {
+                Device::Cpu => 0,
+                _ => [crate::Pass::Forward, crate::Pass::Backward]
+                    .map(|pass| s.buffers(me, pass).device_bytes())
+                    .into_iter()
+                    .max()
+                    .unwrap_or(0),
+            },
         }
     }
 }

@@ -6,7 +6,7 @@
 
 use flatpeak_common::emu::{EmuLaunchConfig, launch_into};
 
-use crate::device::ScatterLayout;
+use crate::device::{PreAt, ScatterLayout};
 use crate::error::{Error, Result};
 
 mod ffi {
@@ -40,10 +40,42 @@ mod ffi {
     }
 
     unsafe extern "C" {
-        pub fn llep_swiglu(gate: *const f32, up: *const f32, n: u64, h: *mut f32);
-        pub fn llep_swiglu_bf16(gate: *const bf16, up: *const bf16, n: u64, h: *mut bf16);
-        pub fn llep_swiglu_backward(gate: *mut f32, up: *mut f32, dh: *const f32, n: u64);
-        pub fn llep_swiglu_backward_bf16(gate: *mut bf16, up: *mut bf16, dh: *const bf16, n: u64);
+        pub fn llep_swiglu(
+            gu: *const f32,
+            gate_at: u64,
+            up_at: u64,
+            n: u64,
+            width: u32,
+            pitch: u64,
+            h: *mut f32,
+        );
+        pub fn llep_swiglu_bf16(
+            gu: *const bf16,
+            gate_at: u64,
+            up_at: u64,
+            n: u64,
+            width: u32,
+            pitch: u64,
+            h: *mut bf16,
+        );
+        pub fn llep_swiglu_backward(
+            gu: *mut f32,
+            gate_at: u64,
+            up_at: u64,
+            dh: *const f32,
+            n: u64,
+            width: u32,
+            pitch: u64,
+        );
+        pub fn llep_swiglu_backward_bf16(
+            gu: *mut bf16,
+            gate_at: u64,
+            up_at: u64,
+            dh: *const bf16,
+            n: u64,
+            width: u32,
+            pitch: u64,
+        );
         pub fn llep_row_dot(a: *const f32, b: *const f32, width: u32, out: *mut f32);
         pub fn llep_row_dot_bf16(a: *const bf16, b: *const bf16, width: u32, out: *mut f32);
     }
@@ -63,17 +95,23 @@ pub struct Kernel<F> {
 /// of width `width`.
 pub type RowKernel<S, D> = unsafe extern "C" fn(*const S, *const u32, *const f32, u32, u32, *mut D);
 
+/// The C signature of `llep_swiglu`: `(gu, gate_at, up_at, n, width, pitch, h)`.
+pub type SwigluKernel<T> = unsafe extern "C" fn(*const T, u64, u64, u64, u32, u64, *mut T);
+/// The C signature of `llep_swiglu_backward`: `(gu, gate_at, up_at, dh, n, width, pitch)`.
+pub type SwigluBackwardKernel<T> = unsafe extern "C" fn(*mut T, u64, u64, *const T, u64, u32, u64);
+
 /// An element type `kernels/llep.cu` is instantiated for (f32 and bf16): its entry points, each
 /// unsafe to call with the contract of its kernel. Sealed by the private module it names.
 pub trait KernelElem: bytemuck::Pod + sealed::Sealed {
     /// `llep_gather_rows` of this type: `index` holds `rows` entries, each a row of `src`;
     /// `scale` is null or holds `rows`; `dst` holds rows·width.
     const GATHER: Kernel<RowKernel<Self, Self>>;
-    /// `llep_swiglu` of this type, `(gate, up, n, h)`: `gate`, `up` and `h` hold `n` elements.
-    const SWIGLU: Kernel<unsafe extern "C" fn(*const Self, *const Self, u64, *mut Self)>;
-    /// `llep_swiglu_backward` of this type, `(gate, up, dh, n)`: `gate`, `up` and `dh` hold `n`
-    /// elements.
-    const SWIGLU_BACKWARD: Kernel<unsafe extern "C" fn(*mut Self, *mut Self, *const Self, u64)>;
+    /// `llep_swiglu` of this type, `(gu, gate_at, up_at, n, width, pitch, h)`: `gu` holds the n
+    /// gate and n up elements of that layout ([`PreAt::layout`]), `h` holds `n`.
+    const SWIGLU: Kernel<SwigluKernel<Self>>;
+    /// `llep_swiglu_backward` of this type, `(gu, gate_at, up_at, dh, n, width, pitch)`: `gu` as
+    /// for [`SWIGLU`](Self::SWIGLU), rewritten in place; `dh` holds `n`.
+    const SWIGLU_BACKWARD: Kernel<SwigluBackwardKernel<Self>>;
     /// `llep_row_dot` of this type, `(a, b, width, out)`, one block per row of `out`: `a` and `b`
     /// hold (blocks)·width elements, `out` one per block.
     const ROW_DOT: Kernel<unsafe extern "C" fn(*const Self, *const Self, u32, *mut f32)>;
@@ -96,10 +134,8 @@ macro_rules! kernel_elem {
     ($t:ty, $gather:ident, $swiglu:ident, $swiglu_backward:ident, $row_dot:ident) => {
         impl KernelElem for $t {
             const GATHER: Kernel<RowKernel<Self, Self>> = kernel!($gather);
-            const SWIGLU: Kernel<unsafe extern "C" fn(*const Self, *const Self, u64, *mut Self)> =
-                kernel!($swiglu);
-            const SWIGLU_BACKWARD: Kernel<unsafe extern "C" fn(*mut Self, *mut Self, *const Self, u64)> =
-                kernel!($swiglu_backward);
+            const SWIGLU: Kernel<SwigluKernel<Self>> = kernel!($swiglu);
+            const SWIGLU_BACKWARD: Kernel<SwigluBackwardKernel<Self>> = kernel!($swiglu_backward);
             const ROW_DOT: Kernel<unsafe extern "C" fn(*const Self, *const Self, u32, *mut f32)> =
                 kernel!($row_dot);
         }
@@ -233,34 +269,53 @@ pub fn scatter_add_rows<S: ScatterInto<A>, A: KernelElem>(
     }
 }
 
-/// `h = silu(gate) ⊙ up` over `h.len()` elements.
-pub fn swiglu<T: KernelElem>(gate: &[T], up: &[T], h: &mut [T]) -> Result<()> {
+/// `h = silu(gate) ⊙ up` over `h.len()` elements, gate and up the pre-activations of `gu` at
+/// `at` (split blocks or fused rows, checked).
+pub fn swiglu<T: KernelElem>(gu: &[T], at: PreAt, h: &mut [T]) -> Result<()> {
     let n = h.len();
-    check("swiglu gate", n, gate.len())?;
-    check("swiglu up", n, up.len())?;
+    at.check(n, gu.len())?;
+    let (gate_at, up_at, width, pitch) = at.layout(n);
     let call = |o: *mut T| {
-        // SAFETY: `gate`, `up` and `o` hold `n` elements (checked).
-        unsafe { (T::SWIGLU.entry)(gate.as_ptr(), up.as_ptr(), n as u64, o) }
+        // SAFETY: `gu` holds the n gate and n up elements of this layout (checked) and `o` n.
+        unsafe {
+            (T::SWIGLU.entry)(
+                gu.as_ptr(),
+                gate_at as u64,
+                up_at as u64,
+                n as u64,
+                width as u32,
+                pitch as u64,
+                o,
+            )
+        }
     };
     // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps (LINEAR_THREADS).
     Ok(unsafe { launch_into(T::SWIGLU.name, &linear_cfg(n), h, call) }?)
 }
 
-/// In place: `gate ← dh ⊙ up ⊙ silu'(gate)`, `up ← dh ⊙ silu(gate)`.
-pub fn swiglu_backward<T: KernelElem>(gate: &mut [T], up: &mut [T], dh: &[T]) -> Result<()> {
+/// In place over the pre-activations of `gu` at `at` (split blocks or fused rows, checked):
+/// `gate ← dh ⊙ up ⊙ silu'(gate)`, `up ← dh ⊙ silu(gate)`, for the `dh.len()` elements.
+pub fn swiglu_backward<T: KernelElem>(gu: &mut [T], at: PreAt, dh: &[T]) -> Result<()> {
     let n = dh.len();
-    check("swiglu_backward gate", n, gate.len())?;
-    check("swiglu_backward up", n, up.len())?;
-    let mut both: Vec<T> = gate[..n].iter().chain(&up[..n]).copied().collect();
+    at.check(n, gu.len())?;
+    let (gate_at, up_at, width, pitch) = at.layout(n);
     let call = |o: *mut T| {
-        // SAFETY: `o` holds 2n elements, gate's then up's, and `dh` holds `n`.
-        unsafe { (T::SWIGLU_BACKWARD.entry)(o, o.add(n), dh.as_ptr(), n as u64) }
+        // SAFETY: `o` holds `gu`'s elements, among them the n gate and n up elements of this
+        // layout (checked, disjoint), each rewritten by its element's thread only; `dh` holds n.
+        unsafe {
+            (T::SWIGLU_BACKWARD.entry)(
+                o,
+                gate_at as u64,
+                up_at as u64,
+                dh.as_ptr(),
+                n as u64,
+                width as u32,
+                pitch as u64,
+            )
+        }
     };
     // SAFETY: `call` is valid for the whole grid (see it); its blocks are whole warps (LINEAR_THREADS).
-    unsafe { launch_into(T::SWIGLU_BACKWARD.name, &linear_cfg(n), &mut both, call)? };
-    gate[..n].copy_from_slice(&both[..n]);
-    up[..n].copy_from_slice(&both[n..]);
-    Ok(())
+    Ok(unsafe { launch_into(T::SWIGLU_BACKWARD.name, &linear_cfg(n), gu, call) }?)
 }
 
 /// `out[r] = ⟨a_r, b_r⟩` for the first `out.len()` rows of width `width`.

@@ -163,20 +163,16 @@ impl<C: Communicator + ?Sized> DeviceOps for EmuOps<'_, C> {
         if n == 0 {
             return Ok(());
         }
-        same_type!(EmuBuf, "swiglu (pre-activations and h)"; gu, h => {
-            let (gate, up) = at.split(gu, n)?;
-            emu::swiglu(gate, up, span_mut("swiglu h", h, 0, n)?)
-        })
+        same_type!(EmuBuf, "swiglu (pre-activations and h)"; gu, h =>
+            emu::swiglu(gu, at, span_mut("swiglu h", h, 0, n)?))
     }
 
     fn swiglu_backward(&self, gu: &mut EmuBuf, at: PreAt, dh: &EmuBuf, n: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        same_type!(EmuBuf, "swiglu_backward (pre-activations and dh)"; gu, dh => {
-            let (gate, up) = at.split_mut(gu, n)?;
-            emu::swiglu_backward(gate, up, span("swiglu_backward dh", dh, 0, n)?)
-        })
+        same_type!(EmuBuf, "swiglu_backward (pre-activations and dh)"; gu, dh =>
+            emu::swiglu_backward(gu, at, span("swiglu_backward dh", dh, 0, n)?))
     }
 
     fn row_dot(&self, a: &EmuBuf, b: &EmuBuf, rows: usize, width: usize, out: &mut EmuBuf) -> Result<()> {

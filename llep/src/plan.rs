@@ -139,6 +139,17 @@ impl Plan {
         self.buffers(Pass::Forward).workspace_bytes().max(self.buffers(Pass::Backward).workspace_bytes())
     }
 
+    /// The most device memory one pass of a call holds besides its inputs, on a GPU
+    /// ([`Buffers::device_bytes`]), the larger of the two passes.
+    pub fn device_bytes(&self) -> usize {
+        self.pass_device_bytes(Pass::Forward).max(self.pass_device_bytes(Pass::Backward))
+    }
+
+    /// [`Buffers::device_bytes`] of one pass.
+    pub fn pass_device_bytes(&self, pass: Pass) -> usize {
+        self.buffers(pass).device_bytes()
+    }
+
     /// The least budget PipelinedLLEP runs `shape` in: its working set at one row per rank pair
     /// (q = 1), foreign weight slots and expert scratch included. A budget below it is
     /// [`Error::BudgetTooSmall`]; the other schemes take no budget. Checked for overflow.
@@ -322,6 +333,36 @@ impl Buffers {
             .map(|(r, _)| usize::try_from(r).unwrap_or(usize::MAX))
             .collect();
         Arena::bytes_for(&host).unwrap_or(usize::MAX)
+    }
+
+    /// Bytes of the regions that live on the device (every region but the route tables, the
+    /// received metadata's staging and the grouping arrays), unaligned: what a device backend
+    /// allocates for the pass, one buffer a region. Saturates at `usize::MAX`.
+    pub fn device_region_bytes(&self) -> usize {
+        let bytes = self
+            .regions_wide()
+            .into_iter()
+            .filter(|&(_, on_host)| !on_host)
+            .fold(0u128, |a, (r, _)| a.saturating_add(r));
+        usize::try_from(bytes).unwrap_or(usize::MAX)
+    }
+
+    /// The device memory the pass holds besides its inputs on a GPU: its device regions
+    /// ([`device_region_bytes`](Self::device_region_bytes)) and its outputs, all f32 (forward: y
+    /// N×H; backward: dX N×H, d(weights) N×k and the native weight gradients, 3·M·H·I in
+    /// either layout). Saturates at `usize::MAX`.
+    pub fn device_bytes(&self) -> usize {
+        let s = &self.shape;
+        let rows = saturating_product(&[s.tokens, s.hidden]);
+        let outputs = match self.pass {
+            Pass::Forward => rows,
+            Pass::Backward => saturating_sum(&[
+                rows,
+                saturating_product(&[s.tokens, s.top_k]),
+                saturating_product(&[3, s.local_experts(), s.hidden, s.intermediate]),
+            ]),
+        };
+        self.device_region_bytes().saturating_add(saturating_product(&[outputs, 4]))
     }
 
     /// Bytes of the whole reservation, alignment included, or [`SizeOverflow`] when they do

@@ -219,7 +219,7 @@ impl Schedule {
         let rows = self.recv_rows_total(rank);
         let routes = self.assignment.rank_load(rank);
         let meta = std::mem::size_of::<RouteMeta>();
-        vec![rows * h * b, rows * k * meta, routes * i * b, routes * i * b, 4 * (self.rounds + 1)]
+        vec![rows * h * b, rows * k * meta, routes * 2 * i * b, 4 * (self.rounds + 1)]
     }
 
     /// Bytes rank d keeps from forward to backward in [`Mode::SaveActivations`] (0 when

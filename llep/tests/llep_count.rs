@@ -74,6 +74,40 @@ fn the_bench_shape_runs_in_one_round_on_a_gpu_with_one_host_wait_per_pass() {
     }
 }
 
+/// What a device executor allocates per pass is what the plan says it does: `Plan::device_bytes`
+/// (the pass's device regions and its f32 outputs) against every buffer the counted schedule
+/// reserves beside the inputs.
+#[test]
+fn each_pass_allocates_the_device_bytes_its_plan_states() {
+    for dtype in [DType::Bf16, DType::F32] {
+        let shape = bench_shape(dtype);
+        let config = torch_config();
+        let launch =
+            Plan::new(&config, shape, LayerBudget::Default.of(&config, &shape, Device::Cuda(0)).unwrap())
+                .unwrap();
+        let c = step(shape, LayerBudget::Default, Device::Cuda(0));
+        assert_eq!(
+            c.forward.allocated_bytes,
+            launch.pass_device_bytes(llep::Pass::Forward) as u64,
+            "{dtype:?}"
+        );
+        assert_eq!(
+            c.backward.allocated_bytes,
+            launch.pass_device_bytes(llep::Pass::Backward) as u64,
+            "{dtype:?}"
+        );
+        // The GPU's default budget bounds the buffers; the outputs are the layer's own.
+        let outputs = 4
+            * (shape.tokens * (shape.hidden + shape.top_k)
+                + 3 * shape.experts * shape.hidden * shape.intermediate);
+        assert!(
+            launch.device_bytes() <= llep::DEFAULT_CUDA_ROWS_BUDGET_BYTES + outputs + (64 << 20),
+            "{}",
+            launch.device_bytes()
+        );
+    }
+}
+
 #[test]
 fn the_cpu_budget_takes_more_rounds_each_with_its_own_host_wait() {
     let shape = bench_shape(DType::Bf16);

@@ -128,17 +128,23 @@ fn a_scatter_to_distinct_rows_runs_directly_with_the_serial_bits() {
 
 #[test]
 fn swiglu_forward_backward_and_row_dot_match_loops() {
+    use llep::device::PreAt;
     let mut rng = SplitMix64::new(2);
-    for n in [1usize, 255, 1000] {
+    // Split blocks (gate then, after a gap, up) and fused rows of [gate | up], I wide.
+    for (n, width) in [(1usize, 1usize), (255, 17), (1000, 40)] {
         let (g, u, dh) =
             (rng.normal_f32(n, 0.0, 3.0), rng.normal_f32(n, 0.0, 1.0), rng.normal_f32(n, 0.0, 1.0));
+        let split = PreAt::Split { gate: 3, up: n + 11 };
+        let mut blocks = vec![f32::NAN; 2 * n + 11];
+        blocks[3..3 + n].copy_from_slice(&g);
+        blocks[n + 11..2 * n + 11].copy_from_slice(&u);
+        let fused = PreAt::Fused { width };
+        let rows: Vec<f32> = (0..n / width)
+            .flat_map(|r| g[r * width..(r + 1) * width].iter().chain(&u[r * width..(r + 1) * width]))
+            .copied()
+            .collect();
         let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
-        let mut h = vec![0f32; n];
-        emu::swiglu(&g, &u, &mut h).unwrap();
         let want: Vec<f64> = (0..n).map(|e| g[e] as f64 * sig(g[e] as f64) * u[e] as f64).collect();
-        close("swiglu", &h, &want, 1e-6);
-        let (mut dg, mut du) = (g.clone(), u.clone());
-        emu::swiglu_backward(&mut dg, &mut du, &dh).unwrap();
         let want_dg: Vec<f64> = (0..n)
             .map(|e| {
                 let (x, s) = (g[e] as f64, sig(g[e] as f64));
@@ -146,8 +152,26 @@ fn swiglu_forward_backward_and_row_dot_match_loops() {
             })
             .collect();
         let want_du: Vec<f64> = (0..n).map(|e| dh[e] as f64 * g[e] as f64 * sig(g[e] as f64)).collect();
-        close("swiglu dg", &dg, &want_dg, 1e-5);
-        close("swiglu du", &du, &want_du, 1e-5);
+        for (at, gu) in [(split, blocks), (fused, rows)] {
+            let mut h = vec![0f32; n];
+            emu::swiglu(&gu, at, &mut h).unwrap();
+            close("swiglu", &h, &want, 1e-6);
+            let mut grads = gu.clone();
+            emu::swiglu_backward(&mut grads, at, &dh).unwrap();
+            let (gate_at, up_at, w, pitch) = at.layout(n);
+            let pick =
+                |base: usize| -> Vec<f32> { (0..n).map(|e| grads[base + (e / w) * pitch + e % w]).collect() };
+            close("swiglu dg", &pick(gate_at), &want_dg, 1e-5);
+            close("swiglu du", &pick(up_at), &want_du, 1e-5);
+            // Nothing outside the two element sets is written (the split gap stays NaN).
+            if let PreAt::Split { .. } = at {
+                assert!(grads[..3].iter().chain(&grads[3 + n..n + 11]).all(|x| x.is_nan()), "{at:?}");
+            }
+        }
+        assert!(
+            emu::swiglu(&vec![0.0; 2 * n - 1], fused, &mut vec![0f32; n]).is_err(),
+            "rows past the buffer"
+        );
     }
     for (rows, width) in [(1usize, 1usize), (9, 513)] {
         let (a, b) = (rng.normal_f32(rows * width, 0.0, 1.0), rng.normal_f32(rows * width, 0.0, 1.0));

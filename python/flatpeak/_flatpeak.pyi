@@ -108,8 +108,9 @@ class MoEOptions:
 
 #: ``(hidden_states, topk_ids, topk_weights, gate_up_proj, down_proj)``.
 _MoEArgs = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
-#: ``(rounds, recv_high_water_rows, recv_high_water_bytes, workspace_bytes, saved_bytes)``.
-_ForwardStats = Tuple[int, int, int, int, int]
+#: ``(rounds, recv_high_water_rows, recv_high_water_bytes, workspace_bytes, saved_bytes,
+#: device_bytes)``.
+_ForwardStats = Tuple[int, int, int, int, int, int]
 
 def moe_forward(
     options: MoEOptions,

@@ -136,7 +136,7 @@ fn forward_typed<T: TorchElement + LayerElement>(
 
 /// Forward: writes `y` (`[T, H]` float32) into `y_out` and the global routes per expert (`[E]`
 /// int64, on the host) into `counts_out`; returns `(rounds, recv_high_water_rows,
-/// recv_high_water_bytes, workspace_bytes, saved_bytes)`. With a `saved_out` tensor (`uint8`, at
+/// recv_high_water_bytes, workspace_bytes, saved_bytes, device_bytes)`. With a `saved_out` tensor (`uint8`, at
 /// least [`moe_saved_bytes`]; options made with `activations="save"`, CPU tensors) it keeps there
 /// what [`moe_backward`] reads instead of recomputing.
 #[pyfunction]

@@ -215,12 +215,13 @@ pub(crate) fn call_options(num_experts: Option<usize>, backward: Backward) -> Ca
 }
 
 /// What a forward reports: `(rounds, recv_high_water_rows, recv_high_water_bytes,
-/// workspace_bytes, saved_bytes)`.
-pub(crate) type ForwardStats = (usize, usize, usize, usize, usize);
+/// workspace_bytes, saved_bytes, device_bytes)`.
+pub(crate) type ForwardStats = (usize, usize, usize, usize, usize, usize);
 
 /// The report of a forward that did `stats` and kept `saved` bytes.
 pub(crate) fn forward_stats(stats: &CallStats, saved: usize) -> ForwardStats {
-    (stats.rounds, stats.recv_high_water_rows, stats.recv_high_water_bytes, stats.workspace_bytes, saved)
+    let s = stats;
+    (s.rounds, s.recv_high_water_rows, s.recv_high_water_bytes, s.workspace_bytes, saved, s.device_bytes)
 }
 
 /// Writes the routes per expert into the host counts tensor's elements.

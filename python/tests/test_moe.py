@@ -98,6 +98,7 @@ def test_one_process_reserves_no_foreign_slots_and_runs_one_round():
     y, stats = moe_swiglu(x, ids, w, gate_up, down, return_stats=True)
     assert stats.rounds == 1
     assert stats.workspace_bytes < 1 << 20, stats
+    assert stats.device_bytes == 0, "a CPU call allocates no device memory"
     pre = torch.einsum("th,tih->ti", x.double(), gate_up[ids[:, 0]].double())
     act = torch.nn.functional.silu(pre[:, :i]) * pre[:, i:]
     want = torch.einsum("ti,thi->th", act, down[ids[:, 0]].double()) * w.double()
@@ -270,6 +271,11 @@ def test_cuda_tensors_match_the_cpu_path(dtype):
     bound = 1e-4 if dtype == torch.float32 else 3e-2
     for got, want in zip(run("cuda"), run("cpu")):
         assert workers.rel(got, want) <= bound
+    # The device memory llep allocates outside torch's allocator is reported (none on the CPU).
+    for device, any_bytes in (("cuda", True), ("cpu", False)):
+        _, stats = moe_swiglu(x.to(device), ids.to(device), w.to(device), gate_up.to(device), down.to(device),
+                              pair_cap_rows=8, return_stats=True)
+        assert (stats.device_bytes > 0) == any_bytes, (device, stats)
     # The saved-activation store lives in host memory: CUDA tensors are refused, saying so.
     with pytest.raises(TypeError, match=r"activations='save' .* runs on CPU tensors"):
         moe_swiglu(x.cuda(), ids.cuda(), w.cuda(), gate_up.cuda(), down.cuda(), activations="save")

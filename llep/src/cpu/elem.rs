@@ -19,7 +19,7 @@ use flatpeak_common::gemm_bf16::Bf16Kernel;
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::device::{GemmDims, Orientation};
+use crate::device::{GemmDims, Orientation, PreAt};
 use crate::error::{Error, Result};
 
 /// Bytes of f32 staging a GEMM into a bf16 C may use for its rows ([`stage_rows`]).
@@ -252,6 +252,54 @@ fn swiglu_backward_elements<T: HostElem>(gate: &mut [T], up: &mut [T], dh: &[T])
         let s = sigmoid(gv);
         *g = T::store(d * uv * (s * (1.0 + gv * (1.0 - s))));
         *u = T::store(d * (gv * s));
+    }
+}
+
+/// `h = silu(gate) ⊙ up` over the `h.len()` pre-activations of `gu` at `at` (checked by the
+/// caller: [`PreAt::check`]), split on `threads`.
+pub(crate) fn swiglu_at<T: HostElem>(gu: &[T], at: PreAt, h: &mut [T], threads: Threads) {
+    let n = h.len();
+    match at {
+        PreAt::Split { gate, up } => swiglu(&gu[gate..gate + n], &gu[up..up + n], h, threads),
+        PreAt::Fused { width } => {
+            let per = rows_per_task(threads, n / width, width);
+            h.par_chunks_mut(per * width).zip(gu.par_chunks(2 * per * width)).for_each(|(h, gu)| {
+                for (h, row) in h.chunks_mut(width).zip(gu.chunks(2 * width)) {
+                    let (gate, up) = row.split_at(width);
+                    swiglu_elements(gate, up, h);
+                }
+            });
+        }
+    }
+}
+
+/// In place over the `dh.len()` pre-activations of `gu` at `at` (checked by the caller:
+/// [`PreAt::check`]): `gate ← dh ⊙ up ⊙ silu'(gate)`, `up ← dh ⊙ silu(gate)`, split on
+/// `threads`.
+pub(crate) fn swiglu_backward_at<T: HostElem>(gu: &mut [T], at: PreAt, dh: &[T], threads: Threads) {
+    let n = dh.len();
+    match at {
+        PreAt::Split { gate, up } => {
+            let (gate, up) = if gate < up {
+                let (a, b) = gu.split_at_mut(up);
+                (&mut a[gate..gate + n], &mut b[..n])
+            } else {
+                let (a, b) = gu.split_at_mut(gate);
+                (&mut b[..n], &mut a[up..up + n])
+            };
+            swiglu_backward(gate, up, dh, threads)
+        }
+        PreAt::Fused { width } => {
+            let per = rows_per_task(threads, n / width, width);
+            gu[..2 * n].par_chunks_mut(2 * per * width).zip(dh.par_chunks(per * width)).for_each(
+                |(gu, dh)| {
+                    for (row, dh) in gu.chunks_mut(2 * width).zip(dh.chunks(width)) {
+                        let (gate, up) = row.split_at_mut(width);
+                        swiglu_backward_elements(gate, up, dh);
+                    }
+                },
+            );
+        }
     }
 }
 

@@ -397,31 +397,18 @@ impl<'w, C: Communicator + ?Sized> DeviceOps for HostOps<'w, C> {
 
     fn swiglu(&self, gu: &HostBuf<'w>, at: PreAt, n: usize, h: &mut HostBuf<'w>) -> Result<()> {
         at.check(n, gu.len())?;
-        let (g, u) = (slice("swiglu gate", gu, at.gate, n)?, slice("swiglu up", gu, at.up, n)?);
+        let gu = slice("swiglu pre-activations", gu, 0, at.extent(n))?;
         let h = slice_mut("swiglu h", h, 0, n)?;
-        same_type!(ElemRef, "swiglu (gate, up and h)"; g, u, h => elem::swiglu(g, u, h, self.threads));
+        same_type!(ElemRef, "swiglu (pre-activations and h)"; gu, h => elem::swiglu_at(gu, at, h, self.threads));
         Ok(())
     }
 
     fn swiglu_backward(&self, gu: &mut HostBuf<'w>, at: PreAt, dh: &HostBuf<'w>, n: usize) -> Result<()> {
+        at.check(n, gu.len())?;
         let dh = slice("swiglu_backward dh", dh, 0, n)?;
-        match (gu.view_mut()?, dh) {
-            (ViewMut::F32(s), ElemRef::F32(dh)) => {
-                let (g, u) = at.split_mut(s, n)?;
-                elem::swiglu_backward(g, u, dh, self.threads)
-            }
-            (ViewMut::Bf16(s), ElemRef::Bf16(dh)) => {
-                let (g, u) = at.split_mut(s, n)?;
-                elem::swiglu_backward(g, u, dh, self.threads)
-            }
-            (s, dh) => {
-                let found = match s {
-                    ViewMut::F32(_) => DType::F32,
-                    ViewMut::Bf16(_) => DType::Bf16,
-                };
-                return Err(mismatch("swiglu_backward (pre-activations and dh)", found, dh.dtype()));
-            }
-        }
+        let gu = slice_mut("swiglu pre-activations", gu, 0, at.extent(n))?;
+        same_type!(ElemRef, "swiglu_backward (pre-activations and dh)"; gu, dh =>
+            elem::swiglu_backward_at(gu, at, dh, self.threads));
         Ok(())
     }
 

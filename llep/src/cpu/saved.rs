@@ -107,8 +107,7 @@ struct StoreParts<'s> {
     header: &'s mut [u64],
     x: HostBuf<'s>,
     meta: &'s mut [RouteMeta],
-    gate: HostBuf<'s>,
-    up: HostBuf<'s>,
+    pre: HostBuf<'s>,
     route_start: &'s mut [u32],
 }
 
@@ -144,8 +143,8 @@ fn carve<'s>(store: &'s mut Workspace, plan: &Schedule, rank: usize) -> Result<S
     };
     let x = rows_of(rows * s.hidden)?;
     let meta = store.take(rows * s.top_k)?;
-    let (gate, up) = (rows_of(routes * s.intermediate)?, rows_of(routes * s.intermediate)?);
-    Ok(StoreParts { header, x, meta, gate, up, route_start: store.take(rounds + 1)? })
+    let pre = rows_of(routes * 2 * s.intermediate)?;
+    Ok(StoreParts { header, x, meta, pre, route_start: store.take(rounds + 1)? })
 }
 
 pub(super) fn check_mode(plan: &Schedule) -> Result<()> {
@@ -198,8 +197,7 @@ impl SavedActivations<'_> {
         pass: impl FnOnce(&mut Store<'_, HostBuf<'s>>) -> Result<R>,
     ) -> Result<R> {
         let stamp = Self::stamp(plan, rank);
-        let StoreParts { header, mut x, meta, mut gate, mut up, route_start } =
-            carve(&mut self.store, plan, rank)?;
+        let StoreParts { header, mut x, meta, mut pre, route_start } = carve(&mut self.store, plan, rank)?;
         match how {
             StoreUse::Fill => write_stamp(header, None),
             StoreUse::Read => {
@@ -210,7 +208,7 @@ impl SavedActivations<'_> {
                 }
             }
         }
-        let done = pass(&mut Store { x: &mut x, meta, gate: &mut gate, up: &mut up, route_start })?;
+        let done = pass(&mut Store { x: &mut x, meta, pre: &mut pre, route_start })?;
         if how == StoreUse::Fill {
             write_stamp(header, Some(stamp));
         }

@@ -2,15 +2,13 @@
 //! `kernels/llep.cu`, given the entry point of the buffers' element type. Each checks the
 //! extents its kernel touches before the launch.
 
-use flatpeak_common::cuda::cudarc::driver::{
-    CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use flatpeak_common::cuda::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use flatpeak_common::cuda::{cuda_error, linear_launch};
 use flatpeak_common::nccl::DeviceCommunicator;
 
 use super::CudaOps;
 use super::buf::{RowsAt, check_entries};
-use crate::device::{ScatterLayout, need};
+use crate::device::{PreAt, ScatterLayout, need};
 use crate::error::Result;
 use crate::kernels::{LLEP, ROW_THREADS};
 
@@ -103,49 +101,51 @@ impl<C: DeviceCommunicator> CudaOps<'_, C> {
         Ok(())
     }
 
-    /// `llep_swiglu` of element type T over the `n` elements of `gate` and `up` (two disjoint
-    /// views of the pre-activation buffer).
+    /// `llep_swiglu` of element type T over `n` elements: gate and up the pre-activations of
+    /// `gu` at `at` (split blocks or fused rows).
     pub(super) fn launch_swiglu<T: DeviceRepr>(
         &self,
         name: &'static str,
-        (gate, up): (&CudaView<'_, T>, &CudaView<'_, T>),
+        (gu, at): (&CudaSlice<T>, PreAt),
         n: usize,
         h: &mut CudaSlice<T>,
     ) -> Result<()> {
-        need("swiglu gate", n, gate.len())?;
-        need("swiglu up", n, up.len())?;
+        at.check(n, gu.len())?;
         need("swiglu h", n, h.len())?;
         let f = self.cache.function(&LLEP, name)?;
-        let n64 = n as u64;
+        let (gate_at, up_at, width, pitch) = at.layout(n);
+        let (gate_at, up_at, n64, width, pitch) =
+            (gate_at as u64, up_at as u64, n as u64, width as u32, pitch as u64);
         let mut l = self.stream.launch_builder(&f);
-        l.arg(gate).arg(up).arg(&n64).arg(&mut *h);
-        // SAFETY: `name` is `llep_swiglu` of T (`(const T*, const T*, u64, T*)`), matching; it
-        // reads `gate[0..n)`, `up[0..n)` and writes `h[0..n)`, all holding ≥ n (checked above);
-        // `h` is a distinct allocation (a `&mut` borrow).
+        l.arg(gu).arg(&gate_at).arg(&up_at).arg(&n64).arg(&width).arg(&pitch).arg(&mut *h);
+        // SAFETY: `name` is `llep_swiglu` of T (`(const T*, u64, u64, u64, u32, u64, T*)`),
+        // matching; it reads the n gate and n up elements of `at`'s layout, inside `gu` (checked
+        // above), and writes `h[0..n)` (checked); `h` is a distinct allocation (a `&mut` borrow).
         unsafe { l.launch(linear(n)) }.map_err(cuda_error(name))?;
         Ok(())
     }
 
-    /// `llep_swiglu_backward` of element type T over the `n` elements of `gate` and `up` (two
-    /// disjoint views of the pre-activation buffer, rewritten in place).
+    /// `llep_swiglu_backward` of element type T over `n` elements: the pre-activations of `gu`
+    /// at `at` rewritten in place from `dh`.
     pub(super) fn launch_swiglu_backward<T: DeviceRepr>(
         &self,
         name: &'static str,
-        (gate, up): (&mut CudaViewMut<'_, T>, &mut CudaViewMut<'_, T>),
+        (gu, at): (&mut CudaSlice<T>, PreAt),
         dh: &CudaSlice<T>,
         n: usize,
     ) -> Result<()> {
-        need("swiglu_backward gate", n, gate.len())?;
-        need("swiglu_backward up", n, up.len())?;
+        at.check(n, gu.len())?;
         need("swiglu_backward dh", n, dh.len())?;
         let f = self.cache.function(&LLEP, name)?;
-        let n64 = n as u64;
+        let (gate_at, up_at, width, pitch) = at.layout(n);
+        let (gate_at, up_at, n64, width, pitch) =
+            (gate_at as u64, up_at as u64, n as u64, width as u32, pitch as u64);
         let mut l = self.stream.launch_builder(&f);
-        l.arg(&mut *gate).arg(&mut *up).arg(dh).arg(&n64);
-        // SAFETY: `name` is `llep_swiglu_backward` of T (`(T*, T*, const T*, u64)`), matching;
-        // element e of `gate`, `up` (rewritten in place) and `dh` for e < n, all holding ≥ n
-        // (checked above); `gate` and `up` are disjoint views (split by the caller) and `dh` a
-        // distinct allocation (a `&` borrow beside the `&mut` one of the buffer they view).
+        l.arg(&mut *gu).arg(&gate_at).arg(&up_at).arg(dh).arg(&n64).arg(&width).arg(&pitch);
+        // SAFETY: `name` is `llep_swiglu_backward` of T (`(T*, u64, u64, const T*, u64, u32,
+        // u64)`), matching; element e's thread rewrites its gate and up element of `at`'s layout
+        // (inside `gu` and disjoint, checked above) and reads `dh[e]`, e < n (checked); `dh` is
+        // a distinct allocation (a `&` borrow beside `gu`'s `&mut`).
         unsafe { l.launch(linear(n)) }.map_err(cuda_error(name))?;
         Ok(())
     }

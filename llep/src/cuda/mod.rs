@@ -316,30 +316,17 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
         if n == 0 {
             return Ok(());
         }
-        at.check(n, gu.len())?;
         let name = entry("llep_swiglu", "llep_swiglu_bf16", gu.dtype());
-        same_type!(CudaBuf, "swiglu (pre-activations and h)"; gu, h => {
-            let (gate, up) = (view("swiglu gate", gu, at.gate, n)?, view("swiglu up", gu, at.up, n)?);
-            self.launch_swiglu(name, (&gate, &up), n, h)
-        })
+        same_type!(CudaBuf, "swiglu (pre-activations and h)"; gu, h => self.launch_swiglu(name, (gu, at), n, h))
     }
 
     fn swiglu_backward(&self, gu: &mut CudaBuf, at: PreAt, dh: &CudaBuf, n: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        at.check(n, gu.len())?;
         let name = entry("llep_swiglu_backward", "llep_swiglu_backward_bf16", dh.dtype());
-        same_type!(CudaBuf, "swiglu_backward (pre-activations and dh)"; gu, dh => {
-            // Two disjoint views of the one buffer (checked above), split where the later starts.
-            let (first, second) = (at.gate.min(at.up), at.gate.max(at.up));
-            let mut whole = view_mut("swiglu pre-activations", gu, 0, second + n)?;
-            let (mut lo, mut hi) = whole.split_at_mut(second);
-            let mut lo = lo.try_slice_mut(first..first + n).ok_or(Error::internal("swiglu view inside its buffer"))?;
-            let mut hi = hi.try_slice_mut(..n).ok_or(Error::internal("swiglu view inside its buffer"))?;
-            let pair = if at.gate < at.up { (&mut lo, &mut hi) } else { (&mut hi, &mut lo) };
-            self.launch_swiglu_backward(name, pair, dh, n)
-        })
+        same_type!(CudaBuf, "swiglu_backward (pre-activations and dh)"; gu, dh =>
+            self.launch_swiglu_backward(name, (gu, at), dh, n))
     }
 
     fn row_dot(&self, a: &CudaBuf, b: &CudaBuf, rows: usize, width: usize, out: &mut CudaBuf) -> Result<()> {

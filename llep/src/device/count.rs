@@ -81,11 +81,17 @@ impl<C: Communicator + ?Sized> DeviceOps for CountOps<'_, C> {
                 });
             }
         }
-        self.with(|c| c.allocations += 1);
+        self.with(|c| {
+            c.allocations += 1;
+            c.allocated_bytes += (len * size(dtype)) as u64;
+        });
         Ok(CountBuf { len, dtype })
     }
     fn alloc_index(&self, len: usize) -> Result<Vec<u32>> {
-        self.with(|c| c.allocations += 1);
+        self.with(|c| {
+            c.allocations += 1;
+            c.allocated_bytes += 4 * len as u64;
+        });
         Ok(vec![0; len])
     }
     fn buf_len(&self, buf: &CountBuf) -> usize {
@@ -97,6 +103,7 @@ impl<C: Communicator + ?Sized> DeviceOps for CountOps<'_, C> {
     fn upload(&self, host: &[f32]) -> Result<CountBuf> {
         self.with(|c| {
             c.allocations += 1;
+            c.allocated_bytes += 4 * host.len() as u64;
             c.upload(4 * host.len());
         });
         Ok(CountBuf { len: host.len(), dtype: DType::F32 })

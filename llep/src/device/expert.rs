@@ -11,7 +11,11 @@
 //!
 //! Under [`WeightLayout::Linear`] each weight is stored transposed (torch's `x·Wᵀ`): the same
 //! GEMMs read it with the other orientation, and each weight gradient is formed transposed
-//! (`dW_gateᵀ += dgᵀ·X`, `dW_downᵀ += δᵀ·h`), so nothing is copied either way.
+//! (`dW_gateᵀ += dgᵀ·X`, `dW_downᵀ += δᵀ·h`), so nothing is copied either way. There each
+//! expert's gate and up rows are one stored 2I×H matrix (`gate_up_proj`), so gate and up are one
+//! GEMM into rows of `[g | u]` ([`PreAt::Fused`]), and so are their weight gradient
+//! (`d gate_up_proj += [dg | du]ᵀ·X`) and their share of dX (`[dg | du]·W_gate_up`): two GEMMs a
+//! group forward, six backward recomputing, four from saved pre-activations.
 
 use flatpeak_common::gemm::Accumulate;
 
@@ -96,12 +100,6 @@ enum GradPlace<'a, B> {
 }
 
 impl<B> GradAt<'_, B> {
-    /// Whether dW_gate and dW_up are one stored `2I×H` matrix (torch's layout: the native
-    /// `gate_up_proj` gradient or a foreign slot's), as [`ExpertAt::gate_up`] reads the weights.
-    fn fused(&self) -> bool {
-        self.layout.transposed()
-    }
-
     /// Part 0 (W_gate), 1 (W_up) or 2 (W_down): buffer and offset.
     fn part(&mut self, part: usize) -> (&mut B, usize) {
         match &mut self.place {
@@ -144,52 +142,85 @@ fn mm<O: DeviceOps>(
 
 /// The split pre-activations of the scratch: gate n×I from 0, up n×I from G·I.
 fn split(sc: &Scratch<impl Sized>) -> PreAt {
-    PreAt { gate: 0, up: sc.up_at }
+    PreAt::Split { gate: 0, up: sc.up_at }
 }
 
-/// The fused pre-activations of `n` rows: gateᵀ I×n from 0, upᵀ I×n from I·n.
-fn fused(i: usize, n: usize) -> PreAt {
-    PreAt { gate: 0, up: i * n }
+/// The layout a group's pre-activations take: fused rows where the weights are torch's
+/// `gate_up_proj` (one GEMM), else split.
+fn pre_at<B>(w: &ExpertAt<'_, B>, i: usize, sc: &Scratch<B>) -> PreAt {
+    if w.gate_up().is_some() { PreAt::Fused { width: i } } else { split(sc) }
 }
 
-/// `gate ← X·W_gate`, `up ← X·W_up` for `n` rows of the scratch (split pre-activations).
+/// `gate ← X·W_gate`, `up ← X·W_up` for `n` rows of the scratch: under torch's layout one GEMM
+/// over the stored `gate_up_proj` rows into rows of `[gate | up]` (each element the same dot
+/// product as a split projection's), else two. Returns where they landed.
 fn project<O: DeviceOps>(
     ops: &O,
     w: ExpertAt<'_, O::Buf>,
     (h, i): (usize, usize),
     n: usize,
     sc: &mut Scratch<O::Buf>,
-) -> Result<()> {
+) -> Result<PreAt> {
     let x = || Operand::plain(&sc.x, 0);
+    if let Some(gate_up) = w.gate_up() {
+        let wt = Operand::t(gate_up.buf, gate_up.offset);
+        mm(ops, (n, 2 * i, h), x(), wt, (&mut sc.pre, 0), Accumulate::Replace)?;
+        return Ok(PreAt::Fused { width: i });
+    }
     let (g, u) = (w.times(w.gate), w.times(w.up));
     mm(ops, (n, i, h), x(), g, (&mut sc.pre, 0), Accumulate::Replace)?;
-    mm(ops, (n, i, h), x(), u, (&mut sc.pre, sc.up_at), Accumulate::Replace)
+    mm(ops, (n, i, h), x(), u, (&mut sc.pre, sc.up_at), Accumulate::Replace)?;
+    Ok(split(sc))
 }
 
-/// `[gate; up]ᵀ ← W_gate_up·Xᵀ` (2I×n) for `n` rows of the scratch in one GEMM: gateᵀ then
-/// upᵀ, each I×n (fused pre-activations), from torch's stored `gate_up_proj` rows.
-fn project_fused<O: DeviceOps>(
+/// Where the saving forward keeps a group's pre-activations: the store's, from route `cursor`
+/// (2·I elements a route).
+pub(super) struct KeepPre<'a, B> {
+    pub(super) pre: &'a mut B,
+    pub(super) cursor: usize,
+}
+
+/// The contiguous pieces of n routes' pre-activations (layout `at`) between the scratch and the
+/// store (from element 2·I·cursor, the same layout packed): (scratch element, store element,
+/// length).
+fn pre_pieces((at, i, n): (PreAt, usize, usize), cursor: usize) -> Vec<(usize, usize, usize)> {
+    let base = 2 * i * cursor;
+    match at {
+        PreAt::Fused { .. } => vec![(0, base, 2 * n * i)],
+        PreAt::Split { gate, up } => vec![(gate, base, n * i), (up, base + n * i, n * i)],
+    }
+}
+
+/// The saving forward's copy of a group's pre-activations into the store.
+fn keep_pre<O: DeviceOps>(
     ops: &O,
-    gate_up: Operand<'_, O::Buf>,
-    (h, i): (usize, usize),
-    n: usize,
+    group: (PreAt, usize, usize),
+    k: KeepPre<'_, O::Buf>,
+    sc: &Scratch<O::Buf>,
+) -> Result<()> {
+    for (scratch_at, store_at, len) in pre_pieces(group, k.cursor) {
+        ops.copy((&sc.pre, scratch_at), (&mut *k.pre, store_at), len)?;
+    }
+    Ok(())
+}
+
+/// The backward's copy of a group's kept pre-activations back into the scratch.
+fn restore_pre<O: DeviceOps>(
+    ops: &O,
+    group: (PreAt, usize, usize),
+    (store, cursor): (&O::Buf, usize),
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
-    mm(ops, (2 * i, n, h), gate_up, Operand::t(&sc.x, 0), (&mut sc.pre, 0), Accumulate::Replace)
-}
-
-/// Where the saving forward keeps a group's pre-activations: the store's gate and up buffers,
-/// from route `cursor`.
-pub(super) struct KeepPre<'a, B> {
-    pub(super) gate: &'a mut B,
-    pub(super) up: &'a mut B,
-    pub(super) cursor: usize,
+    for (scratch_at, store_at, len) in pre_pieces(group, cursor) {
+        ops.copy((store, store_at), (&mut sc.pre, scratch_at), len)?;
+    }
+    Ok(())
 }
 
 /// Forward of one group: the expert's output rows land in the scratch's X (h in its Y, so no
 /// G×I buffer beyond the pre-activations); with `keep`, `x·W_gate` and `x·W_up` are copied out
-/// first. Under torch's layout without `keep`, gate and up are one GEMM over `gate_up_proj`
-/// (two GEMMs a group instead of three), h held transposed.
+/// first. Under torch's layout gate and up are one GEMM over `gate_up_proj` (two GEMMs a
+/// group instead of three), whether or not it keeps them: y is the same either way.
 pub(super) fn forward<O: DeviceOps>(
     ops: &O,
     w: ExpertAt<'_, O::Buf>,
@@ -198,19 +229,11 @@ pub(super) fn forward<O: DeviceOps>(
     sc: &mut Scratch<O::Buf>,
     keep: Option<KeepPre<'_, O::Buf>>,
 ) -> Result<()> {
-    if let (Some(gate_up), None) = (w.gate_up(), &keep) {
-        project_fused(ops, gate_up, (h, i), n, sc)?;
-        ops.swiglu(&sc.pre, fused(i, n), n * i, &mut sc.y)?;
-        // y = h·W_down with hᵀ (I×n) stored.
-        let ht = Operand::t(&sc.y, 0);
-        return mm(ops, (n, h, i), ht, w.times(w.down), (&mut sc.x, 0), Accumulate::Replace);
-    }
-    project(ops, w, (h, i), n, sc)?;
+    let at = project(ops, w, (h, i), n, sc)?;
     if let Some(k) = keep {
-        ops.copy((&sc.pre, 0), (k.gate, k.cursor * i), n * i)?;
-        ops.copy((&sc.pre, sc.up_at), (k.up, k.cursor * i), n * i)?;
+        keep_pre(ops, (at, i, n), k, sc)?;
     }
-    ops.swiglu(&sc.pre, split(sc), n * i, &mut sc.y)?;
+    ops.swiglu(&sc.pre, at, n * i, &mut sc.y)?;
     mm(ops, (n, h, i), Operand::plain(&sc.y, 0), w.times(w.down), (&mut sc.x, 0), Accumulate::Replace)
 }
 
@@ -224,23 +247,38 @@ pub(super) struct GroupIo<'a, O: DeviceOps> {
     pub(super) start: usize,
 }
 
-/// The shared end of both backwards, with dg and du in the scratch's gate and up and X in its
-/// x: `dW_gate += Xᵀ·dg`, `dW_up += Xᵀ·du`, `dX_t = dg·W_gateᵀ + du·W_upᵀ` added to row t.
+/// The shared end of both backwards, with dg and du in the scratch's pre-activations (layout
+/// `at`) and X in its x: `dW_gate += Xᵀ·dg`, `dW_up += Xᵀ·du`, `dX_t = dg·W_gateᵀ + du·W_upᵀ`
+/// added to row t. Under torch's layout (fused rows) `d gate_up_proj += [dg | du]ᵀ·X` and
+/// `dX = [dg | du]·W_gate_up`: two GEMMs instead of four.
 fn input_grads<O: DeviceOps>(
     ops: &O,
     w: ExpertAt<'_, O::Buf>,
     mut grad: GradAt<'_, O::Buf>,
-    (h, i, n): (usize, usize, usize),
+    (h, i, n, at): (usize, usize, usize, PreAt),
     io: GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
-    // dW_gate += Xᵀ·dg (H×I), or dgᵀ·X (I×H) in torch's layout; likewise dW_up.
-    weight_grad(ops, grad.layout, (&sc.x, h), (&sc.pre, 0, i), n, grad.part(0))?;
-    weight_grad(ops, grad.layout, (&sc.x, h), (&sc.pre, sc.up_at, i), n, grad.part(1))?;
-    let dg = Operand::plain(&sc.pre, 0);
-    mm(ops, (n, h, i), dg, w.times_t(w.gate), (&mut sc.y, 0), Accumulate::Replace)?;
-    let du = Operand::plain(&sc.pre, sc.up_at);
-    mm(ops, (n, h, i), du, w.times_t(w.up), (&mut sc.y, 0), Accumulate::Add)?;
+    match (at, w.gate_up()) {
+        (PreAt::Fused { .. }, Some(gate_up)) => {
+            // Torch's layout stores gate_up_proj (and its gradient) as 2I×H: gate rows, then up.
+            let dgu = Operand::t(&sc.pre, 0);
+            mm(ops, (2 * i, h, n), dgu, Operand::plain(&sc.x, 0), grad.part(0), Accumulate::Add)?;
+            mm(ops, (n, h, 2 * i), Operand::plain(&sc.pre, 0), gate_up, (&mut sc.y, 0), Accumulate::Replace)?;
+        }
+        (PreAt::Split { gate, up }, _) => {
+            // dW_gate += Xᵀ·dg (H×I), or dgᵀ·X (I×H) in torch's layout; likewise dW_up.
+            weight_grad(ops, grad.layout, (&sc.x, h), (&sc.pre, gate, i), n, grad.part(0))?;
+            weight_grad(ops, grad.layout, (&sc.x, h), (&sc.pre, up, i), n, grad.part(1))?;
+            let dg = Operand::plain(&sc.pre, gate);
+            mm(ops, (n, h, i), dg, w.times_t(w.gate), (&mut sc.y, 0), Accumulate::Replace)?;
+            let du = Operand::plain(&sc.pre, up);
+            mm(ops, (n, h, i), du, w.times_t(w.up), (&mut sc.y, 0), Accumulate::Add)?;
+        }
+        (PreAt::Fused { .. }, None) => {
+            return Err(crate::error::Error::internal("fused pre-activations come from gate_up_proj"));
+        }
+    }
     ops.scatter_add_rows(IndexedRows::new(&sc.y, &io.lists.rows, n, h).from(io.start), io.dx_rows)
 }
 
@@ -290,7 +328,7 @@ fn weight_grad<O: DeviceOps>(
 }
 
 /// Backward of one group, recomputing its forward: `dw_t = ⟨dY_t, y_t⟩` added to the route's
-/// d(weights) entry, then the module's backward.
+/// d(weights) entry, then the module's backward. Nine GEMMs a group, six under torch's layout.
 pub(super) fn backward<O: DeviceOps>(
     ops: &O,
     w: ExpertAt<'_, O::Buf>,
@@ -301,52 +339,20 @@ pub(super) fn backward<O: DeviceOps>(
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
     ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).from(io.start), &mut sc.dy)?;
-    if let (Some(gate_up), true) = (w.gate_up(), grad.fused()) {
-        return backward_fused(ops, (w, gate_up), grad, (h, i, n), io, sc);
-    }
-    project(ops, w, (h, i), n, sc)?;
-    ops.swiglu(&sc.pre, split(sc), n * i, &mut sc.h)?;
+    let at = project(ops, w, (h, i), n, sc)?;
+    ops.swiglu(&sc.pre, at, n * i, &mut sc.h)?;
     mm(ops, (n, h, i), Operand::plain(&sc.h, 0), w.times(w.down), (&mut sc.y, 0), Accumulate::Replace)?;
     ops.row_dot(&sc.dy, &sc.y, n, h, &mut sc.dots)?;
     weights_and_down_grads(ops, &mut grad, (h, i, n), &mut io, sc)?;
     let down_t = w.times_t(w.down);
     mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.h, 0), Accumulate::Replace)?;
-    let at = split(sc);
     ops.swiglu_backward(&mut sc.pre, at, &sc.h, n * i)?;
-    input_grads(ops, w, grad, (h, i, n), io, sc)
+    input_grads(ops, w, grad, (h, i, n, at), io, sc)
 }
 
-/// [`backward`] under torch's layout, with dY gathered: gate and up as one GEMM over
-/// `gate_up_proj` (pre-activations, h and dh held transposed), six GEMMs instead of nine:
-/// `[g; u]ᵀ = W_gate_up·Xᵀ`, `y = h·W_down`, `dW_downᵀ += δᵀ·h`, `dhᵀ = W_down·δᵀ`,
-/// `dW_gate_up += [dg du]ᵀ·X`, `dX = [dg du]·W_gate_up`.
-fn backward_fused<O: DeviceOps>(
-    ops: &O,
-    (w, gate_up): (ExpertAt<'_, O::Buf>, Operand<'_, O::Buf>),
-    mut grad: GradAt<'_, O::Buf>,
-    (h, i, n): (usize, usize, usize),
-    mut io: GroupIo<'_, O>,
-    sc: &mut Scratch<O::Buf>,
-) -> Result<()> {
-    use Accumulate::{Add, Replace};
-    project_fused(ops, gate_up, (h, i), n, sc)?;
-    ops.swiglu(&sc.pre, fused(i, n), n * i, &mut sc.h)?;
-    mm(ops, (n, h, i), Operand::t(&sc.h, 0), w.times(w.down), (&mut sc.y, 0), Replace)?;
-    ops.row_dot(&sc.dy, &sc.y, n, h, &mut sc.dots)?;
-    route_grads(ops, (h, n), &mut io, sc)?;
-    // dW_down as torch stores it (H×I) += δᵀ·h.
-    mm(ops, (h, i, n), Operand::t(&sc.dy, 0), Operand::t(&sc.h, 0), grad.part(2), Add)?;
-    // dhᵀ (I×n) = W_down·δᵀ, over hᵀ (no longer read).
-    mm(ops, (i, n, h), w.times(w.down), Operand::t(&sc.dy, 0), (&mut sc.h, 0), Replace)?;
-    ops.swiglu_backward(&mut sc.pre, fused(i, n), &sc.h, n * i)?;
-    // d gate_up_proj (2I×H) += [dg du]ᵀ·X; dX = [dg du]·W_gate_up.
-    mm(ops, (2 * i, h, n), Operand::plain(&sc.pre, 0), Operand::plain(&sc.x, 0), grad.part(0), Add)?;
-    mm(ops, (n, h, 2 * i), Operand::t(&sc.pre, 0), gate_up, (&mut sc.y, 0), Replace)?;
-    ops.scatter_add_rows(IndexedRows::new(&sc.y, &io.lists.rows, n, h).from(io.start), io.dx_rows)
-}
-
-/// Backward of one group from the pre-activations the saving forward kept (`pre`: the store's
-/// gate and up buffers, this group from route `cursor`), without recompute (see the module).
+/// Backward of one group from the pre-activations the saving forward kept (`pre`: the store's,
+/// this group from route `cursor`), without recompute (see the module): six GEMMs a group, four
+/// under torch's layout.
 #[allow(clippy::too_many_arguments)] // the operands of one group, as in `backward`
 pub(super) fn backward_saved<O: DeviceOps>(
     ops: &O,
@@ -354,15 +360,14 @@ pub(super) fn backward_saved<O: DeviceOps>(
     mut grad: GradAt<'_, O::Buf>,
     (h, i): (usize, usize),
     (n, cursor): (usize, usize),
-    pre: (&O::Buf, &O::Buf),
+    pre: &O::Buf,
     mut io: GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
     ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).from(io.start), &mut sc.dy)?;
-    let up_at = sc.up_at;
-    ops.copy((pre.0, cursor * i), (&mut sc.pre, 0), n * i)?;
-    ops.copy((pre.1, cursor * i), (&mut sc.pre, up_at), n * i)?;
-    ops.swiglu(&sc.pre, split(sc), n * i, &mut sc.h)?;
+    let at = pre_at(&w, i, sc);
+    restore_pre(ops, (at, i, n), (pre, cursor), sc)?;
+    ops.swiglu(&sc.pre, at, n * i, &mut sc.h)?;
     let down_t = w.times_t(w.down);
     mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.y, 0), Accumulate::Replace)?;
     ops.row_dot(&sc.y, &sc.h, n, i, &mut sc.dots)?;
@@ -370,7 +375,6 @@ pub(super) fn backward_saved<O: DeviceOps>(
     // h = w ⊙ r row by row: the identity index, the group's weights.
     let scaled = IndexedRows::new(&sc.y, &io.lists.seq, n, i).scaled(&io.lists.weights).scale_from(io.start);
     ops.gather_rows(scaled, &mut sc.h)?;
-    let at = split(sc);
     ops.swiglu_backward(&mut sc.pre, at, &sc.h, n * i)?;
-    input_grads(ops, w, grad, (h, i, n), io, sc)
+    input_grads(ops, w, grad, (h, i, n, at), io, sc)
 }

@@ -157,45 +157,62 @@ impl<'a, B, I> IndexedRows<'a, B, I> {
 }
 
 /// Where one expert group's gate and up pre-activations lie in the scratch's pre-activation
-/// buffer: `n` elements each, from element `gate` and from element `up` (disjoint). The split
-/// layout keeps them `G·I` apart (row-major n×I each); the fused one (`gate_up_proj` in one
-/// GEMM, transposed) `I·n` apart (gateᵀ then upᵀ, I×n each).
+/// buffer (n elements each, disjoint): split (llep's two projections, each a contiguous n×I
+/// block) or fused (torch's `gate_up_proj` in one GEMM: n/I rows of `[gate | up]`, 2·I wide).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PreAt {
-    /// First element of the gate pre-activations.
-    pub gate: usize,
-    /// First element of the up pre-activations.
-    pub up: usize,
+pub enum PreAt {
+    /// Gate from element `gate`, up from element `up`, each contiguous.
+    Split {
+        /// First element of the gate block.
+        gate: usize,
+        /// First element of the up block.
+        up: usize,
+    },
+    /// Rows of `[gate | up]` from element 0, `width` of each a row.
+    Fused {
+        /// Elements of gate (and of up) per row: I.
+        width: usize,
+    },
 }
 
 impl PreAt {
-    /// Checks that the two ranges of `n` elements lie in a buffer of `len` and do not overlap
-    /// (an overlap is the schedule's bug, never the caller's).
+    /// The kernels' layout of n elements, `(gate_at, up_at, width, pitch)`: element
+    /// e = (e / width, e % width) reads gate at `gate_at + (e / width)·pitch + e % width` and up
+    /// likewise from `up_at`.
+    pub fn layout(self, n: usize) -> (usize, usize, usize, usize) {
+        match self {
+            Self::Split { gate, up } => (gate, up, n.max(1), n.max(1)),
+            Self::Fused { width } => (0, width, width, 2 * width),
+        }
+    }
+
+    /// Checks that the gate and up elements of n lie in a buffer of `len` and do not overlap (a
+    /// layout that cannot hold them is the schedule's bug, never the caller's).
     pub fn check(self, n: usize, len: usize) -> Result<()> {
-        need("swiglu pre-activations (gate)", self.gate.saturating_add(n), len)?;
-        need("swiglu pre-activations (up)", self.up.saturating_add(n), len)?;
-        let (lo, hi) = if self.gate <= self.up { (self.gate, self.up) } else { (self.up, self.gate) };
-        if n > 0 && lo + n > hi {
-            return Err(Error::internal("the gate and up pre-activations overlap"));
+        match self {
+            Self::Split { gate, up } => {
+                need("swiglu pre-activations (gate)", gate.saturating_add(n), len)?;
+                need("swiglu pre-activations (up)", up.saturating_add(n), len)?;
+                let (lo, hi) = if gate <= up { (gate, up) } else { (up, gate) };
+                if n > 0 && lo + n > hi {
+                    return Err(Error::internal("the gate and up pre-activations overlap"));
+                }
+            }
+            Self::Fused { width } => {
+                if width == 0 || !n.is_multiple_of(width) {
+                    return Err(Error::internal("fused pre-activations are whole rows"));
+                }
+                need("swiglu pre-activations (rows of gate and up)", n.saturating_mul(2), len)?;
+            }
         }
         Ok(())
     }
 
-    /// The gate and up ranges of a slice, checked ([`check`](Self::check)).
-    pub fn split<T>(self, s: &[T], n: usize) -> Result<(&[T], &[T])> {
-        self.check(n, s.len())?;
-        Ok((&s[self.gate..self.gate + n], &s[self.up..self.up + n]))
-    }
-
-    /// The gate and up ranges of a slice, writable, checked ([`check`](Self::check)).
-    pub fn split_mut<T>(self, s: &mut [T], n: usize) -> Result<(&mut [T], &mut [T])> {
-        self.check(n, s.len())?;
-        if self.gate < self.up {
-            let (a, b) = s.split_at_mut(self.up);
-            Ok((&mut a[self.gate..self.gate + n], &mut b[..n]))
-        } else {
-            let (a, b) = s.split_at_mut(self.gate);
-            Ok((&mut b[..n], &mut a[self.up..self.up + n]))
+    /// Elements of the buffer n elements span: one past the last gate or up element.
+    pub fn extent(self, n: usize) -> usize {
+        match self {
+            Self::Split { gate, up } => gate.max(up).saturating_add(n),
+            Self::Fused { .. } => n.saturating_mul(2),
         }
     }
 }
@@ -417,10 +434,10 @@ pub struct Store<'s, B> {
     pub x: &'s mut B,
     /// Their route metadata, k entries per row.
     pub meta: &'s mut [RouteMeta],
-    /// `x·W_gate` of every computed route.
-    pub gate: &'s mut B,
-    /// `x·W_up` of every computed route.
-    pub up: &'s mut B,
+    /// `x·W_gate` and `x·W_up` of every computed route, 2·I elements a route: each expert
+    /// group's in the scratch's layout for that group (split: its gate block then its up block;
+    /// torch's `gate_up_proj`: rows of `[gate | up]`), from element 2·I·(its first route).
+    pub pre: &'s mut B,
     /// Round j's routes start at `route_start[j]`.
     pub route_start: &'s mut [u32],
 }

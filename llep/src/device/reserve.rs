@@ -15,7 +15,7 @@ use crate::plan::{Buffers, GroupEntry, Pass, RouteMeta};
 
 /// The expert scratch of G rows: X and dY G×H; Y G×max(H, I) (forward: h, then backward: the
 /// pre-activations' gradient r); the gate and up pre-activations 2·G·I (`pre`: split, gate
-/// n×I from 0 and up n×I from `up_at` = G·I; or fused, gateᵀ then upᵀ I×n each); h G×I; the G
+/// n×I from 0 and up n×I from `up_at` = G·I; or fused, n rows of `[gate | up]`); h G×I; the G
 /// routes' dot products.
 #[derive(Debug)]
 pub(super) struct Scratch<B> {

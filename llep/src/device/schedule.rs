@@ -148,8 +148,7 @@ fn store_holds(len_elems: usize, width: usize, (at, len): (usize, usize), what: 
 /// from it reads it), but for its metadata, which goes to the pipeline.
 struct Saved<'a, B> {
     x: &'a mut B,
-    gate: &'a mut B,
-    up: &'a mut B,
+    pre: &'a mut B,
     route_start: &'a mut [u32],
     /// Round j's first row of `x` (and of the metadata).
     row_start: Vec<usize>,
@@ -162,8 +161,8 @@ impl<'a, B> Saved<'a, B> {
         let row_start = row_starts(plan, me);
         let rounds = (0, plan.rounds() + 1);
         store_holds(store.route_start.len(), 1, rounds, "rounds of the saved-activation store")?;
-        let Store { x, meta, gate, up, route_start } = store;
-        Ok((&mut **meta, Self { x, gate, up, route_start, row_start }))
+        let Store { x, meta, pre, route_start } = store;
+        Ok((&mut **meta, Self { x, pre, route_start, row_start }))
     }
 
     /// Round `round`'s first route and first row in the store, after checking that its `routes`
@@ -177,7 +176,7 @@ impl<'a, B> Saved<'a, B> {
     ) -> Result<(usize, usize)> {
         let (cursor, row) = (self.route_start[round.round] as usize, self.row_start[round.round]);
         let what = "routes computed on this rank (saved pre-activations)";
-        store_holds(ops.buf_len(self.gate), s.intermediate, (cursor, routes), what)?;
+        store_holds(ops.buf_len(self.pre), 2 * s.intermediate, (cursor, routes), what)?;
         let rows = (row, round.got());
         store_holds(ops.buf_len(self.x), s.hidden, rows, "rows of the saved-activation store")?;
         Ok((cursor, row))
@@ -283,7 +282,7 @@ pub fn forward<O: DeviceOps>(
         for (slot, start, n) in slot_chunks(offsets, slots, chunk_rows) {
             ops.gather_rows(IndexedRows::new(&set.recv_x, &lists.rows, n, h).from(start), &mut scratch.x)?;
             let w = expert_at((&s, plan.config().weight_layout), inputs, foreign, slot);
-            let pre = keep.as_mut().map(|kp| KeepPre { gate: &mut *kp.gate, up: &mut *kp.up, cursor });
+            let pre = keep.as_mut().map(|kp| KeepPre { pre: &mut *kp.pre, cursor });
             expert::forward(ops, w, (h, i), n, scratch, pre)?;
             ops.scatter_add_rows(
                 IndexedRows::new(&scratch.x, &lists.rows, n, h).scaled(&lists.weights).from(start),
@@ -415,7 +414,7 @@ pub fn backward<O: DeviceOps>(
                 };
                 match &saved {
                     Some(sv) => {
-                        let pre = (&*sv.gate, &*sv.up);
+                        let pre = &*sv.pre;
                         expert::backward_saved(ops, w, grad, (h, i), (rows, cursor), pre, io, scratch)?
                     }
                     None => expert::backward(ops, w, grad, (h, i), rows, io, scratch)?,

@@ -263,15 +263,11 @@ pub fn device_pass<O: llep::device::DeviceOps>(
     let (y, grads) = if saving {
         let dtype = ops.buf_dtype(dev.x);
         let (rows, routes) = (plan.recv_rows_total(me), plan.assignment().rank_load(me));
-        let (mut sx, mut sg, mut su) = (
-            ops.alloc(rows * shape.hidden, dtype)?,
-            ops.alloc(routes * shape.intermediate, dtype)?,
-            ops.alloc(routes * shape.intermediate, dtype)?,
-        );
+        let (mut sx, mut pre) =
+            (ops.alloc(rows * shape.hidden, dtype)?, ops.alloc(routes * 2 * shape.intermediate, dtype)?);
         let (mut meta, mut starts) =
             (vec![RouteMeta::EMPTY; rows * shape.top_k], vec![0u32; plan.rounds() + 1]);
-        let mut store =
-            Store { x: &mut sx, meta: &mut meta, gate: &mut sg, up: &mut su, route_start: &mut starts };
+        let mut store = Store { x: &mut sx, meta: &mut meta, pre: &mut pre, route_start: &mut starts };
         let y = device::forward(ops, &host, plan, dev, Some(&mut store))?;
         host.reset();
         (y, device::backward(ops, &host, plan, dev, dy, Some(&mut store))?)

@@ -83,6 +83,11 @@ class MoEStats(NamedTuple):
     #: Bytes this forward kept for backward (``activations="save"`` with a gradient needed; 0 when
     #: backward recomputes). Unlike the working set it follows the routing.
     saved_bytes: int = 0
+    #: On a GPU, the most device memory one pass of the call allocates beside its inputs (its
+    #: dispatch buffers, expert scratch and float32 outputs), fixed by the plan; 0 on the CPU,
+    #: whose working set is ``workspace_bytes``. flatpeak allocates it outside torch's caching
+    #: allocator, so ``torch.cuda.max_memory_allocated`` does not include it.
+    device_bytes: int = 0
 
 
 def _forward_impl(hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor,
