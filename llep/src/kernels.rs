@@ -8,7 +8,7 @@ use crate::device::ScatterLayout;
 
 /// `kernels/llep.cu`: row gather (pack, expand, δ = w·dY), scatter-add (combine, return) direct
 /// or, where destinations repeat, ordered over rows grouped by destination
-/// ([`ScatterLayout`](crate::device::ScatterLayout)),
+/// ([`ScatterLayout`]),
 /// SwiGLU forward and backward, and per-row dot products (routing-weight gradients), each for
 /// an f32 layer and (suffix `_bf16`) a bf16 one.
 pub const LLEP: KernelSource = kernel_source!(

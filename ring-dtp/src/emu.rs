@@ -1,4 +1,4 @@
-//! Emulated device path (feature `cuda-emu`): the device schedule of [`crate::cuda`] — resolve
+//! Emulated device path (feature `cuda-emu`): the device schedule of `crate::cuda` — resolve
 //! targets, then per (token block, vocabulary block) a raw logits GEMM followed by the fold or
 //! the gradient kernel, the dX/dW GEMMs and the bias-gradient kernel — with the `.cu` kernels
 //! compiled as host C++ and run by the SIMT emulator under two thread schedules (a race is an

@@ -6,8 +6,9 @@
 //! Forward: `g = X·W_gate`, `u = X·W_up`, `h = silu(g) ⊙ u`, `y = h·W_down`. Backward, with
 //! `δ_t = w_t·dY_t`: `dw_t = ⟨dY_t, y_t⟩`, `dW_down += hᵀ·δ`, `dh = δ·W_downᵀ`,
 //! `dg = dh ⊙ u ⊙ silu'(g)`, `du = dh ⊙ silu(g)`, `dW_gate += Xᵀ·dg`, `dW_up += Xᵀ·du`,
-//! `dX_t = dg·W_gateᵀ + du·W_upᵀ`. From saved g and u: `r = dY·W_downᵀ`, `dw_t = ⟨r_t, h_t⟩`
-//! (= ⟨dY_t, y_t⟩ since `y = h·W_down`) and `dh_t = w_t·r_t`: six GEMMs instead of nine.
+//! `dX_t = dg·W_gateᵀ + du·W_upᵀ`. Both backwards take y's role from `r = dY·W_downᵀ`:
+//! `dw_t = ⟨r_t, h_t⟩` (= ⟨dY_t, y_t⟩ since `y = h·W_down`) and `dh_t = w_t·r_t`, so neither
+//! recomputes y: from saved g and u six GEMMs, recomputing them eight (instead of nine).
 //!
 //! Under [`WeightLayout::Linear`] each weight is stored transposed (torch's `x·Wᵀ`): the same
 //! GEMMs read it with the other orientation, and each weight gradient is formed transposed
@@ -15,7 +16,7 @@
 //! expert's gate and up rows are one stored 2I×H matrix (`gate_up_proj`), so gate and up are one
 //! GEMM into rows of `[g | u]` ([`PreAt::Fused`]), and so are their weight gradient
 //! (`d gate_up_proj += [dg | du]ᵀ·X`) and their share of dX (`[dg | du]·W_gate_up`): two GEMMs a
-//! group forward, six backward recomputing, four from saved pre-activations.
+//! group forward, five backward recomputing, four from saved pre-activations.
 
 use flatpeak_common::gemm::Accumulate;
 
@@ -327,52 +328,60 @@ fn weight_grad<O: DeviceOps>(
     }
 }
 
-/// Backward of one group, recomputing its forward: `dw_t = ⟨dY_t, y_t⟩` added to the route's
-/// d(weights) entry, then the module's backward. Nine GEMMs a group, six under torch's layout.
+/// Backward of one group, recomputing its pre-activations (not y): then as
+/// [`backward_saved`]. Eight GEMMs a group, five under torch's layout.
 pub(super) fn backward<O: DeviceOps>(
     ops: &O,
     w: ExpertAt<'_, O::Buf>,
-    mut grad: GradAt<'_, O::Buf>,
+    grad: GradAt<'_, O::Buf>,
     (h, i): (usize, usize),
     n: usize,
-    mut io: GroupIo<'_, O>,
+    io: GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
     ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).from(io.start), &mut sc.dy)?;
     let at = project(ops, w, (h, i), n, sc)?;
-    ops.swiglu(&sc.pre, at, n * i, &mut sc.h)?;
-    mm(ops, (n, h, i), Operand::plain(&sc.h, 0), w.times(w.down), (&mut sc.y, 0), Accumulate::Replace)?;
-    ops.row_dot(&sc.dy, &sc.y, n, h, &mut sc.dots)?;
-    weights_and_down_grads(ops, &mut grad, (h, i, n), &mut io, sc)?;
-    let down_t = w.times_t(w.down);
-    mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.h, 0), Accumulate::Replace)?;
-    ops.swiglu_backward(&mut sc.pre, at, &sc.h, n * i)?;
-    input_grads(ops, w, grad, (h, i, n, at), io, sc)
+    from_pre_activations(ops, w, grad, (h, i, n, at), io, sc)
 }
 
 /// Backward of one group from the pre-activations the saving forward kept (`pre`: the store's,
-/// this group from route `cursor`), without recompute (see the module): six GEMMs a group, four
-/// under torch's layout.
+/// this group from route `cursor`), without recompute: six GEMMs a group, four under torch's
+/// layout.
 #[allow(clippy::too_many_arguments)] // the operands of one group, as in `backward`
 pub(super) fn backward_saved<O: DeviceOps>(
     ops: &O,
     w: ExpertAt<'_, O::Buf>,
-    mut grad: GradAt<'_, O::Buf>,
+    grad: GradAt<'_, O::Buf>,
     (h, i): (usize, usize),
     (n, cursor): (usize, usize),
     pre: &O::Buf,
-    mut io: GroupIo<'_, O>,
+    io: GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
     ops.gather_rows(IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).from(io.start), &mut sc.dy)?;
     let at = pre_at(&w, i, sc);
     restore_pre(ops, (at, i, n), (pre, cursor), sc)?;
+    from_pre_activations(ops, w, grad, (h, i, n, at), io, sc)
+}
+
+/// Both backwards from dY (in the scratch's dY) and the pre-activations (layout `at`), without y:
+/// `h = silu(g) ⊙ u`, `r = dY·W_downᵀ`, `dw_t = ⟨r_t, h_t⟩` (= ⟨dY_t, y_t⟩ since
+/// `y = h·W_down`), the routes' d(weights) and `dW_down += hᵀ·δ`, `dh_t = w_t·r_t`, then the
+/// SwiGLU backward and the input gradients.
+fn from_pre_activations<O: DeviceOps>(
+    ops: &O,
+    w: ExpertAt<'_, O::Buf>,
+    mut grad: GradAt<'_, O::Buf>,
+    (h, i, n, at): (usize, usize, usize, PreAt),
+    mut io: GroupIo<'_, O>,
+    sc: &mut Scratch<O::Buf>,
+) -> Result<()> {
     ops.swiglu(&sc.pre, at, n * i, &mut sc.h)?;
     let down_t = w.times_t(w.down);
     mm(ops, (n, i, h), Operand::plain(&sc.dy, 0), down_t, (&mut sc.y, 0), Accumulate::Replace)?;
     ops.row_dot(&sc.y, &sc.h, n, i, &mut sc.dots)?;
     weights_and_down_grads(ops, &mut grad, (h, i, n), &mut io, sc)?;
-    // h = w ⊙ r row by row: the identity index, the group's weights.
+    // dh = w ⊙ r row by row: the identity index, the group's weights.
     let scaled = IndexedRows::new(&sc.y, &io.lists.seq, n, i).scaled(&io.lists.weights).scale_from(io.start);
     ops.gather_rows(scaled, &mut sc.h)?;
     ops.swiglu_backward(&mut sc.pre, at, &sc.h, n * i)?;

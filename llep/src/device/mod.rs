@@ -15,12 +15,13 @@
 //! (`llep_swiglu`), `y = h·W_down`; `out[row_t] += w_t·y_t` (`llep_scatter_add_rows`, direct where
 //! the rows are distinct, as a group's are: [`ScatterLayout`]); the rows go
 //! back and are scatter-added into the fp32 N×H output in send order. Backward runs the rounds
-//! in reverse, recomputing each group and running its backward at once (`dw_t = ⟨dY_t, y_t⟩` by
-//! `llep_row_dot`, `llep_swiglu_backward`, six more GEMMs); foreign experts' gradients return to
+//! in reverse, recomputing each group's pre-activations (not y) and running its backward at once
+//! (`r = dY·W_downᵀ`, `dw_t = ⟨r_t, h_t⟩` by `llep_row_dot`, `llep_swiglu_backward`, five more
+//! GEMMs; in torch's layout gate and up are one GEMM); foreign experts' gradients return to
 //! their owners once at the end. In [`Mode::SaveActivations`](crate::Mode::SaveActivations),
 //! [`forward`] given a [`Store`] also keeps every round's received rows, routes and
 //! pre-activations there, and [`backward`] given it dispatches dY only and runs six GEMMs per
-//! group from it. The
+//! group from it (four in torch's layout). The
 //! received route metadata (8 bytes per route) is read back to the host each round to form the
 //! groups: the one host round trip per round.
 //!

@@ -356,11 +356,11 @@ pub fn backward<O: DeviceOps>(
             dw_gathered,
             ..
         } = &mut c;
+        // The identity index of a group's rows (scaling them in place order), once a call.
+        iota(ops, &mut lists.seq, bufs.expert_rows())?;
         let (meta_host, saved, sends) = match store {
             Some(st) => {
                 let (meta, saved) = Saved::open(plan, me, st)?;
-                // The identity index of a group's rows (scaling them in place order), once a call.
-                iota(ops, &mut lists.seq, bufs.expert_rows())?;
                 let host = MetaHost::Store { meta, row_start: saved.row_start.clone(), download: false };
                 (host, Some(saved), Sends::Dy)
             }
