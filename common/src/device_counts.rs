@@ -69,6 +69,8 @@ pub struct DeviceCounts {
     pub allocations: usize,
     /// Their bytes.
     pub allocated_bytes: u64,
+    /// Their bytes carved from one lent buffer: each at least one element, rounded up to 256.
+    pub arena_bytes: u64,
 }
 
 impl DeviceCounts {
@@ -116,6 +118,7 @@ impl DeviceCounts {
         out.copies += other.copies;
         out.allocations += other.allocations;
         out.allocated_bytes += other.allocated_bytes;
+        out.arena_bytes += other.arena_bytes;
         out
     }
 

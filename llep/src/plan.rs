@@ -150,6 +150,13 @@ impl Plan {
         self.buffers(pass).device_bytes()
     }
 
+    /// Bytes of lent device memory enough for either pass of a call to carve every buffer from
+    /// ([`Buffers::device_arena_bytes`], the larger pass).
+    pub fn device_arena_bytes(&self) -> usize {
+        let [f, b] = [Pass::Forward, Pass::Backward].map(|pass| self.buffers(pass).device_arena_bytes());
+        f.max(b)
+    }
+
     /// The least budget PipelinedLLEP runs `shape` in: its working set at one row per rank pair
     /// (q = 1), foreign weight slots and expert scratch included. A budget below it is
     /// [`Error::BudgetTooSmall`]; the other schemes take no budget. Checked for overflow.
@@ -345,6 +352,23 @@ impl Buffers {
             .filter(|&(_, on_host)| !on_host)
             .fold(0u128, |a, (r, _)| a.saturating_add(r));
         usize::try_from(bytes).unwrap_or(usize::MAX)
+    }
+
+    /// The alignment of each buffer a device executor carves from lent memory.
+    pub const DEVICE_ALIGN: usize = 256;
+
+    /// The most buffers one pass allocates on a device: its regions (17 + 10 per pipeline copy,
+    /// empty ones included: a device buffer holds at least one element), its outputs (at most
+    /// 5) and a few a binding adds (an empty weight slot), with room to spare.
+    pub fn device_buffers_bound(&self) -> usize {
+        self.depth.saturating_mul(10).saturating_add(32)
+    }
+
+    /// Bytes of lent device memory the pass carves every buffer from, each
+    /// [`DEVICE_ALIGN`](Self::DEVICE_ALIGN)-aligned: [`device_bytes`](Self::device_bytes) and
+    /// one alignment per buffer ([`device_buffers_bound`](Self::device_buffers_bound)).
+    pub fn device_arena_bytes(&self) -> usize {
+        self.device_bytes().saturating_add(Self::DEVICE_ALIGN.saturating_mul(self.device_buffers_bound()))
     }
 
     /// The device memory the pass holds besides its inputs on a GPU: its device regions

@@ -99,6 +99,15 @@ fn each_pass_allocates_the_device_bytes_its_plan_states() {
             launch.pass_device_bytes(llep::Pass::Backward) as u64,
             "{dtype:?}"
         );
+        // Carved from one lent buffer, every pass fits the plan's arena with room for the
+        // binding's own (an empty weight slot), and within a few KiB of the bytes it holds.
+        for (pass, counted) in [(llep::Pass::Forward, &c.forward), (llep::Pass::Backward, &c.backward)] {
+            let arena = launch.buffers(pass).device_arena_bytes() as u64;
+            assert!(counted.arena_bytes + 256 <= arena, "{pass:?}: {} of {arena}", counted.arena_bytes);
+            assert!(counted.allocations < launch.buffers(pass).device_buffers_bound(), "{pass:?}");
+            assert!(arena - counted.allocated_bytes < 64 << 10, "{pass:?}");
+        }
+        assert!(launch.device_arena_bytes() as u64 >= c.forward.arena_bytes.max(c.backward.arena_bytes));
         // The GPU's default budget bounds the buffers; the outputs are the layer's own.
         let outputs = 4
             * (shape.tokens * (shape.hidden + shape.top_k)

@@ -65,12 +65,10 @@ def peak_bytes(device: str, fn: Callable[[], None], clear: Callable[[], None]) -
 
 
 def compare(device: str, case, reps: int, warmups: int = 2):
-    """{name: (median seconds, peak bytes)} of ``case`` (its variants, the function that clears
-    its inputs' gradients and, optionally, per variant the bytes it allocates outside torch's
-    caching allocator, added to its peak), the variants alternating repetition by repetition,
-    each call starting without gradients."""
-    variants, clear, *rest = case
-    outside: Dict[str, Callable[[], int]] = rest[0] if rest else {}
+    """{name: (median seconds, peak bytes)} of ``case`` (its variants and the function that
+    clears its inputs' gradients), the variants alternating repetition by repetition, each call
+    starting without gradients."""
+    variants, clear = case
     failed: Dict[str, str] = {}
     for name, fn in list(variants.items()):
         try:
@@ -82,7 +80,7 @@ def compare(device: str, case, reps: int, warmups: int = 2):
                 raise
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
             del variants[name]
-    peaks = {name: peak_bytes(device, fn, clear) + outside.get(name, lambda: 0)() for name, fn in variants.items()}
+    peaks = {name: peak_bytes(device, fn, clear) for name, fn in variants.items()}
     times: Dict[str, List[float]] = {name: [] for name in variants}
     for _ in range(reps):
         for name, fn in variants.items():
@@ -183,21 +181,13 @@ def moe_variants(device: str, dtype: torch.dtype, shape):
         for p in (x, w, gate_up, down):
             p.grad = None
 
-    seen = {"device_bytes": 0}
-
-    def ours():
-        y, stats = moe_swiglu(x, ids, w, gate_up, down, return_stats=True)
-        # llep's buffers and outputs are allocated outside torch's caching allocator: its peak
-        # misses them, so the bench adds them (MoEStats.device_bytes).
-        seen["device_bytes"] = stats.device_bytes
-        return y
-
-    variants = {
-        "flatpeak": run(ours),
+    # llep's device buffers are carved from a tensor of torch's caching allocator: the peak torch
+    # reports is the layer's whole working set.
+    return {
+        "flatpeak": run(lambda: moe_swiglu(x, ids, w, gate_up, down)),
         "torch_loop": run(lambda: moe_loop(x, ids, w, gate_up, down)),
         "torch_grouped_mm": run(lambda: moe_grouped(x, ids, w, gate_up, down)),
-    }
-    return variants, clear, {"flatpeak": lambda: seen["device_bytes"]}
+    }, clear
 
 
 def mib(b: int) -> str:
@@ -235,7 +225,7 @@ def main() -> int:
                       lambda dtype=dtype: moe_variants(args.device, dtype, moe_shape)))
     if args.profile:
         for call, dtype, shape, make in cases:
-            variants, clear, *_ = make()
+            variants, clear = make()
             variants["flatpeak"]()
             if args.device == "cuda":
                 torch.cuda.synchronize()

@@ -38,10 +38,8 @@ impl<T: DeviceRepr> GiveBack for CudaSlice<T> {
 
 impl GiveBack for llep::cuda::CudaBuf {
     fn give_back(self) {
-        match self {
-            llep::cuda::CudaBuf::F32(s) => s.give_back(),
-            llep::cuda::CudaBuf::Bf16(s) => s.give_back(),
-        }
+        // Made over the tensor's memory as `DevSlice::lent`: dropping it leaks the slice.
+        drop(self)
     }
 }
 
@@ -273,14 +271,14 @@ impl DeviceLent<'_, '_> {
                 // SAFETY: `h` was made by this call's `DeviceLend`, which checked a live, contiguous
                 // CUDA tensor of this device with `len` f32 at the aligned `address`, overlapped by
                 // no output in flight; the `Lent` below gives the buffer back and derefs it shared.
-                llep::cuda::CudaBuf::F32(unsafe { self.slice(h.address, h.len) })
+                llep::cuda::CudaBuf::F32(llep::cuda::DevSlice::lent(unsafe { self.slice(h.address, h.len) }))
             }
             LlepIn::Bf16(h) => {
                 self.check(h.call)?;
                 // SAFETY: `h` was made by this call's `DeviceLend`, which checked a live, contiguous
                 // CUDA tensor of this device with `len` bf16 at the aligned `address`, overlapped by
                 // no output in flight; the `Lent` below gives the buffer back and derefs it shared.
-                llep::cuda::CudaBuf::Bf16(unsafe { self.slice(h.address, h.len) })
+                llep::cuda::CudaBuf::Bf16(llep::cuda::DevSlice::lent(unsafe { self.slice(h.address, h.len) }))
             }
         };
         Ok(Lent(ManuallyDrop::new(buf), PhantomData))

@@ -11,11 +11,12 @@ use flatpeak_common::cuda::cuda_error;
 use flatpeak_common::cuda::cudarc::driver::CudaSlice;
 use flatpeak_common::nccl::DeviceCommunicator;
 use half::bf16;
-use llep::cuda::{CudaBuf, CudaOps};
+use llep::cuda::{CudaBuf, CudaOps, DeviceArena};
 use llep::device::{DeviceInputs, DeviceOps};
 use llep::{AgreedCall, Backward, DType, Device, RankCall, RankSizes, Routing};
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::cache::{self, Executor, Key};
 use crate::cuda_group::with_nccl;
@@ -94,6 +95,10 @@ fn on_device<R: Send>(
         return Err(to_py(llep::Error::internal("a CUDA call agreed on a CUDA device")));
     };
     let torch = lent.stream().clone();
+    // Every buffer of the call is carved from one zeroed tensor of torch's caching allocator, so
+    // `torch.cuda.max_memory_allocated` sees the whole device working set; kept alive until the
+    // call's streams are done with it (torch's stream waits for them before reusing it).
+    let (_arena, address, bytes) = arena_tensor(py, &plan, ordinal)?;
     detached(py, comm, |host: &dyn Communicator| -> PyResult<R> {
         let key = Key::Moe { device, plan };
         let made = cache::entry(key, plan.workspace_bytes(), || {
@@ -105,7 +110,13 @@ fn on_device<R: Send>(
             return Err(to_py(llep::Error::internal("an MoE entry holds an MoE executor")));
         };
         with_nccl(host, group, ordinal, &torch, |nccl| {
-            let ops = CudaOps::new(nccl).map_err(to_py)?;
+            // SAFETY: `_arena` is a fresh zeroed tensor of `bytes` bytes on this device at
+            // `address` (aligned: checked by `arena_tensor`), allocated on torch's stream, which
+            // the communicator's stream, and so the ops', waits for (`with_nccl`); nothing else
+            // references it, and it is dropped after this call, whose streams torch's waits for
+            // before its allocator reuses the memory.
+            let arena = unsafe { DeviceArena::new(address, bytes) };
+            let ops = CudaOps::new(nccl).map_err(to_py)?.lending(arena);
             let mut call = agreed.prepare(executor, host).map_err(to_py)?;
             let out = f(&ops, &mut call);
             // The communicator's stream (which torch's waits for) after everything the ops issued.
@@ -116,6 +127,29 @@ fn on_device<R: Send>(
             Ok(out)
         })
     })?
+}
+
+/// A zeroed `uint8` tensor of `plan`'s device arena bytes on device `ordinal`, from torch's
+/// caching allocator on its current stream: the tensor, its data pointer and its bytes.
+fn arena_tensor<'py>(
+    py: Python<'py>,
+    plan: &llep::Plan,
+    ordinal: usize,
+) -> PyResult<(Bound<'py, PyAny>, u64, usize)> {
+    let bytes = plan.device_arena_bytes();
+    let torch = py.import("torch")?;
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("dtype", torch.getattr("uint8")?)?;
+    kwargs.set_item("device", format!("cuda:{ordinal}"))?;
+    let tensor = torch.call_method("zeros", (bytes,), Some(&kwargs))?;
+    let address: u64 = tensor.call_method0("data_ptr")?.extract()?;
+    if !address.is_multiple_of(DeviceArena::ALIGN as u64) {
+        return Err(PyRuntimeError::new_err(format!(
+            "torch's allocator returned {address:#x} for llep's device buffers, not {}-byte aligned",
+            DeviceArena::ALIGN
+        )));
+    }
+    Ok((tensor, address, bytes))
 }
 
 /// Copies llep's f32 output `src` into the lent tensor `dst` on `ops`' stream (the output may hold

@@ -271,11 +271,18 @@ def test_cuda_tensors_match_the_cpu_path(dtype):
     bound = 1e-4 if dtype == torch.float32 else 3e-2
     for got, want in zip(run("cuda"), run("cpu")):
         assert workers.rel(got, want) <= bound
-    # The device memory llep allocates outside torch's allocator is reported (none on the CPU).
+    # llep's device buffers come from torch's caching allocator: its peak covers them (none on
+    # the CPU).
     for device, any_bytes in (("cuda", True), ("cpu", False)):
-        _, stats = moe_swiglu(x.to(device), ids.to(device), w.to(device), gate_up.to(device), down.to(device),
-                              pair_cap_rows=8, return_stats=True)
+        args = [t.to(device) for t in (x, ids, w, gate_up, down)]
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        _, stats = moe_swiglu(*args, pair_cap_rows=8, return_stats=True)
         assert (stats.device_bytes > 0) == any_bytes, (device, stats)
+        if device == "cuda":
+            assert torch.cuda.max_memory_allocated() - before >= stats.device_bytes, stats
     # The saved-activation store lives in host memory: CUDA tensors are refused, saying so.
     with pytest.raises(TypeError, match=r"activations='save' .* runs on CPU tensors"):
         moe_swiglu(x.cuda(), ids.cuda(), w.cuda(), gate_up.cuda(), down.cuda(), activations="save")

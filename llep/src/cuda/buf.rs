@@ -4,6 +4,7 @@
 use flatpeak_common::cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
+use super::arena::DevSlice;
 use crate::device::{IndexedRows, need, typed_buf};
 use crate::error::{Error, Result};
 
@@ -30,20 +31,23 @@ pub(super) fn view_mut<'a, T>(
 
 typed_buf! {
     /// A buffer on the CUDA device: f32 or bf16 elements (a bf16 layer's tokens, expert weights,
-    /// dY, dispatch rows and expert scratch; everything else f32).
+    /// dY, dispatch rows and expert scratch; everything else f32), allocated by llep or over
+    /// lent memory ([`DevSlice`]).
     #[derive(Debug)]
-    CudaBuf(CudaSlice)
+    CudaBuf(DevSlice)
 }
 
 impl From<CudaSlice<f32>> for CudaBuf {
+    /// A buffer llep allocated (freed when dropped).
     fn from(s: CudaSlice<f32>) -> Self {
-        CudaBuf::F32(s)
+        CudaBuf::F32(DevSlice::owned(s))
     }
 }
 
 impl From<CudaSlice<bf16>> for CudaBuf {
+    /// A buffer llep allocated (freed when dropped).
     fn from(s: CudaSlice<bf16>) -> Self {
-        CudaBuf::Bf16(s)
+        CudaBuf::Bf16(DevSlice::owned(s))
     }
 }
 
@@ -89,7 +93,7 @@ pub(super) fn check_entries(host: &[u32], bound: usize) -> Result<()> {
 /// (written by [`DeviceOps::write_index`](crate::device::DeviceOps::write_index)); `None` after a device-side write (all-to-all).
 #[derive(Debug)]
 pub struct CudaIndex {
-    pub(super) dev: CudaSlice<u32>,
+    pub(super) dev: DevSlice<u32>,
     pub(super) host: Option<Vec<u32>>,
 }
 

@@ -36,7 +36,7 @@ use std::sync::Arc;
 
 use flatpeak_common::DType;
 use flatpeak_common::cuda::cudarc::cublas::sys::cublasOperation_t;
-use flatpeak_common::cuda::cudarc::driver::{CudaStream, CudaView, CudaViewMut};
+use flatpeak_common::cuda::cudarc::driver::{CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 use flatpeak_common::cuda::{
     self as blas, Bf16GemmOutput, BlasMath, GemmShape, KernelCache, SharedBlas, alloc_error, cuda_error,
     gemm_bf16, sgemm,
@@ -50,10 +50,12 @@ use crate::device::{
 };
 use crate::error::{Error, Result};
 
+mod arena;
 mod buf;
 mod launch;
 
 use crate::kernels::entry;
+pub use arena::{DevSlice, DeviceArena};
 pub use buf::{CudaBuf, CudaIndex};
 use buf::{rows_at, view, view_mut};
 
@@ -66,6 +68,8 @@ pub struct CudaOps<'c, C: DeviceCommunicator> {
     fetch: Arc<CudaStream>,
     cache: Arc<KernelCache>,
     blas: Arc<SharedBlas>,
+    /// Lent memory every buffer is carved from, or none (allocated through cudarc).
+    arena: Option<DeviceArena>,
 }
 
 impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
@@ -84,7 +88,46 @@ impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
         stream.join(comm.stream()).map_err(cuda_error("cuStreamWaitEvent"))?;
         let fetch = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
         let (cache, blas) = (KernelCache::shared(&ctx)?, SharedBlas::of(&ctx)?);
-        Ok(Self { comm, stream, fetch, cache, blas })
+        Ok(Self { comm, stream, fetch, cache, blas, arena: None })
+    }
+
+    /// These ops carving every buffer they allocate (dispatch buffers, expert scratch, index
+    /// lists, uploads, outputs) from `arena` instead of allocating through cudarc: a framework's
+    /// allocator then holds the call's whole device working set. An arena too small for a
+    /// buffer is [`Error::ShapeMismatch`] naming the bytes needed
+    /// ([`Plan::device_arena_bytes`](crate::Plan::device_arena_bytes) is enough for a call of
+    /// the plan).
+    pub fn lending(mut self, arena: DeviceArena) -> Self {
+        self.arena = Some(arena);
+        self
+    }
+
+    /// A zeroed buffer of `len` elements (at least one): carved from the lent arena, or allocated.
+    fn fresh<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize, what: &'static str) -> Result<DevSlice<T>> {
+        let len = len.max(1);
+        let bytes = len * std::mem::size_of::<T>();
+        match &self.arena {
+            None => Ok(DevSlice::owned(self.stream.alloc_zeros::<T>(len).map_err(alloc_error(what, bytes))?)),
+            Some(arena) => {
+                let address = arena.carve(bytes)?;
+                // SAFETY: `address..address + bytes` lies inside the arena, aligned and disjoint
+                // from every other carve (`carve`), zeroed device memory of this context that
+                // nothing else uses for the call and that outlives it (`DeviceArena::new`'s
+                // contract); `DevSlice::lent` never frees it.
+                Ok(DevSlice::lent(unsafe { self.stream.upgrade_device_ptr::<T>(address, len) }))
+            }
+        }
+    }
+
+    /// A new buffer holding `host` (at least one element): [`fresh`](Self::fresh), then a copy.
+    fn uploaded<T: DeviceRepr + ValidAsZeroBits>(&self, host: &[T]) -> Result<DevSlice<T>> {
+        let mut out = self.fresh::<T>(host.len(), "an llep upload")?;
+        if !host.is_empty() {
+            let mut to =
+                out.try_slice_mut(..host.len()).ok_or(Error::internal("an upload fits its buffer"))?;
+            self.stream.memcpy_htod(host, &mut to).map_err(cuda_error("cuMemcpyHtoD"))?;
+        }
+        Ok(out)
     }
 
     /// Waits for every operation issued so far, on both streams (the metadata downloads wait
@@ -101,10 +144,7 @@ impl<'c, C: DeviceCommunicator> CudaOps<'c, C> {
 
     /// A new bf16 buffer holding `host` (a bf16 layer's tokens, expert weights and dY).
     pub fn upload_bf16(&self, host: &[bf16]) -> Result<CudaBuf> {
-        if host.is_empty() {
-            return self.alloc(1, DType::Bf16);
-        }
-        Ok(CudaBuf::Bf16(self.stream.clone_htod(host).map_err(cuda_error("cuMemcpyHtoD"))?))
+        Ok(CudaBuf::Bf16(self.uploaded(host)?))
     }
 
     /// `C = op(A)·op(B) + β·C` with bf16 A and B into a C of f32 or bf16 (cuBLAS rounds a bf16
@@ -157,14 +197,9 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
     }
 
     fn alloc(&self, len: usize, dtype: DType) -> Result<CudaBuf> {
-        let len = len.max(1);
         Ok(match dtype {
-            DType::F32 => CudaBuf::F32(
-                self.stream.alloc_zeros::<f32>(len).map_err(alloc_error("an llep buffer", len * 4))?,
-            ),
-            DType::Bf16 => CudaBuf::Bf16(
-                self.stream.alloc_zeros::<bf16>(len).map_err(alloc_error("an llep buffer", len * 2))?,
-            ),
+            DType::F32 => CudaBuf::F32(self.fresh(len, "an llep buffer")?),
+            DType::Bf16 => CudaBuf::Bf16(self.fresh(len, "an llep buffer")?),
             other => {
                 return Err(Error::UnsupportedDtype {
                     dtype: other,
@@ -176,10 +211,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
     }
 
     fn alloc_index(&self, len: usize) -> Result<CudaIndex> {
-        let dev = self
-            .stream
-            .alloc_zeros::<u32>(len.max(1))
-            .map_err(alloc_error("an llep index buffer", len.max(1) * 4))?;
+        let dev = self.fresh::<u32>(len, "an llep index buffer")?;
         Ok(CudaIndex { dev, host: Some(vec![0; len.max(1)]) })
     }
 
@@ -192,10 +224,7 @@ impl<C: DeviceCommunicator> DeviceOps for CudaOps<'_, C> {
     }
 
     fn upload(&self, host: &[f32]) -> Result<CudaBuf> {
-        if host.is_empty() {
-            return self.alloc(1, DType::F32);
-        }
-        Ok(CudaBuf::F32(self.stream.clone_htod(host).map_err(cuda_error("cuMemcpyHtoD"))?))
+        Ok(CudaBuf::F32(self.uploaded(host)?))
     }
 
     fn write_index(&self, host: &[u32], dst: &mut CudaIndex) -> Result<()> {

@@ -56,6 +56,14 @@ fn elems(buf: &CountBuf, offset: usize, len: usize, what: &'static str) -> Resul
     need(what, offset.saturating_add(len), buf.len)
 }
 
+/// A buffer of `len` elements of `elem` bytes reserved: as a device backend allocates it (at
+/// least one element) and as it is carved from lent memory (rounded up to the alignment).
+fn count_alloc(c: &mut DeviceCounts, len: usize, elem: usize) {
+    c.allocations += 1;
+    c.allocated_bytes += (len * elem) as u64;
+    c.arena_bytes += (len.max(1) * elem).next_multiple_of(crate::Buffers::DEVICE_ALIGN) as u64;
+}
+
 fn size(dtype: DType) -> usize {
     dtype.size_in_bytes()
 }
@@ -81,17 +89,11 @@ impl<C: Communicator + ?Sized> DeviceOps for CountOps<'_, C> {
                 });
             }
         }
-        self.with(|c| {
-            c.allocations += 1;
-            c.allocated_bytes += (len * size(dtype)) as u64;
-        });
+        self.with(|c| count_alloc(c, len, size(dtype)));
         Ok(CountBuf { len, dtype })
     }
     fn alloc_index(&self, len: usize) -> Result<Vec<u32>> {
-        self.with(|c| {
-            c.allocations += 1;
-            c.allocated_bytes += 4 * len as u64;
-        });
+        self.with(|c| count_alloc(c, len, 4));
         Ok(vec![0; len])
     }
     fn buf_len(&self, buf: &CountBuf) -> usize {
@@ -102,8 +104,7 @@ impl<C: Communicator + ?Sized> DeviceOps for CountOps<'_, C> {
     }
     fn upload(&self, host: &[f32]) -> Result<CountBuf> {
         self.with(|c| {
-            c.allocations += 1;
-            c.allocated_bytes += 4 * host.len() as u64;
+            count_alloc(c, host.len(), 4);
             c.upload(4 * host.len());
         });
         Ok(CountBuf { len: host.len(), dtype: DType::F32 })

@@ -1,14 +1,14 @@
 """The executors flatpeak keeps between calls.
 
 Each loss, ring and MoE call runs on an executor of its plan (the shape and options): its
-working set, reserved once (host memory on a CPU, device memory on a GPU for the rings and the
-MoE layer), its kernels and its NCCL communicator. Executors are kept between calls, so a
+working set, reserved once (host memory on a CPU, device memory on a GPU for the rings, the MoE
+layer's host route tables), its kernels and its NCCL communicator. Executors are kept between calls, so a
 training step does not reserve memory or compile kernels again, in one cache bounded in bytes:
 it holds at most :func:`executor_cache_limit` (1 GiB by default) of reservations, or the one
 executor last made when that one alone needs more. Before a new executor is made, the least
 recently used are dropped until it fits, so an old working set is freed before a new one is
-reserved. The single-GPU loss's executors reserve nothing (0 bytes here): its block buffers are
-allocated per call through torch's caching allocator.
+reserved. The single-GPU loss's executors reserve nothing (0 bytes here): its block buffers,
+like the MoE layer's device buffers, are allocated per call through torch's caching allocator.
 """
 
 from __future__ import annotations

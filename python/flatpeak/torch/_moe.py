@@ -83,10 +83,10 @@ class MoEStats(NamedTuple):
     #: Bytes this forward kept for backward (``activations="save"`` with a gradient needed; 0 when
     #: backward recomputes). Unlike the working set it follows the routing.
     saved_bytes: int = 0
-    #: On a GPU, the most device memory one pass of the call allocates beside its inputs (its
-    #: dispatch buffers, expert scratch and float32 outputs), fixed by the plan; 0 on the CPU,
-    #: whose working set is ``workspace_bytes``. flatpeak allocates it outside torch's caching
-    #: allocator, so ``torch.cuda.max_memory_allocated`` does not include it.
+    #: On a GPU, the most device memory one pass of the call holds beside its inputs (its
+    #: dispatch buffers, expert scratch and float32 outputs), fixed by the plan and carved from
+    #: one tensor of torch's caching allocator (so ``torch.cuda.max_memory_allocated`` includes
+    #: it); 0 on the CPU, whose working set is ``workspace_bytes``.
     device_bytes: int = 0
 
 
