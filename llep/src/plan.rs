@@ -150,8 +150,9 @@ impl Plan {
         self.buffers(pass).device_bytes()
     }
 
-    /// Bytes of lent device memory enough for either pass of a call to carve every buffer from
-    /// ([`Buffers::device_arena_bytes`], the larger pass).
+    /// Bytes of lent device memory enough for either pass of a PipelinedLLEP call to carve every
+    /// buffer from ([`Buffers::device_arena_bytes`], the larger pass); a baseline's buffers
+    /// follow its call's schedule ([`Schedule::buffers`](crate::Schedule::buffers)).
     pub fn device_arena_bytes(&self) -> usize {
         let [f, b] = [Pass::Forward, Pass::Backward].map(|pass| self.buffers(pass).device_arena_bytes());
         f.max(b)

@@ -13,8 +13,8 @@ use flatpeak_common::nccl::DeviceCommunicator;
 use half::bf16;
 use llep::cuda::{CudaBuf, CudaOps, DeviceArena};
 use llep::device::{DeviceInputs, DeviceOps};
-use llep::{AgreedCall, Backward, DType, Device, RankCall, RankSizes, Routing};
-use pyo3::exceptions::{PyRuntimeError, PyTypeError};
+use llep::{AgreedCall, Backward, DType, Device, RankCall, RankSizes, Routing, Scheme};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -95,28 +95,42 @@ fn on_device<R: Send>(
         return Err(to_py(llep::Error::internal("a CUDA call agreed on a CUDA device")));
     };
     let torch = lent.stream().clone();
-    // Every buffer of the call is carved from one zeroed tensor of torch's caching allocator, so
+    // PipelinedLLEP's buffers (sized by the plan; the baselines' follow each call's routing) are
+    // carved from one zeroed tensor of torch's caching allocator, so
     // `torch.cuda.max_memory_allocated` sees the whole device working set; kept alive until the
-    // call's streams are done with it (torch's stream waits for them before reusing it).
-    let (_arena, address, bytes) = arena_tensor(py, &plan, ordinal)?;
+    // call's streams are done with it (torch's stream waits for them before reusing it). A rank
+    // whose tensor torch refuses fails the group's first agreement, as an executor would.
+    let (_arena, lent_arena) = match plan.config().scheme {
+        Scheme::PipelinedLlep => {
+            let (tensor, lent) = arena_tensor(py, &plan, ordinal);
+            (tensor, Some(lent))
+        }
+        _ => (None, None),
+    };
     detached(py, comm, |host: &dyn Communicator| -> PyResult<R> {
         let key = Key::Moe { device, plan };
-        let made = cache::entry(key, plan.workspace_bytes(), || {
-            llep::Executor::new(plan, device).map(Executor::Moe)
-        });
+        let made = match &lent_arena {
+            Some(Err(e)) => Err(e.clone()),
+            _ => cache::entry(key, plan.workspace_bytes(), || {
+                llep::Executor::new(plan, device).map(Executor::Moe)
+            }),
+        };
         let entry = agreed.ready(host, made).map_err(to_py)?;
         let mut executor = entry.lock();
         let Executor::Moe(executor) = &mut *executor else {
             return Err(to_py(llep::Error::internal("an MoE entry holds an MoE executor")));
         };
         with_nccl(host, group, ordinal, &torch, |nccl| {
-            // SAFETY: `_arena` is a fresh zeroed tensor of `bytes` bytes on this device at
-            // `address` (aligned: checked by `arena_tensor`), allocated on torch's stream, which
-            // the communicator's stream, and so the ops', waits for (`with_nccl`); nothing else
-            // references it, and it is dropped after this call, whose streams torch's waits for
-            // before its allocator reuses the memory.
-            let arena = unsafe { DeviceArena::new(address, bytes) };
-            let ops = CudaOps::new(nccl).map_err(to_py)?.lending(arena);
+            let ops = CudaOps::new(nccl).map_err(to_py)?;
+            let ops = match &lent_arena {
+                // SAFETY: `_arena` is a fresh zeroed tensor of `bytes` bytes on this device at
+                // `address` (aligned: checked by `arena_tensor`), allocated on torch's stream,
+                // which the communicator's stream, and so the ops', waits for (`with_nccl`);
+                // nothing else references it, and it is dropped after this call, whose streams
+                // torch's waits for before its allocator reuses the memory.
+                Some(Ok((address, bytes))) => ops.lending(unsafe { DeviceArena::new(*address, *bytes) }),
+                _ => ops,
+            };
             let mut call = agreed.prepare(executor, host).map_err(to_py)?;
             let out = f(&ops, &mut call);
             // The communicator's stream (which torch's waits for) after everything the ops issued.
@@ -129,27 +143,40 @@ fn on_device<R: Send>(
     })?
 }
 
+/// Device memory lent to a call: its address and bytes, or why this rank has none.
+type LentArena = Result<(u64, usize), llep::Error>;
+
 /// A zeroed `uint8` tensor of `plan`'s device arena bytes on device `ordinal`, from torch's
-/// caching allocator on its current stream: the tensor, its data pointer and its bytes.
+/// caching allocator on its current stream, and its data pointer and bytes; a tensor torch
+/// refuses (out of memory) is [`DeviceAlloc`](flatpeak_common::Error::DeviceAlloc) and one not
+/// aligned for llep an internal error, for the group to agree on.
 fn arena_tensor<'py>(
     py: Python<'py>,
     plan: &llep::Plan,
     ordinal: usize,
-) -> PyResult<(Bound<'py, PyAny>, u64, usize)> {
+) -> (Option<Bound<'py, PyAny>>, LentArena) {
     let bytes = plan.device_arena_bytes();
-    let torch = py.import("torch")?;
-    let kwargs = PyDict::new(py);
-    kwargs.set_item("dtype", torch.getattr("uint8")?)?;
-    kwargs.set_item("device", format!("cuda:{ordinal}"))?;
-    let tensor = torch.call_method("zeros", (bytes,), Some(&kwargs))?;
-    let address: u64 = tensor.call_method0("data_ptr")?.extract()?;
-    if !address.is_multiple_of(DeviceArena::ALIGN as u64) {
-        return Err(PyRuntimeError::new_err(format!(
-            "torch's allocator returned {address:#x} for llep's device buffers, not {}-byte aligned",
-            DeviceArena::ALIGN
-        )));
+    let made = (|| -> PyResult<(Bound<'py, PyAny>, u64)> {
+        let torch = py.import("torch")?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("dtype", torch.getattr("uint8")?)?;
+        kwargs.set_item("device", format!("cuda:{ordinal}"))?;
+        let tensor = torch.call_method("zeros", (bytes,), Some(&kwargs))?;
+        let address: u64 = tensor.call_method0("data_ptr")?.extract()?;
+        Ok((tensor, address))
+    })();
+    match made {
+        Ok((tensor, address)) if address.is_multiple_of(DeviceArena::ALIGN as u64) => {
+            (Some(tensor), Ok((address, bytes)))
+        }
+        Ok((tensor, _)) => {
+            (Some(tensor), Err(llep::Error::internal("torch's allocator returns 256-byte aligned tensors")))
+        }
+        Err(_) => {
+            let what = "the MoE layer's device buffers (a torch tensor)";
+            (None, Err(llep::Error::Common(flatpeak_common::Error::DeviceAlloc { what, bytes })))
+        }
     }
-    Ok((tensor, address, bytes))
 }
 
 /// Copies llep's f32 output `src` into the lent tensor `dst` on `ops`' stream (the output may hold

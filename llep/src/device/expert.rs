@@ -283,21 +283,9 @@ fn input_grads<O: DeviceOps>(
     ops.scatter_add_rows(IndexedRows::new(&sc.y, &io.lists.rows, n, h).from(io.start), io.dx_rows)
 }
 
-/// With `dw_t` in the scratch's dots: the dots added to the routes' d(weights) entries, and dY
-/// gathered again scaled by the routing weights (`δ_t = w_t·dY_t`) into the scratch's dY.
-fn route_grads<O: DeviceOps>(
-    ops: &O,
-    (h, n): (usize, usize),
-    io: &mut GroupIo<'_, O>,
-    sc: &mut Scratch<O::Buf>,
-) -> Result<()> {
-    ops.scatter_add_rows(IndexedRows::new(&sc.dots, &io.lists.meta, n, 1).from(io.start), io.dw)?;
-    let dy = IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).scaled(&io.lists.weights).from(io.start);
-    ops.gather_rows(dy, &mut sc.dy)
-}
-
-/// The middle of both split backwards, with `dw_t` in the scratch's dots and h in its h:
-/// [`route_grads`], then `dW_down += hᵀ·(w⊙dY)`.
+/// The middle of both backwards, with `dw_t` in the scratch's dots and h in its h: the dots
+/// added to the routes' d(weights) entries, dY gathered again scaled by the routing weights
+/// (`δ_t = w_t·dY_t`), and `dW_down += hᵀ·δ`.
 fn weights_and_down_grads<O: DeviceOps>(
     ops: &O,
     grad: &mut GradAt<'_, O::Buf>,
@@ -305,7 +293,9 @@ fn weights_and_down_grads<O: DeviceOps>(
     io: &mut GroupIo<'_, O>,
     sc: &mut Scratch<O::Buf>,
 ) -> Result<()> {
-    route_grads(ops, (h, n), io, sc)?;
+    ops.scatter_add_rows(IndexedRows::new(&sc.dots, &io.lists.meta, n, 1).from(io.start), io.dw)?;
+    let dy = IndexedRows::new(io.recv_dy, &io.lists.rows, n, h).scaled(&io.lists.weights).from(io.start);
+    ops.gather_rows(dy, &mut sc.dy)?;
     // dW_down += hᵀ·(w⊙dY) (I×H), or (w⊙dY)ᵀ·h (H×I) in torch's layout.
     weight_grad(ops, grad.layout, (&sc.h, i), (&sc.dy, 0, h), n, grad.part(2))
 }

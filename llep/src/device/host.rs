@@ -1,9 +1,9 @@
 //! The host side of the round schedule: the call's checks, the route tables (carved from the
 //! host workspace) and the index lists each round writes into the device's index buffers —
 //! tokens in send order, each sent row's route metadata, the d(weights) return map, and the
-//! round's routes grouped by expert: received rows, weights and metadata entries. O(N·k) on the host, nothing
-//! N×H; every list is written in place through [`DeviceOps::fill_index`] (on a host backend, into
-//! the buffer itself).
+//! round's routes grouped by expert: received rows, weights and metadata entries. O(N·k) on the
+//! host, nothing N×H; every list is written in place through [`DeviceOps::fill_index`] (on a host
+//! backend, into the buffer itself).
 
 use flatpeak_common::Workspace;
 

@@ -31,7 +31,7 @@ pub(super) struct Scratch<B> {
 /// A round's index lists, every expert group a range of them (grouped by slot, as
 /// [`group`](super::host::group) sorts the round's routes): received rows, routing weights and
 /// (backward) metadata entries, `recv_rows·k` each, written once per round; and (backward)
-/// `0, 1, …, G − 1`, the identity index of a group's rows, written once per call where used.
+/// `0, 1, …, G − 1`, the identity index of a group's rows (`dh = w ⊙ r`), written once per call.
 #[derive(Debug)]
 pub(super) struct GroupBufs<B, I> {
     pub(super) rows: I,
